@@ -1,0 +1,175 @@
+"""The round cost model C(t, k) = T_D(k) + T_T(k), categorical in the budget K.
+
+``T_T(K) = beta0(K) + alpha(K) * U + c(K) * L`` per K (the paper's "U_r x C(K) + L" form), and
+``T_D(K) = d1*K + d0`` for K >= 1, ``T_D(0) = 0``. K = 0 is plain autoregressive decoding (m = 1,
+U = top_k). Coefficients come from :func:`specenv.fit.fit_cost_model` on a rounds table, or from the
+paper profile (:meth:`CostModel.paper_profile`). Saved and loaded as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specenv import paper
+
+FORMAT = "specenv.costmodel/1"
+
+
+@dataclass
+class CostModel:
+    """Per-K linear target-time model plus a linear draft-time model.
+
+    Attributes:
+        beta0: (Kmax+1,) intercepts in ms, index K.
+        alpha: (Kmax+1,) ms per unique expert, index K.
+        c: (Kmax+1,) ms per context token, index K.
+        d1: Draft ms per drafted token.
+        d0: Draft ms fixed cost of a round with K >= 1.
+        top_k: Experts per token (U of a single position).
+        ar_extrapolated: True when the K = 0 coefficients were not fitted on K = 0 rounds.
+        source: Provenance (trace set name, fit method...).
+        diagnostics: Fit statistics kept with the model (per-K SEs, R2, OOS errors...).
+    """
+
+    beta0: np.ndarray
+    alpha: np.ndarray
+    c: np.ndarray
+    d1: float
+    d0: float
+    top_k: int
+    ar_extrapolated: bool = False
+    source: dict[str, Any] = field(default_factory=dict)
+    diagnostics: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.beta0 = np.asarray(self.beta0, dtype=np.float64)
+        self.alpha = np.asarray(self.alpha, dtype=np.float64)
+        self.c = np.asarray(self.c, dtype=np.float64)
+        if not (self.beta0.shape == self.alpha.shape == self.c.shape) or self.beta0.ndim != 1:
+            raise ValueError("beta0, alpha and c must be 1-D arrays of the same length (Kmax+1)")
+        if not np.all(np.isfinite(np.concatenate([self.beta0, self.alpha, self.c]))):
+            raise ValueError("cost model coefficients must be finite")
+
+    @property
+    def kmax(self) -> int:
+        """Largest budget the model covers."""
+        return len(self.beta0) - 1
+
+    # ------------------------------------------------------------- prediction
+    def target_ms(self, K: np.ndarray | int, U: np.ndarray | float, L: np.ndarray | float) -> np.ndarray:
+        """Predicted target (verification) time T_T in ms; broadcasts over arrays."""
+        K = np.asarray(K, dtype=np.int64)
+        return self.beta0[K] + self.alpha[K] * U + self.c[K] * L
+
+    def draft_ms(self, K: np.ndarray | int) -> np.ndarray:
+        """Predicted draft time T_D in ms (0 for K = 0)."""
+        K = np.asarray(K, dtype=np.float64)
+        return np.where(K > 0, self.d1 * K + self.d0, 0.0)
+
+    def round_ms(self, K: np.ndarray | int, U: np.ndarray | float, L: np.ndarray | float) -> np.ndarray:
+        """Cost of one round, C = T_D(K) + T_T(K, U, L), in ms."""
+        return self.draft_ms(K) + self.target_ms(K, U, L)
+
+    def cost_table(self, U: np.ndarray, L: np.ndarray, kmax: int | None = None) -> np.ndarray:
+        """C(t, k) for every row and every k = 0..kmax.
+
+        Args:
+            U: (n, >=kmax+1) unique experts per chain prefix.
+            L: (n,) context lengths.
+            kmax: Budgets to cover (default: U's width - 1).
+
+        Returns:
+            (n, kmax+1) float64 costs in ms.
+        """
+        kmax = U.shape[1] - 1 if kmax is None else kmax
+        if kmax > self.kmax:
+            raise ValueError(f"kmax={kmax} exceeds the cost model's Kmax={self.kmax}")
+        ks = np.arange(kmax + 1)
+        return (
+            self.beta0[ks] + self.alpha[ks] * U[:, : kmax + 1] + self.c[ks] * L[:, None] + self.draft_ms(ks)
+        )
+
+    def ar_ms(self, L: np.ndarray | float) -> np.ndarray:
+        """Cost of one autoregressive step (K = 0, U = top_k) at context L."""
+        return self.round_ms(0, float(self.top_k), L)
+
+    # ------------------------------------------------------------- construction
+    @classmethod
+    def paper_profile(cls, kmax: int = 10) -> CostModel:
+        """The paper's coefficients (Table A4, gaps filled by :func:`specenv.paper.profile_coefficients`)."""
+        coef = paper.profile_coefficients(kmax)
+        ks = range(kmax + 1)
+        return cls(
+            beta0=np.array([coef[k][0] for k in ks]),
+            alpha=np.array([coef[k][1] for k in ks]),
+            c=np.array([coef[k][2] for k in ks]),
+            d1=paper.DRAFT_D1,
+            d0=paper.DRAFT_D0,
+            top_k=paper.TOP_K,
+            ar_extrapolated=True,
+            source={"kind": "paper-profile", "table": "A4", "gaps": "specenv.paper.profile_coefficients"},
+        )
+
+    # ------------------------------------------------------------- JSON
+    def to_json(self) -> dict[str, Any]:
+        """Plain-JSON form."""
+        return {
+            "format": FORMAT,
+            "kmax": self.kmax,
+            "top_k": self.top_k,
+            "target": {
+                str(k): {"beta0": float(self.beta0[k]), "alpha": float(self.alpha[k]), "c": float(self.c[k])}
+                for k in range(self.kmax + 1)
+            },
+            "draft": {"d1": float(self.d1), "d0": float(self.d0)},
+            "ar_extrapolated": bool(self.ar_extrapolated),
+            "source": self.source,
+            "diagnostics": self.diagnostics,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any, file: str = "cost model") -> CostModel:
+        """Parse the JSON form; raises ValueError naming the file and the bad field."""
+        try:
+            if obj.get("format") != FORMAT:
+                raise ValueError(f"format must be '{FORMAT}'")
+            kmax = int(obj["kmax"])
+            tgt = obj["target"]
+            rows = [tgt[str(k)] for k in range(kmax + 1)]
+            return cls(
+                beta0=np.array([float(r["beta0"]) for r in rows]),
+                alpha=np.array([float(r["alpha"]) for r in rows]),
+                c=np.array([float(r["c"]) for r in rows]),
+                d1=float(obj["draft"]["d1"]),
+                d0=float(obj["draft"]["d0"]),
+                top_k=int(obj["top_k"]),
+                ar_extrapolated=bool(obj.get("ar_extrapolated", False)),
+                source=dict(obj.get("source", {})),
+                diagnostics=dict(obj.get("diagnostics", {})),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{file}: not a specenv cost model ({exc.__class__.__name__}: {exc})") from None
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the JSON form atomically."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> CostModel:
+        """Read the JSON form written by :meth:`save`."""
+        path = Path(path)
+        try:
+            obj = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: cannot read cost model ({exc})") from None
+        return cls.from_json(obj, str(path))

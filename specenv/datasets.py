@@ -1,0 +1,129 @@
+"""Named, versioned trace sets (CompilerGym-style registry) and resolution of user paths.
+
+A registry entry names a folder of package data (read through :mod:`importlib.resources`) and the
+sha256 of its manifest; the manifest in turn carries the sha256 of every table, so a shipped set is
+checked end to end on load. Every command also accepts a plain folder path (a user's own traces).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from specenv.traceset import MANIFEST, TraceSet, sha256_file
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A shipped trace set.
+
+    Attributes:
+        name: Short name (``paper-default``).
+        version: Integer version; ``name-vN`` names one version exactly.
+        description: One line for people.
+        folder: Folder under ``specenv/data``.
+        manifest_sha256: sha256 of the folder's ``manifest.json``.
+    """
+
+    name: str
+    version: int
+    description: str
+    folder: str
+    manifest_sha256: str
+
+    @property
+    def id(self) -> str:
+        """``name-vN``."""
+        return f"{self.name}-v{self.version}"
+
+
+#: The shipped trace sets. Regenerate with ``scripts/make_default_data.py``, which prints the entry.
+REGISTRY: tuple[Dataset, ...] = (
+    Dataset(
+        name="paper-default",
+        version=1,
+        description="128 paper-profile generations (Qwen3-Coder-30B-A3B + EAGLE-3 calibration), Kmax=10, T=0.7",
+        folder="paper-default-v1",
+        manifest_sha256="33f01caf57001aa4a13a8838d85266a2d0942251a76ab3cf1b8b4fa3196aa7bc",
+    ),
+)
+
+DEFAULT_DATASET = "paper-default"
+
+
+def list_datasets() -> list[Dataset]:
+    """All registered trace sets."""
+    return list(REGISTRY)
+
+
+def find_dataset(name: str) -> Dataset | None:
+    """The registry entry for ``name`` (latest version) or ``name-vN`` (exact), else None."""
+    exact = [d for d in REGISTRY if d.id == name]
+    if exact:
+        return exact[0]
+    same = sorted((d for d in REGISTRY if d.name == name), key=lambda d: d.version)
+    return same[-1] if same else None
+
+
+def _materialise(ds: Dataset) -> Path:
+    trav = resources.files("specenv").joinpath("data", ds.folder)
+    if isinstance(trav, Path):
+        return trav
+    # zipped or otherwise non-filesystem install: copy the files to a private temp folder
+    out = Path(tempfile.mkdtemp(prefix=f"specenv-{ds.id}-"))
+    for entry in trav.iterdir():
+        (out / entry.name).write_bytes(entry.read_bytes())
+    return out
+
+
+def resolve(name_or_path: str | os.PathLike[str]) -> Path:
+    """Folder of a registered set (by name) or of a user's trace set (by path).
+
+    Raises:
+        ValueError: If it is neither a registered name nor an existing folder, or a shipped set's
+            manifest does not match its registry hash.
+    """
+    key = os.fspath(name_or_path)
+    ds = find_dataset(key)
+    if ds is not None:
+        path = _materialise(ds)
+        got = sha256_file(path / MANIFEST)
+        if got != ds.manifest_sha256:
+            raise ValueError(f"dataset '{ds.id}': manifest sha256 {got[:12]}... does not match the registry")
+        return path
+    path = Path(key)
+    if path.is_dir():
+        return path
+    known = ", ".join(d.id for d in REGISTRY)
+    raise ValueError(f"dataset '{key}': not a registered name ({known}) nor an existing folder")
+
+
+_CACHE: dict[tuple[str, str], TraceSet] = {}
+
+
+def load_dataset(name_or_path: str | os.PathLike[str], cache: bool = True) -> TraceSet:
+    """Load and validate a trace set by registry name or folder path.
+
+    Loaded sets are cached by (folder, manifest sha256) so that making many environments on one data
+    set reads it once; the cached object is shared and must be treated as read-only.
+    """
+    path = resolve(name_or_path)
+    if not cache:
+        return TraceSet.load(path)
+    mpath = path / MANIFEST
+    key = (str(path.resolve()), sha256_file(mpath) if mpath.is_file() else "")
+    if key not in _CACHE:
+        _CACHE[key] = TraceSet.load(path)
+    return _CACHE[key]
+
+
+def install_dataset_files(ts: TraceSet, dest: Path) -> str:
+    """Save a set into the package-data folder ``dest`` and return its manifest sha256."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    ts.save(dest)
+    return sha256_file(dest / MANIFEST)

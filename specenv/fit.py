@@ -1,0 +1,221 @@
+"""Fitting the cost model on a rounds table (the paper's Appendix A protocol).
+
+* Per K: OLS ``T_T = beta0 + alpha*U_r + c*L`` with standard errors clustered by generation
+  (statsmodels), and out-of-sample R2 / RMSE / MAPE under GroupKFold(5) by generation (scikit-learn).
+* Pooled forms of Table A6: ``U_r + L``, ``U_r + L + gamma*K`` and ``U_r x C(K) + L``, each with
+  in-sample R2 and GroupKFold(5) RMSE and MAPE.
+* Draft time ``T_D = d1*K + d0`` on rounds with K >= 1 (zero timings are treated as missing).
+* The AR step (K = 0): fitted on K = 0 rounds when present (U is always top_k there, so alpha is not
+  identifiable and is set to 0 with beta0 absorbing it); otherwise extrapolated from the three lowest
+  fitted budgets exactly as :func:`specenv.paper.profile_coefficients` does, and flagged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import statsmodels.api as sm
+from sklearn.model_selection import GroupKFold
+
+from specenv.costmodel import CostModel
+
+FORMS = ("U_r + L", "U_r + L + gamma*K", "U_r x C(K) + L")
+
+
+@dataclass
+class FitReport:
+    """Everything ``specenv fit`` prints.
+
+    Attributes:
+        model: The fitted cost model (K = 0..kmax).
+        per_k: One row per fitted K: coefficients, clustered SEs, p-values, N, R2, OOS metrics.
+        forms: One row per pooled form of Table A6.
+        draft: Draft-time fit: d1, d0, their SEs, R2, rows used, missing timings.
+        ar: How the K = 0 coefficients were obtained.
+    """
+
+    model: CostModel
+    per_k: pd.DataFrame
+    forms: pd.DataFrame
+    draft: dict[str, Any]
+    ar: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain-JSON form."""
+        return {
+            "per_k": _records(self.per_k),
+            "forms": _records(self.forms),
+            "draft": self.draft,
+            "ar": self.ar,
+            "cost_model": self.model.to_json(),
+        }
+
+
+def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    out = []
+    for rec in df.to_dict(orient="records"):
+        out.append({k: (v.item() if isinstance(v, np.generic) else v) for k, v in rec.items()})
+    return out
+
+
+def _ols_cv(X: np.ndarray, y: np.ndarray, groups: np.ndarray, n_splits: int) -> dict[str, float]:
+    """GroupKFold out-of-sample R2, RMSE and MAPE of an OLS design."""
+    n_groups = len(np.unique(groups))
+    splits = min(n_splits, n_groups)
+    if splits < 2:
+        return {"oos_r2": float("nan"), "oos_rmse_ms": float("nan"), "oos_mape_pct": float("nan")}
+    pred = np.empty_like(y)
+    for train, test in GroupKFold(n_splits=splits).split(X, y, groups):
+        beta, *_ = np.linalg.lstsq(X[train], y[train], rcond=None)
+        pred[test] = X[test] @ beta
+    resid = y - pred
+    return {
+        "oos_r2": float(1.0 - np.sum(resid**2) / np.sum((y - y.mean()) ** 2)),
+        "oos_rmse_ms": float(np.sqrt(np.mean(resid**2))),
+        "oos_mape_pct": float(100.0 * np.mean(np.abs(resid) / y)),
+    }
+
+
+def fit_per_k(rounds: pd.DataFrame, n_splits: int = 5) -> pd.DataFrame:
+    """Per-K OLS with clustered SEs and GroupKFold out-of-sample errors (K >= 1 only)."""
+    rows = []
+    for K, grp in rounds[rounds["K"] >= 1].groupby("K", sort=True):
+        y = grp["T_T_ms"].to_numpy(np.float64)
+        X = np.column_stack([np.ones(len(grp)), grp["U_r"].to_numpy(np.float64), grp["L"].to_numpy(np.float64)])
+        groups = grp["generation_id"].to_numpy()
+        if len(grp) < 5 or np.ptp(X[:, 1]) == 0 or np.ptp(X[:, 2]) == 0:
+            continue
+        res = sm.OLS(y, X).fit(cov_type="cluster", cov_kwds={"groups": groups})
+        rows.append(
+            {
+                "K": int(K),
+                "beta0": float(res.params[0]),
+                "alpha": float(res.params[1]),
+                "c": float(res.params[2]),
+                "beta0_se": float(res.bse[0]),
+                "alpha_se": float(res.bse[1]),
+                "c_se": float(res.bse[2]),
+                "alpha_p": float(res.pvalues[1]),
+                "c_p": float(res.pvalues[2]),
+                "N": int(len(grp)),
+                "clusters": int(len(np.unique(groups))),
+                "R2": float(res.rsquared),
+                **_ols_cv(X, y, groups, n_splits),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def _form_design(rounds: pd.DataFrame, form: str) -> np.ndarray:
+    U = rounds["U_r"].to_numpy(np.float64)
+    L = rounds["L"].to_numpy(np.float64)
+    K = rounds["K"].to_numpy(np.int64)
+    one = np.ones(len(rounds))
+    if form == "U_r + L":
+        return np.column_stack([one, U, L])
+    if form == "U_r + L + gamma*K":
+        return np.column_stack([one, U, L, K.astype(np.float64)])
+    if form == "U_r x C(K) + L":
+        levels = np.unique(K)
+        dummies = (K[:, None] == levels[None, :]).astype(np.float64)
+        return np.column_stack([dummies, dummies * U[:, None], L])
+    raise ValueError(f"unknown form {form!r}")
+
+
+def compare_forms(rounds: pd.DataFrame, n_splits: int = 5) -> pd.DataFrame:
+    """Table A6: pooled model forms on all K >= 1 rounds."""
+    data = rounds[rounds["K"] >= 1]
+    y = data["T_T_ms"].to_numpy(np.float64)
+    groups = data["generation_id"].to_numpy()
+    rows = []
+    for form in FORMS:
+        X = _form_design(data, form)
+        res = sm.OLS(y, X).fit()
+        cv = _ols_cv(X, y, groups, n_splits)
+        rows.append({"model": form, "R2": float(res.rsquared), "cv_rmse_ms": cv["oos_rmse_ms"],
+                     "cv_mape_pct": cv["oos_mape_pct"], "cv_r2": cv["oos_r2"]})
+    return pd.DataFrame(rows)
+
+
+def fit_draft(rounds: pd.DataFrame) -> dict[str, Any]:
+    """T_D = d1*K + d0 on K >= 1 rounds with a recorded (non-zero) draft time."""
+    data = rounds[rounds["K"] >= 1]
+    missing = int((data["T_D_ms"] <= 0).sum())
+    data = data[data["T_D_ms"] > 0]
+    if data["K"].nunique() < 2:
+        raise ValueError("draft-time fit needs rounds at two or more budgets K >= 1 with draft timings")
+    X = sm.add_constant(data["K"].to_numpy(np.float64))
+    res = sm.OLS(data["T_D_ms"].to_numpy(np.float64), X).fit(
+        cov_type="cluster", cov_kwds={"groups": data["generation_id"].to_numpy()}
+    )
+    return {
+        "d1": float(res.params[1]),
+        "d0": float(res.params[0]),
+        "d1_se": float(res.bse[1]),
+        "d0_se": float(res.bse[0]),
+        "R2": float(res.rsquared),
+        "rows": int(len(data)),
+        "missing_timings": missing,
+    }
+
+
+def fit_cost_model(
+    rounds: pd.DataFrame, kmax: int, top_k: int, n_splits: int = 5, source: dict[str, Any] | None = None
+) -> FitReport:
+    """Fit the full cost model K = 0..kmax from a rounds table.
+
+    Args:
+        rounds: A validated rounds table.
+        kmax: Largest budget the model must cover (the trace set's Kmax).
+        top_k: Experts per token (U of a single position).
+        n_splits: GroupKFold folds.
+        source: Provenance stored in the model.
+
+    Returns:
+        The :class:`FitReport`.
+
+    Raises:
+        ValueError: If fewer than two budgets K >= 1 can be fitted.
+    """
+    per_k = fit_per_k(rounds, n_splits)
+    if len(per_k) < 2:
+        raise ValueError("cost-model fit needs rounds at two or more budgets K >= 1")
+    beta0 = np.full(kmax + 1, np.nan)
+    alpha = np.full(kmax + 1, np.nan)
+    c = np.full(kmax + 1, np.nan)
+    for rec in per_k.itertuples():
+        if rec.K <= kmax:
+            beta0[rec.K], alpha[rec.K], c[rec.K] = rec.beta0, rec.alpha, rec.c
+    fitted = [k for k in range(1, kmax + 1) if np.isfinite(beta0[k])]
+    filled = [k for k in range(1, kmax + 1) if k not in fitted]
+    for arr in (beta0, alpha, c):
+        arr[filled] = np.interp(filled, fitted, arr[fitted]) if filled else arr[filled]
+
+    ar0 = rounds[rounds["K"] == 0]
+    if len(ar0) >= 5 and ar0["L"].nunique() > 1:
+        X = sm.add_constant(ar0["L"].to_numpy(np.float64))
+        res = sm.OLS(ar0["T_T_ms"].to_numpy(np.float64), X).fit(
+            cov_type="cluster", cov_kwds={"groups": ar0["generation_id"].to_numpy()}
+        )
+        beta0[0], alpha[0], c[0] = float(res.params[0]), 0.0, float(res.params[1])
+        ar = {"extrapolated": False, "method": "OLS T_T = beta0 + c*L on K=0 rounds (U = top_k)",
+              "rows": int(len(ar0)), "R2": float(res.rsquared)}
+    else:
+        low = fitted[:3]
+        slope, icpt = np.polyfit(low, beta0[low], 1) if len(low) >= 2 else (0.0, beta0[low[0]])
+        beta0[0] = float(icpt)
+        alpha[0] = float(np.mean(alpha[low]))
+        c[0] = float(np.mean(c[low]))
+        ar = {"extrapolated": True, "method": f"beta0 linear in K over K={low} extended to 0; alpha, c their means",
+              "rows": 0}
+    draft = fit_draft(rounds)
+    model = CostModel(
+        beta0=beta0, alpha=alpha, c=c, d1=draft["d1"], d0=draft["d0"], top_k=top_k,
+        ar_extrapolated=bool(ar["extrapolated"]),
+        source=dict(source or {}) | {"kind": "fit", "filled_K": filled},
+        diagnostics={"per_k": _records(per_k), "draft": draft, "ar": ar},
+    )
+    return FitReport(model=model, per_k=per_k, forms=compare_forms(rounds, n_splits), draft=draft, ar=ar)

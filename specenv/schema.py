@@ -1,0 +1,240 @@
+"""Trace schema v1: the columns of the ``rounds`` and ``positions`` tables and their validation.
+
+Every check is vectorised and reports the *first* offending row as one line naming the file, the
+column and the row (:class:`TraceError`). Nothing here reads or writes files; see
+:mod:`specenv.traceset` for I/O and the manifest.
+
+The schema is documented for people in ``traces/README.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+#: Required columns of the rounds table (one row per executed verification round).
+ROUNDS_COLUMNS: dict[str, pa.DataType] = {
+    "generation_id": pa.int64(),
+    "category": pa.string(),
+    "round": pa.int32(),
+    "K": pa.int32(),
+    "m": pa.int32(),
+    "accepted": pa.int32(),
+    "L": pa.int32(),
+    "U_r": pa.float32(),
+    "E_max": pa.float32(),
+    "T_T_ms": pa.float32(),
+    "T_D_ms": pa.float32(),
+}
+
+#: Fixed (non-indexed) columns of the positions table; rho_j, q_j, U_j follow.
+POSITIONS_FIXED: dict[str, pa.DataType] = {
+    "generation_id": pa.int64(),
+    "category": pa.string(),
+    "t": pa.int32(),
+    "L": pa.int32(),
+}
+
+
+def rho_columns(kmax: int) -> list[str]:
+    """Names of the conditional-acceptance columns rho_1..rho_kmax."""
+    return [f"rho_{j}" for j in range(1, kmax + 1)]
+
+
+def q_columns(kmax: int) -> list[str]:
+    """Names of the draft-confidence columns q_1..q_kmax."""
+    return [f"q_{j}" for j in range(1, kmax + 1)]
+
+
+def u_columns(kmax: int) -> list[str]:
+    """Names of the unique-expert columns U_0..U_kmax (U_0 is a single position: top_k)."""
+    return [f"U_{k}" for k in range(0, kmax + 1)]
+
+
+def positions_columns(kmax: int) -> dict[str, pa.DataType]:
+    """All required columns of the positions table for a given Kmax, in canonical order."""
+    cols = dict(POSITIONS_FIXED)
+    for name in rho_columns(kmax) + q_columns(kmax) + u_columns(kmax):
+        cols[name] = pa.float32()
+    return cols
+
+
+class TraceError(ValueError):
+    """A trace file that breaks the schema. ``str(err)`` is one line: file, column, row, problem."""
+
+    def __init__(self, file: str, problem: str, column: str | None = None, row: int | None = None):
+        self.file = file
+        self.column = column
+        self.row = row
+        self.problem = problem
+        where = [file]
+        if column is not None:
+            where.append(f"column '{column}'")
+        if row is not None:
+            where.append(f"row {row}")
+        super().__init__(": ".join([", ".join(where), problem]))
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the trace needs to know about the target model's MoE routing."""
+
+    n_layers: int
+    n_experts: int
+    top_k: int
+
+
+def _first(mask: np.ndarray) -> int | None:
+    idx = np.flatnonzero(mask)
+    return int(idx[0]) if idx.size else None
+
+
+def _check_columns(table: pa.Table, required: dict[str, pa.DataType], file: str) -> None:
+    names = set(table.column_names)
+    for col, typ in required.items():
+        if col not in names:
+            raise TraceError(file, "missing required column", column=col)
+        actual = table.schema.field(col).type
+        if pa.types.is_dictionary(actual):
+            actual = actual.value_type
+        ok = (
+            (pa.types.is_integer(typ) and pa.types.is_integer(actual))
+            or (pa.types.is_floating(typ) and (pa.types.is_floating(actual) or pa.types.is_integer(actual)))
+            or (pa.types.is_string(typ) and (pa.types.is_string(actual) or pa.types.is_large_string(actual)))
+        )
+        if not ok:
+            raise TraceError(file, f"has type {actual}, expected {typ}", column=col)
+        if table.column(col).null_count:
+            row = _first(np.asarray(table.column(col).is_null()))
+            raise TraceError(file, "null value", column=col, row=row)
+
+
+def _num(table: pa.Table, col: str, dtype: type) -> np.ndarray:
+    return table.column(col).to_numpy().astype(dtype, copy=False)
+
+
+def _require(mask_bad: np.ndarray, file: str, column: str, problem: str) -> None:
+    row = _first(mask_bad)
+    if row is not None:
+        raise TraceError(file, problem, column=column, row=row)
+
+
+def _finite(arr: np.ndarray, file: str, column: str) -> None:
+    _require(~np.isfinite(arr), file, column, "NaN or infinite value")
+
+
+def validate_rounds(table: pa.Table, facts: ModelFacts, kmax: int, file: str = "rounds.parquet") -> None:
+    """Validate a rounds table against schema v1.
+
+    Args:
+        table: The table as read from Parquet.
+        facts: Routing facts of the target model (from the manifest).
+        kmax: Largest budget K allowed (from the manifest).
+        file: Name used in error messages.
+
+    Raises:
+        TraceError: On the first violation, naming file, column and row.
+    """
+    if table.num_rows == 0:
+        raise TraceError(file, "table has no rows")
+    _check_columns(table, ROUNDS_COLUMNS, file)
+    K = _num(table, "K", np.int64)
+    m = _num(table, "m", np.int64)
+    acc = _num(table, "accepted", np.int64)
+    _require((K < 0) | (K > kmax), file, "K", f"budget outside 0..{kmax}")
+    _require((m < 1) | (m > K + 1), file, "m", "verified positions must satisfy 1 <= m <= K+1")
+    _require(acc < 0, file, "accepted", "negative accepted count")
+    _require(acc > K, file, "accepted", "accepted > K")
+    _require(acc > m - 1, file, "accepted", "accepted > m-1")
+    L = _num(table, "L", np.int64)
+    _require(L < 1, file, "L", "context length must be >= 1")
+    rnd = _num(table, "round", np.int64)
+    _require(rnd < 0, file, "round", "negative round index")
+    for col in ("U_r", "E_max", "T_T_ms", "T_D_ms"):
+        _finite(_num(table, col, np.float64), file, col)
+    U = _num(table, "U_r", np.float64)
+    eps = 1e-4
+    _require(U < facts.top_k - eps, file, "U_r", f"below top_k={facts.top_k}")
+    _require(U > facts.n_experts + eps, file, "U_r", f"above n_experts={facts.n_experts}")
+    _require(U > m * facts.top_k + eps, file, "U_r", "above m*top_k (more experts than routed slots)")
+    E = _num(table, "E_max", np.float64)
+    _require((E < 1 - eps) | (E > m + eps), file, "E_max", "must lie in [1, m]")
+    _require(_num(table, "T_T_ms", np.float64) <= 0, file, "T_T_ms", "target time must be > 0")
+    _require(_num(table, "T_D_ms", np.float64) < 0, file, "T_D_ms", "draft time must be >= 0")
+
+
+def validate_positions(
+    table: pa.Table, facts: ModelFacts, kmax: int, greedy: bool, file: str = "positions.parquet"
+) -> None:
+    """Validate a positions table against schema v1.
+
+    Checks types, NaN, 0<=rho<=1 (and rho in {0,1} for greedy traces), 0<=q<=1, U_0 == top_k,
+    U non-decreasing in k, each extra position adding at most top_k experts, U <= n_experts,
+    positions t = 0..N-1 contiguous per generation with L_t = L_0 + t.
+
+    Args:
+        table: The table as read from Parquet.
+        facts: Routing facts of the target model.
+        kmax: Number of draft positions the table carries.
+        greedy: Whether the trace was recorded with greedy decoding (rho must be 0 or 1).
+        file: Name used in error messages.
+
+    Raises:
+        TraceError: On the first violation, naming file, column and row.
+    """
+    if table.num_rows == 0:
+        raise TraceError(file, "table has no rows")
+    _check_columns(table, positions_columns(kmax), file)
+    gid = _num(table, "generation_id", np.int64)
+    t = _num(table, "t", np.int64)
+    L = _num(table, "L", np.int64)
+    new_gen = np.ones(len(gid), dtype=bool)
+    new_gen[1:] = gid[1:] != gid[:-1]
+    # contiguity: each generation is one block, t runs 0..N-1
+    starts = np.flatnonzero(new_gen)
+    _, first_idx = np.unique(gid, return_index=True)
+    if len(first_idx) != len(starts):
+        seen = set()
+        for s in starts:
+            g = int(gid[s])
+            if g in seen:
+                raise TraceError(file, f"generation {g} is not one contiguous block", column="generation_id", row=int(s))
+            seen.add(g)
+    expected_t = np.arange(len(t)) - np.repeat(starts, np.diff(np.append(starts, len(t))))
+    _require(t != expected_t, file, "t", "positions not contiguous from 0 within the generation")
+    L0 = np.repeat(L[starts], np.diff(np.append(starts, len(t))))
+    _require(L < 1, file, "L", "context length must be >= 1")
+    _require(L != L0 + t, file, "L", "L_t must equal L_0 + t")
+    cat = table.column("category")
+    if pa.types.is_dictionary(cat.type):
+        cat = cat.cast(pa.string())
+    cats = np.asarray(cat.to_numpy(zero_copy_only=False))
+    changed = np.zeros(len(cats), dtype=bool)
+    changed[1:] = (~new_gen[1:]) & (cats[1:] != cats[:-1])
+    _require(changed, file, "category", "category changes inside a generation")
+    eps = 1e-4
+    for col in rho_columns(kmax):
+        r = _num(table, col, np.float64)
+        _finite(r, file, col)
+        _require((r < 0) | (r > 1), file, col, "probability outside [0, 1]")
+        if greedy:
+            _require((r != 0) & (r != 1), file, col, "greedy trace needs rho in {0, 1}")
+    for col in q_columns(kmax):
+        q = _num(table, col, np.float64)
+        _finite(q, file, col)
+        _require((q < 0) | (q > 1), file, col, "probability outside [0, 1]")
+    prev = None
+    for k, col in enumerate(u_columns(kmax)):
+        u = _num(table, col, np.float64)
+        _finite(u, file, col)
+        if k == 0:
+            _require(np.abs(u - facts.top_k) > eps, file, col, f"U_0 must equal top_k={facts.top_k}")
+        else:
+            _require(u < prev - eps, file, col, "U decreasing in k")
+            _require(u > prev + facts.top_k + eps, file, col, f"one more position adds more than top_k={facts.top_k}")
+        _require(u > facts.n_experts + eps, file, col, f"above n_experts={facts.n_experts}")
+        prev = u

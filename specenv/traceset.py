@@ -1,0 +1,422 @@
+"""Trace sets on disk: a folder with ``manifest.json`` plus Parquet tables, validated on load.
+
+Layout of a trace set folder::
+
+    manifest.json        schema version, source/profile, model facts, Kmax, counts, sha256 per file
+    positions.parquet    counterfactual table (env and oracle run on it)      [optional]
+    rounds.parquet       executed verification rounds (cost model fits on it) [optional]
+
+At least one of the two tables must be present. Writing is atomic: files go to a temporary sibling
+folder that is renamed into place once the manifest (written last) is complete, so a crash never
+leaves a folder that loads as valid. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from specenv.schema import (
+    ROUNDS_COLUMNS,
+    SCHEMA_VERSION,
+    ModelFacts,
+    TraceError,
+    positions_columns,
+    q_columns,
+    rho_columns,
+    u_columns,
+    validate_positions,
+    validate_rounds,
+)
+
+MANIFEST = "manifest.json"
+TABLES = ("positions", "rounds")
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class Manifest:
+    """The JSON manifest of a trace set.
+
+    Attributes:
+        name: Short name of the set (e.g. ``paper-default``).
+        source: Where the traces come from: ``generator``, ``hf`` (live CPU engine) or ``vllm``.
+        profile: Generator profile or engine description.
+        model: Routing facts of the target model.
+        kmax: Largest draft budget the tables cover.
+        greedy: True when decoding was greedy (rho in {0, 1}).
+        counts: Row counts: ``generations``, ``positions``, ``rounds``.
+        files: Per table: ``path``, ``sha256``, ``rows``.
+        version: Version of this named set.
+        description: One paragraph for people.
+        max_new_tokens: Generation cap used when recording (observation scaling uses it).
+        extra: Free-form provenance (generator seed and parameters, engine settings...).
+        schema_version: Trace schema version; must equal :data:`specenv.schema.SCHEMA_VERSION`.
+    """
+
+    name: str
+    source: str
+    profile: str
+    model: ModelFacts
+    kmax: int
+    greedy: bool
+    counts: dict[str, int] = field(default_factory=dict)
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    version: int = 1
+    description: str = ""
+    max_new_tokens: int = 1000
+    extra: dict[str, Any] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain-JSON form, as written to ``manifest.json``."""
+        return {
+            "format": "specenv.traces",
+            "schema_version": self.schema_version,
+            "name": self.name,
+            "version": self.version,
+            "description": self.description,
+            "source": self.source,
+            "profile": self.profile,
+            "greedy": self.greedy,
+            "model": {
+                "n_layers": self.model.n_layers,
+                "n_experts": self.model.n_experts,
+                "top_k": self.model.top_k,
+            },
+            "kmax": self.kmax,
+            "max_new_tokens": self.max_new_tokens,
+            "counts": self.counts,
+            "files": self.files,
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any, file: str = MANIFEST) -> Manifest:
+        """Parse and check a manifest object.
+
+        Raises:
+            TraceError: If a field is missing, mistyped or the schema version is not supported.
+        """
+        if not isinstance(obj, dict):
+            raise TraceError(file, "manifest must be a JSON object")
+
+        def get(key: str, typ: type | tuple[type, ...]) -> Any:
+            if key not in obj:
+                raise TraceError(file, f"missing field '{key}'")
+            val = obj[key]
+            if not isinstance(val, typ) or (typ is int and isinstance(val, bool)):
+                raise TraceError(file, f"field '{key}' has the wrong type ({type(val).__name__})")
+            return val
+
+        version = get("schema_version", int)
+        if version != SCHEMA_VERSION:
+            raise TraceError(file, f"unsupported schema_version {version} (this specenv reads {SCHEMA_VERSION})")
+        model = get("model", dict)
+        try:
+            facts = ModelFacts(int(model["n_layers"]), int(model["n_experts"]), int(model["top_k"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TraceError(file, f"field 'model' needs integer n_layers, n_experts, top_k ({exc})") from None
+        if not (1 <= facts.top_k <= facts.n_experts) or facts.n_layers < 1:
+            raise TraceError(file, "field 'model' needs 1 <= top_k <= n_experts and n_layers >= 1")
+        kmax = get("kmax", int)
+        if kmax < 1:
+            raise TraceError(file, "field 'kmax' must be >= 1")
+        files = get("files", dict)
+        if not files or any(k not in TABLES for k in files):
+            raise TraceError(file, f"field 'files' must name one or both of {TABLES}")
+        for tab, ent in files.items():
+            if not isinstance(ent, dict) or not isinstance(ent.get("path"), str) or not isinstance(
+                ent.get("sha256"), str
+            ):
+                raise TraceError(file, f"files.{tab} needs string 'path' and 'sha256'")
+            if "/" in ent["path"] or "\\" in ent["path"] or ent["path"].startswith("."):
+                raise TraceError(file, f"files.{tab}.path must be a plain file name")
+        return cls(
+            name=get("name", str),
+            source=get("source", str),
+            profile=get("profile", str),
+            model=facts,
+            kmax=kmax,
+            greedy=get("greedy", bool),
+            counts=dict(obj.get("counts", {})),
+            files=files,
+            version=int(obj.get("version", 1)),
+            description=str(obj.get("description", "")),
+            max_new_tokens=int(obj.get("max_new_tokens", 1000)),
+            extra=dict(obj.get("extra", {})),
+            schema_version=version,
+        )
+
+
+@dataclass(frozen=True)
+class PositionArrays:
+    """The positions table packed into numpy arrays, sorted by generation then t.
+
+    Row ``offsets[g] + t`` holds position t of generation g. This is the form the environments and
+    the oracle consume; it is built once per trace set.
+
+    Attributes:
+        generation_ids: (G,) int64 generation ids.
+        categories: (G,) object array of category names.
+        offsets: (G+1,) int64 row offsets; generation g has ``offsets[g+1]-offsets[g]`` positions.
+        L: (n,) float64 context length L_t.
+        rho: (n, kmax) float64 conditional acceptance probabilities.
+        q: (n, kmax) float64 draft confidences.
+        U: (n, kmax+1) float64 unique experts of every chain prefix, U[:, 0] = top_k.
+        greedy: Whether rho is 0/1.
+    """
+
+    generation_ids: np.ndarray
+    categories: np.ndarray
+    offsets: np.ndarray
+    L: np.ndarray
+    rho: np.ndarray
+    q: np.ndarray
+    U: np.ndarray
+    greedy: bool
+
+    @property
+    def kmax(self) -> int:
+        """Number of draft positions carried."""
+        return int(self.rho.shape[1])
+
+    @property
+    def n_generations(self) -> int:
+        """Number of generations G."""
+        return int(len(self.generation_ids))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """(G,) number of positions N of each generation."""
+        return np.diff(self.offsets)
+
+    def select(self, index: np.ndarray | list[int]) -> PositionArrays:
+        """A new PositionArrays holding only the generations at ``index`` (in that order)."""
+        index = np.asarray(index, dtype=np.int64)
+        lens = self.lengths[index]
+        offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        rows = np.concatenate([np.arange(self.offsets[g], self.offsets[g + 1]) for g in index]) if len(
+            index
+        ) else np.zeros(0, dtype=np.int64)
+        return PositionArrays(
+            generation_ids=self.generation_ids[index],
+            categories=self.categories[index],
+            offsets=offsets,
+            L=self.L[rows],
+            rho=self.rho[rows],
+            q=self.q[rows],
+            U=self.U[rows],
+            greedy=self.greedy,
+        )
+
+    def with_kmax(self, kmax: int) -> PositionArrays:
+        """The same positions restricted to budgets 0..kmax (kmax <= self.kmax)."""
+        if not 1 <= kmax <= self.kmax:
+            raise ValueError(f"kmax={kmax} outside 1..{self.kmax} (the trace's Kmax)")
+        return PositionArrays(
+            self.generation_ids, self.categories, self.offsets, self.L,
+            self.rho[:, :kmax], self.q[:, :kmax], self.U[:, : kmax + 1], self.greedy,
+        )
+
+    @classmethod
+    def from_frame(cls, df: pd.DataFrame, kmax: int, greedy: bool) -> PositionArrays:
+        """Pack a (validated) positions DataFrame."""
+        gid = df["generation_id"].to_numpy(np.int64)
+        starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
+        offsets = np.append(starts, len(gid)).astype(np.int64)
+        return cls(
+            generation_ids=gid[starts],
+            categories=df["category"].astype(str).to_numpy(object)[starts],
+            offsets=offsets,
+            L=df["L"].to_numpy(np.float64),
+            rho=df[rho_columns(kmax)].to_numpy(np.float64),
+            q=df[q_columns(kmax)].to_numpy(np.float64),
+            U=df[u_columns(kmax)].to_numpy(np.float64),
+            greedy=greedy,
+        )
+
+
+@dataclass
+class TraceSet:
+    """A validated trace set: manifest plus the tables it names.
+
+    Attributes:
+        manifest: The parsed manifest.
+        positions: The positions table, or None if the set has none.
+        rounds: The rounds table, or None if the set has none.
+        root: The folder it was loaded from (None for in-memory sets).
+    """
+
+    manifest: Manifest
+    positions: pd.DataFrame | None
+    rounds: pd.DataFrame | None
+    root: Path | None = None
+    _arrays: PositionArrays | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def facts(self) -> ModelFacts:
+        """Routing facts of the target model."""
+        return self.manifest.model
+
+    @property
+    def kmax(self) -> int:
+        """Largest budget the tables cover."""
+        return self.manifest.kmax
+
+    def arrays(self) -> PositionArrays:
+        """The positions table as packed numpy arrays (cached).
+
+        Raises:
+            ValueError: If the set has no positions table.
+        """
+        if self.positions is None:
+            raise ValueError(f"trace set '{self.manifest.name}' has no positions table")
+        if self._arrays is None:
+            self._arrays = PositionArrays.from_frame(self.positions, self.kmax, self.manifest.greedy)
+        return self._arrays
+
+    # ------------------------------------------------------------------ I/O
+    @classmethod
+    def load(cls, root: str | os.PathLike[str], verify_hashes: bool = True) -> TraceSet:
+        """Load and validate a trace set folder.
+
+        Args:
+            root: Folder holding ``manifest.json``.
+            verify_hashes: Check every file's sha256 against the manifest.
+
+        Raises:
+            TraceError: One line naming the file, column and first bad row.
+        """
+        root = Path(root)
+        mpath = root / MANIFEST
+        if not root.is_dir():
+            raise TraceError(str(root), "not a trace set folder")
+        if not mpath.is_file():
+            raise TraceError(str(mpath), "missing manifest")
+        try:
+            obj = json.loads(mpath.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise TraceError(str(mpath), f"not valid JSON ({exc.__class__.__name__}: {exc})") from None
+        manifest = Manifest.from_json(obj, str(mpath))
+        tables: dict[str, pd.DataFrame | None] = {"positions": None, "rounds": None}
+        for tab, ent in manifest.files.items():
+            path = root / ent["path"]
+            if not path.is_file():
+                raise TraceError(str(path), "file named in the manifest is missing")
+            if verify_hashes and sha256_file(path) != ent["sha256"]:
+                raise TraceError(str(path), "sha256 does not match the manifest")
+            try:
+                table = pq.read_table(path)
+            except (pa.ArrowException, OSError) as exc:
+                msg = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+                raise TraceError(str(path), f"not a readable Parquet file ({msg})") from None
+            meta = table.schema.metadata or {}
+            sv = meta.get(b"specenv.schema_version")
+            if sv is not None and sv.decode() != str(SCHEMA_VERSION):
+                raise TraceError(str(path), f"Parquet schema_version {sv.decode()} != {SCHEMA_VERSION}")
+            if "rows" in ent and int(ent["rows"]) != table.num_rows:
+                raise TraceError(str(path), f"has {table.num_rows} rows, manifest says {ent['rows']}")
+            if tab == "positions":
+                validate_positions(table, manifest.model, manifest.kmax, manifest.greedy, file=str(path))
+            else:
+                validate_rounds(table, manifest.model, manifest.kmax, file=str(path))
+            tables[tab] = table.to_pandas()
+        return cls(manifest, tables["positions"], tables["rounds"], root=root)
+
+    def save(self, root: str | os.PathLike[str], overwrite: bool = False) -> Path:
+        """Validate and write the set atomically; fills in counts, rows and sha256 in the manifest.
+
+        Args:
+            root: Destination folder (created; must not exist unless ``overwrite``).
+            overwrite: Replace an existing folder.
+
+        Returns:
+            The destination path.
+        """
+        root = Path(root)
+        if root.exists() and not overwrite:
+            raise FileExistsError(f"{root}: already exists (pass overwrite)")
+        root.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
+        try:
+            m = self.manifest
+            files: dict[str, dict[str, Any]] = {}
+            if self.positions is not None:
+                table = _positions_table(self.positions, m.kmax)
+                validate_positions(table, m.model, m.kmax, m.greedy, file="positions (in memory)")
+                files["positions"] = _write_table(table, tmp / "positions.parquet")
+                m.counts["positions"] = table.num_rows
+                m.counts["generations"] = int(self.positions["generation_id"].nunique())
+            if self.rounds is not None:
+                table = _rounds_table(self.rounds)
+                validate_rounds(table, m.model, m.kmax, file="rounds (in memory)")
+                files["rounds"] = _write_table(table, tmp / "rounds.parquet")
+                m.counts["rounds"] = table.num_rows
+                m.counts.setdefault("generations", int(self.rounds["generation_id"].nunique()))
+            if not files:
+                raise ValueError("a trace set needs a positions or a rounds table")
+            m.files = files
+            (tmp / MANIFEST).write_text(json.dumps(m.to_json(), indent=2) + "\n", encoding="utf-8")
+            if root.exists():
+                shutil.rmtree(root)
+            os.replace(tmp, root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.root = root
+        return root
+
+
+def _schema_meta() -> dict[bytes, bytes]:
+    return {b"specenv.schema_version": str(SCHEMA_VERSION).encode()}
+
+
+def _to_table(df: pd.DataFrame, columns: dict[str, pa.DataType]) -> pa.Table:
+    extra = [c for c in df.columns if c not in columns]
+    arrays = []
+    fields = []
+    for name, typ in columns.items():
+        if name == "category":
+            arrays.append(pa.array(df[name].astype(str).to_numpy(object), type=pa.string()).dictionary_encode())
+            fields.append(pa.field(name, pa.dictionary(pa.int32(), pa.string())))
+        else:
+            arrays.append(pa.array(df[name].to_numpy(), type=typ, from_pandas=True))
+            fields.append(pa.field(name, typ))
+    for name in extra:
+        arr = pa.array(df[name], from_pandas=True)
+        arrays.append(arr)
+        fields.append(pa.field(name, arr.type))
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=_schema_meta()))
+
+
+def _positions_table(df: pd.DataFrame, kmax: int) -> pa.Table:
+    return _to_table(df, positions_columns(kmax))
+
+
+def _rounds_table(df: pd.DataFrame) -> pa.Table:
+    return _to_table(df, ROUNDS_COLUMNS)
+
+
+def _write_table(table: pa.Table, path: Path) -> dict[str, Any]:
+    pq.write_table(table, path, compression="zstd", compression_level=9, use_dictionary=True)
+    return {"path": path.name, "sha256": sha256_file(path), "rows": table.num_rows}
