@@ -65,6 +65,8 @@ def _ols_cv(X: np.ndarray, y: np.ndarray, groups: np.ndarray, n_splits: int) -> 
     """GroupKFold out-of-sample R2, RMSE and MAPE of an OLS design."""
     n_groups = len(np.unique(groups))
     splits = min(n_splits, n_groups)
+    if n_splits == 0:
+        return {}
     if splits < 2:
         return {"oos_r2": float("nan"), "oos_rmse_ms": float("nan"), "oos_mape_pct": float("nan")}
     pred = np.empty_like(y)
@@ -181,6 +183,15 @@ def fit_cost_model(
         ValueError: If fewer than two budgets K >= 1 can be fitted.
     """
     per_k = fit_per_k(rounds, n_splits)
+    model = _assemble(per_k, rounds, kmax, top_k, source)
+    d = model.diagnostics
+    return FitReport(model=model, per_k=per_k, forms=compare_forms(rounds, n_splits), draft=d["draft"], ar=d["ar"])
+
+
+def _assemble(
+    per_k: pd.DataFrame, rounds: pd.DataFrame, kmax: int, top_k: int, source: dict[str, Any] | None
+) -> CostModel:
+    """Per-K fits + AR step + draft fit -> a CostModel covering K = 0..kmax."""
     if len(per_k) < 2:
         raise ValueError("cost-model fit needs rounds at two or more budgets K >= 1")
     beta0 = np.full(kmax + 1, np.nan)
@@ -212,10 +223,59 @@ def fit_cost_model(
         ar = {"extrapolated": True, "method": f"beta0 linear in K over K={low} extended to 0; alpha, c their means",
               "rows": 0}
     draft = fit_draft(rounds)
-    model = CostModel(
+    return CostModel(
         beta0=beta0, alpha=alpha, c=c, d1=draft["d1"], d0=draft["d0"], top_k=top_k,
         ar_extrapolated=bool(ar["extrapolated"]),
         source=dict(source or {}) | {"kind": "fit", "filled_K": filled},
         diagnostics={"per_k": _records(per_k), "draft": draft, "ar": ar},
     )
-    return FitReport(model=model, per_k=per_k, forms=compare_forms(rounds, n_splits), draft=draft, ar=ar)
+
+
+
+_FIT_CACHE: dict[tuple[str, str, int], CostModel] = {}
+
+
+def cost_model_for(traces: Any, which: str = "fit") -> CostModel:
+    """The cost model an environment or the oracle should use for a trace set.
+
+    Args:
+        traces: A loaded :class:`specenv.traceset.TraceSet`.
+        which: ``"fit"`` (per-K OLS on the set's rounds table, no cross-validation; cached per
+            process by set and manifest hash), ``"profile"`` (the paper's coefficients) or a path to
+            a cost-model JSON written by ``specenv fit --out``.
+
+    Raises:
+        ValueError: If ``which`` is unknown, the set has no rounds to fit, or the JSON is bad.
+    """
+    from pathlib import Path
+
+    kmax = traces.kmax
+    if which == "profile":
+        return CostModel.paper_profile(kmax)
+    if which == "fit":
+        if traces.rounds is None:
+            raise ValueError(
+                f"cost_model='fit': trace set '{traces.manifest.name}' has no rounds table "
+                "(use cost_model='profile' or a cost-model JSON path)"
+            )
+        key = (traces.manifest.name, json_digest(traces.manifest.files), kmax)
+        if key not in _FIT_CACHE:
+            rounds = traces.rounds
+            per_k = fit_per_k(rounds, n_splits=0)
+            _FIT_CACHE[key] = _assemble(per_k, rounds, kmax, traces.facts.top_k, {"traces": traces.manifest.name})
+        return _FIT_CACHE[key]
+    path = Path(which)
+    if path.suffix == ".json" and path.is_file():
+        model = CostModel.load(path)
+        if model.kmax < kmax:
+            raise ValueError(f"cost_model={which}: covers K <= {model.kmax}, trace set needs {kmax}")
+        return model
+    raise ValueError(f"cost_model={which!r}: expected 'fit', 'profile' or an existing .json file")
+
+
+def json_digest(obj: Any) -> str:
+    """Stable short digest of a JSON-able object."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
