@@ -202,7 +202,9 @@ def validate_positions(
         for s in starts:
             g = int(gid[s])
             if g in seen:
-                raise TraceError(file, f"generation {g} is not one contiguous block", column="generation_id", row=int(s))
+                raise TraceError(
+                    file, f"generation {g} is not one contiguous block", column="generation_id", row=int(s)
+                )
             seen.add(g)
     expected_t = np.arange(len(t)) - np.repeat(starts, np.diff(np.append(starts, len(t))))
     _require(t != expected_t, file, "t", "positions not contiguous from 0 within the generation")
