@@ -1,0 +1,303 @@
+"""Published budget-selection heuristics, each a faithful reimplementation of its source's rule.
+
+All of them act on observations only (see :mod:`policies.base`). Costs are read from the cost model
+a server would have fitted (:class:`specenv.costmodel.CostModel`), never from the trace.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from policies.base import Policy
+from specenv.costmodel import CostModel
+from specenv.observation import ObservationSpec
+
+
+class FixedK(Policy):
+    """Always verify k drafts (vLLM's ``num_speculative_tokens``; k = 0 is plain decoding).
+
+    Args:
+        spec: Observation layout.
+        k: The budget.
+    """
+
+    def __init__(self, spec: ObservationSpec, k: int):
+        if not 0 <= k <= spec.kmax:
+            raise ValueError(f"k={k} outside 0..{spec.kmax}")
+        self.k = k
+        self.name = f"fixed-k{k}"
+        super().__init__(spec)
+
+    def _act(self, obs: np.ndarray) -> int:
+        return self.k
+
+    def act_batch(self, obs: np.ndarray) -> np.ndarray:
+        """Constant budgets (no per-stream state)."""
+        return np.full(len(np.atleast_2d(obs)), self.k, dtype=np.int64)
+
+
+class TransformersHeuristic(Policy):
+    """transformers' assisted-generation ``num_assistant_tokens_schedule="heuristic"``.
+
+    Source: ``AssistedCandidateGenerator.update_candidate_strategy`` in
+    ``transformers/generation/candidate_generator.py``: if every candidate was accepted,
+    ``num_assistant_tokens += 2``, else ``num_assistant_tokens = max(1, num_assistant_tokens - 1)``;
+    the schedule starts at ``num_assistant_tokens`` (default 20), here capped at kmax.
+
+    Args:
+        spec: Observation layout.
+        start: Initial number of assistant tokens.
+    """
+
+    name = "transformers-heuristic"
+
+    def __init__(self, spec: ObservationSpec, start: int = 20):
+        self.start = start
+        super().__init__(spec)
+
+    def _reset_state(self) -> None:
+        self.n = float(self.start)
+
+    def _act(self, obs: np.ndarray) -> int:
+        if not self.view.first_round(obs):
+            k, a = self.view.prev_k(obs), self.view.prev_accepted(obs)
+            if k >= 1 and a == k:
+                self.n += 2.0
+            else:
+                self.n = max(1.0, self.n - 1.0)
+        return int(min(self.n, self.spec.kmax))
+
+
+class ConfidenceThreshold(Policy):
+    """Stop drafting when the draft's probability of its token falls below a threshold.
+
+    Source: transformers' ``assistant_confidence_threshold`` (default 0.4) with its
+    ``ConfidenceCriteria`` stopping rule: drafting stops after the first token whose probability is
+    below the threshold (that token is still proposed). With ``adaptive=True`` the threshold is refit
+    after every round as in ``update_candidate_strategy``: the drafted tokens' probabilities and
+    match labels are kept, and once there are more than 5 samples with both labels present, the ROC
+    curve (scikit-learn ``roc_curve``) gives the threshold minimising ``fpr + 3*fnr``.
+
+    Needs an environment with ``lookahead >= 1`` (the confidences are in the observation).
+
+    Args:
+        spec: Observation layout (lookahead > 0).
+        threshold: Initial threshold.
+        adaptive: Refit the threshold by ROC.
+    """
+
+    def __init__(self, spec: ObservationSpec, threshold: float = 0.4, adaptive: bool = False):
+        if spec.lookahead < 1:
+            raise ValueError("ConfidenceThreshold needs an observation with lookahead >= 1")
+        self.threshold0 = threshold
+        self.adaptive = adaptive
+        self.name = "confidence-roc" if adaptive else f"confidence-{threshold:g}"
+        super().__init__(spec)
+
+    def _reset_state(self) -> None:
+        self.threshold = self.threshold0
+        self.probs: list[float] = []
+        self.matches: list[int] = []
+        self._pending: list[float] = []
+
+    def _act(self, obs: np.ndarray) -> int:
+        if self.adaptive and not self.view.first_round(obs) and self._pending:
+            a = self.view.prev_accepted(obs)
+            self.probs.extend(self._pending)
+            self.matches.extend([1] * a)
+            if len(self._pending) > a:
+                self.matches.append(0)
+            del self.probs[len(self.matches):]
+            if len(self.probs) > 5 and {0, 1} <= set(self.matches):
+                from sklearn.metrics import roc_curve
+
+                fpr, tpr, thr = roc_curve(self.matches, self.probs)
+                costs = fpr + 3.0 * (1.0 - tpr)
+                self.threshold = float(min(thr[int(np.argmin(costs))], 1.0))
+        conf = self.view.conf(obs)
+        k = len(conf)
+        for j, q in enumerate(conf, start=1):
+            if q < self.threshold:
+                k = j
+                break
+        k = min(k, self.spec.kmax)
+        self._pending = [float(x) for x in conf[:k]]
+        return k
+
+
+class UPredictor:
+    """Predicted unique experts U(k) from running per-k means of observed U.
+
+    Before k has been observed in the generation, U(k) is the prior (``prior[k]``) scaled by the
+    mean ratio observed/prior over the budgets already seen. The prior defaults to the concave
+    power law ``top_k * (k+1)**0.62`` (close to the paper's Table 4) and is usually replaced by the
+    per-k mean of U on the train split.
+    """
+
+    def __init__(self, kmax: int, top_k: int, n_experts: int, prior: np.ndarray | None = None):
+        ks = np.arange(kmax + 1)
+        self.prior = (
+            np.minimum(top_k * (ks + 1.0) ** 0.62, n_experts) if prior is None else np.asarray(prior, float)
+        )
+        self.prior[0] = top_k
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget observations."""
+        self.sum = np.zeros_like(self.prior)
+        self.n = np.zeros_like(self.prior)
+
+    def observe(self, k: int, U: float) -> None:
+        """Record the unique experts of a round with budget k."""
+        self.sum[k] += U
+        self.n[k] += 1
+
+    def predict(self) -> np.ndarray:
+        """(kmax+1,) predicted U for every budget."""
+        seen = self.n > 0
+        pred = self.prior.copy()
+        if seen[1:].any():
+            ratio = np.mean((self.sum[seen] / self.n[seen]) / self.prior[seen])
+            pred = pred * ratio
+            pred[seen] = self.sum[seen] / self.n[seen]
+        pred[0] = self.prior[0]
+        return pred
+
+
+class _CostAware(Policy):
+    """Shared plumbing: a cost model and a U predictor fed from the observations."""
+
+    def __init__(self, spec: ObservationSpec, cost_model: CostModel, u_prior: np.ndarray | None = None):
+        self.cost_model = cost_model
+        self.u_prior = u_prior
+        self.ks = np.arange(spec.kmax + 1)
+        super().__init__(spec)
+
+    def _reset_state(self) -> None:
+        self.upred = UPredictor(self.spec.kmax, self.cost_model.top_k, self.spec.n_experts, self.u_prior)
+
+    def _observe(self, obs: np.ndarray) -> None:
+        if not self.view.first_round(obs):
+            self.upred.observe(self.view.prev_k(obs), self.view.prev_U(obs))
+
+    def _round_ms(self, obs: np.ndarray) -> np.ndarray:
+        return self.cost_model.round_ms(self.ks, self.upred.predict(), self.view.L(obs))
+
+
+class GoodputRule(_CostAware):
+    """SmartSpec / TurboSpec goodput rule.
+
+    Source: Liu et al., "Optimizing Speculative Decoding for Serving Large Language Models Using
+    Goodput" (SmartSpec, 2024) and TurboSpec (2025): estimate the token acceptance rate alpha as a
+    moving average of accepted/proposed, predict the tokens a round of k commits as
+    ``(1 - alpha**(k+1)) / (1 - alpha)``, predict the round time from the fitted cost model, and pick
+    the k with the largest goodput (tokens per ms). Here the cost model is the paper's per-K MoE
+    form, with U(k) from running per-k means of observed U.
+    """
+
+    name = "goodput"
+
+    def _act(self, obs: np.ndarray) -> int:
+        self._observe(obs)
+        alpha = min(max(self.view.acc_rate(obs), 1e-6), 1 - 1e-6)
+        tokens = (1.0 - alpha ** (self.ks + 1)) / (1.0 - alpha)
+        return int(np.argmax(tokens / self._round_ms(obs)))
+
+
+class CascadeUtility(Policy):
+    """Cascade-style utility controller with test and set phases.
+
+    Source: the utility-driven speculation control of "Cascade" (dynamic speculation for MoE serving,
+    2025): alternate a *test phase*, which tries each candidate k for a few rounds and measures its
+    utility (tokens committed per unit cost, relative to plain decoding), and a *set phase*, which keeps
+    the best k; speculation is turned off (k = 0) for the set phase when the best utility is < 1.
+    Utility uses the observed round cost in AR-step units, so utility 1 equals plain decoding.
+
+    Args:
+        spec: Observation layout.
+        candidates: Budgets tried in a test phase.
+        test_rounds: Rounds per candidate in a test phase.
+        set_rounds: Rounds of a set phase.
+    """
+
+    name = "cascade"
+
+    def __init__(self, spec: ObservationSpec, candidates: tuple[int, ...] = (1, 2, 4, 6, 8),
+                 test_rounds: int = 2, set_rounds: int = 24):
+        self.candidates = tuple(k for k in candidates if k <= spec.kmax)
+        self.test_rounds = test_rounds
+        self.set_rounds = set_rounds
+        super().__init__(spec)
+
+    def _reset_state(self) -> None:
+        self.schedule = [k for k in self.candidates for _ in range(self.test_rounds)]
+        self.tokens = {k: 0.0 for k in self.candidates}
+        self.cost = {k: 0.0 for k in self.candidates}
+        self.pos = 0
+        self.best = self.candidates[0]
+        self.in_test = True
+
+    def _act(self, obs: np.ndarray) -> int:
+        if not self.view.first_round(obs) and self.in_test and self.pos > 0:
+            k = self.schedule[self.pos - 1]
+            self.tokens[k] += self.view.prev_accepted(obs) + 1
+            self.cost[k] += self.view.prev_cost(obs)
+        if self.in_test and self.pos >= len(self.schedule):
+            util = {k: self.tokens[k] / self.cost[k] for k in self.candidates if self.cost[k] > 0}
+            best = max(util, key=util.get)
+            self.best = best if util[best] >= 1.0 else 0
+            self.in_test, self.pos = False, 0
+        if not self.in_test:
+            self.pos += 1
+            if self.pos >= self.set_rounds:
+                self.in_test, self.pos = True, 0
+                self.tokens = {k: 0.0 for k in self.candidates}
+                self.cost = {k: 0.0 for k in self.candidates}
+            return self.best
+        k = self.schedule[self.pos]
+        self.pos += 1
+        return k
+
+
+class UCBBandit(Policy):
+    """UCB1 bandit over the budget (BanditSpec's UCBSpec).
+
+    Source: Hou et al., "BanditSpec: Adaptive Speculative Decoding via Bandit Algorithms" (2025),
+    UCBSpec: each arm is a speculation configuration (here a budget k), the reward of a round is
+    its throughput (tokens committed per unit time, here per AR-step unit so rewards are O(1)), and
+    the arm maximising ``mean + c * sqrt(2 ln n / n_k)`` is played, every arm once first.
+
+    Args:
+        spec: Observation layout.
+        arms: Budgets to choose from (default 0..kmax).
+        c: Exploration constant.
+    """
+
+    name = "ucb"
+
+    def __init__(self, spec: ObservationSpec, arms: tuple[int, ...] | None = None, c: float = 0.5):
+        self.arms = tuple(range(spec.kmax + 1)) if arms is None else tuple(arms)
+        self.c = c
+        super().__init__(spec)
+
+    def _reset_state(self) -> None:
+        self.sum = np.zeros(len(self.arms))
+        self.n = np.zeros(len(self.arms))
+        self.last: int | None = None
+
+    def _act(self, obs: np.ndarray) -> int:
+        if not self.view.first_round(obs) and self.last is not None:
+            reward = (self.view.prev_accepted(obs) + 1) / max(self.view.prev_cost(obs), 1e-9)
+            self.sum[self.last] += reward
+            self.n[self.last] += 1
+        untried = np.flatnonzero(self.n == 0)
+        if untried.size:
+            i = int(untried[0])
+        else:
+            total = self.n.sum()
+            ucb = self.sum / self.n + self.c * np.sqrt(2.0 * math.log(total) / self.n)
+            i = int(np.argmax(ucb))
+        self.last = i
+        return self.arms[i]

@@ -1,0 +1,195 @@
+"""Each baseline's rule on hand-made observation sequences."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from policies.base import ObsView
+from policies.delta import DeltaSpaceRule
+from policies.heuristics import (
+    CascadeUtility,
+    ConfidenceThreshold,
+    FixedK,
+    GoodputRule,
+    TransformersHeuristic,
+    UCBBandit,
+    UPredictor,
+)
+from specenv.costmodel import CostModel
+from specenv.observation import ObservationSpec, ObservationState
+
+SPEC = ObservationSpec(kmax=10, lookahead=0)
+SPEC_H = ObservationSpec(kmax=10, lookahead=10)
+CM = CostModel.paper_profile(10)
+
+
+class Stream:
+    """Builds the observations a policy would see after a chosen sequence of rounds."""
+
+    def __init__(self, spec: ObservationSpec = SPEC, L0: float = 600.0):
+        self.spec = spec
+        self.state = ObservationState(spec, 1)
+        self.L = L0
+        self.t = 0
+
+    def obs(self, conf: list[float] | None = None) -> np.ndarray:
+        c = None if conf is None else np.array([conf], dtype=np.float64)
+        return self.state.build(np.array([self.L]), np.array([self.t]), c)[0]
+
+    def round(self, k: int, a: int, U: float = 16.0, cost: float = 1.5) -> None:
+        self.state.update(np.array([k]), np.array([a]), np.array([U]), np.array([cost]), np.array([a + 1]))
+        self.t += a + 1
+        self.L += a + 1
+
+
+def test_obsview_decodes_what_the_state_encodes() -> None:
+    s = Stream()
+    s.round(4, 3, U=20.5, cost=1.25)
+    v = ObsView(SPEC)
+    o = s.obs()
+    assert v.prev_k(o) == 4 and v.prev_accepted(o) == 3
+    assert v.prev_U(o) == pytest.approx(20.5, rel=1e-5)
+    assert v.prev_cost(o) == pytest.approx(1.25, rel=1e-5)
+    assert v.L(o) == pytest.approx(604.0, rel=1e-5)
+    assert not v.first_round(o)
+
+
+def test_fixed_k() -> None:
+    p = FixedK(SPEC, 3)
+    assert p.act(Stream().obs()) == 3
+    assert list(p.act_batch(np.stack([Stream().obs()] * 4))) == [3] * 4
+    with pytest.raises(ValueError):
+        FixedK(SPEC, 11)
+
+
+def test_transformers_heuristic_plus_two_minus_one_floor_one() -> None:
+    p = TransformersHeuristic(SPEC, start=5)
+    s = Stream()
+    assert p.act(s.obs()) == 5
+    s.round(5, 5)  # all accepted -> +2
+    assert p.act(s.obs()) == 7
+    s.round(7, 2)  # not all -> -1
+    assert p.act(s.obs()) == 6
+    for _ in range(10):
+        s.round(6, 0)
+        k = p.act(s.obs())
+    assert k == 1  # floor at 1
+    # default start 20 is capped at kmax
+    assert TransformersHeuristic(SPEC).act(Stream().obs()) == 10
+
+
+def test_confidence_threshold_stops_after_first_low_token() -> None:
+    p = ConfidenceThreshold(SPEC_H, threshold=0.4)
+    conf = [0.9, 0.8, 0.3, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]
+    assert p.act(Stream(SPEC_H).obs(conf)) == 3
+    assert p.act(Stream(SPEC_H).obs([0.9] * 10)) == 10
+    assert p.act(Stream(SPEC_H).obs([0.1] + [0.9] * 9)) == 1
+    with pytest.raises(ValueError):
+        ConfidenceThreshold(SPEC)
+
+
+def test_confidence_roc_refit_moves_threshold_between_classes() -> None:
+    p = ConfidenceThreshold(SPEC_H, threshold=0.05, adaptive=True)
+    s = Stream(SPEC_H)
+    # drafts with confidence 0.8 are accepted, the first one at 0.3 is rejected
+    conf = [0.8, 0.8, 0.3, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8]
+    for _ in range(4):
+        k = p.act(s.obs([0.8, 0.8, 0.8, 0.3] + [0.8] * 6))
+        assert k == (10 if p.threshold <= 0.3 else 4)
+        s.round(k, 3)
+    assert 0.3 < p.threshold <= 0.8 + 1e-6  # (float32 confidences) ROC optimum separates 0.3 (rejected) from 0.8 (accepted)
+    assert p.act(s.obs(conf)) == 3
+
+
+def test_goodput_prefers_longer_drafts_when_acceptance_is_high() -> None:
+    hi, lo = Stream(), Stream()
+    for _ in range(15):
+        hi.round(6, 6, U=24.0)
+        lo.round(6, 0, U=24.0)
+    k_hi = GoodputRule(SPEC, CM).act(hi.obs())
+    k_lo = GoodputRule(SPEC, CM).act(lo.obs())
+    assert k_hi >= 6 and k_lo <= 1
+
+
+def test_cascade_tests_then_sets_best_and_turns_off_when_utility_below_one() -> None:
+    p = CascadeUtility(SPEC, candidates=(1, 4), test_rounds=2, set_rounds=3)
+    s = Stream()
+    played = []
+    for _ in range(4):  # test phase: 1, 1, 4, 4
+        k = p.act(s.obs())
+        played.append(k)
+        s.round(k, k, cost=1.0 + 0.1 * k)  # everything accepted: utility (k+1)/(1+0.1k) > 1
+    assert played == [1, 1, 4, 4]
+    assert p.act(s.obs()) == 4  # set phase keeps the best (utility 5/1.4 > 2/1.1)
+    q = CascadeUtility(SPEC, candidates=(1, 4), test_rounds=1, set_rounds=3)
+    s = Stream()
+    for _ in range(2):
+        k = q.act(s.obs())
+        s.round(k, 0, cost=2.0)  # nothing accepted and expensive: utility 0.5 < 1
+    assert q.act(s.obs()) == 0
+
+
+def test_ucb_plays_each_arm_once_then_exploits() -> None:
+    p = UCBBandit(SPEC, arms=(0, 2, 5), c=0.1)
+    s = Stream()
+    first = []
+    for _ in range(3):
+        k = p.act(s.obs())
+        first.append(k)
+        s.round(k, k if k == 5 else 0, cost=1.0 + 0.1 * k)
+    assert first == [0, 2, 5]
+    assert p.act(s.obs()) == 5  # arm 5 gave 6 tokens / 1.5 units
+
+
+def test_delta_space_limits() -> None:
+    s = Stream()
+    for _ in range(20):
+        s.round(8, 8, U=28.0)
+    o = s.obs()
+    assert DeltaSpaceRule(SPEC, CM, lam_ms=1e6).act(o) == 10  # progress is all that counts
+    assert DeltaSpaceRule(SPEC, CM, lam_ms=1e-6).act(o) == 0  # cost is all that counts
+    with pytest.raises(ValueError):
+        DeltaSpaceRule(SPEC, CM)
+
+
+def test_delta_space_matches_marginal_condition() -> None:
+    s = Stream()
+    for _ in range(10):
+        s.round(5, 3, U=22.0)
+    o = s.obs()
+    rule = DeltaSpaceRule(SPEC, CM, lam_ms=4.0)
+    ea = rule.expected_accepted(o)
+    cost = CM.round_ms(np.arange(11), rule.upred.predict(), 600.0 + s.t)
+    assert rule.act(o) == int(np.argmax(4.0 * ea - cost))
+    assert np.all(np.diff(ea) >= 0)
+
+
+def test_delta_space_adaptive_lambda_tracks_cost_per_token() -> None:
+    rule = DeltaSpaceRule(SPEC, CM, adaptive=True)
+    s = Stream()
+    o = s.obs()
+    assert rule.lam(o) == pytest.approx(float(CM.ar_ms(600.0)))
+    rule.act(o)
+    s.round(4, 3, U=20.0)
+    rule.act(s.obs())
+    expect = float(CM.round_ms(4, 20.0, 600.0)) / 4.0
+    assert rule.lam(s.obs()) == pytest.approx(expect, rel=1e-4)
+
+
+def test_u_predictor_uses_observed_means_and_scales_prior() -> None:
+    up = UPredictor(10, 8, 128)
+    up.observe(2, up.prior[2] * 1.2)
+    pred = up.predict()
+    assert pred[2] == pytest.approx(up.prior[2] * 1.2)
+    assert pred[5] == pytest.approx(up.prior[5] * 1.2)
+    assert pred[0] == 8
+
+
+def test_batched_policies_keep_separate_memory() -> None:
+    p = TransformersHeuristic(SPEC, start=5)
+    a, b = Stream(), Stream()
+    assert list(p.act_batch(np.stack([a.obs(), b.obs()]))) == [5, 5]
+    a.round(5, 5)
+    b.round(5, 1)
+    assert list(p.act_batch(np.stack([a.obs(), b.obs()]))) == [7, 4]
