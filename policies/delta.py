@@ -8,8 +8,10 @@ with lambda the value function's marginal cost per committed token.
 Online estimates (nothing from the trace):
 
 * E[a(k)] = sum_{i<=k} prod_{j<=i} rho_hat_j, with rho_hat_j the running conditional acceptance at
-  depth j from the observation (``acc_depth_j``); when the draft's confidences are observed
-  (lookahead), rho_hat_j for those depths is the mean of the running estimate and the confidence.
+  depth j (:class:`policies.heuristics.AcceptanceEstimator`: forgetting-weighted counts of the
+  generation's rounds with a prior, by default the train split's mean rho per depth); when the
+  draft's confidences are observed (lookahead), rho_hat_j for those depths is the mean of the
+  running estimate and the confidence.
 * E[C(k)] = the cost model at the current context with U(k) predicted from running per-k means of
   observed U (:class:`policies.heuristics.UPredictor`).
 * lambda: fitted by the oracle on the train split (:func:`oracle.boundary_slope`, ms per accepted
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from policies.heuristics import _CostAware
+from policies.heuristics import AcceptanceEstimator, _CostAware
 from specenv.costmodel import CostModel
 from specenv.observation import ObservationSpec
 
@@ -35,6 +37,7 @@ class DeltaSpaceRule(_CostAware):
         lam_ms: lambda in ms per accepted token (required unless ``adaptive``).
         adaptive: Estimate lambda online as the running cost per committed token.
         u_prior: Prior U(k) per budget (e.g. train-split means).
+        rho_prior: Prior conditional acceptance per depth (e.g. train-split means of rho).
         use_conf: Blend observed draft confidences into rho_hat.
     """
 
@@ -45,6 +48,7 @@ class DeltaSpaceRule(_CostAware):
         lam_ms: float | None = None,
         adaptive: bool = False,
         u_prior: np.ndarray | None = None,
+        rho_prior: np.ndarray | None = None,
         use_conf: bool = True,
     ):
         if not adaptive and (lam_ms is None or not np.isfinite(lam_ms) or lam_ms <= 0):
@@ -52,18 +56,20 @@ class DeltaSpaceRule(_CostAware):
         self.lam_ms = lam_ms
         self.adaptive = adaptive
         self.use_conf = use_conf
+        self.rho_prior = rho_prior
         self.name = "delta-space-adaptive" if adaptive else "delta-space"
         super().__init__(spec, cost_model, u_prior)
 
     def _reset_state(self) -> None:
         super()._reset_state()
+        self.acc = AcceptanceEstimator(self.spec.kmax, self.rho_prior)
         self.cost_sum = 0.0
         self.tok_sum = 0.0
         self.prev_L = None
 
     def expected_accepted(self, obs: np.ndarray) -> np.ndarray:
         """(kmax+1,) E[a(k)] from the online acceptance estimates."""
-        rho = self.view.acc_depth(obs).copy()
+        rho = self.acc.rho()
         if self.use_conf and self.spec.lookahead:
             conf = self.view.conf(obs)
             h = min(len(conf), len(rho))
@@ -80,6 +86,8 @@ class DeltaSpaceRule(_CostAware):
 
     def _act(self, obs: np.ndarray) -> int:
         self._observe(obs)
+        if not self.view.first_round(obs):
+            self.acc.observe(self.view.prev_k(obs), self.view.prev_accepted(obs))
         L = self.view.L(obs)
         if self.adaptive and not self.view.first_round(obs) and self.prev_L is not None:
             k = self.view.prev_k(obs)

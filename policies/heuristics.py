@@ -166,6 +166,46 @@ class UPredictor:
         return pred
 
 
+class AcceptanceEstimator:
+    """Per-depth conditional acceptance rho_hat_j with a prior and exponential forgetting.
+
+    After a round with budget k and a accepted drafts, depth j was *reached* when k >= j and
+    a >= j-1, and *accepted* when a >= j. rho_hat_j = (s_j + n0 * prior_j) / (n_j + n0) with
+    s_j, n_j the forgetting-weighted successes and trials. k = 0 rounds carry no information, so
+    the estimate never collapses to "never speculate" for lack of data.
+
+    Args:
+        kmax: Largest depth.
+        prior: (kmax,) prior conditional acceptance per depth (e.g. train-split means of rho).
+        strength: Prior weight n0 in pseudo-rounds.
+        forget: Weight of the past per round (1 = no forgetting).
+    """
+
+    def __init__(self, kmax: int, prior: np.ndarray | None = None, strength: float = 2.0, forget: float = 0.9):
+        self.prior = np.full(kmax, 0.7) if prior is None else np.asarray(prior, dtype=float)[:kmax].copy()
+        self.strength = strength
+        self.forget = forget
+        self.j = np.arange(1, kmax + 1)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget observations."""
+        self.s = np.zeros_like(self.prior)
+        self.n = np.zeros_like(self.prior)
+
+    def observe(self, k: int, a: int) -> None:
+        """Fold in one round."""
+        if k < 1:
+            return
+        reached = (k >= self.j) & (a >= self.j - 1)
+        self.s = np.where(reached, self.forget * self.s + (a >= self.j), self.s)
+        self.n = np.where(reached, self.forget * self.n + 1.0, self.n)
+
+    def rho(self) -> np.ndarray:
+        """(kmax,) current estimates."""
+        return (self.s + self.strength * self.prior) / (self.n + self.strength)
+
+
 class _CostAware(Policy):
     """Shared plumbing: a cost model and a U predictor fed from the observations."""
 

@@ -1,0 +1,75 @@
+"""Export trained torch/SB3 networks to the numpy form of :mod:`policies.mlp`.
+
+PPO: ``policy.mlp_extractor.policy_net`` followed by ``policy.action_net`` (logits; argmax is SB3's
+deterministic action). DQN: ``q_net.q_net`` (Q-values; argmax is SB3's ``predict``). Imitation
+learners build a plain ``torch.nn.Sequential`` of Linear and activation layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from policies.mlp import MLPPolicy
+from specenv.observation import ObservationSpec
+
+
+def _linear_layers(modules: list[Any]) -> tuple[list[tuple[np.ndarray, np.ndarray]], str | None]:
+    import torch
+
+    weights: list[tuple[np.ndarray, np.ndarray]] = []
+    activation: str | None = None
+    for mod in modules:
+        if isinstance(mod, torch.nn.Linear):
+            W = mod.weight.detach().cpu().numpy().T.astype(np.float32)
+            b = mod.bias.detach().cpu().numpy().astype(np.float32)
+            weights.append((W, b))
+        elif isinstance(mod, torch.nn.Tanh):
+            activation = _same(activation, "tanh")
+        elif isinstance(mod, torch.nn.ReLU):
+            activation = _same(activation, "relu")
+        elif isinstance(mod, torch.nn.Sequential):
+            inner, act = _linear_layers(list(mod))
+            weights.extend(inner)
+            activation = _same(activation, act) if act else activation
+        elif isinstance(mod, torch.nn.Flatten | torch.nn.Identity):
+            continue
+        else:
+            raise ValueError(f"cannot export layer {type(mod).__name__} (only Linear, Tanh, ReLU)")
+    return weights, activation
+
+
+def _same(old: str | None, new: str | None) -> str | None:
+    if old is not None and new is not None and old != new:
+        raise ValueError(f"mixed activations {old} and {new} are not supported")
+    return new or old
+
+
+def from_torch_sequential(seq: Any, spec: ObservationSpec, name: str, meta: dict[str, Any] | None = None) -> MLPPolicy:
+    """Export a ``torch.nn.Sequential`` of Linear/Tanh/ReLU layers."""
+    weights, act = _linear_layers(list(seq))
+    return MLPPolicy(spec, weights, act or "tanh", name, meta)
+
+
+def from_sb3(model: Any, spec: ObservationSpec, name: str, meta: dict[str, Any] | None = None) -> MLPPolicy:
+    """Export an SB3 PPO (or A2C) or DQN model with an MLP policy and a Discrete action space.
+
+    Raises:
+        ValueError: If the model's networks are not plain MLPs.
+    """
+    policy = model.policy
+    if hasattr(policy, "q_net"):  # DQN
+        modules = [policy.q_net.q_net]
+        kind = "dqn"
+    elif hasattr(policy, "mlp_extractor") and hasattr(policy, "action_net"):
+        modules = [policy.mlp_extractor.policy_net, policy.action_net]
+        kind = "ppo"
+        if not getattr(policy, "share_features_extractor", True) and not isinstance(
+            policy.pi_features_extractor, type(policy.features_extractor)
+        ):
+            raise ValueError("only the default Flatten features extractor can be exported")
+    else:
+        raise ValueError(f"cannot export SB3 policy {type(policy).__name__}")
+    weights, act = _linear_layers(modules)
+    return MLPPolicy(spec, weights, act or "tanh", name, (meta or {}) | {"algo": kind})
