@@ -62,6 +62,7 @@ class Context:
     lam_ms: float
     u_prior: np.ndarray
     rho_prior: np.ndarray
+    spec: ObservationSpec
     policy_dir: Path | None
     notes: list[str] = field(default_factory=list)
 
@@ -98,7 +99,8 @@ def build_context(dataset: str, kmax: int | None, cost_model: str, policy_dir: P
     surv = np.cumprod(train.rho, axis=1)
     reach = np.concatenate([np.ones((len(surv), 1)), surv[:, :-1]], axis=1)
     rho_prior = (reach * train.rho).sum(axis=0) / np.maximum(reach.sum(axis=0), 1e-12)
-    return Context(dataset, kmax, model, cost_model, train, test, best, lam, u_prior, rho_prior, policy_dir)
+    spec = ObservationSpec(kmax, 0, int(ts.manifest.max_new_tokens), int(ts.facts.n_experts))
+    return Context(dataset, kmax, model, cost_model, train, test, best, lam, u_prior, rho_prior, spec, policy_dir)
 
 
 def default_entries(ctx: Context) -> list[Entry]:
@@ -124,6 +126,12 @@ def default_entries(ctx: Context) -> list[Entry]:
             folder = ctx.policy_dir / name
             if (folder / "policy.json").is_file():
                 pol = MLPPolicy.load(folder)
+                want = ctx.spec if pol.spec.lookahead == 0 else ObservationSpec(
+                    ctx.kmax, ctx.kmax, ctx.spec.max_new_tokens, ctx.spec.n_experts)
+                if pol.spec != want:
+                    ctx.notes.append(f"skipped '{name}' in {ctx.policy_dir}: trained on observation {pol.spec}, "
+                                     f"this benchmark gives {want}")
+                    continue
                 entries.append(Entry(f"{name} (learned)", _learned(pol), lookahead=pol.spec.lookahead > 0))
             else:
                 ctx.notes.append(f"no trained '{name}' policy in {ctx.policy_dir} (run `specenv train --algo {name}`)")

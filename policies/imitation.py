@@ -27,35 +27,6 @@ from specenv.observation import ObservationSpec
 from specenv.traceset import PositionArrays
 
 
-def action_values(arrays: PositionArrays, cost: np.ndarray, value: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Q(t, k) for the given state rows.
-
-    Args:
-        arrays: Positions table.
-        cost: (n, kmax+1) charged round costs C(t, k).
-        value: (n,) optimal cost-to-go V(t).
-        rows: State rows (``offsets[g] + t``).
-
-    Returns:
-        (len(rows), kmax+1) action values in the units of ``cost``.
-    """
-    kmax = arrays.kmax
-    gen = np.searchsorted(arrays.offsets, rows, side="right") - 1
-    end = arrays.offsets[gen + 1]
-    surv = np.cumprod(arrays.rho[rows], axis=1)  # P(a >= i), i = 1..kmax
-    S = np.concatenate([np.ones((len(rows), 1)), surv, np.zeros((len(rows), 1))], axis=1)
-    v_next = np.zeros((len(rows), kmax + 1))
-    for i in range(kmax + 1):
-        nxt = rows + i + 1
-        ok = nxt < end
-        v_next[ok, i] = value[nxt[ok]]
-    Q = np.empty((len(rows), kmax + 1))
-    for k in range(kmax + 1):
-        p = S[:, : k + 1] - np.concatenate([S[:, 1 : k + 1], np.zeros((len(rows), 1))], axis=1)
-        Q[:, k] = cost[rows, k] + np.sum(p * v_next[:, : k + 1], axis=1)
-    return Q
-
-
 @dataclass
 class DaggerResult:
     """Outcome of :func:`train_dagger`."""
@@ -92,7 +63,7 @@ def train_dagger(
     import gymnasium as gym
     import torch
 
-    from oracle.dp import cost_table, solve
+    from oracle.dp import action_values, solve
     from specenv.env import ENV_ID
 
     torch.manual_seed(seed)
@@ -104,7 +75,6 @@ def train_dagger(
     arrays = split_arrays(dataset, data.kmax, "train")
     model: CostModel = data.cost_model
     sol = solve(arrays, model, lookahead=spec.lookahead)
-    cost = cost_table(arrays, model, lookahead=spec.lookahead)
     k_star = sol.k
     unit = base.ar_unit_ms
 
@@ -138,7 +108,7 @@ def train_dagger(
             ep_cost += info["episode_cost_ms"]
             ep_ar += info["ar_cost_ms"]
         rows = np.asarray(row_buf)
-        Q = action_values(arrays, cost, sol.value, rows)
+        Q = action_values(arrays, model, sol.value, rows, lookahead=spec.lookahead)
         X.append(np.asarray(obs_buf, dtype=np.float32))
         R.append(((Q - Q.min(axis=1, keepdims=True)) / unit).astype(np.float32))
         xs = torch.from_numpy(np.concatenate(X))

@@ -179,6 +179,203 @@ def datasets_cmd(as_json: JsonOpt = False) -> None:
             out.print(f"{r['id']}: {r['description']}")
 
 
+@app.command("oracle")
+def oracle_cmd(
+    traces: Traces,
+    kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
+    sweep: Annotated[bool, typer.Option("--sweep", help="Also sweep Kmax = 1..K (paper Figure 2).")] = False,
+    delta: Annotated[bool, typer.Option("--delta", help="Also run the delta-space analysis (Figure 3).")] = False,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write the figures of --sweep/--delta here.")] = None,
+    cost_model: Annotated[str, typer.Option("--cost-model", help="'fit', 'profile' or a cost-model JSON.")] = "fit",
+    split: Annotated[str, typer.Option(help="Generations: all, train or test (specenv.splits).")] = "all",
+    lookahead: Annotated[int, typer.Option(help="Draft lookahead h charged as T_D(max(k, h)).")] = 0,
+    episodes: Annotated[int, typer.Option(help="Monte-Carlo episodes per generation (0: none).")] = 4,
+    seed: Annotated[int, typer.Option(help="Seed of the Monte-Carlo episodes.")] = 0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Exact SSP oracle bound: S_max, mean k*, mean accepted (optionally Kmax sweep, delta space)."""
+    import oracle
+    from specenv.fit import cost_model_for
+    from specenv.splits import check_split, select_split
+
+    try:
+        check_split(split)
+    except ValueError as exc:
+        fail(f"--split: {exc}")
+    if lookahead < 0:
+        fail(f"--lookahead: must be >= 0, got {lookahead}")
+    if episodes < 0:
+        fail(f"--episodes: must be >= 0, got {episodes}")
+    if plot is not None and not (sweep or delta):
+        fail("--plot: needs --sweep and/or --delta (the figures it writes)")
+    if plot is not None and plot.exists() and not plot.is_dir():
+        fail(f"--plot: {plot} exists and is not a folder")
+    ts = _load(traces)
+    if ts.positions is None:
+        fail(f"{traces}: trace set has no positions table")
+    k = ts.kmax if kmax is None else kmax
+    if not 1 <= k <= ts.kmax:
+        fail(f"--kmax: {k} outside 1..{ts.kmax} (the trace set's Kmax)")
+    try:
+        model = cost_model_for(ts, cost_model)
+    except ValueError as exc:
+        fail(f"--cost-model: {exc}")
+    arrays = select_split(ts.arrays().with_kmax(k), split)
+    if arrays.n_generations == 0:
+        fail(f"--split: no generation of {traces} is in the '{split}' split")
+    res = oracle.solve(arrays, model, lookahead=lookahead, mc_episodes=episodes, seed=seed)
+    s = res.summary()
+    report: dict[str, Any] = {
+        "dataset": ts.manifest.name, "split": split, "cost_model": cost_model, "kmax": k,
+        "lookahead": lookahead, "greedy": bool(arrays.greedy), "generations": s["generations"],
+        "tokens": s["tokens"], "s_max_pooled": s["speedup_pooled"], "s_max_mean": s["speedup_mean"],
+        "mean_k": s["mean_k"], "mean_accepted": s["mean_accepted"], "expected_rounds": s["expected_rounds"],
+        "v0_ms": s["cost_ms"], "ar_ms": s["ar_ms"], "cost_per_token_ms": s["cost_per_token_ms"],
+        "ar_per_token_ms": s["ar_per_token_ms"], "mc": s.get("mc"),
+    }
+    plots: list[str] = []
+    if plot is not None:
+        plot.mkdir(parents=True, exist_ok=True)
+    table = None
+    if sweep:
+        table = oracle.kmax_sweep(arrays, model, lookahead=lookahead)
+        report["sweep"] = [{c: (v.item() if hasattr(v, "item") else v) for c, v in r.items()}
+                           for r in table.to_dict(orient="records")]
+        if plot is not None:
+            plots.append(oracle.plot_kmax_sweep(table, str(plot / "oracle_sweep.png"),
+                                                f"{ts.manifest.name} ({split}), cost model {cost_model}"))
+    an = None
+    if delta:
+        an = oracle.delta_analysis(arrays, model, lookahead=lookahead, result=res)
+        report["delta"] = an.to_json()
+        if plot is not None:
+            plots.append(oracle.plot_delta(an, str(plot / "oracle_delta.png")))
+    if plots:
+        report["plots"] = plots
+    if as_json:
+        _print_json(report)
+        return
+    out.print(f"Oracle on {ts.manifest.name} ({split}: {report['generations']} generations, "
+              f"{report['tokens']} tokens), Kmax={k}, lookahead={lookahead}, cost model {cost_model}")
+    out.print(f"S_max = {report['s_max_pooled']:.4f} (pooled: sum AR / sum V(0)); "
+              f"mean over generations {report['s_max_mean']:.4f}")
+    out.print(f"optimal path: mean k* = {report['mean_k']:.3f}, mean accepted = {report['mean_accepted']:.3f} "
+              f"per round, {report['expected_rounds']:.1f} expected rounds; "
+              f"V(0)/N = {report['cost_per_token_ms']:.4f} ms vs AR {report['ar_per_token_ms']:.4f} ms per token")
+    mc = report["mc"]
+    if mc:
+        out.print(f"Monte Carlo ({mc['episodes']} episodes, seed {mc['seed']}): S_max = "
+                  f"{mc['speedup_pooled']['value']:.4f} +- {mc['speedup_pooled']['ci95']:.4f}, mean k* = "
+                  f"{mc['mean_k']['value']:.3f} +- {mc['mean_k']['ci95']:.3f}, mean accepted = "
+                  f"{mc['mean_accepted']['value']:.3f} +- {mc['mean_accepted']['ci95']:.3f}")
+    if table is not None:
+        tab = Table(title="Oracle against Kmax (paper Figure 2)")
+        for col in ("Kmax", "S_max pooled", "S_max mean", "mean k*", "mean accepted", "best fixed k", "its speedup"):
+            tab.add_column(col, justify="right")
+        for r in table.itertuples():
+            tab.add_row(str(r.kmax), f"{r.s_max_pooled:.4f}", f"{r.s_max_mean:.4f}", f"{r.mean_k:.3f}",
+                        f"{r.mean_accepted:.3f}", str(r.best_fixed_k), f"{r.best_fixed_speedup:.4f}")
+        out.print(tab)
+    if an is not None:
+        q = an.quadrants
+        out.print(f"delta space ({an.points} rejected candidates at {an.decisions} decision states, "
+                  f"{an.states}): I={q['I']} II={q['II']} III={q['III']} IV={q['IV']} axis={q['axis']}")
+        lo, hi = an.lambda_interval
+        out.print(f"boundary lambda = {an.lambda_sep:.4f} ms/token ({an.sep_error:.1%} of weight on the wrong "
+                  f"side; hard envelope [{lo:.3f}, {hi:.3f}]); least squares lambda = {an.lambda_ls:.4f} "
+                  f"(R2 through origin {an.r2_origin:.3f}, residual SD {an.resid_sd:.3f} ms); "
+                  f"V(0)/N = {an.v0_per_token:.4f}, mean marginal V(t)-V(t+1) = {an.marginal_dv:.4f} ms")
+    for p in plots:
+        out.print(f"wrote {p}")
+
+
+@app.command()
+def train(
+    algo: Annotated[str, typer.Option(help="Learner: ppo, dqn or imitation (DAgger on the oracle).")] = "ppo",
+    traces: Annotated[str, typer.Option("--traces", help="Trace set (name or folder); trains on its train split.")] = "paper-default",
+    out_dir: Annotated[Path, typer.Option("--out", "-o", help="Run folder: model, logs, exported policy/.")] = Path("runs"),
+    timesteps: Annotated[int, typer.Option(min=1000, help="Environment steps (ppo, dqn).")] = 300_000,
+    iterations: Annotated[int, typer.Option(min=1, help="DAgger iterations (imitation).")] = 6,
+    seed: Annotated[int, typer.Option(help="Seed.")] = 0,
+    n_envs: Annotated[int, typer.Option(min=1, help="Parallel streams of the vector env (ppo, dqn).")] = 32,
+    kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
+    cost_model: Annotated[str, typer.Option(help="fit, profile or a cost-model JSON.")] = "fit",
+    lookahead: Annotated[int, typer.Option(min=0, help="Draft confidences in the observation (ppo, dqn).")] = 0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Train a budget controller on the train split and export it (numpy form, no pickle)."""
+    algos = ("ppo", "dqn", "imitation")
+    if algo not in algos:
+        fail(f"--algo: unknown learner '{algo}' (known: {', '.join(algos)})")
+    _load(traces)
+    run = out_dir / f"{algo}-seed{seed}"
+    try:
+        if algo == "imitation":
+            from policies.imitation import train_dagger
+
+            res = train_dagger(traces, kmax=kmax, cost_model=cost_model, iterations=iterations, seed=seed,
+                               log=lambda m: err.print(m, markup=False))
+            res.policy.save(run / "policy")
+            meta = res.policy.meta
+        else:
+            from policies.rl import train_sb3
+
+            tr = train_sb3(algo, traces, run, timesteps=timesteps, seed=seed, n_envs=n_envs, kmax=kmax,
+                           cost_model=cost_model, lookahead=lookahead, log=lambda m: err.print(m, markup=False))
+            meta = tr.policy.meta
+    except ValueError as exc:
+        fail(str(exc))
+    summary = {"algo": algo, "policy": str(run / "policy"), "meta": meta}
+    if as_json:
+        _print_json(summary)
+    else:
+        out.print(f"exported {algo} policy to {run / 'policy'} (policy.json + weights.npz)")
+
+
+@app.command()
+def bench(
+    traces: Annotated[str, typer.Argument(help="Trace set: a registered name or a folder.")] = "paper-default",
+    out_dir: Annotated[Path, typer.Option("--out", "-o", help="Folder for CSV, JSON, Markdown and the figure.")] = Path(
+        "bench-out"),
+    episodes: Annotated[int, typer.Option(min=1, help="Monte-Carlo episodes per held-out generation.")] = 4,
+    seed: Annotated[int, typer.Option(help="Base seed of the episodes.")] = 0,
+    kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
+    cost_model: Annotated[str, typer.Option(help="fit, profile or a cost-model JSON.")] = "fit",
+    policies: Annotated[Path | None, typer.Option(help="Folder with trained ppo/, dqn/, imitation/ policies.")] = None,
+    only: Annotated[list[str] | None, typer.Option(help="Only policies whose name contains this (repeatable).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Benchmark every policy on the held-out split against the exact oracle bound."""
+    from policies.benchmark import category_table, markdown_table, run_benchmark, write_outputs
+
+    _load(traces)
+    if policies is not None and not policies.is_dir():
+        fail(f"--policies: {policies} is not a folder")
+    try:
+        with _progress() as prog:
+            task = prog.add_task("benchmark", total=None)
+            res = run_benchmark(traces, kmax=kmax, cost_model=cost_model, episodes=episodes, seed=seed,
+                                policy_dir=policies, only=only,
+                                progress=lambda name: prog.update(task, description=name))
+    except ValueError as exc:
+        fail(str(exc))
+    paths = write_outputs(res, out_dir)
+    if as_json:
+        _print_json(res.to_json())
+        return
+    ctx = res.context
+    out.print(f"# specenv bench: {ctx['dataset']}, held-out split ({ctx['test_generations']} generations, "
+              f"{ctx['episodes']} episodes each), Kmax={ctx['kmax']}\n", markup=False)
+    out.print(markdown_table(res), markup=False)
+    out.print("\nPooled speedup by category:\n", markup=False)
+    out.print(category_table(res), markup=False)
+    for note in res.notes:
+        out.print(f"note: {note}", markup=False)
+    out.print(f"\nbest fixed k on train: {ctx['best_fixed_k_train']}; delta-space lambda (oracle boundary slope, "
+              f"train): {ctx['delta_lambda_ms']:.3f} ms/token; outputs in {out_dir}/ ({', '.join(p.name for p in paths)})",
+              markup=False)
+
+
 def main() -> None:
     """Console entry point."""
     try:

@@ -1,0 +1,425 @@
+"""Delta-space analysis of the oracle's decisions (the seed paper's Figure 3) and the boundary slope.
+
+At every decision state t on the optimal path and for every rejected budget k != k*(t):
+
+    dE[Cost] = C(t,k) - C(t,k*)            (the round cost is deterministic given t and k)
+    dE[a]    = E[a(t,k)] - E[a(t,k*)],     E[a(t,k)] = sum_{i=1..k} prod_{j<=i} rho_{t,j}
+
+(``E[a]`` is the trace's acceptance expectation, not truncated at the end of the generation).
+
+**Which states.** ``states="occupancy"`` (default, exact): every state the optimal policy visits
+with probability above ``min_occupancy`` (1e-9), each weighted by its occupancy probability (the
+expected number of decisions taken there). For greedy traces occupancy is 0 or 1, so this is exactly
+the deterministic optimal path with weight 1 per decision. ``states="mc"``: the states visited by
+seeded Monte-Carlo episodes of the optimal policy, weight 1 per visit.
+
+**Quadrants** (x = dE[a], y = dE[Cost]): I: x > tol_a, y > tol_cost; II: x > tol_a, y < -tol_cost;
+III: x < -tol_a, y < -tol_cost; IV: x < -tol_a, y > tol_cost; everything within a tolerance of an
+axis (e.g. greedy candidates whose extra drafts are surely rejected, x = 0) is counted as ``axis``.
+Tolerances: ``tol_cost = 1e-9`` ms and ``tol_a = 1e-9`` tokens, i.e. floating-point noise only.
+Quadrant II (cheaper *and* more progress) is empty whenever V is non-increasing in t; quadrant IV
+(costlier *and* less progress) is not excluded by optimality and does occur when the cost model is
+not monotone in k (the paper's Table A4 has beta0 dropping from K=3 to K=4: a 4-draft round can be
+cheaper than a 3-draft one).
+
+**Slopes.** Two lines through the origin are fitted:
+
+* ``lambda_ls``: weighted least squares ``dCost = lambda * da`` over all rejected points, with the
+  uncentred R^2 (``1 - sum w r^2 / sum w y^2``) and the residual spread. This is the centre of the
+  cloud the paper draws; it is *not* the decision boundary.
+* ``lambda_sep`` (the **boundary slope**): if V were linear in t with slope -mu, k* would maximise
+  ``mu*E[a(k)] - C(k)``, so every rejected point would satisfy ``dCost >= mu * da`` (I: dCost/da >=
+  mu; III: dCost/da <= mu). ``lambda_sep`` is the mu that minimises the weighted share of points on
+  the wrong side of that line (exact, by a sorted scan of the ratios); ``lambda_interval`` is the
+  hard envelope [max ratio in III, min ratio in I] (empty when lo > hi: no line separates all).
+
+``lambda_sep`` matches the optimal cost per committed token V(0)/N and the value function's mean
+marginal along the path, which is the marginal condition dE[Cost]/dE[a] ~ lambda of the paper.
+:func:`boundary_slope` returns it (or a variant) for the delta-space heuristic policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from oracle.dp import Evaluation, cost_table, evaluate_policy, expected_accepted, simulate, solve
+from specenv.costmodel import CostModel
+from specenv.traceset import PositionArrays
+
+__all__ = [
+    "DeltaAnalysis",
+    "boundary_slope",
+    "delta_analysis",
+    "delta_rule_policy",
+    "plot_delta",
+]
+
+States = Literal["occupancy", "mc"]
+QUADRANTS = ("I", "II", "III", "IV", "axis")
+
+
+@dataclass
+class DeltaAnalysis:
+    """Result of :func:`delta_analysis`.
+
+    Attributes:
+        states: ``"occupancy"`` or ``"mc"`` (see the module docstring).
+        decisions: Number of decision states used.
+        points: Number of (state, rejected k) points.
+        tol_cost: Tolerance on dE[Cost] (ms).
+        tol_a: Tolerance on dE[a] (tokens).
+        quadrants: Point counts per quadrant (I, II, III, IV, axis).
+        quadrants_weighted: Occupancy-weighted counts (expected numbers of points per pass).
+        lambda_ls: Weighted least-squares slope through the origin (ms per accepted token).
+        r2_origin: Uncentred R^2 of the least-squares line.
+        resid_sd: Weighted SD of the least-squares residuals (ms).
+        resid_quantiles: 5%, 50%, 95% quantiles of the residuals (ms, unweighted).
+        lambda_sep: Boundary slope minimising the weighted share of points on the wrong side.
+        sep_error: That weighted share (0 = the line separates all points).
+        lambda_interval: (lo, hi) hard envelope; lo > hi means no line separates all points.
+        v0_per_token: Optimal cost per committed token, sum V(0) / sum N (ms).
+        marginal_dv: Occupancy-weighted mean of V(t) - V(t+1) over the decision states (ms).
+        ar_per_token: AR cost per token (ms): divide a slope by it to get AR-step units.
+        da: (points,) dE[a] of every point.
+        dc: (points,) dE[Cost] of every point.
+        weight: (points,) weight of every point.
+        k: (points,) rejected budget.
+        kstar: (points,) oracle's budget at the point's state.
+    """
+
+    states: str
+    decisions: int
+    points: int
+    tol_cost: float
+    tol_a: float
+    quadrants: dict[str, int]
+    quadrants_weighted: dict[str, float]
+    lambda_ls: float
+    r2_origin: float
+    resid_sd: float
+    resid_quantiles: tuple[float, float, float]
+    lambda_sep: float
+    sep_error: float
+    lambda_interval: tuple[float, float]
+    v0_per_token: float
+    marginal_dv: float
+    ar_per_token: float
+    da: np.ndarray = field(repr=False)
+    dc: np.ndarray = field(repr=False)
+    weight: np.ndarray = field(repr=False)
+    k: np.ndarray = field(repr=False)
+    kstar: np.ndarray = field(repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain-JSON summary (no per-point arrays)."""
+        return {
+            "states": self.states,
+            "decisions": self.decisions,
+            "points": self.points,
+            "tol_cost_ms": self.tol_cost,
+            "tol_a": self.tol_a,
+            "quadrants": dict(self.quadrants),
+            "quadrants_weighted": dict(self.quadrants_weighted),
+            "lambda_ls_ms": self.lambda_ls,
+            "r2_origin": self.r2_origin,
+            "resid_sd_ms": self.resid_sd,
+            "resid_quantiles_ms": list(self.resid_quantiles),
+            "lambda_sep_ms": self.lambda_sep,
+            "sep_error": self.sep_error,
+            "lambda_interval_ms": list(self.lambda_interval),
+            "v0_per_token_ms": self.v0_per_token,
+            "marginal_dv_ms": self.marginal_dv,
+            "ar_per_token_ms": self.ar_per_token,
+            "lambda_sep_ar_units": self.lambda_sep / self.ar_per_token,
+            "lambda_ls_ar_units": self.lambda_ls / self.ar_per_token,
+        }
+
+
+def _separating_slope(x: np.ndarray, y: np.ndarray, w: np.ndarray, tol_a: float) -> tuple[float, float]:
+    """Mu minimising sum_{x>0, y/x<mu} w + sum_{x<0, y/x>mu} w, and that error's weighted share."""
+    pos = x > tol_a
+    neg = x < -tol_a
+    if not (pos.any() or neg.any()):
+        return float("nan"), float("nan")
+    r = np.concatenate([y[pos] / x[pos], y[neg] / x[neg]])
+    wp = np.concatenate([w[pos], np.zeros(neg.sum())])
+    wn = np.concatenate([np.zeros(pos.sum()), w[neg]])
+    vals, inv = np.unique(r, return_inverse=True)
+    cp = np.cumsum(np.bincount(inv, wp, len(vals)))  # pos weight with ratio <= vals[j]
+    cn = np.cumsum(np.bincount(inv, wn, len(vals)))  # neg weight with ratio <= vals[j]
+    total = w[pos].sum() + w[neg].sum()
+    # mu in (vals[j], vals[j+1]): errors = pos with ratio <= vals[j] + neg with ratio > vals[j]
+    err = cp + (cn[-1] - cn)
+    err_below = cn[-1]  # mu below every ratio: all neg points are wrong
+    j = int(np.argmin(err))
+    if err_below <= err[j]:
+        return float(vals[0] - 1.0), float(err_below / total)
+    mu = 0.5 * (vals[j] + vals[j + 1]) if j + 1 < len(vals) else vals[j] + 1.0
+    return float(mu), float(err[j] / total)
+
+
+def _state_weights(
+    arrays: PositionArrays,
+    cost_model: CostModel,
+    res: Evaluation,
+    states: States,
+    min_occupancy: float,
+    episodes: int,
+    seed: int,
+) -> np.ndarray:
+    if states == "occupancy":
+        w = res.occupancy.copy()
+        w[w <= min_occupancy] = 0.0
+        return w
+    if states == "mc":
+        sim = simulate(arrays, cost_model, res.k, episodes=episodes, seed=seed, lookahead=res.lookahead)
+        return sim.visits.astype(np.float64)
+    raise ValueError(f"states must be 'occupancy' or 'mc', got {states!r}")
+
+
+def delta_analysis(
+    arrays: PositionArrays,
+    cost_model: CostModel,
+    lookahead: int = 0,
+    result: Evaluation | None = None,
+    states: States = "occupancy",
+    min_occupancy: float = 1e-9,
+    episodes: int = 1,
+    seed: int = 0,
+    tol_cost: float = 1e-9,
+    tol_a: float = 1e-9,
+) -> DeltaAnalysis:
+    """Delta-space analysis of the oracle's decisions (paper Figure 3).
+
+    Args:
+        arrays: Positions table.
+        cost_model: Cost model covering ``arrays.kmax``.
+        lookahead: Draft lookahead h (as in :func:`oracle.dp.solve`).
+        result: A :func:`oracle.dp.solve` result for the same inputs (solved here if None).
+        states: ``"occupancy"`` (exact, weighted) or ``"mc"`` (Monte-Carlo visits).
+        min_occupancy: States visited with probability <= this are left out (occupancy mode).
+        episodes: Episodes per generation (mc mode).
+        seed: Seed (mc mode).
+        tol_cost: |dE[Cost]| <= tol_cost counts as on the axis (ms).
+        tol_a: |dE[a]| <= tol_a counts as on the axis (tokens).
+
+    Returns:
+        The :class:`DeltaAnalysis`.
+    """
+    res = result if result is not None else solve(arrays, cost_model, lookahead=lookahead)
+    if res.kmax != arrays.kmax or len(res.k) != len(arrays.L):
+        raise ValueError("result does not belong to these arrays (solve them with the same kmax)")
+    C = cost_table(arrays, cost_model, lookahead)
+    A = expected_accepted(arrays)
+    w_state = _state_weights(arrays, cost_model, res, states, min_occupancy, episodes, seed)
+    rows = np.flatnonzero(w_state > 0)
+    ks = res.k[rows]
+    K1 = arrays.kmax + 1
+    dc = C[rows] - C[rows, ks][:, None]
+    da = A[rows] - A[rows, ks][:, None]
+    rej = np.arange(K1)[None, :] != ks[:, None]
+    y = dc[rej]
+    x = da[rej]
+    w = np.broadcast_to(w_state[rows][:, None], dc.shape)[rej]
+    kk = np.broadcast_to(np.arange(K1)[None, :], dc.shape)[rej]
+    kst = np.broadcast_to(ks[:, None], dc.shape)[rej]
+
+    px, nx = x > tol_a, x < -tol_a
+    py, ny = y > tol_cost, y < -tol_cost
+    masks = {"I": px & py, "II": px & ny, "III": nx & ny, "IV": nx & py}
+    masks["axis"] = ~(masks["I"] | masks["II"] | masks["III"] | masks["IV"])
+    quads = {q: int(m.sum()) for q, m in masks.items()}
+    quads_w = {q: float(w[m].sum()) for q, m in masks.items()}
+
+    sxx = float((w * x * x).sum())
+    lam = float((w * x * y).sum() / sxx) if sxx > 0 else float("nan")
+    resid = y - lam * x
+    syy = float((w * y * y).sum())
+    r2 = 1.0 - float((w * resid**2).sum()) / syy if syy > 0 else float("nan")
+    wsum = float(w.sum())
+    rmean = float((w * resid).sum() / wsum) if wsum > 0 else float("nan")
+    rsd = float(np.sqrt((w * (resid - rmean) ** 2).sum() / wsum)) if wsum > 0 else float("nan")
+    rq = tuple(float(v) for v in np.percentile(resid, [5, 50, 95])) if len(resid) else (np.nan,) * 3
+
+    mu, err = _separating_slope(x, y, w, tol_a)
+    ratios_i = y[px] / x[px]
+    ratios_iii = y[nx] / x[nx]
+    hi = float(ratios_i.min()) if len(ratios_i) else float("inf")
+    lo = float(ratios_iii.max()) if len(ratios_iii) else float("-inf")
+
+    # marginal V(t) - V(t+1) at the decision states (V(N) = 0)
+    V = res.value
+    nxt = np.append(V[1:], 0.0)
+    nxt[arrays.offsets[1:] - 1] = 0.0
+    dv = V - nxt
+    ws = w_state[rows]
+    marginal = float((dv[rows] * ws).sum() / ws.sum()) if ws.sum() > 0 else float("nan")
+
+    return DeltaAnalysis(
+        states=states,
+        decisions=int(len(rows)),
+        points=int(len(x)),
+        tol_cost=tol_cost,
+        tol_a=tol_a,
+        quadrants=quads,
+        quadrants_weighted=quads_w,
+        lambda_ls=lam,
+        r2_origin=r2,
+        resid_sd=rsd,
+        resid_quantiles=rq,  # type: ignore[arg-type]
+        lambda_sep=mu,
+        sep_error=err,
+        lambda_interval=(lo, hi),
+        v0_per_token=res.v0_per_token,
+        marginal_dv=marginal,
+        ar_per_token=float(res.ar.sum() / res.lengths.sum()),
+        da=x,
+        dc=y,
+        weight=w,
+        k=kk,
+        kstar=kst,
+    )
+
+
+def delta_rule_policy(
+    arrays: PositionArrays, cost_model: CostModel, lam: float, lookahead: int = 0
+) -> np.ndarray:
+    """Budgets of the delta rule with the trace's true acceptance: ``argmax_k lam*E[a(t,k)] - C(t,k)``.
+
+    This is the offline (perfect-information) form of the delta-space heuristic; evaluate it with
+    :func:`oracle.dp.evaluate_policy`.
+
+    Returns:
+        (n,) int64 budgets per position row.
+    """
+    C = cost_table(arrays, cost_model, lookahead)
+    A = expected_accepted(arrays)
+    return np.argmax(lam * A - C, axis=1).astype(np.int64)
+
+
+def _policy_optimal_slope(
+    arrays: PositionArrays, cost_model: CostModel, lookahead: int, start: float, iters: int = 24
+) -> float:
+    """Lambda minimising the exact expected cost of :func:`delta_rule_policy` (grid + golden section)."""
+
+    def cost(lam: float) -> float:
+        k = delta_rule_policy(arrays, cost_model, lam, lookahead)
+        return float(evaluate_policy(arrays, cost_model, k, lookahead).cost.sum())
+
+    grid = start * np.geomspace(0.5, 2.0, 9)
+    vals = [cost(g) for g in grid]
+    i = int(np.argmin(vals))
+    a, b = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    phi = (np.sqrt(5.0) - 1.0) / 2.0
+    c, d = b - phi * (b - a), a + phi * (b - a)
+    fc, fd = cost(c), cost(d)
+    for _ in range(iters):
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - phi * (b - a)
+            fc = cost(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + phi * (b - a)
+            fd = cost(d)
+    best = min([(vals[i], grid[i]), (fc, c), (fd, d)])
+    return float(best[1])
+
+
+def boundary_slope(
+    arrays: PositionArrays,
+    cost_model: CostModel,
+    lookahead: int = 0,
+    method: Literal["separating", "ls", "v0", "policy"] = "separating",
+    states: States = "occupancy",
+    unit_ms: float = 1.0,
+) -> float:
+    """The delta-space boundary slope lambda fitted on the given generations (e.g. the train split).
+
+    The delta-space heuristic picks ``argmax_k lambda*E[a(k)] - E[C(k)]``; this returns its lambda.
+
+    Args:
+        arrays: Positions of the generations to fit on (``arrays.select(train_index)``), with the
+            budgets the policy will use (``arrays.with_kmax(k)``).
+        cost_model: Cost model.
+        lookahead: Draft lookahead h charged in every round.
+        method: ``"separating"`` (default): the boundary line of the oracle's rejected candidates
+            (:attr:`DeltaAnalysis.lambda_sep`); ``"ls"``: least-squares slope of all rejected
+            candidates (:attr:`DeltaAnalysis.lambda_ls`, the cloud's centre; a poor rule);
+            ``"v0"``: optimal cost per committed token, sum V(0) / sum N; ``"policy"``: the lambda
+            that minimises the exact expected cost of the rule itself with the trace's true
+            acceptance (grid + golden-section search started at the separating slope; slower).
+        states: Decision states for the delta analysis (see :func:`delta_analysis`).
+        unit_ms: Unit of the returned slope in ms (1.0: ms per accepted token; pass the mean AR
+            step cost in ms to get AR-step units as the environment's rewards use).
+
+    Returns:
+        lambda in ``unit_ms`` per accepted token.
+    """
+    res = solve(arrays, cost_model, lookahead=lookahead)
+    if method == "v0":
+        return res.v0_per_token / unit_ms
+    an = delta_analysis(arrays, cost_model, lookahead=lookahead, result=res, states=states)
+    if method == "separating":
+        return an.lambda_sep / unit_ms
+    if method == "ls":
+        return an.lambda_ls / unit_ms
+    if method == "policy":
+        return _policy_optimal_slope(arrays, cost_model, lookahead, an.lambda_sep) / unit_ms
+    raise ValueError(f"method must be 'separating', 'ls', 'v0' or 'policy', got {method!r}")
+
+
+def plot_delta(analysis: DeltaAnalysis, path: str, max_points: int = 20000, seed: int = 0) -> str:
+    """Scatter of dE[Cost] against dE[a] with both fitted lines (paper Figure 3); writes ``path``.
+
+    Points are subsampled (seeded, with probability proportional to their weight) to ``max_points``.
+
+    Returns:
+        The path written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x, y, w = analysis.da, analysis.dc, analysis.weight
+    n = len(x)
+    if n > max_points:
+        rng = np.random.default_rng(seed)
+        p = w / w.sum()
+        idx = rng.choice(n, size=max_points, replace=False, p=p)
+    else:
+        idx = np.arange(n)
+    colors = {"I": "tab:red", "II": "tab:purple", "III": "tab:blue", "IV": "tab:orange", "axis": "0.6"}
+    tc, ta = analysis.tol_cost, analysis.tol_a
+    xs, ys = x[idx], y[idx]
+    quad = np.full(len(idx), "axis", dtype=object)
+    quad[(xs > ta) & (ys > tc)] = "I"
+    quad[(xs > ta) & (ys < -tc)] = "II"
+    quad[(xs < -ta) & (ys < -tc)] = "III"
+    quad[(xs < -ta) & (ys > tc)] = "IV"
+    fig, ax = plt.subplots(figsize=(7, 5.5))
+    for q in QUADRANTS:
+        m = quad == q
+        if m.any():
+            ax.scatter(xs[m], ys[m], s=3, alpha=0.35, color=colors[q],
+                       label=f"{q}: {analysis.quadrants[q]:,}", rasterized=True)
+    lim = np.array([x.min(), x.max()]) if n else np.array([-1.0, 1.0])
+    ax.plot(lim, analysis.lambda_sep * lim, color="k", lw=1.5,
+            label=f"boundary  lambda={analysis.lambda_sep:.3f} ms/token (err {analysis.sep_error:.1%})")
+    ax.plot(lim, analysis.lambda_ls * lim, color="k", lw=1, ls="--",
+            label=f"least squares  lambda={analysis.lambda_ls:.3f} (R2 {analysis.r2_origin:.3f})")
+    ax.axhline(0, color="0.3", lw=0.6)
+    ax.axvline(0, color="0.3", lw=0.6)
+    ax.set_xlabel("dE[a]  (accepted drafts, rejected k minus k*)")
+    ax.set_ylabel("dE[Cost]  (ms, rejected k minus k*)")
+    ax.set_title(f"Delta space of the oracle's rejected candidates ({analysis.points:,} points, "
+                 f"V(0)/N = {analysis.v0_per_token:.3f} ms)", fontsize=10)
+    ax.legend(fontsize=8, markerscale=4, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return str(path)

@@ -1,0 +1,99 @@
+"""The oracle bound against the speculation budget Kmax (the seed paper's Figure 2)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import pandas as pd
+
+from oracle.dp import evaluate_policy, solve
+from specenv.costmodel import CostModel
+from specenv.traceset import PositionArrays
+
+__all__ = ["SWEEP_COLUMNS", "kmax_sweep", "plot_kmax_sweep"]
+
+#: Columns of :func:`kmax_sweep`'s table.
+SWEEP_COLUMNS = (
+    "kmax", "s_max_pooled", "s_max_mean", "mean_k", "mean_accepted", "expected_rounds",
+    "best_fixed_k", "best_fixed_speedup",
+)
+
+
+def kmax_sweep(
+    arrays: PositionArrays,
+    cost_model: CostModel,
+    kmaxes: Iterable[int] | None = None,
+    lookahead: int = 0,
+) -> pd.DataFrame:
+    """Solve the oracle with budgets restricted to 0..Kmax for every Kmax.
+
+    Args:
+        arrays: Positions table.
+        cost_model: Cost model covering ``arrays.kmax``.
+        kmaxes: Budgets to sweep (default 1..``arrays.kmax``).
+        lookahead: Draft lookahead h (the lookahead is charged even where it exceeds Kmax).
+
+    Returns:
+        One row per Kmax with columns :data:`SWEEP_COLUMNS`: the pooled and mean S_max, the mean
+        k* and mean accepted drafts per round on the optimal path (pooled over rounds), the
+        expected number of rounds, and the best fixed budget k <= Kmax with its pooled speedup.
+    """
+    ks = list(range(1, arrays.kmax + 1)) if kmaxes is None else [int(k) for k in kmaxes]
+    rows = []
+    fixed: dict[int, float] = {}
+    for km in ks:
+        sub = arrays.with_kmax(km)
+        res = solve(sub, cost_model, lookahead=lookahead)
+        for k in range(km + 1):
+            if k not in fixed:
+                fixed[k] = evaluate_policy(sub, cost_model, k, lookahead=lookahead).speedup_pooled
+        best = max(range(km + 1), key=lambda k: fixed[k])
+        rows.append({
+            "kmax": km,
+            "s_max_pooled": res.speedup_pooled,
+            "s_max_mean": res.speedup_mean,
+            "mean_k": res.mean_k,
+            "mean_accepted": res.mean_accepted,
+            "expected_rounds": float(res.rounds.sum()),
+            "best_fixed_k": best,
+            "best_fixed_speedup": fixed[best],
+        })
+    return pd.DataFrame(rows, columns=list(SWEEP_COLUMNS))
+
+
+def plot_kmax_sweep(table: pd.DataFrame, path: str, title: str = "") -> str:
+    """Three panels against Kmax: S_max (with the best fixed k), mean k*, mean accepted; writes ``path``.
+
+    Returns:
+        The path written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = table["kmax"].to_numpy()
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    ax = axes[0]
+    ax.plot(x, table["s_max_pooled"], "o-", label="oracle S_max (pooled)")
+    ax.plot(x, table["s_max_mean"], "s--", ms=4, label="oracle S_max (mean over generations)")
+    ax.plot(x, table["best_fixed_speedup"], "^:", label="best fixed k <= Kmax")
+    ax.set_ylabel("speedup over AR")
+    ax.legend(fontsize=8)
+    axes[1].plot(x, table["mean_k"], "o-", color="tab:green")
+    axes[1].plot(x, x, ":", color="0.6", label="k = Kmax")
+    axes[1].set_ylabel("mean k* per round")
+    axes[1].legend(fontsize=8)
+    axes[2].plot(x, table["mean_accepted"], "o-", color="tab:purple")
+    axes[2].set_ylabel("mean accepted drafts per round")
+    for a in axes:
+        a.set_xlabel("Kmax")
+        a.set_xticks(np.asarray(x))
+        a.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return str(path)

@@ -1,0 +1,59 @@
+"""The oracle against the replay environment: same costs, and Monte Carlo through the env agrees."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import oracle
+from oracle.montecarlo import OnlinePolicy, evaluate_in_env
+from specenv.datasets import load_dataset
+from specenv.fit import cost_model_for
+from specenv.splits import select_split
+
+env_mod = pytest.importorskip("specenv.env")
+
+
+class FixedK:
+    name = "fixed"
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def reset(self) -> None:
+        pass
+
+    def act(self, obs: np.ndarray) -> int:
+        return self.k
+
+
+@pytest.mark.parametrize("lookahead", [0, 3])
+def test_cost_table_matches_environment(lookahead: int) -> None:
+    ts = load_dataset("paper-default")
+    arrays = select_split(ts.arrays(), "test")
+    data = env_mod.replay_data("paper-default", None, "test", "fit", lookahead)
+    C = oracle.cost_table(arrays, cost_model_for(ts, "fit"), lookahead=lookahead)
+    np.testing.assert_allclose(data.cost, C, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(data.generation_ids, arrays.generation_ids)
+    np.testing.assert_allclose(data.ar_total_ms, oracle.ar_costs(arrays, cost_model_for(ts, "fit")), rtol=1e-12)
+
+
+def test_env_monte_carlo_brackets_exact_evaluation() -> None:
+    ts = load_dataset("paper-default")
+    model = cost_model_for(ts, "fit")
+    arrays = select_split(ts.arrays(), "test")
+    gids = arrays.generation_ids[:6]
+    pol = FixedK(5)
+    assert isinstance(pol, OnlinePolicy)
+    ev = evaluate_in_env(pol, split="test", episodes=8, seed=2, generation_ids=gids)
+    again = evaluate_in_env(pol, split="test", episodes=8, seed=2, generation_ids=gids)
+    np.testing.assert_array_equal(ev.cost, again.cost)
+    exact = oracle.evaluate_policy(arrays.select(np.arange(6)), model, 5)
+    s = ev.summary()
+    assert s["episodes"] == 48 and s["generations"] == 6
+    assert s["mean_k"]["value"] == 5.0
+    np.testing.assert_allclose(ev.ar, np.repeat(exact.ar, 8), rtol=1e-12)
+    assert abs(s["speedup_pooled"]["value"] - exact.speedup_pooled) < 1.5 * s["speedup_pooled"]["ci95"]
+    assert abs(s["mean_accepted"]["value"] - exact.mean_accepted) < 1.5 * s["mean_accepted"]["ci95"]
+    # the oracle is an upper bound on what the online policy achieves
+    assert oracle.solve(arrays.select(np.arange(6)), model).speedup_pooled > s["speedup_pooled"]["value"]
