@@ -81,7 +81,7 @@ def train_sb3(
     env.seed(seed)
     tb = str(run_dir / "tb") if tensorboard else None
     if algo == "ppo":
-        model = PPO("MlpPolicy", env, n_steps=256, batch_size=2048, n_epochs=10, gamma=0.999, gae_lambda=0.95,
+        model = PPO("MlpPolicy", env, n_steps=256, batch_size=min(2048, 256 * n_envs), n_epochs=10, gamma=0.999, gae_lambda=0.95,
                     learning_rate=3e-4, ent_coef=0.003, policy_kwargs={"net_arch": [64, 64]}, seed=seed,
                     tensorboard_log=tb, verbose=0, device="cpu")
     else:
