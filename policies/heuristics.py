@@ -171,8 +171,9 @@ class AcceptanceEstimator:
 
     After a round with budget k and a accepted drafts, depth j was *reached* when k >= j and
     a >= j-1, and *accepted* when a >= j. rho_hat_j = (s_j + n0 * prior_j) / (n_j + n0) with
-    s_j, n_j the forgetting-weighted successes and trials. k = 0 rounds carry no information, so
-    the estimate never collapses to "never speculate" for lack of data.
+    s_j, n_j the forgetting-weighted successes and trials. Evidence ages every round, also in k = 0
+    rounds that carry no information, so after a bad stretch the estimate drifts back to the prior
+    and the policy speculates again instead of staying at k = 0 for lack of data.
 
     Args:
         kmax: Largest depth.
@@ -194,12 +195,12 @@ class AcceptanceEstimator:
         self.n = np.zeros_like(self.prior)
 
     def observe(self, k: int, a: int) -> None:
-        """Fold in one round."""
-        if k < 1:
-            return
+        """Fold in one round (evidence of every depth ages by ``forget`` each round, k = 0 included)."""
+        self.s *= self.forget
+        self.n *= self.forget
         reached = (k >= self.j) & (a >= self.j - 1)
-        self.s = np.where(reached, self.forget * self.s + (a >= self.j), self.s)
-        self.n = np.where(reached, self.forget * self.n + 1.0, self.n)
+        self.s += reached & (a >= self.j)
+        self.n += reached
 
     def rho(self) -> np.ndarray:
         """(kmax,) current estimates."""
