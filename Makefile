@@ -21,6 +21,8 @@ venv: $(STAMP)
 demo: venv
 	$(BIN)/specenv validate paper-default
 	$(BIN)/specenv fit paper-default
+	$(BIN)/specenv oracle paper-default --sweep --delta --plot $(OUT)
+	$(BIN)/specenv bench paper-default --out $(OUT)
 
 test: venv
 	$(BIN)/python -m pytest -q

@@ -6,8 +6,9 @@ the policy's mean episode cost. Reported per policy: mean speedup over generatio
 t-interval, pooled speedup (sum AR / sum cost), % of the oracle bound (pooled speedup / pooled
 S_max), mean k and mean accepted per round, and the pooled speedup per category. The bound is the
 exact SSP oracle on the same generations (lookahead 0, the true optimum). Policies that need the
-draft's confidences run in an environment with ``lookahead = kmax``, which also charges drafting
-kmax tokens every round.
+draft's confidences run in an environment with a lookahead h (``kmax`` for the confidence
+thresholds, the training lookahead for learned policies), which charges drafting max(k, h) tokens
+every round.
 
 Everything that needs fitting uses the **train** split only: the best fixed k (exact evaluation),
 the delta-space lambda (oracle boundary slope), the U(k) prior (train means) and the learned
@@ -29,7 +30,14 @@ import pandas as pd
 
 from policies.base import Policy
 from policies.delta import DeltaSpaceRule
-from policies.heuristics import CascadeUtility, ConfidenceThreshold, FixedK, GoodputRule, TransformersHeuristic, UCBBandit
+from policies.heuristics import (
+    CascadeUtility,
+    ConfidenceThreshold,
+    FixedK,
+    GoodputRule,
+    TransformersHeuristic,
+    UCBBandit,
+)
 from policies.mlp import MLPPolicy
 from specenv.costmodel import CostModel
 from specenv.observation import ObservationSpec
@@ -44,7 +52,7 @@ class Entry:
 
     name: str
     make: Callable[[ObservationSpec], Policy]
-    lookahead: bool = False
+    lookahead: int = 0
     note: str = ""
 
 
@@ -60,6 +68,7 @@ class Context:
     test: PositionArrays
     best_fixed_k: int
     lam_ms: float
+    lam_ms_h3: float
     u_prior: np.ndarray
     rho_prior: np.ndarray
     spec: ObservationSpec
@@ -94,13 +103,15 @@ def build_context(dataset: str, kmax: int | None, cost_model: str, policy_dir: P
     speed = [evaluate_policy(train, model, k).speedup_pooled for k in range(kmax + 1)]
     best = int(np.argmax(speed))
     lam = boundary_slope(train, model)
+    lam_h3 = boundary_slope(train, model, lookahead=min(3, kmax))
     u_prior = train.U.mean(axis=0)
     # mean conditional acceptance per depth, over the states where that depth is reached
     surv = np.cumprod(train.rho, axis=1)
     reach = np.concatenate([np.ones((len(surv), 1)), surv[:, :-1]], axis=1)
     rho_prior = (reach * train.rho).sum(axis=0) / np.maximum(reach.sum(axis=0), 1e-12)
     spec = ObservationSpec(kmax, 0, int(ts.manifest.max_new_tokens), int(ts.facts.n_experts))
-    return Context(dataset, kmax, model, cost_model, train, test, best, lam, u_prior, rho_prior, spec, policy_dir)
+    return Context(dataset, kmax, model, cost_model, train, test, best, lam, lam_h3, u_prior, rho_prior, spec,
+                   policy_dir)
 
 
 def default_entries(ctx: Context) -> list[Entry]:
@@ -113,28 +124,30 @@ def default_entries(ctx: Context) -> list[Entry]:
         Entry(f"fixed k={ctx.kmax}", lambda s: FixedK(s, ctx.kmax)),
         Entry(f"best fixed k={ctx.best_fixed_k} (train)", lambda s: FixedK(s, ctx.best_fixed_k)),
         Entry("transformers heuristic", lambda s: TransformersHeuristic(s)),
-        Entry("confidence 0.4", lambda s: ConfidenceThreshold(s, 0.4), lookahead=True),
-        Entry("confidence ROC", lambda s: ConfidenceThreshold(s, 0.4, adaptive=True), lookahead=True),
+        Entry("confidence 0.4", lambda s: ConfidenceThreshold(s, 0.4), lookahead=ctx.kmax),
+        Entry("confidence ROC", lambda s: ConfidenceThreshold(s, 0.4, adaptive=True),
+              lookahead=ctx.kmax),
         Entry("goodput (SmartSpec)", lambda s: GoodputRule(s, m, up)),
         Entry("cascade utility", lambda s: CascadeUtility(s)),
         Entry("UCB bandit", lambda s: UCBBandit(s)),
         Entry("delta-space (oracle lambda)", lambda s: DeltaSpaceRule(s, m, lam_ms=ctx.lam_ms, u_prior=up, rho_prior=rp)),
         Entry("delta-space (adaptive lambda)", lambda s: DeltaSpaceRule(s, m, adaptive=True, u_prior=up, rho_prior=rp)),
+        Entry(f"delta-space + confidences (h={min(3, ctx.kmax)})",
+              lambda s: DeltaSpaceRule(s, m, lam_ms=ctx.lam_ms_h3, u_prior=up, rho_prior=rp), lookahead=min(3, ctx.kmax)),
     ]
-    if ctx.policy_dir is not None:
+    if ctx.policy_dir is not None and ctx.policy_dir.is_dir():
+        found = sorted(p.parent for p in ctx.policy_dir.glob("*/policy.json"))
         for name in LEARNED:
-            folder = ctx.policy_dir / name
-            if (folder / "policy.json").is_file():
-                pol = MLPPolicy.load(folder)
-                want = ctx.spec if pol.spec.lookahead == 0 else ObservationSpec(
-                    ctx.kmax, ctx.kmax, ctx.spec.max_new_tokens, ctx.spec.n_experts)
-                if pol.spec != want:
-                    ctx.notes.append(f"skipped '{name}' in {ctx.policy_dir}: trained on observation {pol.spec}, "
-                                     f"this benchmark gives {want}")
-                    continue
-                entries.append(Entry(f"{name} (learned)", _learned(pol), lookahead=pol.spec.lookahead > 0))
-            else:
+            if not any(f.name == name or f.name.startswith(name + "-") for f in found):
                 ctx.notes.append(f"no trained '{name}' policy in {ctx.policy_dir} (run `specenv train --algo {name}`)")
+        for folder in found:
+            pol = MLPPolicy.load(folder)
+            want = ObservationSpec(ctx.kmax, pol.spec.lookahead, ctx.spec.max_new_tokens, ctx.spec.n_experts)
+            if pol.spec != want:
+                ctx.notes.append(f"skipped '{folder.name}' in {ctx.policy_dir}: trained on observation {pol.spec}, "
+                                 f"this benchmark gives {want}")
+                continue
+            entries.append(Entry(f"{folder.name} (learned)", _learned(pol), lookahead=pol.spec.lookahead))
     return entries
 
 
@@ -156,7 +169,7 @@ def run_policy(
     from specenv.env import ENV_ID
 
     env = gym.make(ENV_ID, dataset=ctx.dataset, kmax=ctx.kmax, split="test", cost_model=ctx.cost_model_arg,
-                   lookahead=ctx.kmax if entry.lookahead else 0)
+                   lookahead=entry.lookahead)
     policy = entry.make(env.unwrapped.data.spec)
     rows = []
     for gid in env.unwrapped.data.generation_ids:
@@ -288,6 +301,7 @@ def run_benchmark(
     context = {"dataset": dataset, "kmax": ctx.kmax, "cost_model": cost_model, "episodes": episodes, "seed": seed,
                "test_generations": int(ctx.test.n_generations), "train_generations": int(ctx.train.n_generations),
                "best_fixed_k_train": ctx.best_fixed_k, "delta_lambda_ms": ctx.lam_ms,
+               "delta_lambda_ms_h3": ctx.lam_ms_h3,
                "ar_cost_model_extrapolated": bool(ctx.cost_model.ar_extrapolated)}
     return BenchResult(summary, cats, episodes_df, sol.summary(), context, ctx.notes)
 
