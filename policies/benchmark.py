@@ -44,6 +44,7 @@ from specenv.observation import ObservationSpec
 from specenv.traceset import PositionArrays
 
 LEARNED = ("ppo", "dqn", "imitation")
+ORACLE_ROW = "oracle bound (SSP)"
 
 
 @dataclass
@@ -289,14 +290,14 @@ def run_benchmark(
         raise ValueError(f"only={only}: no policy matches")
     episodes_df = pd.concat(frames, ignore_index=True)
     summary, cats = summarise(episodes_df, oracle_df)
-    oracle_row = {"policy": "oracle bound (SSP)", "speedup_mean": float(sol.speedup.mean()),
+    oracle_row = {"policy": ORACLE_ROW, "speedup_mean": float(sol.speedup.mean()),
                   "ci95_low": float("nan"), "ci95_high": float("nan"), "speedup_pooled": sol.speedup_pooled,
                   "oracle_pct": 100.0, "mean_k": sol.mean_k, "mean_accepted": sol.mean_accepted,
                   "generations": int(len(sol.cost)), "beats_bound": 0}
     summary = pd.concat([summary, pd.DataFrame([oracle_row])], ignore_index=True)
     ocat = oracle_df.groupby("category").apply(lambda d: d["ar_ms"].sum() / d["v0_ms"].sum(),
                                                include_groups=False).rename("speedup_pooled").reset_index()
-    ocat.insert(0, "policy", "oracle bound (SSP)")
+    ocat.insert(0, "policy", ORACLE_ROW)
     cats = pd.concat([cats, ocat], ignore_index=True)
     context = {"dataset": dataset, "kmax": ctx.kmax, "cost_model": cost_model, "episodes": episodes, "seed": seed,
                "test_generations": int(ctx.test.n_generations), "train_generations": int(ctx.train.n_generations),
@@ -348,12 +349,12 @@ def write_outputs(res: BenchResult, out: Path) -> list[Path]:
     y = np.arange(len(s))[::-1]
     err = np.vstack([s["speedup_mean"] - s["ci95_low"], s["ci95_high"] - s["speedup_mean"]]).clip(min=0)
     err = np.nan_to_num(err)
-    colors = ["tab:red" if "oracle" in p else ("tab:green" if "learned" in p else
+    colors = ["tab:red" if p == ORACLE_ROW else ("tab:green" if "learned" in p else
               ("tab:purple" if "delta" in p else "tab:blue")) for p in s["policy"]]
     ax.barh(y, s["speedup_mean"], xerr=err, color=colors, alpha=0.8)
     ax.set_yticks(y, s["policy"])
     ax.axvline(1.0, color="k", lw=0.8)
-    bound = float(s.loc[s["policy"].str.contains("oracle"), "speedup_mean"].iloc[0])
+    bound = float(s.loc[s["policy"] == ORACLE_ROW, "speedup_mean"].iloc[0])
     ax.axvline(bound, color="tab:red", ls="--", lw=1)
     ax.set_xlabel("speedup over autoregressive decoding (mean over held-out generations, 95% CI)")
     ax.set_title(f"{res.context['dataset']}: policies vs the SSP oracle bound (Kmax={res.context['kmax']})")

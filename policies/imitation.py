@@ -39,6 +39,7 @@ def train_dagger(
     dataset: str,
     kmax: int | None = None,
     cost_model: str = "fit",
+    lookahead: int = 0,
     iterations: int = 6,
     hidden: tuple[int, ...] = (64, 64),
     epochs: int = 30,
@@ -51,6 +52,7 @@ def train_dagger(
         dataset: Registry name or folder.
         kmax: Largest budget (default: the trace set's Kmax).
         cost_model: ``"fit"``, ``"profile"`` or a JSON path (as for the environment).
+        lookahead: Draft confidences in the observation (the oracle is solved with the same charge).
         iterations: DAgger iterations (beta = 1 at the first, then 0.5**i).
         hidden: Hidden layer sizes.
         epochs: Passes over the aggregate per iteration.
@@ -68,7 +70,8 @@ def train_dagger(
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    env = gym.make(ENV_ID, dataset=dataset, kmax=kmax, split="train", cost_model=cost_model)
+    env = gym.make(ENV_ID, dataset=dataset, kmax=kmax, split="train", cost_model=cost_model,
+                   lookahead=lookahead)
     base = env.unwrapped
     data = base.data
     spec: ObservationSpec = data.spec
@@ -135,7 +138,8 @@ def train_dagger(
                 f"regret/step={regret:.4f} AR units")
     env.close()
     policy = _to_numpy(net, spec, name="imitation", meta={"algo": "dagger", "dataset": dataset, "seed": seed,
-                                                          "iterations": iterations, "history": history})
+                                                          "iterations": iterations, "lookahead": lookahead,
+                                                          "history": history})
     return DaggerResult(policy, history)
 
 

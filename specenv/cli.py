@@ -300,7 +300,8 @@ def train(
     n_envs: Annotated[int, typer.Option(min=1, help="Parallel streams of the vector env (ppo, dqn).")] = 32,
     kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
     cost_model: Annotated[str, typer.Option(help="fit, profile or a cost-model JSON.")] = "fit",
-    lookahead: Annotated[int, typer.Option(min=0, help="Draft confidences in the observation (ppo, dqn).")] = 0,
+    lookahead: Annotated[int, typer.Option(min=0, help="Draft confidences in the observation.")] = 0,
+    name: Annotated[str | None, typer.Option(help="Run name (default: ALGO[-hH]-seedS).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Train a budget controller on the train split and export it (numpy form, no pickle)."""
@@ -308,12 +309,13 @@ def train(
     if algo not in algos:
         fail(f"--algo: unknown learner '{algo}' (known: {', '.join(algos)})")
     _load(traces)
-    run = out_dir / f"{algo}-seed{seed}"
+    run = out_dir / (name or f"{algo}{f'-h{lookahead}' if lookahead else ''}-seed{seed}")
     try:
         if algo == "imitation":
             from policies.imitation import train_dagger
 
-            res = train_dagger(traces, kmax=kmax, cost_model=cost_model, iterations=iterations, seed=seed,
+            res = train_dagger(traces, kmax=kmax, cost_model=cost_model, lookahead=lookahead,
+                               iterations=iterations, seed=seed,
                                log=lambda m: err.print(m, markup=False))
             res.policy.save(run / "policy")
             meta = res.policy.meta
@@ -374,6 +376,49 @@ def bench(
     out.print(f"\nbest fixed k on train: {ctx['best_fixed_k_train']}; delta-space lambda (oracle boundary slope, "
               f"train): {ctx['delta_lambda_ms']:.3f} ms/token; outputs in {out_dir}/ ({', '.join(p.name for p in paths)})",
               markup=False)
+
+
+@app.command()
+def collect(
+    out_dir: Annotated[Path, typer.Option("--out", "-o", help="Folder to write the trace set to.")],
+    engine: Annotated[str, typer.Option(help="Engine: hf (live CPU engine on the shipped small models).")] = "hf",
+    prompts: Annotated[str, typer.Option(help="Prompt set: shipped name or JSON file.")] = "stdlib-code-v1",
+    n_prompts: Annotated[int, typer.Option("--n-prompts", "-n", min=1, help="First N prompts of the set.")] = 64,
+    kmax: Annotated[int, typer.Option(min=1, max=16, help="Fixed-K runs K=0..Kmax; sweep chain length.")] = 8,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per prompt.")] = 128,
+    threads: Annotated[int, typer.Option(min=1, help="Torch threads of the engine.")] = 1,
+    models: Annotated[str, typer.Option(help="Model set: shipped name or folder.")] = "small-moe-v1",
+    name: Annotated[str, typer.Option(help="Name written to the manifest.")] = "live-cpu",
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Record a trace set with a live engine: fixed-K rounds (K=0..Kmax) and the counterfactual sweep."""
+    if engine != "hf":
+        fail(f"--engine: unknown engine '{engine}' (known: hf)")
+    if out_dir.exists() and not overwrite:
+        fail(f"--out: {out_dir} already exists (use --overwrite)")
+    try:
+        from specenv.live.collect import collect_live
+        from specenv.live.models import load_models, load_prompts
+    except ImportError as exc:
+        fail(f"--engine hf needs the live extra (pip install 'specenv[live]'): {exc}")
+    try:
+        mdl = load_models(models)
+        plist = load_prompts(prompts)[:n_prompts]
+        with _progress() as prog:
+            task = prog.add_task("collecting", total=len(plist))
+            ts = collect_live(mdl, plist, kmax=kmax, max_new_tokens=max_new_tokens, threads=threads, name=name,
+                              prompt_set=prompts, progress=lambda done, total: prog.update(task, completed=done))
+    except ValueError as exc:
+        fail(str(exc))
+    ts.save(out_dir, overwrite=overwrite)
+    summary = {"path": str(out_dir), **ts.manifest.counts, "kmax": kmax,
+               "lossless_mismatches": ts.manifest.extra["lossless"]["mismatched_runs"],
+               "wall_seconds": ts.manifest.extra["wall_seconds"]}
+    if as_json:
+        _print_json(summary)
+    else:
+        out.print(f"wrote {out_dir}: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k != "path"))
 
 
 def main() -> None:
