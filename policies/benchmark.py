@@ -111,8 +111,9 @@ def build_context(dataset: str, kmax: int | None, cost_model: str, policy_dir: P
     reach = np.concatenate([np.ones((len(surv), 1)), surv[:, :-1]], axis=1)
     rho_prior = (reach * train.rho).sum(axis=0) / np.maximum(reach.sum(axis=0), 1e-12)
     spec = ObservationSpec(kmax, 0, int(ts.manifest.max_new_tokens), int(ts.facts.n_experts))
-    return Context(dataset, kmax, model, cost_model, train, test, best, lam, lam_h3, u_prior, rho_prior, spec,
-                   policy_dir)
+    return Context(
+        dataset, kmax, model, cost_model, train, test, best, lam, lam_h3, u_prior, rho_prior, spec, policy_dir
+    )
 
 
 def default_entries(ctx: Context) -> list[Entry]:
@@ -126,15 +127,19 @@ def default_entries(ctx: Context) -> list[Entry]:
         Entry(f"best fixed k={ctx.best_fixed_k} (train)", lambda s: FixedK(s, ctx.best_fixed_k)),
         Entry("transformers heuristic", lambda s: TransformersHeuristic(s)),
         Entry("confidence 0.4", lambda s: ConfidenceThreshold(s, 0.4), lookahead=ctx.kmax),
-        Entry("confidence ROC", lambda s: ConfidenceThreshold(s, 0.4, adaptive=True),
-              lookahead=ctx.kmax),
+        Entry("confidence ROC", lambda s: ConfidenceThreshold(s, 0.4, adaptive=True), lookahead=ctx.kmax),
         Entry("goodput (SmartSpec)", lambda s: GoodputRule(s, m, up)),
         Entry("cascade utility", lambda s: CascadeUtility(s)),
         Entry("UCB bandit", lambda s: UCBBandit(s)),
-        Entry("delta-space (oracle lambda)", lambda s: DeltaSpaceRule(s, m, lam_ms=ctx.lam_ms, u_prior=up, rho_prior=rp)),
+        Entry(
+            "delta-space (oracle lambda)", lambda s: DeltaSpaceRule(s, m, lam_ms=ctx.lam_ms, u_prior=up, rho_prior=rp)
+        ),
         Entry("delta-space (adaptive lambda)", lambda s: DeltaSpaceRule(s, m, adaptive=True, u_prior=up, rho_prior=rp)),
-        Entry(f"delta-space + confidences (h={min(3, ctx.kmax)})",
-              lambda s: DeltaSpaceRule(s, m, lam_ms=ctx.lam_ms_h3, u_prior=up, rho_prior=rp), lookahead=min(3, ctx.kmax)),
+        Entry(
+            f"delta-space + confidences (h={min(3, ctx.kmax)})",
+            lambda s: DeltaSpaceRule(s, m, lam_ms=ctx.lam_ms_h3, u_prior=up, rho_prior=rp),
+            lookahead=min(3, ctx.kmax),
+        ),
     ]
     if ctx.policy_dir is not None and ctx.policy_dir.is_dir():
         found = sorted(p.parent for p in ctx.policy_dir.glob("*/policy.json"))
@@ -145,8 +150,10 @@ def default_entries(ctx: Context) -> list[Entry]:
             pol = MLPPolicy.load(folder)
             want = ObservationSpec(ctx.kmax, pol.spec.lookahead, ctx.spec.max_new_tokens, ctx.spec.n_experts)
             if pol.spec != want:
-                ctx.notes.append(f"skipped '{folder.name}' in {ctx.policy_dir}: trained on observation {pol.spec}, "
-                                 f"this benchmark gives {want}")
+                ctx.notes.append(
+                    f"skipped '{folder.name}' in {ctx.policy_dir}: trained on observation {pol.spec}, "
+                    f"this benchmark gives {want}"
+                )
                 continue
             entries.append(Entry(f"{folder.name} (learned)", _learned(pol), lookahead=pol.spec.lookahead))
     return entries
@@ -161,16 +168,20 @@ def _learned(pol: MLPPolicy) -> Callable[[ObservationSpec], Policy]:
     return make
 
 
-def run_policy(
-    entry: Entry, ctx: Context, episodes: int, seed: int
-) -> tuple[pd.DataFrame, Policy]:
+def run_policy(entry: Entry, ctx: Context, episodes: int, seed: int) -> tuple[pd.DataFrame, Policy]:
     """Replay every test generation ``episodes`` times with one policy; one row per episode."""
     import gymnasium as gym
 
     from specenv.env import ENV_ID
 
-    env = gym.make(ENV_ID, dataset=ctx.dataset, kmax=ctx.kmax, split="test", cost_model=ctx.cost_model_arg,
-                   lookahead=entry.lookahead)
+    env = gym.make(
+        ENV_ID,
+        dataset=ctx.dataset,
+        kmax=ctx.kmax,
+        split="test",
+        cost_model=ctx.cost_model_arg,
+        lookahead=entry.lookahead,
+    )
     policy = entry.make(env.unwrapped.data.spec)
     rows = []
     for gid in env.unwrapped.data.generation_ids:
@@ -184,9 +195,19 @@ def run_policy(
                 k_sum += info["k"]
                 a_sum += info["accepted"]
                 n += 1
-            rows.append({"policy": entry.name, "generation_id": int(gid), "category": info0["category"],
-                         "episode": r, "cost_ms": info["episode_cost_ms"], "ar_ms": info["ar_cost_ms"],
-                         "rounds": n, "k_sum": k_sum, "accepted_sum": a_sum})
+            rows.append(
+                {
+                    "policy": entry.name,
+                    "generation_id": int(gid),
+                    "category": info0["category"],
+                    "episode": r,
+                    "cost_ms": info["episode_cost_ms"],
+                    "ar_ms": info["ar_cost_ms"],
+                    "rounds": n,
+                    "k_sum": k_sum,
+                    "accepted_sum": a_sum,
+                }
+            )
     env.close()
     return pd.DataFrame(rows), policy
 
@@ -199,9 +220,19 @@ def _t95(n: int) -> float:
 
 def summarise(episodes: pd.DataFrame, oracle: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per-policy summary and per-policy-per-category pooled speedups."""
-    g = episodes.groupby(["policy", "generation_id", "category"], sort=False).agg(
-        cost_ms=("cost_ms", "mean"), cost_sd=("cost_ms", "std"), n=("cost_ms", "size"), ar_ms=("ar_ms", "first"),
-        rounds=("rounds", "sum"), k_sum=("k_sum", "sum"), accepted_sum=("accepted_sum", "sum")).reset_index()
+    g = (
+        episodes.groupby(["policy", "generation_id", "category"], sort=False)
+        .agg(
+            cost_ms=("cost_ms", "mean"),
+            cost_sd=("cost_ms", "std"),
+            n=("cost_ms", "size"),
+            ar_ms=("ar_ms", "first"),
+            rounds=("rounds", "sum"),
+            k_sum=("k_sum", "sum"),
+            accepted_sum=("accepted_sum", "sum"),
+        )
+        .reset_index()
+    )
     g = g.merge(oracle[["generation_id", "v0_ms"]], on="generation_id")
     g["speedup"] = g["ar_ms"] / g["cost_ms"]
     se = (g["cost_sd"].fillna(0.0) / np.sqrt(g["n"])).to_numpy()
@@ -213,15 +244,27 @@ def summarise(episodes: pd.DataFrame, oracle: pd.DataFrame) -> tuple[pd.DataFram
         sp = d["speedup"].to_numpy()
         half = _t95(len(sp)) * sp.std(ddof=1) / math.sqrt(len(sp)) if len(sp) > 1 else float("nan")
         pooled = float(d["ar_ms"].sum() / d["cost_ms"].sum())
-        rows.append({"policy": name, "speedup_mean": float(sp.mean()), "ci95_low": float(sp.mean() - half),
-                     "ci95_high": float(sp.mean() + half), "speedup_pooled": pooled,
-                     "oracle_pct": 100.0 * pooled / s_max,
-                     "mean_k": float(d["k_sum"].sum() / d["rounds"].sum()),
-                     "mean_accepted": float(d["accepted_sum"].sum() / d["rounds"].sum()),
-                     "generations": int(len(d)), "beats_bound": int(d["beats_bound"].sum())})
+        rows.append(
+            {
+                "policy": name,
+                "speedup_mean": float(sp.mean()),
+                "ci95_low": float(sp.mean() - half),
+                "ci95_high": float(sp.mean() + half),
+                "speedup_pooled": pooled,
+                "oracle_pct": 100.0 * pooled / s_max,
+                "mean_k": float(d["k_sum"].sum() / d["rounds"].sum()),
+                "mean_accepted": float(d["accepted_sum"].sum() / d["rounds"].sum()),
+                "generations": int(len(d)),
+                "beats_bound": int(d["beats_bound"].sum()),
+            }
+        )
     summary = pd.DataFrame(rows)
-    cat = g.groupby(["policy", "category"], sort=False).apply(
-        lambda d: d["ar_ms"].sum() / d["cost_ms"].sum(), include_groups=False).rename("speedup_pooled").reset_index()
+    cat = (
+        g.groupby(["policy", "category"], sort=False)
+        .apply(lambda d: d["ar_ms"].sum() / d["cost_ms"].sum(), include_groups=False)
+        .rename("speedup_pooled")
+        .reset_index()
+    )
     return summary, cat
 
 
@@ -242,8 +285,9 @@ class BenchResult:
             "context": self.context,
             "oracle": self.oracle,
             "policies": self.summary.to_dict(orient="records"),
-            "categories": self.categories.pivot(index="policy", columns="category",
-                                                values="speedup_pooled").reset_index().to_dict(orient="records"),
+            "categories": self.categories.pivot(index="policy", columns="category", values="speedup_pooled")
+            .reset_index()
+            .to_dict(orient="records"),
             "notes": self.notes,
         }
 
@@ -276,8 +320,9 @@ def run_benchmark(
         raise ValueError(f"episodes={episodes}: must be >= 1")
     ctx = build_context(dataset, kmax, cost_model, policy_dir if policy_dir is not None else shipped_policy_dir())
     sol = solve(ctx.test, ctx.cost_model)
-    oracle_df = pd.DataFrame({"generation_id": ctx.test.generation_ids, "category": ctx.test.categories,
-                              "v0_ms": sol.cost, "ar_ms": sol.ar})
+    oracle_df = pd.DataFrame(
+        {"generation_id": ctx.test.generation_ids, "category": ctx.test.categories, "v0_ms": sol.cost, "ar_ms": sol.ar}
+    )
     frames = []
     for entry in default_entries(ctx):
         if only and not any(o in entry.name for o in only):
@@ -290,31 +335,55 @@ def run_benchmark(
         raise ValueError(f"only={only}: no policy matches")
     episodes_df = pd.concat(frames, ignore_index=True)
     summary, cats = summarise(episodes_df, oracle_df)
-    oracle_row = {"policy": ORACLE_ROW, "speedup_mean": float(sol.speedup.mean()),
-                  "ci95_low": float("nan"), "ci95_high": float("nan"), "speedup_pooled": sol.speedup_pooled,
-                  "oracle_pct": 100.0, "mean_k": sol.mean_k, "mean_accepted": sol.mean_accepted,
-                  "generations": int(len(sol.cost)), "beats_bound": 0}
+    oracle_row = {
+        "policy": ORACLE_ROW,
+        "speedup_mean": float(sol.speedup.mean()),
+        "ci95_low": float("nan"),
+        "ci95_high": float("nan"),
+        "speedup_pooled": sol.speedup_pooled,
+        "oracle_pct": 100.0,
+        "mean_k": sol.mean_k,
+        "mean_accepted": sol.mean_accepted,
+        "generations": int(len(sol.cost)),
+        "beats_bound": 0,
+    }
     summary = pd.concat([summary, pd.DataFrame([oracle_row])], ignore_index=True)
-    ocat = oracle_df.groupby("category").apply(lambda d: d["ar_ms"].sum() / d["v0_ms"].sum(),
-                                               include_groups=False).rename("speedup_pooled").reset_index()
+    ocat = (
+        oracle_df.groupby("category")
+        .apply(lambda d: d["ar_ms"].sum() / d["v0_ms"].sum(), include_groups=False)
+        .rename("speedup_pooled")
+        .reset_index()
+    )
     ocat.insert(0, "policy", ORACLE_ROW)
     cats = pd.concat([cats, ocat], ignore_index=True)
-    context = {"dataset": dataset, "kmax": ctx.kmax, "cost_model": cost_model, "episodes": episodes, "seed": seed,
-               "test_generations": int(ctx.test.n_generations), "train_generations": int(ctx.train.n_generations),
-               "best_fixed_k_train": ctx.best_fixed_k, "delta_lambda_ms": ctx.lam_ms,
-               "delta_lambda_ms_h3": ctx.lam_ms_h3,
-               "ar_cost_model_extrapolated": bool(ctx.cost_model.ar_extrapolated)}
+    context = {
+        "dataset": dataset,
+        "kmax": ctx.kmax,
+        "cost_model": cost_model,
+        "episodes": episodes,
+        "seed": seed,
+        "test_generations": int(ctx.test.n_generations),
+        "train_generations": int(ctx.train.n_generations),
+        "best_fixed_k_train": ctx.best_fixed_k,
+        "delta_lambda_ms": ctx.lam_ms,
+        "delta_lambda_ms_h3": ctx.lam_ms_h3,
+        "ar_cost_model_extrapolated": bool(ctx.cost_model.ar_extrapolated),
+    }
     return BenchResult(summary, cats, episodes_df, sol.summary(), context, ctx.notes)
 
 
 def markdown_table(res: BenchResult) -> str:
     """The summary as a Markdown table."""
-    lines = ["| policy | speedup (mean, 95% CI) | pooled | % of oracle | mean k | mean accepted |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| policy | speedup (mean, 95% CI) | pooled | % of oracle | mean k | mean accepted |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in res.summary.itertuples():
         ci = "" if math.isnan(r.ci95_low) else f" [{r.ci95_low:.3f}, {r.ci95_high:.3f}]"
-        lines.append(f"| {r.policy} | {r.speedup_mean:.3f}{ci} | {r.speedup_pooled:.3f} | {r.oracle_pct:.1f}% | "
-                     f"{r.mean_k:.2f} | {r.mean_accepted:.2f} |")
+        lines.append(
+            f"| {r.policy} | {r.speedup_mean:.3f}{ci} | {r.speedup_pooled:.3f} | {r.oracle_pct:.1f}% | "
+            f"{r.mean_k:.2f} | {r.mean_accepted:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -337,8 +406,14 @@ def write_outputs(res: BenchResult, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "summary.csv", out / "categories.csv", out / "episodes.csv", out / "bench.json",
-             out / "bench.md", out / "speedup.png"]
+    paths = [
+        out / "summary.csv",
+        out / "categories.csv",
+        out / "episodes.csv",
+        out / "bench.json",
+        out / "bench.md",
+        out / "speedup.png",
+    ]
     res.summary.to_csv(paths[0], index=False)
     res.categories.to_csv(paths[1], index=False)
     res.episodes.to_csv(paths[2], index=False)
@@ -349,8 +424,12 @@ def write_outputs(res: BenchResult, out: Path) -> list[Path]:
     y = np.arange(len(s))[::-1]
     err = np.vstack([s["speedup_mean"] - s["ci95_low"], s["ci95_high"] - s["speedup_mean"]]).clip(min=0)
     err = np.nan_to_num(err)
-    colors = ["tab:red" if p == ORACLE_ROW else ("tab:green" if "learned" in p else
-              ("tab:purple" if "delta" in p else "tab:blue")) for p in s["policy"]]
+    colors = [
+        "tab:red"
+        if p == ORACLE_ROW
+        else ("tab:green" if "learned" in p else ("tab:purple" if "delta" in p else "tab:blue"))
+        for p in s["policy"]
+    ]
     ax.barh(y, s["speedup_mean"], xerr=err, color=colors, alpha=0.8)
     ax.set_yticks(y, s["policy"])
     ax.axvline(1.0, color="k", lw=0.8)

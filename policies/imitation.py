@@ -70,8 +70,7 @@ def train_dagger(
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    env = gym.make(ENV_ID, dataset=dataset, kmax=kmax, split="train", cost_model=cost_model,
-                   lookahead=lookahead)
+    env = gym.make(ENV_ID, dataset=dataset, kmax=kmax, split="train", cost_model=cost_model, lookahead=lookahead)
     base = env.unwrapped
     data = base.data
     spec: ObservationSpec = data.spec
@@ -130,16 +129,33 @@ def train_dagger(
                 opt.step()
         with torch.no_grad():
             regret = float((torch.softmax(net(xs) * 50.0, 1) * rs).sum(1).mean())
-        stats = {"iteration": it, "beta": beta, "states": n, "rollout_speedup": ep_ar / ep_cost,
-                 "train_regret_ar_units": regret}
+        stats = {
+            "iteration": it,
+            "beta": beta,
+            "states": n,
+            "rollout_speedup": ep_ar / ep_cost,
+            "train_regret_ar_units": regret,
+        }
         history.append(stats)
         if log:
-            log(f"dagger it={it} beta={beta:.3f} states={n} rollout speedup={ep_ar / ep_cost:.3f} "
-                f"regret/step={regret:.4f} AR units")
+            log(
+                f"dagger it={it} beta={beta:.3f} states={n} rollout speedup={ep_ar / ep_cost:.3f} "
+                f"regret/step={regret:.4f} AR units"
+            )
     env.close()
-    policy = _to_numpy(net, spec, name="imitation", meta={"algo": "dagger", "dataset": dataset, "seed": seed,
-                                                          "iterations": iterations, "lookahead": lookahead,
-                                                          "history": history})
+    policy = _to_numpy(
+        net,
+        spec,
+        name="imitation",
+        meta={
+            "algo": "dagger",
+            "dataset": dataset,
+            "seed": seed,
+            "iterations": iterations,
+            "lookahead": lookahead,
+            "history": history,
+        },
+    )
     return DaggerResult(policy, history)
 
 
@@ -154,7 +170,9 @@ def split_arrays(dataset: str, kmax: int, split: str) -> PositionArrays:
     return select_split(arr, split)
 
 
-def _to_numpy(net: Any, spec: ObservationSpec, name: str = "imitation", meta: dict[str, Any] | None = None) -> MLPPolicy:
+def _to_numpy(
+    net: Any, spec: ObservationSpec, name: str = "imitation", meta: dict[str, Any] | None = None
+) -> MLPPolicy:
     from policies.export import from_torch_sequential
 
     return from_torch_sequential(net, spec, name, meta)

@@ -106,8 +106,9 @@ def train_sb3(
     torch.set_num_threads(1)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    venv = MoESpecVectorEnv(num_envs=n_envs, dataset=dataset, kmax=kmax, split="train",
-                            cost_model=cost_model, lookahead=lookahead)
+    venv = MoESpecVectorEnv(
+        num_envs=n_envs, dataset=dataset, kmax=kmax, split="train", cost_model=cost_model, lookahead=lookahead
+    )
     env = VecMonitor(SB3VecEnv(venv))
     if savings:
         env = _savings_wrapper(env)
@@ -117,21 +118,61 @@ def train_sb3(
     env.seed(seed)
     tb = str(run_dir / "tb") if tensorboard else None
     if algo == "ppo":
-        model = PPO("MlpPolicy", env, n_steps=256, batch_size=min(2048, 256 * n_envs), n_epochs=10, gamma=gamma, gae_lambda=0.95,
-                    learning_rate=3e-4, ent_coef=0.003, policy_kwargs={"net_arch": [64, 64]}, seed=seed,
-                    tensorboard_log=tb, verbose=0, device="cpu")
+        model = PPO(
+            "MlpPolicy",
+            env,
+            n_steps=256,
+            batch_size=min(2048, 256 * n_envs),
+            n_epochs=10,
+            gamma=gamma,
+            gae_lambda=0.95,
+            learning_rate=3e-4,
+            ent_coef=0.003,
+            policy_kwargs={"net_arch": [64, 64]},
+            seed=seed,
+            tensorboard_log=tb,
+            verbose=0,
+            device="cpu",
+        )
     else:
-        model = DQN("MlpPolicy", env, learning_rate=5e-4, buffer_size=200_000, learning_starts=5_000,
-                    batch_size=256, gamma=gamma, train_freq=4, gradient_steps=4, target_update_interval=2_000,
-                    exploration_fraction=0.3, exploration_final_eps=0.02, policy_kwargs={"net_arch": [64, 64]},
-                    seed=seed, tensorboard_log=tb, verbose=0, device="cpu")
+        model = DQN(
+            "MlpPolicy",
+            env,
+            learning_rate=5e-4,
+            buffer_size=200_000,
+            learning_starts=5_000,
+            batch_size=256,
+            gamma=gamma,
+            train_freq=4,
+            gradient_steps=4,
+            target_update_interval=2_000,
+            exploration_fraction=0.3,
+            exploration_final_eps=0.02,
+            policy_kwargs={"net_arch": [64, 64]},
+            seed=seed,
+            tensorboard_log=tb,
+            verbose=0,
+            device="cpu",
+        )
     model.learn(total_timesteps=timesteps, tb_log_name=algo, progress_bar=False)
     model.save(run_dir / "model.zip")
     spec = venv.data.spec
-    policy = from_sb3(model, spec, name=algo, meta={"algo": algo, "dataset": dataset, "seed": seed,
-                                                    "timesteps": timesteps, "n_envs": n_envs,
-                                                    "cost_model": cost_model, "lookahead": lookahead,
-                                                    "reward": "savings" if savings else "env", "gamma": gamma})
+    policy = from_sb3(
+        model,
+        spec,
+        name=algo,
+        meta={
+            "algo": algo,
+            "dataset": dataset,
+            "seed": seed,
+            "timesteps": timesteps,
+            "n_envs": n_envs,
+            "cost_model": cost_model,
+            "lookahead": lookahead,
+            "reward": "savings" if savings else "env",
+            "gamma": gamma,
+        },
+    )
     policy.save(run_dir / "policy")
     (run_dir / "train.json").write_text(json.dumps(policy.meta, indent=2) + "\n")
     if log:

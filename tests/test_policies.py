@@ -98,7 +98,9 @@ def test_confidence_roc_refit_moves_threshold_between_classes() -> None:
         k = p.act(s.obs([0.8, 0.8, 0.8, 0.3] + [0.8] * 6))
         assert k == (10 if p.threshold <= 0.3 else 4)
         s.round(k, 3)
-    assert 0.3 < p.threshold <= 0.8 + 1e-6  # (float32 confidences) ROC optimum separates 0.3 (rejected) from 0.8 (accepted)
+    assert (
+        0.3 < p.threshold <= 0.8 + 1e-6
+    )  # (float32 confidences) ROC optimum separates 0.3 (rejected) from 0.8 (accepted)
     assert p.act(s.obs(conf)) == 3
 
 
