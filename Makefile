@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[rl,dev]"
+	$(BIN)/python -m pip install -q -e ".[rl,live,dev]"
 	touch $(STAMP)
 
 venv: $(STAMP)

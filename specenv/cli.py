@@ -389,6 +389,7 @@ def collect(
     kmax: Annotated[int, typer.Option(min=1, max=16, help="Fixed-K runs K=0..Kmax; sweep chain length.")] = 8,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per prompt.")] = 128,
     threads: Annotated[int, typer.Option(min=1, help="Torch threads of the engine.")] = 1,
+    clock: Annotated[str, typer.Option(help="T_T/T_D clock: cpu (thread CPU time, needs 1 thread) or wall.")] = "cpu",
     models: Annotated[str, typer.Option(help="Model set: shipped name or folder.")] = "small-moe-v1",
     name: Annotated[str, typer.Option(help="Name written to the manifest.")] = "live-cpu",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
@@ -399,6 +400,10 @@ def collect(
         fail(f"--engine: unknown engine '{engine}' (known: hf)")
     if out_dir.exists() and not overwrite:
         fail(f"--out: {out_dir} already exists (use --overwrite)")
+    if clock not in ("cpu", "wall"):
+        fail(f"--clock: unknown clock '{clock}' (known: cpu, wall)")
+    if clock == "cpu" and threads != 1:
+        fail("--clock cpu measures the calling thread only: use --threads 1 or --clock wall")
     try:
         from specenv.live.collect import collect_live
         from specenv.live.models import load_models, load_prompts
@@ -410,7 +415,8 @@ def collect(
         with _progress() as prog:
             task = prog.add_task("collecting", total=len(plist))
             ts = collect_live(mdl, plist, kmax=kmax, max_new_tokens=max_new_tokens, threads=threads, name=name,
-                              prompt_set=prompts, progress=lambda done, total: prog.update(task, completed=done))
+                              prompt_set=prompts, progress=lambda done, total: prog.update(task, completed=done),
+                              clock=clock)
     except ValueError as exc:
         fail(str(exc))
     ts.save(out_dir, overwrite=overwrite)
@@ -454,8 +460,7 @@ def serve(
     if not vllm_args:
         fail("no vLLM arguments: give them after --, e.g. specenv serve --policy P -- MODEL "
              "--speculative-config '{\"method\": \"draft_model\", ...}'")
-    for flag in ("--scheduler-cls", "--async-scheduling", "--additional-config", "--load-format",
-                 "--distributed-executor-backend"):
+    for flag in ("--scheduler-cls", "--async-scheduling", "--additional-config", "--load-format"):
         if any(a == flag or a.startswith(flag + "=") for a in vllm_args):
             fail(f"{flag}: set by specenv serve, do not pass it to vLLM")
     pol = None

@@ -50,6 +50,14 @@ REGISTRY: tuple[Dataset, ...] = (
         folder="paper-default-v1",
         manifest_sha256="33f01caf57001aa4a13a8838d85266a2d0942251a76ab3cf1b8b4fa3196aa7bc",
     ),
+    Dataset(
+        name="live-cpu",
+        version=1,
+        description="64 stdlib code prompts x 128 greedy tokens on the live CPU engine (small Qwen3-MoE, 64 experts "
+        "top-4, 6 layers + dense draft), Kmax=8, measured rounds K=0..8",
+        folder="live-cpu-v1",
+        manifest_sha256="708d7183b89d2e83cd0d80acd9bf3773b6d22d4c3b7b18420db7b1f410f34551",
+    ),
 )
 
 DEFAULT_DATASET = "paper-default"

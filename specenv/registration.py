@@ -13,6 +13,8 @@ import gymnasium
 
 #: The replay environment (positions tables, cost model); deterministic given the seed.
 REPLAY_ID = "specenv/MoESpec-v0"
+#: The live environment (real rounds on the CPU engine; needs the ``live`` extra); measured times vary.
+LIVE_ID = "specenv/MoESpecLive-v0"
 
 
 def register_envs() -> list[str]:
@@ -32,4 +34,8 @@ def register_envs() -> list[str]:
             max_episode_steps=None,
         )
         added.append(REPLAY_ID)
+    if LIVE_ID not in gymnasium.registry:
+        gymnasium.register(id=LIVE_ID, entry_point="specenv.live_env:MoESpecLiveEnv", kwargs={},
+                           nondeterministic=True, max_episode_steps=None)
+        added.append(LIVE_ID)
     return added

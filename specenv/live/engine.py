@@ -1,0 +1,483 @@
+"""Real speculative decoding on CPU with transformers: draft, verify in one target pass, roll back.
+
+:class:`LiveEngine` runs one generation at a time (batch 1) on the shipped small models
+(:func:`specenv.live.models.load_models`): a dense Qwen3 draft proposes tokens, the Qwen3-MoE target
+verifies the last committed token plus k drafts in **one** forward pass with its KV cache, the
+accepted prefix is committed and both ``DynamicCache`` objects are cropped back. k = 0 is plain
+autoregressive decoding through the same path (m = 1, no draft call).
+
+Round protocol (DESIGN section 1). With n tokens committed (prompt + generated), the target cache
+holds the first n-1 of them (the last committed token is always fed again), so every verification
+feeds exactly m = k+1 tokens:
+
+1. draft (timed as ``T_D``): the draft feeds whatever committed tokens its cache lacks, then proposes
+   greedily (or samples, temperature > 0) one token per forward, k forwards in all, recording its
+   probability q of every drafted token;
+2. verify (timed as ``T_T``): one target forward over ``[last, d_1..d_k]``; greedy: accept the
+   longest prefix of drafts equal to the target's argmax, then commit the target's own next token;
+   temperature > 0: standard speculative rejection sampling (accept d_j with probability
+   min(1, p/q), else resample from normalise(max(p - q, 0)); bonus token from p when all pass),
+   which leaves the target's sampling distribution unchanged;
+3. roll back: crop the target cache by k - a and the draft cache to the accepted prefix.
+
+Routing: a forward hook on every MoE router (``layer.mlp.gate``, a ``Qwen3MoeTopKRouter`` whose
+forward returns ``(router_logits, top_k_weights, top_k_indices)``) copies the top-k expert ids of the
+verified positions into a preallocated ``(n_layers, kmax+1, top_k)`` buffer; hooks are inactive
+during prefill. ``U_r`` = mean over layers of the number of unique experts across the m positions,
+``E_max`` = mean over layers of the largest number of the m positions routed to one expert.
+
+Timing: ``time.perf_counter`` around each phase, including the model's Python overhead and the
+cache crop of that model (what a real server pays); ``T_T_ms``/``T_D_ms`` are these wall-clock
+times. The CPU time of the calling thread (``time.thread_time``) is recorded alongside
+(``T_T_cpu_ms``/``T_D_cpu_ms``): with one torch thread it is the same work minus the time the
+process was descheduled, i.e. robust to other processes on the machine. ``torch.set_num_threads(threads)`` is applied at
+construction (a process-wide setting; default 1 thread: these models are so small that every op is
+dominated by dispatch overhead, a second thread only adds synchronisation, and one thread is far
+less disturbed by other processes on a 2-core machine).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from specenv.live.models import SmallModels, load_models
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """One executed verification round.
+
+    Attributes:
+        k: Draft budget of the round (0 = plain AR step).
+        m: Verified positions (k + 1).
+        accepted: Accepted drafts, capped at the end of the generation (``len(committed) - 1``).
+        committed: Tokens committed by the round (accepted drafts + the target's next token),
+            truncated at ``max_new_tokens`` and after an end-of-text token.
+        U_r: Unique experts of the verification pass, mean over MoE layers.
+        E_max: Largest number of verified positions routed to one expert, mean over layers.
+        T_T_ms: Target (verification) time in ms, including its cache roll-back.
+        T_D_ms: Draft time in ms (0 for k = 0 without lookahead), including its cache roll-back.
+        L: Context length at the round (prompt + generated tokens before it).
+        t: Generated tokens before the round.
+        q: The draft's probabilities of every drafted token (length >= k with lookahead).
+        done: Whether the generation is finished after this round.
+        drafted: The drafted tokens (the first k were verified).
+        T_T_cpu_ms: CPU time of the calling thread during verification (``time.thread_time``): with
+            one torch thread it excludes time the process spent descheduled by other processes.
+        T_D_cpu_ms: The same for the draft phase.
+    """
+
+    k: int
+    m: int
+    accepted: int
+    committed: tuple[int, ...]
+    U_r: float
+    E_max: float
+    T_T_ms: float
+    T_D_ms: float
+    L: int
+    t: int
+    q: tuple[float, ...]
+    done: bool
+    drafted: tuple[int, ...] = ()
+    T_T_cpu_ms: float = 0.0
+    T_D_cpu_ms: float = 0.0
+
+
+class RoutingRecorder:
+    """Forward hooks on the target's MoE routers, writing top-k ids into a preallocated buffer.
+
+    Attributes:
+        buf: ``(n_layers, capacity, top_k)`` int64 tensor; row ``[l, i]`` = experts of position i
+            of the last recorded forward in MoE layer l.
+        n: Positions of the last recorded forward.
+        active: Record only while True.
+    """
+
+    def __init__(self, target: Any, capacity: int):
+        import torch
+
+        self.gates = [layer.mlp.gate for layer in target.model.layers if hasattr(layer.mlp, "gate")]
+        if not self.gates:
+            raise ValueError("target has no MoE router modules (layer.mlp.gate)")
+        self.top_k = int(self.gates[0].top_k)
+        self.n_experts = int(self.gates[0].num_experts)
+        self.buf = torch.zeros((len(self.gates), capacity, self.top_k), dtype=torch.int64)
+        self.n = 0
+        self.active = False
+        self._handles = [g.register_forward_hook(self._hook(i)) for i, g in enumerate(self.gates)]
+
+    def _hook(self, layer: int):
+        def hook(module: Any, args: Any, output: Any) -> None:
+            if self.active:
+                idx = output[2]  # (tokens, top_k) expert ids
+                n = idx.shape[0]
+                self.buf[layer, :n].copy_(idx)
+                self.n = n
+
+        return hook
+
+    def routing(self) -> np.ndarray:
+        """``(n_layers, n, top_k)`` expert ids of the last recorded forward (a copy)."""
+        return self.buf[:, : self.n].numpy().copy()
+
+    def remove(self) -> None:
+        """Detach the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def expert_stats(routing: np.ndarray, n_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Unique experts and largest expert load of every prefix of the verified positions.
+
+    Args:
+        routing: ``(n_layers, m, top_k)`` expert ids.
+        n_experts: Experts per layer.
+
+    Returns:
+        ``(U, E)``, each of shape ``(m,)``: ``U[i]`` = mean over layers of the unique experts of
+        positions 0..i, ``E[i]`` = mean over layers of the largest per-expert count over 0..i.
+    """
+    n_layers, m, _ = routing.shape
+    onehot = np.zeros((n_layers, m, n_experts), dtype=np.int32)
+    np.put_along_axis(onehot, routing, 1, axis=2)
+    counts = np.cumsum(onehot, axis=1)  # (layers, m, experts)
+    U = (counts > 0).sum(axis=2).mean(axis=0)
+    E = counts.max(axis=2).mean(axis=0)
+    return U.astype(np.float64), E.astype(np.float64)
+
+
+@dataclass
+class _State:
+    ids: list[int] = field(default_factory=list)  # committed tokens, prompt included
+    prompt_len: int = 0
+    t_len: int = 0  # tokens in the target cache
+    d_len: int = 0  # tokens in the draft cache
+    drafts: list[int] = field(default_factory=list)
+    q: list[float] = field(default_factory=list)
+    dists: list[Any] = field(default_factory=list)  # full draft distributions (sampling only)
+    draft_ms: float = 0.0
+    draft_cpu_ms: float = 0.0
+    done: bool = True
+
+
+class LiveEngine:
+    """Speculative decoding of one generation at a time on the shipped small models.
+
+    Args:
+        models: Loaded models (default: :func:`load_models` of the shipped set).
+        kmax: Largest draft budget (sizes the routing buffer).
+        max_new_tokens: Generation cap.
+        temperature: 0 = greedy (exact-match verification, lossless); > 0 = sampling with
+            speculative rejection sampling.
+        seed: Seed of the sampling generator (unused when greedy).
+        threads: ``torch.set_num_threads`` (process-wide; :meth:`close` restores the previous value).
+            None leaves it unchanged.
+        stop_at_eos: End a generation after the end-of-text token.
+
+    Example:
+        >>> eng = LiveEngine(kmax=8)
+        >>> eng.start(eng.models.encode("def add(a, b):"))
+        >>> while not eng.done:
+        ...     r = eng.step(4)
+    """
+
+    def __init__(
+        self,
+        models: SmallModels | None = None,
+        kmax: int = 8,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        seed: int = 0,
+        threads: int | None = 1,
+        stop_at_eos: bool = True,
+    ):
+        import torch
+
+        if kmax < 1:
+            raise ValueError(f"kmax={kmax}: must be >= 1")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature}: must be >= 0")
+        self._torch = torch
+        self._prev_threads = torch.get_num_threads()
+        if threads is not None:
+            torch.set_num_threads(int(threads))
+        self.models = models if models is not None else load_models()
+        self.kmax = int(kmax)
+        self.max_new_tokens = int(max_new_tokens)
+        self.temperature = float(temperature)
+        self.stop_at_eos = stop_at_eos
+        self.threads = torch.get_num_threads()
+        self.target = self.models.target
+        self.draft = self.models.draft
+        max_pos = int(self.target.config.max_position_embeddings)
+        self.max_prompt = max_pos - self.max_new_tokens - self.kmax - 2
+        self.recorder = RoutingRecorder(self.target, self.kmax + 1)
+        self.n_layers = len(self.recorder.gates)
+        self.n_experts = self.recorder.n_experts
+        self.top_k = self.recorder.top_k
+        self._gen = torch.Generator().manual_seed(int(seed))
+        self._s = _State()
+        self._t_cache: Any = None
+        self._d_cache: Any = None
+        self.last_routing: np.ndarray | None = None
+
+    # ------------------------------------------------------------------ state
+    @property
+    def done(self) -> bool:
+        """True when the current generation is finished (or none was started)."""
+        return self._s.done
+
+    @property
+    def t(self) -> int:
+        """Generated tokens so far."""
+        return len(self._s.ids) - self._s.prompt_len
+
+    @property
+    def L(self) -> int:
+        """Context length: prompt + generated tokens."""
+        return len(self._s.ids)
+
+    @property
+    def prompt_len(self) -> int:
+        """Prompt length P."""
+        return self._s.prompt_len
+
+    @property
+    def generated(self) -> list[int]:
+        """Tokens generated so far."""
+        return self._s.ids[self._s.prompt_len :]
+
+    @property
+    def draft_q(self) -> list[float]:
+        """Draft probabilities q of the tokens proposed so far in the current round."""
+        return list(self._s.q)
+
+    def seed(self, seed: int) -> None:
+        """Reseed the sampling generator."""
+        self._gen.manual_seed(int(seed))
+
+    def close(self) -> None:
+        """Detach the routing hooks and restore the torch thread count (the engine is unusable afterwards)."""
+        if self.recorder._handles:
+            self._torch.set_num_threads(self._prev_threads)
+        self.recorder.remove()
+        self._t_cache = self._d_cache = None
+        self._s = _State()
+
+    # ------------------------------------------------------------------ generation
+    def start(self, prompt_ids: list[int]) -> None:
+        """Start a generation: prefill both caches with all prompt tokens but the last.
+
+        Raises:
+            ValueError: If the prompt is empty or too long for the models' context.
+        """
+        torch = self._torch
+        from transformers.cache_utils import DynamicCache
+
+        ids = [int(x) for x in prompt_ids]
+        if not ids:
+            raise ValueError("prompt_ids: empty prompt")
+        if len(ids) > self.max_prompt:
+            raise ValueError(f"prompt_ids: {len(ids)} tokens, at most {self.max_prompt} fit the context")
+        self._s = _State(ids=ids, prompt_len=len(ids), done=False)
+        self._t_cache = DynamicCache(config=self.target.config)
+        self._d_cache = DynamicCache(config=self.draft.config)
+        self.recorder.active = False
+        if len(ids) > 1:
+            x = torch.tensor([ids[:-1]], dtype=torch.long)
+            with torch.inference_mode():
+                self.target(input_ids=x, past_key_values=self._t_cache, use_cache=True, logits_to_keep=1)
+                self.draft(input_ids=x, past_key_values=self._d_cache, use_cache=True, logits_to_keep=1)
+        self._s.t_len = self._s.d_len = len(ids) - 1
+
+    def propose(self, n: int) -> list[float]:
+        """Extend the current round's draft chain to ``n`` tokens (no-op if already that long).
+
+        Used for lookahead (confidences shown before the budget is chosen); :meth:`step` calls it.
+
+        Returns:
+            The draft probabilities q of the chain so far.
+        """
+        s = self._s
+        if s.done:
+            raise RuntimeError("propose() called with no generation running; call start()")
+        if n > self.kmax:
+            raise ValueError(f"propose({n}): more than kmax={self.kmax}")
+        torch = self._torch
+        t0, c0 = time.perf_counter(), time.thread_time()
+        with torch.inference_mode():
+            while len(s.drafts) < n:
+                seq_len = len(s.ids) + len(s.drafts)
+                feed = (s.ids + s.drafts)[s.d_len : seq_len]
+                out = self.draft(input_ids=torch.tensor([feed], dtype=torch.long), past_key_values=self._d_cache,
+                                 use_cache=True, logits_to_keep=1)
+                s.d_len = seq_len
+                logits = out.logits[0, -1]
+                if self.temperature == 0.0:
+                    tok = int(torch.argmax(logits))
+                    q = float(torch.softmax(logits, -1)[tok])
+                else:
+                    dist = torch.softmax(logits / self.temperature, -1)
+                    tok = int(torch.multinomial(dist, 1, generator=self._gen))
+                    q = float(dist[tok])
+                    s.dists.append(dist)
+                s.drafts.append(tok)
+                s.q.append(q)
+        s.draft_ms += (time.perf_counter() - t0) * 1e3
+        s.draft_cpu_ms += (time.thread_time() - c0) * 1e3
+        return list(s.q)
+
+    def step(self, k: int) -> RoundResult:
+        """Execute one round with budget ``k``: draft k tokens, verify k+1 positions, commit.
+
+        Raises:
+            ValueError: If k is outside 0..kmax.
+            RuntimeError: If no generation is running.
+        """
+        s = self._s
+        if s.done:
+            raise RuntimeError("step() called with no generation running; call start()")
+        k = int(k)
+        if not 0 <= k <= self.kmax:
+            raise ValueError(f"k={k}: outside 0..{self.kmax}")
+        torch = self._torch
+        n0 = len(s.ids)
+        t_before = n0 - s.prompt_len
+        if k:
+            self.propose(k)
+        drafts = s.drafts[:k]
+
+        # ---- verification: one target forward over [last, d_1..d_k]
+        t0, c0 = time.perf_counter(), time.thread_time()
+        self.recorder.active = True
+        with torch.inference_mode():
+            x = torch.tensor([[s.ids[-1], *drafts]], dtype=torch.long)
+            logits = self.target(input_ids=x, past_key_values=self._t_cache, use_cache=True).logits[0]
+            self.recorder.active = False
+            if self.temperature == 0.0:
+                g = logits.argmax(-1).tolist()
+                a = 0
+                while a < k and drafts[a] == g[a]:
+                    a += 1
+                new = [*drafts[:a], g[a]]
+            else:
+                a, new = self._reject_sample(logits, drafts)
+            if k - a:
+                self._t_cache.crop(-(k - a))
+        t_target = (time.perf_counter() - t0) * 1e3
+        c_target = (time.thread_time() - c0) * 1e3
+
+        # ---- roll the draft cache back to the accepted prefix
+        t1, c1 = time.perf_counter(), time.thread_time()
+        valid = n0 + a
+        if s.d_len > valid:
+            self._d_cache.crop(-(s.d_len - valid))
+            s.d_len = valid
+        t_draft = s.draft_ms + ((time.perf_counter() - t1) * 1e3 if k or s.drafts else 0.0)
+        c_draft = s.draft_cpu_ms + ((time.thread_time() - c1) * 1e3 if k or s.drafts else 0.0)
+
+        routing = self.recorder.buf[:, : k + 1].numpy()
+        U, E = expert_stats(routing, self.n_experts)
+        self.last_routing = routing.copy()
+
+        # ---- commit (cap at max_new_tokens and after end-of-text)
+        room = self.max_new_tokens - t_before
+        new = new[:room]
+        if self.stop_at_eos and self.models.eos_id in new:
+            new = new[: new.index(self.models.eos_id) + 1]
+        s.ids.extend(new)
+        s.t_len = n0 + a
+        q, drafted = tuple(s.q), tuple(s.drafts)
+        s.drafts, s.q, s.dists, s.draft_ms, s.draft_cpu_ms = [], [], [], 0.0, 0.0
+        s.done = len(s.ids) - s.prompt_len >= self.max_new_tokens or (
+            self.stop_at_eos and bool(new) and new[-1] == self.models.eos_id
+        )
+        return RoundResult(k=k, m=k + 1, accepted=len(new) - 1, committed=tuple(new), U_r=float(U[-1]),
+                           E_max=float(E[-1]), T_T_ms=t_target, T_D_ms=t_draft, L=n0, t=t_before, q=q,
+                           done=s.done, drafted=drafted, T_T_cpu_ms=c_target, T_D_cpu_ms=c_draft)
+
+    def _reject_sample(self, logits: Any, drafts: list[int]) -> tuple[int, list[int]]:
+        torch = self._torch
+        s = self._s
+        p = torch.softmax(logits / self.temperature, -1)
+        for j, d in enumerate(drafts):
+            qd = s.dists[j][d]
+            if float(torch.rand((), generator=self._gen)) < min(1.0, float(p[j, d] / qd)):
+                continue
+            resid = torch.clamp(p[j] - s.dists[j], min=0.0)
+            total = float(resid.sum())
+            resid = resid / total if total > 0 else p[j]
+            return j, [*drafts[:j], int(torch.multinomial(resid, 1, generator=self._gen))]
+        k = len(drafts)
+        return k, [*drafts, int(torch.multinomial(p[k], 1, generator=self._gen))]
+
+    def generate(self, prompt_ids: list[int], k: int) -> tuple[list[int], list[RoundResult]]:
+        """Run a whole generation with a fixed budget ``k``; returns the new tokens and the rounds."""
+        self.start(prompt_ids)
+        rounds = []
+        while not self.done:
+            rounds.append(self.step(k))
+        return self.generated, rounds
+
+    # ------------------------------------------------------------------ counterfactual sweep
+    def sweep(self, prompt_ids: list[int], reference: list[int], kmax: int | None = None) -> dict[str, np.ndarray]:
+        """The counterfactual positions table of one generation (greedy).
+
+        At every position t of the reference output y (the target's greedy output), the draft's
+        greedy chain of ``kmax`` tokens from context ``prompt + y_<t`` is verified teacher-forced by
+        one target pass over ``[last, d_1..d_kmax]``.
+
+        Returns:
+            ``rho`` (N, kmax) in {0, 1}: d_j equals the target's argmax after ``d_1..d_{j-1}``;
+            ``q`` (N, kmax): the draft's probability of d_j; ``U`` (N, kmax+1): unique experts of
+            the chain prefix of every length (U[:, 0] = top_k); ``E`` (N, kmax+1): largest expert
+            load; ``L`` (N,): context length P + t; ``T_T_ms`` (N,): time of the verification pass.
+        """
+        torch = self._torch
+        kmax = self.kmax if kmax is None else int(kmax)
+        if not 1 <= kmax <= self.kmax:
+            raise ValueError(f"kmax={kmax}: outside 1..{self.kmax}")
+        self.start(prompt_ids)
+        P = len(prompt_ids)
+        seq = [*map(int, prompt_ids), *map(int, reference)]
+        N = len(reference)
+        rho = np.zeros((N, kmax), dtype=np.float32)
+        qs = np.zeros((N, kmax), dtype=np.float32)
+        U = np.zeros((N, kmax + 1), dtype=np.float32)
+        E = np.zeros((N, kmax + 1), dtype=np.float32)
+        tt = np.zeros(N, dtype=np.float32)
+        with torch.inference_mode():
+            for t in range(N):
+                n = P + t  # committed tokens; both caches hold n - 1
+                chain: list[int] = []
+                feed = [seq[n - 1]]
+                for j in range(kmax):
+                    out = self.draft(input_ids=torch.tensor([feed], dtype=torch.long), past_key_values=self._d_cache,
+                                     use_cache=True, logits_to_keep=1)
+                    lg = out.logits[0, -1]
+                    d = int(lg.argmax())
+                    qs[t, j] = float(torch.softmax(lg, -1)[d])
+                    chain.append(d)
+                    feed = [d]
+                self._d_cache.crop(-(kmax - 1))  # keep context + seq[n-1]
+                t0 = time.perf_counter()
+                self.recorder.active = True
+                logits = self.target(input_ids=torch.tensor([[seq[n - 1], *chain]], dtype=torch.long),
+                                     past_key_values=self._t_cache, use_cache=True).logits[0]
+                self.recorder.active = False
+                g = logits.argmax(-1).tolist()
+                self._t_cache.crop(-kmax)
+                tt[t] = (time.perf_counter() - t0) * 1e3
+                rho[t] = np.asarray([chain[j] == g[j] for j in range(kmax)], dtype=np.float32)
+                u, e = expert_stats(self.recorder.buf[:, : kmax + 1].numpy(), self.n_experts)
+                U[t], E[t] = u, e
+        self._s.done = True
+        return {"rho": rho, "q": qs, "U": U, "E": E, "L": np.arange(P, P + N, dtype=np.int32), "T_T_ms": tt}

@@ -1,0 +1,223 @@
+"""The shipped small models of the live CPU engine, and the shipped prompt set.
+
+``specenv/data/models/small-moe-v1/`` (package data, built by ``scripts/train_small_models.py``) holds a
+byte-level BPE tokenizer, a Qwen3-MoE target and a dense Qwen3 draft as safetensors (bf16 on disk,
+loaded as float32), plus a ``manifest.json`` with the sha256 of every file, checked on load. Loading
+never touches the network (``local_files_only=True``) and never unpickles (``use_safetensors=True``).
+
+``specenv/data/prompts/stdlib-code-v1.json`` (built by ``scripts/make_live_prompts.py``) holds code
+prompts cut from held-out standard-library files, with a category each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+MODEL_NAME = "small-moe-v1"
+PROMPT_SET = "stdlib-code-v1"
+EOS_TOKEN = "<|endoftext|>"
+
+
+def _packaged(*parts: str) -> Path:
+    """A real filesystem path for a package-data file or folder (copied to a temp folder if zipped)."""
+    trav = resources.files("specenv").joinpath("data", *parts)
+    if isinstance(trav, Path):
+        return trav
+    out = Path(tempfile.mkdtemp(prefix="specenv-data-"))
+
+    def copy(src: Any, dst: Path) -> None:
+        if src.is_dir():
+            dst.mkdir(parents=True, exist_ok=True)
+            for child in src.iterdir():
+                copy(child, dst / child.name)
+        else:
+            dst.write_bytes(src.read_bytes())
+
+    copy(trav, out / parts[-1])
+    return out / parts[-1]
+
+
+def model_dir(name_or_path: str | os.PathLike[str] = MODEL_NAME) -> Path:
+    """Folder of a model set: a shipped name (``small-moe-v1``) or a folder path.
+
+    Raises:
+        ValueError: If it is neither.
+    """
+    key = os.fspath(name_or_path)
+    if "/" not in key and "\\" not in key:
+        path = _packaged("models", key)
+        if (path / "manifest.json").is_file():
+            return path
+    path = Path(key)
+    if (path / "manifest.json").is_file():
+        return path
+    raise ValueError(f"models={key!r}: not a shipped model set ({MODEL_NAME}) nor a folder with manifest.json")
+
+
+@dataclass
+class SmallModels:
+    """Tokenizer, target and draft of the live engine, loaded for inference (eval, float32).
+
+    Attributes:
+        tokenizer: A ``tokenizers.Tokenizer`` (byte-level BPE).
+        target: ``Qwen3MoeForCausalLM`` with ``config._experts_implementation == "eager"``.
+        draft: ``Qwen3ForCausalLM``.
+        manifest: The model set's manifest (recipe, metrics, file hashes).
+        path: Folder it was loaded from.
+        eos_id: Id of ``<|endoftext|>``.
+    """
+
+    tokenizer: Any
+    target: Any
+    draft: Any
+    manifest: dict[str, Any]
+    path: Path
+    eos_id: int
+
+    @property
+    def n_layers(self) -> int:
+        """MoE layers of the target."""
+        return int(self.target.config.num_hidden_layers)
+
+    @property
+    def n_experts(self) -> int:
+        """Experts per MoE layer."""
+        return int(self.target.config.num_experts)
+
+    @property
+    def top_k(self) -> int:
+        """Experts per token per layer."""
+        return int(self.target.config.num_experts_per_tok)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a text."""
+        return list(self.tokenizer.encode(text).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids."""
+        return self.tokenizer.decode(list(ids))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+_MODEL_CACHE: dict[str, SmallModels] = {}
+
+
+def load_models(name_or_path: str | os.PathLike[str] = MODEL_NAME, verify: bool = True,
+                cache: bool = True) -> SmallModels:
+    """Load the tokenizer, target and draft (offline, safetensors only).
+
+    The target runs the "eager" experts implementation (a Python loop over the experts that the batch
+    touches), so its time grows with the number of unique experts. It is set through
+    ``config._experts_implementation``, the attribute the MoE forward dispatches on
+    (``transformers.integrations.moe.use_experts_implementation``); this is checked after loading.
+
+    Args:
+        name_or_path: Shipped model-set name or folder.
+        verify: Check every file's sha256 against the manifest.
+        cache: Reuse an already loaded set (shared and read-only: the engines never modify weights).
+
+    Raises:
+        ValueError: Unknown name, missing file or hash mismatch.
+        ImportError: If transformers/tokenizers are not installed (``pip install specenv[live]``).
+    """
+    path = model_dir(name_or_path)
+    key = str(path.resolve())
+    if cache and key in _MODEL_CACHE:
+        return _MODEL_CACHE[key]
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+    if verify:
+        for rel, ent in manifest.get("files", {}).items():
+            f = path / rel
+            if not f.is_file():
+                raise ValueError(f"{f}: file named in the model manifest is missing")
+            if _sha256(f) != ent["sha256"]:
+                raise ValueError(f"{f}: sha256 does not match the model manifest")
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    eos = tok.token_to_id(EOS_TOKEN)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        common = dict(dtype=torch.float32, local_files_only=True, use_safetensors=True)
+        target = Qwen3MoeForCausalLM.from_pretrained(path / "target", experts_implementation="eager", **common)
+        draft = Qwen3ForCausalLM.from_pretrained(path / "draft", **common)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+    target.config._experts_implementation = "eager"
+    if target.config._experts_implementation != "eager":  # pragma: no cover - transformers API drift
+        raise RuntimeError("could not select the eager experts implementation on the target")
+    target.config.output_router_logits = False
+    target.eval()
+    draft.eval()
+    for p in list(target.parameters()) + list(draft.parameters()):
+        p.requires_grad_(False)
+    models = SmallModels(tok, target, draft, manifest, path, int(eos) if eos is not None else -1)
+    if cache:
+        _MODEL_CACHE[key] = models
+    return models
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of the live prompt set.
+
+    Attributes:
+        id: Index in the set (used as the generation id).
+        category: ``function_body``, ``class_method``, ``docstring`` or ``test_code``.
+        text: The prompt text.
+        file: Standard-library file it was cut from.
+        line: Line of the function it was cut at.
+    """
+
+    id: int
+    category: str
+    text: str
+    file: str = ""
+    line: int = 0
+
+
+def load_prompts(name_or_path: str | os.PathLike[str] = PROMPT_SET) -> list[Prompt]:
+    """The prompts of a shipped prompt set (``stdlib-code-v1``) or of a JSON file of the same form.
+
+    Raises:
+        ValueError: Unknown name or malformed file.
+    """
+    key = os.fspath(name_or_path)
+    path = Path(key)
+    if not path.is_file():
+        path = _packaged("prompts", key if key.endswith(".json") else key + ".json")
+        if not path.is_file():
+            raise ValueError(f"prompts={key!r}: not a shipped prompt set ({PROMPT_SET}) nor a JSON file")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        return [Prompt(int(p["id"]), str(p["category"]), str(p["text"]), str(p.get("file", "")),
+                       int(p.get("line", 0))) for p in doc["prompts"]]
+    except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a prompt set ({exc.__class__.__name__}: {exc})") from None
+
+
+def copy_models(dest: Path, name_or_path: str | os.PathLike[str] = MODEL_NAME) -> Path:
+    """Copy a model set folder to ``dest`` (for users who want to edit or retrain it)."""
+    src = model_dir(name_or_path)
+    shutil.copytree(src, dest)
+    return dest

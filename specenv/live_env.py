@@ -1,0 +1,263 @@
+"""The live environment: every step executes a real speculative-decoding round on the CPU engine.
+
+``gymnasium.make("specenv/MoESpecLive-v0", ...)`` mirrors the replay environment
+(:class:`specenv.env.MoESpecEnv`, ``specenv/MoESpec-v0``) exactly in its spaces, observation, reward
+unit and info keys, but instead of replaying a recorded generation it runs the shipped small
+Qwen3-MoE target and dense draft (:class:`specenv.live.engine.LiveEngine`) on a prompt: the budget k
+chosen by the agent is drafted, verified in one target pass and committed, and the round's accepted
+count, routing (U_r) and times are real. Registered with ``nondeterministic=True``: measured times
+differ between runs (greedy decoding itself is deterministic).
+
+Needs the ``live`` extra (transformers, tokenizers, safetensors).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+from specenv.env import _ScalarObservation, replay_data
+
+LIVE_ENV_ID = "specenv/MoESpecLive-v0"
+RENDER_MODES = ("ansi",)
+REWARDS = ("measured", "model")
+CLOCKS = ("cpu", "wall")
+
+
+class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
+    """Live speculative decoding; the agent picks the draft budget k of every round.
+
+    One episode is one generation: a prompt of the live prompt set, generated greedily (or sampled,
+    ``temperature > 0``) for ``max_new_tokens`` tokens or until end-of-text. The episodes are the
+    generations of ``dataset`` (by default ``live-cpu``, recorded from the same prompts and models)
+    that fall in ``split`` (the split rule of :mod:`specenv.splits`), so the replay environment on
+    ``live-cpu`` and this one run the same generations.
+
+    * action: ``Discrete(kmax + 1)``, the budget k (0 = plain autoregressive step);
+    * observation: the float32 vector of :mod:`specenv.observation` (same layout, scaling and
+      arithmetic as the replay environment; ``prev_U`` is the round's measured U_r);
+      with ``lookahead = h > 0`` the draft proposes h tokens *before* the decision and their
+      confidences are the last h entries; that drafting is part of the next round's draft time;
+    * reward: ``-cost / ar_unit_ms``. ``reward="measured"``: cost = measured ``T_T + T_D`` of the
+      round in ms, by ``clock``: ``"cpu"`` (default; thread CPU time, as in the shipped ``live-cpu``
+      rounds, unaffected by other processes on the machine) or ``"wall"`` (``time.perf_counter``).
+      ``reward="model"``: cost = the cost model applied to the
+      round's measured U_r and context, ``T_T(k, U_r, L) + T_D(max(k, h))``. ``ar_unit_ms`` is the
+      replay environment's unit for the same ``dataset``/``split``/``cost_model`` (mean model AR step
+      cost), so live and replay returns are in the same AR-token units;
+    * ``terminated`` when the generation ends; ``truncated`` is always False.
+
+    ``info`` of :meth:`step`: the replay environment's keys (``k``, ``accepted``, ``committed``,
+    ``cost_ms``, ``U_r``, ``L``, ``t``, ``generation_id``, ``category``) plus the measured
+    ``T_T_ms``, ``T_D_ms`` (wall clock), ``T_T_cpu_ms``, ``T_D_cpu_ms`` (thread CPU time) and
+    ``E_max``; on the terminating step also ``speedup`` (model AR cost of the generated length /
+    episode cost), ``episode_cost_ms``, ``ar_cost_ms`` (sum over the generated
+    positions of the cost model's AR step C(t, 0)) and ``rounds``.
+
+    Args:
+        dataset: Trace set that defines the episodes, the cost model and the reward unit.
+        kmax: Largest budget; default the trace set's Kmax (at most that).
+        split: ``"train"`` (default), ``"test"`` or ``"all"``.
+        cost_model: ``"fit"`` (fitted on the set's rounds), ``"profile"`` or a cost-model JSON path.
+        lookahead: Draft confidences exposed before each decision (0..kmax).
+        reward: ``"measured"`` (default) or ``"model"``.
+        clock: Clock of the measured reward: ``"cpu"`` (default; needs ``threads=1``) or ``"wall"``.
+        prompts: Prompt set (shipped name or JSON path) holding the dataset's generation ids.
+        models: Model set (shipped name or folder).
+        max_new_tokens: Generation cap; default the trace set's ``max_new_tokens``.
+        temperature: 0 = greedy (lossless); > 0 = sampling with speculative rejection sampling
+            (seeded from ``np_random`` at reset).
+        threads: Torch threads (process-wide setting).
+        render_mode: None or ``"ansi"``.
+        backend: ``"hf"`` (default): the transformers engine (:class:`specenv.live.engine.LiveEngine`);
+            ``"vllm"``: an in-process vLLM engine stepped one round at a time
+            (:class:`specenv.vllm.live.VLLMBackend`, ``vllm`` extra; no lookahead; vLLM's prefill
+            samples the first token; the drafter proposes ``kmax`` tokens ahead of each round).
+
+    Raises:
+        ValueError: Naming the argument, for a bad dataset, kmax, split, cost model, lookahead,
+            reward, clock or render mode, or a prompt set without the dataset's generations.
+    """
+
+    metadata = {"render_modes": list(RENDER_MODES), "render_fps": 4}
+
+    def __init__(
+        self,
+        dataset: str = "live-cpu",
+        kmax: int | None = None,
+        split: str = "train",
+        cost_model: str = "fit",
+        lookahead: int = 0,
+        reward: str = "measured",
+        clock: str = "cpu",
+        prompts: str = "stdlib-code-v1",
+        models: str = "small-moe-v1",
+        max_new_tokens: int | None = None,
+        temperature: float = 0.0,
+        threads: int | None = 1,
+        render_mode: str | None = None,
+        backend: str = "hf",
+    ):
+        if backend not in ("hf", "vllm"):
+            raise ValueError(f"backend={backend!r}: expected 'hf' or 'vllm'")
+        if render_mode is not None and render_mode not in RENDER_MODES:
+            raise ValueError(f"render_mode={render_mode!r}: expected None or one of {RENDER_MODES}")
+        if reward not in REWARDS:
+            raise ValueError(f"reward={reward!r}: expected one of {REWARDS}")
+        if clock not in CLOCKS:
+            raise ValueError(f"clock={clock!r}: expected one of {CLOCKS}")
+        if clock == "cpu" and threads != 1:
+            raise ValueError(f"clock='cpu' measures the calling thread only: it needs threads=1 (got {threads!r})")
+        from specenv.datasets import load_dataset
+        from specenv.live.engine import LiveEngine
+        from specenv.live.models import load_models, load_prompts
+
+        self.render_mode = render_mode
+        self.reward_kind = reward
+        self.clock = clock
+        self.data = replay_data(dataset, kmax, split, cost_model, lookahead)
+        self.kmax = self.data.kmax
+        self.lookahead = self.data.lookahead
+        self.ar_unit_ms = self.data.ar_unit_ms
+        self.cost_model = self.data.cost_model
+        if max_new_tokens is None:
+            max_new_tokens = int(load_dataset(dataset).manifest.max_new_tokens)
+        wanted = {int(g) for g in self.data.generation_ids}
+        self.prompts = [p for p in load_prompts(prompts) if p.id in wanted]
+        if not self.prompts:
+            raise ValueError(f"prompts={os.fspath(prompts)!r}: holds none of the generations of dataset "
+                             f"'{self.data.name}' (split '{split}')")
+        if backend == "vllm":
+            if self.lookahead:
+                raise ValueError(f"lookahead={self.lookahead}: the vllm backend cannot show draft confidences")
+            from specenv.vllm.live import VLLMBackend
+
+            self.engine = VLLMBackend.shared(models, kmax=self.kmax, max_new_tokens=int(max_new_tokens),
+                                             temperature=temperature)
+            self.models = self.engine.models
+        else:
+            self.models = load_models(models)
+            self.engine = LiveEngine(self.models, kmax=self.kmax, max_new_tokens=int(max_new_tokens),
+                                     temperature=temperature, threads=threads)
+        self._ids = [self.models.encode(p.text) for p in self.prompts]
+        self.action_space = spaces.Discrete(self.kmax + 1)
+        self.observation_space = self.data.spec.space()
+        self._obs = _ScalarObservation(self.data.spec)
+        self._done = True
+        self._line = ""
+        self._closed = False
+
+    # ------------------------------------------------------------------ episode
+    def _conf(self) -> list[float] | None:
+        if not self.lookahead:
+            return None
+        return self.engine.propose(self.lookahead)[: self.lookahead]
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        """Start a generation: a prompt picked with ``np_random`` or ``options["generation_id"]``.
+
+        Raises:
+            ValueError: If ``options`` has an unknown key or names a generation not in the split.
+        """
+        super().reset(seed=seed)
+        gid = None
+        if options:
+            unknown = set(options) - {"generation_id"}
+            if unknown:
+                raise ValueError(f"options: unknown key(s) {sorted(unknown)} (supported: 'generation_id')")
+            gid = options.get("generation_id")
+        rng = self.np_random
+        if gid is None:
+            g = int(rng.integers(len(self.prompts)))
+        else:
+            hits = [i for i, p in enumerate(self.prompts) if p.id == gid]
+            if not hits:
+                raise ValueError(f"options['generation_id']={gid!r}: not in the '{self.data.split}' split of "
+                                 f"dataset '{self.data.name}' ({len(self.prompts)} generations)")
+            g = hits[0]
+        self.engine.seed(int(rng.integers(2**31)))
+        p = self.prompts[g]
+        self._gid, self._cat = int(p.id), p.category
+        self.engine.start(self._ids[g])
+        self._L0 = self.engine.L
+        self._round = 0
+        self._ep_cost = 0.0
+        self._ar_cost = 0.0
+        self._done = False
+        self._obs.reset()
+        self._line = f"gen {self._gid} [{self._cat}] t=0"
+        return self._obs.build(self._L0, 0, self._conf()), {"generation_id": self._gid, "category": self._cat}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        """Execute one real verification round with budget ``action``.
+
+        Raises:
+            ValueError: If ``action`` is not an integer in 0..kmax.
+            RuntimeError: If called before :meth:`reset` or after the episode ended.
+        """
+        try:
+            k = action.__index__()
+        except (AttributeError, TypeError):
+            raise ValueError(f"action={action!r}: must be an integer in 0..{self.kmax}") from None
+        if not 0 <= k <= self.kmax:
+            raise ValueError(f"action={k}: outside 0..{self.kmax}")
+        if self._done:
+            raise RuntimeError("step() called before reset() or after the episode ended; call reset()")
+        r = self.engine.step(k)
+        cm = self.cost_model
+        if self.reward_kind == "measured":
+            cost = float(r.T_T_cpu_ms + r.T_D_cpu_ms) if self.clock == "cpu" else float(r.T_T_ms + r.T_D_ms)
+        else:
+            cost = float(cm.target_ms(k, r.U_r, r.L) + cm.draft_ms(max(k, self.lookahead)))
+        committed = len(r.committed)
+        t_new = r.t + committed
+        Ls = np.arange(r.L, r.L + committed, dtype=np.float64)
+        self._ar_cost += float(np.sum(cm.ar_ms(Ls)))
+        units = cost / self.ar_unit_ms
+        self._ep_cost += cost
+        self._round += 1
+        self._obs.update(k, r.accepted, r.U_r, units, committed)
+        terminated = bool(r.done)
+        info: dict[str, Any] = {
+            "k": k, "accepted": r.accepted, "committed": committed, "cost_ms": cost, "U_r": r.U_r, "L": r.L,
+            "t": t_new, "generation_id": self._gid, "category": self._cat,
+            "T_T_ms": r.T_T_ms, "T_D_ms": r.T_D_ms, "T_T_cpu_ms": r.T_T_cpu_ms, "T_D_cpu_ms": r.T_D_cpu_ms,
+            "E_max": r.E_max,
+        }
+        if terminated:
+            self._done = True
+            info["speedup"] = self._ar_cost / self._ep_cost
+            info["episode_cost_ms"] = self._ep_cost
+            info["ar_cost_ms"] = self._ar_cost
+            info["rounds"] = self._round
+            conf = [0.0] * self.lookahead if self.lookahead else None
+        else:
+            conf = self._conf()
+        if self.render_mode == "ansi":
+            self._line = (f"gen {self._gid} [{self._cat}] round {self._round - 1}: t={r.t} k={k} "
+                          f"accepted={r.accepted} +{committed} cost={cost:.3f}ms U_r={r.U_r:.2f}"
+                          + (" (done)" if terminated else ""))
+        return self._obs.build(self._L0 + t_new, t_new, conf), -units, terminated, False, info
+
+    def render(self) -> str | None:
+        """The last round as one line of text (``render_mode="ansi"``); None otherwise."""
+        if self.render_mode is None:
+            gym.logger.warn(
+                "You are calling render method without specifying any render mode. "
+                f'Create the environment with render_mode="ansi", e.g. gym.make("{LIVE_ENV_ID}", render_mode="ansi")'
+            )
+            return None
+        return self._line
+
+    def close(self) -> None:
+        """Detach the engine's routing hooks from the (shared) target model; idempotent."""
+        if not self._closed:
+            self.engine.close()
+            self._closed = True
+            self._done = True
