@@ -292,8 +292,12 @@ def oracle_cmd(
 @app.command()
 def train(
     algo: Annotated[str, typer.Option(help="Learner: ppo, dqn or imitation (DAgger on the oracle).")] = "ppo",
-    traces: Annotated[str, typer.Option("--traces", help="Trace set (name or folder); trains on its train split.")] = "paper-default",
-    out_dir: Annotated[Path, typer.Option("--out", "-o", help="Run folder: model, logs, exported policy/.")] = Path("runs"),
+    traces: Annotated[
+        str, typer.Option("--traces", help="Trace set (name or folder); trains on its train split.")
+    ] = "paper-default",
+    out_dir: Annotated[
+        Path, typer.Option("--out", "-o", help="Run folder: model, logs, exported policy/.")
+    ] = Path("runs"),
     timesteps: Annotated[int, typer.Option(min=1000, help="Environment steps (ppo, dqn).")] = 300_000,
     iterations: Annotated[int, typer.Option(min=1, help="DAgger iterations (imitation).")] = 6,
     seed: Annotated[int, typer.Option(help="Seed.")] = 0,
@@ -375,9 +379,9 @@ def bench(
     out.print(category_table(res), markup=False)
     for note in res.notes:
         out.print(f"note: {note}", markup=False)
+    files = ", ".join(p.name for p in paths)
     out.print(f"\nbest fixed k on train: {ctx['best_fixed_k_train']}; delta-space lambda (oracle boundary slope, "
-              f"train): {ctx['delta_lambda_ms']:.3f} ms/token; outputs in {out_dir}/ ({', '.join(p.name for p in paths)})",
-              markup=False)
+              f"train): {ctx['delta_lambda_ms']:.3f} ms/token; outputs in {out_dir}/ ({files})", markup=False)
 
 
 @app.command()
