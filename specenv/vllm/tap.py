@@ -1,0 +1,325 @@
+"""Worker side of the recorder: expert routing and phase timings, bound when vLLM loads the models.
+
+The ``specenv`` load format (:class:`SpecenvModelLoader`, a :class:`DefaultModelLoader` registered
+with vLLM's public ``register_model_loader``; registration runs from the ``vllm.general_plugins``
+entry point :func:`register`) loads the weights exactly as the default loader does, then
+
+* on the **target** model: binds a capture callback to every MoE router through
+  ``BaseRouter.set_capture_fn`` (the hook vLLM's own routed-experts capture uses). The callback
+  copies the logical top-k expert ids of every token of the forward pass into one preallocated
+  ``(n_moe_layers, max_num_batched_tokens, top_k)`` int32 buffer on the model's device. Binding
+  happens at load time, i.e. before vLLM captures any CUDA graph, so a captured graph replays the
+  copy too; nothing is allocated per step;
+* on the target and on the **draft** model: forward pre/post hooks (plain PyTorch module hooks)
+  that stamp ``time.perf_counter()`` (after a device synchronisation on accelerators), giving the
+  target's verification time and the draft's proposal time of each step. Under CUDA graphs the
+  top-level module's hooks do not fire on replay; the recorder then reports the step's wall time as
+  ``T_T_ms`` and ``T_D_ms = 0`` (schema v1: "timing missing").
+
+Where the scheduler finds the tap (:func:`current_tap`):
+
+* same process (vLLM's single-process executor ``distributed_executor_backend="uni"``, e.g. the
+  in-process engine with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or one GPU): the tap object itself;
+* worker processes (``"mp"``, which vLLM forces on CPU when the engine core runs in its own process,
+  e.g. ``vllm serve``): on a CPU worker the routing buffer and the clocks live in a POSIX shared-memory
+  segment named after the engine-core process (``specenv-tap-<pid>``), which the scheduler attaches
+  to. The worker writes it during ``execute_model``; with synchronous scheduling the scheduler reads
+  it only after that call has returned. (An accelerator worker in another process is not supported:
+  its buffer is device memory; use ``--distributed-executor-backend uni``.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+#: The load format name the recorder uses (``--load-format specenv``).
+LOAD_FORMAT = "specenv"
+_MAGIC = 7101.0
+_HEADER = 16  # float64 slots: magic, n_layers, capacity, top_k, n_experts, target clock x5, draft clock x5, has_draft
+_OFFSET = _HEADER * 8
+
+#: Taps of the models loaded in this process, newest last (normally one target per engine).
+TAPS: list[RoutingTap] = []
+
+
+def shm_name(owner_pid: int) -> str:
+    """Name of the shared-memory segment of the engine-core process ``owner_pid``."""
+    return f"specenv-tap-{owner_pid}"
+
+
+class PhaseClock:
+    """First-start / last-end stamps of a model's forward passes within one engine step.
+
+    Wall clock (``time.perf_counter``) and the CPU time of the forward's thread (``time.thread_time``:
+    with one torch thread the same work without the time the process was descheduled, i.e. robust to
+    other processes on a shared machine).
+
+    Args:
+        slots: A float64 array of 5 slots (start, end, calls, cpu start, cpu end), possibly in
+            shared memory.
+        sync: Device synchronisation called before each stamp (None on CPU).
+    """
+
+    def __init__(self, slots: np.ndarray | None = None, sync: Any = None):
+        self.slots = np.zeros(5) if slots is None else slots
+        self.sync = sync
+
+    def reset(self) -> None:
+        """Forget the current step."""
+        self.slots[:] = 0.0
+
+    def pre(self, module: Any, args: Any) -> None:
+        """Forward pre-hook."""
+        if self.sync is not None:
+            self.sync()
+        if self.slots[2] == 0:
+            self.slots[0] = time.perf_counter()
+            self.slots[3] = time.thread_time()
+        self.slots[2] += 1
+
+    def post(self, module: Any, args: Any, output: Any) -> None:
+        """Forward hook."""
+        if self.sync is not None:
+            self.sync()
+        self.slots[1] = time.perf_counter()
+        self.slots[4] = time.thread_time()
+
+    @property
+    def calls(self) -> int:
+        """Forward passes in the current step."""
+        return int(self.slots[2])
+
+    @property
+    def ms(self) -> float:
+        """Milliseconds from the first forward's start to the last forward's end (0 if none ran)."""
+        return float(self.slots[1] - self.slots[0]) * 1e3 if self.slots[2] else 0.0
+
+    @property
+    def cpu_ms(self) -> float:
+        """CPU time of the forwards' thread over the same span (0 if none ran)."""
+        return float(self.slots[4] - self.slots[3]) * 1e3 if self.slots[2] else 0.0
+
+
+@dataclass
+class RoutingTap:
+    """Routing buffer and phase clocks of one target (and its draft).
+
+    Attributes:
+        buf: ``(n_layers, capacity, top_k)`` int32 tensor (worker side) or array (attached side)
+            holding the expert ids of the last forward pass.
+        n_layers: MoE layers bound.
+        n_experts: Experts per MoE layer (logical).
+        top_k: Experts per token.
+        capacity: Tokens the buffer holds (``max_num_batched_tokens`` + margin).
+        target_clock: Timing of the target's forward passes.
+        draft_clock: Timing of the draft model's forward passes.
+        header: The float64 header (shared when ``shm`` is set).
+        shm: The shared-memory segment (None when the tap is process-local only).
+    """
+
+    buf: Any
+    n_layers: int
+    n_experts: int
+    top_k: int
+    capacity: int
+    target_clock: PhaseClock
+    draft_clock: PhaseClock
+    header: np.ndarray
+    shm: Any = None
+    handles: list[Any] = field(default_factory=list)
+
+    @property
+    def has_draft(self) -> bool:
+        """Whether a draft model's hooks are bound."""
+        return bool(self.header[15])
+
+    def reset_step(self) -> None:
+        """Clear both clocks (called by the controller when a step is scheduled)."""
+        self.target_clock.reset()
+        self.draft_clock.reset()
+
+    def routing(self, n_tokens: int) -> np.ndarray:
+        """``(n_layers, n_tokens, top_k)`` int32 copy of the last forward's routing."""
+        b = self.buf[:, :n_tokens]
+        return b.cpu().numpy().copy() if hasattr(b, "cpu") else np.array(b)
+
+
+def _layout(n_layers: int, capacity: int, top_k: int) -> int:
+    return _OFFSET + 4 * n_layers * capacity * top_k
+
+
+def _views(buffer: Any, n_layers: int, capacity: int, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    header = np.ndarray((_HEADER,), dtype=np.float64, buffer=buffer)
+    routing = np.ndarray((n_layers, capacity, top_k), dtype=np.int32, buffer=buffer, offset=_OFFSET)
+    return header, routing
+
+
+def _routers(model: Any) -> list[Any]:
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+    seen: set[int] = set()
+    out = []
+    for module in model.modules():
+        router = getattr(module, "router", None)
+        if isinstance(router, BaseRouter) and id(router) not in seen:
+            seen.add(id(router))
+            out.append(router)
+    return out
+
+
+def _sync_fn(device: Any) -> Any:
+    import torch
+
+    if torch.device(device).type == "cpu":
+        return None
+    return torch.accelerator.synchronize
+
+
+def bind_target(model: Any, vllm_config: Any) -> RoutingTap | None:
+    """Bind the routing capture and timing hooks on a freshly loaded target model.
+
+    Returns:
+        The tap, or None when the model has no MoE router (nothing to record).
+    """
+    import torch
+
+    routers = _routers(model)
+    if not routers:
+        return None
+    top_k = int(routers[0].top_k)
+    n_experts = int(routers[0].global_num_experts)
+    n_layers = len(routers)
+    capacity = int(vllm_config.scheduler_config.max_num_batched_tokens) + 64
+    device = next(model.parameters()).device
+    shm = None
+    if vllm_config.parallel_config.distributed_executor_backend == "mp" and device.type == "cpu":
+        from multiprocessing import shared_memory
+
+        name = shm_name(os.getppid())  # the engine-core process spawned this worker
+        try:
+            shared_memory.SharedMemory(name=name).unlink()  # left over by a killed run with the same pid
+        except FileNotFoundError:
+            pass
+        shm = shared_memory.SharedMemory(name=name, create=True, size=_layout(n_layers, capacity, top_k))
+        header, routing = _views(shm.buf, n_layers, capacity, top_k)
+        header[:] = 0.0
+        buf = torch.from_numpy(routing)
+    else:
+        header = np.zeros(_HEADER)
+        buf = torch.zeros((n_layers, capacity, top_k), dtype=torch.int32, device=device)
+    header[:5] = (_MAGIC, n_layers, capacity, top_k, n_experts)
+
+    def make_capture(layer: int):
+        row = buf[layer]
+
+        def capture(topk_ids: Any) -> None:
+            row[: topk_ids.shape[0]].copy_(topk_ids)
+
+        return capture
+
+    for i, r in enumerate(routers):
+        r.set_capture_fn(make_capture(i))
+    sync = _sync_fn(device)
+    tap = RoutingTap(buf=buf, n_layers=n_layers, n_experts=n_experts, top_k=top_k, capacity=capacity,
+                     target_clock=PhaseClock(header[5:10], sync), draft_clock=PhaseClock(header[10:15], sync),
+                     header=header, shm=shm)
+    tap.handles += [model.register_forward_pre_hook(tap.target_clock.pre),
+                    model.register_forward_hook(tap.target_clock.post)]
+    TAPS.append(tap)
+    return tap
+
+
+def bind_draft(model: Any) -> None:
+    """Attach the draft timing hooks to the newest tap's draft clock."""
+    if not TAPS:
+        return
+    tap = TAPS[-1]
+    tap.draft_clock.sync = _sync_fn(next(model.parameters()).device)
+    tap.handles += [model.register_forward_pre_hook(tap.draft_clock.pre),
+                    model.register_forward_hook(tap.draft_clock.post)]
+    tap.header[15] = 1.0
+
+
+def attach(owner_pid: int | None = None) -> RoutingTap | None:
+    """Attach to the shared-memory tap of a worker process of this engine core (None if absent)."""
+    from multiprocessing import shared_memory
+
+    try:
+        shm = shared_memory.SharedMemory(name=shm_name(os.getpid() if owner_pid is None else owner_pid))
+    except FileNotFoundError:
+        return None
+    try:  # the worker owns (and unlinks) the segment; do not let this process's tracker unlink it too
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister("/" + shm.name, "shared_memory")
+    except Exception:  # pragma: no cover - tracker internals differ across Python versions
+        pass
+    head = np.ndarray((_HEADER,), dtype=np.float64, buffer=shm.buf)
+    if head[0] != _MAGIC:
+        shm.close()
+        return None
+    n_layers, capacity, top_k, n_experts = (int(x) for x in head[1:5])
+    header, routing = _views(shm.buf, n_layers, capacity, top_k)
+    return RoutingTap(buf=routing, n_layers=n_layers, n_experts=n_experts, top_k=top_k, capacity=capacity,
+                      target_clock=PhaseClock(header[5:10]), draft_clock=PhaseClock(header[10:15]), header=header,
+                      shm=shm)
+
+
+def current_tap() -> RoutingTap | None:
+    """The tap the scheduler of this process reads: in-process if bound here, else a worker's shared one."""
+    return TAPS[-1] if TAPS else attach()
+
+
+def _make_loader_cls() -> type:
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    class SpecenvModelLoader(DefaultModelLoader):
+        """The default loader plus the specenv routing/timing taps (``--load-format specenv``).
+
+        The draft is told apart from the target by the prefix vLLM's draft-model proposer loads it
+        with (``draft_model``) or by its model config (the speculative config's
+        ``draft_model_config``).
+        """
+
+        def __init__(self, load_config: Any):
+            # Read the files as "auto" would; only the post-load binding differs.
+            super().__init__(dataclasses.replace(load_config, load_format="auto"))
+
+        def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
+            model = super().load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+            spec = vllm_config.speculative_config
+            is_draft = prefix.startswith("draft") or (
+                spec is not None and model_config is getattr(spec, "draft_model_config", None)
+                and model_config is not vllm_config.model_config
+            )
+            if is_draft:
+                bind_draft(model)
+            else:
+                bind_target(model, vllm_config)
+            return model
+
+    return SpecenvModelLoader
+
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: register the ``specenv`` load format (idempotent).
+
+    Inert unless a server is started with ``--load-format specenv``; safe to run in every vLLM
+    process.
+    """
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from vllm.model_executor.model_loader import register_model_loader
+
+    register_model_loader(LOAD_FORMAT)(_make_loader_cls())
+    _REGISTERED = True
