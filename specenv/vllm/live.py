@@ -30,32 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specenv.live.engine import RoundResult
 from specenv.vllm.settings import SpecenvSettings, engine_kwargs
-
-
-@dataclass(frozen=True)
-class RoundResult:
-    """One executed round (the fields of :class:`specenv.live.engine.RoundResult`).
-
-    ``drafted`` holds every token the drafter proposed for the round (the first k were verified);
-    ``T_T_cpu_ms``/``T_D_cpu_ms`` the CPU time of the forwards' thread (the engine runs in this process).
-    """
-
-    k: int
-    m: int
-    accepted: int
-    committed: tuple[int, ...]
-    U_r: float
-    E_max: float
-    T_T_ms: float
-    T_D_ms: float
-    L: int
-    t: int
-    q: tuple[float, ...]
-    done: bool
-    drafted: tuple[int, ...] = ()
-    T_T_cpu_ms: float = 0.0
-    T_D_cpu_ms: float = 0.0
 
 
 @dataclass

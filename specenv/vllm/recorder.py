@@ -38,7 +38,6 @@ says so.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import queue
@@ -53,6 +52,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specenv.schema import ROUNDS_COLUMNS, SCHEMA_VERSION, ModelFacts, TraceError, validate_rounds
+from specenv.traceset import sha256_file
 
 RUN_MANIFEST = "recording.json"
 PARTS = "parts"
@@ -79,14 +79,6 @@ EXTRA_COLUMNS: dict[str, pa.DataType] = {
 }
 COLUMNS: dict[str, pa.DataType] = {**ROUNDS_COLUMNS, **EXTRA_COLUMNS}
 TOKENS_COLUMN = "verified_tokens"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync_replace(tmp: Path, dest: Path) -> None:
@@ -231,7 +223,7 @@ class PartRecorder:
             return
         steps = cols["step"]
         write_json_atomic(self.parts_dir / f"{name}.json", {
-            "format": PART_FORMAT, "part": index, "path": pq_path.name, "sha256": _sha256(pq_path),
+            "format": PART_FORMAT, "part": index, "path": pq_path.name, "sha256": sha256_file(pq_path),
             "rows": table.num_rows, "first_step": int(min(steps)), "last_step": int(max(steps)),
             "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         })
@@ -267,7 +259,7 @@ def recording_status(folder: str | os.PathLike[str]) -> dict[str, Any]:
             ent = json.loads(idx.read_text(encoding="utf-8"))
             path = pdir / ent["path"]
             indexed.add(ent["path"])
-            ok = ent.get("format") == PART_FORMAT and path.is_file() and _sha256(path) == ent["sha256"]
+            ok = ent.get("format") == PART_FORMAT and path.is_file() and sha256_file(path) == ent["sha256"]
         except (OSError, ValueError, KeyError, TypeError):
             ok, ent = False, {}
         if ok:
