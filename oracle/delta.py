@@ -284,9 +284,7 @@ def delta_analysis(
     )
 
 
-def delta_rule_policy(
-    arrays: PositionArrays, cost_model: CostModel, lam: float, lookahead: int = 0
-) -> np.ndarray:
+def delta_rule_policy(arrays: PositionArrays, cost_model: CostModel, lam: float, lookahead: int = 0) -> np.ndarray:
     """Budgets of the delta rule with the trace's true acceptance: ``argmax_k lam*E[a(t,k)] - C(t,k)``.
 
     This is the offline (perfect-information) form of the delta-space heuristic; evaluate it with
@@ -405,19 +403,34 @@ def plot_delta(analysis: DeltaAnalysis, path: str, max_points: int = 20000, seed
     for q in QUADRANTS:
         m = quad == q
         if m.any():
-            ax.scatter(xs[m], ys[m], s=3, alpha=0.35, color=colors[q],
-                       label=f"{q}: {analysis.quadrants[q]:,}", rasterized=True)
+            ax.scatter(
+                xs[m], ys[m], s=3, alpha=0.35, color=colors[q], label=f"{q}: {analysis.quadrants[q]:,}", rasterized=True
+            )
     lim = np.array([x.min(), x.max()]) if n else np.array([-1.0, 1.0])
-    ax.plot(lim, analysis.lambda_sep * lim, color="k", lw=1.5,
-            label=f"boundary  lambda={analysis.lambda_sep:.3f} ms/token (err {analysis.sep_error:.1%})")
-    ax.plot(lim, analysis.lambda_ls * lim, color="k", lw=1, ls="--",
-            label=f"least squares  lambda={analysis.lambda_ls:.3f} (R2 {analysis.r2_origin:.3f})")
+    ax.plot(
+        lim,
+        analysis.lambda_sep * lim,
+        color="k",
+        lw=1.5,
+        label=f"boundary  lambda={analysis.lambda_sep:.3f} ms/token (err {analysis.sep_error:.1%})",
+    )
+    ax.plot(
+        lim,
+        analysis.lambda_ls * lim,
+        color="k",
+        lw=1,
+        ls="--",
+        label=f"least squares  lambda={analysis.lambda_ls:.3f} (R2 {analysis.r2_origin:.3f})",
+    )
     ax.axhline(0, color="0.3", lw=0.6)
     ax.axvline(0, color="0.3", lw=0.6)
     ax.set_xlabel("dE[a]  (accepted drafts, rejected k minus k*)")
     ax.set_ylabel("dE[Cost]  (ms, rejected k minus k*)")
-    ax.set_title(f"Delta space of the oracle's rejected candidates ({analysis.points:,} points, "
-                 f"V(0)/N = {analysis.v0_per_token:.3f} ms)", fontsize=10)
+    ax.set_title(
+        f"Delta space of the oracle's rejected candidates ({analysis.points:,} points, "
+        f"V(0)/N = {analysis.v0_per_token:.3f} ms)",
+        fontsize=10,
+    )
     ax.legend(fontsize=8, markerscale=4, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=130)

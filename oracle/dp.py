@@ -174,9 +174,7 @@ def _step_tables(
     return Ct, St
 
 
-def _backward(
-    Ct: np.ndarray, St: np.ndarray, lay: _Layout, policy: np.ndarray | None
-) -> tuple[np.ndarray, np.ndarray]:
+def _backward(Ct: np.ndarray, St: np.ndarray, lay: _Layout, policy: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """Backward sweep in step order: value and chosen k per state (optimal if policy is None).
 
     ``Ct`` (K+1, n) and ``St`` (K, n) are the cost and survival tables in step order
@@ -353,8 +351,9 @@ def _policy_rows(policy: int | np.ndarray, arrays: PositionArrays) -> tuple[np.n
     else:
         k = np.asarray(policy)
         if k.shape != (n,):
-            raise ValueError(f"a position-indexed policy needs one budget per position row: shape ({n},), "
-                             f"got {k.shape}")
+            raise ValueError(
+                f"a position-indexed policy needs one budget per position row: shape ({n},), got {k.shape}"
+            )
         if not np.issubdtype(k.dtype, np.integer):
             if not np.all(np.equal(np.mod(k, 1), 0)):
                 raise ValueError("budgets must be integers")

@@ -123,8 +123,7 @@ def evaluate_in_env(
 
         import specenv  # noqa: F401  (registers the environment)
 
-        kwargs: dict[str, Any] = {"dataset": dataset, "split": split, "cost_model": cost_model,
-                                  "lookahead": lookahead}
+        kwargs: dict[str, Any] = {"dataset": dataset, "split": split, "cost_model": cost_model, "lookahead": lookahead}
         if kmax is not None:
             kwargs["kmax"] = kmax
         env = gym.make(ENV_ID, **kwargs)

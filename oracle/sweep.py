@@ -15,8 +15,14 @@ __all__ = ["SWEEP_COLUMNS", "kmax_sweep", "plot_kmax_sweep"]
 
 #: Columns of :func:`kmax_sweep`'s table.
 SWEEP_COLUMNS = (
-    "kmax", "s_max_pooled", "s_max_mean", "mean_k", "mean_accepted", "expected_rounds",
-    "best_fixed_k", "best_fixed_speedup",
+    "kmax",
+    "s_max_pooled",
+    "s_max_mean",
+    "mean_k",
+    "mean_accepted",
+    "expected_rounds",
+    "best_fixed_k",
+    "best_fixed_speedup",
 )
 
 
@@ -49,16 +55,18 @@ def kmax_sweep(
             if k not in fixed:
                 fixed[k] = evaluate_policy(sub, cost_model, k, lookahead=lookahead).speedup_pooled
         best = max(range(km + 1), key=lambda k: fixed[k])
-        rows.append({
-            "kmax": km,
-            "s_max_pooled": res.speedup_pooled,
-            "s_max_mean": res.speedup_mean,
-            "mean_k": res.mean_k,
-            "mean_accepted": res.mean_accepted,
-            "expected_rounds": float(res.rounds.sum()),
-            "best_fixed_k": best,
-            "best_fixed_speedup": fixed[best],
-        })
+        rows.append(
+            {
+                "kmax": km,
+                "s_max_pooled": res.speedup_pooled,
+                "s_max_mean": res.speedup_mean,
+                "mean_k": res.mean_k,
+                "mean_accepted": res.mean_accepted,
+                "expected_rounds": float(res.rounds.sum()),
+                "best_fixed_k": best,
+                "best_fixed_speedup": fixed[best],
+            }
+        )
     return pd.DataFrame(rows, columns=list(SWEEP_COLUMNS))
 
 

@@ -109,7 +109,7 @@ class ConfidenceThreshold(Policy):
             self.matches.extend([1] * a)
             if len(self._pending) > a:
                 self.matches.append(0)
-            del self.probs[len(self.matches):]
+            del self.probs[len(self.matches) :]
             if len(self.probs) > 5 and {0, 1} <= set(self.matches):
                 from sklearn.metrics import roc_curve
 
@@ -138,9 +138,7 @@ class UPredictor:
 
     def __init__(self, kmax: int, top_k: int, n_experts: int, prior: np.ndarray | None = None):
         ks = np.arange(kmax + 1)
-        self.prior = (
-            np.minimum(top_k * (ks + 1.0) ** 0.62, n_experts) if prior is None else np.asarray(prior, float)
-        )
+        self.prior = np.minimum(top_k * (ks + 1.0) ** 0.62, n_experts) if prior is None else np.asarray(prior, float)
         self.prior[0] = top_k
         self.reset()
 
@@ -265,8 +263,13 @@ class CascadeUtility(Policy):
 
     name = "cascade"
 
-    def __init__(self, spec: ObservationSpec, candidates: tuple[int, ...] = (1, 2, 4, 6, 8),
-                 test_rounds: int = 2, set_rounds: int = 24):
+    def __init__(
+        self,
+        spec: ObservationSpec,
+        candidates: tuple[int, ...] = (1, 2, 4, 6, 8),
+        test_rounds: int = 2,
+        set_rounds: int = 24,
+    ):
         self.candidates = tuple(k for k in candidates if k <= spec.kmax)
         self.test_rounds = test_rounds
         self.set_rounds = set_rounds

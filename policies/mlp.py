@@ -97,9 +97,14 @@ class MLPPolicy(Policy):
             "name": self.name,
             "activation": self.activation,
             "layers": len(self.weights),
-            "observation": {"kmax": spec.kmax, "lookahead": spec.lookahead,
-                            "max_new_tokens": spec.max_new_tokens, "n_experts": spec.n_experts,
-                            "dim": spec.dim, "names": spec.names},
+            "observation": {
+                "kmax": spec.kmax,
+                "lookahead": spec.lookahead,
+                "max_new_tokens": spec.max_new_tokens,
+                "n_experts": spec.n_experts,
+                "dim": spec.dim,
+                "names": spec.names,
+            },
             "meta": self.meta,
         }
         with tempfile.NamedTemporaryFile(dir=folder, suffix=".npz", delete=False) as fh:

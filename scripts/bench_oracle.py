@@ -100,15 +100,23 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"pool: {report['generations']} generations, {report['positions']} positions, max N "
-          f"{report['max_N']}, Kmax {report['kmax']} (best / median of {args.repeats})")
-    for key, label in (("prepare_s", "cost/survival tables + layout"), ("dp_backward_s", "DP backward sweep"),
-                       ("occupancy_forward_s", "occupancy forward sweep"), ("solve_total_s", "oracle.solve total"),
-                       ("evaluate_fixed_k4_s", "evaluate_policy(k=4) total")):
+    print(
+        f"pool: {report['generations']} generations, {report['positions']} positions, max N "
+        f"{report['max_N']}, Kmax {report['kmax']} (best / median of {args.repeats})"
+    )
+    for key, label in (
+        ("prepare_s", "cost/survival tables + layout"),
+        ("dp_backward_s", "DP backward sweep"),
+        ("occupancy_forward_s", "occupancy forward sweep"),
+        ("solve_total_s", "oracle.solve total"),
+        ("evaluate_fixed_k4_s", "evaluate_policy(k=4) total"),
+    ):
         print(f"  {label:32s} {report[key]['min']:.3f} s / {report[key]['median']:.3f} s")
     print(f"  S_max (pooled, paper profile)    {report['s_max_pooled']:.4f}")
-    print(f"target < {TARGET_S} s: DP {'met' if report['dp_within_target'] else 'MISSED'}, "
-          f"whole solve {'met' if report['solve_within_target'] else 'MISSED'}")
+    print(
+        f"target < {TARGET_S} s: DP {'met' if report['dp_within_target'] else 'MISSED'}, "
+        f"whole solve {'met' if report['solve_within_target'] else 'MISSED'}"
+    )
 
 
 if __name__ == "__main__":

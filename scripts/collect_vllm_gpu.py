@@ -62,15 +62,28 @@ def run_one(args: argparse.Namespace, K: int) -> None:
     register()
     prompts = load_prompts(args.prompts)[: args.limit or None]
     rec = Path(args.out) / "runs" / f"K={K}"
-    llm = LLM(model=args.target, speculative_config={"method": "eagle3", "model": args.draft,
-                                                     "num_speculative_tokens": K},
-              max_num_seqs=1, max_model_len=args.max_model_len, enforce_eager=args.eager, seed=args.seed,
-              gpu_memory_utilization=args.gpu_memory_utilization, distributed_executor_backend="uni",
-              **engine_kwargs(record=str(rec), run=f"K={K}", name="qwen3-coder-30b-a3b-eagle3",
-                              max_new_tokens=args.max_new_tokens, part_rounds=4096))
+    llm = LLM(
+        model=args.target,
+        speculative_config={"method": "eagle3", "model": args.draft, "num_speculative_tokens": K},
+        max_num_seqs=1,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.eager,
+        seed=args.seed,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        distributed_executor_backend="uni",
+        **engine_kwargs(
+            record=str(rec),
+            run=f"K={K}",
+            name="qwen3-coder-30b-a3b-eagle3",
+            max_new_tokens=args.max_new_tokens,
+            part_rounds=4096,
+        ),
+    )
     tok = llm.get_tokenizer()
-    texts = [tok.apply_chat_template([{"role": "user", "content": p["text"]}], add_generation_prompt=True,
-                                     tokenize=False) for p in prompts]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": p["text"]}], add_generation_prompt=True, tokenize=False)
+        for p in prompts
+    ]
     t0 = time.time()
     for i, text in enumerate(texts):  # B = 1: one request at a time, in prompt order (= generation id)
         sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens, seed=args.seed + i)

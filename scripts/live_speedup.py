@@ -89,18 +89,27 @@ def main() -> None:
     table = {int(k): float(tot[0] / tot[k]) for k in tot.index}
     pred = replay_speedups(gids, kmax)
     res = {
-        "prompts": len(prompts), "repeats": a.repeats, "threads": a.threads, "max_new_tokens": max_new,
+        "prompts": len(prompts),
+        "repeats": a.repeats,
+        "threads": a.threads,
+        "max_new_tokens": max_new,
         "ar_tokens_per_s": float(toks[0] / wall[0]),
         "tokens_per_s": {k: float(toks[k] / wall[k]) for k in range(kmax + 1)},
-        "speedup_live_measured": live, "speedup_live_cpu_time": live_cpu, "speedup_rounds_table": table,
+        "speedup_live_measured": live,
+        "speedup_live_cpu_time": live_cpu,
+        "speedup_rounds_table": table,
         "speedup_replay_predicted": pred,
-        "best_k_live": int(max(live, key=live.get)), "best_k_replay": int(max(pred, key=pred.get)),
-        "loadavg_before": list(load0), "loadavg_after": list(os.getloadavg()),
+        "best_k_live": int(max(live, key=live.get)),
+        "best_k_replay": int(max(pred, key=pred.get)),
+        "loadavg_before": list(load0),
+        "loadavg_after": list(os.getloadavg()),
     }
     print(f"{'k':>3} {'live wall':>10} {'live cpu':>9} {'rounds tbl':>10} {'replay':>8} {'tok/s':>7}")
     for k in range(kmax + 1):
-        print(f"{k:>3} {live[k]:>10.3f} {live_cpu[k]:>9.3f} {table.get(k, float('nan')):>10.3f} {pred[k]:>8.3f} "
-              f"{res['tokens_per_s'][k]:>7.1f}")
+        print(
+            f"{k:>3} {live[k]:>10.3f} {live_cpu[k]:>9.3f} {table.get(k, float('nan')):>10.3f} {pred[k]:>8.3f} "
+            f"{res['tokens_per_s'][k]:>7.1f}"
+        )
     print(f"best k: live {res['best_k_live']}, replay {res['best_k_replay']}; load {load0} -> {os.getloadavg()}")
     if a.json:
         with open(a.json, "w") as fh:

@@ -147,10 +147,14 @@ def main() -> None:
         "name": "stdlib-code",
         "version": 1,
         "description": "Code prompts cut from validation files of the Python standard library "
-                       "(never seen by the small models), built by scripts/make_live_prompts.py.",
+        "(never seen by the small models), built by scripts/make_live_prompts.py.",
         "categories": list(CATEGORIES),
-        "source": {"python": platform.python_version(), "seed": a.seed, "val_files": len(files),
-                   "split": "val iff int(sha256(relpath)[:8], 16) % 20 == 0"},
+        "source": {
+            "python": platform.python_version(),
+            "seed": a.seed,
+            "val_files": len(files),
+            "split": "val iff int(sha256(relpath)[:8], 16) % 20 == 0",
+        },
         "prompts": prompts,
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)

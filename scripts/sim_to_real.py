@@ -61,8 +61,10 @@ def main() -> None:
     for r in rows:
         r["replay_speedup"] = r["replay_ar_ms"] / r["replay_cost_ms"]
         r["live_speedup"] = live_ar / r["live_cost_ms"]
-        print(f"| {r['policy']} | {r['replay_speedup']:.3f} | {r['live_speedup']:.3f} | "
-              f"{r['live_speedup'] / r['replay_speedup']:.3f} |")
+        print(
+            f"| {r['policy']} | {r['replay_speedup']:.3f} | {r['live_speedup']:.3f} | "
+            f"{r['live_speedup'] / r['replay_speedup']:.3f} |"
+        )
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(rows, fh, indent=2)

@@ -89,8 +89,11 @@ def train_tokenizer(texts: list[str], vocab: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab, min_frequency=2, special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab,
+        min_frequency=2,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
@@ -109,11 +112,23 @@ def target_config(a):
     from transformers import Qwen3MoeConfig
 
     cfg = Qwen3MoeConfig(
-        vocab_size=a.vocab, hidden_size=a.d_model, num_hidden_layers=a.target_layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=a.d_model // 4, intermediate_size=a.expert_ffn,
-        moe_intermediate_size=a.expert_ffn, num_experts=a.experts, num_experts_per_tok=a.top_k,
-        norm_topk_prob=True, max_position_embeddings=1024, tie_word_embeddings=True,
-        router_aux_loss_coef=a.aux_coef, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        vocab_size=a.vocab,
+        hidden_size=a.d_model,
+        num_hidden_layers=a.target_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=a.d_model // 4,
+        intermediate_size=a.expert_ffn,
+        moe_intermediate_size=a.expert_ffn,
+        num_experts=a.experts,
+        num_experts_per_tok=a.top_k,
+        norm_topk_prob=True,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        router_aux_loss_coef=a.aux_coef,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
     )
     # The attribute the MoE dispatch reads (transformers.integrations.moe.use_experts_implementation); a plain
     # ``experts_implementation`` attribute is ignored. Training uses grouped_mm (several times faster than the
@@ -126,9 +141,18 @@ def draft_config(a):
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=a.vocab, hidden_size=a.d_model, num_hidden_layers=a.draft_layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=a.d_model // 4, intermediate_size=a.draft_ffn,
-        max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        vocab_size=a.vocab,
+        hidden_size=a.d_model,
+        num_hidden_layers=a.draft_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=a.d_model // 4,
+        intermediate_size=a.draft_ffn,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
     )
 
 
@@ -150,8 +174,9 @@ def val_loss(model, stream: np.ndarray, seq: int = 256, n: int = 48) -> float:
     n = min(n, (len(stream) - 1) // seq)
     tot, cnt = 0.0, 0
     for i in range(0, n, 8):
-        x = torch.stack([torch.from_numpy(stream[j * seq : j * seq + seq + 1].astype(np.int64))
-                         for j in range(i, min(n, i + 8))])
+        x = torch.stack(
+            [torch.from_numpy(stream[j * seq : j * seq + seq + 1].astype(np.int64)) for j in range(i, min(n, i + 8))]
+        )
         logits = model(input_ids=x[:, :-1]).logits
         tot += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum").item()
         cnt += x[:, 1:].numel()
@@ -190,8 +215,10 @@ def train_target(a, train: np.ndarray, val: np.ndarray, rec: dict):
         losses.append(ce.item())
         if step % 50 == 0 or step == a.target_steps - 1:
             el = time.perf_counter() - t0
-            log(f"target step {step} ce {np.mean(losses[-50:]):.3f} aux {out.aux_loss.item():.3f} "
-                f"{(step + 1) * a.batch * a.seq / el:.0f} tok/s")
+            log(
+                f"target step {step} ce {np.mean(losses[-50:]):.3f} aux {out.aux_loss.item():.3f} "
+                f"{(step + 1) * a.batch * a.seq / el:.0f} tok/s"
+            )
     el = time.perf_counter() - t0
     rec["target_train_seconds"] = round(el, 1)
     rec["target_train_tokens"] = a.target_steps * a.batch * a.seq
@@ -210,8 +237,14 @@ def distill_data(a, target, train: np.ndarray) -> np.ndarray:
     t0 = time.perf_counter()
     for b in range(a.distill_batches):
         x = windows(train, rng, 64, 63)
-        out = target.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=128, do_sample=False,
-                              pad_token_id=0, eos_token_id=None)
+        out = target.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=128,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
         seqs.append(out.numpy())
         log(f"distill batch {b + 1}/{a.distill_batches} ({time.perf_counter() - t0:.0f}s)")
     return np.concatenate(seqs)
@@ -241,8 +274,12 @@ def train_draft(a, target, train: np.ndarray, gen: np.ndarray, val: np.ndarray, 
             tlog = target(input_ids=x).logits
         dlog = draft(input_ids=x).logits
         tp = F.log_softmax(tlog, -1)
-        loss = F.kl_div(F.log_softmax(dlog, -1).reshape(-1, a.vocab), tp.reshape(-1, a.vocab), log_target=True,
-                        reduction="batchmean")
+        loss = F.kl_div(
+            F.log_softmax(dlog, -1).reshape(-1, a.vocab),
+            tp.reshape(-1, a.vocab),
+            log_target=True,
+            reduction="batchmean",
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -251,8 +288,10 @@ def train_draft(a, target, train: np.ndarray, gen: np.ndarray, val: np.ndarray, 
         hist.append((loss.item(), agree))
         if step % 50 == 0 or step == a.draft_steps - 1:
             h = np.array(hist[-50:])
-            log(f"draft step {step} kl {h[:, 0].mean():.3f} top1-agree {h[:, 1].mean():.3f} "
-                f"({time.perf_counter() - t0:.0f}s)")
+            log(
+                f"draft step {step} kl {h[:, 0].mean():.3f} top1-agree {h[:, 1].mean():.3f} "
+                f"({time.perf_counter() - t0:.0f}s)"
+            )
     rec["draft_train_seconds"] = round(time.perf_counter() - t0, 1)
     rec["draft_final_kl"] = round(float(np.mean([h[0] for h in hist[-50:]])), 4)
     draft.eval()
@@ -262,8 +301,7 @@ def train_draft(a, target, train: np.ndarray, gen: np.ndarray, val: np.ndarray, 
 @torch.no_grad()
 def agreement(target, draft, seqs: np.ndarray) -> float:
     x = torch.from_numpy(seqs.astype(np.int64))
-    return float((target(input_ids=x).logits.argmax(-1) == draft(input_ids=x).logits.argmax(-1))[:, 63:]
-                 .float().mean())
+    return float((target(input_ids=x).logits.argmax(-1) == draft(input_ids=x).logits.argmax(-1))[:, 63:].float().mean())
 
 
 def main() -> None:
@@ -312,8 +350,10 @@ def main() -> None:
     assert tok.token_to_id(EOS) == 0 and tok.get_vocab_size() == a.vocab, tok.get_vocab_size()
     train = encode_stream(tok, [t for _, t in train_f])
     val = encode_stream(tok, [t for _, t in val_f])
-    log(f"tokens: train {len(train)}, val {len(val)} ({sum(len(t) for _, t in files) / (len(train) + len(val)):.2f}"
-        " chars/token)")
+    log(
+        f"tokens: train {len(train)}, val {len(val)} ({sum(len(t) for _, t in files) / (len(train) + len(val)):.2f}"
+        " chars/token)"
+    )
 
     target = train_target(a, train, val, rec)
     rec["target_val_loss_fp32"] = round(val_loss(target, val), 4)
@@ -327,8 +367,10 @@ def main() -> None:
     rec["draft_val_loss"] = round(val_loss(draft, val), 4)
     vgen = distill_data(argparse.Namespace(**{**vars(a), "distill_batches": 1, "seed": a.seed + 100}), target, val)
     rec["draft_target_greedy_agreement_val"] = round(agreement(target, draft, vgen), 4)
-    log(f"draft val loss {rec['draft_val_loss']}, "
-        f"agreement on target greedy text {rec['draft_target_greedy_agreement_val']}")
+    log(
+        f"draft val loss {rec['draft_val_loss']}, "
+        f"agreement on target greedy text {rec['draft_target_greedy_agreement_val']}"
+    )
 
     # ---- write the model folder (bf16 safetensors, no pickle)
     out: Path = a.out
@@ -349,21 +391,31 @@ def main() -> None:
         "name": "small-moe",
         "version": 1,
         "description": "Small Qwen3-MoE target and dense Qwen3 draft trained on CPU on the Python stdlib source "
-                       "by scripts/train_small_models.py; for the live CPU engine (specenv.live).",
+        "by scripts/train_small_models.py; for the live CPU engine (specenv.live).",
         "seed": a.seed,
         "recipe": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
         "data": {
             "source": "Python standard library *.py (sysconfig stdlib path, site-packages excluded, UTF-8 only)",
             "python": platform.python_version(),
-            "files": len(files), "train_files": len(train_f), "val_files": len(val_f),
+            "files": len(files),
+            "train_files": len(train_f),
+            "val_files": len(val_f),
             "file_list_sha256": sha256_bytes(listing),
             "split": "val iff int(sha256(relpath)[:8], 16) % 20 == 0",
-            "train_tokens": int(len(train)), "val_tokens": int(len(val)),
+            "train_tokens": int(len(train)),
+            "val_tokens": int(len(val)),
         },
-        "target": {"class": "Qwen3MoeForCausalLM", "params": n_t, "experts_implementation": "eager (inference)",
-                   "config": json.loads((tmp / "target" / "config.json").read_text())},
-        "draft": {"class": "Qwen3ForCausalLM", "params": n_d,
-                  "config": json.loads((tmp / "draft" / "config.json").read_text())},
+        "target": {
+            "class": "Qwen3MoeForCausalLM",
+            "params": n_t,
+            "experts_implementation": "eager (inference)",
+            "config": json.loads((tmp / "target" / "config.json").read_text()),
+        },
+        "draft": {
+            "class": "Qwen3ForCausalLM",
+            "params": n_d,
+            "config": json.loads((tmp / "draft" / "config.json").read_text()),
+        },
         "metrics": rec,
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,

@@ -39,8 +39,13 @@ def fail(msg: str) -> NoReturn:
 
 def _progress(transient: bool = True) -> Progress:
     return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=transient, disable=not err.is_terminal,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=transient,
+        disable=not err.is_terminal,
     )
 
 
@@ -81,7 +86,12 @@ def generate(
     with _progress() as prog:
         task = prog.add_task("generating", total=generations)
         ts = generate_paper(
-            generations, kmax, seed=seed, greedy=greedy, with_rounds=rounds, name=name,
+            generations,
+            kmax,
+            seed=seed,
+            greedy=greedy,
+            with_rounds=rounds,
+            name=name,
             progress=lambda done, total: prog.update(task, completed=done),
         )
     ts.save(out_dir, overwrite=overwrite)
@@ -98,16 +108,25 @@ def validate(traces: Traces, as_json: JsonOpt = False) -> None:
     ts = _load(traces)
     m = ts.manifest
     summary = {
-        "name": m.name, "version": m.version, "source": m.source, "profile": m.profile,
-        "schema_version": m.schema_version, "kmax": m.kmax, "greedy": m.greedy,
+        "name": m.name,
+        "version": m.version,
+        "source": m.source,
+        "profile": m.profile,
+        "schema_version": m.schema_version,
+        "kmax": m.kmax,
+        "greedy": m.greedy,
         "model": {"n_layers": m.model.n_layers, "n_experts": m.model.n_experts, "top_k": m.model.top_k},
-        "counts": m.counts, "valid": True,
+        "counts": m.counts,
+        "valid": True,
     }
     if as_json:
         _print_json(summary)
     else:
-        out.print(f"{traces}: valid ({m.name} v{m.version}, {m.source}/{m.profile}, Kmax={m.kmax}, "
-                  + ", ".join(f"{k}={v}" for k, v in m.counts.items()) + ")")
+        out.print(
+            f"{traces}: valid ({m.name} v{m.version}, {m.source}/{m.profile}, Kmax={m.kmax}, "
+            + ", ".join(f"{k}={v}" for k, v in m.counts.items())
+            + ")"
+        )
 
 
 @app.command()
@@ -145,20 +164,34 @@ def fit(
                 s += " [" + fmt.format(ref[idx] * scale) + "]"
             return s
 
-        tab.add_row(str(r.K), cell(r.alpha, 0), cell(r.c, 1, 1e3, "{:.3f}"), cell(r.beta0, 2, fmt="{:.3f}"),
-                    str(r.N), cell(r.R2, 3), cell(r.oos_mape_pct, 4, fmt="{:.2f}"), f"{r.alpha_p:.1e}")
+        tab.add_row(
+            str(r.K),
+            cell(r.alpha, 0),
+            cell(r.c, 1, 1e3, "{:.3f}"),
+            cell(r.beta0, 2, fmt="{:.3f}"),
+            str(r.N),
+            cell(r.R2, 3),
+            cell(r.oos_mape_pct, 4, fmt="{:.2f}"),
+            f"{r.alpha_p:.1e}",
+        )
     out.print(tab)
     t6 = Table(title="Pooled forms (paper's Table A6 in brackets)")
     for col in ("model", "R2", "CV RMSE ms", "CV MAPE %"):
         t6.add_column(col, justify="right")
     for r in rep.forms.itertuples():
         ref6 = paper.TABLE_A6[r.model]
-        t6.add_row(r.model, f"{r.R2:.3f} [{ref6[0]:.3f}]", f"{r.cv_rmse_ms:.3f} [{ref6[1]:.3f}]",
-                   f"{r.cv_mape_pct:.2f} [{ref6[2]:.2f}]")
+        t6.add_row(
+            r.model,
+            f"{r.R2:.3f} [{ref6[0]:.3f}]",
+            f"{r.cv_rmse_ms:.3f} [{ref6[1]:.3f}]",
+            f"{r.cv_mape_pct:.2f} [{ref6[2]:.2f}]",
+        )
     out.print(t6)
     d = rep.draft
-    out.print(f"draft: T_D = {d['d1']:.3f}*K + {d['d0']:.3f} ms  [paper 0.459*K + 0.073]  "
-              f"(R2={d['R2']:.3f}, {d['missing_timings']} missing timings)")
+    out.print(
+        f"draft: T_D = {d['d1']:.3f}*K + {d['d0']:.3f} ms  [paper 0.459*K + 0.073]  "
+        f"(R2={d['R2']:.3f}, {d['missing_timings']} missing timings)"
+    )
     m = rep.model
     flag = "EXTRAPOLATED (no K=0 rounds)" if rep.ar["extrapolated"] else "fitted on K=0 rounds"
     out.print(f"AR step (K=0): T = {m.beta0[0]:.3f} + {m.alpha[0]:.4f}*U + {m.c[0] * 1e3:.3f}e-3*L ms, {flag}")
@@ -226,12 +259,24 @@ def oracle_cmd(
     res = oracle.solve(arrays, model, lookahead=lookahead, mc_episodes=episodes, seed=seed)
     s = res.summary()
     report: dict[str, Any] = {
-        "dataset": ts.manifest.name, "split": split, "cost_model": cost_model, "kmax": k,
-        "lookahead": lookahead, "greedy": bool(arrays.greedy), "generations": s["generations"],
-        "tokens": s["tokens"], "s_max_pooled": s["speedup_pooled"], "s_max_mean": s["speedup_mean"],
-        "mean_k": s["mean_k"], "mean_accepted": s["mean_accepted"], "expected_rounds": s["expected_rounds"],
-        "v0_ms": s["cost_ms"], "ar_ms": s["ar_ms"], "cost_per_token_ms": s["cost_per_token_ms"],
-        "ar_per_token_ms": s["ar_per_token_ms"], "mc": s.get("mc"),
+        "dataset": ts.manifest.name,
+        "split": split,
+        "cost_model": cost_model,
+        "kmax": k,
+        "lookahead": lookahead,
+        "greedy": bool(arrays.greedy),
+        "generations": s["generations"],
+        "tokens": s["tokens"],
+        "s_max_pooled": s["speedup_pooled"],
+        "s_max_mean": s["speedup_mean"],
+        "mean_k": s["mean_k"],
+        "mean_accepted": s["mean_accepted"],
+        "expected_rounds": s["expected_rounds"],
+        "v0_ms": s["cost_ms"],
+        "ar_ms": s["ar_ms"],
+        "cost_per_token_ms": s["cost_per_token_ms"],
+        "ar_per_token_ms": s["ar_per_token_ms"],
+        "mc": s.get("mc"),
     }
     plots: list[str] = []
     if plot is not None:
@@ -239,11 +284,15 @@ def oracle_cmd(
     table = None
     if sweep:
         table = oracle.kmax_sweep(arrays, model, lookahead=lookahead)
-        report["sweep"] = [{c: (v.item() if hasattr(v, "item") else v) for c, v in r.items()}
-                           for r in table.to_dict(orient="records")]
+        report["sweep"] = [
+            {c: (v.item() if hasattr(v, "item") else v) for c, v in r.items()} for r in table.to_dict(orient="records")
+        ]
         if plot is not None:
-            plots.append(oracle.plot_kmax_sweep(table, str(plot / "oracle_sweep.png"),
-                                                f"{ts.manifest.name} ({split}), cost model {cost_model}"))
+            plots.append(
+                oracle.plot_kmax_sweep(
+                    table, str(plot / "oracle_sweep.png"), f"{ts.manifest.name} ({split}), cost model {cost_model}"
+                )
+            )
     an = None
     if delta:
         an = oracle.delta_analysis(arrays, model, lookahead=lookahead, result=res)
@@ -255,36 +304,55 @@ def oracle_cmd(
     if as_json:
         _print_json(report)
         return
-    out.print(f"Oracle on {ts.manifest.name} ({split}: {report['generations']} generations, "
-              f"{report['tokens']} tokens), Kmax={k}, lookahead={lookahead}, cost model {cost_model}")
-    out.print(f"S_max = {report['s_max_pooled']:.4f} (pooled: sum AR / sum V(0)); "
-              f"mean over generations {report['s_max_mean']:.4f}")
-    out.print(f"optimal path: mean k* = {report['mean_k']:.3f}, mean accepted = {report['mean_accepted']:.3f} "
-              f"per round, {report['expected_rounds']:.1f} expected rounds; "
-              f"V(0)/N = {report['cost_per_token_ms']:.4f} ms vs AR {report['ar_per_token_ms']:.4f} ms per token")
+    out.print(
+        f"Oracle on {ts.manifest.name} ({split}: {report['generations']} generations, "
+        f"{report['tokens']} tokens), Kmax={k}, lookahead={lookahead}, cost model {cost_model}"
+    )
+    out.print(
+        f"S_max = {report['s_max_pooled']:.4f} (pooled: sum AR / sum V(0)); "
+        f"mean over generations {report['s_max_mean']:.4f}"
+    )
+    out.print(
+        f"optimal path: mean k* = {report['mean_k']:.3f}, mean accepted = {report['mean_accepted']:.3f} "
+        f"per round, {report['expected_rounds']:.1f} expected rounds; "
+        f"V(0)/N = {report['cost_per_token_ms']:.4f} ms vs AR {report['ar_per_token_ms']:.4f} ms per token"
+    )
     mc = report["mc"]
     if mc:
-        out.print(f"Monte Carlo ({mc['episodes']} episodes, seed {mc['seed']}): S_max = "
-                  f"{mc['speedup_pooled']['value']:.4f} +- {mc['speedup_pooled']['ci95']:.4f}, mean k* = "
-                  f"{mc['mean_k']['value']:.3f} +- {mc['mean_k']['ci95']:.3f}, mean accepted = "
-                  f"{mc['mean_accepted']['value']:.3f} +- {mc['mean_accepted']['ci95']:.3f}")
+        out.print(
+            f"Monte Carlo ({mc['episodes']} episodes, seed {mc['seed']}): S_max = "
+            f"{mc['speedup_pooled']['value']:.4f} +- {mc['speedup_pooled']['ci95']:.4f}, mean k* = "
+            f"{mc['mean_k']['value']:.3f} +- {mc['mean_k']['ci95']:.3f}, mean accepted = "
+            f"{mc['mean_accepted']['value']:.3f} +- {mc['mean_accepted']['ci95']:.3f}"
+        )
     if table is not None:
         tab = Table(title="Oracle against Kmax (paper Figure 2)")
         for col in ("Kmax", "S_max pooled", "S_max mean", "mean k*", "mean accepted", "best fixed k", "its speedup"):
             tab.add_column(col, justify="right")
         for r in table.itertuples():
-            tab.add_row(str(r.kmax), f"{r.s_max_pooled:.4f}", f"{r.s_max_mean:.4f}", f"{r.mean_k:.3f}",
-                        f"{r.mean_accepted:.3f}", str(r.best_fixed_k), f"{r.best_fixed_speedup:.4f}")
+            tab.add_row(
+                str(r.kmax),
+                f"{r.s_max_pooled:.4f}",
+                f"{r.s_max_mean:.4f}",
+                f"{r.mean_k:.3f}",
+                f"{r.mean_accepted:.3f}",
+                str(r.best_fixed_k),
+                f"{r.best_fixed_speedup:.4f}",
+            )
         out.print(tab)
     if an is not None:
         q = an.quadrants
-        out.print(f"delta space ({an.points} rejected candidates at {an.decisions} decision states, "
-                  f"{an.states}): I={q['I']} II={q['II']} III={q['III']} IV={q['IV']} axis={q['axis']}")
+        out.print(
+            f"delta space ({an.points} rejected candidates at {an.decisions} decision states, "
+            f"{an.states}): I={q['I']} II={q['II']} III={q['III']} IV={q['IV']} axis={q['axis']}"
+        )
         lo, hi = an.lambda_interval
-        out.print(f"boundary lambda = {an.lambda_sep:.4f} ms/token ({an.sep_error:.1%} of weight on the wrong "
-                  f"side; hard envelope [{lo:.3f}, {hi:.3f}]); least squares lambda = {an.lambda_ls:.4f} "
-                  f"(R2 through origin {an.r2_origin:.3f}, residual SD {an.resid_sd:.3f} ms); "
-                  f"V(0)/N = {an.v0_per_token:.4f}, mean marginal V(t)-V(t+1) = {an.marginal_dv:.4f} ms")
+        out.print(
+            f"boundary lambda = {an.lambda_sep:.4f} ms/token ({an.sep_error:.1%} of weight on the wrong "
+            f"side; hard envelope [{lo:.3f}, {hi:.3f}]); least squares lambda = {an.lambda_ls:.4f} "
+            f"(R2 through origin {an.r2_origin:.3f}, residual SD {an.resid_sd:.3f} ms); "
+            f"V(0)/N = {an.v0_per_token:.4f}, mean marginal V(t)-V(t+1) = {an.marginal_dv:.4f} ms"
+        )
     for p in plots:
         out.print(f"wrote {p}")
 
@@ -295,9 +363,9 @@ def train(
     traces: Annotated[
         str, typer.Option("--traces", help="Trace set (name or folder); trains on its train split.")
     ] = "paper-default",
-    out_dir: Annotated[
-        Path, typer.Option("--out", "-o", help="Run folder: model, logs, exported policy/.")
-    ] = Path("runs"),
+    out_dir: Annotated[Path, typer.Option("--out", "-o", help="Run folder: model, logs, exported policy/.")] = Path(
+        "runs"
+    ),
     timesteps: Annotated[int, typer.Option(min=1000, help="Environment steps (ppo, dqn).")] = 300_000,
     iterations: Annotated[int, typer.Option(min=1, help="DAgger iterations (imitation).")] = 6,
     seed: Annotated[int, typer.Option(help="Seed.")] = 0,
@@ -319,17 +387,33 @@ def train(
         if algo == "imitation":
             from policies.imitation import train_dagger
 
-            res = train_dagger(traces, kmax=kmax, cost_model=cost_model, lookahead=lookahead,
-                               iterations=iterations, seed=seed,
-                               log=lambda m: err.print(m, markup=False))
+            res = train_dagger(
+                traces,
+                kmax=kmax,
+                cost_model=cost_model,
+                lookahead=lookahead,
+                iterations=iterations,
+                seed=seed,
+                log=lambda m: err.print(m, markup=False),
+            )
             res.policy.save(run / "policy")
             meta = res.policy.meta
         else:
             from policies.rl import train_sb3
 
-            tr = train_sb3(algo, traces, run, timesteps=timesteps, seed=seed, n_envs=n_envs, kmax=kmax,
-                           cost_model=cost_model, lookahead=lookahead, gamma=gamma,
-                           log=lambda m: err.print(m, markup=False))
+            tr = train_sb3(
+                algo,
+                traces,
+                run,
+                timesteps=timesteps,
+                seed=seed,
+                n_envs=n_envs,
+                kmax=kmax,
+                cost_model=cost_model,
+                lookahead=lookahead,
+                gamma=gamma,
+                log=lambda m: err.print(m, markup=False),
+            )
             meta = tr.policy.meta
     except ValueError as exc:
         fail(str(exc))
@@ -344,7 +428,8 @@ def train(
 def bench(
     traces: Annotated[str, typer.Argument(help="Trace set: a registered name or a folder.")] = "paper-default",
     out_dir: Annotated[Path, typer.Option("--out", "-o", help="Folder for CSV, JSON, Markdown and the figure.")] = Path(
-        "bench-out"),
+        "bench-out"
+    ),
     episodes: Annotated[int, typer.Option(min=1, help="Monte-Carlo episodes per held-out generation.")] = 4,
     seed: Annotated[int, typer.Option(help="Base seed of the episodes.")] = 0,
     kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
@@ -362,9 +447,16 @@ def bench(
     try:
         with _progress() as prog:
             task = prog.add_task("benchmark", total=None)
-            res = run_benchmark(traces, kmax=kmax, cost_model=cost_model, episodes=episodes, seed=seed,
-                                policy_dir=policies, only=only,
-                                progress=lambda name: prog.update(task, description=name))
+            res = run_benchmark(
+                traces,
+                kmax=kmax,
+                cost_model=cost_model,
+                episodes=episodes,
+                seed=seed,
+                policy_dir=policies,
+                only=only,
+                progress=lambda name: prog.update(task, description=name),
+            )
     except ValueError as exc:
         fail(str(exc))
     paths = write_outputs(res, out_dir)
@@ -372,16 +464,22 @@ def bench(
         _print_json(res.to_json())
         return
     ctx = res.context
-    out.print(f"# specenv bench: {ctx['dataset']}, held-out split ({ctx['test_generations']} generations, "
-              f"{ctx['episodes']} episodes each), Kmax={ctx['kmax']}\n", markup=False)
+    out.print(
+        f"# specenv bench: {ctx['dataset']}, held-out split ({ctx['test_generations']} generations, "
+        f"{ctx['episodes']} episodes each), Kmax={ctx['kmax']}\n",
+        markup=False,
+    )
     out.print(markdown_table(res), markup=False)
     out.print("\nPooled speedup by category:\n", markup=False)
     out.print(category_table(res), markup=False)
     for note in res.notes:
         out.print(f"note: {note}", markup=False)
     files = ", ".join(p.name for p in paths)
-    out.print(f"\nbest fixed k on train: {ctx['best_fixed_k_train']}; delta-space lambda (oracle boundary slope, "
-              f"train): {ctx['delta_lambda_ms']:.3f} ms/token; outputs in {out_dir}/ ({files})", markup=False)
+    out.print(
+        f"\nbest fixed k on train: {ctx['best_fixed_k_train']}; delta-space lambda (oracle boundary slope, "
+        f"train): {ctx['delta_lambda_ms']:.3f} ms/token; outputs in {out_dir}/ ({files})",
+        markup=False,
+    )
 
 
 @app.command()
@@ -418,15 +516,27 @@ def collect(
         plist = load_prompts(prompts)[:n_prompts]
         with _progress() as prog:
             task = prog.add_task("collecting", total=len(plist))
-            ts = collect_live(mdl, plist, kmax=kmax, max_new_tokens=max_new_tokens, threads=threads, name=name,
-                              prompt_set=prompts, progress=lambda done, total: prog.update(task, completed=done),
-                              clock=clock)
+            ts = collect_live(
+                mdl,
+                plist,
+                kmax=kmax,
+                max_new_tokens=max_new_tokens,
+                threads=threads,
+                name=name,
+                prompt_set=prompts,
+                progress=lambda done, total: prog.update(task, completed=done),
+                clock=clock,
+            )
     except ValueError as exc:
         fail(str(exc))
     ts.save(out_dir, overwrite=overwrite)
-    summary = {"path": str(out_dir), **ts.manifest.counts, "kmax": kmax,
-               "lossless_mismatches": ts.manifest.extra["lossless"]["mismatched_runs"],
-               "wall_seconds": ts.manifest.extra["wall_seconds"]}
+    summary = {
+        "path": str(out_dir),
+        **ts.manifest.counts,
+        "kmax": kmax,
+        "lossless_mismatches": ts.manifest.extra["lossless"]["mismatched_runs"],
+        "wall_seconds": ts.manifest.extra["wall_seconds"],
+    }
     if as_json:
         _print_json(summary)
     else:
@@ -436,17 +546,26 @@ def collect(
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def serve(
     ctx: typer.Context,
-    policy: Annotated[str, typer.Option(help="Policy: exported folder (policy.json + weights.npz), "
-                                             "'module:attribute', or 'none' (no control: record only).")],
+    policy: Annotated[
+        str,
+        typer.Option(
+            help="Policy: exported folder (policy.json + weights.npz), "
+            "'module:attribute', or 'none' (no control: record only)."
+        ),
+    ],
     record: Annotated[Path | None, typer.Option(help="Record the rounds table (atomic Parquet parts) here.")] = None,
-    fallback_k: Annotated[int | None, typer.Option(min=0, help="k when the policy fails (default: "
-                                                               "num_speculative_tokens).")] = None,
-    draft_horizon: Annotated[str, typer.Option(help="max (drafter proposes num_speculative_tokens) or policy "
-                                                    "(as many as the policy may use).")] = "max",
+    fallback_k: Annotated[
+        int | None, typer.Option(min=0, help="k when the policy fails (default: num_speculative_tokens).")
+    ] = None,
+    draft_horizon: Annotated[
+        str,
+        typer.Option(help="max (drafter proposes num_speculative_tokens) or policy (as many as the policy may use)."),
+    ] = "max",
     cost_model: Annotated[Path | None, typer.Option(help="Cost-model JSON for the prev_cost observation.")] = None,
     part_rounds: Annotated[int, typer.Option(min=1, help="Rounds per recorded part file.")] = 2048,
-    print_command: Annotated[bool, typer.Option("--print-command", help="Print the equivalent `vllm serve` "
-                                                                        "command and exit.")] = False,
+    print_command: Annotated[
+        bool, typer.Option("--print-command", help="Print the equivalent `vllm serve` command and exit.")
+    ] = False,
 ) -> None:
     """Start vLLM's OpenAI-compatible server with the speculation-length controller (and recorder).
 
@@ -462,8 +581,10 @@ def serve(
     if vllm_args[:1] == ["--"]:
         vllm_args = vllm_args[1:]
     if not vllm_args:
-        fail("no vLLM arguments: give them after --, e.g. specenv serve --policy P -- MODEL "
-             "--speculative-config '{\"method\": \"draft_model\", ...}'")
+        fail(
+            "no vLLM arguments: give them after --, e.g. specenv serve --policy P -- MODEL "
+            '--speculative-config \'{"method": "draft_model", ...}\''
+        )
     for flag in ("--scheduler-cls", "--async-scheduling", "--additional-config", "--load-format"):
         if any(a == flag or a.startswith(flag + "=") for a in vllm_args):
             fail(f"{flag}: set by specenv serve, do not pass it to vLLM")
@@ -478,9 +599,14 @@ def serve(
     if cost_model is not None and not cost_model.is_file():
         fail(f"--cost-model: {cost_model} is not a file")
     try:
-        settings = SpecenvSettings(policy=pol, record=None if record is None else str(record.resolve()),
-                                   fallback_k=fallback_k, draft_horizon=draft_horizon, part_rounds=part_rounds,
-                                   cost_model=None if cost_model is None else str(cost_model.resolve()))
+        settings = SpecenvSettings(
+            policy=pol,
+            record=None if record is None else str(record.resolve()),
+            fallback_k=fallback_k,
+            draft_horizon=draft_horizon,
+            part_rounds=part_rounds,
+            cost_model=None if cost_model is None else str(cost_model.resolve()),
+        )
     except ValueError as exc:
         fail(str(exc))
     argv = ["vllm", "serve", *vllm_args, *serve_args(settings)]

@@ -91,9 +91,7 @@ class CostModel:
         if kmax > self.kmax:
             raise ValueError(f"kmax={kmax} exceeds the cost model's Kmax={self.kmax}")
         ks = np.arange(kmax + 1)
-        return (
-            self.beta0[ks] + self.alpha[ks] * U[:, : kmax + 1] + self.c[ks] * L[:, None] + self.draft_ms(ks)
-        )
+        return self.beta0[ks] + self.alpha[ks] * U[:, : kmax + 1] + self.c[ks] * L[:, None] + self.draft_ms(ks)
 
     def ar_ms(self, L: np.ndarray | float) -> np.ndarray:
         """Cost of one autoregressive step (K = 0, U = top_k) at context L."""

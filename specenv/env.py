@@ -212,8 +212,19 @@ def replay_data(
         ar_total_ms=np.add.reduceat(ar_ms, offsets[:-1]),
         max_len=int(np.diff(offsets).max()),
     )
-    for name in ("generation_ids", "categories", "offsets", "lengths", "L0", "survival", "cost", "U", "conf",
-                 "ar_ms", "ar_total_ms"):
+    for name in (
+        "generation_ids",
+        "categories",
+        "offsets",
+        "lengths",
+        "L0",
+        "survival",
+        "cost",
+        "U",
+        "conf",
+        "ar_ms",
+        "ar_total_ms",
+    ):
         getattr(data, name).flags.writeable = False
     _REPLAY_CACHE[key] = data
     while len(_REPLAY_CACHE) > _REPLAY_CACHE_SIZE:
@@ -232,8 +243,20 @@ class _ScalarObservation:
     because per-step numpy calls on length-1 arrays would dominate the single env's step time.
     """
 
-    __slots__ = ("spec", "hi", "kmax", "prev_k", "prev_acc", "prev_U", "prev_cost", "acc_rate", "acc_len",
-                 "cost_per_token", "first", "acc_depth")
+    __slots__ = (
+        "spec",
+        "hi",
+        "kmax",
+        "prev_k",
+        "prev_acc",
+        "prev_U",
+        "prev_cost",
+        "acc_rate",
+        "acc_len",
+        "cost_per_token",
+        "first",
+        "acc_depth",
+    )
 
     def __init__(self, spec: ObservationSpec):
         self.spec = spec
@@ -459,8 +482,17 @@ class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
         obs_state = self._obs
         obs_state.update(k, a, U_r, units, committed)
         terminated = t_new >= self._N
-        info = {"k": k, "accepted": a, "committed": committed, "cost_ms": cost, "U_r": U_r, "L": self._L0 + t,
-                "t": t_new, "generation_id": self._gid, "category": self._cat}
+        info = {
+            "k": k,
+            "accepted": a,
+            "committed": committed,
+            "cost_ms": cost,
+            "U_r": U_r,
+            "L": self._L0 + t,
+            "t": t_new,
+            "generation_id": self._gid,
+            "category": self._cat,
+        }
         if terminated:
             self._done = True
             ar = float(self.data.ar_total_ms[self._gen])
@@ -472,8 +504,10 @@ class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
         else:
             conf = self.data.conf[row + committed].tolist() if self.lookahead else None
         if self.render_mode == "ansi":
-            self._line = (f"gen {self._gid} [{self._cat}] round {self._round - 1}: t={t} k={k} accepted={a} "
-                          f"+{committed} cost={cost:.3f}ms U_r={U_r:.2f}" + (" (done)" if terminated else ""))
+            self._line = (
+                f"gen {self._gid} [{self._cat}] round {self._round - 1}: t={t} k={k} accepted={a} "
+                f"+{committed} cost={cost:.3f}ms U_r={U_r:.2f}" + (" (done)" if terminated else "")
+            )
         return obs_state.build(self._L0 + t_new, t_new, conf), -units, terminated, False, info
 
     def render(self) -> str | None:

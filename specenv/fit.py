@@ -137,8 +137,15 @@ def compare_forms(rounds: pd.DataFrame, n_splits: int = 5) -> pd.DataFrame:
         X = _form_design(data, form)
         res = sm.OLS(y, X).fit()
         cv = _ols_cv(X, y, groups, n_splits)
-        rows.append({"model": form, "R2": float(res.rsquared), "cv_rmse_ms": cv["oos_rmse_ms"],
-                     "cv_mape_pct": cv["oos_mape_pct"], "cv_r2": cv["oos_r2"]})
+        rows.append(
+            {
+                "model": form,
+                "R2": float(res.rsquared),
+                "cv_rmse_ms": cv["oos_rmse_ms"],
+                "cv_mape_pct": cv["oos_mape_pct"],
+                "cv_r2": cv["oos_r2"],
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -212,24 +219,35 @@ def _assemble(
             cov_type="cluster", cov_kwds={"groups": ar0["generation_id"].to_numpy()}
         )
         beta0[0], alpha[0], c[0] = float(res.params[0]), 0.0, float(res.params[1])
-        ar = {"extrapolated": False, "method": "OLS T_T = beta0 + c*L on K=0 rounds (U = top_k)",
-              "rows": int(len(ar0)), "R2": float(res.rsquared)}
+        ar = {
+            "extrapolated": False,
+            "method": "OLS T_T = beta0 + c*L on K=0 rounds (U = top_k)",
+            "rows": int(len(ar0)),
+            "R2": float(res.rsquared),
+        }
     else:
         low = fitted[:3]
         slope, icpt = np.polyfit(low, beta0[low], 1) if len(low) >= 2 else (0.0, beta0[low[0]])
         beta0[0] = float(icpt)
         alpha[0] = float(np.mean(alpha[low]))
         c[0] = float(np.mean(c[low]))
-        ar = {"extrapolated": True, "method": f"beta0 linear in K over K={low} extended to 0; alpha, c their means",
-              "rows": 0}
+        ar = {
+            "extrapolated": True,
+            "method": f"beta0 linear in K over K={low} extended to 0; alpha, c their means",
+            "rows": 0,
+        }
     draft = fit_draft(rounds)
     return CostModel(
-        beta0=beta0, alpha=alpha, c=c, d1=draft["d1"], d0=draft["d0"], top_k=top_k,
+        beta0=beta0,
+        alpha=alpha,
+        c=c,
+        d1=draft["d1"],
+        d0=draft["d0"],
+        top_k=top_k,
         ar_extrapolated=bool(ar["extrapolated"]),
         source=dict(source or {}) | {"kind": "fit", "filled_K": filled},
         diagnostics={"per_k": _records(per_k), "draft": draft, "ar": ar},
     )
-
 
 
 _FIT_CACHE: dict[tuple[str, str, int], CostModel] = {}

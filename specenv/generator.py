@@ -118,9 +118,7 @@ class PaperProfile:
     out_median: float = 480.0
     out_sd: float = 0.55
     max_new_tokens: int = paper.MAX_NEW_TOKENS
-    mape_pct: dict[int, float] = field(
-        default_factory=lambda: {1: 0.44, 2: 0.51, 3: 0.59, 4: 0.33, 5: 0.32, 6: 0.30}
-    )
+    mape_pct: dict[int, float] = field(default_factory=lambda: {1: 0.44, 2: 0.51, 3: 0.59, 4: 0.33, 5: 0.32, 6: 0.30})
     draft_noise_ms: float = 0.02
     quantum: int = 1024
 

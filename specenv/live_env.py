@@ -129,20 +129,28 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
         wanted = {int(g) for g in self.data.generation_ids}
         self.prompts = [p for p in load_prompts(prompts) if p.id in wanted]
         if not self.prompts:
-            raise ValueError(f"prompts={os.fspath(prompts)!r}: holds none of the generations of dataset "
-                             f"'{self.data.name}' (split '{split}')")
+            raise ValueError(
+                f"prompts={os.fspath(prompts)!r}: holds none of the generations of dataset "
+                f"'{self.data.name}' (split '{split}')"
+            )
         if backend == "vllm":
             if self.lookahead:
                 raise ValueError(f"lookahead={self.lookahead}: the vllm backend cannot show draft confidences")
             from specenv.vllm.live import VLLMBackend
 
-            self.engine = VLLMBackend.shared(models, kmax=self.kmax, max_new_tokens=int(max_new_tokens),
-                                             temperature=temperature)
+            self.engine = VLLMBackend.shared(
+                models, kmax=self.kmax, max_new_tokens=int(max_new_tokens), temperature=temperature
+            )
             self.models = self.engine.models
         else:
             self.models = load_models(models)
-            self.engine = LiveEngine(self.models, kmax=self.kmax, max_new_tokens=int(max_new_tokens),
-                                     temperature=temperature, threads=threads)
+            self.engine = LiveEngine(
+                self.models,
+                kmax=self.kmax,
+                max_new_tokens=int(max_new_tokens),
+                temperature=temperature,
+                threads=threads,
+            )
         self._ids = [self.models.encode(p.text) for p in self.prompts]
         self.action_space = spaces.Discrete(self.kmax + 1)
         self.observation_space = self.data.spec.space()
@@ -178,8 +186,10 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
         else:
             hits = [i for i, p in enumerate(self.prompts) if p.id == gid]
             if not hits:
-                raise ValueError(f"options['generation_id']={gid!r}: not in the '{self.data.split}' split of "
-                                 f"dataset '{self.data.name}' ({len(self.prompts)} generations)")
+                raise ValueError(
+                    f"options['generation_id']={gid!r}: not in the '{self.data.split}' split of "
+                    f"dataset '{self.data.name}' ({len(self.prompts)} generations)"
+                )
             g = hits[0]
         self.engine.seed(int(rng.integers(2**31)))
         p = self.prompts[g]
@@ -225,9 +235,19 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
         self._obs.update(k, r.accepted, r.U_r, units, committed)
         terminated = bool(r.done)
         info: dict[str, Any] = {
-            "k": k, "accepted": r.accepted, "committed": committed, "cost_ms": cost, "U_r": r.U_r, "L": r.L,
-            "t": t_new, "generation_id": self._gid, "category": self._cat,
-            "T_T_ms": r.T_T_ms, "T_D_ms": r.T_D_ms, "T_T_cpu_ms": r.T_T_cpu_ms, "T_D_cpu_ms": r.T_D_cpu_ms,
+            "k": k,
+            "accepted": r.accepted,
+            "committed": committed,
+            "cost_ms": cost,
+            "U_r": r.U_r,
+            "L": r.L,
+            "t": t_new,
+            "generation_id": self._gid,
+            "category": self._cat,
+            "T_T_ms": r.T_T_ms,
+            "T_D_ms": r.T_D_ms,
+            "T_T_cpu_ms": r.T_T_cpu_ms,
+            "T_D_cpu_ms": r.T_D_cpu_ms,
             "E_max": r.E_max,
         }
         if terminated:
@@ -240,9 +260,11 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
         else:
             conf = self._conf()
         if self.render_mode == "ansi":
-            self._line = (f"gen {self._gid} [{self._cat}] round {self._round - 1}: t={r.t} k={k} "
-                          f"accepted={r.accepted} +{committed} cost={cost:.3f}ms U_r={r.U_r:.2f}"
-                          + (" (done)" if terminated else ""))
+            self._line = (
+                f"gen {self._gid} [{self._cat}] round {self._round - 1}: t={r.t} k={k} "
+                f"accepted={r.accepted} +{committed} cost={cost:.3f}ms U_r={r.U_r:.2f}"
+                + (" (done)" if terminated else "")
+            )
         return self._obs.build(self._L0 + t_new, t_new, conf), -units, terminated, False, info
 
     def render(self) -> str | None:

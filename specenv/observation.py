@@ -61,11 +61,23 @@ class ObservationSpec:
     @property
     def names(self) -> list[str]:
         """Feature names in vector order."""
-        base = ["context", "progress", "prev_k", "prev_accepted", "prev_U", "prev_cost", "acc_rate",
-                "acc_len", "cost_per_token", "first_round"]
-        return base + [f"acc_depth_{j}" for j in range(1, self.kmax + 1)] + [
-            f"conf_{j}" for j in range(1, self.lookahead + 1)
+        base = [
+            "context",
+            "progress",
+            "prev_k",
+            "prev_accepted",
+            "prev_U",
+            "prev_cost",
+            "acc_rate",
+            "acc_len",
+            "cost_per_token",
+            "first_round",
         ]
+        return (
+            base
+            + [f"acc_depth_{j}" for j in range(1, self.kmax + 1)]
+            + [f"conf_{j}" for j in range(1, self.lookahead + 1)]
+        )
 
     @property
     def dim(self) -> int:

@@ -35,7 +35,12 @@ def register_envs() -> list[str]:
         )
         added.append(REPLAY_ID)
     if LIVE_ID not in gymnasium.registry:
-        gymnasium.register(id=LIVE_ID, entry_point="specenv.live_env:MoESpecLiveEnv", kwargs={},
-                           nondeterministic=True, max_episode_steps=None)
+        gymnasium.register(
+            id=LIVE_ID,
+            entry_point="specenv.live_env:MoESpecLiveEnv",
+            kwargs={},
+            nondeterministic=True,
+            max_episode_steps=None,
+        )
         added.append(LIVE_ID)
     return added

@@ -27,9 +27,7 @@ import numpy as np
 try:
     from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvStepReturn
 except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "specenv.sb3 needs stable-baselines3 (and torch): pip install 'specenv[rl]'"
-    ) from exc
+    raise ImportError("specenv.sb3 needs stable-baselines3 (and torch): pip install 'specenv[rl]'") from exc
 
 from specenv.vector_env import MoESpecVectorEnv
 
@@ -97,8 +95,9 @@ class SB3VecEnv(VecEnv):
         """Set an attribute of the shared vector environment (applies to all sub-environments)."""
         setattr(self.venv, attr_name, value)
 
-    def env_method(self, method_name: str, *method_args: Any, indices: VecEnvIndices = None,
-                   **method_kwargs: Any) -> list[Any]:
+    def env_method(
+        self, method_name: str, *method_args: Any, indices: VecEnvIndices = None, **method_kwargs: Any
+    ) -> list[Any]:
         """Call a method of the shared vector environment once; its result is repeated per index."""
         result = getattr(self.venv, method_name)(*method_args, **method_kwargs)
         return [result for _ in self._get_indices(indices)]

@@ -145,8 +145,10 @@ class Manifest:
         if not files or any(k not in TABLES for k in files):
             raise TraceError(file, f"field 'files' must name one or both of {TABLES}")
         for tab, ent in files.items():
-            if not isinstance(ent, dict) or not isinstance(ent.get("path"), str) or not isinstance(
-                ent.get("sha256"), str
+            if (
+                not isinstance(ent, dict)
+                or not isinstance(ent.get("path"), str)
+                or not isinstance(ent.get("sha256"), str)
             ):
                 raise TraceError(file, f"files.{tab} needs string 'path' and 'sha256'")
             if "/" in ent["path"] or "\\" in ent["path"] or ent["path"].startswith("."):
@@ -215,9 +217,11 @@ class PositionArrays:
         index = np.asarray(index, dtype=np.int64)
         lens = self.lengths[index]
         offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        rows = np.concatenate([np.arange(self.offsets[g], self.offsets[g + 1]) for g in index]) if len(
-            index
-        ) else np.zeros(0, dtype=np.int64)
+        rows = (
+            np.concatenate([np.arange(self.offsets[g], self.offsets[g + 1]) for g in index])
+            if len(index)
+            else np.zeros(0, dtype=np.int64)
+        )
         return PositionArrays(
             generation_ids=self.generation_ids[index],
             categories=self.categories[index],
@@ -234,8 +238,14 @@ class PositionArrays:
         if not 1 <= kmax <= self.kmax:
             raise ValueError(f"kmax={kmax} outside 1..{self.kmax} (the trace's Kmax)")
         return PositionArrays(
-            self.generation_ids, self.categories, self.offsets, self.L,
-            self.rho[:, :kmax], self.q[:, :kmax], self.U[:, : kmax + 1], self.greedy,
+            self.generation_ids,
+            self.categories,
+            self.offsets,
+            self.L,
+            self.rho[:, :kmax],
+            self.q[:, :kmax],
+            self.U[:, : kmax + 1],
+            self.greedy,
         )
 
     @classmethod

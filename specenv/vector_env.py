@@ -346,8 +346,15 @@ class MoESpecVectorEnv(VectorEnv):
         self._obs_state.update(k, a, U_r, units, committed)
         reward = -units
         L = self._L0 + t
-        info: dict[str, Any] = {"k": k, "accepted": a, "committed": committed, "cost_ms": cost, "U_r": U_r,
-                                "L": L, "t": t_new}
+        info: dict[str, Any] = {
+            "k": k,
+            "accepted": a,
+            "committed": committed,
+            "cost_ms": cost,
+            "U_r": U_r,
+            "L": L,
+            "t": t_new,
+        }
         step_mask = self._all
         if any_reset:
             step_mask = ~done_prev

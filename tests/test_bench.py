@@ -23,8 +23,20 @@ def bench_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_bench_json_emits_every_policy_with_oracle_pct(bench_set: Path, tmp_path: Path) -> None:
-    res = CliRunner().invoke(app, ["bench", str(bench_set), "--json", "--episodes", "2",
-                                   "--out", str(tmp_path / "out"), "--policies", str(tmp_path)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            str(bench_set),
+            "--json",
+            "--episodes",
+            "2",
+            "--out",
+            str(tmp_path / "out"),
+            "--policies",
+            str(tmp_path),
+        ],
+    )
     assert res.exit_code == 0, res.output
     obj = json.loads(res.stdout)
     names = [p["policy"] for p in obj["policies"]]
@@ -35,7 +47,8 @@ def test_bench_json_emits_every_policy_with_oracle_pct(bench_set: Path, tmp_path
         assert 0.0 < p["oracle_pct"] < 110.0
         assert np.isfinite(p["speedup_mean"])
     assert {"summary.csv", "categories.csv", "bench.json", "bench.md", "speedup.png"} <= {
-        f.name for f in (tmp_path / "out").iterdir()}
+        f.name for f in (tmp_path / "out").iterdir()
+    }
     assert obj["context"]["test_generations"] == 3
 
 

@@ -313,8 +313,9 @@ def test_no_leak_of_future_rows_or_length(request, tmp_path, fixture, lookahead)
     cm = str(model.save(tmp_path / "flat_ar.json"))
     kw = {"split": "all", "cost_model": cm, "lookahead": lookahead}
     acts = np.random.default_rng(3).integers(0, ts.kmax + 1, 10_000)
-    base = run_episode(MoESpecEnv(dataset=str(src), **kw), lambda i: int(acts[i]), seed=9,
-                       options={"generation_id": gid})
+    base = run_episode(
+        MoESpecEnv(dataset=str(src), **kw), lambda i: int(acts[i]), seed=9, options={"generation_id": gid}
+    )
     n_rounds = len(base["rewards"])
     assert n_rounds > 4
     for i in (0, 1, n_rounds // 2, n_rounds - 1):  # observation i is taken at position t_i
@@ -336,8 +337,34 @@ def test_no_leak_of_future_rows_or_length(request, tmp_path, fixture, lookahead)
 # ------------------------------------------------------------------------------------------ splits
 def test_split_rule_pinned_and_exact():
     ids = np.arange(128)
-    assert sorted(held_out_ids(ids)) == [5, 17, 20, 23, 29, 31, 34, 37, 38, 51, 56, 59, 64, 65, 68, 75, 78, 80,
-                                        83, 84, 92, 109, 113, 121, 122, 125]
+    assert sorted(held_out_ids(ids)) == [
+        5,
+        17,
+        20,
+        23,
+        29,
+        31,
+        34,
+        37,
+        38,
+        51,
+        56,
+        59,
+        64,
+        65,
+        68,
+        75,
+        78,
+        80,
+        83,
+        84,
+        92,
+        109,
+        113,
+        121,
+        122,
+        125,
+    ]
     assert n_test(128) == 26 and n_test(6) == 1 and n_test(1) == 0
     train, test = split_mask(ids, "train"), split_mask(ids, "test")
     assert not np.any(train & test) and np.all(train | test) and split_mask(ids, "all").all()

@@ -66,9 +66,16 @@ def test_mlp_policy_rejects_bad_files_with_one_line(tmp_path: Path) -> None:
     (tmp_path / "policy.json").write_text('{"format": "something-else"}')
     with pytest.raises(ValueError, match="policy.json"):
         MLPPolicy.load(tmp_path)
-    (tmp_path / "policy.json").write_text(json.dumps({
-        "format": "specenv.policy/1", "kind": "mlp", "layers": 1,
-        "observation": {"kmax": 4, "lookahead": 0, "max_new_tokens": 1000, "n_experts": 128}}))
+    (tmp_path / "policy.json").write_text(
+        json.dumps(
+            {
+                "format": "specenv.policy/1",
+                "kind": "mlp",
+                "layers": 1,
+                "observation": {"kmax": 4, "lookahead": 0, "max_new_tokens": 1000, "n_experts": 128},
+            }
+        )
+    )
     with pytest.raises(ValueError, match="weights.npz"):
         MLPPolicy.load(tmp_path)
 

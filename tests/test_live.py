@@ -67,9 +67,10 @@ def test_speculative_equals_plain_greedy(engine, models, i):
     assert all(r.k == 0 and r.m == 1 and r.T_D_ms == 0 and r.U_r == models.top_k for r in rounds0)
     # independent reference: transformers' own greedy generate on the target alone
     with torch.inference_mode():
-        out = models.target.generate(torch.tensor([ids]), max_new_tokens=len(ref), do_sample=False,
-                                     pad_token_id=models.eos_id, eos_token_id=None)
-    hf = out[0, len(ids):].tolist()
+        out = models.target.generate(
+            torch.tensor([ids]), max_new_tokens=len(ref), do_sample=False, pad_token_id=models.eos_id, eos_token_id=None
+        )
+    hf = out[0, len(ids) :].tolist()
     n = len(ref) - (1 if ref and ref[-1] == models.eos_id else 0)
     assert ref[:n] == hf[:n]
     for k in range(1, KMAX + 1):
@@ -117,7 +118,7 @@ def test_routing_equals_router_logits_topk(engine, models):
         full = torch.tensor([ctx[:-1] + verified])
         with torch.inference_mode():
             out = models.target(input_ids=full, output_router_logits=True)
-        ref = np.stack([lg[-(k + 1):].topk(models.top_k, dim=-1).indices.numpy() for lg in out.router_logits])
+        ref = np.stack([lg[-(k + 1) :].topk(models.top_k, dim=-1).indices.numpy() for lg in out.router_logits])
         got = engine.last_routing
         assert got.shape == ref.shape == (models.n_layers, k + 1, models.top_k)
         assert np.array_equal(np.sort(got, axis=-1), np.sort(ref, axis=-1))
@@ -156,8 +157,10 @@ def test_collect_cli_writes_valid_set(tmp_path):
     from specenv.datasets import load_dataset
 
     out = tmp_path / "live"
-    res = CliRunner().invoke(app, ["collect", "--engine", "hf", "-n", "2", "--kmax", "2", "--max-new-tokens", "12",
-                                   "--out", str(out), "--json"])
+    res = CliRunner().invoke(
+        app,
+        ["collect", "--engine", "hf", "-n", "2", "--kmax", "2", "--max-new-tokens", "12", "--out", str(out), "--json"],
+    )
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
     assert summary["lossless_mismatches"] == 0

@@ -11,8 +11,23 @@ from specenv.cli import app
 
 runner = CliRunner()
 
-KEYS = {"dataset", "split", "cost_model", "kmax", "lookahead", "generations", "tokens", "s_max_pooled",
-        "s_max_mean", "mean_k", "mean_accepted", "expected_rounds", "v0_ms", "ar_ms", "mc"}
+KEYS = {
+    "dataset",
+    "split",
+    "cost_model",
+    "kmax",
+    "lookahead",
+    "generations",
+    "tokens",
+    "s_max_pooled",
+    "s_max_mean",
+    "mean_k",
+    "mean_accepted",
+    "expected_rounds",
+    "v0_ms",
+    "ar_ms",
+    "mc",
+}
 
 
 def test_oracle_json_keys_and_values() -> None:
@@ -26,8 +41,24 @@ def test_oracle_json_keys_and_values() -> None:
 
 
 def test_oracle_sweep_delta_plots_on_test_split(tmp_path) -> None:
-    res = runner.invoke(app, ["oracle", "paper-default", "--kmax", "4", "--split", "test", "--sweep", "--delta",
-                              "--plot", str(tmp_path / "figs"), "--episodes", "0", "--json"])
+    res = runner.invoke(
+        app,
+        [
+            "oracle",
+            "paper-default",
+            "--kmax",
+            "4",
+            "--split",
+            "test",
+            "--sweep",
+            "--delta",
+            "--plot",
+            str(tmp_path / "figs"),
+            "--episodes",
+            "0",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     obj = json.loads(res.stdout)
     assert obj["kmax"] == 4 and obj["split"] == "test" and obj["mc"] is None

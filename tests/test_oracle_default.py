@@ -21,12 +21,10 @@ PINNED = {
     "expected_rounds": 20496.721673032393,
 }
 # seeded Monte Carlo along the optimal policy: 4 episodes per generation, seed 0
-PINNED_MC = {"speedup_pooled": 2.1729874717954876, "mean_k": 4.839416325783015,
-             "mean_accepted": 3.144038097563954}
+PINNED_MC = {"speedup_pooled": 2.1729874717954876, "mean_k": 4.839416325783015, "mean_accepted": 3.144038097563954}
 # delta space on the occupancy-weighted optimal path
 PINNED_QUADRANTS = {"I": 434193, "II": 0, "III": 386844, "IV": 27403, "axis": 0}
-PINNED_LAMBDA = {"lambda_sep": 3.1114186120229954, "lambda_ls": 1.9743107303490806,
-                 "r2_origin": 0.5656387657028832}
+PINNED_LAMBDA = {"lambda_sep": 3.1114186120229954, "lambda_ls": 1.9743107303490806, "r2_origin": 0.5656387657028832}
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +49,7 @@ def test_pinned_oracle_numbers(default) -> None:
     for key, val in PINNED_MC.items():
         assert mc[key]["value"] == pytest.approx(val, rel=REL), key
         # and the Monte-Carlo estimate brackets the exact value
-        exact = {"speedup_pooled": res.speedup_pooled, "mean_k": res.mean_k,
-                 "mean_accepted": res.mean_accepted}[key]
+        exact = {"speedup_pooled": res.speedup_pooled, "mean_k": res.mean_k, "mean_accepted": res.mean_accepted}[key]
         assert abs(mc[key]["value"] - exact) <= mc[key]["ci95"], key
 
 

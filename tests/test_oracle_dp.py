@@ -169,8 +169,16 @@ def test_value_finite_nonnegative_and_path_identities(inst) -> None:
 def test_greedy_traces_give_integer_counts_and_deterministic_simulation(inst) -> None:
     arrays, model, h = inst
     if not arrays.greedy:
-        arrays = PositionArrays(arrays.generation_ids, arrays.categories, arrays.offsets, arrays.L,
-                                (arrays.rho > 0.5).astype(np.float64), arrays.q, arrays.U, True)
+        arrays = PositionArrays(
+            arrays.generation_ids,
+            arrays.categories,
+            arrays.offsets,
+            arrays.L,
+            (arrays.rho > 0.5).astype(np.float64),
+            arrays.q,
+            arrays.U,
+            True,
+        )
     res = oracle.solve(arrays, model, lookahead=h)
     assert set(np.unique(res.occupancy)) <= {0.0, 1.0}
     for arr in (res.rounds, res.k_sum, res.accepted_sum):
@@ -217,8 +225,11 @@ def test_stochastic_simulation_agrees_with_exact_evaluation() -> None:
     res = oracle.solve(arrays, model)
     sim = oracle.simulate(arrays, model, res.k, episodes=400, seed=3)
     s = sim.summary()
-    for key, exact in (("speedup_pooled", res.speedup_pooled), ("mean_k", res.mean_k),
-                       ("mean_accepted", res.mean_accepted)):
+    for key, exact in (
+        ("speedup_pooled", res.speedup_pooled),
+        ("mean_k", res.mean_k),
+        ("mean_accepted", res.mean_accepted),
+    ):
         assert abs(s[key]["value"] - exact) < 3 * s[key]["ci95"] / 1.96 + 1e-12, key
     again = oracle.simulate(arrays, model, res.k, episodes=400, seed=3)
     np.testing.assert_array_equal(sim.cost, again.cost)
@@ -226,9 +237,16 @@ def test_stochastic_simulation_agrees_with_exact_evaluation() -> None:
 
 def test_hand_computed_two_position_instance() -> None:
     # N = 2, kmax = 1, rho = 1 at t = 0: one k = 1 round finishes; costs C(t,0) = 5, C(t,1) = 6
-    arrays = PositionArrays(np.array([0]), np.array(["x"], dtype=object), np.array([0, 2]),
-                            L=np.zeros(2), rho=np.array([[1.0], [0.5]]), q=np.zeros((2, 1)),
-                            U=np.array([[8.0, 8.0], [8.0, 8.0]]), greedy=False)
+    arrays = PositionArrays(
+        np.array([0]),
+        np.array(["x"], dtype=object),
+        np.array([0, 2]),
+        L=np.zeros(2),
+        rho=np.array([[1.0], [0.5]]),
+        q=np.zeros((2, 1)),
+        U=np.array([[8.0, 8.0], [8.0, 8.0]]),
+        greedy=False,
+    )
     model = CostModel(beta0=np.array([5.0, 6.0]), alpha=np.zeros(2), c=np.zeros(2), d1=0.0, d0=0.0, top_k=8)
     res = oracle.solve(arrays, model)
     assert res.cost[0] == pytest.approx(6.0)

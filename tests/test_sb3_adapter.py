@@ -71,8 +71,9 @@ def test_adapter_set_options_and_seed(small_traces):
 def test_ppo_smoke(small_traces):
     from stable_baselines3 import PPO
 
-    env = VecCheckNan(VecMonitor(make_sb3_vec_env(4, seed=0, dataset=str(small_traces), split="all")),
-                      raise_exception=True)
+    env = VecCheckNan(
+        VecMonitor(make_sb3_vec_env(4, seed=0, dataset=str(small_traces), split="all")), raise_exception=True
+    )
     model = PPO("MlpPolicy", env, n_steps=64, batch_size=64, n_epochs=1, seed=0, device="cpu")
     model.learn(128)
     obs = env.reset()

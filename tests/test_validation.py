@@ -131,8 +131,11 @@ CASES: list[tuple[str, Callable[[Path], None], list[str]]] = [
     ("nan", lambda r: _edit(r, "positions", _set("rho_2", 11, np.nan)), ["positions.parquet", "rho_2", "row 11"]),
     ("rho-above-1", lambda r: _edit(r, "positions", _set("rho_1", 4, 1.5)), ["rho_1", "row 4", "[0, 1]"]),
     ("q-negative", lambda r: _edit(r, "positions", _set("q_2", 9, -0.1)), ["q_2", "row 9"]),
-    ("accepted-above-K", lambda r: _edit(r, "rounds", _set("accepted", 5, 99)),
-     ["rounds.parquet", "accepted", "row 5"]),
+    (
+        "accepted-above-K",
+        lambda r: _edit(r, "rounds", _set("accepted", 5, 99)),
+        ["rounds.parquet", "accepted", "row 5"],
+    ),
     ("m-above-K+1", lambda r: _edit(r, "rounds", _set("m", 6, 50)), ["rounds.parquet", "'m'", "row 6"]),
     ("negative-target-time", lambda r: _edit(r, "rounds", _set("T_T_ms", 2, -1.0)), ["T_T_ms", "row 2"]),
     ("U-decreasing", lambda r: _edit(r, "positions", _u_decreasing), ["U_3", "row 7", "decreasing"]),

@@ -143,8 +143,13 @@ def test_bad_actions(small_traces, actions):
 
 @pytest.mark.parametrize(
     "kwargs, name",
-    [({"num_envs": 0}, "num_envs"), ({"kmax": 99}, "kmax"), ({"split": "dev"}, "split"),
-     ({"lookahead": 9, "kmax": 2}, "lookahead"), ({"dataset": "nope"}, "dataset")],
+    [
+        ({"num_envs": 0}, "num_envs"),
+        ({"kmax": 99}, "kmax"),
+        ({"split": "dev"}, "split"),
+        ({"lookahead": 9, "kmax": 2}, "lookahead"),
+        ({"dataset": "nope"}, "dataset"),
+    ],
 )
 def test_bad_constructor_arguments(small_traces, kwargs, name):
     kwargs = {"dataset": str(small_traces), **kwargs}

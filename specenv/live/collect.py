@@ -112,8 +112,10 @@ def collect_live(
                 if K == 0:
                     reference = out
                 elif out != reference:
-                    first = next((j for j, (x, y) in enumerate(zip(out, reference, strict=False)) if x != y),
-                                 min(len(out), len(reference)))
+                    first = next(
+                        (j for j, (x, y) in enumerate(zip(out, reference, strict=False)) if x != y),
+                        min(len(out), len(reference)),
+                    )
                     mismatches.append({"generation_id": p.id, "K": K, "first_diff": int(first)})
                 round_frames.append(_rounds_frame(p, K, rounds, clock))
             sw = eng.sweep(ids, reference, kmax)
@@ -159,31 +161,41 @@ def collect_live(
         extra={
             "engine": "specenv.live.engine.LiveEngine",
             "collector": "specenv.live.collect.collect_live",
-            "models": {"name": mm.get("name"), "version": mm.get("version"),
-                       "files": {k: v["sha256"] for k, v in mm.get("files", {}).items()}},
+            "models": {
+                "name": mm.get("name"),
+                "version": mm.get("version"),
+                "files": {k: v["sha256"] for k, v in mm.get("files", {}).items()},
+            },
             "prompt_set": prompt_set if isinstance(prompt_set, str) else str(prompt_set),
             "prompts": [p.id for p in prompts],
             "threads": threads,
             "clock": clock,
-            "timing": ("T_T_ms/T_D_ms are thread CPU times (time.thread_time, 1 torch thread): the work of the "
-                       "phase without the time the process was descheduled by other processes"
-                       if clock == "cpu" else "T_T_ms/T_D_ms are wall-clock times (time.perf_counter)"),
+            "timing": (
+                "T_T_ms/T_D_ms are thread CPU times (time.thread_time, 1 torch thread): the work of the "
+                "phase without the time the process was descheduled by other processes"
+                if clock == "cpu"
+                else "T_T_ms/T_D_ms are wall-clock times (time.perf_counter)"
+            ),
             "temperature": 0.0,
             "stop_at_eos": True,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "python": platform.python_version(),
-            "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-                        "loadavg_before": [round(x, 2) for x in load_before],
-                        "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
+            "machine": {
+                "cpus": os.cpu_count(),
+                "processor": platform.processor() or platform.machine(),
+                "loadavg_before": [round(x, 2) for x in load_before],
+                "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+            },
             "wall_seconds": round(wall, 1),
             "lossless": {"runs_checked": n_runs, "mismatched_runs": len(mismatches), "mismatches": mismatches[:50]},
-            "extra_columns": {"rounds.run": "fixed-K{K}",
-                              "rounds.T_T_wall_ms, rounds.T_D_wall_ms": "wall-clock time of the phases "
-                              "(time.perf_counter)",
-                              "rounds.T_T_cpu_ms, rounds.T_D_cpu_ms": "thread CPU time of the same phases "
-                              "(time.thread_time; excludes time descheduled by other processes)",
-                              "positions.T_T_sweep_ms": "time of the teacher-forced verification pass (m = Kmax+1)"},
+            "extra_columns": {
+                "rounds.run": "fixed-K{K}",
+                "rounds.T_T_wall_ms, rounds.T_D_wall_ms": "wall-clock time of the phases (time.perf_counter)",
+                "rounds.T_T_cpu_ms, rounds.T_D_cpu_ms": "thread CPU time of the same phases "
+                "(time.thread_time; excludes time descheduled by other processes)",
+                "positions.T_T_sweep_ms": "time of the teacher-forced verification pass (m = Kmax+1)",
+            },
         },
     )
     return TraceSet(manifest, positions, rounds_df)

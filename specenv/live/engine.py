@@ -317,8 +317,12 @@ class LiveEngine:
             while len(s.drafts) < n:
                 seq_len = len(s.ids) + len(s.drafts)
                 feed = (s.ids + s.drafts)[s.d_len : seq_len]
-                out = self.draft(input_ids=torch.tensor([feed], dtype=torch.long), past_key_values=self._d_cache,
-                                 use_cache=True, logits_to_keep=1)
+                out = self.draft(
+                    input_ids=torch.tensor([feed], dtype=torch.long),
+                    past_key_values=self._d_cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
                 s.d_len = seq_len
                 logits = out.logits[0, -1]
                 if self.temperature == 0.0:
@@ -400,9 +404,23 @@ class LiveEngine:
         s.done = len(s.ids) - s.prompt_len >= self.max_new_tokens or (
             self.stop_at_eos and bool(new) and new[-1] == self.models.eos_id
         )
-        return RoundResult(k=k, m=k + 1, accepted=len(new) - 1, committed=tuple(new), U_r=float(U[-1]),
-                           E_max=float(E[-1]), T_T_ms=t_target, T_D_ms=t_draft, L=n0, t=t_before, q=q,
-                           done=s.done, drafted=drafted, T_T_cpu_ms=c_target, T_D_cpu_ms=c_draft)
+        return RoundResult(
+            k=k,
+            m=k + 1,
+            accepted=len(new) - 1,
+            committed=tuple(new),
+            U_r=float(U[-1]),
+            E_max=float(E[-1]),
+            T_T_ms=t_target,
+            T_D_ms=t_draft,
+            L=n0,
+            t=t_before,
+            q=q,
+            done=s.done,
+            drafted=drafted,
+            T_T_cpu_ms=c_target,
+            T_D_cpu_ms=c_draft,
+        )
 
     def _reject_sample(self, logits: Any, drafts: list[int]) -> tuple[int, list[int]]:
         torch = self._torch
@@ -460,8 +478,12 @@ class LiveEngine:
                 chain: list[int] = []
                 feed = [seq[n - 1]]
                 for j in range(kmax):
-                    out = self.draft(input_ids=torch.tensor([feed], dtype=torch.long), past_key_values=self._d_cache,
-                                     use_cache=True, logits_to_keep=1)
+                    out = self.draft(
+                        input_ids=torch.tensor([feed], dtype=torch.long),
+                        past_key_values=self._d_cache,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
                     lg = out.logits[0, -1]
                     d = int(lg.argmax())
                     qs[t, j] = float(torch.softmax(lg, -1)[d])
@@ -470,8 +492,11 @@ class LiveEngine:
                 self._d_cache.crop(-(kmax - 1))  # keep context + seq[n-1]
                 t0 = time.perf_counter()
                 self.recorder.active = True
-                logits = self.target(input_ids=torch.tensor([[seq[n - 1], *chain]], dtype=torch.long),
-                                     past_key_values=self._t_cache, use_cache=True).logits[0]
+                logits = self.target(
+                    input_ids=torch.tensor([[seq[n - 1], *chain]], dtype=torch.long),
+                    past_key_values=self._t_cache,
+                    use_cache=True,
+                ).logits[0]
                 self.recorder.active = False
                 g = logits.argmax(-1).tolist()
                 self._t_cache.crop(-kmax)

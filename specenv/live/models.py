@@ -117,8 +117,9 @@ def _sha256(path: Path) -> str:
 _MODEL_CACHE: dict[str, SmallModels] = {}
 
 
-def load_models(name_or_path: str | os.PathLike[str] = MODEL_NAME, verify: bool = True,
-                cache: bool = True) -> SmallModels:
+def load_models(
+    name_or_path: str | os.PathLike[str] = MODEL_NAME, verify: bool = True, cache: bool = True
+) -> SmallModels:
     """Load the tokenizer, target and draft (offline, safetensors only).
 
     The target runs the "eager" experts implementation (a Python loop over the experts that the batch
@@ -210,8 +211,10 @@ def load_prompts(name_or_path: str | os.PathLike[str] = PROMPT_SET) -> list[Prom
             raise ValueError(f"prompts={key!r}: not a shipped prompt set ({PROMPT_SET}) nor a JSON file")
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-        return [Prompt(int(p["id"]), str(p["category"]), str(p["text"]), str(p.get("file", "")),
-                       int(p.get("line", 0))) for p in doc["prompts"]]
+        return [
+            Prompt(int(p["id"]), str(p["category"]), str(p["text"]), str(p.get("file", "")), int(p.get("line", 0)))
+            for p in doc["prompts"]
+        ]
     except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not a prompt set ({exc.__class__.__name__}: {exc})") from None
 

@@ -103,8 +103,10 @@ def check_vllm_version(strict: bool = False) -> str:
     if found is None:
         raise ImportError("vLLM is not installed: pip install 'specenv[vllm]' (CPU: torch==2.13.0 first)")
     if found.split("+")[0] != TESTED_VLLM:
-        msg = (f"specenv.vllm is tested with vLLM {TESTED_VLLM}; found {found}. The scheduler interface it "
-               "uses is not public and may have changed.")
+        msg = (
+            f"specenv.vllm is tested with vLLM {TESTED_VLLM}; found {found}. The scheduler interface it "
+            "uses is not public and may have changed."
+        )
         if strict:
             raise RuntimeError(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=2)

@@ -44,12 +44,21 @@ def _llm(cfg: dict[str, Any]) -> Any:
 
     register()
     dirs = vllm_model_dirs(cfg["models"])
-    kw: dict[str, Any] = dict(model=str(dirs.target), tokenizer=str(dirs.target), dtype="float32",
-                              enforce_eager=True, max_model_len=dirs.max_model_len, seed=0,
-                              max_num_seqs=cfg.get("max_num_seqs", 1))
+    kw: dict[str, Any] = dict(
+        model=str(dirs.target),
+        tokenizer=str(dirs.target),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=dirs.max_model_len,
+        seed=0,
+        max_num_seqs=cfg.get("max_num_seqs", 1),
+    )
     if cfg.get("k", 0) > 0:
-        kw["speculative_config"] = {"method": "draft_model", "model": str(dirs.draft),
-                                    "num_speculative_tokens": cfg["k"]}
+        kw["speculative_config"] = {
+            "method": "draft_model",
+            "model": str(dirs.draft),
+            "num_speculative_tokens": cfg["k"],
+        }
     if cfg.get("controller", True):
         kw.update(engine_kwargs(SpecenvSettings(**cfg.get("settings", {})), tap=True))
     else:
@@ -97,10 +106,15 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
             entry["specenv_ms"] = ctl.stats["overhead_ms"]
             entry["steps"] = ctl._step - steps0
         passes.append(entry)
-    res: dict[str, Any] = {"config": cfg, "startup_s": startup, "passes": passes,
-                           "tok_per_s": statistics.median(p["tok_per_s"] for p in passes),
-                           "wall_s": statistics.median(p["wall_s"] for p in passes), "tokens": tokens,
-                           "outputs": outputs}
+    res: dict[str, Any] = {
+        "config": cfg,
+        "startup_s": startup,
+        "passes": passes,
+        "tok_per_s": statistics.median(p["tok_per_s"] for p in passes),
+        "wall_s": statistics.median(p["wall_s"] for p in passes),
+        "tokens": tokens,
+        "outputs": outputs,
+    }
     if hasattr(ctl, "stats"):
         res["stats"] = ctl.summary()
         ctl.stop_recording()
@@ -119,17 +133,28 @@ def _make_policy(spec: dict[str, Any], ctl: Any) -> Any:
         rng = np.random.default_rng(0)
         b1 = np.full(kmax + 1, -10.0)
         b1[k] = 10.0
-        return MLPPolicy(obs, [(rng.normal(size=(obs.dim, 64)) * 0.01, np.zeros(64)),
-                               (rng.normal(size=(64, 64)) * 0.01, np.zeros(64)),
-                               (rng.normal(size=(64, kmax + 1)) * 0.01, b1)], name=f"constant-{k}")
+        return MLPPolicy(
+            obs,
+            [
+                (rng.normal(size=(obs.dim, 64)) * 0.01, np.zeros(64)),
+                (rng.normal(size=(64, 64)) * 0.01, np.zeros(64)),
+                (rng.normal(size=(64, kmax + 1)) * 0.01, b1),
+            ],
+            name=f"constant-{k}",
+        )
     if spec["kind"] == "delta":
         from policies.delta import DeltaSpaceRule
         from specenv.costmodel import CostModel
 
         obs = ObservationSpec(int(spec["kmax"]), 0, int(spec["max_new_tokens"]), int(spec["n_experts"]))
-        return DeltaSpaceRule(obs, CostModel.load(spec["cost_model"]), lam_ms=spec.get("lam_ms"),
-                              adaptive=bool(spec.get("adaptive", False)),
-                              u_prior=np.asarray(spec["u_prior"]), rho_prior=np.asarray(spec["rho_prior"]))
+        return DeltaSpaceRule(
+            obs,
+            CostModel.load(spec["cost_model"]),
+            lam_ms=spec.get("lam_ms"),
+            adaptive=bool(spec.get("adaptive", False)),
+            u_prior=np.asarray(spec["u_prior"]),
+            rho_prior=np.asarray(spec["rho_prior"]),
+        )
     raise ValueError(f"unknown policy kind {spec['kind']!r}")
 
 
@@ -142,8 +167,12 @@ def _spawn(cfg: dict[str, Any], out: Path, name: str) -> dict[str, Any]:
     env.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.time()
     with open(out / f"{name}.log", "w") as log:
-        rc = subprocess.call([sys.executable, "-m", "specenv.vllm.bench", "_run", json.dumps(cfg), str(path)],
-                             stdout=log, stderr=subprocess.STDOUT, env=env)
+        rc = subprocess.call(
+            [sys.executable, "-m", "specenv.vllm.bench", "_run", json.dumps(cfg), str(path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     if rc != 0:
         raise RuntimeError(f"{name}: exit code {rc}; see {out / (name + '.log')}")
     res = json.loads(path.read_text())
@@ -155,14 +184,21 @@ def overhead(args: argparse.Namespace) -> None:
     """Stock scheduler vs controller (+tap) vs controller + recorder, same workload."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    base = {"models": args.models, "k": args.k, "max_num_seqs": args.batch, "max_tokens": args.tokens,
-            "prompt_ids": list(range(args.prompts)), "reps": args.reps, "warmup": 1, "ignore_eos": True}
+    base = {
+        "models": args.models,
+        "k": args.k,
+        "max_num_seqs": args.batch,
+        "max_tokens": args.tokens,
+        "prompt_ids": list(range(args.prompts)),
+        "reps": args.reps,
+        "warmup": 1,
+        "ignore_eos": True,
+    }
     pol = {"kind": "constant-mlp", "k": args.k, "kmax": args.k, "max_new_tokens": args.tokens}
     configs = {
         "stock": {**base, "controller": False},
         "controller": {**base, "policy": pol},
-        "controller+recorder": {**base, "policy": pol,
-                                "settings": {"record": str(out / "rec"), "part_rounds": 2048}},
+        "controller+recorder": {**base, "policy": pol, "settings": {"record": str(out / "rec"), "part_rounds": 2048}},
     }
     res = {}
     for rnd in range(args.rounds):  # interleave the configurations to spread machine noise
@@ -174,18 +210,27 @@ def overhead(args: argparse.Namespace) -> None:
         tps = statistics.median(r["tok_per_s"] for r in rs)
         own = [p["specenv_ms"] / (p["wall_s"] * 1e3) for r in rs for p in r["passes"] if "specenv_ms" in p]
         per_step = [p["specenv_ms"] / max(p["steps"], 1) for r in rs for p in r["passes"] if "specenv_ms" in p]
-        rows.append({"config": name, "tok_per_s": tps, "vs_stock": tps / stock - 1.0,
-                     "tok_per_s_all": [round(r["tok_per_s"], 2) for r in rs],
-                     "specenv_share": statistics.median(own) if own else 0.0,
-                     "specenv_ms_per_step": statistics.median(per_step) if per_step else 0.0})
+        rows.append(
+            {
+                "config": name,
+                "tok_per_s": tps,
+                "vs_stock": tps / stock - 1.0,
+                "tok_per_s_all": [round(r["tok_per_s"], 2) for r in rs],
+                "specenv_share": statistics.median(own) if own else 0.0,
+                "specenv_ms_per_step": statistics.median(per_step) if per_step else 0.0,
+            }
+        )
     same = all(r["outputs"] == res["stock"][0]["outputs"] for rs in res.values() for r in rs)
-    (out / "overhead.json").write_text(json.dumps({"rows": rows, "identical_outputs": same, "args": vars(args)},
-                                                  indent=2))
+    (out / "overhead.json").write_text(
+        json.dumps({"rows": rows, "identical_outputs": same, "args": vars(args)}, indent=2)
+    )
     print("| config | tokens/s (median) | vs stock | all passes | time in specenv code | per step |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['config']} | {r['tok_per_s']:.1f} | {r['vs_stock']:+.1%} | {r['tok_per_s_all']} | "
-              f"{r['specenv_share']:.2%} | {r['specenv_ms_per_step']:.3f} ms |")
+        print(
+            f"| {r['config']} | {r['tok_per_s']:.1f} | {r['vs_stock']:+.1%} | {r['tok_per_s_all']} | "
+            f"{r['specenv_share']:.2%} | {r['specenv_ms_per_step']:.3f} ms |"
+        )
     print(f"identical outputs: {same}")
 
 
@@ -223,14 +268,27 @@ def speedup(args: argparse.Namespace) -> None:
     surv = np.cumprod(train.rho, axis=1)
     reach = np.concatenate([np.ones((len(surv), 1)), surv[:, :-1]], axis=1)
     rho_prior = ((reach * train.rho).sum(axis=0) / np.maximum(reach.sum(axis=0), 1e-12)).tolist()
-    pol = {"kind": "delta", "kmax": kmax, "max_new_tokens": mnt, "n_experts": ts.facts.n_experts,
-           "cost_model": str(cm_path), "lam_ms": lam, "u_prior": train.U.mean(axis=0).tolist(),
-           "rho_prior": rho_prior}
-    for name, p, horizon in (("delta, oracle lambda, horizon max", pol, "max"),
-                             ("delta, oracle lambda, horizon policy", pol, "policy"),
-                             ("delta, adaptive lambda, horizon policy", {**pol, "adaptive": True}, "policy")):
-        configs[name] = {**base, "k": kmax, "policy": p, "settings": {"draft_horizon": horizon,
-                                                                       "cost_model": str(cm_path)}}
+    pol = {
+        "kind": "delta",
+        "kmax": kmax,
+        "max_new_tokens": mnt,
+        "n_experts": ts.facts.n_experts,
+        "cost_model": str(cm_path),
+        "lam_ms": lam,
+        "u_prior": train.U.mean(axis=0).tolist(),
+        "rho_prior": rho_prior,
+    }
+    for name, p, horizon in (
+        ("delta, oracle lambda, horizon max", pol, "max"),
+        ("delta, oracle lambda, horizon policy", pol, "policy"),
+        ("delta, adaptive lambda, horizon policy", {**pol, "adaptive": True}, "policy"),
+    ):
+        configs[name] = {
+            **base,
+            "k": kmax,
+            "policy": p,
+            "settings": {"draft_horizon": horizon, "cost_model": str(cm_path)},
+        }
     for rnd in range(args.rounds):  # interleave: every configuration once per round
         for name, cfg in configs.items():
             if rnd == 0 and name in res:
@@ -243,20 +301,38 @@ def speedup(args: argparse.Namespace) -> None:
     for name, rs in res.items():
         wall = statistics.median(r["wall_s"] for r in rs)
         st = rs[-1].get("stats", {})
-        rows.append({"config": name, "wall_s": wall, "walls": [round(r["wall_s"], 2) for r in rs],
-                     "tok_per_s": rs[0]["tokens"] / wall, "speedup": plain / wall,
-                     "lossless": all(r["outputs"] == ref for r in rs), "fallbacks": st.get("fallbacks", 0),
-                     "capped": st.get("capped", 0), "decisions": st.get("decisions", 0)})
+        rows.append(
+            {
+                "config": name,
+                "wall_s": wall,
+                "walls": [round(r["wall_s"], 2) for r in rs],
+                "tok_per_s": rs[0]["tokens"] / wall,
+                "speedup": plain / wall,
+                "lossless": all(r["outputs"] == ref for r in rs),
+                "fallbacks": st.get("fallbacks", 0),
+                "capped": st.get("capped", 0),
+                "decisions": st.get("decisions", 0),
+            }
+        )
     fixed = [r for r in rows if r["config"].startswith("k=")]
     best = max(fixed, key=lambda r: r["speedup"])
-    doc = {"rows": rows, "best_fixed": best["config"], "lambda_ms": lam, "cost_model": fit.model.to_json(),
-           "prompts": test_ids, "max_new_tokens": mnt, "args": vars(args)}
+    doc = {
+        "rows": rows,
+        "best_fixed": best["config"],
+        "lambda_ms": lam,
+        "cost_model": fit.model.to_json(),
+        "prompts": test_ids,
+        "max_new_tokens": mnt,
+        "args": vars(args),
+    }
     (out / "speedup.json").write_text(json.dumps(doc, indent=2, default=float))
     print("| config | wall s (median) | walls | tokens/s | speedup vs plain | vs best fixed | lossless | capped |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['config']} | {r['wall_s']:.2f} | {r['walls']} | {r['tok_per_s']:.1f} | {r['speedup']:.3f} | "
-              f"{r['speedup'] / best['speedup']:.3f} | {r['lossless']} | {r['capped']} |")
+        print(
+            f"| {r['config']} | {r['wall_s']:.2f} | {r['walls']} | {r['tok_per_s']:.1f} | {r['speedup']:.3f} | "
+            f"{r['speedup'] / best['speedup']:.3f} | {r['lossless']} | {r['capped']} |"
+        )
     print(f"best fixed: {best['config']} ({best['speedup']:.3f}); oracle lambda on the vLLM cost model: {lam:.3f} ms")
 
 

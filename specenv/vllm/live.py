@@ -73,17 +73,28 @@ class VLLMBackend:
         RuntimeError: If ``VLLM_ENABLE_V1_MULTIPROCESSING`` is set to something else than 0.
     """
 
-    def __init__(self, models: str | os.PathLike[str] = "small-moe-v1", kmax: int = 8, max_new_tokens: int = 128,
-                 temperature: float = 0.0, seed: int = 0, stop_at_eos: bool = True, dtype: str = "float32",
-                 record: str | None = None, settings: SpecenvSettings | None = None, **llm_kwargs: Any):
+    def __init__(
+        self,
+        models: str | os.PathLike[str] = "small-moe-v1",
+        kmax: int = 8,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop_at_eos: bool = True,
+        dtype: str = "float32",
+        record: str | None = None,
+        settings: SpecenvSettings | None = None,
+        **llm_kwargs: Any,
+    ):
         if kmax < 1:
             raise ValueError(f"kmax={kmax}: must be >= 1")
         if max_new_tokens < 2:
             raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 2 (the prefill makes the first)")
         mp = os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if mp != "0":
-            raise RuntimeError("VLLMBackend runs the engine in this process: unset VLLM_ENABLE_V1_MULTIPROCESSING "
-                               "or set it to 0")
+            raise RuntimeError(
+                "VLLMBackend runs the engine in this process: unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
+            )
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from tokenizers import Tokenizer
         from vllm import LLM
@@ -101,10 +112,16 @@ class VLLMBackend:
         self.temperature = float(temperature)
         self.stop_at_eos = stop_at_eos
         self._seed = int(seed)
-        kw: dict[str, Any] = dict(model=str(dirs.target), tokenizer=str(dirs.target), dtype=dtype,
-                                  enforce_eager=True, max_model_len=dirs.max_model_len, max_num_seqs=1, seed=seed,
-                                  speculative_config={"method": "draft_model", "model": str(dirs.draft),
-                                                      "num_speculative_tokens": self.kmax})
+        kw: dict[str, Any] = dict(
+            model=str(dirs.target),
+            tokenizer=str(dirs.target),
+            dtype=dtype,
+            enforce_eager=True,
+            max_model_len=dirs.max_model_len,
+            max_num_seqs=1,
+            seed=seed,
+            speculative_config={"method": "draft_model", "model": str(dirs.draft), "num_speculative_tokens": self.kmax},
+        )
         kw.update(engine_kwargs(settings if settings is not None else SpecenvSettings(record=record), tap=True))
         kw.update(llm_kwargs)
         self.llm = LLM(**kw)
@@ -122,8 +139,14 @@ class VLLMBackend:
         self._last: dict[str, Any] | None = None
 
     @classmethod
-    def shared(cls, models: str | os.PathLike[str] = "small-moe-v1", kmax: int = 8, max_new_tokens: int = 128,
-               temperature: float = 0.0, **kwargs: Any) -> VLLMBackend:
+    def shared(
+        cls,
+        models: str | os.PathLike[str] = "small-moe-v1",
+        kmax: int = 8,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        **kwargs: Any,
+    ) -> VLLMBackend:
         """One backend per (model set, kmax) and process: vLLM keeps one in-process engine per process.
 
         A later call with the same models and kmax returns the same engine, with ``max_new_tokens``,
@@ -134,8 +157,7 @@ class VLLMBackend:
         key = (str(vllm_model_dirs(models).target.resolve()), int(kmax))
         be = _SHARED.get(key)
         if be is None:
-            be = _SHARED[key] = cls(models, kmax=kmax, max_new_tokens=max_new_tokens, temperature=temperature,
-                                    **kwargs)
+            be = _SHARED[key] = cls(models, kmax=kmax, max_new_tokens=max_new_tokens, temperature=temperature, **kwargs)
         else:
             be.abort()
             be.max_new_tokens, be.temperature = int(max_new_tokens), float(temperature)
@@ -220,8 +242,12 @@ class VLLMBackend:
         self._n += 1
         self._ext = f"specenv-live-{self._n}"
         self._prompt, self._tokens, self._last = ids, [], None
-        sp = SamplingParams(temperature=self.temperature, max_tokens=self.max_new_tokens,
-                            ignore_eos=not self.stop_at_eos, seed=self._seed if self.temperature > 0 else None)
+        sp = SamplingParams(
+            temperature=self.temperature,
+            max_tokens=self.max_new_tokens,
+            ignore_eos=not self.stop_at_eos,
+            seed=self._seed if self.temperature > 0 else None,
+        )
         self._req = self.engine.add_request(self._ext, {"prompt_token_ids": ids}, sp)
         self._done = False
         while not self._tokens and not self._done:
@@ -248,11 +274,23 @@ class VLLMBackend:
         r = self._last or {}
         committed = tuple(self._tokens[n_before:])
         K = int(r.get("K", k))
-        return RoundResult(k=K, m=K + 1, accepted=max(len(committed) - 1, 0), committed=committed,
-                           U_r=float(r.get("U_r", 0.0)), E_max=float(r.get("E_max", 1.0)),
-                           T_T_ms=float(r.get("T_T_ms", 0.0)), T_D_ms=float(r.get("T_D_ms", 0.0)), L=L, t=t, q=(),
-                           done=self._done, drafted=tuple(int(x) for x in r.get("drafted", ())),
-                           T_T_cpu_ms=float(r.get("T_T_cpu_ms", 0.0)), T_D_cpu_ms=float(r.get("T_D_cpu_ms", 0.0)))
+        return RoundResult(
+            k=K,
+            m=K + 1,
+            accepted=max(len(committed) - 1, 0),
+            committed=committed,
+            U_r=float(r.get("U_r", 0.0)),
+            E_max=float(r.get("E_max", 1.0)),
+            T_T_ms=float(r.get("T_T_ms", 0.0)),
+            T_D_ms=float(r.get("T_D_ms", 0.0)),
+            L=L,
+            t=t,
+            q=(),
+            done=self._done,
+            drafted=tuple(int(x) for x in r.get("drafted", ())),
+            T_T_cpu_ms=float(r.get("T_T_cpu_ms", 0.0)),
+            T_D_cpu_ms=float(r.get("T_D_cpu_ms", 0.0)),
+        )
 
     def generate(self, prompt_ids: list[int], k: int) -> tuple[list[int], list[RoundResult]]:
         """A whole generation with a fixed budget ``k``; returns the generated tokens and the rounds."""

@@ -75,8 +75,13 @@ def vllm_model_dirs(name_or_path: str | os.PathLike[str] = "small-moe-v1") -> VL
         view.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{view.name}.", dir=view.parent))
         try:
-            cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS,
-                   "model_max_length": _max_len(src / "target"), "clean_up_tokenization_spaces": False}
+            cfg = {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": EOS,
+                "pad_token": EOS,
+                "model_max_length": _max_len(src / "target"),
+                "clean_up_tokenization_spaces": False,
+            }
             for sub in ("target", "draft"):
                 (tmp / sub).mkdir()
                 for f in (src / sub).iterdir():

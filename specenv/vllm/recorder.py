@@ -117,9 +117,18 @@ class PartRecorder:
         with_tokens: Also record the verified token ids (column ``verified_tokens``).
     """
 
-    def __init__(self, folder: str | os.PathLike[str], facts: ModelFacts, kmax: int, meta: dict[str, Any],
-                 name: str = "vllm-recording", max_new_tokens: int = 1000, part_rounds: int = 2048,
-                 part_seconds: float = 30.0, with_tokens: bool = False):
+    def __init__(
+        self,
+        folder: str | os.PathLike[str],
+        facts: ModelFacts,
+        kmax: int,
+        meta: dict[str, Any],
+        name: str = "vllm-recording",
+        max_new_tokens: int = 1000,
+        part_rounds: int = 2048,
+        part_seconds: float = 30.0,
+        with_tokens: bool = False,
+    ):
         self.folder = Path(folder)
         self.parts_dir = self.folder / PARTS
         self.parts_dir.mkdir(parents=True, exist_ok=True)
@@ -133,10 +142,14 @@ class PartRecorder:
         existing = sorted(self.parts_dir.glob("part-*.json"))
         self.next_part = 1 + max((int(p.stem.split("-")[1]) for p in existing), default=-1)
         self.run_manifest = {
-            "format": RUN_FORMAT, "schema_version": SCHEMA_VERSION, "name": name,
+            "format": RUN_FORMAT,
+            "schema_version": SCHEMA_VERSION,
+            "name": name,
             "model": {"n_layers": facts.n_layers, "n_experts": facts.n_experts, "top_k": facts.top_k},
-            "kmax": self.kmax, "max_new_tokens": int(max_new_tokens),
-            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "extra": meta,
+            "kmax": self.kmax,
+            "max_new_tokens": int(max_new_tokens),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "extra": meta,
         }
         old = self.folder / RUN_MANIFEST
         if old.is_file():
@@ -191,8 +204,12 @@ class PartRecorder:
         self._queue.put(None)
         self._thread.join()
         self.run_manifest["closed_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        self.run_manifest["summary"] = {"rows": self.rows_written, "parts": self.parts_written,
-                                        "errors": self.errors, **(summary or {})}
+        self.run_manifest["summary"] = {
+            "rows": self.rows_written,
+            "parts": self.parts_written,
+            "errors": self.errors,
+            **(summary or {}),
+        }
         write_json_atomic(self.folder / RUN_MANIFEST, self.run_manifest)
 
     # ------------------------------------------------------------------ writer thread
@@ -222,11 +239,19 @@ class PartRecorder:
         if name.startswith("rejected"):
             return
         steps = cols["step"]
-        write_json_atomic(self.parts_dir / f"{name}.json", {
-            "format": PART_FORMAT, "part": index, "path": pq_path.name, "sha256": sha256_file(pq_path),
-            "rows": table.num_rows, "first_step": int(min(steps)), "last_step": int(max(steps)),
-            "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        })
+        write_json_atomic(
+            self.parts_dir / f"{name}.json",
+            {
+                "format": PART_FORMAT,
+                "part": index,
+                "path": pq_path.name,
+                "sha256": sha256_file(pq_path),
+                "rows": table.num_rows,
+                "first_step": int(min(steps)),
+                "last_step": int(max(steps)),
+                "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            },
+        )
         self.rows_written += table.num_rows
         self.parts_written += 1
 
@@ -235,8 +260,9 @@ def columns_to_table(cols: dict[str, list[Any]], columns: dict[str, pa.DataType]
     """Column lists -> Arrow table with the schema-v1 types and the schema-version metadata."""
     columns = COLUMNS if columns is None else columns
     arrays = [pa.array(cols[c], type=t) for c, t in columns.items()]
-    schema = pa.schema([pa.field(c, t) for c, t in columns.items()],
-                       metadata={b"specenv.schema_version": str(SCHEMA_VERSION).encode()})
+    schema = pa.schema(
+        [pa.field(c, t) for c, t in columns.items()], metadata={b"specenv.schema_version": str(SCHEMA_VERSION).encode()}
+    )
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
@@ -268,13 +294,15 @@ def recording_status(folder: str | os.PathLike[str]) -> dict[str, Any]:
         else:
             invalid.append(idx.name)
     incomplete = sorted(p.name for p in pdir.glob(".*")) + sorted(
-        p.name for p in pdir.glob("part-*.parquet") if p.name not in indexed)
+        p.name for p in pdir.glob("part-*.parquet") if p.name not in indexed
+    )
     rejected = sorted(p.name for p in pdir.glob("rejected-*.parquet"))
     return {"parts": valid, "rows": rows, "incomplete": incomplete, "invalid": invalid, "rejected": rejected}
 
 
-def load_recording(folders: str | os.PathLike[str] | list[str | os.PathLike[str]], name: str | None = None,
-                   category: str | None = None) -> Any:
+def load_recording(
+    folders: str | os.PathLike[str] | list[str | os.PathLike[str]], name: str | None = None, category: str | None = None
+) -> Any:
     """Assemble the valid parts of one or more recordings into a validated in-memory TraceSet.
 
     Several folders (e.g. the fixed-K runs of a collection) must record the same model; their
@@ -335,13 +363,21 @@ def load_recording(folders: str | os.PathLike[str] | list[str | os.PathLike[str]
     if category is not None:
         df["category"] = category
     greedy = bool(np.all(df["greedy"].to_numpy())) if "greedy" in df else False
-    extra = {"recordings": [str(f) for f in folders], "runs": [m.get("extra", {}) for m in manifests],
-             "skipped_files": skipped}
+    extra = {
+        "recordings": [str(f) for f in folders],
+        "runs": [m.get("extra", {}) for m in manifests],
+        "skipped_files": skipped,
+    }
     man = Manifest(
-        name=name or first.get("name", "vllm-recording"), source="vllm",
-        profile=str(first.get("extra", {}).get("engine", "vllm")), model=facts, kmax=kmax, greedy=greedy,
+        name=name or first.get("name", "vllm-recording"),
+        source="vllm",
+        profile=str(first.get("extra", {}).get("engine", "vllm")),
+        model=facts,
+        kmax=kmax,
+        greedy=greedy,
         description="Rounds recorded by specenv's vLLM recorder (specenv.vllm).",
-        max_new_tokens=int(first.get("max_new_tokens", 1000)), extra=extra,
+        max_new_tokens=int(first.get("max_new_tokens", 1000)),
+        extra=extra,
     )
     man.counts = {"rounds": len(df), "generations": int(df["generation_id"].nunique())}
     return TraceSet(man, positions=None, rounds=df)

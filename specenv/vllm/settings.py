@@ -105,8 +105,9 @@ class SpecenvSettings:
         known = {f.name for f in fields(cls)}
         unknown = set(obj) - known
         if unknown:
-            raise ValueError(f"additional_config['{CONFIG_KEY}']: unknown key(s) {sorted(unknown)} "
-                             f"(known: {sorted(known)})")
+            raise ValueError(
+                f"additional_config['{CONFIG_KEY}']: unknown key(s) {sorted(unknown)} (known: {sorted(known)})"
+            )
         return cls(**obj)
 
     @classmethod
@@ -148,8 +149,13 @@ def engine_kwargs(settings: SpecenvSettings | None = None, tap: bool = True, **o
 
 def serve_args(settings: SpecenvSettings, tap: bool = True) -> list[str]:
     """The same options as ``vllm serve`` command-line arguments (see :func:`engine_kwargs`)."""
-    args = ["--scheduler-cls", SCHEDULER_CLS, "--no-async-scheduling",
-            "--additional-config", json.dumps({CONFIG_KEY: settings.to_json()})]
+    args = [
+        "--scheduler-cls",
+        SCHEDULER_CLS,
+        "--no-async-scheduling",
+        "--additional-config",
+        json.dumps({CONFIG_KEY: settings.to_json()}),
+    ]
     if tap or settings.record is not None:
         args += ["--load-format", "specenv"]
     return args
@@ -174,8 +180,10 @@ def resolve_policy(name: str) -> Any:
     if name.startswith("registered:"):
         key = name.split(":", 1)[1]
         if key not in _REGISTRY:
-            raise ValueError(f"policy {name!r}: nothing registered under {key!r} in this process "
-                             "(register_policy works only with an in-process engine)")
+            raise ValueError(
+                f"policy {name!r}: nothing registered under {key!r} in this process "
+                "(register_policy works only with an in-process engine)"
+            )
         return _REGISTRY[key]
     path = Path(name)
     if (path / "policy.json").is_file():
@@ -195,5 +203,4 @@ def resolve_policy(name: str) -> Any:
         if not hasattr(obj, "act"):
             raise ValueError(f"policy {name!r}: object has no act() method (not a policy)")
         return obj
-    raise ValueError(f"policy {name!r}: not a folder with policy.json, a 'module:attribute' path or "
-                     "'registered:NAME'")
+    raise ValueError(f"policy {name!r}: not a folder with policy.json, a 'module:attribute' path or 'registered:NAME'")

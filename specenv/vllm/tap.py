@@ -226,11 +226,21 @@ def bind_target(model: Any, vllm_config: Any) -> RoutingTap | None:
     for i, r in enumerate(routers):
         r.set_capture_fn(make_capture(i))
     sync = _sync_fn(device)
-    tap = RoutingTap(buf=buf, n_layers=n_layers, n_experts=n_experts, top_k=top_k, capacity=capacity,
-                     target_clock=PhaseClock(header[5:10], sync), draft_clock=PhaseClock(header[10:15], sync),
-                     header=header, shm=shm)
-    tap.handles += [model.register_forward_pre_hook(tap.target_clock.pre),
-                    model.register_forward_hook(tap.target_clock.post)]
+    tap = RoutingTap(
+        buf=buf,
+        n_layers=n_layers,
+        n_experts=n_experts,
+        top_k=top_k,
+        capacity=capacity,
+        target_clock=PhaseClock(header[5:10], sync),
+        draft_clock=PhaseClock(header[10:15], sync),
+        header=header,
+        shm=shm,
+    )
+    tap.handles += [
+        model.register_forward_pre_hook(tap.target_clock.pre),
+        model.register_forward_hook(tap.target_clock.post),
+    ]
     TAPS.append(tap)
     return tap
 
@@ -241,8 +251,10 @@ def bind_draft(model: Any) -> None:
         return
     tap = TAPS[-1]
     tap.draft_clock.sync = _sync_fn(next(model.parameters()).device)
-    tap.handles += [model.register_forward_pre_hook(tap.draft_clock.pre),
-                    model.register_forward_hook(tap.draft_clock.post)]
+    tap.handles += [
+        model.register_forward_pre_hook(tap.draft_clock.pre),
+        model.register_forward_hook(tap.draft_clock.post),
+    ]
     tap.header[15] = 1.0
 
 
@@ -266,9 +278,17 @@ def attach(owner_pid: int | None = None) -> RoutingTap | None:
         return None
     n_layers, capacity, top_k, n_experts = (int(x) for x in head[1:5])
     header, routing = _views(shm.buf, n_layers, capacity, top_k)
-    return RoutingTap(buf=routing, n_layers=n_layers, n_experts=n_experts, top_k=top_k, capacity=capacity,
-                      target_clock=PhaseClock(header[5:10]), draft_clock=PhaseClock(header[10:15]), header=header,
-                      shm=shm)
+    return RoutingTap(
+        buf=routing,
+        n_layers=n_layers,
+        n_experts=n_experts,
+        top_k=top_k,
+        capacity=capacity,
+        target_clock=PhaseClock(header[5:10]),
+        draft_clock=PhaseClock(header[10:15]),
+        header=header,
+        shm=shm,
+    )
 
 
 def current_tap() -> RoutingTap | None:
@@ -295,7 +315,8 @@ def _make_loader_cls() -> type:
             model = super().load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
             spec = vllm_config.speculative_config
             is_draft = prefix.startswith("draft") or (
-                spec is not None and model_config is getattr(spec, "draft_model_config", None)
+                spec is not None
+                and model_config is getattr(spec, "draft_model_config", None)
                 and model_config is not vllm_config.model_config
             )
             if is_draft:

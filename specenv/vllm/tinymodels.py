@@ -59,8 +59,13 @@ def build_tokenizer(folder: Path, vocab: int = 512, max_chars: int = 400_000) ->
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, min_frequency=2, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        min_frequency=2,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_stdlib_texts(max_chars), trainer=trainer)
     write_tokenizer(tok, folder)
     return tok
@@ -70,11 +75,19 @@ def write_tokenizer(tok: Any, folder: Path) -> None:
     """Write a ``tokenizers.Tokenizer`` as the files ``transformers``/vLLM load (fast tokenizer)."""
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS,
-           "bos_token": None, "unk_token": None, "model_max_length": 4096, "clean_up_tokenization_spaces": False}
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "bos_token": None,
+        "unk_token": None,
+        "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": EOS, "pad_token": EOS}) + "\n",
-                                                    encoding="utf-8")
+    (folder / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": EOS, "pad_token": EOS}) + "\n", encoding="utf-8"
+    )
 
 
 def build_tiny_models(
@@ -112,12 +125,28 @@ def build_tiny_models(
     out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out, vocab)
     gen = torch.Generator().manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=hidden, num_attention_heads=max(hidden // 32, 1), num_key_value_heads=1,
-                  head_dim=32, max_position_embeddings=4096, tie_word_embeddings=False,
-                  bos_token_id=0, eos_token_id=0, pad_token_id=0, rms_norm_eps=1e-6)
-    tcfg = Qwen3MoeConfig(num_hidden_layers=target_layers, intermediate_size=4 * hidden,
-                          moe_intermediate_size=hidden, num_experts=n_experts, num_experts_per_tok=top_k,
-                          norm_topk_prob=True, **common)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_attention_heads=max(hidden // 32, 1),
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        rms_norm_eps=1e-6,
+    )
+    tcfg = Qwen3MoeConfig(
+        num_hidden_layers=target_layers,
+        intermediate_size=4 * hidden,
+        moe_intermediate_size=hidden,
+        num_experts=n_experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        **common,
+    )
     dcfg = Qwen3Config(num_hidden_layers=draft_layers, intermediate_size=4 * hidden, **common)
     torch.manual_seed(seed)
     target = Qwen3MoeForCausalLM(tcfg).float().eval()
@@ -145,9 +174,20 @@ def build_tiny_models(
     for sub in ("target", "draft"):
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             (out / sub / f).write_bytes((out / f).read_bytes())
-    (out / "manifest.json").write_text(json.dumps({
-        "name": "tiny-random-moe", "kind": "specenv.vllm.tinymodels",
-        "target": {"n_layers": target_layers, "n_experts": n_experts, "top_k": top_k, "hidden": hidden},
-        "draft": {"n_layers": draft_layers}, "vocab": vocab, "layer_scale": layer_scale, "seed": seed,
-    }, indent=2) + "\n", encoding="utf-8")
+    (out / "manifest.json").write_text(
+        json.dumps(
+            {
+                "name": "tiny-random-moe",
+                "kind": "specenv.vllm.tinymodels",
+                "target": {"n_layers": target_layers, "n_experts": n_experts, "top_k": top_k, "hidden": hidden},
+                "draft": {"n_layers": draft_layers},
+                "vocab": vocab,
+                "layer_scale": layer_scale,
+                "seed": seed,
+            },
+            indent=2,
+        )
+        + "\n",
+        encoding="utf-8",
+    )
     return out

@@ -16,8 +16,15 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=args["model"], tokenizer=args["model"], dtype="float32", enforce_eager=True,
-              max_model_len=args["max_model_len"], seed=0, max_num_seqs=4)
+    llm = LLM(
+        model=args["model"],
+        tokenizer=args["model"],
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=args["max_model_len"],
+        seed=0,
+        max_num_seqs=4,
+    )
     sp = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True)
     outs = llm.generate(args["prompts"], sp, use_tqdm=False)
     ref = {o.prompt: {"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text} for o in outs}

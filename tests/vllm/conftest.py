@@ -65,12 +65,21 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory):
 def plain_reference_proc(model_dirs, tmp_path_factory):
     """Start the plain greedy reference (no speculation, stock scheduler) in a subprocess."""
     out = tmp_path_factory.mktemp("plain") / "reference.json"
-    args = {"model": str(model_dirs.target), "max_model_len": min(model_dirs.max_model_len, 1024),
-            "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "out": str(out)}
+    args = {
+        "model": str(model_dirs.target),
+        "max_model_len": min(model_dirs.max_model_len, 1024),
+        "prompts": PROMPTS,
+        "max_tokens": MAX_TOKENS,
+        "out": str(out),
+    }
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 - closed by the consumer fixture
-    proc = subprocess.Popen([sys.executable, str(HERE / "_plain_greedy.py"), json.dumps(args)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "_plain_greedy.py"), json.dumps(args)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     yield proc, out
     if proc.poll() is None:
         proc.kill()
@@ -92,9 +101,16 @@ def backend(model_dirs, plain_reference_proc):
     from specenv.vllm import SpecenvSettings
     from specenv.vllm.live import VLLMBackend
 
-    be = VLLMBackend.shared(model_dirs.source, kmax=KMAX, max_new_tokens=MAX_TOKENS, stop_at_eos=False,
-                            settings=SpecenvSettings(record_tokens=True), max_num_seqs=4, disable_log_stats=False,
-                            max_model_len=min(model_dirs.max_model_len, 1024))
+    be = VLLMBackend.shared(
+        model_dirs.source,
+        kmax=KMAX,
+        max_new_tokens=MAX_TOKENS,
+        stop_at_eos=False,
+        settings=SpecenvSettings(record_tokens=True),
+        max_num_seqs=4,
+        disable_log_stats=False,
+        max_model_len=min(model_dirs.max_model_len, 1024),
+    )
     yield be
     be.close()
 

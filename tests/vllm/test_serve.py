@@ -35,8 +35,11 @@ def free_port() -> int:
 
 
 def post(port: int, body: dict, timeout: float = 120) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 
@@ -59,15 +62,41 @@ def wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float = 60
 def test_serve_records_and_sigkill_leaves_only_complete_parts(model_dirs, plain_reference, tmp_path):
     spec = ObservationSpec(kmax=KMAX, max_new_tokens=MAX_TOKENS, n_experts=16)
     rng = np.random.default_rng(2)
-    pol = MLPPolicy(spec, [(rng.normal(size=(spec.dim, 8)), rng.normal(size=8)),
-                           (rng.normal(size=(8, KMAX + 1)), np.zeros(KMAX + 1))]).save(tmp_path / "policy")
+    pol = MLPPolicy(
+        spec,
+        [(rng.normal(size=(spec.dim, 8)), rng.normal(size=8)), (rng.normal(size=(8, KMAX + 1)), np.zeros(KMAX + 1))],
+    ).save(tmp_path / "policy")
     rec, port, log = tmp_path / "rec", free_port(), tmp_path / "server.log"
     specenv_bin = Path(sys.executable).parent / "specenv"
-    cmd = [str(specenv_bin), "serve", "--policy", str(pol), "--record", str(rec), "--part-rounds", "8", "--",
-           str(model_dirs.target), "--tokenizer", str(model_dirs.target), "--dtype", "float32", "--enforce-eager",
-           "--max-model-len", str(min(model_dirs.max_model_len, 1024)), "--max-num-seqs", "2", "--seed", "0",
-           "--host", "127.0.0.1", "--port", str(port), "--speculative-config",
-           json.dumps({"method": "draft_model", "model": str(model_dirs.draft), "num_speculative_tokens": KMAX})]
+    cmd = [
+        str(specenv_bin),
+        "serve",
+        "--policy",
+        str(pol),
+        "--record",
+        str(rec),
+        "--part-rounds",
+        "8",
+        "--",
+        str(model_dirs.target),
+        "--tokenizer",
+        str(model_dirs.target),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        str(min(model_dirs.max_model_len, 1024)),
+        "--max-num-seqs",
+        "2",
+        "--seed",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--speculative-config",
+        json.dumps({"method": "draft_model", "model": str(model_dirs.draft), "num_speculative_tokens": KMAX}),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # engine core spawned
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -75,8 +104,16 @@ def test_serve_records_and_sigkill_leaves_only_complete_parts(model_dirs, plain_
         wait_ready(proc, port, log)
         # lossless through the server: greedy completions equal plain greedy vLLM
         for p in PROMPTS[:2]:
-            out = post(port, {"model": str(model_dirs.target), "prompt": p, "max_tokens": MAX_TOKENS,
-                              "temperature": 0, "ignore_eos": True})
+            out = post(
+                port,
+                {
+                    "model": str(model_dirs.target),
+                    "prompt": p,
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
             assert out["choices"][0]["text"] == plain_reference[p]["text"]
         # keep the server busy, then SIGKILL the whole process group (API server and engine core,
         # where the recorder runs) while requests are in flight
@@ -86,8 +123,17 @@ def test_serve_records_and_sigkill_leaves_only_complete_parts(model_dirs, plain_
             i = 0
             while not stop.is_set():
                 try:
-                    post(port, {"model": str(model_dirs.target), "prompt": PROMPTS[i % len(PROMPTS)],
-                                "max_tokens": 200, "temperature": 0, "ignore_eos": True}, timeout=30)
+                    post(
+                        port,
+                        {
+                            "model": str(model_dirs.target),
+                            "prompt": PROMPTS[i % len(PROMPTS)],
+                            "max_tokens": 200,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                        },
+                        timeout=30,
+                    )
                 except OSError:
                     return
                 i += 1

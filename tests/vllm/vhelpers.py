@@ -19,9 +19,16 @@ PROMPTS = [
 
 def llm_kwargs(dirs, **extra):
     """Engine arguments shared by every engine of the tests."""
-    kw = dict(model=str(dirs.target), tokenizer=str(dirs.target), dtype="float32", enforce_eager=True,
-              max_model_len=min(dirs.max_model_len, 1024), seed=0, max_num_seqs=4,
-              speculative_config={"method": "draft_model", "model": str(dirs.draft), "num_speculative_tokens": KMAX})
+    kw = dict(
+        model=str(dirs.target),
+        tokenizer=str(dirs.target),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=min(dirs.max_model_len, 1024),
+        seed=0,
+        max_num_seqs=4,
+        speculative_config={"method": "draft_model", "model": str(dirs.draft), "num_speculative_tokens": KMAX},
+    )
     kw.update(extra)
     return kw
 
