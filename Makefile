@@ -31,7 +31,7 @@ $(STAMP_VLLM): pyproject.toml
 	$(BIN_VLLM)/python -m pip install -q torch==2.13.0
 	$(BIN_VLLM)/python -m pip install -q -e ".[vllm,dev]"
 	$(BIN_VLLM)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(BIN_VLLM)/python -c "import vllm, specenv.vllm as v; v.check_vllm_version(strict=True)"
+	$(BIN_VLLM)/python -c "import vllm, specenv.engines.vllm as v; v.check_vllm_version(strict=True)"
 	touch $(STAMP_VLLM)
 
 venv-vllm: $(STAMP_VLLM)

@@ -8,7 +8,7 @@
 * :func:`kmax_sweep`: the bound against Kmax (paper Figure 2);
 * :func:`delta_analysis` and :func:`boundary_slope`: the delta space of rejected candidates and the
   slope lambda the delta-space heuristic uses (paper Figure 3);
-* :mod:`oracle.montecarlo` (imported on demand): Monte-Carlo evaluation of any online policy in the
+* :mod:`specenv.rollout` (imported on demand): Monte-Carlo evaluation of any online policy in the
   Gymnasium environment, with confidence intervals.
 """
 

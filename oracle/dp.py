@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from specenv.costmodel import CostModel
+from specenv.stats import mean_ci, ratio_ci
 from specenv.traceset import PositionArrays
 
 __all__ = [
@@ -508,31 +509,12 @@ class Simulation:
         return {
             "episodes": int(len(self.cost)),
             "seed": self.seed,
-            "speedup_pooled": _ratio_ci(self.ar, self.cost),
-            "speedup_mean": _mean_ci(self.ar / self.cost),
-            "mean_k": _ratio_ci(self.k_sum, self.rounds),
-            "mean_accepted": _ratio_ci(self.accepted_sum, self.rounds),
-            "cost_ms_mean": _mean_ci(self.cost),
+            "speedup_pooled": ratio_ci(self.ar, self.cost),
+            "speedup_mean": mean_ci(self.ar / self.cost),
+            "mean_k": ratio_ci(self.k_sum, self.rounds),
+            "mean_accepted": ratio_ci(self.accepted_sum, self.rounds),
+            "cost_ms_mean": mean_ci(self.cost),
         }
-
-
-def _mean_ci(x: np.ndarray) -> dict[str, float]:
-    x = np.asarray(x, dtype=np.float64)
-    half = 1.96 * x.std(ddof=1) / np.sqrt(len(x)) if len(x) > 1 else float("nan")
-    return {"value": float(x.mean()), "ci95": float(half)}
-
-
-def _ratio_ci(num: np.ndarray, den: np.ndarray) -> dict[str, float]:
-    """sum(num)/sum(den) with a delta-method 95% half-width over i.i.d. episodes."""
-    num = np.asarray(num, dtype=np.float64)
-    den = np.asarray(den, dtype=np.float64)
-    r = num.sum() / den.sum()
-    n = len(num)
-    if n < 2:
-        return {"value": float(r), "ci95": float("nan")}
-    resid = num - r * den
-    half = 1.96 * resid.std(ddof=1) / (np.sqrt(n) * den.mean())
-    return {"value": float(r), "ci95": float(half)}
 
 
 def simulate(

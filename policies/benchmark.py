@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from policies.base import Policy
 from policies.delta import DeltaSpaceRule
 from policies.heuristics import (
     CascadeUtility,
@@ -38,9 +37,10 @@ from policies.heuristics import (
     TransformersHeuristic,
     UCBBandit,
 )
-from policies.mlp import MLPPolicy
 from specenv.costmodel import CostModel
 from specenv.observation import ObservationSpec
+from specenv.policy.base import Policy
+from specenv.policy.mlp import MLPPolicy
 from specenv.traceset import PositionArrays
 
 LEARNED = ("ppo", "dqn", "imitation")
@@ -172,7 +172,7 @@ def run_policy(entry: Entry, ctx: Context, episodes: int, seed: int) -> tuple[pd
     """Replay every test generation ``episodes`` times with one policy; one row per episode."""
     import gymnasium as gym
 
-    from specenv.env import ENV_ID
+    from specenv.envs.replay import ENV_ID
 
     env = gym.make(
         ENV_ID,

@@ -1,4 +1,4 @@
-"""Export trained torch/SB3 networks to the numpy form of :mod:`policies.mlp`.
+"""Export trained torch/SB3 networks to the numpy form of :mod:`specenv.policy.mlp`.
 
 PPO: ``policy.mlp_extractor.policy_net`` followed by ``policy.action_net`` (logits; argmax is SB3's
 deterministic action). DQN: ``q_net.q_net`` (Q-values; argmax is SB3's ``predict``). Imitation
@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from policies.mlp import MLPPolicy
 from specenv.observation import ObservationSpec
+from specenv.policy.mlp import MLPPolicy
 
 
 def _linear_layers(modules: list[Any]) -> tuple[list[tuple[np.ndarray, np.ndarray]], str | None]:

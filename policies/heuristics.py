@@ -1,6 +1,6 @@
 """Published budget-selection heuristics, each a faithful reimplementation of its source's rule.
 
-All of them act on observations only (see :mod:`policies.base`). Costs are read from the cost model
+All of them act on observations only (see :mod:`specenv.policy.base`). Costs are read from the cost model
 a server would have fitted (:class:`specenv.costmodel.CostModel`), never from the trace.
 """
 
@@ -10,9 +10,10 @@ import math
 
 import numpy as np
 
-from policies.base import Policy
 from specenv.costmodel import CostModel
+from specenv.engines.base import u_prior
 from specenv.observation import ObservationSpec
+from specenv.policy.base import Policy
 
 
 class FixedK(Policy):
@@ -138,7 +139,7 @@ class UPredictor:
 
     def __init__(self, kmax: int, top_k: int, n_experts: int, prior: np.ndarray | None = None):
         ks = np.arange(kmax + 1)
-        self.prior = np.minimum(top_k * (ks + 1.0) ** 0.62, n_experts) if prior is None else np.asarray(prior, float)
+        self.prior = u_prior(ks, top_k, n_experts) if prior is None else np.asarray(prior, float)
         self.prior[0] = top_k
         self.reset()
 

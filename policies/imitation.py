@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from policies.mlp import MLPPolicy
 from specenv.costmodel import CostModel
 from specenv.observation import ObservationSpec
+from specenv.policy.mlp import MLPPolicy
 from specenv.traceset import PositionArrays
 
 
@@ -66,7 +66,7 @@ def train_dagger(
     import torch
 
     from oracle.dp import action_values, solve
-    from specenv.env import ENV_ID
+    from specenv.envs.replay import ENV_ID
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)

@@ -1,7 +1,7 @@
 """Stable-Baselines3 learners (PPO, DQN) on the native vector environment through the SB3 adapter.
 
 Training runs on the train split; the result is exported to the numpy form of
-:mod:`policies.mlp` (what the benchmark and vLLM load). The SB3 model itself (``model.zip``) and
+:mod:`specenv.policy.mlp` (what the benchmark and vLLM load). The SB3 model itself (``model.zip``) and
 TensorBoard logs are written to the run folder for inspection; they are not the deployment format.
 
 Reward used for training (``savings=True``, the default): the environment's reward (minus the round
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.mlp import MLPPolicy
+from specenv.policy.mlp import MLPPolicy
 
 ALGOS = ("ppo", "dqn")
 
@@ -100,8 +100,8 @@ def train_sb3(
     from stable_baselines3.common.vec_env import VecMonitor, VecNormalize
 
     from policies.export import from_sb3
-    from specenv.sb3 import SB3VecEnv
-    from specenv.vector_env import MoESpecVectorEnv
+    from specenv.envs.sb3 import SB3VecEnv
+    from specenv.envs.vector import MoESpecVectorEnv
 
     torch.set_num_threads(1)
     run_dir = Path(run_dir)

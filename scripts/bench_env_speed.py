@@ -28,7 +28,7 @@ from gymnasium.envs.classic_control.cartpole import CartPoleVectorEnv
 from gymnasium.utils.performance import benchmark_step, benchmark_vector_step
 
 import specenv  # noqa: F401  (registers specenv/MoESpec-v0)
-from specenv.vector_env import MoESpecVectorEnv
+from specenv.envs.vector import MoESpecVectorEnv
 
 
 def main() -> None:

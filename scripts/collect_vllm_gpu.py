@@ -3,7 +3,7 @@
 For every K in 1..10 (``--ks``) one vLLM engine is started in its own process with
 ``num_speculative_tokens = K``, batch size 1 (``max_num_seqs = 1``), temperature 0.7 and
 ``max_new_tokens = 1000``, and every prompt is generated once; specenv's recorder
-(:mod:`specenv.vllm`: controller without policy, routing tap via ``--load-format specenv``) writes the
+(:mod:`specenv.engines.vllm`: controller without policy, routing tap via ``--load-format specenv``) writes the
 rounds table of each run into ``OUT/runs/K=<K>/`` as atomic Parquet parts. At the end the runs are
 assembled into one trace set (``OUT/traces/``, schema v1, ``source = "vllm"``), with the prompt
 category of every generation; ``specenv fit OUT/traces`` fits the per-K cost model on it.
@@ -17,7 +17,7 @@ Not run in CI (needs a GPU with ~80 GB and the two models from the Hugging Face 
 ``stdlib-code-v1`` set has this form). Timings: with ``--eager`` the forward hooks time the target
 and the EAGLE head separately (``timing = hooks``); with CUDA graphs (default, as served) they do not
 fire, ``T_T_ms`` is the whole step and ``T_D_ms = 0`` ("timing missing", ``timing = step``).
-A run that dies keeps every part written before (``specenv.vllm.recording_status`` tells).
+A run that dies keeps every part written before (``specenv.engines.vllm.recording_status`` tells).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def load_prompts(path: str) -> list[dict]:
     if Path(path).is_file():
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
     else:
-        from specenv.live.models import load_prompts as shipped
+        from specenv.engines.hf.models import load_prompts as shipped
 
         return [{"id": p.id, "category": p.category, "text": p.text} for p in shipped(path)]
     return [{"id": int(p["id"]), "category": str(p["category"]), "text": str(p["text"])} for p in doc["prompts"]]
@@ -56,8 +56,8 @@ def run_one(args: argparse.Namespace, K: int) -> None:
     """One engine, one K, every prompt at batch size 1 (runs in its own process)."""
     from vllm import LLM, SamplingParams
 
-    from specenv.vllm import engine_kwargs
-    from specenv.vllm.tap import register
+    from specenv.engines.vllm import engine_kwargs
+    from specenv.engines.vllm.tap import register
 
     register()
     prompts = load_prompts(args.prompts)[: args.limit or None]
@@ -93,7 +93,7 @@ def run_one(args: argparse.Namespace, K: int) -> None:
 
 
 def assemble(args: argparse.Namespace, ks: list[int]) -> None:
-    from specenv.vllm import load_recording, recording_status
+    from specenv.engines.vllm import load_recording, recording_status
 
     prompts = load_prompts(args.prompts)[: args.limit or None]
     folders = [Path(args.out) / "runs" / f"K={K}" for K in ks]

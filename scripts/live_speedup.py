@@ -27,7 +27,7 @@ import numpy as np
 
 import specenv  # noqa: F401  (registers the environments)
 from specenv.datasets import load_dataset
-from specenv.live import LiveEngine, load_models, load_prompts
+from specenv.engines.hf import LiveEngine, load_models, load_prompts
 
 
 def replay_speedups(gids: list[int], kmax: int) -> dict[int, float]:

@@ -132,7 +132,7 @@ def target_config(a):
     )
     # The attribute the MoE dispatch reads (transformers.integrations.moe.use_experts_implementation); a plain
     # ``experts_implementation`` attribute is ignored. Training uses grouped_mm (several times faster than the
-    # per-expert loop on big batches); the live engine runs "eager" (see specenv.live.engine).
+    # per-expert loop on big batches); the live engine runs "eager" (see specenv.engines.hf.engine).
     cfg._experts_implementation = a.train_experts_impl
     return cfg
 
@@ -391,7 +391,7 @@ def main() -> None:
         "name": "small-moe",
         "version": 1,
         "description": "Small Qwen3-MoE target and dense Qwen3 draft trained on CPU on the Python stdlib source "
-        "by scripts/train_small_models.py; for the live CPU engine (specenv.live).",
+        "by scripts/train_small_models.py; for the live CPU engine (specenv.engines.hf).",
         "seed": a.seed,
         "recipe": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
         "data": {

@@ -6,6 +6,6 @@ Importing the package registers its environments with Gymnasium (idempotently), 
 
 __version__ = "0.1.0"
 
-from specenv.registration import register_envs as _register_envs
+from specenv.envs.registration import register_envs as _register_envs
 
 _register_envs()

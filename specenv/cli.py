@@ -507,8 +507,8 @@ def collect(
     if clock == "cpu" and threads != 1:
         fail("--clock cpu measures the calling thread only: use --threads 1 or --clock wall")
     try:
-        from specenv.live.collect import collect_live
-        from specenv.live.models import load_models, load_prompts
+        from specenv.engines.hf.collect import collect_live
+        from specenv.engines.hf.models import load_models, load_prompts
     except ImportError as exc:
         fail(f"--engine hf needs the live extra (pip install 'specenv[live]'): {exc}")
     try:
@@ -570,12 +570,12 @@ def serve(
     """Start vLLM's OpenAI-compatible server with the speculation-length controller (and recorder).
 
     Everything after `--` is passed to `vllm serve` (model, --speculative-config, --port, ...).
-    Needs the vllm extra; see specenv/vllm/ and the README.
+    Needs the vllm extra; see specenv/engines/vllm/ and the README.
     """
     import importlib.util
     import shlex
 
-    from specenv.vllm.settings import SpecenvSettings, resolve_policy, serve_args
+    from specenv.engines.vllm.settings import SpecenvSettings, resolve_policy, serve_args
 
     vllm_args = list(ctx.args)
     if vllm_args[:1] == ["--"]:

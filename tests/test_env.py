@@ -17,9 +17,9 @@ from gymnasium.utils.env_match import check_environments_match
 
 import specenv
 from specenv.costmodel import CostModel
-from specenv.env import MoESpecEnv, _ScalarObservation, replay_data
+from specenv.envs.registration import REPLAY_ID, register_envs
+from specenv.envs.replay import MoESpecEnv, _ScalarObservation, replay_data
 from specenv.observation import ObservationSpec, ObservationState
-from specenv.registration import REPLAY_ID, register_envs
 from specenv.schema import q_columns, rho_columns, u_columns
 from specenv.splits import SPLITS, held_out_ids, n_test, select_split, split_ids, split_mask
 from specenv.traceset import TraceSet
@@ -48,7 +48,7 @@ def run_episode(env: gym.Env, actions, seed=None, options=None, max_steps=100_00
 def test_replay_id_registered():
     assert REPLAY_ID in SPECENV_IDS
     spec = gym.spec(REPLAY_ID)
-    assert spec.vector_entry_point == "specenv.vector_env:MoESpecVectorEnv"
+    assert spec.vector_entry_point == "specenv.envs.vector:MoESpecVectorEnv"
     json.loads(spec.to_json())  # kwargs JSON-serialisable (Minari stores EnvSpec.to_json)
     assert register_envs() == []  # idempotent
     gym.register_envs(specenv)

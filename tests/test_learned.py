@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import specenv  # noqa: F401  (registers the environments)
-from policies.mlp import MLPPolicy
-from specenv.env import ENV_ID
+from specenv.envs.replay import ENV_ID
+from specenv.policy.mlp import MLPPolicy
 
 
 def _observations(traces: Path, n: int = 1000, seed: int = 0) -> np.ndarray:

@@ -14,8 +14,9 @@ import torch  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from specenv.cli import app  # noqa: E402
-from specenv.live import LiveEngine, expert_stats, load_models, load_prompts  # noqa: E402
-from specenv.live.models import model_dir  # noqa: E402
+from specenv.engines.base import prefix_expert_stats as expert_stats  # noqa: E402
+from specenv.engines.hf import LiveEngine, load_models, load_prompts  # noqa: E402
+from specenv.engines.hf.models import model_dir  # noqa: E402
 
 KMAX = 8
 

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 import oracle
-from oracle.montecarlo import OnlinePolicy, evaluate_in_env
 from specenv.datasets import load_dataset
 from specenv.fit import cost_model_for
+from specenv.rollout import OnlinePolicy, evaluate_in_env
 from specenv.splits import select_split
 
-env_mod = pytest.importorskip("specenv.env")
+env_mod = pytest.importorskip("specenv.envs.replay")
 
 
 class FixedK:

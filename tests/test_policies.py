@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies.base import ObsView
 from policies.delta import DeltaSpaceRule
 from policies.heuristics import (
     CascadeUtility,
@@ -18,6 +17,7 @@ from policies.heuristics import (
 )
 from specenv.costmodel import CostModel
 from specenv.observation import ObservationSpec, ObservationState
+from specenv.policy.base import ObsView
 
 SPEC = ObservationSpec(kmax=10, lookahead=0)
 SPEC_H = ObservationSpec(kmax=10, lookahead=10)

@@ -9,9 +9,9 @@ pytest.importorskip("stable_baselines3")
 
 from stable_baselines3.common.vec_env import DummyVecEnv, VecCheckNan, VecEnv, VecMonitor  # noqa: E402
 
-from specenv.env import MoESpecEnv  # noqa: E402
-from specenv.sb3 import SB3VecEnv, make_sb3_vec_env  # noqa: E402
-from specenv.vector_env import MoESpecVectorEnv  # noqa: E402
+from specenv.envs.replay import MoESpecEnv  # noqa: E402
+from specenv.envs.sb3 import SB3VecEnv, make_sb3_vec_env  # noqa: E402
+from specenv.envs.vector import MoESpecVectorEnv  # noqa: E402
 
 
 def assert_infos_equal(got, want):

@@ -10,8 +10,8 @@ import pytest
 
 import specenv  # noqa: F401
 from policies.benchmark import build_context, default_entries, run_policy, shipped_policy_dir
-from policies.mlp import MLPPolicy
-from specenv.env import ENV_ID
+from specenv.envs.replay import ENV_ID
+from specenv.policy.mlp import MLPPolicy
 
 NAMES = ["imitation", "imitation-h3", "ppo", "dqn"]
 

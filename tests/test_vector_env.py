@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from gymnasium.vector import AutoresetMode
 
-from specenv.env import MoESpecEnv
+from specenv.envs.registration import REPLAY_ID
+from specenv.envs.replay import MoESpecEnv
+from specenv.envs.vector import MoESpecVectorEnv, _BatchObservationState
 from specenv.observation import ObservationSpec, ObservationState
-from specenv.registration import REPLAY_ID
-from specenv.vector_env import MoESpecVectorEnv, _BatchObservationState
 
 STEP_KEYS = ("k", "accepted", "committed", "cost_ms", "U_r", "L", "t")
 END_KEYS = ("speedup", "episode_cost_ms", "ar_cost_ms", "rounds")

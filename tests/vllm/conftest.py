@@ -6,7 +6,7 @@ a namespace package), so the main environment's pytest skips them.
 
 Models: the shipped ``small-moe-v1`` set (trained Qwen3-MoE target, 64 experts, top-4, and dense
 draft) when present; otherwise, or with ``SPECENV_VLLM_TEST_MODELS=tiny``, the tiny random pair of
-:mod:`specenv.vllm.tinymodels`, built once per session (no download either way).
+:mod:`specenv.engines.vllm.tinymodels`, built once per session (no download either way).
 
 One in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) is shared by the session: tests swap
 its policy and recording through the controller, which keeps the number of vLLM start-ups small.
@@ -38,7 +38,7 @@ def _use_shipped() -> bool:
     choice = os.environ.get("SPECENV_VLLM_TEST_MODELS", "auto")
     if choice != "auto":
         return choice == "shipped"
-    from specenv.live.models import model_dir
+    from specenv.engines.hf.models import model_dir
 
     try:
         model_dir("small-moe-v1")
@@ -50,11 +50,11 @@ def _use_shipped() -> bool:
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory):
     """vLLM-ready target/draft folders (the shipped set if present, else tiny random models)."""
-    from specenv.vllm.models import vllm_model_dirs
+    from specenv.engines.vllm.models import vllm_model_dirs
 
     if _use_shipped():
         return vllm_model_dirs("small-moe-v1")
-    from specenv.vllm.tinymodels import build_tiny_models
+    from specenv.engines.vllm.tinymodels import build_tiny_models
 
     root = tmp_path_factory.mktemp("tiny-models")
     build_tiny_models(root)
@@ -98,8 +98,8 @@ def plain_reference(plain_reference_proc):
 @pytest.fixture(scope="session")
 def backend(model_dirs, plain_reference_proc):
     """The shared in-process engine: a VLLMBackend (controller without policy, routing tap bound)."""
-    from specenv.vllm import SpecenvSettings
-    from specenv.vllm.live import VLLMBackend
+    from specenv.engines.vllm import SpecenvSettings
+    from specenv.engines.vllm.live import VLLMBackend
 
     be = VLLMBackend.shared(
         model_dirs.source,

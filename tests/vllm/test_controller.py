@@ -10,9 +10,9 @@ pytest.importorskip("vllm.v1.core.sched.scheduler")
 from vhelpers import KMAX, MAX_TOKENS, PROMPTS, controller_of, greedy, spec_metrics  # noqa: E402
 
 from policies.heuristics import FixedK  # noqa: E402
-from policies.mlp import MLPPolicy  # noqa: E402
+from specenv.engines.vllm import load_recording, recording_status  # noqa: E402
 from specenv.observation import ObservationSpec  # noqa: E402
-from specenv.vllm import load_recording, recording_status  # noqa: E402
+from specenv.policy.mlp import MLPPolicy  # noqa: E402
 
 
 @pytest.fixture
@@ -135,7 +135,7 @@ def test_recorded_accepted_equals_vllm_spec_decode_metrics(engine, ctl, tmp_path
     W[spec.index("progress")] = 2.0 * KMAX * ks
     layers = [(W, -(ks**2) + 0.1 * ks)]
     folder = MLPPolicy(spec, layers, name="progress-mlp").save(tmp_path / "mlp")
-    from specenv.vllm import resolve_policy
+    from specenv.engines.vllm import resolve_policy
 
     ctl.set_policy(resolve_policy(str(folder)))  # the numpy export, as `specenv serve --policy` loads it
     before = spec_metrics(engine)

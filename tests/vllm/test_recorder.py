@@ -9,8 +9,8 @@ pytest.importorskip("vllm.v1.core.sched.scheduler")
 
 from vhelpers import KMAX, PROMPTS, controller_of, greedy  # noqa: E402
 
+from specenv.engines.vllm import load_recording  # noqa: E402
 from specenv.traceset import TraceSet  # noqa: E402
-from specenv.vllm import load_recording  # noqa: E402
 
 
 @pytest.fixture

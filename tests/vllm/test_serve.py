@@ -21,11 +21,11 @@ pytest.importorskip("vllm.v1.core.sched.scheduler")
 
 from vhelpers import KMAX, MAX_TOKENS, PROMPTS  # noqa: E402
 
-from policies.mlp import MLPPolicy  # noqa: E402
+from specenv.engines.recorder import PARTS, load_recording, recording_status  # noqa: E402
 from specenv.observation import ObservationSpec  # noqa: E402
+from specenv.policy.mlp import MLPPolicy  # noqa: E402
 from specenv.schema import validate_rounds  # noqa: E402
 from specenv.traceset import TraceSet  # noqa: E402
-from specenv.vllm.recorder import PARTS, load_recording, recording_status  # noqa: E402
 
 
 def free_port() -> int:
@@ -160,7 +160,7 @@ def test_serve_records_and_sigkill_leaves_only_complete_parts(model_dirs, plain_
     for name in st["incomplete"]:  # only temporaries or an unindexed (never announced) Parquet file
         assert name.startswith(".") or name.endswith(".parquet"), name
     man = json.loads((rec / "recording.json").read_text())
-    assert man["format"] == "specenv.vllm.recording/1" and man["extra"]["settings"]["policy"] == str(pol)
+    assert man["format"] == "specenv.engines.vllm.recording/1" and man["extra"]["settings"]["policy"] == str(pol)
     ts = load_recording(rec)
     for part in st["parts"]:
         idx = json.loads((rec / PARTS / f"{part}.json").read_text())

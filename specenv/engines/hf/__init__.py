@@ -1,13 +1,14 @@
 """Live CPU engine: real speculative decoding with transformers on the shipped small MoE models.
 
 Needs the ``live`` extra (``pip install specenv[live]``: transformers, tokenizers, safetensors; torch
-installed first as ``torch==2.13.0``). See :mod:`specenv.live.engine` for the round protocol,
-:mod:`specenv.live.models` for the shipped models and prompts and :mod:`specenv.live.collect` for
+installed first as ``torch==2.13.0``). See :mod:`specenv.engines.hf.engine` for the round protocol,
+:mod:`specenv.engines.hf.models` for the shipped models and prompts and :mod:`specenv.engines.hf.collect` for
 trace collection (``specenv collect --engine hf``).
 """
 
-from specenv.live.engine import LiveEngine, RoundResult, RoutingRecorder, expert_stats
-from specenv.live.models import MODEL_NAME, PROMPT_SET, Prompt, SmallModels, load_models, load_prompts
+from specenv.engines.base import RoundResult
+from specenv.engines.hf.engine import LiveEngine, RoutingRecorder
+from specenv.engines.hf.models import MODEL_NAME, PROMPT_SET, Prompt, SmallModels, load_models, load_prompts
 
 __all__ = [
     "MODEL_NAME",
@@ -17,7 +18,6 @@ __all__ = [
     "RoundResult",
     "RoutingRecorder",
     "SmallModels",
-    "expert_stats",
     "load_models",
     "load_prompts",
 ]

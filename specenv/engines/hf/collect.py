@@ -6,7 +6,7 @@ For every prompt:
    every round the engine executes becomes a row of the ``rounds`` table (measured ``T_T_ms``,
    ``T_D_ms``, observed ``U_r``, ``E_max``). Greedy speculative decoding is lossless, so every run
    must reproduce y; mismatches are counted in the manifest (``extra.lossless``).
-2. **Counterfactual sweep** over y (:meth:`specenv.live.engine.LiveEngine.sweep`): at every position t
+2. **Counterfactual sweep** over y (:meth:`specenv.engines.hf.engine.LiveEngine.sweep`): at every position t
    the draft's greedy chain of Kmax tokens, its teacher-forced verification by the target
    (rho in {0, 1}), the draft's probabilities q and the unique experts U_{t,0..Kmax}; one row of the
    ``positions`` table per (prompt, t).
@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from specenv.live.engine import LiveEngine
-from specenv.live.models import PROMPT_SET, Prompt, SmallModels, load_models, load_prompts
+from specenv.engines.hf.engine import LiveEngine
+from specenv.engines.hf.models import PROMPT_SET, Prompt, SmallModels, load_models, load_prompts
 from specenv.schema import ModelFacts, q_columns, rho_columns, u_columns
 from specenv.traceset import Manifest, TraceSet
 
@@ -159,8 +159,8 @@ def collect_live(
         ),
         max_new_tokens=max_new_tokens,
         extra={
-            "engine": "specenv.live.engine.LiveEngine",
-            "collector": "specenv.live.collect.collect_live",
+            "engine": "specenv.engines.hf.engine.LiveEngine",
+            "collector": "specenv.engines.hf.collect.collect_live",
             "models": {
                 "name": mm.get("name"),
                 "version": mm.get("version"),

@@ -2,7 +2,7 @@
 
 ``gymnasium.make("specenv/MoESpec-v0", dataset=..., kmax=..., split=..., cost_model=..., lookahead=...)``
 replays recorded generations (the positions table of a trace set, DESIGN section 2) under the round
-model of DESIGN section 1. :class:`MoESpecEnv` steps one generation; :mod:`specenv.vector_env` steps
+model of DESIGN section 1. :class:`MoESpecEnv` steps one generation; :mod:`specenv.envs.vector` steps
 many at once in numpy and produces exactly the same trajectories for the same seeds and actions.
 
 Both are built on :class:`ReplayData`: the per-trace-set tables (survival probabilities, charged

@@ -1,6 +1,6 @@
 """Measurements of the vLLM integration on this machine: controller/recorder overhead, live speedups.
 
-Run ``python -m specenv.vllm.bench overhead --out DIR`` and ``python -m specenv.vllm.bench speedup
+Run ``python -m scripts.vllm_bench overhead --out DIR`` and ``python -m scripts.vllm_bench speedup
 --out DIR`` (in the ``vllm`` environment; each configuration runs in a fresh process, one engine at a
 time, so several minutes each). Results go to ``DIR/*.json`` and a Markdown table on stdout.
 
@@ -38,9 +38,9 @@ from typing import Any
 def _llm(cfg: dict[str, Any]) -> Any:
     from vllm import LLM
 
-    from specenv.vllm.models import vllm_model_dirs
-    from specenv.vllm.settings import SpecenvSettings, engine_kwargs
-    from specenv.vllm.tap import register
+    from specenv.engines.vllm.models import vllm_model_dirs
+    from specenv.engines.vllm.settings import SpecenvSettings, engine_kwargs
+    from specenv.engines.vllm.tap import register
 
     register()
     dirs = vllm_model_dirs(cfg["models"])
@@ -69,8 +69,8 @@ def _llm(cfg: dict[str, Any]) -> Any:
 def _prompts(cfg: dict[str, Any]) -> list[list[int]]:
     from tokenizers import Tokenizer
 
-    from specenv.live.models import load_prompts
-    from specenv.vllm.models import vllm_model_dirs
+    from specenv.engines.hf.models import load_prompts
+    from specenv.engines.vllm.models import vllm_model_dirs
 
     tok = Tokenizer.from_file(str(vllm_model_dirs(cfg["models"]).target / "tokenizer.json"))
     by_id = {p.id: p for p in load_prompts(cfg.get("prompts", "stdlib-code-v1"))}
@@ -124,8 +124,8 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
 def _make_policy(spec: dict[str, Any], ctl: Any) -> Any:
     import numpy as np
 
-    from policies.mlp import MLPPolicy
     from specenv.observation import ObservationSpec
+    from specenv.policy.mlp import MLPPolicy
 
     if spec["kind"] == "constant-mlp":  # an MLP whose last layer always prefers k: the cost of a real MLP call
         k, kmax = int(spec["k"]), int(spec["kmax"])
@@ -168,7 +168,7 @@ def _spawn(cfg: dict[str, Any], out: Path, name: str) -> dict[str, Any]:
     t0 = time.time()
     with open(out / f"{name}.log", "w") as log:
         rc = subprocess.call(
-            [sys.executable, "-m", "specenv.vllm.bench", "_run", json.dumps(cfg), str(path)],
+            [sys.executable, "-m", "scripts.vllm_bench", "_run", json.dumps(cfg), str(path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -240,9 +240,9 @@ def speedup(args: argparse.Namespace) -> None:
 
     from oracle.delta import boundary_slope
     from specenv.datasets import load_dataset
+    from specenv.engines.recorder import load_recording
     from specenv.fit import fit_cost_model
     from specenv.splits import select_split
-    from specenv.vllm.recorder import load_recording
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -342,7 +342,7 @@ def main() -> None:
         res = run_config(json.loads(sys.argv[2]))
         Path(sys.argv[3]).write_text(json.dumps(res, default=float))
         return
-    ap = argparse.ArgumentParser(prog="python -m specenv.vllm.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m scripts.vllm_bench", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     o = sub.add_parser("overhead", help="controller and recorder overhead on throughput")
     o.add_argument("--out", required=True)

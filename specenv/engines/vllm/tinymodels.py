@@ -178,7 +178,7 @@ def build_tiny_models(
         json.dumps(
             {
                 "name": "tiny-random-moe",
-                "kind": "specenv.vllm.tinymodels",
+                "kind": "specenv.engines.vllm.tinymodels",
                 "target": {"n_layers": target_layers, "n_experts": n_experts, "top_k": top_k, "hidden": hidden},
                 "draft": {"n_layers": draft_layers},
                 "vocab": vocab,

@@ -2,12 +2,12 @@
 
 ``gymnasium.make_vec("specenv/MoESpec-v0", num_envs=256, ...)`` returns :class:`MoESpecVectorEnv`
 (registered as the id's ``vector_entry_point``). Sub-environment i behaves exactly like a
-:class:`specenv.env.MoESpecEnv` reset with ``seed + i``: each sub-environment owns a
+:class:`specenv.envs.replay.MoESpecEnv` reset with ``seed + i``: each sub-environment owns a
 ``numpy.random.Generator`` created the way ``gymnasium.Env.reset(seed=seed + i)`` creates one, and
 draws from it in the same order (the generation with ``integers(G)``, then the episode's ``N``
 acceptance uniforms with ``random(N)``), so trajectories match the single environment bit for bit
 for the same seeds and actions, across autoresets too. Random draws happen only at (auto)reset; the
-step itself is pure array arithmetic on the shared :class:`specenv.env.ReplayData` tables.
+step itself is pure array arithmetic on the shared :class:`specenv.envs.replay.ReplayData` tables.
 
 Autoreset follows gymnasium's ``AutoresetMode.NEXT_STEP``: the step after a sub-environment
 terminates resets it (its action is ignored, reward 0, terminated False) and returns the first
@@ -27,7 +27,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
 from specenv.datasets import DEFAULT_DATASET
-from specenv.env import ENV_ID, RENDER_MODES, replay_data
+from specenv.envs.replay import ENV_ID, RENDER_MODES, replay_data
 from specenv.observation import CONTEXT_SCALE, EMA, PRIOR_RATE, ObservationSpec, ObservationState
 
 _STEP_KEYS = ("k", "accepted", "committed", "cost_ms", "U_r", "L", "t")
@@ -131,9 +131,9 @@ class _BatchObservationState(ObservationState):
 
 
 class MoESpecVectorEnv(VectorEnv):
-    """``num_envs`` independent replays of :class:`specenv.env.MoESpecEnv`, vectorised in numpy.
+    """``num_envs`` independent replays of :class:`specenv.envs.replay.MoESpecEnv`, vectorised in numpy.
 
-    Dynamics, reward, observation and split are those of :class:`specenv.env.MoESpecEnv` (see its
+    Dynamics, reward, observation and split are those of :class:`specenv.envs.replay.MoESpecEnv` (see its
     docstring); the observation is built by a subclass of :class:`specenv.observation.ObservationState`
     that lays the statistics out in blocks (bit-identical output, fewer numpy calls per step).
 
@@ -146,7 +146,7 @@ class MoESpecVectorEnv(VectorEnv):
     Args:
         num_envs: Number of sub-environments.
         dataset, kmax, split, cost_model, lookahead, render_mode: As for
-            :class:`specenv.env.MoESpecEnv`. ``render_mode="ansi"`` makes :meth:`render` return one
+            :class:`specenv.envs.replay.MoESpecEnv`. ``render_mode="ansi"`` makes :meth:`render` return one
             line per sub-environment (its last round).
 
     Raises:

@@ -56,8 +56,8 @@ from specenv.traceset import sha256_file
 
 RUN_MANIFEST = "recording.json"
 PARTS = "parts"
-RUN_FORMAT = "specenv.vllm.recording/1"
-PART_FORMAT = "specenv.vllm.part/1"
+RUN_FORMAT = "specenv.engines.vllm.recording/1"
+PART_FORMAT = "specenv.engines.vllm.part/1"
 
 #: Extra columns and their Arrow types, in file order after the schema's columns.
 EXTRA_COLUMNS: dict[str, pa.DataType] = {
@@ -375,7 +375,7 @@ def load_recording(
         model=facts,
         kmax=kmax,
         greedy=greedy,
-        description="Rounds recorded by specenv's vLLM recorder (specenv.vllm).",
+        description="Rounds recorded by specenv's vLLM recorder (specenv.engines.vllm).",
         max_new_tokens=int(first.get("max_new_tokens", 1000)),
         extra=extra,
     )

@@ -1,9 +1,9 @@
 """The live environment: every step executes a real speculative-decoding round on the CPU engine.
 
 ``gymnasium.make("specenv/MoESpecLive-v0", ...)`` mirrors the replay environment
-(:class:`specenv.env.MoESpecEnv`, ``specenv/MoESpec-v0``) exactly in its spaces, observation, reward
+(:class:`specenv.envs.replay.MoESpecEnv`, ``specenv/MoESpec-v0``) exactly in its spaces, observation, reward
 unit and info keys, but instead of replaying a recorded generation it runs the shipped small
-Qwen3-MoE target and dense draft (:class:`specenv.live.engine.LiveEngine`) on a prompt: the budget k
+Qwen3-MoE target and dense draft (:class:`specenv.engines.hf.engine.LiveEngine`) on a prompt: the budget k
 chosen by the agent is drafted, verified in one target pass and committed, and the round's accepted
 count, routing (U_r) and times are real. Registered with ``nondeterministic=True``: measured times
 differ between runs (greedy decoding itself is deterministic).
@@ -20,7 +20,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from specenv.env import _ScalarObservation, replay_data
+from specenv.envs.replay import _ScalarObservation, replay_data
 
 LIVE_ENV_ID = "specenv/MoESpecLive-v0"
 RENDER_MODES = ("ansi",)
@@ -73,9 +73,9 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
             (seeded from ``np_random`` at reset).
         threads: Torch threads (process-wide setting).
         render_mode: None or ``"ansi"``.
-        backend: ``"hf"`` (default): the transformers engine (:class:`specenv.live.engine.LiveEngine`);
+        backend: ``"hf"`` (default): the transformers engine (:class:`specenv.engines.hf.engine.LiveEngine`);
             ``"vllm"``: an in-process vLLM engine stepped one round at a time
-            (:class:`specenv.vllm.live.VLLMBackend`, ``vllm`` extra; no lookahead; vLLM's prefill
+            (:class:`specenv.engines.vllm.live.VLLMBackend`, ``vllm`` extra; no lookahead; vLLM's prefill
             samples the first token; the drafter proposes ``kmax`` tokens ahead of each round).
 
     Raises:
@@ -113,8 +113,8 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
         if clock == "cpu" and threads != 1:
             raise ValueError(f"clock='cpu' measures the calling thread only: it needs threads=1 (got {threads!r})")
         from specenv.datasets import load_dataset
-        from specenv.live.engine import LiveEngine
-        from specenv.live.models import load_models, load_prompts
+        from specenv.engines.hf.engine import LiveEngine
+        from specenv.engines.hf.models import load_models, load_prompts
 
         self.render_mode = render_mode
         self.reward_kind = reward
@@ -136,7 +136,7 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
         if backend == "vllm":
             if self.lookahead:
                 raise ValueError(f"lookahead={self.lookahead}: the vllm backend cannot show draft confidences")
-            from specenv.vllm.live import VLLMBackend
+            from specenv.engines.vllm.live import VLLMBackend
 
             self.engine = VLLMBackend.shared(
                 models, kmax=self.kmax, max_new_tokens=int(max_new_tokens), temperature=temperature

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import Policy
 from specenv.observation import ObservationSpec
+from specenv.policy.base import Policy
 
 FORMAT = "specenv.policy/1"
 ACTIVATIONS = {

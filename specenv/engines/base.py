@@ -1,0 +1,146 @@
+"""The round-backend interface every engine implements, and the expert statistics of a pass.
+
+An engine executes real speculative-decoding rounds for one generation at a time:
+:class:`RoundBackend` is what the live environment (:mod:`specenv.envs.live`) drives, whatever the
+engine (:mod:`specenv.engines.hf`: transformers; :mod:`specenv.engines.vllm`: vLLM stepped one round
+at a time). Each round yields a :class:`RoundResult`.
+
+The routing statistics of a verification pass (``U_r``: unique experts, mean over MoE layers;
+``E_max``: the largest number of verified positions routed to one expert, mean over layers) are
+computed here for every engine: :func:`prefix_expert_stats` for every prefix of one chain (the
+counterfactual sweep), :func:`span_expert_stats` for several passes packed in one forward (a batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = ["RoundBackend", "RoundResult", "prefix_expert_stats", "span_expert_stats", "u_prior"]
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """One executed verification round.
+
+    Attributes:
+        k: Draft budget of the round (0 = plain AR step).
+        m: Verified positions (k + 1).
+        accepted: Accepted drafts, capped at the end of the generation (``len(committed) - 1``).
+        committed: Tokens committed by the round (accepted drafts + the target's next token),
+            truncated at ``max_new_tokens`` and after an end-of-text token.
+        U_r: Unique experts of the verification pass, mean over MoE layers.
+        E_max: Largest number of verified positions routed to one expert, mean over layers.
+        T_T_ms: Target (verification) time in ms, including its cache roll-back.
+        T_D_ms: Draft time in ms (0 for k = 0 without lookahead), including its cache roll-back.
+        L: Context length at the round (prompt + generated tokens before it).
+        t: Generated tokens before the round.
+        q: The draft's probabilities of every drafted token (length >= k with lookahead).
+        done: Whether the generation is finished after this round.
+        drafted: The drafted tokens (the first k were verified).
+        T_T_cpu_ms: CPU time of the calling thread during verification (``time.thread_time``): with
+            one torch thread it excludes time the process spent descheduled by other processes.
+        T_D_cpu_ms: The same for the draft phase.
+    """
+
+    k: int
+    m: int
+    accepted: int
+    committed: tuple[int, ...]
+    U_r: float
+    E_max: float
+    T_T_ms: float
+    T_D_ms: float
+    L: int
+    t: int
+    q: tuple[float, ...]
+    done: bool
+    drafted: tuple[int, ...] = ()
+    T_T_cpu_ms: float = 0.0
+    T_D_cpu_ms: float = 0.0
+
+
+@runtime_checkable
+class RoundBackend(Protocol):
+    """What the live environment needs of an engine (one generation at a time)."""
+
+    @property
+    def done(self) -> bool:
+        """Whether the current generation is finished."""
+
+    @property
+    def t(self) -> int:
+        """Tokens generated so far."""
+
+    @property
+    def L(self) -> int:
+        """Context length (prompt + generated tokens)."""
+
+    def seed(self, seed: int) -> None:
+        """Seed the sampling of the next generation."""
+
+    def start(self, prompt_ids: list[int]) -> None:
+        """Begin a generation from a tokenised prompt."""
+
+    def propose(self, n: int) -> list[float]:
+        """Draft (at least) n tokens ahead and return their confidences q (block drafting)."""
+
+    def step(self, k: int) -> RoundResult:
+        """Verify k drafts in one target pass and commit the accepted prefix."""
+
+    def close(self) -> None:
+        """Release hooks and resources."""
+
+
+def prefix_expert_stats(routing: np.ndarray, n_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Unique experts and largest expert load of every prefix of the verified positions.
+
+    Args:
+        routing: ``(n_layers, m, top_k)`` expert ids.
+        n_experts: Experts per layer.
+
+    Returns:
+        ``(U, E)``, each of shape ``(m,)``: ``U[i]`` = mean over layers of the unique experts of
+        positions 0..i, ``E[i]`` = mean over layers of the largest per-expert count over 0..i.
+    """
+    n_layers, m, _ = routing.shape
+    onehot = np.zeros((n_layers, m, n_experts), dtype=np.int32)
+    np.put_along_axis(onehot, routing, 1, axis=2)
+    counts = np.cumsum(onehot, axis=1)  # (layers, m, experts)
+    U = (counts > 0).sum(axis=2).mean(axis=0)
+    E = counts.max(axis=2).mean(axis=0)
+    return U.astype(np.float64), E.astype(np.float64)
+
+
+def u_prior(k: int | np.ndarray, top_k: int, n_experts: int) -> np.ndarray:
+    """Prior unique experts U(k) when routing is not observed: ``min(top_k * (k+1)**0.62, n_experts)``.
+
+    A concave power law close to the paper's Table 4 (U at m = k+1 verified positions); float for a
+    scalar k, an array for an array of budgets.
+    """
+    return np.minimum(top_k * (np.asarray(k, dtype=np.float64) + 1.0) ** 0.62, n_experts)
+
+
+def span_expert_stats(routing: np.ndarray, spans: list[tuple[int, int]], n_experts: int) -> tuple[np.ndarray, ...]:
+    """U_r and E_max of several verification passes of one forward (one ``bincount``).
+
+    Args:
+        routing: ``(n_layers, tokens, top_k)`` expert ids of the forward's tokens.
+        spans: ``(offset, m)`` of each pass's verified positions among the tokens.
+        n_experts: Experts per layer.
+
+    Returns:
+        ``(U, E)``, arrays with one value per span.
+    """
+    n_layers = routing.shape[0]
+    lens = np.array([m for _, m in spans], dtype=np.int64)
+    starts = np.array([o for o, _ in spans], dtype=np.int64)
+    owner = np.repeat(np.arange(len(spans)), lens)
+    tok = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens) + np.repeat(starts, lens)
+    sel = routing[:, tok, :].astype(np.int64)  # (layers, tokens of the spans, top_k)
+    key = (owner[None, :, None] * n_layers + np.arange(n_layers)[:, None, None]) * n_experts + sel
+    counts = np.bincount(key.ravel(), minlength=len(spans) * n_layers * n_experts)
+    counts = counts.reshape(len(spans), n_layers, n_experts)
+    return (counts > 0).sum(axis=2).mean(axis=1), counts.max(axis=2).mean(axis=1)
