@@ -1,10 +1,14 @@
 """The observation contract: what a real server knows before it verifies a round.
 
-One implementation, vectorised over a batch of independent streams (generations/requests), is shared
-by the replay environment (batch of 1), its native vector form, the live engines and the vLLM
-controller, so a policy sees the same features everywhere.
+This module owns everything about the observation vector: its layout and scaling
+(:class:`ObservationSpec`, versioned by :data:`OBSERVATION_VERSION` and serialisable with
+:meth:`ObservationSpec.to_json`), the running statistics that produce it (:class:`ObservationState`,
+vectorised over a batch of independent streams, and :class:`ScalarObservation`, the same arithmetic
+for one stream in Python floats), and the decoder policies read it with (:class:`ObsView`). The replay
+environment, its native vector form, the live environment and the vLLM controller all build their
+observations here, so a policy sees the same features everywhere.
 
-Layout of the float32 vector (``ObservationSpec.names`` gives the names in order):
+Layout of the float32 vector, version 1 (``ObservationSpec.names`` gives the names in order):
 
 ======================  ===============================================================  =========
 name                    meaning and scaling                                              range
@@ -26,83 +30,351 @@ conf_1..h               the draft's confidence q_{t,j} of its next h tokens (onl
                         lookahead h > 0; drafting max(k, h) tokens is then charged)
 ======================  ===============================================================  =========
 
+Every EMA keeps weight 0.8 on its old value. The "mean-AR-step units" of ``prev_cost`` and
+``cost_per_token`` are the round's cost divided by the mean autoregressive step cost of the replayed
+split (``prev_cost_norm = "mean_ar_step_of_split"`` in the contract); the caller of
+:meth:`ObservationState.update` does that division.
+
 Nothing of the current round's acceptance or routing, nor the generation's length N, nor any
 future position enters the vector.
+
+The contract (version, feature names, sizes and every scaling constant) is what a trained policy
+records in its ``policy.json``; :meth:`ObservationSpec.mismatch` names the first field in which two
+contracts differ, so that a policy trained on another contract fails to load with that one line.
+Changing a feature or a constant means a new version.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from gymnasium import spaces
 
+OBSERVATION_VERSION = 1
+"""Version of the observation contract (features and their meaning); bumped on any change."""
+
 CONTEXT_SCALE = 4096.0
 EMA = 0.8  # weight of the old value in every running statistic
 PRIOR_RATE = 0.5
+CONTEXT_HIGH = 64.0  # Box bound of ``context``
+COST_HIGH = 16.0  # Box bound of ``prev_cost`` and ``cost_per_token``
+PREV_COST_NORM = "mean_ar_step_of_split"
+PREV_COST_NORMS = (PREV_COST_NORM,)
+"""Known normalisations of the round cost (``prev_cost``, ``cost_per_token``)."""
+
+BASE_FEATURES = (
+    "context",
+    "progress",
+    "prev_k",
+    "prev_accepted",
+    "prev_U",
+    "prev_cost",
+    "acc_rate",
+    "acc_len",
+    "cost_per_token",
+    "first_round",
+)
+_PREV_BLOCK = ("prev_k", "prev_accepted", "prev_U", "prev_cost")
+_RATE_BLOCK = ("acc_rate", "acc_len")
+
+# the constants of version 1 as first shipped: a policy.json written before the contract recorded them
+_LEGACY_V1 = {
+    "version": 1,
+    "context_scale": 4096.0,
+    "ema": 0.8,
+    "prior_rate": 0.5,
+    "prev_cost_norm": "mean_ar_step_of_split",
+    "context_high": 64.0,
+    "cost_high": 16.0,
+}
+_JSON_KEYS = (
+    "version",
+    "kmax",
+    "lookahead",
+    "max_new_tokens",
+    "n_experts",
+    "dim",
+    "names",
+    "context_scale",
+    "ema",
+    "prior_rate",
+    "prev_cost_norm",
+    "low",
+    "high",
+)
 
 
+def feature_names(kmax: int, lookahead: int) -> list[str]:
+    """The version-1 feature names for budgets up to kmax and h = lookahead draft confidences."""
+    return (
+        list(BASE_FEATURES)
+        + [f"acc_depth_{j}" for j in range(1, kmax + 1)]
+        + [f"conf_{j}" for j in range(1, lookahead + 1)]
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# The contract
+# --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ObservationSpec:
-    """Shape and scaling of the observation vector.
+    """Shape and scaling of the observation vector: the contract between environment and policy.
 
     Attributes:
         kmax: Largest budget (action space is 0..kmax).
         lookahead: Number h of draft confidences exposed (0 = none).
         max_new_tokens: Generation cap used to scale ``progress``.
         n_experts: Experts per layer, to scale ``prev_U``.
+        version: Contract version (:data:`OBSERVATION_VERSION`; the only one this code builds).
+        context_scale: Divisor of the context length L_t.
+        ema: Weight of the old value in every running statistic.
+        prior_rate: Prior of ``acc_rate`` and of every ``acc_depth_j``.
+        context_high: Box upper bound of ``context``.
+        cost_high: Box upper bound of ``prev_cost`` and ``cost_per_token``.
+        prev_cost_norm: What the round cost is divided by before it enters the vector (one of
+            :data:`PREV_COST_NORMS`).
     """
 
     kmax: int
     lookahead: int = 0
     max_new_tokens: int = 1000
     n_experts: int = 128
+    version: int = OBSERVATION_VERSION
+    context_scale: float = CONTEXT_SCALE
+    ema: float = EMA
+    prior_rate: float = PRIOR_RATE
+    context_high: float = CONTEXT_HIGH
+    cost_high: float = COST_HIGH
+    prev_cost_norm: str = PREV_COST_NORM
+
+    def __post_init__(self) -> None:
+        if self.version != OBSERVATION_VERSION:
+            raise ValueError(f"version {self.version} != {OBSERVATION_VERSION} (this code builds version 1 only)")
+        if self.prev_cost_norm not in PREV_COST_NORMS:
+            raise ValueError(f"prev_cost_norm={self.prev_cost_norm!r}: expected one of {PREV_COST_NORMS}")
 
     @property
     def names(self) -> list[str]:
         """Feature names in vector order."""
-        base = [
-            "context",
-            "progress",
-            "prev_k",
-            "prev_accepted",
-            "prev_U",
-            "prev_cost",
-            "acc_rate",
-            "acc_len",
-            "cost_per_token",
-            "first_round",
-        ]
-        return (
-            base
-            + [f"acc_depth_{j}" for j in range(1, self.kmax + 1)]
-            + [f"conf_{j}" for j in range(1, self.lookahead + 1)]
-        )
+        return feature_names(self.kmax, self.lookahead)
 
     @property
     def dim(self) -> int:
         """Length of the vector."""
-        return 10 + self.kmax + self.lookahead
+        return len(BASE_FEATURES) + self.kmax + self.lookahead
 
     def index(self, name: str) -> int:
-        """Position of a named feature."""
-        return self.names.index(name)
+        """Position of a named feature.
+
+        Raises:
+            ValueError: If the layout has no feature of that name.
+        """
+        try:
+            return self.names.index(name)
+        except ValueError:
+            raise ValueError(
+                f"no observation feature {name!r} (kmax={self.kmax}, lookahead={self.lookahead})"
+            ) from None
 
     def high(self) -> np.ndarray:
-        """Upper bounds of the Box."""
+        """Upper bounds of the Box (the lower bounds are 0)."""
         hi = np.ones(self.dim, dtype=np.float32)
-        hi[0] = 64.0
-        hi[5] = 16.0
-        hi[8] = 16.0
+        hi[self.index("context")] = self.context_high
+        hi[self.index("prev_cost")] = self.cost_high
+        hi[self.index("cost_per_token")] = self.cost_high
         return hi
 
     def space(self) -> spaces.Box:
         """The single-stream observation space."""
         return spaces.Box(low=np.zeros(self.dim, dtype=np.float32), high=self.high(), dtype=np.float32)
 
+    # ------------------------------------------------------------------ serialisation
+    def to_json(self) -> dict[str, Any]:
+        """The full contract as plain JSON: version, sizes, feature names and every scaling constant."""
+        return {
+            "version": self.version,
+            "kmax": self.kmax,
+            "lookahead": self.lookahead,
+            "max_new_tokens": self.max_new_tokens,
+            "n_experts": self.n_experts,
+            "dim": self.dim,
+            "names": self.names,
+            "context_scale": self.context_scale,
+            "ema": self.ema,
+            "prior_rate": self.prior_rate,
+            "prev_cost_norm": self.prev_cost_norm,
+            "low": 0.0,
+            "high": [float(x) for x in self.high()],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ObservationSpec:
+        """The spec a :meth:`to_json` dictionary describes.
+
+        A dictionary without ``"version"`` (a ``policy.json`` written before the contract was
+        versioned: only kmax, lookahead, max_new_tokens, n_experts and perhaps dim and names) is read
+        as version 1 with the constants it was trained with (:func:`upgrade_contract`).
+
+        Raises:
+            ValueError: One line naming the first field this code cannot build (another version, a
+                missing size, names or bounds that do not follow from the other fields).
+        """
+        d = upgrade_contract(data)
+        if d.get("version") != OBSERVATION_VERSION:
+            raise ValueError(f"version {d.get('version')!r} != {OBSERVATION_VERSION} (this code reads version 1)")
+        try:
+            kw: dict[str, Any] = {k: int(d[k]) for k in ("kmax", "lookahead", "max_new_tokens", "n_experts")}
+            kw |= {k: float(d[k]) for k in ("context_scale", "ema", "prior_rate")}
+            kw["prev_cost_norm"] = str(d["prev_cost_norm"])
+        except KeyError as exc:
+            raise ValueError(f"{exc.args[0]} missing") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"bad value ({exc})") from None
+        base = cls(**kw)
+        high = d.get("high")
+        if isinstance(high, list) and len(high) == base.dim:
+            kw["context_high"] = float(high[base.index("context")])
+            kw["cost_high"] = float(high[base.index("prev_cost")])
+        spec = cls(**kw)
+        bad = mismatch_json(d, spec.to_json(), keys=tuple(k for k in _JSON_KEYS if k in d))
+        if bad is not None:
+            raise ValueError(f"inconsistent contract: {bad}")
+        return spec
+
+    def mismatch(self, other: ObservationSpec | Mapping[str, Any]) -> str | None:
+        """The first field in which this contract differs from ``other``, as one line; None if equal.
+
+        Args:
+            other: A spec or a :meth:`to_json` dictionary (old dictionaries are upgraded first).
+
+        Returns:
+            ``"<field> <this value> != <other value>"`` (e.g. ``"kmax 10 != 8"``), or None.
+        """
+        theirs = other.to_json() if isinstance(other, ObservationSpec) else upgrade_contract(other)
+        return mismatch_json(self.to_json(), theirs)
+
+
+def upgrade_contract(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A contract dictionary with the fields an unversioned ``policy.json`` lacks.
+
+    Unversioned files were written by the first release, whose features and constants are those of
+    version 1: the missing fields (version, constants, dim, names, bounds) are filled in with them.
+    Versioned dictionaries come back as a copy, unchanged.
+    """
+    d = dict(data)
+    if "version" in d:
+        return d
+    legacy = dict(_LEGACY_V1)
+    ctx_hi, cost_hi = legacy.pop("context_high"), legacy.pop("cost_high")
+    for key, value in legacy.items():
+        d.setdefault(key, value)
+    d.setdefault("low", 0.0)
+    try:
+        kmax, h = int(d["kmax"]), int(d["lookahead"])
+    except (KeyError, TypeError, ValueError):
+        return d  # from_json names the bad field
+    names = feature_names(kmax, h)
+    d.setdefault("dim", len(names))
+    d.setdefault("names", names)
+    high = [1.0] * len(names)
+    for name, value in (("context", ctx_hi), ("prev_cost", cost_hi), ("cost_per_token", cost_hi)):
+        high[names.index(name)] = value
+    d.setdefault("high", high)
+    return d
+
+
+def mismatch_json(a: Mapping[str, Any], b: Mapping[str, Any], keys: tuple[str, ...] = _JSON_KEYS) -> str | None:
+    """The first of ``keys`` in which two contract dictionaries differ, as one line; None if none does.
+
+    Lists (names, high) name their first differing entry, e.g. ``"names[12] 'acc_depth_3' != 'conf_1'"``;
+    a field present on one side only reads ``"ema (absent) != 0.8"``.
+    """
+    for key in keys:
+        va, vb = a.get(key, _ABSENT), b.get(key, _ABSENT)
+        if isinstance(va, list | tuple) and isinstance(vb, list | tuple):
+            for i, (x, y) in enumerate(zip(va, vb, strict=False)):
+                if x != y:
+                    return f"{key}[{i}] {x!r} != {y!r}"
+            if len(va) != len(vb):
+                return f"{key} has {len(va)} entries != {len(vb)}"
+        elif va != vb:
+            return f"{key} {_show(va)} != {_show(vb)}"
+    return None
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+_ABSENT = _Absent()
+
+
+def _show(v: Any) -> str:
+    """A value for a one-line message: strings quoted, numbers bare, long lists cut."""
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# --------------------------------------------------------------------------------------------------
+# The running statistics, vectorised
+# --------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=64)
+def _ema_tables(k_top: int, kmax: int, ema: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per-(k, a) multiplier and addend of the EMA block for budgets 0..k_top (read-only).
+
+    Row ``k * (k_top + 1) + a``; columns ``[acc_rate, acc_len, acc_depth_1..kmax]``. Where a round
+    updates a statistic with value x: ``M = ema, A = (1 - ema) * x``; elsewhere ``M = 1, A = 0``
+    (``s * 1.0 + 0.0 == s`` exactly).
+    """
+    K = k_top + 1
+    w = 1 - ema
+    M = np.ones((K * K, 2 + kmax))
+    A = np.zeros((K * K, 2 + kmax))
+    for k in range(K):
+        for a in range(k + 1):
+            row = k * K + a
+            if k >= 1:
+                M[row, 0:2] = ema
+                A[row, 0] = w * (float(a) / float(k))
+                A[row, 1] = w * (float(a) / kmax)
+            for j in range(1, kmax + 1):
+                if k >= j and a >= j - 1:  # depth j reached; success when a >= j
+                    M[row, 1 + j] = ema
+                    A[row, 1 + j] = w * (1.0 if a >= j else 0.0)
+    M.flags.writeable = False
+    A.flags.writeable = False
+    return M, A
+
+
+def _column(block: str, col: int | slice, doc: str) -> property:
+    """A read/write view of column(s) ``col`` of the block attribute ``block``."""
+
+    def get(self: ObservationState) -> np.ndarray:
+        return getattr(self, block)[:, col]
+
+    def put(self: ObservationState, value: Any) -> None:
+        getattr(self, block)[:, col] = value
+
+    return property(get, put, doc=doc)
+
 
 class ObservationState:
-    """Running statistics of a batch of streams, and the observation builder.
+    """Running statistics of a batch of n independent streams, and the observation builder.
+
+    The statistics live in blocks: ``P = [prev_k, prev_acc, prev_U, prev_cost]`` (the last round as
+    it was), ``E = [acc_rate, acc_len, acc_depth_1..kmax]`` and the vectors ``cost_per_token`` and
+    ``first``; the attributes of those names are views into the blocks. Every statistic in ``E`` is
+    an EMA gated by the round's (k, accepted) only, so one update is ``E = E * M[k, a] + A[k, a]``
+    with tables precomputed per (k, a) (:func:`_ema_tables`): the same float operations as updating
+    each statistic on its own, at a fraction of the numpy calls. Budgets above the table (a vLLM
+    server verifying more drafts than the policy's kmax) extend the table on first use.
+
+    Rounds must satisfy ``0 <= accepted <= k``.
 
     Args:
         spec: The observation layout.
@@ -112,29 +384,48 @@ class ObservationState:
     def __init__(self, spec: ObservationSpec, n: int = 1):
         self.spec = spec
         self.n = n
-        self.prev_k = np.zeros(n)
-        self.prev_acc = np.zeros(n)
-        self.prev_U = np.zeros(n)
-        self.prev_cost = np.zeros(n)
-        self.acc_rate = np.full(n, PRIOR_RATE)
-        self.acc_len = np.zeros(n)
+        km = spec.kmax
+        self._ema = spec.ema
+        self._P = np.zeros((n, 4))
+        self._E_init = np.array([spec.prior_rate, 0.0] + [spec.prior_rate] * km)
+        self._E = np.empty((n, 2 + km))
+        self._E[:] = self._E_init
         self.cost_per_token = np.ones(n)
         self.first = np.ones(n)
-        self.acc_depth = np.full((n, spec.kmax), PRIOR_RATE)
-        self._hi = spec.high()
+        self._scale = np.array([km, km, spec.n_experts, km + 1], dtype=np.float64)
+        self._hi_row = spec.high()[None, :]
+        self._set_tables(km)
+        # column layout of the vector, read from the spec once
+        idx = spec.index
+        self._c_context = idx("context")
+        self._c_progress = idx("progress")
+        self._c_prev = _block(spec, _PREV_BLOCK)
+        self._c_rate = _block(spec, _RATE_BLOCK)
+        self._c_cpt = idx("cost_per_token")
+        self._c_first = idx("first_round")
+        self._c_depth = _block(spec, tuple(f"acc_depth_{j}" for j in range(1, km + 1)))
+        self._c_conf = _block(spec, tuple(f"conf_{j}" for j in range(1, spec.lookahead + 1)))
+
+    def _set_tables(self, k_top: int) -> None:
+        self._K = k_top + 1
+        self._M, self._A = _ema_tables(k_top, self.spec.kmax, self._ema)
+
+    # -- the statistics by name (views into the blocks; assigning writes into them)
+    prev_k = _column("_P", 0, "Previous round's budget per stream.")
+    prev_acc = _column("_P", 1, "Previous round's accepted drafts per stream.")
+    prev_U = _column("_P", 2, "Previous round's unique experts per stream.")
+    prev_cost = _column("_P", 3, "Previous round's cost per stream (units of ``prev_cost_norm``).")
+    acc_rate = _column("_E", 0, "EMA of accepted/k per stream.")
+    acc_len = _column("_E", 1, "EMA of accepted/kmax per stream.")
+    acc_depth = _column("_E", slice(2, None), "(n, kmax) EMA of the conditional acceptance per depth.")
 
     def reset(self, mask: np.ndarray | None = None) -> None:
         """Forget the history of the streams in ``mask`` (all when None)."""
         m = slice(None) if mask is None else np.asarray(mask, dtype=bool)
-        self.prev_k[m] = 0.0
-        self.prev_acc[m] = 0.0
-        self.prev_U[m] = 0.0
-        self.prev_cost[m] = 0.0
-        self.acc_rate[m] = PRIOR_RATE
-        self.acc_len[m] = 0.0
+        self._P[m] = 0.0
+        self._E[m] = self._E_init
         self.cost_per_token[m] = 1.0
         self.first[m] = 1.0
-        self.acc_depth[m] = PRIOR_RATE
 
     def update(
         self,
@@ -149,31 +440,42 @@ class ObservationState:
 
         Args:
             k: Budgets used.
-            accepted: Accepted drafts.
+            accepted: Accepted drafts (0..k).
             U_r: Observed unique experts of the verification pass.
-            cost_units: Round cost in mean-AR-step units.
+            cost_units: Round cost in the units of ``spec.prev_cost_norm``.
             committed: Tokens committed by the round (accepted + 1, capped at the end).
             mask: Streams to update (all when None).
         """
-        sel = np.ones(self.n, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
-        k = np.asarray(k, dtype=np.float64)
-        a = np.asarray(accepted, dtype=np.float64)
-        spec_round = sel & (k >= 1)
-        self.prev_k[sel] = k[sel]
-        self.prev_acc[sel] = a[sel]
-        self.prev_U[sel] = np.asarray(U_r, dtype=np.float64)[sel]
-        self.prev_cost[sel] = np.asarray(cost_units, dtype=np.float64)[sel]
-        self.first[sel] = 0.0
-        ratio = np.divide(a, k, out=np.zeros_like(a), where=k > 0)
-        self.acc_rate[spec_round] = EMA * self.acc_rate[spec_round] + (1 - EMA) * ratio[spec_round]
-        self.acc_len[spec_round] = EMA * self.acc_len[spec_round] + (1 - EMA) * (a[spec_round] / self.spec.kmax)
-        cpt = np.asarray(cost_units, dtype=np.float64) / np.maximum(np.asarray(committed, dtype=np.float64), 1.0)
-        self.cost_per_token[sel] = EMA * self.cost_per_token[sel] + (1 - EMA) * cpt[sel]
-        # depth j (1-based) was tried when k >= j and the first j-1 drafts were accepted
-        j = np.arange(1, self.spec.kmax + 1)[None, :]
-        reached = sel[:, None] & (k[:, None] >= j) & (a[:, None] >= j - 1)
-        success = (a[:, None] >= j).astype(np.float64)
-        self.acc_depth = np.where(reached, EMA * self.acc_depth + (1 - EMA) * success, self.acc_depth)
+        if mask is not None:  # update everything, then restore the streams not selected
+            keep = ~np.asarray(mask, dtype=bool)
+            saved = (self._P[keep], self._E[keep], self.cost_per_token[keep], self.first[keep])
+            self.update(k, accepted, U_r, cost_units, committed)
+            self._P[keep], self._E[keep], self.cost_per_token[keep], self.first[keep] = saved
+            return
+        k = np.asarray(k)
+        accepted = np.asarray(accepted)
+        k_i = k.astype(np.intp)
+        idx = k_i * self._K + accepted.astype(np.intp)
+        try:
+            Mk = self._M.take(idx, axis=0)
+        except IndexError:  # a budget above the table: extend it
+            self._set_tables(max(int(k_i.max()), self.spec.kmax))
+            idx = k_i * self._K + accepted.astype(np.intp)
+            Mk = self._M.take(idx, axis=0)
+        E = self._E
+        E *= Mk
+        E += self._A.take(idx, axis=0)
+        ema = self._ema
+        cost_units = np.asarray(cost_units, dtype=np.float64)
+        cpt = cost_units / np.maximum(np.asarray(committed, dtype=np.float64), 1.0)
+        self.cost_per_token *= ema
+        self.cost_per_token += (1 - ema) * cpt
+        P = self._P
+        P[:, 0] = k
+        P[:, 1] = accepted
+        P[:, 2] = U_r
+        P[:, 3] = cost_units
+        self.first[:] = 0.0
 
     def build(self, L: np.ndarray, t: np.ndarray, conf: np.ndarray | None = None) -> np.ndarray:
         """The (n, dim) float32 observations at context ``L`` after ``t`` generated tokens.
@@ -184,21 +486,229 @@ class ObservationState:
             conf: (n, lookahead) draft confidences of the next drafts (required iff lookahead > 0).
         """
         s = self.spec
+        E = self._E
         obs = np.empty((self.n, s.dim), dtype=np.float32)
-        obs[:, 0] = np.asarray(L, dtype=np.float64) / CONTEXT_SCALE
-        obs[:, 1] = np.minimum(np.asarray(t, dtype=np.float64) / s.max_new_tokens, 1.0)
-        obs[:, 2] = self.prev_k / s.kmax
-        obs[:, 3] = self.prev_acc / s.kmax
-        obs[:, 4] = self.prev_U / s.n_experts
-        obs[:, 5] = self.prev_cost / (s.kmax + 1)
-        obs[:, 6] = self.acc_rate
-        obs[:, 7] = self.acc_len
-        obs[:, 8] = self.cost_per_token
-        obs[:, 9] = self.first
-        obs[:, 10 : 10 + s.kmax] = self.acc_depth
+        obs[:, self._c_context] = np.asarray(L, dtype=np.float64) / s.context_scale
+        obs[:, self._c_progress] = np.minimum(np.asarray(t, dtype=np.float64) / s.max_new_tokens, 1.0)
+        obs[:, self._c_prev] = self._P / self._scale
+        obs[:, self._c_rate] = E[:, :2]
+        obs[:, self._c_cpt] = self.cost_per_token
+        obs[:, self._c_first] = self.first
+        obs[:, self._c_depth] = E[:, 2:]
         if s.lookahead:
             if conf is None:
                 raise ValueError("conf is required when lookahead > 0")
-            obs[:, 10 + s.kmax :] = conf
-        np.clip(obs, 0.0, self._hi, out=obs)
+            obs[:, self._c_conf] = conf
+        np.minimum(obs, self._hi_row, out=obs)  # == np.clip(obs, 0, hi): no NaN can occur
+        np.maximum(obs, 0.0, out=obs)
         return obs
+
+    def take(self, rows: Any) -> ObservationState:
+        """A copy of the statistics of some streams, as a state of its own (rows in the given order)."""
+        sub = ObservationState(self.spec, len(np.arange(self.n)[rows]))
+        sub._P[:] = self._P[rows]
+        sub._E[:] = self._E[rows]
+        sub.cost_per_token[:] = self.cost_per_token[rows]
+        sub.first[:] = self.first[rows]
+        return sub
+
+    def resized(self, n: int) -> ObservationState:
+        """A state of n streams: the first ``min(n, self.n)`` copied from this one, the others fresh."""
+        new = ObservationState(self.spec, n)
+        m = min(n, self.n)
+        new._P[:m] = self._P[:m]
+        new._E[:m] = self._E[:m]
+        new.cost_per_token[:m] = self.cost_per_token[:m]
+        new.first[:m] = self.first[:m]
+        return new
+
+
+def _block(spec: ObservationSpec, names: tuple[str, ...]) -> slice:
+    """The slice of consecutive features ``names`` (empty slice for none)."""
+    if not names:
+        return slice(spec.dim, spec.dim)
+    start = spec.index(names[0])
+    if spec.names[start : start + len(names)] != list(names):
+        raise ValueError(f"observation layout: features {names} are not consecutive")
+    return slice(start, start + len(names))
+
+
+# --------------------------------------------------------------------------------------------------
+# One stream in Python floats (the single environments' fast path)
+# --------------------------------------------------------------------------------------------------
+class ScalarObservation:
+    """:class:`ObservationState` for one stream, in Python floats.
+
+    Same features, same arithmetic in the same order, hence bit-identical float32 vectors (tested on
+    random rounds against :class:`ObservationState`); it exists because per-step numpy calls on
+    length-1 arrays would dominate a single environment's step time. Rounds must satisfy
+    ``0 <= accepted <= k <= kmax``.
+
+    Args:
+        spec: The observation layout.
+    """
+
+    __slots__ = (
+        "spec",
+        "kmax",
+        "ema",
+        "prior",
+        "prev_k",
+        "prev_acc",
+        "prev_U",
+        "prev_cost",
+        "acc_rate",
+        "acc_len",
+        "cost_per_token",
+        "first",
+        "acc_depth",
+        "hi_context",
+        "hi_cost",
+    )
+
+    def __init__(self, spec: ObservationSpec):
+        self.spec = spec
+        self.hi_context = float(np.float32(spec.context_high))  # the Box's float32 bounds
+        self.hi_cost = float(np.float32(spec.cost_high))
+        self.kmax = spec.kmax
+        self.ema = spec.ema
+        self.prior = spec.prior_rate
+        if spec.names[: len(BASE_FEATURES)] != list(BASE_FEATURES):
+            raise ValueError("ScalarObservation: unexpected layout")  # build() lists the features in order
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the stream's history."""
+        self.prev_k = 0.0
+        self.prev_acc = 0.0
+        self.prev_U = 0.0
+        self.prev_cost = 0.0
+        self.acc_rate = self.prior
+        self.acc_len = 0.0
+        self.cost_per_token = 1.0
+        self.first = 1.0
+        self.acc_depth = [self.prior] * self.kmax
+
+    def update(self, k: int, a: int, U_r: float, cost_units: float, committed: int) -> None:
+        """Fold one executed round into the statistics (see :meth:`ObservationState.update`)."""
+        ema = self.ema
+        kf = float(k)
+        af = float(a)
+        self.prev_k = kf
+        self.prev_acc = af
+        self.prev_U = U_r
+        self.prev_cost = cost_units
+        self.first = 0.0
+        w = 1 - ema
+        if k >= 1:
+            self.acc_rate = ema * self.acc_rate + w * (af / kf)
+            self.acc_len = ema * self.acc_len + w * (af / self.kmax)
+        self.cost_per_token = ema * self.cost_per_token + w * (cost_units / max(float(committed), 1.0))
+        depth = self.acc_depth
+        for j in range(min(k, a + 1)):  # depth j+1 reached: k >= j+1 and a >= j; success: a >= j+1
+            depth[j] = ema * depth[j] + w * (1.0 if a > j else 0.0)
+
+    def build(self, L: float, t: int, conf: list[float] | None) -> np.ndarray:
+        """The float32 observation at context ``L`` after ``t`` generated tokens (conf iff lookahead)."""
+        s = self.spec
+        kmax = self.kmax
+        # Clipping to the Box in float64 before the float32 cast equals ObservationState's cast-then-clip
+        # (the bounds 0, 1, 16, 64 are exact in float32 and rounding is monotone). Only these four
+        # features can leave their range; the others stay in [0, 1] by construction. The list follows
+        # BASE_FEATURES (checked in __init__).
+        vals = [
+            min(max(L / s.context_scale, 0.0), self.hi_context),
+            min(t / s.max_new_tokens, 1.0),
+            self.prev_k / kmax,
+            self.prev_acc / kmax,
+            min(max(self.prev_U / s.n_experts, 0.0), 1.0),
+            min(max(self.prev_cost / (kmax + 1), 0.0), self.hi_cost),
+            self.acc_rate,
+            self.acc_len,
+            min(max(self.cost_per_token, 0.0), self.hi_cost),
+            self.first,
+            *self.acc_depth,
+        ]
+        if conf is not None:
+            vals.extend(conf)
+        return np.array(vals, dtype=np.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# The decoder policies read observations with
+# --------------------------------------------------------------------------------------------------
+class ObsView:
+    """Decodes an observation vector back into physical units; every index comes from the spec.
+
+    Args:
+        spec: The layout of the vectors to decode.
+    """
+
+    def __init__(self, spec: ObservationSpec):
+        self.spec = spec
+        self.scale = spec.context_scale
+        idx = spec.index
+        self.i_context = idx("context")
+        self.i_progress = idx("progress")
+        self.i_prev_k = idx("prev_k")
+        self.i_prev_accepted = idx("prev_accepted")
+        self.i_prev_U = idx("prev_U")
+        self.i_prev_cost = idx("prev_cost")
+        self.i_acc_rate = idx("acc_rate")
+        self.i_acc_len = idx("acc_len")
+        self.i_cost_per_token = idx("cost_per_token")
+        self.i_first_round = idx("first_round")
+        self.depth_slice = _block(spec, tuple(f"acc_depth_{j}" for j in range(1, spec.kmax + 1)))
+        self.conf_slice = _block(spec, tuple(f"conf_{j}" for j in range(1, spec.lookahead + 1)))
+
+    def raw(self, obs: np.ndarray, name: str) -> float:
+        """The scaled value of a named feature, as stored in the vector."""
+        return float(obs[self.spec.index(name)])
+
+    def L(self, obs: np.ndarray) -> float:
+        """Context length."""
+        return float(obs[self.i_context]) * self.scale
+
+    def t(self, obs: np.ndarray) -> float:
+        """Tokens generated so far (saturates at max_new_tokens)."""
+        return float(obs[self.i_progress]) * self.spec.max_new_tokens
+
+    def prev_k(self, obs: np.ndarray) -> int:
+        """Previous round's budget."""
+        return int(round(float(obs[self.i_prev_k]) * self.spec.kmax))
+
+    def prev_accepted(self, obs: np.ndarray) -> int:
+        """Previous round's accepted drafts."""
+        return int(round(float(obs[self.i_prev_accepted]) * self.spec.kmax))
+
+    def prev_U(self, obs: np.ndarray) -> float:
+        """Previous round's unique experts."""
+        return float(obs[self.i_prev_U]) * self.spec.n_experts
+
+    def prev_cost(self, obs: np.ndarray) -> float:
+        """Previous round's cost in the units of ``spec.prev_cost_norm`` (mean AR steps)."""
+        return float(obs[self.i_prev_cost]) * (self.spec.kmax + 1)
+
+    def acc_rate(self, obs: np.ndarray) -> float:
+        """Running per-draft acceptance rate."""
+        return float(obs[self.i_acc_rate])
+
+    def acc_len(self, obs: np.ndarray) -> float:
+        """Running accepted drafts per speculative round (EMA, in drafts)."""
+        return float(obs[self.i_acc_len]) * self.spec.kmax
+
+    def cost_per_token(self, obs: np.ndarray) -> float:
+        """Running cost per committed token, in the units of ``spec.prev_cost_norm``."""
+        return float(obs[self.i_cost_per_token])
+
+    def first_round(self, obs: np.ndarray) -> bool:
+        """True on a generation's first round."""
+        return bool(obs[self.i_first_round] >= 0.5)
+
+    def acc_depth(self, obs: np.ndarray) -> np.ndarray:
+        """Running conditional acceptance per draft depth (kmax,)."""
+        return np.asarray(obs[self.depth_slice], dtype=np.float64)
+
+    def conf(self, obs: np.ndarray) -> np.ndarray:
+        """Draft confidences of the next ``lookahead`` drafts (empty without lookahead)."""
+        return np.asarray(obs[self.conf_slice], dtype=np.float64)

@@ -18,8 +18,8 @@ from gymnasium.utils.env_match import check_environments_match
 import specenv
 from specenv.costmodel import CostModel
 from specenv.envs.registration import REPLAY_ID, register_envs
-from specenv.envs.replay import MoESpecEnv, _ScalarObservation, replay_data
-from specenv.observation import ObservationSpec, ObservationState
+from specenv.envs.replay import MoESpecEnv, replay_data
+from specenv.observation import ObservationSpec, ObservationState, ScalarObservation
 from specenv.schema import q_columns, rho_columns, u_columns
 from specenv.splits import SPLITS, held_out_ids, n_test, select_split, split_ids, split_mask
 from specenv.traceset import TraceSet
@@ -253,7 +253,7 @@ def test_scalar_observation_matches_observation_state():
     for kmax, h in [(6, 0), (10, 4)]:
         spec = ObservationSpec(kmax=kmax, lookahead=h, max_new_tokens=1000, n_experts=128)
         ref = ObservationState(spec, 1)
-        mine = _ScalarObservation(spec)
+        mine = ScalarObservation(spec)
         for step in range(400):
             if step % 57 == 0:
                 ref.reset()

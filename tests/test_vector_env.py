@@ -9,8 +9,7 @@ from gymnasium.vector import AutoresetMode
 
 from specenv.envs.registration import REPLAY_ID
 from specenv.envs.replay import MoESpecEnv
-from specenv.envs.vector import MoESpecVectorEnv, _BatchObservationState
-from specenv.observation import ObservationSpec, ObservationState
+from specenv.envs.vector import MoESpecVectorEnv
 
 STEP_KEYS = ("k", "accepted", "committed", "cost_ms", "U_r", "L", "t")
 END_KEYS = ("speedup", "episode_cost_ms", "ar_cost_ms", "rounds")
@@ -78,30 +77,6 @@ def test_make_vec_uses_native_vector_env(small_traces):
     assert venv.action_space.shape == (4,) and venv.observation_space.shape == (4, venv.data.spec.dim)
     obs, info = venv.reset(seed=0)
     assert obs.shape == (4, venv.data.spec.dim) and info["_generation_id"].all()
-
-
-def test_batch_observation_state_matches_base():
-    """The vector env's fast observation state is bit-identical to ObservationState, masks included."""
-    rng = np.random.default_rng(0)
-    for kmax, h, n in [(6, 0, 5), (10, 3, 17)]:
-        spec = ObservationSpec(kmax=kmax, lookahead=h, max_new_tokens=1000, n_experts=128)
-        ref, fast = ObservationState(spec, n), _BatchObservationState(spec, n)
-        for step in range(300):
-            if step % 23 == 0:
-                mask = rng.random(n) < 0.4
-                ref.reset(mask)
-                fast.reset(mask)
-            k = rng.integers(0, kmax + 1, n)
-            a = np.minimum(rng.integers(0, kmax + 1, n), k)
-            committed = np.minimum(a + 1, rng.integers(1, 12, n))
-            U = rng.uniform(8, 130, n)
-            units = rng.uniform(-0.5, 40, n)
-            upd_mask = None if step % 3 else rng.random(n) < 0.5
-            ref.update(k, a, U, units, committed, mask=upd_mask)
-            fast.update(k, a, U, units, committed, mask=upd_mask)
-            L, t = rng.integers(1, 300_000, n), rng.integers(0, 2000, n)
-            conf = rng.random((n, h)) if h else None
-            assert np.array_equal(fast.build(L, t, conf), ref.build(L, t, conf)), step
 
 
 def test_reset_mask_resets_only_masked(small_traces):

@@ -20,7 +20,8 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from specenv.envs.replay import _ScalarObservation, replay_data
+from specenv.envs.replay import replay_data
+from specenv.observation import ScalarObservation
 
 LIVE_ENV_ID = "specenv/MoESpecLive-v0"
 RENDER_MODES = ("ansi",)
@@ -154,7 +155,7 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
         self._ids = [self.models.encode(p.text) for p in self.prompts]
         self.action_space = spaces.Discrete(self.kmax + 1)
         self.observation_space = self.data.spec.space()
-        self._obs = _ScalarObservation(self.data.spec)
+        self._obs = ScalarObservation(self.data.spec)
         self._done = True
         self._line = ""
         self._closed = False

@@ -24,7 +24,7 @@ from gymnasium import spaces
 from specenv.costmodel import CostModel
 from specenv.datasets import DEFAULT_DATASET, load_dataset
 from specenv.fit import cost_model_for, json_digest
-from specenv.observation import CONTEXT_SCALE, EMA, PRIOR_RATE, ObservationSpec
+from specenv.observation import ObservationSpec, ScalarObservation
 from specenv.splits import check_split, select_split
 from specenv.traceset import sha256_file
 
@@ -233,91 +233,6 @@ def replay_data(
 
 
 # --------------------------------------------------------------------------------------------------
-# Scalar mirror of ObservationState (batch 1, Python floats)
-# --------------------------------------------------------------------------------------------------
-class _ScalarObservation:
-    """:class:`specenv.observation.ObservationState` for one stream, in Python floats.
-
-    Same features, same arithmetic in the same order, hence bit-identical float32 vectors (the tests
-    compare it with ``ObservationState`` and the single env with the vector env); it exists only
-    because per-step numpy calls on length-1 arrays would dominate the single env's step time.
-    """
-
-    __slots__ = (
-        "spec",
-        "hi",
-        "kmax",
-        "prev_k",
-        "prev_acc",
-        "prev_U",
-        "prev_cost",
-        "acc_rate",
-        "acc_len",
-        "cost_per_token",
-        "first",
-        "acc_depth",
-    )
-
-    def __init__(self, spec: ObservationSpec):
-        self.spec = spec
-        self.hi = [float(x) for x in spec.high()]
-        self.kmax = spec.kmax
-        self.reset()
-
-    def reset(self) -> None:
-        self.prev_k = 0.0
-        self.prev_acc = 0.0
-        self.prev_U = 0.0
-        self.prev_cost = 0.0
-        self.acc_rate = PRIOR_RATE
-        self.acc_len = 0.0
-        self.cost_per_token = 1.0
-        self.first = 1.0
-        self.acc_depth = [PRIOR_RATE] * self.kmax
-
-    def update(self, k: int, a: int, U_r: float, cost_units: float, committed: int) -> None:
-        kf = float(k)
-        af = float(a)
-        self.prev_k = kf
-        self.prev_acc = af
-        self.prev_U = U_r
-        self.prev_cost = cost_units
-        self.first = 0.0
-        w = 1 - EMA
-        if k >= 1:
-            self.acc_rate = EMA * self.acc_rate + w * (af / kf)
-            self.acc_len = EMA * self.acc_len + w * (af / self.kmax)
-        self.cost_per_token = EMA * self.cost_per_token + w * (cost_units / max(float(committed), 1.0))
-        depth = self.acc_depth
-        for j in range(min(k, a + 1)):  # depth j+1 reached: k >= j+1 and a >= j; success: a >= j+1
-            depth[j] = EMA * depth[j] + w * (1.0 if a > j else 0.0)
-
-    def build(self, L: float, t: int, conf: list[float] | None) -> np.ndarray:
-        s = self.spec
-        kmax = self.kmax
-        hi = self.hi
-        # Clipping to the Box in float64 before the float32 cast equals ObservationState's cast-then-clip
-        # (the bounds 0, 1, 16, 64 are exact in float32 and rounding is monotone). Only these four
-        # features can leave their range; the others stay in [0, 1] by construction.
-        vals = [
-            min(max(L / CONTEXT_SCALE, 0.0), hi[0]),
-            min(t / s.max_new_tokens, 1.0),
-            self.prev_k / kmax,
-            self.prev_acc / kmax,
-            min(max(self.prev_U / s.n_experts, 0.0), 1.0),
-            min(max(self.prev_cost / (kmax + 1), 0.0), hi[5]),
-            self.acc_rate,
-            self.acc_len,
-            min(max(self.cost_per_token, 0.0), hi[8]),
-            self.first,
-            *self.acc_depth,
-        ]
-        if conf is not None:
-            vals.extend(conf)
-        return np.array(vals, dtype=np.float32)
-
-
-# --------------------------------------------------------------------------------------------------
 # The environment
 # --------------------------------------------------------------------------------------------------
 class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
@@ -394,7 +309,7 @@ class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
         self.ar_unit_ms = self.data.ar_unit_ms
         self.action_space = spaces.Discrete(self.kmax + 1)
         self.observation_space = self.data.spec.space()
-        self._obs = _ScalarObservation(self.data.spec)
+        self._obs = ScalarObservation(self.data.spec)
         # scalar accessors into the shared tables (flat index; .item returns Python floats)
         self._width = self.kmax + 1
         self._surv = self.data.survival.item

@@ -28,114 +28,18 @@ from gymnasium.vector.utils import batch_space
 
 from specenv.datasets import DEFAULT_DATASET
 from specenv.envs.replay import ENV_ID, RENDER_MODES, replay_data
-from specenv.observation import CONTEXT_SCALE, EMA, PRIOR_RATE, ObservationSpec, ObservationState
+from specenv.observation import ObservationState
 
 _STEP_KEYS = ("k", "accepted", "committed", "cost_ms", "U_r", "L", "t")
 _END_KEYS = ("speedup", "episode_cost_ms", "ar_cost_ms", "rounds")
-
-
-class _BatchObservationState(ObservationState):
-    """:class:`ObservationState` laid out for speed; same features, same arithmetic.
-
-    The statistics live in three blocks whose columns are views exposed under the base class's
-    attribute names: ``P = [prev_k, prev_acc, prev_U, prev_cost]``, ``E = [acc_rate, acc_len,
-    acc_depth_1..kmax]`` and the vectors ``cost_per_token`` and ``first``. Every statistic in ``E``
-    is an EMA gated by the round's (k, accepted) only, so one update is ``E = E * M[k, a] + A[k, a]``
-    with tables precomputed per (k, a): ``M = EMA, A = (1 - EMA) * x`` where the base class updates
-    (x = a/k, a/kmax or the depth's 0/1 success, computed by the same float operations) and
-    ``M = 1, A = 0`` where it does not (``x * 1.0 + 0.0 == x`` exactly). Observations are therefore
-    bit identical to the base class's (tests compare the two on random rounds, with and without
-    masks), at a fraction of the numpy calls. Rounds must satisfy 0 <= accepted <= k <= kmax.
-    """
-
-    def __init__(self, spec: ObservationSpec, n: int = 1):
-        super().__init__(spec, n)
-        km = spec.kmax
-        self._P = np.zeros((n, 4))
-        self._E = np.empty((n, 2 + km))
-        self._E_init = np.array([PRIOR_RATE, 0.0] + [PRIOR_RATE] * km)
-        self._E[:] = self._E_init
-        self.prev_k, self.prev_acc, self.prev_U, self.prev_cost = (self._P[:, i] for i in range(4))
-        self.acc_rate = self._E[:, 0]
-        self.acc_len = self._E[:, 1]
-        self.acc_depth = self._E[:, 2:]
-        self._scale = np.array([km, km, spec.n_experts, km + 1], dtype=np.float64)
-        self._hi_row = self._hi[None, :]
-        self._K = km + 1
-        w = 1 - EMA
-        M = np.ones((self._K * self._K, 2 + km))
-        A = np.zeros((self._K * self._K, 2 + km))
-        for k in range(self._K):
-            for a in range(k + 1):
-                row = k * self._K + a
-                if k >= 1:
-                    M[row, 0:2] = EMA
-                    A[row, 0] = w * (float(a) / float(k))
-                    A[row, 1] = w * (float(a) / km)
-                for j in range(1, km + 1):
-                    if k >= j and a >= j - 1:
-                        M[row, 1 + j] = EMA
-                        A[row, 1 + j] = w * (1.0 if a >= j else 0.0)
-        self._M, self._A = M, A
-
-    def reset(self, mask: np.ndarray | None = None) -> None:  # noqa: D102
-        m = slice(None) if mask is None else np.asarray(mask, dtype=bool)
-        self._P[m] = 0.0
-        self._E[m] = self._E_init
-        self.cost_per_token[m] = 1.0
-        self.first[m] = 1.0
-
-    def update(self, k, accepted, U_r, cost_units, committed, mask=None) -> None:  # noqa: ANN001, D102
-        if mask is not None:  # update everything, then restore the streams not selected
-            keep = ~np.asarray(mask, dtype=bool)
-            saved = (self._P[keep], self._E[keep], self.cost_per_token[keep], self.first[keep])
-            self.update(k, accepted, U_r, cost_units, committed)
-            self._P[keep], self._E[keep], self.cost_per_token[keep], self.first[keep] = saved
-            return
-        k = np.asarray(k)
-        accepted = np.asarray(accepted)
-        idx = k.astype(np.intp) * self._K + accepted.astype(np.intp)
-        E = self._E
-        E *= self._M.take(idx, axis=0)
-        E += self._A.take(idx, axis=0)
-        cost_units = np.asarray(cost_units, dtype=np.float64)
-        cpt = cost_units / np.maximum(np.asarray(committed, dtype=np.float64), 1.0)
-        self.cost_per_token *= EMA
-        self.cost_per_token += (1 - EMA) * cpt
-        P = self._P
-        P[:, 0] = k
-        P[:, 1] = accepted
-        P[:, 2] = U_r
-        P[:, 3] = cost_units
-        self.first[:] = 0.0
-
-    def build(self, L: np.ndarray, t: np.ndarray, conf: np.ndarray | None = None) -> np.ndarray:  # noqa: D102
-        s = self.spec
-        km = s.kmax
-        E = self._E
-        obs = np.empty((self.n, s.dim), dtype=np.float32)
-        obs[:, 0] = np.asarray(L, dtype=np.float64) / CONTEXT_SCALE
-        obs[:, 1] = np.minimum(np.asarray(t, dtype=np.float64) / s.max_new_tokens, 1.0)
-        obs[:, 2:6] = self._P / self._scale
-        obs[:, 6:8] = E[:, :2]
-        obs[:, 8] = self.cost_per_token
-        obs[:, 9] = self.first
-        obs[:, 10 : 10 + km] = E[:, 2:]
-        if s.lookahead:
-            if conf is None:
-                raise ValueError("conf is required when lookahead > 0")
-            obs[:, 10 + km :] = conf
-        np.minimum(obs, self._hi_row, out=obs)  # == np.clip(obs, 0, hi): no NaN can occur
-        np.maximum(obs, 0.0, out=obs)
-        return obs
 
 
 class MoESpecVectorEnv(VectorEnv):
     """``num_envs`` independent replays of :class:`specenv.envs.replay.MoESpecEnv`, vectorised in numpy.
 
     Dynamics, reward, observation and split are those of :class:`specenv.envs.replay.MoESpecEnv` (see its
-    docstring); the observation is built by a subclass of :class:`specenv.observation.ObservationState`
-    that lays the statistics out in blocks (bit-identical output, fewer numpy calls per step).
+    docstring); the observation is built by :class:`specenv.observation.ObservationState` (one stream per
+    sub-environment; bit-identical to the single environment's scalar path).
 
     ``info`` follows gymnasium's vector convention (an array per key plus a boolean ``"_key"``
     mask): every step carries ``k``, ``accepted``, ``committed``, ``cost_ms``, ``U_r``, ``L``, ``t``
@@ -181,7 +85,7 @@ class MoESpecVectorEnv(VectorEnv):
         self.observation_space = batch_space(self.single_observation_space, n)
 
         self._rngs: list[np.random.Generator] | None = None
-        self._obs_state = _BatchObservationState(d.spec, n)
+        self._obs_state = ObservationState(d.spec, n)
         self._ar = np.arange(n)
         self._width = d.kmax + 1
         self._offsets = d.offsets.tolist()

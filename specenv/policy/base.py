@@ -14,7 +14,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from specenv.observation import ObservationSpec
+from specenv.observation import ObservationSpec, ObsView
+
+__all__ = ["ObsView", "Policy", "PolicyProtocol"]
 
 
 @runtime_checkable
@@ -37,7 +39,7 @@ class Policy:
     """Base class: per-stream state for stateful policies, automatic reset on ``first_round``.
 
     Subclasses implement :meth:`_reset_state` and :meth:`_act`; they read features through
-    :class:`ObsView`. ``act_batch`` keeps one copy of the policy per stream.
+    :class:`specenv.observation.ObsView` (``self.view``). ``act_batch`` keeps one copy of the policy per stream.
 
     Args:
         spec: Observation layout the policy reads.
@@ -66,7 +68,7 @@ class Policy:
     def act(self, obs: np.ndarray) -> int:
         """Budget for the next round (resets itself on a generation's first round)."""
         obs = np.asarray(obs, dtype=np.float32)
-        if obs[9] >= 0.5:  # first_round
+        if self.view.first_round(obs):
             self._reset_state()
         k = int(self._act(obs))
         return min(max(k, 0), self.spec.kmax)
@@ -80,51 +82,3 @@ class Policy:
             clone._reset_state()
             self._streams.append(clone)
         return np.array([s.act(o) for s, o in zip(self._streams, obs, strict=False)], dtype=np.int64)
-
-
-class ObsView:
-    """Decodes the observation vector back into physical units (see :mod:`specenv.observation`)."""
-
-    def __init__(self, spec: ObservationSpec):
-        from specenv.observation import CONTEXT_SCALE
-
-        self.spec = spec
-        self.scale = CONTEXT_SCALE
-        self.conf_slice = slice(10 + spec.kmax, 10 + spec.kmax + spec.lookahead)
-        self.depth_slice = slice(10, 10 + spec.kmax)
-
-    def L(self, obs: np.ndarray) -> float:
-        """Context length."""
-        return float(obs[0]) * self.scale
-
-    def prev_k(self, obs: np.ndarray) -> int:
-        """Previous round's budget."""
-        return int(round(float(obs[2]) * self.spec.kmax))
-
-    def prev_accepted(self, obs: np.ndarray) -> int:
-        """Previous round's accepted drafts."""
-        return int(round(float(obs[3]) * self.spec.kmax))
-
-    def prev_U(self, obs: np.ndarray) -> float:
-        """Previous round's unique experts."""
-        return float(obs[4]) * self.spec.n_experts
-
-    def prev_cost(self, obs: np.ndarray) -> float:
-        """Previous round's cost in mean-AR-step units."""
-        return float(obs[5]) * (self.spec.kmax + 1)
-
-    def acc_rate(self, obs: np.ndarray) -> float:
-        """Running per-draft acceptance rate."""
-        return float(obs[6])
-
-    def first_round(self, obs: np.ndarray) -> bool:
-        """True on a generation's first round."""
-        return bool(obs[9] >= 0.5)
-
-    def acc_depth(self, obs: np.ndarray) -> np.ndarray:
-        """Running conditional acceptance per draft depth (kmax,)."""
-        return np.asarray(obs[self.depth_slice], dtype=np.float64)
-
-    def conf(self, obs: np.ndarray) -> np.ndarray:
-        """Draft confidences of the next ``lookahead`` drafts (empty without lookahead)."""
-        return np.asarray(obs[self.conf_slice], dtype=np.float64)

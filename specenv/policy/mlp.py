@@ -1,8 +1,13 @@
 """The deployable policy form: a numpy-only MLP, stored as ``policy.json`` + ``weights.npz``.
 
 No torch, no SB3, no pickle: ``weights.npz`` holds float32 arrays ``W0, b0, W1, b1, ...`` (read
-with ``allow_pickle=False``) and ``policy.json`` the architecture, the observation layout it was
-trained on, and provenance. This is what runs inside vLLM's scheduler.
+with ``allow_pickle=False``) and ``policy.json`` the architecture, the full observation contract it
+was trained on (:meth:`specenv.observation.ObservationSpec.to_json`: version, feature names, sizes
+and every scaling constant) and provenance. This is what runs inside vLLM's scheduler.
+
+A ``policy.json`` written before the contract was versioned records only kmax, lookahead,
+max_new_tokens and n_experts; it is read as observation version 1 with the constants of that
+release (:func:`specenv.observation.upgrade_contract`).
 
 The network maps an observation to one score per budget k = 0..kmax (PPO: action logits; DQN:
 Q-values; imitation: logits); the policy plays ``argmax`` (deterministic).
@@ -18,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from specenv.observation import ObservationSpec
+from specenv.observation import ObservationSpec, mismatch_json, upgrade_contract
 from specenv.policy.base import Policy
 
 FORMAT = "specenv.policy/1"
@@ -97,14 +102,7 @@ class MLPPolicy(Policy):
             "name": self.name,
             "activation": self.activation,
             "layers": len(self.weights),
-            "observation": {
-                "kmax": spec.kmax,
-                "lookahead": spec.lookahead,
-                "max_new_tokens": spec.max_new_tokens,
-                "n_experts": spec.n_experts,
-                "dim": spec.dim,
-                "names": spec.names,
-            },
+            "observation": spec.to_json(),
             "meta": self.meta,
         }
         with tempfile.NamedTemporaryFile(dir=folder, suffix=".npz", delete=False) as fh:
@@ -117,11 +115,18 @@ class MLPPolicy(Policy):
         return folder
 
     @classmethod
-    def load(cls, folder: str | os.PathLike[str]) -> MLPPolicy:
+    def load(cls, folder: str | os.PathLike[str], expect: ObservationSpec | None = None) -> MLPPolicy:
         """Read a policy written by :meth:`save`.
 
+        Args:
+            folder: The folder with ``policy.json`` and ``weights.npz``.
+            expect: The observation contract of the environment or server the policy is for; None
+                accepts any contract this code can build.
+
         Raises:
-            ValueError: One line naming the file and the problem.
+            ValueError: One line naming the file and the problem; for a contract that differs from
+                ``expect``: ``"<folder>/policy.json: observation contract differs: kmax 10 != 8"``
+                (the stored value first, then the expected one).
         """
         folder = Path(folder)
         pj, pw = folder / "policy.json", folder / "weights.npz"
@@ -131,9 +136,19 @@ class MLPPolicy(Policy):
             raise ValueError(f"{pj}: cannot read policy ({exc.__class__.__name__}: {exc})") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("kind") != "mlp":
             raise ValueError(f"{pj}: not a specenv MLP policy (format must be '{FORMAT}', kind 'mlp')")
+        stored = meta.get("observation")
+        if not isinstance(stored, dict):
+            raise ValueError(f"{pj}: no observation contract ('observation' must be an object)")
+        stored = upgrade_contract(stored)
+        if expect is not None:
+            bad = mismatch_json(stored, expect.to_json())
+            if bad is not None:
+                raise ValueError(f"{pj}: observation contract differs: {bad}")
         try:
-            o = meta["observation"]
-            spec = ObservationSpec(int(o["kmax"]), int(o["lookahead"]), int(o["max_new_tokens"]), int(o["n_experts"]))
+            spec = ObservationSpec.from_json(stored)
+        except ValueError as exc:
+            raise ValueError(f"{pj}: observation contract: {exc}") from None
+        try:
             n = int(meta["layers"])
             with np.load(pw, allow_pickle=False) as z:
                 weights = [(z[f"W{i}"], z[f"b{i}"]) for i in range(n)]

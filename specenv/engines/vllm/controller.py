@@ -53,7 +53,7 @@ import math
 import numbers
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -88,19 +88,6 @@ def active_controller() -> SpecControlScheduler | None:
     return None
 
 
-_OBS_FIELDS = (
-    "prev_k",
-    "prev_acc",
-    "prev_U",
-    "prev_cost",
-    "acc_rate",
-    "acc_len",
-    "cost_per_token",
-    "first",
-    "acc_depth",
-)
-
-
 class _ObsSlots:
     """The running observation statistics of all requests: one ObservationState, one slot per request.
 
@@ -116,10 +103,8 @@ class _ObsSlots:
     def alloc(self) -> int:
         """A fresh slot (statistics at their priors)."""
         if not self.free:
-            old, n = self.state, self.state.n
-            self.state = ObservationState(self.spec, 2 * n)
-            for f in _OBS_FIELDS:
-                getattr(self.state, f)[:n] = getattr(old, f)
+            n = self.state.n
+            self.state = self.state.resized(2 * n)
             self.free = list(range(2 * n - 1, n - 1, -1))
         i = self.free.pop()
         mask = np.zeros(self.state.n, dtype=bool)
@@ -133,10 +118,7 @@ class _ObsSlots:
 
     def subset(self, slots: list[int]) -> ObservationState:
         """A copy of the statistics of some slots, as an ObservationState of their own."""
-        sub = ObservationState(self.spec, len(slots))
-        for f in _OBS_FIELDS:
-            getattr(sub, f)[:] = getattr(self.state, f)[slots]
-        return sub
+        return self.state.take(slots)
 
     def update(self, slots: list[int], k: list[int], acc: list[int], U: list[float], cost: list[float]) -> None:
         """Fold one round per listed slot into the statistics."""
@@ -271,7 +253,8 @@ class SpecControlScheduler(Scheduler):
 
         Raises:
             ValueError: If the policy needs draft confidences (lookahead > 0), which the scheduler
-                does not see, or has no ``act`` method.
+                does not see, has no ``act`` method, or is a trained policy whose observation contract
+                counts another number of experts than the served model.
         """
         if policy is None:
             self.policy, self.spec, self._stateless = None, self._default_spec(), True
@@ -287,7 +270,7 @@ class SpecControlScheduler(Scheduler):
                     "confidences (lookahead); the vLLM controller cannot provide them"
                 )
             if self.settings.max_new_tokens:
-                spec = ObservationSpec(spec.kmax, 0, int(self.settings.max_new_tokens), spec.n_experts)
+                spec = replace(spec, max_new_tokens=int(self.settings.max_new_tokens))
         else:
             spec = self._default_spec()
         if spec.kmax > self.num_spec_tokens:
@@ -298,6 +281,11 @@ class SpecControlScheduler(Scheduler):
             )
         from specenv.policy.mlp import MLPPolicy
 
+        if isinstance(policy, MLPPolicy) and self.n_experts and spec.n_experts != self.n_experts:
+            raise ValueError(
+                f"policy {policy.name!r}: observation contract differs from the server's: "
+                f"{spec.mismatch(replace(spec, n_experts=self.n_experts))}"
+            )
         self.policy = policy
         self.spec = spec
         self._stateless = isinstance(policy, MLPPolicy) or bool(getattr(policy, "stateless", False))
