@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,7 @@ class Context:
     spec: ObservationSpec
     policy_dir: Path | None
     notes: list[str] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)  # policy folders not run, with the reason
 
 
 def shipped_policy_dir() -> Path:
@@ -147,13 +148,12 @@ def default_entries(ctx: Context) -> list[Entry]:
             if not any(f.name == name or f.name.startswith(name + "-") for f in found):
                 ctx.notes.append(f"no trained '{name}' policy in {ctx.policy_dir} (run `specenv train --algo {name}`)")
         for folder in found:
-            pol = MLPPolicy.load(folder)
-            want = ObservationSpec(ctx.kmax, pol.spec.lookahead, ctx.spec.max_new_tokens, ctx.spec.n_experts)
-            if pol.spec != want:
-                ctx.notes.append(
-                    f"skipped '{folder.name}' in {ctx.policy_dir}: trained on observation {pol.spec}, "
-                    f"this benchmark gives {want}"
-                )
+            try:  # the benchmark's contract, with the lookahead the policy reads
+                lookahead = MLPPolicy.load(folder).spec.lookahead
+                pol = MLPPolicy.load(folder, expect=replace(ctx.spec, lookahead=lookahead))
+            except ValueError as exc:  # listed with the reason, never dropped silently
+                ctx.skipped.append({"policy": folder.name, "folder": str(folder), "reason": str(exc)})
+                ctx.notes.append(f"skipped '{folder.name}' in {ctx.policy_dir}: {exc}")
                 continue
             entries.append(Entry(f"{folder.name} (learned)", _learned(pol), lookahead=pol.spec.lookahead))
     return entries
@@ -161,8 +161,9 @@ def default_entries(ctx: Context) -> list[Entry]:
 
 def _learned(pol: MLPPolicy) -> Callable[[ObservationSpec], Policy]:
     def make(spec: ObservationSpec) -> Policy:
-        if spec != pol.spec:
-            raise ValueError(f"policy '{pol.name}' was trained on observation {pol.spec}, environment gives {spec}")
+        bad = pol.spec.mismatch(spec)
+        if bad is not None:
+            raise ValueError(f"policy '{pol.name}': observation contract differs: {bad} (policy != environment)")
         return pol
 
     return make
@@ -278,6 +279,7 @@ class BenchResult:
     oracle: dict[str, Any]
     context: dict[str, Any]
     notes: list[str]
+    skipped: list[dict[str, str]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """Plain-JSON form."""
@@ -289,6 +291,7 @@ class BenchResult:
             .reset_index()
             .to_dict(orient="records"),
             "notes": self.notes,
+            "skipped": self.skipped,
         }
 
 
@@ -369,7 +372,7 @@ def run_benchmark(
         "delta_lambda_ms_h3": ctx.lam_ms_h3,
         "ar_cost_model_extrapolated": bool(ctx.cost_model.ar_extrapolated),
     }
-    return BenchResult(summary, cats, episodes_df, sol.summary(), context, ctx.notes)
+    return BenchResult(summary, cats, episodes_df, sol.summary(), context, ctx.notes, ctx.skipped)
 
 
 def markdown_table(res: BenchResult) -> str:
@@ -384,6 +387,8 @@ def markdown_table(res: BenchResult) -> str:
             f"| {r.policy} | {r.speedup_mean:.3f}{ci} | {r.speedup_pooled:.3f} | {r.oracle_pct:.1f}% | "
             f"{r.mean_k:.2f} | {r.mean_accepted:.2f} |"
         )
+    for sk in res.skipped:
+        lines.append(f"| {sk['policy']} (not run: {sk['reason'].replace('|', '/')}) | | | | | |")
     return "\n".join(lines)
 
 
