@@ -88,7 +88,7 @@ def build_context(dataset: str, kmax: int | None, cost_model: str, policy_dir: P
     from oracle.delta import boundary_slope
     from oracle.dp import evaluate_policy
     from specenv.datasets import load_dataset
-    from specenv.fit import cost_model_for
+    from specenv.costsource import cost_model_for
     from specenv.splits import select_split
 
     ts = load_dataset(dataset)

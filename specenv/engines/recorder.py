@@ -52,7 +52,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specenv.schema import ROUNDS_COLUMNS, SCHEMA_VERSION, ModelFacts, TraceError, validate_rounds
-from specenv.traceset import sha256_file
+from specenv.io import sha256_file
 
 RUN_MANIFEST = "recording.json"
 PARTS = "parts"
