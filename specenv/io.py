@@ -73,7 +73,7 @@ def json_digest(obj: Any) -> str:
 
 
 def cache_dir() -> Path | None:
-    """specenv's per-user cache folder, or None when the disk cache is disabled.
+    """The per-user cache folder of specenv, or None when the disk cache is disabled.
 
     ``$SPECENV_CACHE`` when set (empty, ``0`` or ``off`` disables the cache), else
     ``$XDG_CACHE_HOME/specenv``, else ``~/.cache/specenv``. The folder is not created here.

@@ -26,7 +26,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specenv.io import sha256_file
-
 from specenv.schema import (
     ROUNDS_COLUMNS,
     SCHEMA_VERSION,

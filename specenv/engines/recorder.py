@@ -51,8 +51,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from specenv.schema import ROUNDS_COLUMNS, SCHEMA_VERSION, ModelFacts, TraceError, validate_rounds
 from specenv.io import sha256_file
+from specenv.schema import ROUNDS_COLUMNS, SCHEMA_VERSION, ModelFacts, TraceError, validate_rounds
 
 RUN_MANIFEST = "recording.json"
 PARTS = "parts"

@@ -22,11 +22,11 @@ import numpy as np
 from gymnasium import spaces
 
 from specenv.costmodel import CostModel
-from specenv.datasets import DEFAULT_DATASET, load_dataset
 from specenv.costsource import cost_model_for
+from specenv.datasets import DEFAULT_DATASET, load_dataset
+from specenv.io import json_digest, sha256_file
 from specenv.observation import CONTEXT_SCALE, EMA, PRIOR_RATE, ObservationSpec
 from specenv.splits import check_split, select_split
-from specenv.io import json_digest, sha256_file
 
 ENV_ID = "specenv/MoESpec-v0"
 RENDER_MODES = ("ansi",)
