@@ -78,11 +78,11 @@ MAKE = "import specenv, gymnasium; env = gymnasium.make('specenv/MoESpec-v0'); e
 
 def test_make_loads_no_heavy_module(tmp_path: Path) -> None:
     env = _subprocess_env(tmp_path / "cache")
-    subprocess.run([sys.executable, "-c", MAKE], env=env, check=True, timeout=600)  # warms the disk cache
+    subprocess.run([sys.executable, "-c", MAKE], env=env, cwd=ROOT, check=True, timeout=600)  # warms the disk cache
     assert list((tmp_path / "cache" / costsource.CACHE_SUBDIR).glob("fit-*.json")), "make wrote no cache entry"
     probe = f"{MAKE}; import sys, json; print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
     out = subprocess.run(
-        [sys.executable, "-c", probe], env=env, check=True, timeout=600, capture_output=True, text=True
+        [sys.executable, "-c", probe], env=env, cwd=ROOT, check=True, timeout=600, capture_output=True, text=True
     )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
@@ -96,7 +96,7 @@ def test_import_loads_no_heavy_module() -> None:
     )
     env = _subprocess_env(Path("/nonexistent-specenv-cache"))
     out = subprocess.run(
-        [sys.executable, "-c", probe], env=env, check=True, timeout=600, capture_output=True, text=True
+        [sys.executable, "-c", probe], env=env, cwd=ROOT, check=True, timeout=600, capture_output=True, text=True
     )
     before, after = json.loads(out.stdout.strip().splitlines()[-1])
     assert before == []
