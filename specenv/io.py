@@ -19,12 +19,13 @@ from typing import Any
 CACHE_ENV = "SPECENV_CACHE"
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, fsync: bool = False) -> Path:
     """Write ``data`` to ``path`` atomically (temporary sibling file, then :func:`os.replace`).
 
     Args:
         path: Destination file; its folder must exist.
         data: The bytes to write.
+        fsync: Flush the file to disk before the rename (survives a power loss, not only a crash).
 
     Returns:
         The destination path.
@@ -34,6 +35,9 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     try:
         with open(tmp, "xb") as fh:  # exclusive create, ordinary (umask) permissions
             fh.write(data)
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -44,18 +48,19 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     return path
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> Path:
+def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8", fsync: bool = False) -> Path:
     """Write ``text`` to ``path`` atomically (see :func:`atomic_write_bytes`).
 
     Args:
         path: Destination file; its folder must exist.
         text: The text to write.
         encoding: Text encoding.
+        fsync: Flush the file to disk before the rename.
 
     Returns:
         The destination path.
     """
-    return atomic_write_bytes(path, text.encode(encoding))
+    return atomic_write_bytes(path, text.encode(encoding), fsync=fsync)
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
