@@ -258,3 +258,32 @@ def test_atomic_writes_and_digests(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         atomic_write_text(tmp_path / "missing" / "x.txt", "x")
     assert not (tmp_path / "missing").exists()
+
+
+def test_column_readers_match_pyarrow_on_chunked_and_sliced_tables() -> None:
+    import pyarrow as pa
+
+    from specenv.schema import column_strings, column_values
+
+    nums = pa.chunked_array([pa.array([5, 6, 7, 8], pa.int32()).slice(1), pa.array([], pa.int32()), [9, 10]])
+    floats = pa.chunked_array(
+        [pa.array([0.5, 1.5], pa.float32()), pa.array([2.25, 3.0, 4.0], pa.float32()).slice(1, 1)]
+    )
+    cats = pa.chunked_array(
+        [
+            pa.array(["b", "a", "b"]).dictionary_encode().slice(1),
+            pa.array(["c", "a"]).dictionary_encode(),
+            pa.array(["z"]).dictionary_encode(),
+        ]
+    )
+    plain = pa.chunked_array([pa.array(["x", "yy"]), pa.array(["", "x"]).slice(1)])
+    table = pa.table({"n": nums, "c": cats})
+    assert np.array_equal(column_values(table, "n", np.int64), nums.to_numpy().astype(np.int64))
+    assert column_values(table, "n", np.int64).dtype == np.int64
+    f = column_values(pa.table({"f": floats}), "f", np.float64)
+    assert f.dtype == np.float64 and np.array_equal(f, floats.to_numpy().astype(np.float64))
+    got = column_strings(table, "c")
+    assert got.dtype == object and got.tolist() == cats.cast(pa.string()).to_pylist() == ["a", "b", "c", "a", "z"]
+    assert column_strings(pa.table({"s": plain}), "s").tolist() == ["x", "yy", "x"]
+    with pytest.raises(TypeError, match="not a numeric"):
+        column_values(pa.table({"s": plain}), "s", np.int64)
