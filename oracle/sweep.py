@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from oracle.dp import evaluate_policy, solve
 from specenv.costmodel import CostModel
 from specenv.traceset import PositionArrays
+
+if TYPE_CHECKING:  # pandas loads only when a sweep table is built (it is off the import path)
+    import pandas as pd
 
 __all__ = ["SWEEP_COLUMNS", "kmax_sweep", "plot_kmax_sweep"]
 
@@ -67,6 +70,8 @@ def kmax_sweep(
                 "best_fixed_speedup": fixed[best],
             }
         )
+    import pandas as pd
+
     return pd.DataFrame(rows, columns=list(SWEEP_COLUMNS))
 
 

@@ -88,8 +88,8 @@ def build_context(dataset: str, kmax: int | None, cost_model: str, policy_dir: P
     """Fit everything policies need on the train split."""
     from oracle.delta import boundary_slope
     from oracle.dp import evaluate_policy
+    from specenv.costsource import cost_model_for
     from specenv.datasets import load_dataset
-    from specenv.fit import cost_model_for
     from specenv.splits import select_split
 
     ts = load_dataset(dataset)

@@ -141,7 +141,7 @@ def fit(
     from specenv.fit import fit_cost_model
 
     ts = _load(traces)
-    if ts.rounds is None:
+    if not ts.has_rounds:
         fail(f"{traces}: trace set has no rounds table to fit on")
     try:
         rep = fit_cost_model(ts.rounds, ts.kmax, ts.facts.top_k, folds, source={"traces": ts.manifest.name})
@@ -228,7 +228,7 @@ def oracle_cmd(
 ) -> None:
     """Exact SSP oracle bound: S_max, mean k*, mean accepted (optionally Kmax sweep, delta space)."""
     import oracle
-    from specenv.fit import cost_model_for
+    from specenv.costsource import cost_model_for
     from specenv.splits import check_split, select_split
 
     try:
@@ -244,7 +244,7 @@ def oracle_cmd(
     if plot is not None and plot.exists() and not plot.is_dir():
         fail(f"--plot: {plot} exists and is not a folder")
     ts = _load(traces)
-    if ts.positions is None:
+    if not ts.has_positions:
         fail(f"{traces}: trace set has no positions table")
     k = ts.kmax if kmax is None else kmax
     if not 1 <= k <= ts.kmax:

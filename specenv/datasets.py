@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from specenv.traceset import MANIFEST, TraceSet, sha256_file
+from specenv.io import sha256_file
+from specenv.traceset import MANIFEST, TraceSet
 
 
 @dataclass(frozen=True)

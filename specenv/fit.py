@@ -8,6 +8,10 @@
 * The AR step (K = 0): fitted on K = 0 rounds when present (U is always top_k there, so alpha is not
   identifiable and is set to 0 with beta0 absorbing it); otherwise extrapolated from the three lowest
   fitted budgets exactly as :func:`specenv.paper.profile_coefficients` does, and flagged.
+
+statsmodels and scikit-learn are imported inside the functions that fit, never at import of this or
+any other specenv module. Which model an environment uses (and the caching of its fit) is
+:func:`specenv.costsource.cost_model_for`, re-exported here for existing callers.
 """
 
 from __future__ import annotations
@@ -17,10 +21,22 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import statsmodels.api as sm
-from sklearn.model_selection import GroupKFold
 
 from specenv.costmodel import CostModel
+from specenv.costsource import cost_model_for
+from specenv.io import json_digest
+
+__all__ = [
+    "FORMS",
+    "FitReport",
+    "compare_forms",
+    "cost_model_for",
+    "fit_cost_model",
+    "fit_draft",
+    "fit_per_k",
+    "fit_replay_model",
+    "json_digest",
+]
 
 FORMS = ("U_r + L", "U_r + L + gamma*K", "U_r x C(K) + L")
 
@@ -69,6 +85,8 @@ def _ols_cv(X: np.ndarray, y: np.ndarray, groups: np.ndarray, n_splits: int) -> 
         return {}
     if splits < 2:
         return {"oos_r2": float("nan"), "oos_rmse_ms": float("nan"), "oos_mape_pct": float("nan")}
+    from sklearn.model_selection import GroupKFold
+
     pred = np.empty_like(y)
     for train, test in GroupKFold(n_splits=splits).split(X, y, groups):
         beta, *_ = np.linalg.lstsq(X[train], y[train], rcond=None)
@@ -83,6 +101,8 @@ def _ols_cv(X: np.ndarray, y: np.ndarray, groups: np.ndarray, n_splits: int) -> 
 
 def fit_per_k(rounds: pd.DataFrame, n_splits: int = 5) -> pd.DataFrame:
     """Per-K OLS with clustered SEs and GroupKFold out-of-sample errors (K >= 1 only)."""
+    import statsmodels.api as sm
+
     rows = []
     for K, grp in rounds[rounds["K"] >= 1].groupby("K", sort=True):
         y = grp["T_T_ms"].to_numpy(np.float64)
@@ -129,6 +149,8 @@ def _form_design(rounds: pd.DataFrame, form: str) -> np.ndarray:
 
 def compare_forms(rounds: pd.DataFrame, n_splits: int = 5) -> pd.DataFrame:
     """Table A6: pooled model forms on all K >= 1 rounds."""
+    import statsmodels.api as sm
+
     data = rounds[rounds["K"] >= 1]
     y = data["T_T_ms"].to_numpy(np.float64)
     groups = data["generation_id"].to_numpy()
@@ -151,6 +173,8 @@ def compare_forms(rounds: pd.DataFrame, n_splits: int = 5) -> pd.DataFrame:
 
 def fit_draft(rounds: pd.DataFrame) -> dict[str, Any]:
     """T_D = d1*K + d0 on K >= 1 rounds with a recorded (non-zero) draft time."""
+    import statsmodels.api as sm
+
     data = rounds[rounds["K"] >= 1]
     missing = int((data["T_D_ms"] <= 0).sum())
     data = data[data["T_D_ms"] > 0]
@@ -199,6 +223,8 @@ def _assemble(
     per_k: pd.DataFrame, rounds: pd.DataFrame, kmax: int, top_k: int, source: dict[str, Any] | None
 ) -> CostModel:
     """Per-K fits + AR step + draft fit -> a CostModel covering K = 0..kmax."""
+    import statsmodels.api as sm
+
     if len(per_k) < 2:
         raise ValueError("cost-model fit needs rounds at two or more budgets K >= 1")
     beta0 = np.full(kmax + 1, np.nan)
@@ -250,50 +276,16 @@ def _assemble(
     )
 
 
-_FIT_CACHE: dict[tuple[str, str, int], CostModel] = {}
-
-
-def cost_model_for(traces: Any, which: str = "fit") -> CostModel:
-    """The cost model an environment or the oracle should use for a trace set.
+def fit_replay_model(rounds: pd.DataFrame, kmax: int, top_k: int, source: dict[str, Any] | None = None) -> CostModel:
+    """The cost model behind ``cost_model="fit"``: per-K OLS without cross-validation, AR step, draft fit.
 
     Args:
-        traces: A loaded :class:`specenv.traceset.TraceSet`.
-        which: ``"fit"`` (per-K OLS on the set's rounds table, no cross-validation; cached per
-            process by set and manifest hash), ``"profile"`` (the paper's coefficients) or a path to
-            a cost-model JSON written by ``specenv fit --out``.
+        rounds: A validated rounds table.
+        kmax: Largest budget the model must cover.
+        top_k: Experts per token.
+        source: Provenance stored in the model.
 
     Raises:
-        ValueError: If ``which`` is unknown, the set has no rounds to fit, or the JSON is bad.
+        ValueError: If fewer than two budgets K >= 1 can be fitted.
     """
-    from pathlib import Path
-
-    kmax = traces.kmax
-    if which == "profile":
-        return CostModel.paper_profile(kmax)
-    if which == "fit":
-        if traces.rounds is None:
-            raise ValueError(
-                f"cost_model='fit': trace set '{traces.manifest.name}' has no rounds table "
-                "(use cost_model='profile' or a cost-model JSON path)"
-            )
-        key = (traces.manifest.name, json_digest(traces.manifest.files), kmax)
-        if key not in _FIT_CACHE:
-            rounds = traces.rounds
-            per_k = fit_per_k(rounds, n_splits=0)
-            _FIT_CACHE[key] = _assemble(per_k, rounds, kmax, traces.facts.top_k, {"traces": traces.manifest.name})
-        return _FIT_CACHE[key]
-    path = Path(which)
-    if path.suffix == ".json" and path.is_file():
-        model = CostModel.load(path)
-        if model.kmax < kmax:
-            raise ValueError(f"cost_model={which}: covers K <= {model.kmax}, trace set needs {kmax}")
-        return model
-    raise ValueError(f"cost_model={which!r}: expected 'fit', 'profile' or an existing .json file")
-
-
-def json_digest(obj: Any) -> str:
-    """Stable short digest of a JSON-able object."""
-    import hashlib
-    import json
-
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+    return _assemble(fit_per_k(rounds, n_splits=0), rounds, kmax, top_k, source)

@@ -13,25 +13,26 @@ leaves a folder that loads as valid. No pickle anywhere.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from specenv.io import sha256_file
 from specenv.schema import (
     ROUNDS_COLUMNS,
     SCHEMA_VERSION,
     ModelFacts,
     TraceError,
+    column_strings,
+    column_values,
     positions_columns,
     q_columns,
     rho_columns,
@@ -40,17 +41,13 @@ from specenv.schema import (
     validate_rounds,
 )
 
+if TYPE_CHECKING:  # pandas is imported only where a DataFrame is really needed (it costs ~0.7 s)
+    import pandas as pd
+
+__all__ = ["MANIFEST", "TABLES", "Manifest", "PositionArrays", "TraceSet", "sha256_file"]
+
 MANIFEST = "manifest.json"
 TABLES = ("positions", "rounds")
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass
@@ -249,6 +246,27 @@ class PositionArrays:
         )
 
     @classmethod
+    def from_table(cls, table: pa.Table, kmax: int, greedy: bool) -> PositionArrays:
+        """Pack a (validated) positions Arrow table; the same arrays as :meth:`from_frame`, without pandas.
+
+        The (n, kmax) blocks are Fortran-ordered and read-only, as pandas' ``DataFrame.to_numpy``
+        returns them, so every downstream reduction sees the same memory layout.
+        """
+        gid = column_values(table, "generation_id", np.int64)
+        starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
+        offsets = np.append(starts, len(gid)).astype(np.int64)
+        return cls(
+            generation_ids=gid[starts],
+            categories=column_strings(table, "category")[starts],
+            offsets=offsets,
+            L=column_values(table, "L", np.float64).copy(),
+            rho=_float_block(table, rho_columns(kmax)),
+            q=_float_block(table, q_columns(kmax)),
+            U=_float_block(table, u_columns(kmax)),
+            greedy=greedy,
+        )
+
+    @classmethod
     def from_frame(cls, df: pd.DataFrame, kmax: int, greedy: bool) -> PositionArrays:
         """Pack a (validated) positions DataFrame."""
         gid = df["generation_id"].to_numpy(np.int64)
@@ -266,22 +284,103 @@ class PositionArrays:
         )
 
 
-@dataclass
+def _float_block(table: pa.Table, names: list[str]) -> np.ndarray:
+    """Columns ``names`` as one read-only, Fortran-ordered (n, len(names)) float64 array."""
+    out = np.empty((table.num_rows, len(names)), dtype=np.float64, order="F")
+    for j, name in enumerate(names):
+        out[:, j] = column_values(table, name, np.float64)
+    out.flags.writeable = False
+    return out
+
+
 class TraceSet:
     """A validated trace set: manifest plus the tables it names.
 
+    A loaded set keeps its tables as the Arrow tables read from Parquet; :attr:`positions` and
+    :attr:`rounds` convert them to pandas on first access (pandas is imported only then), while
+    :meth:`arrays` packs the positions straight from Arrow, so making an environment never loads
+    pandas. In-memory sets are built from DataFrames (or Arrow tables). Treat a loaded set's tables
+    as read-only: sets are shared through :func:`specenv.datasets.load_dataset`'s cache.
+
     Attributes:
         manifest: The parsed manifest.
-        positions: The positions table, or None if the set has none.
-        rounds: The rounds table, or None if the set has none.
+        positions: The positions table as a DataFrame, or None if the set has none.
+        rounds: The rounds table as a DataFrame, or None if the set has none.
         root: The folder it was loaded from (None for in-memory sets).
     """
 
-    manifest: Manifest
-    positions: pd.DataFrame | None
-    rounds: pd.DataFrame | None
-    root: Path | None = None
-    _arrays: PositionArrays | None = field(default=None, repr=False, compare=False)
+    def __init__(
+        self,
+        manifest: Manifest,
+        positions: pd.DataFrame | pa.Table | None = None,
+        rounds: pd.DataFrame | pa.Table | None = None,
+        root: Path | None = None,
+    ) -> None:
+        self.manifest = manifest
+        self.root = root
+        self._tables: dict[str, pa.Table | None] = {}
+        self._frames: dict[str, pd.DataFrame | None] = {}
+        self._verified: dict[str, str] = {}
+        self._arrays: PositionArrays | None = None
+        self.positions = positions
+        self.rounds = rounds
+
+    def __repr__(self) -> str:
+        return (
+            f"TraceSet(name={self.manifest.name!r}, kmax={self.kmax}, positions={self.has_positions}, "
+            f"rounds={self.has_rounds}, root={self.root!r})"
+        )
+
+    # ------------------------------------------------------------------ tables
+    def _set(self, tab: str, value: pd.DataFrame | pa.Table | None) -> None:
+        self._verified.pop(tab, None)
+        if tab == "positions":
+            self._arrays = None
+        if value is None or isinstance(value, pa.Table):
+            self._tables[tab], self._frames[tab] = value, None
+        else:
+            self._tables[tab], self._frames[tab] = None, value
+
+    def _frame(self, tab: str) -> pd.DataFrame | None:
+        if self._frames[tab] is None and self._tables[tab] is not None:
+            self._frames[tab] = self._tables[tab].to_pandas()
+        return self._frames[tab]
+
+    @property
+    def positions(self) -> pd.DataFrame | None:
+        """The positions table as a DataFrame (converted from Arrow on first access), or None."""
+        return self._frame("positions")
+
+    @positions.setter
+    def positions(self, value: pd.DataFrame | pa.Table | None) -> None:
+        self._set("positions", value)
+
+    @property
+    def rounds(self) -> pd.DataFrame | None:
+        """The rounds table as a DataFrame (converted from Arrow on first access), or None."""
+        return self._frame("rounds")
+
+    @rounds.setter
+    def rounds(self, value: pd.DataFrame | pa.Table | None) -> None:
+        self._set("rounds", value)
+
+    @property
+    def has_positions(self) -> bool:
+        """Whether the set has a positions table (no pandas conversion)."""
+        return self._tables["positions"] is not None or self._frames["positions"] is not None
+
+    @property
+    def has_rounds(self) -> bool:
+        """Whether the set has a rounds table (no pandas conversion)."""
+        return self._tables["rounds"] is not None or self._frames["rounds"] is not None
+
+    def verified_sha256(self, tab: str) -> str | None:
+        """sha256 of the file table ``tab`` was read from, when it was checked against the manifest on load.
+
+        None for in-memory tables, sets loaded with ``verify_hashes=False`` and tables replaced
+        after loading: content-keyed caches (the fitted cost model) use a set only when this is known.
+        """
+        return self._verified.get(tab)
 
     @property
     def facts(self) -> ModelFacts:
@@ -294,15 +393,19 @@ class TraceSet:
         return self.manifest.kmax
 
     def arrays(self) -> PositionArrays:
-        """The positions table as packed numpy arrays (cached).
+        """The positions table as packed numpy arrays (cached; built from Arrow without pandas when loaded).
 
         Raises:
             ValueError: If the set has no positions table.
         """
-        if self.positions is None:
+        if not self.has_positions:
             raise ValueError(f"trace set '{self.manifest.name}' has no positions table")
         if self._arrays is None:
-            self._arrays = PositionArrays.from_frame(self.positions, self.kmax, self.manifest.greedy)
+            table = self._tables["positions"]
+            if table is not None:
+                self._arrays = PositionArrays.from_table(table, self.kmax, self.manifest.greedy)
+            else:
+                self._arrays = PositionArrays.from_frame(self._frames["positions"], self.kmax, self.manifest.greedy)
         return self._arrays
 
     # ------------------------------------------------------------------ I/O
@@ -328,15 +431,18 @@ class TraceSet:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise TraceError(str(mpath), f"not valid JSON ({exc.__class__.__name__}: {exc})") from None
         manifest = Manifest.from_json(obj, str(mpath))
-        tables: dict[str, pd.DataFrame | None] = {"positions": None, "rounds": None}
+        tables: dict[str, pa.Table | None] = {"positions": None, "rounds": None}
+        verified: dict[str, str] = {}
         for tab, ent in manifest.files.items():
             path = root / ent["path"]
             if not path.is_file():
                 raise TraceError(str(path), "file named in the manifest is missing")
-            if verify_hashes and sha256_file(path) != ent["sha256"]:
-                raise TraceError(str(path), "sha256 does not match the manifest")
+            if verify_hashes:
+                if sha256_file(path) != ent["sha256"]:
+                    raise TraceError(str(path), "sha256 does not match the manifest")
+                verified[tab] = ent["sha256"]
             try:
-                table = pq.read_table(path)
+                table = _read_parquet(path)
             except (pa.ArrowException, OSError) as exc:
                 msg = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
                 raise TraceError(str(path), f"not a readable Parquet file ({msg})") from None
@@ -350,8 +456,10 @@ class TraceSet:
                 validate_positions(table, manifest.model, manifest.kmax, manifest.greedy, file=str(path))
             else:
                 validate_rounds(table, manifest.model, manifest.kmax, file=str(path))
-            tables[tab] = table.to_pandas()
-        return cls(manifest, tables["positions"], tables["rounds"], root=root)
+            tables[tab] = table
+        ts = cls(manifest, tables["positions"], tables["rounds"], root=root)
+        ts._verified.update(verified)
+        return ts
 
     def save(self, root: str | os.PathLike[str], overwrite: bool = False) -> Path:
         """Validate and write the set atomically; fills in counts, rows and sha256 in the manifest.
@@ -395,6 +503,12 @@ class TraceSet:
             raise
         self.root = root
         return root
+
+
+def _read_parquet(path: Path) -> pa.Table:
+    """Read a whole Parquet file (``ParquetFile``: unlike ``pq.read_table`` it does not import pandas)."""
+    with pq.ParquetFile(path) as pf:
+        return pf.read()
 
 
 def _schema_meta() -> dict[bytes, bytes]:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -51,8 +50,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from specenv.io import atomic_write_text, sha256_file
 from specenv.schema import ROUNDS_COLUMNS, SCHEMA_VERSION, ModelFacts, TraceError, validate_rounds
-from specenv.traceset import sha256_file
 
 RUN_MANIFEST = "recording.json"
 PARTS = "parts"
@@ -88,17 +87,8 @@ def _fsync_replace(tmp: Path, dest: Path) -> None:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON through a temporary sibling + fsync + ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(obj, indent=2) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write JSON through a temporary sibling + fsync + ``os.replace`` (:func:`specenv.io.atomic_write_text`)."""
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n", fsync=True)
 
 
 class PartRecorder:

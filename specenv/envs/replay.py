@@ -22,11 +22,11 @@ import numpy as np
 from gymnasium import spaces
 
 from specenv.costmodel import CostModel
+from specenv.costsource import cost_model_for
 from specenv.datasets import DEFAULT_DATASET, load_dataset
-from specenv.fit import cost_model_for, json_digest
+from specenv.io import json_digest, sha256_file
 from specenv.observation import ObservationSpec, ScalarObservation
 from specenv.splits import check_split, select_split
-from specenv.traceset import sha256_file
 
 ENV_ID = "specenv/MoESpec-v0"
 RENDER_MODES = ("ansi",)
@@ -145,7 +145,7 @@ def replay_data(
         raise ValueError(f"cost_model={cost_model!r}: expected 'fit', 'profile' or a JSON path")
     cost_model = os.fspath(cost_model)
     ts = load_dataset(dataset)
-    if ts.positions is None:
+    if not ts.has_positions:
         raise ValueError(f"dataset={os.fspath(dataset)!r}: trace set '{ts.manifest.name}' has no positions table")
     trace_kmax = ts.kmax
     kmax = trace_kmax if kmax is None else _check_int("kmax", kmax)
@@ -280,7 +280,7 @@ class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
         split: ``"train"`` (default), ``"test"`` or ``"all"``.
         cost_model: ``"fit"`` (per-K fit on the set's rounds table, the default), ``"profile"``
             (the paper's coefficients) or a path to a cost-model JSON; see
-            :func:`specenv.fit.cost_model_for`.
+            :func:`specenv.costsource.cost_model_for`.
         lookahead: Number h of draft confidences in the observation (0..kmax, default 0).
         render_mode: None or ``"ansi"`` (:meth:`render` returns one line per round).
 

@@ -1,0 +1,93 @@
+"""Small file helpers shared by every writer and cache in specenv: atomic writes, digests, cache folder.
+
+Atomic writes go to a temporary sibling file that is renamed over the destination with
+:func:`os.replace`, so a reader sees either the old file or the complete new one, never a partial
+write (a crash leaves at most a stray ``.<name>.*.tmp`` file next to it).
+
+Only the standard library is imported here: this module is on the ``import specenv`` path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+#: Environment variable naming specenv's cache folder; empty, ``0`` or ``off`` disables the disk cache.
+CACHE_ENV = "SPECENV_CACHE"
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, fsync: bool = False) -> Path:
+    """Write ``data`` to ``path`` atomically (temporary sibling file, then :func:`os.replace`).
+
+    Args:
+        path: Destination file; its folder must exist.
+        data: The bytes to write.
+        fsync: Flush the file to disk before the rename (survives a power loss, not only a crash).
+
+    Returns:
+        The destination path.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    try:
+        with open(tmp, "xb") as fh:  # exclusive create, ordinary (umask) permissions
+            fh.write(data)
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8", fsync: bool = False) -> Path:
+    """Write ``text`` to ``path`` atomically (see :func:`atomic_write_bytes`).
+
+    Args:
+        path: Destination file; its folder must exist.
+        text: The text to write.
+        encoding: Text encoding.
+        fsync: Flush the file to disk before the rename.
+
+    Returns:
+        The destination path.
+    """
+    return atomic_write_bytes(path, text.encode(encoding), fsync=fsync)
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def json_digest(obj: Any) -> str:
+    """Stable short digest (16 hex digits of sha256) of a JSON-able object, keys sorted."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_dir() -> Path | None:
+    """The per-user cache folder of specenv, or None when the disk cache is disabled.
+
+    ``$SPECENV_CACHE`` when set (empty, ``0`` or ``off`` disables the cache), else
+    ``$XDG_CACHE_HOME/specenv``, else ``~/.cache/specenv``. The folder is not created here.
+    """
+    env = os.environ.get(CACHE_ENV)
+    if env is not None:
+        if env.strip().lower() in ("", "0", "off", "none", "false"):
+            return None
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "specenv"
