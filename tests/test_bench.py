@@ -22,6 +22,7 @@ def bench_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_bench_json_emits_every_policy_with_oracle_pct(bench_set: Path, tmp_path: Path) -> None:
     res = CliRunner().invoke(
         app,
