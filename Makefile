@@ -8,7 +8,7 @@ VENV_VLLM ?= .venv-vllm
 BIN_VLLM := $(VENV_VLLM)/bin
 STAMP_VLLM := $(VENV_VLLM)/.specenv-installed
 
-.PHONY: venv venv-vllm demo test test-vllm lint format clean
+.PHONY: venv venv-vllm demo test test-fast test-vllm lint format clean
 
 # torch is pinned and installed first: `torch==2.13.0` is the local CPU wheel, an unpinned torch
 # would pull a multi-GB CUDA build.
@@ -42,19 +42,31 @@ demo: venv
 	$(BIN)/specenv oracle paper-default --sweep --delta --plot $(OUT)
 	$(BIN)/specenv bench paper-default --out $(OUT)
 
-# The main suite (tests/vllm is skipped there: no vLLM in .venv), then the vLLM tests in .venv-vllm.
+LINT_PATHS := specenv oracle policies scripts tests
+
+# Formatting and the layer contracts first (fast, and a failure names the file), then the main suite
+# (tests/vllm is skipped there: no vLLM in .venv), then the vLLM tests in .venv-vllm.
 test: venv venv-vllm
+	$(BIN)/ruff format --check $(LINT_PATHS)
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 	$(BIN_VLLM)/python -m pytest -q tests/vllm
+
+# The fast lane: everything not marked slow (training, live engines, long benchmark runs); < 1 minute.
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not slow"
 
 test-vllm: venv-vllm
 	$(BIN_VLLM)/python -m pytest -q tests/vllm
 
+# ruff (lint and format) and the import-linter layer contracts of DESIGN.md section 7.
 lint: venv
-	$(BIN)/ruff check specenv oracle policies scripts tests
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
+	$(BIN)/lint-imports
 
 format: venv
-	$(BIN)/ruff format specenv oracle policies scripts tests
+	$(BIN)/ruff format $(LINT_PATHS)
 
 clean:
-	rm -rf $(VENV) $(VENV_VLLM) .pytest_cache .ruff_cache $(OUT)
+	rm -rf $(VENV) $(VENV_VLLM) .pytest_cache .ruff_cache .import_linter_cache $(OUT)

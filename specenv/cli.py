@@ -235,14 +235,7 @@ def oracle_cmd(
         check_split(split)
     except ValueError as exc:
         fail(f"--split: {exc}")
-    if lookahead < 0:
-        fail(f"--lookahead: must be >= 0, got {lookahead}")
-    if episodes < 0:
-        fail(f"--episodes: must be >= 0, got {episodes}")
-    if plot is not None and not (sweep or delta):
-        fail("--plot: needs --sweep and/or --delta (the figures it writes)")
-    if plot is not None and plot.exists() and not plot.is_dir():
-        fail(f"--plot: {plot} exists and is not a folder")
+    _check_oracle_options(lookahead, episodes, plot, sweep=sweep, delta=delta)
     ts = _load(traces)
     if not ts.has_positions:
         fail(f"{traces}: trace set has no positions table")
@@ -257,14 +250,39 @@ def oracle_cmd(
     if arrays.n_generations == 0:
         fail(f"--split: no generation of {traces} is in the '{split}' split")
     res = oracle.solve(arrays, model, lookahead=lookahead, mc_episodes=episodes, seed=seed)
+    setting = {"dataset": ts.manifest.name, "split": split, "cost_model": cost_model, "kmax": k, "lookahead": lookahead}
+    report = _oracle_report(res, setting, greedy=bool(arrays.greedy))
+    table, an = _oracle_analyses(report, arrays, model, res, sweep=sweep, delta=delta, plot=plot)
+    if as_json:
+        _print_json(report)
+        return
+    _print_oracle(report, table, an)
+
+
+def _check_oracle_options(lookahead: int, episodes: int, plot: Path | None, *, sweep: bool, delta: bool) -> None:
+    """Fail (exit 2) on ``specenv oracle`` options that are invalid whatever the trace set."""
+    if lookahead < 0:
+        fail(f"--lookahead: must be >= 0, got {lookahead}")
+    if episodes < 0:
+        fail(f"--episodes: must be >= 0, got {episodes}")
+    if plot is not None and not (sweep or delta):
+        fail("--plot: needs --sweep and/or --delta (the figures it writes)")
+    if plot is not None and plot.exists() and not plot.is_dir():
+        fail(f"--plot: {plot} exists and is not a folder")
+
+
+def _oracle_report(res: Any, setting: dict[str, Any], greedy: bool) -> dict[str, Any]:
+    """The JSON report of ``specenv oracle``: its setting and the oracle's summary (keys in output order).
+
+    Args:
+        res: The oracle's solution (:func:`oracle.solve`).
+        setting: ``dataset``, ``split``, ``cost_model``, ``kmax`` and ``lookahead`` of the run.
+        greedy: Whether the trace set is greedy (rho in {0, 1}).
+    """
     s = res.summary()
-    report: dict[str, Any] = {
-        "dataset": ts.manifest.name,
-        "split": split,
-        "cost_model": cost_model,
-        "kmax": k,
-        "lookahead": lookahead,
-        "greedy": bool(arrays.greedy),
+    return {
+        **setting,
+        "greedy": greedy,
         "generations": s["generations"],
         "tokens": s["tokens"],
         "s_max_pooled": s["speedup_pooled"],
@@ -278,6 +296,19 @@ def oracle_cmd(
         "ar_per_token_ms": s["ar_per_token_ms"],
         "mc": s.get("mc"),
     }
+
+
+def _oracle_analyses(
+    report: dict[str, Any], arrays: Any, model: Any, res: Any, *, sweep: bool, delta: bool, plot: Path | None
+) -> tuple[Any, Any]:
+    """Run the optional Kmax sweep and delta-space analysis, add them (and their figures) to ``report``.
+
+    Returns:
+        The sweep table (or None) and the :class:`oracle.DeltaAnalysis` (or None).
+    """
+    import oracle
+
+    lookahead = report["lookahead"]
     plots: list[str] = []
     if plot is not None:
         plot.mkdir(parents=True, exist_ok=True)
@@ -288,11 +319,8 @@ def oracle_cmd(
             {c: (v.item() if hasattr(v, "item") else v) for c, v in r.items()} for r in table.to_dict(orient="records")
         ]
         if plot is not None:
-            plots.append(
-                oracle.plot_kmax_sweep(
-                    table, str(plot / "oracle_sweep.png"), f"{ts.manifest.name} ({split}), cost model {cost_model}"
-                )
-            )
+            title = f"{report['dataset']} ({report['split']}), cost model {report['cost_model']}"
+            plots.append(oracle.plot_kmax_sweep(table, str(plot / "oracle_sweep.png"), title))
     an = None
     if delta:
         an = oracle.delta_analysis(arrays, model, lookahead=lookahead, result=res)
@@ -301,12 +329,15 @@ def oracle_cmd(
             plots.append(oracle.plot_delta(an, str(plot / "oracle_delta.png")))
     if plots:
         report["plots"] = plots
-    if as_json:
-        _print_json(report)
-        return
+    return table, an
+
+
+def _print_oracle(report: dict[str, Any], table: Any, an: Any) -> None:
+    """Human-readable ``specenv oracle`` output: the bound, Monte Carlo, then the sweep and delta space."""
     out.print(
-        f"Oracle on {ts.manifest.name} ({split}: {report['generations']} generations, "
-        f"{report['tokens']} tokens), Kmax={k}, lookahead={lookahead}, cost model {cost_model}"
+        f"Oracle on {report['dataset']} ({report['split']}: {report['generations']} generations, "
+        f"{report['tokens']} tokens), Kmax={report['kmax']}, lookahead={report['lookahead']}, "
+        f"cost model {report['cost_model']}"
     )
     out.print(
         f"S_max = {report['s_max_pooled']:.4f} (pooled: sum AR / sum V(0)); "
@@ -326,35 +357,45 @@ def oracle_cmd(
             f"{mc['mean_accepted']['value']:.3f} +- {mc['mean_accepted']['ci95']:.3f}"
         )
     if table is not None:
-        tab = Table(title="Oracle against Kmax (paper Figure 2)")
-        for col in ("Kmax", "S_max pooled", "S_max mean", "mean k*", "mean accepted", "best fixed k", "its speedup"):
-            tab.add_column(col, justify="right")
-        for r in table.itertuples():
-            tab.add_row(
-                str(r.kmax),
-                f"{r.s_max_pooled:.4f}",
-                f"{r.s_max_mean:.4f}",
-                f"{r.mean_k:.3f}",
-                f"{r.mean_accepted:.3f}",
-                str(r.best_fixed_k),
-                f"{r.best_fixed_speedup:.4f}",
-            )
-        out.print(tab)
+        _print_kmax_sweep(table)
     if an is not None:
-        q = an.quadrants
-        out.print(
-            f"delta space ({an.points} rejected candidates at {an.decisions} decision states, "
-            f"{an.states}): I={q['I']} II={q['II']} III={q['III']} IV={q['IV']} axis={q['axis']}"
-        )
-        lo, hi = an.lambda_interval
-        out.print(
-            f"boundary lambda = {an.lambda_sep:.4f} ms/token ({an.sep_error:.1%} of weight on the wrong "
-            f"side; hard envelope [{lo:.3f}, {hi:.3f}]); least squares lambda = {an.lambda_ls:.4f} "
-            f"(R2 through origin {an.r2_origin:.3f}, residual SD {an.resid_sd:.3f} ms); "
-            f"V(0)/N = {an.v0_per_token:.4f}, mean marginal V(t)-V(t+1) = {an.marginal_dv:.4f} ms"
-        )
-    for p in plots:
+        _print_delta(an)
+    for p in report.get("plots", []):
         out.print(f"wrote {p}")
+
+
+def _print_kmax_sweep(table: Any) -> None:
+    """The Kmax sweep as a table (paper Figure 2)."""
+    tab = Table(title="Oracle against Kmax (paper Figure 2)")
+    for col in ("Kmax", "S_max pooled", "S_max mean", "mean k*", "mean accepted", "best fixed k", "its speedup"):
+        tab.add_column(col, justify="right")
+    for r in table.itertuples():
+        tab.add_row(
+            str(r.kmax),
+            f"{r.s_max_pooled:.4f}",
+            f"{r.s_max_mean:.4f}",
+            f"{r.mean_k:.3f}",
+            f"{r.mean_accepted:.3f}",
+            str(r.best_fixed_k),
+            f"{r.best_fixed_speedup:.4f}",
+        )
+    out.print(tab)
+
+
+def _print_delta(an: Any) -> None:
+    """The delta-space analysis in two lines (paper Figure 3)."""
+    q = an.quadrants
+    out.print(
+        f"delta space ({an.points} rejected candidates at {an.decisions} decision states, "
+        f"{an.states}): I={q['I']} II={q['II']} III={q['III']} IV={q['IV']} axis={q['axis']}"
+    )
+    lo, hi = an.lambda_interval
+    out.print(
+        f"boundary lambda = {an.lambda_sep:.4f} ms/token ({an.sep_error:.1%} of weight on the wrong "
+        f"side; hard envelope [{lo:.3f}, {hi:.3f}]); least squares lambda = {an.lambda_ls:.4f} "
+        f"(R2 through origin {an.r2_origin:.3f}, residual SD {an.resid_sd:.3f} ms); "
+        f"V(0)/N = {an.v0_per_token:.4f}, mean marginal V(t)-V(t+1) = {an.marginal_dv:.4f} ms"
+    )
 
 
 @app.command()

@@ -6,11 +6,36 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
 from policies.benchmark import build_context, default_entries, run_benchmark, run_policy
 from specenv.cli import app
+
+ORACLE = "oracle bound (SSP)"
+# Every policy of the benchmark on the bench set below (Kmax = 6; best fixed k on its train split = 5),
+# in display order, then the oracle row. Written out here: a policy that disappears fails this test.
+EXPECTED_POLICIES = [
+    "autoregressive (k=0)",
+    "fixed k=1",
+    "fixed k=4",
+    "fixed k=6",
+    "best fixed k=5 (train)",
+    "transformers heuristic",
+    "confidence 0.4",
+    "confidence ROC",
+    "goodput (SmartSpec)",
+    "cascade utility",
+    "UCB bandit",
+    "delta-space (oracle lambda)",
+    "delta-space (adaptive lambda)",
+    "delta-space + confidences (h=3)",
+    ORACLE,
+]
+# Outer cap on a pooled speedup over the bound (the test's tolerance before the per-policy margin
+# below existed; every policy here sits at <= 94% of the bound, so it only bites on a real bug).
+POOLED_CAP = 0.03
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +47,35 @@ def bench_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def assert_within_bound(summary: pd.DataFrame, episodes: pd.DataFrame) -> None:
+    """No policy beats the exact bound beyond Monte-Carlo noise, per generation and pooled.
+
+    Every policy is online, so its expected cost on a generation is >= V(0) of that generation (the
+    oracle's exact optimum); an estimate can fall below only by Monte-Carlo noise.
+
+    * per generation: the benchmark's own ``beats_bound`` count (mean cost below V(0) by more than 4
+      standard errors) is 0 for every row;
+    * pooled: the policy's total cost is a sum of independent per-generation means, with standard
+      error se = sqrt(sum_g var_g / n_g). Its pooled speedup may exceed the bound's by the factor
+      V0 / (V0 - 4 se) at most (4 SEs: a false alarm has probability ~3e-5 per policy under
+      normality), and never by more than ``POOLED_CAP``.
+    """
+    rows = summary.set_index("policy")
+    assert (rows["beats_bound"] == 0).all(), rows["beats_bound"]
+    bound = float(rows.loc[ORACLE, "speedup_pooled"])
+    per_gen = episodes.groupby(["policy", "generation_id"], sort=False).agg(
+        cost=("cost_ms", "mean"), var=("cost_ms", "var"), n=("cost_ms", "size"), ar=("ar_ms", "first")
+    )
+    for name, d in per_gen.groupby("policy", sort=False):
+        ar, cost = float(d["ar"].sum()), float(d["cost"].sum())
+        assert float(rows.loc[name, "speedup_pooled"]) == pytest.approx(ar / cost, rel=1e-9), name
+        v0 = ar / bound  # the bound's total cost on the same generations
+        se = float(np.sqrt((d["var"].fillna(0.0) / d["n"]).sum()))
+        margin = min(POOLED_CAP, 4.0 * se / max(v0 - 4.0 * se, 1e-12))
+        assert ar / cost <= bound * (1.0 + margin) + 1e-12, (name, ar / cost, bound, margin)
+
+
+@pytest.mark.slow
 def test_bench_json_emits_every_policy_with_oracle_pct(bench_set: Path, tmp_path: Path) -> None:
     res = CliRunner().invoke(
         app,
@@ -40,12 +94,11 @@ def test_bench_json_emits_every_policy_with_oracle_pct(bench_set: Path, tmp_path
     assert res.exit_code == 0, res.output
     obj = json.loads(res.stdout)
     names = [p["policy"] for p in obj["policies"]]
-    ctx = build_context(str(bench_set), None, "fit", None)
-    expected = [e.name for e in default_entries(ctx)] + ["oracle bound (SSP)"]
-    assert names == expected
+    assert names == EXPECTED_POLICIES
     for p in obj["policies"]:
-        assert 0.0 < p["oracle_pct"] < 110.0
-        assert np.isfinite(p["speedup_mean"])
+        assert 0.0 < p["oracle_pct"] and np.isfinite(p["speedup_mean"])
+    assert obj["policies"][-1]["oracle_pct"] == 100.0
+    assert_within_bound(pd.DataFrame(obj["policies"]), pd.read_csv(tmp_path / "out" / "episodes.csv"))
     assert {"summary.csv", "categories.csv", "bench.json", "bench.md", "speedup.png"} <= {
         f.name for f in (tmp_path / "out").iterdir()
     }
@@ -54,10 +107,8 @@ def test_bench_json_emits_every_policy_with_oracle_pct(bench_set: Path, tmp_path
 
 def test_no_policy_beats_the_oracle_bound(bench_set: Path) -> None:
     res = run_benchmark(str(bench_set), episodes=3, policy_dir=None)
-    assert (res.summary["beats_bound"] == 0).all(), res.summary[["policy", "beats_bound"]]
-    bound = res.summary.set_index("policy").loc["oracle bound (SSP)", "speedup_pooled"]
-    # pooled speedups can exceed the bound only by Monte-Carlo noise (3 episodes per generation)
-    assert (res.summary["speedup_pooled"] <= bound * 1.03).all()
+    assert list(res.summary["policy"]) == EXPECTED_POLICIES
+    assert_within_bound(res.summary, res.episodes)
 
 
 def test_fixed_k_monte_carlo_matches_exact_evaluation(bench_set: Path) -> None:

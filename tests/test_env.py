@@ -54,7 +54,11 @@ def test_replay_id_registered():
     gym.register_envs(specenv)
 
 
-@pytest.mark.parametrize("env_id", SPECENV_IDS)
+@pytest.mark.parametrize(
+    "env_id",
+    # the live environments (nondeterministic: they run a real engine) are slow
+    [pytest.param(i, marks=pytest.mark.slow) if gym.spec(i).nondeterministic else i for i in SPECENV_IDS],
+)
 def test_checkers_no_warnings(env_id):
     from stable_baselines3.common.env_checker import check_env as sb3_check_env
 

@@ -30,6 +30,7 @@ def _observations(traces: Path, n: int = 1000, seed: int = 0) -> np.ndarray:
     return np.concatenate([np.asarray(obs_list, dtype=np.float32), uniform])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["ppo", "dqn"])
 def test_exported_numpy_policy_matches_sb3_on_1000_observations(algo: str, small_traces: Path, tmp_path: Path) -> None:
     from policies.rl import train_sb3
@@ -90,6 +91,7 @@ def test_mlp_policy_checks_shapes() -> None:
         MLPPolicy(spec, [(np.zeros((spec.dim, 3)), np.zeros(3))])
 
 
+@pytest.mark.slow
 def test_dagger_learns_from_oracle_labels(small_greedy_traces: Path) -> None:
     """One cheap DAgger run: the imitation policy beats always-AR and is exported in numpy form."""
     from oracle.dp import evaluate_policy, solve

@@ -38,6 +38,7 @@ def prompt_ids(models, i):
 
 
 # ------------------------------------------------------------------------------------------- models
+@pytest.mark.slow
 def test_shipped_models_offline_and_small(models):
     root = model_dir()
     files = [p for p in root.rglob("*") if p.is_file()]
@@ -61,6 +62,7 @@ def test_prompt_set():
 
 
 # ----------------------------------------------------------------------------------------- lossless
+@pytest.mark.slow
 @pytest.mark.parametrize("i", [0, 1, 2, 3])
 def test_speculative_equals_plain_greedy(engine, models, i):
     ids = prompt_ids(models, i)
@@ -84,6 +86,7 @@ def test_speculative_equals_plain_greedy(engine, models, i):
             assert 1 <= r.E_max <= r.m and r.T_T_ms > 0 and r.T_D_ms > 0
 
 
+@pytest.mark.slow
 def test_lookahead_and_mixed_budgets_are_lossless(engine, models):
     ids = prompt_ids(models, 5)
     ref, _ = engine.generate(ids, 0)
@@ -95,6 +98,7 @@ def test_lookahead_and_mixed_budgets_are_lossless(engine, models):
     assert engine.generated == ref
 
 
+@pytest.mark.slow
 def test_sampling_runs_and_is_seeded(models):
     eng = LiveEngine(models, kmax=4, max_new_tokens=24, temperature=0.8, seed=3)
     ids = prompt_ids(models, 2)
@@ -107,6 +111,7 @@ def test_sampling_runs_and_is_seeded(models):
 
 
 # ------------------------------------------------------------------------------------------ routing
+@pytest.mark.slow
 def test_routing_equals_router_logits_topk(engine, models):
     ids = prompt_ids(models, 7)
     engine.start(ids)
@@ -136,6 +141,7 @@ def test_expert_stats_prefixes():
     assert E.tolist() == [1.0, 1.5, 2.5]
 
 
+@pytest.mark.slow
 def test_sweep_is_consistent_with_rounds(engine, models):
     ids = prompt_ids(models, 9)
     ref, _ = engine.generate(ids, 0)
@@ -154,6 +160,7 @@ def test_sweep_is_consistent_with_rounds(engine, models):
 
 
 # ------------------------------------------------------------------------------- collection and CLI
+@pytest.mark.slow
 def test_collect_cli_writes_valid_set(tmp_path):
     from specenv.datasets import load_dataset
 
@@ -205,6 +212,7 @@ def test_fit_live_cpu_alpha_significant():
 
 
 # ------------------------------------------------------------------------------------- environment
+@pytest.mark.slow
 def test_live_env_checkers_no_warnings():
     import warnings
 
@@ -226,6 +234,7 @@ def test_live_env_checkers_no_warnings():
     assert [str(w.message) for w in caught] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reward", ["measured", "model"])
 def test_live_env_episode_matches_replay_contract(reward, models):
     import gymnasium as gym

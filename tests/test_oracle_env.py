@@ -6,25 +6,13 @@ import numpy as np
 import pytest
 
 import oracle
+import specenv.envs.replay as env_mod
+from policies.heuristics import FixedK
 from specenv.datasets import load_dataset
 from specenv.fit import cost_model_for
+from specenv.observation import ObservationSpec
 from specenv.rollout import OnlinePolicy, evaluate_in_env
 from specenv.splits import select_split
-
-env_mod = pytest.importorskip("specenv.envs.replay")
-
-
-class FixedK:
-    name = "fixed"
-
-    def __init__(self, k: int):
-        self.k = k
-
-    def reset(self) -> None:
-        pass
-
-    def act(self, obs: np.ndarray) -> int:
-        return self.k
 
 
 @pytest.mark.parametrize("lookahead", [0, 3])
@@ -43,7 +31,7 @@ def test_env_monte_carlo_brackets_exact_evaluation() -> None:
     model = cost_model_for(ts, "fit")
     arrays = select_split(ts.arrays(), "test")
     gids = arrays.generation_ids[:6]
-    pol = FixedK(5)
+    pol = FixedK(ObservationSpec(kmax=arrays.kmax), 5)
     assert isinstance(pol, OnlinePolicy)
     ev = evaluate_in_env(pol, split="test", episodes=8, seed=2, generation_ids=gids)
     again = evaluate_in_env(pol, split="test", episodes=8, seed=2, generation_ids=gids)

@@ -68,6 +68,7 @@ def test_adapter_set_options_and_seed(small_traces):
     assert venv.get_attr("kmax") == [6, 6] and venv.env_is_wrapped(object) == [False, False]
 
 
+@pytest.mark.slow
 def test_ppo_smoke(small_traces):
     from stable_baselines3 import PPO
 

@@ -43,6 +43,7 @@ def test_shipped_policies_are_what_the_benchmark_runs() -> None:
     assert not [note for note in ctx.notes if "skipped" in note]
 
 
+@pytest.mark.slow
 def test_imitation_with_confidences_beats_best_fixed_k_on_held_out() -> None:
     """Regression guard for the headline result (same seeds as `specenv bench`)."""
     ctx = build_context("paper-default", None, "fit", shipped_policy_dir())

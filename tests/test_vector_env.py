@@ -9,10 +9,9 @@ from gymnasium.vector import AutoresetMode
 
 from specenv.envs.registration import REPLAY_ID
 from specenv.envs.replay import MoESpecEnv
+from specenv.envs.vector import _END_KEYS as END_KEYS
+from specenv.envs.vector import _STEP_KEYS as STEP_KEYS
 from specenv.envs.vector import MoESpecVectorEnv
-
-STEP_KEYS = ("k", "accepted", "committed", "cost_ms", "U_r", "L", "t")
-END_KEYS = ("speedup", "episode_cost_ms", "ar_cost_ms", "rounds")
 
 
 def compare_with_single(dataset, n_envs, n_steps, seed, kwargs, action_seed=0):

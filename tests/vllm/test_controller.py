@@ -7,6 +7,8 @@ import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 
+pytestmark = pytest.mark.slow  # a live vLLM engine
+
 from vhelpers import KMAX, MAX_TOKENS, PROMPTS, controller_of, greedy, spec_metrics  # noqa: E402
 
 from policies.heuristics import FixedK  # noqa: E402

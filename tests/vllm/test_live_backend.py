@@ -6,6 +6,8 @@ import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 
+pytestmark = pytest.mark.slow  # a live vLLM engine
+
 from vhelpers import KMAX, MAX_TOKENS, PROMPTS, controller_of  # noqa: E402
 
 

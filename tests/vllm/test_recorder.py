@@ -7,6 +7,8 @@ import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 
+pytestmark = pytest.mark.slow  # a live vLLM engine
+
 from vhelpers import KMAX, PROMPTS, controller_of, greedy  # noqa: E402
 
 from specenv.engines.vllm import load_recording  # noqa: E402

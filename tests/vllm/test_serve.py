@@ -19,6 +19,8 @@ import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 
+pytestmark = pytest.mark.slow  # a live vLLM engine
+
 from vhelpers import KMAX, MAX_TOKENS, PROMPTS  # noqa: E402
 
 from specenv.engines.recorder import PARTS, load_recording, recording_status  # noqa: E402
