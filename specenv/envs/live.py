@@ -20,11 +20,12 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from specenv.envs.replay import _ScalarObservation, replay_data
+from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
+from specenv.envs.replay import _ScalarObservation, check_reward, replay_data
 
 LIVE_ENV_ID = "specenv/MoESpecLive-v0"
-RENDER_MODES = ("ansi",)
-REWARDS = ("measured", "model")
+#: Where the round cost comes from: the measured times, or the cost model at the measured routing.
+COST_SOURCES = ("measured", "model")
 CLOCKS = ("cpu", "wall")
 
 
@@ -92,7 +93,7 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
         split: str = "train",
         cost_model: str = "fit",
         lookahead: int = 0,
-        reward: str = "measured",
+        cost_source: str = "measured",
         clock: str = "cpu",
         prompts: str = "stdlib-code-v1",
         models: str = "small-moe-v1",
@@ -101,23 +102,26 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
         threads: int | None = 1,
         render_mode: str | None = None,
         backend: str = "hf",
+        reward: str = "cost",
     ):
-        if backend not in ("hf", "vllm"):
-            raise ValueError(f"backend={backend!r}: expected 'hf' or 'vllm'")
-        if render_mode is not None and render_mode not in RENDER_MODES:
-            raise ValueError(f"render_mode={render_mode!r}: expected None or one of {RENDER_MODES}")
-        if reward not in REWARDS:
-            raise ValueError(f"reward={reward!r}: expected one of {REWARDS}")
+        from specenv.engines import BACKENDS, make_backend
+
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: expected one of {tuple(BACKENDS)}")
+        check_render_mode(render_mode)
+        self._savings = check_reward(reward)
+        if cost_source not in COST_SOURCES:
+            raise ValueError(f"cost_source={cost_source!r}: expected one of {COST_SOURCES}")
         if clock not in CLOCKS:
             raise ValueError(f"clock={clock!r}: expected one of {CLOCKS}")
         if clock == "cpu" and threads != 1:
             raise ValueError(f"clock='cpu' measures the calling thread only: it needs threads=1 (got {threads!r})")
         from specenv.datasets import load_dataset
-        from specenv.engines.hf.engine import LiveEngine
-        from specenv.engines.hf.models import load_models, load_prompts
+        from specenv.engines.hf.models import load_prompts
 
         self.render_mode = render_mode
-        self.reward_kind = reward
+        self.reward = reward
+        self.cost_source = cost_source
         self.clock = clock
         self.data = replay_data(dataset, kmax, split, cost_model, lookahead)
         self.kmax = self.data.kmax
@@ -133,30 +137,23 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
                 f"prompts={os.fspath(prompts)!r}: holds none of the generations of dataset "
                 f"'{self.data.name}' (split '{split}')"
             )
-        if backend == "vllm":
-            if self.lookahead:
-                raise ValueError(f"lookahead={self.lookahead}: the vllm backend cannot show draft confidences")
-            from specenv.engines.vllm.live import VLLMBackend
-
-            self.engine = VLLMBackend.shared(
-                models, kmax=self.kmax, max_new_tokens=int(max_new_tokens), temperature=temperature
-            )
-            self.models = self.engine.models
-        else:
-            self.models = load_models(models)
-            self.engine = LiveEngine(
-                self.models,
-                kmax=self.kmax,
-                max_new_tokens=int(max_new_tokens),
-                temperature=temperature,
-                threads=threads,
-            )
+        self.engine = make_backend(
+            backend,
+            models,
+            kmax=self.kmax,
+            max_new_tokens=int(max_new_tokens),
+            temperature=temperature,
+            threads=threads,
+            lookahead=self.lookahead,
+        )
+        self.models = self.engine.models
         self._ids = [self.models.encode(p.text) for p in self.prompts]
         self.action_space = spaces.Discrete(self.kmax + 1)
         self.observation_space = self.data.spec.space()
         self._obs = _ScalarObservation(self.data.spec)
         self._done = True
         self._line = ""
+        self._strip = RoundStrip(self.kmax) if render_mode == "rgb_array" else None
         self._closed = False
 
     # ------------------------------------------------------------------ episode
@@ -202,6 +199,8 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
         self._done = False
         self._obs.reset()
         self._line = f"gen {self._gid} [{self._cat}] t=0"
+        if self._strip is not None:
+            self._strip.clear()
         return self._obs.build(self._L0, 0, self._conf()), {"generation_id": self._gid, "category": self._cat}
 
     def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
@@ -221,7 +220,7 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
             raise RuntimeError("step() called before reset() or after the episode ended; call reset()")
         r = self.engine.step(k)
         cm = self.cost_model
-        if self.reward_kind == "measured":
+        if self.cost_source == "measured":
             cost = float(r.T_T_cpu_ms + r.T_D_cpu_ms) if self.clock == "cpu" else float(r.T_T_ms + r.T_D_ms)
         else:
             cost = float(cm.target_ms(k, r.U_r, r.L) + cm.draft_ms(max(k, self.lookahead)))
@@ -259,22 +258,31 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
             conf = [0.0] * self.lookahead if self.lookahead else None
         else:
             conf = self._conf()
-        if self.render_mode == "ansi":
+        if self._strip is not None:
+            self._strip.push(k, r.accepted)
+        elif self.render_mode == "ansi":
             self._line = (
                 f"gen {self._gid} [{self._cat}] round {self._round - 1}: t={r.t} k={k} "
                 f"accepted={r.accepted} +{committed} cost={cost:.3f}ms U_r={r.U_r:.2f}"
                 + (" (done)" if terminated else "")
             )
-        return self._obs.build(self._L0 + t_new, t_new, conf), -units, terminated, False, info
+        reward = committed - units if self._savings else -units
+        return self._obs.build(self._L0 + t_new, t_new, conf), reward, terminated, False, info
 
-    def render(self) -> str | None:
-        """The last round as one line of text (``render_mode="ansi"``); None otherwise."""
+    def render(self) -> str | np.ndarray | None:
+        """The recent rounds: one line of text (``"ansi"``) or a ``(64, 128, 3)`` uint8 image (``"rgb_array"``).
+
+        Returns None (with a warning) when the environment was made without a render mode.
+        """
         if self.render_mode is None:
             gym.logger.warn(
                 "You are calling render method without specifying any render mode. "
-                f'Create the environment with render_mode="ansi", e.g. gym.make("{LIVE_ENV_ID}", render_mode="ansi")'
+                f'Create the environment with render_mode="ansi" or "rgb_array", '
+                f'e.g. gym.make("{LIVE_ENV_ID}", render_mode="rgb_array")'
             )
             return None
+        if self._strip is not None:
+            return self._strip.frames()[0]
         return self._line
 
     def close(self) -> None:

@@ -23,13 +23,26 @@ from gymnasium import spaces
 
 from specenv.costmodel import CostModel
 from specenv.datasets import DEFAULT_DATASET, load_dataset
+from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
 from specenv.fit import cost_model_for, json_digest
 from specenv.observation import CONTEXT_SCALE, EMA, PRIOR_RATE, ObservationSpec
 from specenv.splits import check_split, select_split
 from specenv.traceset import sha256_file
 
 ENV_ID = "specenv/MoESpec-v0"
-RENDER_MODES = ("ansi",)
+#: Reward options: ``"cost"`` = -cost / ar_unit_ms; ``"savings"`` = that + the tokens the round committed.
+REWARDS = ("cost", "savings")
+
+
+def check_reward(reward: str) -> bool:
+    """Validate a ``reward`` argument; True for ``"savings"``.
+
+    Raises:
+        ValueError: Naming the argument when it is not one of :data:`REWARDS`.
+    """
+    if reward not in REWARDS:
+        raise ValueError(f"reward={reward!r}: expected one of {REWARDS}")
+    return reward == "savings"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -384,10 +397,11 @@ class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
         cost_model: str = "fit",
         lookahead: int = 0,
         render_mode: str | None = None,
+        reward: str = "cost",
     ):
-        if render_mode is not None and render_mode not in RENDER_MODES:
-            raise ValueError(f"render_mode={render_mode!r}: expected None or one of {RENDER_MODES}")
-        self.render_mode = render_mode
+        self.render_mode = check_render_mode(render_mode)
+        self._savings = check_reward(reward)
+        self.reward = reward
         self.data = replay_data(dataset, kmax, split, cost_model, lookahead)
         self.kmax = self.data.kmax
         self.lookahead = self.data.lookahead
@@ -405,6 +419,7 @@ class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
         self._N = 0
         self._done = True
         self._line = ""
+        self._strip = RoundStrip(self.kmax) if render_mode == "rgb_array" else None
 
     # ------------------------------------------------------------------ episode
     def reset(
@@ -442,6 +457,8 @@ class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
         self._done = False
         self._obs.reset()
         self._line = f"gen {self._gid} [{self._cat}] t=0"
+        if self._strip is not None:
+            self._strip.clear()
         conf = d.conf[self._row0].tolist() if self.lookahead else None
         return self._obs.build(self._L0, 0, conf), {"generation_id": self._gid, "category": self._cat}
 
@@ -503,19 +520,33 @@ class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
             conf = [0.0] * self.lookahead if self.lookahead else None
         else:
             conf = self.data.conf[row + committed].tolist() if self.lookahead else None
-        if self.render_mode == "ansi":
-            self._line = (
-                f"gen {self._gid} [{self._cat}] round {self._round - 1}: t={t} k={k} accepted={a} "
-                f"+{committed} cost={cost:.3f}ms U_r={U_r:.2f}" + (" (done)" if terminated else "")
-            )
-        return obs_state.build(self._L0 + t_new, t_new, conf), -units, terminated, False, info
+        if self.render_mode is not None:
+            self._record(t, k, a, committed, cost, U_r, terminated)
+        reward = committed - units if self._savings else -units
+        return obs_state.build(self._L0 + t_new, t_new, conf), reward, terminated, False, info
 
-    def render(self) -> str | None:
-        """The last round as one line of text (``render_mode="ansi"``); None otherwise."""
+    def _record(self, t: int, k: int, a: int, committed: int, cost: float, U_r: float, terminated: bool) -> None:
+        """Keep what :meth:`render` shows of the round just executed."""
+        if self._strip is not None:
+            self._strip.push(k, a)
+            return
+        self._line = (
+            f"gen {self._gid} [{self._cat}] round {self._round - 1}: t={t} k={k} accepted={a} "
+            f"+{committed} cost={cost:.3f}ms U_r={U_r:.2f}" + (" (done)" if terminated else "")
+        )
+
+    def render(self) -> str | np.ndarray | None:
+        """The recent rounds: one line of text (``"ansi"``) or a ``(64, 128, 3)`` uint8 image (``"rgb_array"``).
+
+        Returns None (with a warning) when the environment was made without a render mode.
+        """
         if self.render_mode is None:
             gym.logger.warn(
                 "You are calling render method without specifying any render mode. "
-                f'Create the environment with render_mode="ansi", e.g. gym.make("{ENV_ID}", render_mode="ansi")'
+                f'Create the environment with render_mode="ansi" or "rgb_array", '
+                f'e.g. gym.make("{ENV_ID}", render_mode="rgb_array")'
             )
             return None
+        if self._strip is not None:
+            return self._strip.frames()[0]
         return self._line

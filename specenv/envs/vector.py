@@ -27,7 +27,8 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
 from specenv.datasets import DEFAULT_DATASET
-from specenv.envs.replay import ENV_ID, RENDER_MODES, replay_data
+from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
+from specenv.envs.replay import ENV_ID, check_reward, replay_data
 from specenv.observation import CONTEXT_SCALE, EMA, PRIOR_RATE, ObservationSpec, ObservationState
 
 _STEP_KEYS = ("k", "accepted", "committed", "cost_ms", "U_r", "L", "t")
@@ -164,13 +165,14 @@ class MoESpecVectorEnv(VectorEnv):
         cost_model: str = "fit",
         lookahead: int = 0,
         render_mode: str | None = None,
+        reward: str = "cost",
     ):
         if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
             raise ValueError(f"num_envs={num_envs!r}: must be an integer >= 1")
-        if render_mode is not None and render_mode not in RENDER_MODES:
-            raise ValueError(f"render_mode={render_mode!r}: expected None or one of {RENDER_MODES}")
+        self.render_mode = check_render_mode(render_mode)
+        self._savings = check_reward(reward)
+        self.reward = reward
         self.num_envs = n = int(num_envs)
-        self.render_mode = render_mode
         self.data = d = replay_data(dataset, kmax, split, cost_model, lookahead)
         self.kmax = d.kmax
         self.lookahead = d.lookahead
@@ -203,6 +205,7 @@ class MoESpecVectorEnv(VectorEnv):
         self._prev_done = np.zeros(n, dtype=bool)
         self._started = False
         self._lines = [""] * n
+        self._strip = RoundStrip(d.kmax, n) if render_mode == "rgb_array" else None
         self._all = np.ones(n, dtype=bool)
         self._all.flags.writeable = False
 
@@ -223,6 +226,9 @@ class MoESpecVectorEnv(VectorEnv):
         rng.random(out=self._u[i, :n])  # the same numbers as Env.reset's rng.random(n)
         if self.render_mode == "ansi":
             self._lines[i] = f"gen {int(d.generation_ids[g])} [{d.categories[g]}] t=0"
+        elif self._strip is not None:
+            self._strip.k[i] = -1
+            self._strip.accepted[i] = -1
 
     def _conf(self) -> np.ndarray | None:
         """Draft confidences q_{t,1..h} at every sub-environment's current position (0 when done)."""
@@ -345,6 +351,8 @@ class MoESpecVectorEnv(VectorEnv):
         self._ep_cost += cost
         self._obs_state.update(k, a, U_r, units, committed)
         reward = -units
+        if self._savings:
+            reward += committed
         L = self._L0 + t
         info: dict[str, Any] = {
             "k": k,
@@ -381,6 +389,10 @@ class MoESpecVectorEnv(VectorEnv):
                 info["_" + key] = terminated
         if self.render_mode == "ansi":
             self._render_lines(k, a, committed, cost, U_r, t, terminated, step_mask)
+        elif self._strip is not None:
+            self._strip.push(k, a)
+            if any_reset:
+                self._strip.clear(done_prev)
         self._prev_done = terminated
         obs = self._obs_state.build(self._L0 + self._t, self._t, self._conf())
         return obs, reward, terminated, np.zeros(n, dtype=bool), info
@@ -394,9 +406,15 @@ class MoESpecVectorEnv(VectorEnv):
                 f"cost={float(cost[i]):.3f}ms U_r={float(U_r[i]):.2f}" + (" (done)" if terminated[i] else "")
             )
 
-    def render(self) -> tuple[str, ...] | None:
-        """The last round of every sub-environment as one line of text each (``render_mode="ansi"``)."""
+    def render(self) -> tuple[str, ...] | tuple[np.ndarray, ...] | None:
+        """One frame per sub-environment, as ``SyncVectorEnv.render`` returns them.
+
+        Its last round as text (``"ansi"``) or its recent rounds as a ``(64, 128, 3)`` uint8 image
+        (``"rgb_array"``); None (with a warning) without a render mode.
+        """
         if self.render_mode is None:
-            logger.warn(f'render_mode is None; create with gym.make_vec("{ENV_ID}", render_mode="ansi")')
+            logger.warn(f'render_mode is None; create with gym.make_vec("{ENV_ID}", render_mode="rgb_array")')
             return None
+        if self._strip is not None:
+            return tuple(self._strip.frames())
         return tuple(self._lines)

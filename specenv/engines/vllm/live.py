@@ -304,3 +304,25 @@ class VLLMBackend:
         """Abort the running generation and close a recording in progress (idempotent)."""
         self.abort()
         self.controller.stop_recording()
+
+
+def make(
+    models: str | os.PathLike[str],
+    *,
+    kmax: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    threads: int | None = 1,
+    lookahead: int = 0,
+) -> VLLMBackend:
+    """The factory of ``backend="vllm"`` (:func:`specenv.engines.base.make_backend`): the shared backend.
+
+    ``threads`` does not apply (vLLM sets its own).
+
+    Raises:
+        ValueError: For ``lookahead > 0``: the scheduler never sees the draft's confidences.
+    """
+    del threads
+    if lookahead:
+        raise ValueError(f"lookahead={lookahead}: the vllm backend cannot show draft confidences")
+    return VLLMBackend.shared(models, kmax=kmax, max_new_tokens=int(max_new_tokens), temperature=temperature)
