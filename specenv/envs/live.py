@@ -1,14 +1,15 @@
-"""The live environment: every step executes a real speculative-decoding round on the CPU engine.
+"""The live environment: every step executes a real speculative-decoding round on an engine.
 
 ``gymnasium.make("specenv/MoESpecLive-v0", ...)`` mirrors the replay environment
 (:class:`specenv.envs.replay.MoESpecEnv`, ``specenv/MoESpec-v0``) exactly in its spaces, observation, reward
-unit and info keys, but instead of replaying a recorded generation it runs the shipped small
-Qwen3-MoE target and dense draft (:class:`specenv.engines.hf.engine.LiveEngine`) on a prompt: the budget k
+unit and info keys, but instead of replaying a recorded generation it runs an engine (by default the
+shipped small Qwen3-MoE target and dense draft on transformers) on a prompt: the budget k
 chosen by the agent is drafted, verified in one target pass and committed, and the round's accepted
 count, routing (U_r) and times are real. Registered with ``nondeterministic=True``: measured times
 differ between runs (greedy decoding itself is deterministic).
 
-Needs the ``live`` extra (transformers, tokenizers, safetensors).
+Needs the extra of the chosen engine: ``live`` (transformers, tokenizers, safetensors) for ``backend="hf"``,
+``vllm`` for ``backend="vllm"``.
 """
 
 from __future__ import annotations
@@ -32,32 +33,72 @@ CLOCKS = ("cpu", "wall")
 class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
     """Live speculative decoding; the agent picks the draft budget k of every round.
 
-    One episode is one generation: a prompt of the live prompt set, generated greedily (or sampled,
-    ``temperature > 0``) for ``max_new_tokens`` tokens or until end-of-text. The episodes are the
-    generations of ``dataset`` (by default ``live-cpu``, recorded from the same prompts and models)
-    that fall in ``split`` (the split rule of :mod:`specenv.splits`), so the replay environment on
-    ``live-cpu`` and this one run the same generations.
+    ## Description
 
-    * action: ``Discrete(kmax + 1)``, the budget k (0 = plain autoregressive step);
-    * observation: the float32 vector of :mod:`specenv.observation` (same layout, scaling and
-      arithmetic as the replay environment; ``prev_U`` is the round's measured U_r);
-      with ``lookahead = h > 0`` the draft proposes h tokens *before* the decision and their
-      confidences are the last h entries; that drafting is part of the next round's draft time;
-    * reward: ``-cost / ar_unit_ms``. ``reward="measured"``: cost = measured ``T_T + T_D`` of the
-      round in ms, by ``clock``: ``"cpu"`` (default; thread CPU time, as in the shipped ``live-cpu``
-      rounds, unaffected by other processes on the machine) or ``"wall"`` (``time.perf_counter``).
-      ``reward="model"``: cost = the cost model applied to the
-      round's measured U_r and context, ``T_T(k, U_r, L) + T_D(max(k, h))``. ``ar_unit_ms`` is the
-      replay environment's unit for the same ``dataset``/``split``/``cost_model`` (mean model AR step
-      cost), so live and replay returns are in the same AR-token units;
-    * ``terminated`` when the generation ends; ``truncated`` is always False.
+    The replay environment's task (:class:`specenv.envs.replay.MoESpecEnv`) on a real engine:
+    every step drafts ``k`` tokens with the draft model, verifies them in one pass of the MoE
+    target and commits the accepted prefix plus the target's next token; the round's accepted
+    count, routing (``U_r``) and times are measured, not replayed. One episode is one generation:
+    a prompt of the live prompt set, generated greedily (or sampled, ``temperature > 0``) for
+    ``max_new_tokens`` tokens or until end-of-text. The episodes are the generations of
+    ``dataset`` (by default ``live-cpu``, recorded from the same prompts and models) that fall in
+    ``split`` (the split rule of :mod:`specenv.splits`), so the replay environment on ``live-cpu``
+    and this one run the same generations. The engine is chosen by name (``backend``, see
+    :func:`specenv.engines.make_backend`).
+
+    ## Action Space
+
+    ``Discrete(kmax + 1)``: the budget k (0 = plain autoregressive step).
+
+    ## Observation Space
+
+    The replay environment's: same shape, features, scaling and arithmetic (the table in
+    :class:`specenv.envs.replay.MoESpecEnv`, names in order
+    :attr:`specenv.observation.ObservationSpec.names`), with measured values: ``prev_U`` is the
+    round's measured U_r, ``prev_cost`` its cost (see Rewards) in AR units. With
+    ``lookahead = h > 0`` the draft proposes h tokens *before* the decision and their confidences
+    are the last h entries (``conf_1..conf_h``); that drafting is part of the next round's draft
+    time.
+
+    ## Rewards
+
+    As in the replay environment, in the same AR-step units: ``reward="cost"`` (default) gives
+    ``-cost / ar_unit_ms``, ``reward="savings"`` gives ``-cost / ar_unit_ms + committed``.
+    ``ar_unit_ms`` is the replay environment's unit for the same ``dataset``/``split``/
+    ``cost_model`` (mean model AR step cost). The round's ``cost`` comes from ``cost_source``:
+
+    * ``"measured"`` (default): the measured ``T_T + T_D`` of the round in ms, by ``clock``:
+      ``"cpu"`` (default; thread CPU time, as in the shipped ``live-cpu`` rounds, unaffected by
+      other processes on the machine) or ``"wall"`` (``time.perf_counter``);
+    * ``"model"``: the cost model at the round's measured U_r and context,
+      ``T_T(k, U_r, L) + T_D(max(k, h))``.
+
+    ## Starting State
+
+    :meth:`reset` picks a prompt with ``np_random`` (or ``options["generation_id"]``), seeds the
+    engine's sampling from ``np_random`` and prefills the prompt; no round played yet.
+
+    ## Episode End
+
+    * Termination: the generation ends (``max_new_tokens`` reached or end-of-text).
+    * Truncation: never.
 
     ``info`` of :meth:`step`: the replay environment's keys (``k``, ``accepted``, ``committed``,
     ``cost_ms``, ``U_r``, ``L``, ``t``, ``generation_id``, ``category``) plus the measured
     ``T_T_ms``, ``T_D_ms`` (wall clock), ``T_T_cpu_ms``, ``T_D_cpu_ms`` (thread CPU time) and
     ``E_max``; on the terminating step also ``speedup`` (model AR cost of the generated length /
-    episode cost), ``episode_cost_ms``, ``ar_cost_ms`` (sum over the generated
-    positions of the cost model's AR step C(t, 0)) and ``rounds``.
+    episode cost), ``episode_cost_ms``, ``ar_cost_ms`` (sum over the generated positions of the
+    cost model's AR step C(t, 0)) and ``rounds``. Registered with ``nondeterministic=True``:
+    measured times differ between runs (greedy decoding itself is deterministic).
+
+    ## Arguments
+
+    ```python
+    gymnasium.make("specenv/MoESpecLive-v0", dataset="live-cpu", kmax=None, split="train",
+                   cost_model="fit", lookahead=0, cost_source="measured", clock="cpu",
+                   prompts="stdlib-code-v1", models="small-moe-v1", max_new_tokens=None,
+                   temperature=0.0, threads=1, render_mode=None, backend="hf", reward="cost")
+    ```
 
     Args:
         dataset: Trace set that defines the episodes, the cost model and the reward unit.
@@ -65,23 +106,47 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
         split: ``"train"`` (default), ``"test"`` or ``"all"``.
         cost_model: ``"fit"`` (fitted on the set's rounds), ``"profile"`` or a cost-model JSON path.
         lookahead: Draft confidences exposed before each decision (0..kmax).
-        reward: ``"measured"`` (default) or ``"model"``.
-        clock: Clock of the measured reward: ``"cpu"`` (default; needs ``threads=1``) or ``"wall"``.
+        cost_source: ``"measured"`` (default) or ``"model"`` (see Rewards).
+        clock: Clock of the measured cost: ``"cpu"`` (default; needs ``threads=1``) or ``"wall"``.
         prompts: Prompt set (shipped name or JSON path) holding the dataset's generation ids.
         models: Model set (shipped name or folder).
         max_new_tokens: Generation cap; default the trace set's ``max_new_tokens``.
         temperature: 0 = greedy (lossless); > 0 = sampling with speculative rejection sampling
             (seeded from ``np_random`` at reset).
         threads: Torch threads (process-wide setting).
-        render_mode: None or ``"ansi"``.
-        backend: ``"hf"`` (default): the transformers engine (:class:`specenv.engines.hf.engine.LiveEngine`);
+        render_mode: None, ``"ansi"`` (the last round as one line) or ``"rgb_array"`` (a
+            ``(64, 128, 3)`` uint8 bar strip of the last 32 rounds, as in the replay environment).
+        backend: Engine name, a key of :data:`specenv.engines.BACKENDS`: ``"hf"`` (default): the
+            transformers engine (:class:`specenv.engines.hf.engine.LiveEngine`, ``live`` extra);
             ``"vllm"``: an in-process vLLM engine stepped one round at a time
-            (:class:`specenv.engines.vllm.live.VLLMBackend`, ``vllm`` extra; no lookahead; vLLM's prefill
-            samples the first token; the drafter proposes ``kmax`` tokens ahead of each round).
+            (:class:`specenv.engines.vllm.live.VLLMBackend`, ``vllm`` extra; no lookahead; vLLM's
+            prefill samples the first token; the drafter proposes ``kmax`` tokens ahead of each round).
+        reward: ``"cost"`` (default) or ``"savings"`` (see Rewards).
 
     Raises:
         ValueError: Naming the argument, for a bad dataset, kmax, split, cost model, lookahead,
-            reward, clock or render mode, or a prompt set without the dataset's generations.
+            reward, cost source, clock, backend or render mode, or a prompt set without the
+            dataset's generations.
+
+    ## Version History
+
+    * v0: initial version. The measured/model switch, first named ``reward``, is now
+      ``cost_source``; ``reward`` is the cost|savings option of the replay environment;
+      ``render_mode="rgb_array"`` added.
+
+    Examples:
+        >>> import gymnasium as gym
+        >>> import specenv
+        >>> env = gym.make("specenv/MoESpecLive-v0", max_new_tokens=8, split="all")
+        >>> env.action_space
+        Discrete(9)
+        >>> obs, info = env.reset(seed=0)
+        >>> obs.shape
+        (18,)
+        >>> obs, reward, terminated, truncated, info = env.step(3)
+        >>> reward < 0, info["committed"] == info["accepted"] + 1, info["T_T_ms"] > 0
+        (True, True, True)
+        >>> env.close()
     """
 
     metadata = {"render_modes": list(RENDER_MODES), "render_fps": 4}

@@ -43,6 +43,15 @@ class RoundStrip:
     Args:
         kmax: Largest budget (full bar height).
         n: Number of streams (1 for a single environment).
+
+    Example:
+        >>> strip = RoundStrip(kmax=8)
+        >>> strip.push(4, 2)
+        >>> frame = strip.frames()[0]
+        >>> frame.shape, frame.dtype
+        ((64, 128, 3), dtype('uint8'))
+        >>> int((frame[:, -4] == (46, 139, 87)).all(axis=1).sum())  # accepted bar: 2/8 of 63 rows
+        15
     """
 
     def __init__(self, kmax: int, n: int = 1):

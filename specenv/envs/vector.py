@@ -134,24 +134,95 @@ class _BatchObservationState(ObservationState):
 class MoESpecVectorEnv(VectorEnv):
     """``num_envs`` independent replays of :class:`specenv.envs.replay.MoESpecEnv`, vectorised in numpy.
 
-    Dynamics, reward, observation and split are those of :class:`specenv.envs.replay.MoESpecEnv` (see its
-    docstring); the observation is built by a subclass of :class:`specenv.observation.ObservationState`
-    that lays the statistics out in blocks (bit-identical output, fewer numpy calls per step).
+    ## Description
+
+    The replay environment's rounds (:class:`specenv.envs.replay.MoESpecEnv`: draft budget k,
+    accepted drafts drawn from the recorded acceptance, cost from the cost model) for
+    ``num_envs`` generations at once, as array arithmetic on the shared replay tables.
+    Sub-environment i behaves exactly like a single environment reset with ``seed + i``: same
+    generations, same acceptance draws, same floats, across autoresets too (the module docstring
+    says how). The observation is built by a subclass of
+    :class:`specenv.observation.ObservationState` that lays the statistics out in blocks
+    (bit-identical output, fewer numpy calls per step).
+
+    ## Action Space
+
+    ``MultiDiscrete([kmax + 1] * num_envs)``: one budget k per sub-environment
+    (``single_action_space`` is the single environment's ``Discrete(kmax + 1)``).
+
+    ## Observation Space
+
+    ``Box(0, high, (num_envs, 10 + kmax + lookahead), float32)``: row i is sub-environment i's
+    observation, with the features, meanings and ranges of the table in
+    :class:`specenv.envs.replay.MoESpecEnv` (``single_observation_space``; names in order:
+    :attr:`specenv.observation.ObservationSpec.names`).
+
+    ## Rewards
+
+    ``(num_envs,)`` float64, per sub-environment as in the single environment: ``reward="cost"``
+    (default) gives ``-cost / ar_unit_ms``, ``reward="savings"`` gives
+    ``-cost / ar_unit_ms + committed``. A step that autoresets a sub-environment gives it 0.
+
+    ## Starting State
+
+    :meth:`reset` starts every sub-environment (or those in ``options["reset_mask"]``) on a
+    generation picked by its own generator (or ``options["generation_id"]``), t = 0.
+
+    ## Episode End
+
+    * Termination: a sub-environment's generation is fully committed (``terminated[i]``).
+    * Truncation: never.
+
+    Autoreset follows gymnasium's ``AutoresetMode.NEXT_STEP``: the step after a sub-environment
+    terminates resets it (its action is ignored, reward 0, terminated False) and returns the first
+    observation of the new episode.
 
     ``info`` follows gymnasium's vector convention (an array per key plus a boolean ``"_key"``
     mask): every step carries ``k``, ``accepted``, ``committed``, ``cost_ms``, ``U_r``, ``L``, ``t``
-    (masked off, and meaningless, for sub-environments being autoreset), ``generation_id`` and ``category`` (of the
-    episode in progress, or of the new one after an autoreset); ``speedup``, ``episode_cost_ms``,
-    ``ar_cost_ms`` and ``rounds`` are set where ``terminated``.
+    (masked off, and meaningless, for sub-environments being autoreset), ``generation_id`` and
+    ``category`` (of the episode in progress, or of the new one after an autoreset); ``speedup``,
+    ``episode_cost_ms``, ``ar_cost_ms`` and ``rounds`` are set where ``terminated``.
+
+    ## Arguments
+
+    ```python
+    gymnasium.make_vec("specenv/MoESpec-v0", num_envs=256, dataset="paper-default", kmax=None,
+                       split="train", cost_model="fit", lookahead=0, render_mode=None, reward="cost")
+    ```
 
     Args:
         num_envs: Number of sub-environments.
-        dataset, kmax, split, cost_model, lookahead, render_mode: As for
-            :class:`specenv.envs.replay.MoESpecEnv`. ``render_mode="ansi"`` makes :meth:`render` return one
-            line per sub-environment (its last round).
+        dataset: As for :class:`specenv.envs.replay.MoESpecEnv`.
+        kmax: As for the single environment.
+        split: As for the single environment.
+        cost_model: As for the single environment.
+        lookahead: As for the single environment.
+        render_mode: None, ``"ansi"`` (:meth:`render` returns one line per sub-environment, its
+            last round) or ``"rgb_array"`` (one ``(64, 128, 3)`` uint8 image per sub-environment).
+        reward: ``"cost"`` (default) or ``"savings"``.
 
     Raises:
         ValueError: Naming the argument, as for the single environment, or ``num_envs`` < 1.
+
+    ## Version History
+
+    * v0: initial version (bit-identical to ``num_envs`` single environments; ``reward`` and
+      ``render_mode="rgb_array"`` added with unchanged defaults).
+
+    Examples:
+        >>> import gymnasium as gym
+        >>> import numpy as np
+        >>> import specenv
+        >>> envs = gym.make_vec("specenv/MoESpec-v0", num_envs=8, dataset="paper-default", split="test")
+        >>> envs.single_action_space, envs.observation_space.shape
+        (Discrete(11), (8, 20))
+        >>> obs, info = envs.reset(seed=0)
+        >>> obs, rewards, terminated, truncated, info = envs.step(np.full(8, 4))
+        >>> rewards.shape, bool((rewards < 0).all()), bool(truncated.any())
+        ((8,), True, False)
+        >>> sorted(k for k in info if not k.startswith("_"))
+        ['L', 'U_r', 'accepted', 'category', 'committed', 'cost_ms', 'generation_id', 'k', 't']
+        >>> envs.close()
     """
 
     metadata = {"render_modes": list(RENDER_MODES), "render_fps": 4, "autoreset_mode": AutoresetMode.NEXT_STEP}
