@@ -339,6 +339,18 @@ class MoESpecVectorEnv(VectorEnv):
         """
         int_seed = seed if seed is None or isinstance(seed, (int, np.integer)) else None
         super().reset(seed=int_seed)
+        mask, gids = self._reset_options(options)
+        self._seed_generators(self._seeds(seed), mask)
+        for i in np.flatnonzero(mask):
+            self._start(int(i), gids[i])
+        self._started = True
+        self._obs_state.reset(mask)
+        self._prev_done[mask] = False
+        obs = self._obs_state.build(self._L0 + self._t, self._t, self._conf())
+        return obs, self._reset_info(mask)
+
+    def _reset_options(self, options: dict[str, Any] | None) -> tuple[np.ndarray, list[Any]]:
+        """Validate ``reset``'s options: the (num_envs,) mask to reset and one generation id (or None) each."""
         n = self.num_envs
         options = dict(options or {})
         unknown = set(options) - {"generation_id", "reset_mask"}
@@ -351,20 +363,6 @@ class MoESpecVectorEnv(VectorEnv):
             mask = np.asarray(mask)
             if mask.shape != (n,) or mask.dtype != np.bool_:
                 raise ValueError(f"options['reset_mask']: expected a boolean array of shape ({n},)")
-        if seed is None:
-            seeds: list[int | None] = [None] * n
-        elif isinstance(seed, (int, np.integer)):
-            seeds = [int(seed) + i for i in range(n)]
-        else:
-            seeds = list(seed)
-            if len(seeds) != n:
-                raise ValueError(f"seed: a sequence needs num_envs={n} entries, got {len(seeds)}")
-        if self._rngs is None:
-            self._rngs = [seeding.np_random(s)[0] for s in seeds]
-        else:
-            for i in np.flatnonzero(mask):
-                if seeds[i] is not None:
-                    self._rngs[i] = seeding.np_random(seeds[i])[0]
         gids = options.get("generation_id")
         if gids is None or isinstance(gids, (int, np.integer)):
             gids = [gids] * n
@@ -372,13 +370,28 @@ class MoESpecVectorEnv(VectorEnv):
             raise ValueError(f"options['generation_id']: a sequence needs num_envs={n} entries")
         if not self._started and not mask.all():
             raise ValueError("options['reset_mask']: the first reset must reset every sub-environment")
+        return mask, gids
+
+    def _seeds(self, seed: int | Sequence[int | None] | None) -> list[int | None]:
+        """One seed (or None) per sub-environment: ``seed + i`` for an int seed."""
+        n = self.num_envs
+        if seed is None:
+            return [None] * n
+        if isinstance(seed, (int, np.integer)):
+            return [int(seed) + i for i in range(n)]
+        seeds = list(seed)
+        if len(seeds) != n:
+            raise ValueError(f"seed: a sequence needs num_envs={n} entries, got {len(seeds)}")
+        return seeds
+
+    def _seed_generators(self, seeds: list[int | None], mask: np.ndarray) -> None:
+        """Create every generator on first use; later, reseed the masked ones that got a seed."""
+        if self._rngs is None:
+            self._rngs = [seeding.np_random(s)[0] for s in seeds]
+            return
         for i in np.flatnonzero(mask):
-            self._start(int(i), gids[i])
-        self._started = True
-        self._obs_state.reset(mask)
-        self._prev_done[mask] = False
-        obs = self._obs_state.build(self._L0 + self._t, self._t, self._conf())
-        return obs, self._reset_info(mask)
+            if seeds[i] is not None:
+                self._rngs[i] = seeding.np_random(seeds[i])[0]
 
     def step(self, actions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """Execute one round in every sub-environment (autoresetting those that ended last step).

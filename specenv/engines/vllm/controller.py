@@ -342,6 +342,7 @@ class SpecControlScheduler(Scheduler):
             facts,
             kmax=max(int(self.num_spec_tokens), self.spec.kmax, 1),
             meta=self._provenance(),
+            source="vllm",
             name=s.name,
             max_new_tokens=int(s.max_new_tokens or self.spec.max_new_tokens),
             part_rounds=s.part_rounds,

@@ -1,8 +1,9 @@
 """``VLLMBackend``: an in-process vLLM engine stepped one verification round at a time.
 
-The ``backend="vllm"`` of ``specenv/MoESpecLive-v0`` (:mod:`specenv.envs.live`); it has the step
-interface of :class:`specenv.engines.hf.engine.LiveEngine` (``start``, ``step(k) -> RoundResult``, ``done``,
-``t``, ``L``, ``seed``, ``close``), so the environment drives either engine the same way.
+The ``backend="vllm"`` of ``specenv/MoESpecLive-v0`` (built by :func:`make`, the factory registered in
+:data:`specenv.engines.base.BACKENDS`); it implements :class:`specenv.engines.base.RoundBackend` (``start``,
+``step(k) -> RoundResult``, ``done``, ``t``, ``L``, ``seed``, ``close``) like the transformers engine, so the
+live environment drives either engine the same way.
 
 How a round is stepped: the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with
 :class:`specenv.engines.vllm.controller.SpecControlScheduler` and no policy, so after every engine step the
