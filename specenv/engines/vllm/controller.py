@@ -237,7 +237,7 @@ class SpecControlScheduler(Scheduler):
         self._slots = _ObsSlots(self.spec)
         self._stateless = True
         if self.settings.policy:
-            self.set_policy(resolve_policy(self.settings.policy))
+            self.set_policy(resolve_policy(self.settings.policy, self.spec))
         self.recorder = None
         if self.settings.record:
             self.start_recording(self.settings.record)
