@@ -1,4 +1,4 @@
-"""Exact Stochastic-Shortest-Path oracle for speculation-length control (DESIGN.md section 4).
+"""Exact Stochastic-Shortest-Path oracle for speculation-length control.
 
 * :func:`solve`: backward induction over positions, vectorised across generations: V(0), k*(t),
   S_max per generation and pooled, mean k* and mean accepted along the optimal path (exact, from

@@ -1,6 +1,6 @@
 """Exact Stochastic-Shortest-Path oracle and exact policy evaluation on a positions table.
 
-The model is DESIGN.md §1. Generation g has N positions; the state is the number t of committed
+The round model: generation g has N positions; the state is the number t of committed
 tokens. At state t a round with budget k costs ``C(t, k)`` and accepts ``a`` drafts with
 ``P(a >= i) = S_{t,i} = prod_{j<=i} rho_{t,j}`` (a in 0..k); the round commits ``a+1`` tokens,
 ``t' = min(t + a + 1, N)``. The oracle solves

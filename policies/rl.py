@@ -4,15 +4,16 @@ Training runs on the train split; the result is exported to the numpy form of
 :mod:`specenv.policy.mlp` (what the benchmark and vLLM load). The SB3 model itself (``model.zip``) and
 TensorBoard logs are written to the run folder for inspection; they are not the deployment format.
 
-Reward used for training (``savings=True``, the default): the environment's reward (minus the round
-cost in AR-step units) **plus the tokens the round committed**, i.e. the AR-equivalent cost the round
-saved. Over an episode the added terms sum to N, the generation's length, whatever the policy does,
-so the undiscounted optimum is unchanged; but the per-step signal is now aligned with the goal. With
-the raw reward a plain AR step (-1) looks better than a good speculative round (about -1.9 for 3.8
-tokens) until the credit for the shorter episode propagates through a value function that cannot
-see the remaining length N; in our runs PPO and DQN then collapsed to k = 0.
+Reward used for training: the environment's ``reward="savings"`` option by default (see
+:class:`specenv.envs.replay.MoESpecEnv`): minus the round cost in AR-step units **plus the tokens
+the round committed**, i.e. the AR-equivalent cost the round saved. Over an episode the added terms
+sum to N, the generation's length, whatever the policy does, so the undiscounted optimum is
+unchanged; but the per-step signal is now aligned with the goal. With the raw cost reward
+(``reward="cost"``) a plain AR step (-1) looks better than a good speculative round (about -1.9 for
+3.8 tokens) until the credit for the shorter episode propagates through a value function that
+cannot see the remaining length N; in our runs PPO and DQN then collapsed to k = 0.
 Discounting: with the savings reward each round's own reward already measures its progress, so a
-moderate ``gamma`` (0.99 by default) suffices and lowers the variance of the returns; with the raw
+moderate ``gamma`` (0.99 by default) suffices and lowers the variance of the returns; with the cost
 reward, gamma must be close to 1.
 """
 
@@ -23,8 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from specenv.policy.mlp import MLPPolicy
 
@@ -40,23 +39,6 @@ class TrainResult:
     model: Any
 
 
-def _savings_wrapper(venv: Any) -> Any:
-    from stable_baselines3.common.vec_env import VecEnvWrapper
-
-    class SavingsReward(VecEnvWrapper):
-        """reward + committed tokens (see the module docstring)."""
-
-        def reset(self) -> Any:
-            return self.venv.reset()
-
-        def step_wait(self) -> Any:
-            obs, rew, dones, infos = self.venv.step_wait()
-            bonus = np.array([float(i.get("committed", 0.0)) for i in infos], dtype=np.float32)
-            return obs, rew + bonus, dones, infos
-
-    return SavingsReward(venv)
-
-
 def train_sb3(
     algo: str,
     dataset: str,
@@ -68,7 +50,7 @@ def train_sb3(
     cost_model: str = "fit",
     lookahead: int = 0,
     tensorboard: bool = True,
-    savings: bool = True,
+    reward: str = "savings",
     gamma: float = 0.99,
     log: Callable[[str], None] | None = None,
 ) -> TrainResult:
@@ -85,8 +67,8 @@ def train_sb3(
         cost_model: ``"fit"``, ``"profile"`` or a JSON path.
         lookahead: Draft confidences in the observation.
         tensorboard: Write TensorBoard logs under ``run_dir/tb``.
-        savings: Train on reward + committed tokens (see the module docstring); VecMonitor still
-            logs the environment's own return.
+        reward: The environment's reward option used for training: ``"savings"`` (default; see
+            the module docstring) or ``"cost"``. VecMonitor logs the return of this reward.
         gamma: Discount factor.
         log: Progress lines.
 
@@ -96,86 +78,102 @@ def train_sb3(
     if algo not in ALGOS:
         raise ValueError(f"algo={algo!r}: expected one of {', '.join(ALGOS)}")
     import torch
-    from stable_baselines3 import DQN, PPO
-    from stable_baselines3.common.vec_env import VecMonitor, VecNormalize
 
-    from policies.export import from_sb3
-    from specenv.envs.sb3 import SB3VecEnv
     from specenv.envs.vector import MoESpecVectorEnv
 
     torch.set_num_threads(1)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     venv = MoESpecVectorEnv(
-        num_envs=n_envs, dataset=dataset, kmax=kmax, split="train", cost_model=cost_model, lookahead=lookahead
+        num_envs=n_envs,
+        dataset=dataset,
+        kmax=kmax,
+        split="train",
+        cost_model=cost_model,
+        lookahead=lookahead,
+        reward=reward,
     )
+    env = _sb3_env(venv, gamma, seed)
+    model = _make_model(algo, env, n_envs, gamma, seed, str(run_dir / "tb") if tensorboard else None)
+    model.learn(total_timesteps=timesteps, tb_log_name=algo, progress_bar=False)
+    model.save(run_dir / "model.zip")
+    meta = {
+        "algo": algo,
+        "dataset": dataset,
+        "seed": seed,
+        "timesteps": timesteps,
+        "n_envs": n_envs,
+        "cost_model": cost_model,
+        "lookahead": lookahead,
+        "reward": reward,
+        "gamma": gamma,
+    }
+    policy = _export(model, venv, run_dir, algo, meta)
+    if log:
+        log(f"{algo}: trained {timesteps} steps, exported to {run_dir / 'policy'}")
+    env.close()
+    return TrainResult(policy, run_dir, model)
+
+
+def _sb3_env(venv: Any, gamma: float, seed: int) -> Any:
+    """The SB3 view of the vector env: episode statistics and reward scaling for the value function."""
+    from stable_baselines3.common.vec_env import VecMonitor, VecNormalize
+
+    from specenv.envs.sb3 import SB3VecEnv
+
     env = VecMonitor(SB3VecEnv(venv))
-    if savings:
-        env = _savings_wrapper(env)
     # returns are O(N) (hundreds of AR units): scale rewards for the value function (observations are
     # already scaled by the observation contract and must stay raw for the exported policy)
     env = VecNormalize(env, norm_obs=False, norm_reward=True, gamma=gamma)
     env.seed(seed)
-    tb = str(run_dir / "tb") if tensorboard else None
+    return env
+
+
+def _make_model(algo: str, env: Any, n_envs: int, gamma: float, seed: int, tensorboard_log: str | None) -> Any:
+    """PPO or DQN with the hyperparameters used for the shipped policies (a 64x64 MLP, CPU)."""
+    from stable_baselines3 import DQN, PPO
+
+    common = {
+        "gamma": gamma,
+        "policy_kwargs": {"net_arch": [64, 64]},
+        "seed": seed,
+        "tensorboard_log": tensorboard_log,
+        "verbose": 0,
+        "device": "cpu",
+    }
     if algo == "ppo":
-        model = PPO(
+        return PPO(
             "MlpPolicy",
             env,
             n_steps=256,
             batch_size=min(2048, 256 * n_envs),
             n_epochs=10,
-            gamma=gamma,
             gae_lambda=0.95,
             learning_rate=3e-4,
             ent_coef=0.003,
-            policy_kwargs={"net_arch": [64, 64]},
-            seed=seed,
-            tensorboard_log=tb,
-            verbose=0,
-            device="cpu",
+            **common,
         )
-    else:
-        model = DQN(
-            "MlpPolicy",
-            env,
-            learning_rate=5e-4,
-            buffer_size=200_000,
-            learning_starts=5_000,
-            batch_size=256,
-            gamma=gamma,
-            train_freq=4,
-            gradient_steps=4,
-            target_update_interval=2_000,
-            exploration_fraction=0.3,
-            exploration_final_eps=0.02,
-            policy_kwargs={"net_arch": [64, 64]},
-            seed=seed,
-            tensorboard_log=tb,
-            verbose=0,
-            device="cpu",
-        )
-    model.learn(total_timesteps=timesteps, tb_log_name=algo, progress_bar=False)
-    model.save(run_dir / "model.zip")
-    spec = venv.data.spec
-    policy = from_sb3(
-        model,
-        spec,
-        name=algo,
-        meta={
-            "algo": algo,
-            "dataset": dataset,
-            "seed": seed,
-            "timesteps": timesteps,
-            "n_envs": n_envs,
-            "cost_model": cost_model,
-            "lookahead": lookahead,
-            "reward": "savings" if savings else "env",
-            "gamma": gamma,
-        },
+    return DQN(
+        "MlpPolicy",
+        env,
+        learning_rate=5e-4,
+        buffer_size=200_000,
+        learning_starts=5_000,
+        batch_size=256,
+        train_freq=4,
+        gradient_steps=4,
+        target_update_interval=2_000,
+        exploration_fraction=0.3,
+        exploration_final_eps=0.02,
+        **common,
     )
+
+
+def _export(model: Any, venv: Any, run_dir: Path, algo: str, meta: dict[str, Any]) -> MLPPolicy:
+    """Export the trained network to the numpy policy format (``run_dir/policy``) and write ``train.json``."""
+    from policies.export import from_sb3
+
+    policy = from_sb3(model, venv.data.spec, name=algo, meta=meta)
     policy.save(run_dir / "policy")
     (run_dir / "train.json").write_text(json.dumps(policy.meta, indent=2) + "\n")
-    if log:
-        log(f"{algo}: trained {timesteps} steps, exported to {run_dir / 'policy'}")
-    env.close()
-    return TrainResult(policy, run_dir, model)
+    return policy

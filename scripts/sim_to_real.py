@@ -46,7 +46,7 @@ def main() -> None:
     wanted = ("autoregressive", "best fixed", "delta-space (oracle", "delta-space (adaptive")
     entries = [e for e in default_entries(ctx) if e.name.startswith(wanted)]
     replay = gym.make("specenv/MoESpec-v0", dataset="live-cpu", split=a.split)
-    live = gym.make("specenv/MoESpecLive-v0", dataset="live-cpu", split=a.split, reward="measured", clock="cpu")
+    live = gym.make("specenv/MoESpecLive-v0", dataset="live-cpu", split=a.split, cost_source="measured", clock="cpu")
     gids = replay.unwrapped.data.generation_ids
     rows = []
     for e in entries:

@@ -590,8 +590,9 @@ def serve(
     policy: Annotated[
         str,
         typer.Option(
-            help="Policy: exported folder (policy.json + weights.npz), "
-            "'module:attribute', or 'none' (no control: record only)."
+            help="Policy: exported folder (policy.json + weights.npz), a registered name with optional "
+            "parameters (e.g. ucb, fixed-k:k=4; entry-point group specenv.policies), or 'none' (no control: "
+            "record only)."
         ),
     ],
     record: Annotated[Path | None, typer.Option(help="Record the rounds table (atomic Parquet parts) here.")] = None,
@@ -616,7 +617,8 @@ def serve(
     import importlib.util
     import shlex
 
-    from specenv.engines.vllm.settings import SpecenvSettings, resolve_policy, serve_args
+    from specenv.engines.vllm.settings import SpecenvSettings, serve_args
+    from specenv.policy.registry import check as check_policy
 
     vllm_args = list(ctx.args)
     if vllm_args[:1] == ["--"]:
@@ -634,7 +636,7 @@ def serve(
         path = Path(policy)
         pol = str(path.resolve()) if path.exists() else policy
         try:
-            resolve_policy(pol)
+            check_policy(pol)  # a folder loads; a name is registered (built later for the server's spec)
         except ValueError as exc:
             fail(f"--policy: {exc}")
     if cost_model is not None and not cost_model.is_file():

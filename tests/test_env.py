@@ -399,7 +399,7 @@ def test_env_split_uses_split_module(small_traces):
         ({"lookahead": -1}, "lookahead"),
         ({"split": "validation"}, "split"),
         ({"cost_model": "nope"}, "cost_model"),
-        ({"render_mode": "human"}, "render_mode"),
+        ({"render_mode": "depth_array"}, "render_mode"),  # "human" is gymnasium's HumanRendering over rgb_array
     ],
 )
 def test_bad_arguments(small_traces, kwargs, name):

@@ -235,13 +235,13 @@ def test_live_env_checkers_no_warnings():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("reward", ["measured", "model"])
-def test_live_env_episode_matches_replay_contract(reward, models):
+@pytest.mark.parametrize("cost_source", ["measured", "model"])
+def test_live_env_episode_matches_replay_contract(cost_source, models):
     import gymnasium as gym
 
     import specenv  # noqa: F401
 
-    env = gym.make("specenv/MoESpecLive-v0", reward=reward, lookahead=2, max_new_tokens=24, split="all")
+    env = gym.make("specenv/MoESpecLive-v0", cost_source=cost_source, lookahead=2, max_new_tokens=24, split="all")
     replay = gym.make("specenv/MoESpec-v0", dataset="live-cpu", lookahead=2, split="all")
     assert env.observation_space == replay.observation_space and env.action_space == replay.action_space
     assert env.unwrapped.ar_unit_ms == replay.unwrapped.ar_unit_ms

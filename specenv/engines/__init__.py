@@ -7,5 +7,12 @@
 * :mod:`specenv.engines.hf` -- the transformers engine on the shipped small models (``live`` extra);
 * :mod:`specenv.engines.vllm` -- the vLLM scheduler, routing tap and backend (``vllm`` extra).
 
-Adding an engine (e.g. SGLang) means adding one folder here that implements ``RoundBackend``.
+Engines are selected by name: :func:`make_backend` (``"hf"``, ``"vllm"``; the table
+:data:`BACKENDS`). Adding an engine (e.g. SGLang) means adding one folder here with a ``make``
+factory returning a ``RoundBackend``, and one entry in :data:`BACKENDS`. Engines never import the
+environments (:mod:`specenv.envs`); the live environment drives them through this interface.
 """
+
+from specenv.engines.base import BACKENDS, RoundBackend, RoundResult, make_backend
+
+__all__ = ["BACKENDS", "RoundBackend", "RoundResult", "make_backend"]

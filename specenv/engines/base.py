@@ -9,16 +9,38 @@ The routing statistics of a verification pass (``U_r``: unique experts, mean ove
 ``E_max``: the largest number of verified positions routed to one expert, mean over layers) are
 computed here for every engine: :func:`prefix_expert_stats` for every prefix of one chain (the
 counterfactual sweep), :func:`span_expert_stats` for several passes packed in one forward (a batch).
+
+Engines are chosen by name (:data:`BACKENDS`, :func:`make_backend`): each name maps to the factory
+of one engine folder, imported only when that engine is asked for (the engines' dependencies are
+optional extras). Adding an engine (e.g. SGLang) means adding its folder with a ``make`` factory
+and one entry in :data:`BACKENDS`.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["RoundBackend", "RoundResult", "prefix_expert_stats", "span_expert_stats", "u_prior"]
+__all__ = [
+    "BACKENDS",
+    "RoundBackend",
+    "RoundResult",
+    "make_backend",
+    "prefix_expert_stats",
+    "span_expert_stats",
+    "u_prior",
+]
+
+#: Engine name -> ``"module:function"`` of its factory (see :func:`make_backend`). Fixed here: never
+#: taken from user input, so no arbitrary import path can be named through it.
+BACKENDS: dict[str, str] = {
+    "hf": "specenv.engines.hf.backend:make",
+    "vllm": "specenv.engines.vllm.live:make",
+}
 
 
 @dataclass(frozen=True)
@@ -64,7 +86,14 @@ class RoundResult:
 
 @runtime_checkable
 class RoundBackend(Protocol):
-    """What the live environment needs of an engine (one generation at a time)."""
+    """What the live environment needs of an engine (one generation at a time).
+
+    Attributes:
+        models: The model set's tokenizer side: ``models.encode(text) -> list[int]`` token ids of
+            a prompt (and ``decode``).
+    """
+
+    models: Any
 
     @property
     def done(self) -> bool:
@@ -144,3 +173,46 @@ def span_expert_stats(routing: np.ndarray, spans: list[tuple[int, int]], n_exper
     counts = np.bincount(key.ravel(), minlength=len(spans) * n_layers * n_experts)
     counts = counts.reshape(len(spans), n_layers, n_experts)
     return (counts > 0).sum(axis=2).mean(axis=1), counts.max(axis=2).mean(axis=1)
+
+
+def make_backend(
+    name: str,
+    models: str | os.PathLike[str],
+    *,
+    kmax: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    threads: int | None = 1,
+    lookahead: int = 0,
+) -> RoundBackend:
+    """Build the engine registered under ``name`` in :data:`BACKENDS`.
+
+    Every factory takes these arguments (an engine ignores what does not apply to it, e.g. vLLM's
+    ``threads``) and raises ValueError for what it cannot do (e.g. ``lookahead`` without access
+    to the draft's confidences).
+
+    Args:
+        name: Engine name (``"hf"``, ``"vllm"``).
+        models: Model set: shipped name or folder.
+        kmax: Largest draft budget.
+        max_new_tokens: Generation cap.
+        temperature: 0 = greedy; > 0 = sampling with speculative rejection sampling.
+        threads: Torch threads (process-wide; None = unchanged).
+        lookahead: Draft confidences the caller will ask for before each round (:meth:`RoundBackend.propose`).
+
+    Raises:
+        ValueError: For an unknown name, or arguments the engine cannot serve.
+    """
+    target = BACKENDS.get(name)
+    if target is None:
+        raise ValueError(f"backend={name!r}: expected one of {tuple(BACKENDS)}")
+    module, _, func = target.partition(":")
+    factory = getattr(importlib.import_module(module), func)
+    return factory(
+        models,
+        kmax=kmax,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        threads=threads,
+        lookahead=lookahead,
+    )

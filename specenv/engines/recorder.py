@@ -1,8 +1,13 @@
-"""The recording of the ``rounds`` table (trace schema v1) while vLLM serves: atomic part files.
+"""The recording of the ``rounds`` table (trace schema v1) while an engine serves: atomic part files.
+
+The recorder is engine-agnostic: it records the rounds any engine executes (the vLLM controller,
+:mod:`specenv.engines.vllm.controller`, feeds it while vLLM serves; another engine does the same by
+calling :meth:`PartRecorder.add` once per round). The engine's name goes into the run manifest
+(``source``) and from there into the trace set's manifest.
 
 A recording is a folder::
 
-    recording.json               run manifest: model facts, Kmax, vLLM version, settings (atomic)
+    recording.json               run manifest: source engine, model facts, Kmax, settings (atomic)
     parts/part-000000.parquet    a complete Parquet file of rounds (schema v1 + extra columns)
     parts/part-000000.json       its index: rows, sha256, steps; written *after* the Parquet file
     ...
@@ -16,10 +21,10 @@ without its index are ignored (and reported by :func:`recording_status`).
 Writing happens on a background thread; the serving loop only appends values to column lists.
 
 :func:`load_recording` assembles one or more recordings into an in-memory
-:class:`specenv.traceset.TraceSet` (``source="vllm"``, rounds only) that validates;
+:class:`specenv.traceset.TraceSet` (rounds only; ``source`` = the recording engine) that validates;
 ``TraceSet.save`` writes it as an ordinary trace set (``specenv fit`` runs on it).
 
-Extra columns (allowed by schema v1): ``request_id`` (vLLM's id), ``t`` (tokens generated before the
+Extra columns (allowed by schema v1): ``request_id`` (the engine's id), ``t`` (tokens generated before the
 round), ``step`` (engine step), ``batch_size`` and ``batch_tokens`` (requests and tokens of the
 step), ``drafted`` (tokens the drafter proposed before the controller trimmed them to K), ``policy_k``
 (the policy's choice, -1 without policy), ``fallback`` (the configured k was used because the policy
@@ -55,8 +60,11 @@ from specenv.schema import ROUNDS_COLUMNS, SCHEMA_VERSION, ModelFacts, TraceErro
 
 RUN_MANIFEST = "recording.json"
 PARTS = "parts"
-RUN_FORMAT = "specenv.engines.vllm.recording/1"
-PART_FORMAT = "specenv.engines.vllm.part/1"
+RUN_FORMAT = "specenv.recording/1"
+PART_FORMAT = "specenv.recording.part/1"
+#: Formats of recordings written by earlier releases (vLLM only; their ``source`` is ``vllm``), still read.
+LEGACY_RUN_FORMATS = ("specenv.vllm.recording/1", "specenv.engines.vllm.recording/1")
+LEGACY_PART_FORMATS = ("specenv.vllm.part/1", "specenv.engines.vllm.part/1")
 
 #: Extra columns and their Arrow types, in file order after the schema's columns.
 EXTRA_COLUMNS: dict[str, pa.DataType] = {
@@ -98,6 +106,8 @@ class PartRecorder:
         folder: Recording folder (created). If it already holds a recording, new parts continue
             its numbering (the run manifest is rewritten with the union of both runs' metadata).
         facts: Routing facts of the target (MoE layers, experts, top-k).
+        source: The engine that executes the rounds (``"vllm"``, ``"hf"``, ...): the trace set's
+            ``source``.
         kmax: Largest budget (``num_speculative_tokens``).
         meta: Provenance written to ``recording.json`` (``extra``).
         name: Name of the recording.
@@ -113,7 +123,9 @@ class PartRecorder:
         facts: ModelFacts,
         kmax: int,
         meta: dict[str, Any],
-        name: str = "vllm-recording",
+        *,
+        source: str,
+        name: str = "recording",
         max_new_tokens: int = 1000,
         part_rounds: int = 2048,
         part_seconds: float = 30.0,
@@ -134,6 +146,7 @@ class PartRecorder:
         self.run_manifest = {
             "format": RUN_FORMAT,
             "schema_version": SCHEMA_VERSION,
+            "source": str(source),
             "name": name,
             "model": {"n_layers": facts.n_layers, "n_experts": facts.n_experts, "top_k": facts.top_k},
             "kmax": self.kmax,
@@ -146,6 +159,8 @@ class PartRecorder:
             prev = json.loads(old.read_text(encoding="utf-8"))
             if prev.get("model") != self.run_manifest["model"]:
                 raise ValueError(f"{old}: recording of another model ({prev.get('model')}); use a new folder")
+            if _source(prev) != self.run_manifest["source"]:
+                raise ValueError(f"{old}: recording of another engine ({_source(prev)!r}); use a new folder")
             self.run_manifest["kmax"] = max(self.kmax, int(prev.get("kmax", 0)))
             self.run_manifest["previous_runs"] = [*prev.get("previous_runs", []), prev.get("extra", {})]
         write_json_atomic(old, self.run_manifest)
@@ -275,7 +290,11 @@ def recording_status(folder: str | os.PathLike[str]) -> dict[str, Any]:
             ent = json.loads(idx.read_text(encoding="utf-8"))
             path = pdir / ent["path"]
             indexed.add(ent["path"])
-            ok = ent.get("format") == PART_FORMAT and path.is_file() and sha256_file(path) == ent["sha256"]
+            ok = (
+                ent.get("format") in (PART_FORMAT, *LEGACY_PART_FORMATS)
+                and path.is_file()
+                and sha256_file(path) == ent["sha256"]
+            )
         except (OSError, ValueError, KeyError, TypeError):
             ok, ent = False, {}
         if ok:
@@ -305,11 +324,12 @@ def load_recording(
         category: Override the ``category`` column (default: as recorded).
 
     Returns:
-        A :class:`specenv.traceset.TraceSet` with a rounds table and ``source="vllm"``.
+        A :class:`specenv.traceset.TraceSet` with a rounds table; its ``source`` is the recording
+        engine's.
 
     Raises:
         TraceError: One line naming the file and the problem (no run manifest, no valid part,
-            different models, a part that breaks the schema).
+            different models or engines, a part that breaks the schema).
     """
     import pandas as pd
 
@@ -323,15 +343,17 @@ def load_recording(
     for f in map(Path, folders):
         mpath = f / RUN_MANIFEST
         if not mpath.is_file():
-            raise TraceError(str(mpath), "missing recording manifest (not a specenv vLLM recording)")
+            raise TraceError(str(mpath), "missing recording manifest (not a specenv recording)")
         try:
             man = json.loads(mpath.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
             raise TraceError(str(mpath), f"not valid JSON ({exc})") from None
-        if man.get("format") != RUN_FORMAT:
+        if man.get("format") not in (RUN_FORMAT, *LEGACY_RUN_FORMATS):
             raise TraceError(str(mpath), f"format must be '{RUN_FORMAT}'")
         if manifests and man["model"] != manifests[0]["model"]:
             raise TraceError(str(mpath), f"records another model ({man['model']} vs {manifests[0]['model']})")
+        if manifests and _source(man) != _source(manifests[0]):
+            raise TraceError(str(mpath), f"records another engine ({_source(man)!r} vs {_source(manifests[0])!r})")
         manifests.append(man)
         st = recording_status(f)
         skipped += [f"{f}/{PARTS}/{x}" for x in st["incomplete"] + st["invalid"] + st["rejected"]]
@@ -358,16 +380,22 @@ def load_recording(
         "runs": [m.get("extra", {}) for m in manifests],
         "skipped_files": skipped,
     }
+    source = _source(first)
     man = Manifest(
-        name=name or first.get("name", "vllm-recording"),
-        source="vllm",
-        profile=str(first.get("extra", {}).get("engine", "vllm")),
+        name=name or first.get("name", "recording"),
+        source=source,
+        profile=str(first.get("extra", {}).get("engine", source)),
         model=facts,
         kmax=kmax,
         greedy=greedy,
-        description="Rounds recorded by specenv's vLLM recorder (specenv.engines.vllm).",
+        description=f"Rounds of the {source} engine recorded by specenv's recorder (specenv.engines.recorder).",
         max_new_tokens=int(first.get("max_new_tokens", 1000)),
         extra=extra,
     )
     man.counts = {"rounds": len(df), "generations": int(df["generation_id"].nunique())}
     return TraceSet(man, positions=None, rounds=df)
+
+
+def _source(run_manifest: dict[str, Any]) -> str:
+    """The recording engine of a run manifest (recordings of earlier releases came from vLLM)."""
+    return str(run_manifest.get("source", "vllm"))

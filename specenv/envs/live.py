@@ -1,14 +1,15 @@
-"""The live environment: every step executes a real speculative-decoding round on the CPU engine.
+"""The live environment: every step executes a real speculative-decoding round on an engine.
 
 ``gymnasium.make("specenv/MoESpecLive-v0", ...)`` mirrors the replay environment
 (:class:`specenv.envs.replay.MoESpecEnv`, ``specenv/MoESpec-v0``) exactly in its spaces, observation, reward
-unit and info keys, but instead of replaying a recorded generation it runs the shipped small
-Qwen3-MoE target and dense draft (:class:`specenv.engines.hf.engine.LiveEngine`) on a prompt: the budget k
+unit and info keys, but instead of replaying a recorded generation it runs an engine (by default the
+shipped small Qwen3-MoE target and dense draft on transformers) on a prompt: the budget k
 chosen by the agent is drafted, verified in one target pass and committed, and the round's accepted
 count, routing (U_r) and times are real. Registered with ``nondeterministic=True``: measured times
 differ between runs (greedy decoding itself is deterministic).
 
-Needs the ``live`` extra (transformers, tokenizers, safetensors).
+Needs the extra of the chosen engine: ``live`` (transformers, tokenizers, safetensors) for ``backend="hf"``,
+``vllm`` for ``backend="vllm"``.
 """
 
 from __future__ import annotations
@@ -20,44 +21,85 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from specenv.envs.replay import replay_data
+from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
+from specenv.envs.replay import check_reward, replay_data
 from specenv.observation import ScalarObservation
 
 LIVE_ENV_ID = "specenv/MoESpecLive-v0"
-RENDER_MODES = ("ansi",)
-REWARDS = ("measured", "model")
+#: Where the round cost comes from: the measured times, or the cost model at the measured routing.
+COST_SOURCES = ("measured", "model")
 CLOCKS = ("cpu", "wall")
 
 
 class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
     """Live speculative decoding; the agent picks the draft budget k of every round.
 
-    One episode is one generation: a prompt of the live prompt set, generated greedily (or sampled,
-    ``temperature > 0``) for ``max_new_tokens`` tokens or until end-of-text. The episodes are the
-    generations of ``dataset`` (by default ``live-cpu``, recorded from the same prompts and models)
-    that fall in ``split`` (the split rule of :mod:`specenv.splits`), so the replay environment on
-    ``live-cpu`` and this one run the same generations.
+    ## Description
 
-    * action: ``Discrete(kmax + 1)``, the budget k (0 = plain autoregressive step);
-    * observation: the float32 vector of :mod:`specenv.observation` (same layout, scaling and
-      arithmetic as the replay environment; ``prev_U`` is the round's measured U_r);
-      with ``lookahead = h > 0`` the draft proposes h tokens *before* the decision and their
-      confidences are the last h entries; that drafting is part of the next round's draft time;
-    * reward: ``-cost / ar_unit_ms``. ``reward="measured"``: cost = measured ``T_T + T_D`` of the
-      round in ms, by ``clock``: ``"cpu"`` (default; thread CPU time, as in the shipped ``live-cpu``
-      rounds, unaffected by other processes on the machine) or ``"wall"`` (``time.perf_counter``).
-      ``reward="model"``: cost = the cost model applied to the
-      round's measured U_r and context, ``T_T(k, U_r, L) + T_D(max(k, h))``. ``ar_unit_ms`` is the
-      replay environment's unit for the same ``dataset``/``split``/``cost_model`` (mean model AR step
-      cost), so live and replay returns are in the same AR-token units;
-    * ``terminated`` when the generation ends; ``truncated`` is always False.
+    The replay environment's task (:class:`specenv.envs.replay.MoESpecEnv`) on a real engine:
+    every step drafts ``k`` tokens with the draft model, verifies them in one pass of the MoE
+    target and commits the accepted prefix plus the target's next token; the round's accepted
+    count, routing (``U_r``) and times are measured, not replayed. One episode is one generation:
+    a prompt of the live prompt set, generated greedily (or sampled, ``temperature > 0``) for
+    ``max_new_tokens`` tokens or until end-of-text. The episodes are the generations of
+    ``dataset`` (by default ``live-cpu``, recorded from the same prompts and models) that fall in
+    ``split`` (the split rule of :mod:`specenv.splits`), so the replay environment on ``live-cpu``
+    and this one run the same generations. The engine is chosen by name (``backend``, see
+    :func:`specenv.engines.make_backend`).
+
+    ## Action Space
+
+    ``Discrete(kmax + 1)``: the budget k (0 = plain autoregressive step).
+
+    ## Observation Space
+
+    The replay environment's: same shape, features, scaling and arithmetic (the table in
+    :class:`specenv.envs.replay.MoESpecEnv`, names in order
+    :attr:`specenv.observation.ObservationSpec.names`), with measured values: ``prev_U`` is the
+    round's measured U_r, ``prev_cost`` its cost (see Rewards) in AR units. With
+    ``lookahead = h > 0`` the draft proposes h tokens *before* the decision and their confidences
+    are the last h entries (``conf_1..conf_h``); that drafting is part of the next round's draft
+    time.
+
+    ## Rewards
+
+    As in the replay environment, in the same AR-step units: ``reward="cost"`` (default) gives
+    ``-cost / ar_unit_ms``, ``reward="savings"`` gives ``-cost / ar_unit_ms + committed``.
+    ``ar_unit_ms`` is the replay environment's unit for the same ``dataset``/``split``/
+    ``cost_model`` (mean model AR step cost). The round's ``cost`` comes from ``cost_source``:
+
+    * ``"measured"`` (default): the measured ``T_T + T_D`` of the round in ms, by ``clock``:
+      ``"cpu"`` (default; thread CPU time, as in the shipped ``live-cpu`` rounds, unaffected by
+      other processes on the machine) or ``"wall"`` (``time.perf_counter``);
+    * ``"model"``: the cost model at the round's measured U_r and context,
+      ``T_T(k, U_r, L) + T_D(max(k, h))``.
+
+    ## Starting State
+
+    :meth:`reset` picks a prompt with ``np_random`` (or ``options["generation_id"]``), seeds the
+    engine's sampling from ``np_random`` and prefills the prompt; no round played yet.
+
+    ## Episode End
+
+    * Termination: the generation ends (``max_new_tokens`` reached or end-of-text).
+    * Truncation: never.
 
     ``info`` of :meth:`step`: the replay environment's keys (``k``, ``accepted``, ``committed``,
     ``cost_ms``, ``U_r``, ``L``, ``t``, ``generation_id``, ``category``) plus the measured
     ``T_T_ms``, ``T_D_ms`` (wall clock), ``T_T_cpu_ms``, ``T_D_cpu_ms`` (thread CPU time) and
     ``E_max``; on the terminating step also ``speedup`` (model AR cost of the generated length /
-    episode cost), ``episode_cost_ms``, ``ar_cost_ms`` (sum over the generated
-    positions of the cost model's AR step C(t, 0)) and ``rounds``.
+    episode cost), ``episode_cost_ms``, ``ar_cost_ms`` (sum over the generated positions of the
+    cost model's AR step C(t, 0)) and ``rounds``. Registered with ``nondeterministic=True``:
+    measured times differ between runs (greedy decoding itself is deterministic).
+
+    ## Arguments
+
+    ```python
+    gymnasium.make("specenv/MoESpecLive-v0", dataset="live-cpu", kmax=None, split="train",
+                   cost_model="fit", lookahead=0, cost_source="measured", clock="cpu",
+                   prompts="stdlib-code-v1", models="small-moe-v1", max_new_tokens=None,
+                   temperature=0.0, threads=1, render_mode=None, backend="hf", reward="cost")
+    ```
 
     Args:
         dataset: Trace set that defines the episodes, the cost model and the reward unit.
@@ -65,23 +107,47 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
         split: ``"train"`` (default), ``"test"`` or ``"all"``.
         cost_model: ``"fit"`` (fitted on the set's rounds), ``"profile"`` or a cost-model JSON path.
         lookahead: Draft confidences exposed before each decision (0..kmax).
-        reward: ``"measured"`` (default) or ``"model"``.
-        clock: Clock of the measured reward: ``"cpu"`` (default; needs ``threads=1``) or ``"wall"``.
+        cost_source: ``"measured"`` (default) or ``"model"`` (see Rewards).
+        clock: Clock of the measured cost: ``"cpu"`` (default; needs ``threads=1``) or ``"wall"``.
         prompts: Prompt set (shipped name or JSON path) holding the dataset's generation ids.
         models: Model set (shipped name or folder).
         max_new_tokens: Generation cap; default the trace set's ``max_new_tokens``.
         temperature: 0 = greedy (lossless); > 0 = sampling with speculative rejection sampling
             (seeded from ``np_random`` at reset).
         threads: Torch threads (process-wide setting).
-        render_mode: None or ``"ansi"``.
-        backend: ``"hf"`` (default): the transformers engine (:class:`specenv.engines.hf.engine.LiveEngine`);
+        render_mode: None, ``"ansi"`` (the last round as one line) or ``"rgb_array"`` (a
+            ``(64, 128, 3)`` uint8 bar strip of the last 32 rounds, as in the replay environment).
+        backend: Engine name, a key of :data:`specenv.engines.BACKENDS`: ``"hf"`` (default): the
+            transformers engine (:class:`specenv.engines.hf.engine.LiveEngine`, ``live`` extra);
             ``"vllm"``: an in-process vLLM engine stepped one round at a time
-            (:class:`specenv.engines.vllm.live.VLLMBackend`, ``vllm`` extra; no lookahead; vLLM's prefill
-            samples the first token; the drafter proposes ``kmax`` tokens ahead of each round).
+            (:class:`specenv.engines.vllm.live.VLLMBackend`, ``vllm`` extra; no lookahead; vLLM's
+            prefill samples the first token; the drafter proposes ``kmax`` tokens ahead of each round).
+        reward: ``"cost"`` (default) or ``"savings"`` (see Rewards).
 
     Raises:
         ValueError: Naming the argument, for a bad dataset, kmax, split, cost model, lookahead,
-            reward, clock or render mode, or a prompt set without the dataset's generations.
+            reward, cost source, clock, backend or render mode, or a prompt set without the
+            dataset's generations.
+
+    ## Version History
+
+    * v0: initial version. The measured/model switch, first named ``reward``, is now
+      ``cost_source``; ``reward`` is the cost|savings option of the replay environment;
+      ``render_mode="rgb_array"`` added.
+
+    Examples:
+        >>> import gymnasium as gym
+        >>> import specenv
+        >>> env = gym.make("specenv/MoESpecLive-v0", max_new_tokens=8, split="all")
+        >>> env.action_space
+        Discrete(9)
+        >>> obs, info = env.reset(seed=0)
+        >>> obs.shape
+        (18,)
+        >>> obs, reward, terminated, truncated, info = env.step(3)
+        >>> reward < 0, info["committed"] == info["accepted"] + 1, info["T_T_ms"] > 0
+        (True, True, True)
+        >>> env.close()
     """
 
     metadata = {"render_modes": list(RENDER_MODES), "render_fps": 4}
@@ -93,7 +159,7 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
         split: str = "train",
         cost_model: str = "fit",
         lookahead: int = 0,
-        reward: str = "measured",
+        cost_source: str = "measured",
         clock: str = "cpu",
         prompts: str = "stdlib-code-v1",
         models: str = "small-moe-v1",
@@ -102,23 +168,26 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
         threads: int | None = 1,
         render_mode: str | None = None,
         backend: str = "hf",
+        reward: str = "cost",
     ):
-        if backend not in ("hf", "vllm"):
-            raise ValueError(f"backend={backend!r}: expected 'hf' or 'vllm'")
-        if render_mode is not None and render_mode not in RENDER_MODES:
-            raise ValueError(f"render_mode={render_mode!r}: expected None or one of {RENDER_MODES}")
-        if reward not in REWARDS:
-            raise ValueError(f"reward={reward!r}: expected one of {REWARDS}")
+        from specenv.engines import BACKENDS, make_backend
+
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: expected one of {tuple(BACKENDS)}")
+        check_render_mode(render_mode)
+        self._savings = check_reward(reward)
+        if cost_source not in COST_SOURCES:
+            raise ValueError(f"cost_source={cost_source!r}: expected one of {COST_SOURCES}")
         if clock not in CLOCKS:
             raise ValueError(f"clock={clock!r}: expected one of {CLOCKS}")
         if clock == "cpu" and threads != 1:
             raise ValueError(f"clock='cpu' measures the calling thread only: it needs threads=1 (got {threads!r})")
         from specenv.datasets import load_dataset
-        from specenv.engines.hf.engine import LiveEngine
-        from specenv.engines.hf.models import load_models, load_prompts
+        from specenv.engines.hf.models import load_prompts
 
         self.render_mode = render_mode
-        self.reward_kind = reward
+        self.reward = reward
+        self.cost_source = cost_source
         self.clock = clock
         self.data = replay_data(dataset, kmax, split, cost_model, lookahead)
         self.kmax = self.data.kmax
@@ -134,30 +203,23 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
                 f"prompts={os.fspath(prompts)!r}: holds none of the generations of dataset "
                 f"'{self.data.name}' (split '{split}')"
             )
-        if backend == "vllm":
-            if self.lookahead:
-                raise ValueError(f"lookahead={self.lookahead}: the vllm backend cannot show draft confidences")
-            from specenv.engines.vllm.live import VLLMBackend
-
-            self.engine = VLLMBackend.shared(
-                models, kmax=self.kmax, max_new_tokens=int(max_new_tokens), temperature=temperature
-            )
-            self.models = self.engine.models
-        else:
-            self.models = load_models(models)
-            self.engine = LiveEngine(
-                self.models,
-                kmax=self.kmax,
-                max_new_tokens=int(max_new_tokens),
-                temperature=temperature,
-                threads=threads,
-            )
+        self.engine = make_backend(
+            backend,
+            models,
+            kmax=self.kmax,
+            max_new_tokens=int(max_new_tokens),
+            temperature=temperature,
+            threads=threads,
+            lookahead=self.lookahead,
+        )
+        self.models = self.engine.models
         self._ids = [self.models.encode(p.text) for p in self.prompts]
         self.action_space = spaces.Discrete(self.kmax + 1)
         self.observation_space = self.data.spec.space()
         self._obs = ScalarObservation(self.data.spec)
         self._done = True
         self._line = ""
+        self._strip = RoundStrip(self.kmax) if render_mode == "rgb_array" else None
         self._closed = False
 
     # ------------------------------------------------------------------ episode
@@ -203,6 +265,8 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
         self._done = False
         self._obs.reset()
         self._line = f"gen {self._gid} [{self._cat}] t=0"
+        if self._strip is not None:
+            self._strip.clear()
         return self._obs.build(self._L0, 0, self._conf()), {"generation_id": self._gid, "category": self._cat}
 
     def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
@@ -222,7 +286,7 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
             raise RuntimeError("step() called before reset() or after the episode ended; call reset()")
         r = self.engine.step(k)
         cm = self.cost_model
-        if self.reward_kind == "measured":
+        if self.cost_source == "measured":
             cost = float(r.T_T_cpu_ms + r.T_D_cpu_ms) if self.clock == "cpu" else float(r.T_T_ms + r.T_D_ms)
         else:
             cost = float(cm.target_ms(k, r.U_r, r.L) + cm.draft_ms(max(k, self.lookahead)))
@@ -260,22 +324,31 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
             conf = [0.0] * self.lookahead if self.lookahead else None
         else:
             conf = self._conf()
-        if self.render_mode == "ansi":
+        if self._strip is not None:
+            self._strip.push(k, r.accepted)
+        elif self.render_mode == "ansi":
             self._line = (
                 f"gen {self._gid} [{self._cat}] round {self._round - 1}: t={r.t} k={k} "
                 f"accepted={r.accepted} +{committed} cost={cost:.3f}ms U_r={r.U_r:.2f}"
                 + (" (done)" if terminated else "")
             )
-        return self._obs.build(self._L0 + t_new, t_new, conf), -units, terminated, False, info
+        reward = committed - units if self._savings else -units
+        return self._obs.build(self._L0 + t_new, t_new, conf), reward, terminated, False, info
 
-    def render(self) -> str | None:
-        """The last round as one line of text (``render_mode="ansi"``); None otherwise."""
+    def render(self) -> str | np.ndarray | None:
+        """The recent rounds: one line of text (``"ansi"``) or a ``(64, 128, 3)`` uint8 image (``"rgb_array"``).
+
+        Returns None (with a warning) when the environment was made without a render mode.
+        """
         if self.render_mode is None:
             gym.logger.warn(
                 "You are calling render method without specifying any render mode. "
-                f'Create the environment with render_mode="ansi", e.g. gym.make("{LIVE_ENV_ID}", render_mode="ansi")'
+                f'Create the environment with render_mode="ansi" or "rgb_array", '
+                f'e.g. gym.make("{LIVE_ENV_ID}", render_mode="rgb_array")'
             )
             return None
+        if self._strip is not None:
+            return self._strip.frames()[0]
         return self._line
 
     def close(self) -> None:

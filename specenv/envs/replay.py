@@ -1,8 +1,8 @@
 """The replay environment: choose the speculation length k of every round of one generation.
 
 ``gymnasium.make("specenv/MoESpec-v0", dataset=..., kmax=..., split=..., cost_model=..., lookahead=...)``
-replays recorded generations (the positions table of a trace set, DESIGN section 2) under the round
-model of DESIGN section 1. :class:`MoESpecEnv` steps one generation; :mod:`specenv.envs.vector` steps
+replays recorded generations (the positions table of a trace set) under the round model described
+in :class:`MoESpecEnv`. :class:`MoESpecEnv` steps one generation; :mod:`specenv.envs.vector` steps
 many at once in numpy and produces exactly the same trajectories for the same seeds and actions.
 
 Both are built on :class:`ReplayData`: the per-trace-set tables (survival probabilities, charged
@@ -24,12 +24,25 @@ from gymnasium import spaces
 from specenv.costmodel import CostModel
 from specenv.costsource import cost_model_for
 from specenv.datasets import DEFAULT_DATASET, load_dataset
+from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
 from specenv.io import json_digest, sha256_file
 from specenv.observation import ObservationSpec, ScalarObservation
 from specenv.splits import check_split, select_split
 
 ENV_ID = "specenv/MoESpec-v0"
-RENDER_MODES = ("ansi",)
+#: Reward options: ``"cost"`` = -cost / ar_unit_ms; ``"savings"`` = that + the tokens the round committed.
+REWARDS = ("cost", "savings")
+
+
+def check_reward(reward: str) -> bool:
+    """Validate a ``reward`` argument; True for ``"savings"``.
+
+    Raises:
+        ValueError: Naming the argument when it is not one of :data:`REWARDS`.
+    """
+    if reward not in REWARDS:
+        raise ValueError(f"reward={reward!r}: expected one of {REWARDS}")
+    return reward == "savings"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -238,9 +251,15 @@ def replay_data(
 class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
     """Replay of recorded generations; the agent picks the draft budget k of every round.
 
-    One episode is one generation of the chosen split. At position t (tokens committed so far) the
-    agent picks ``k`` in ``Discrete(kmax + 1)`` (0 = plain autoregressive step). The round then
-    follows DESIGN section 1 exactly:
+    ## Description
+
+    Speculative decoding on a Mixture-of-Experts target: each round a small draft model proposes
+    ``k`` tokens, the target verifies them in one forward pass and commits the accepted prefix plus
+    one token of its own. Verifying more drafts may commit more tokens per pass, but on an MoE
+    target every extra verified position can route to more distinct experts, so the pass costs
+    more. The agent chooses ``k`` for every round of one generation, to minimise the generation's
+    total cost. One episode is one recorded generation (a row block of the trace set's positions
+    table) of the chosen split; the round model is:
 
     * accepted drafts ``a`` are drawn with ``P(a >= i) = prod_{j<=i} rho_{t,j}`` by inverse
       transform of one uniform per round (``a = #{i <= k : u < P(a >= i)}``); the uniforms of an
@@ -248,31 +267,80 @@ class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
       ``np_random.integers(G)``. Greedy traces (rho in {0, 1}) are deterministic;
     * the round commits ``a + 1`` tokens, ``t' = min(t + a + 1, N)``; at the very end the reported
       ``accepted`` is capped to ``t' - t - 1`` (nothing is accepted past the generation's end);
-    * cost charged: ``C(t, k) = T_D(k) + T_T(k, U_{t,k}, L_t)`` from the cost model
-      (:meth:`specenv.costmodel.CostModel.cost_table`). With ``lookahead = h > 0`` the draft
-      proposes ``max(k, h)`` tokens (so the observation can show h confidences), and the draft term
-      becomes ``T_D(max(k, h))``, also for k = 0; the target term is unchanged;
-    * reward ``= -cost / ar_unit_ms``, where ``ar_unit_ms`` (attribute ``ar_unit_ms``) is the mean
-      of the plain AR step cost ``C(t, 0)`` over all positions of the loaded split: a constant per
-      environment, so the episode return is minus the episode's cost in AR-token equivalents;
-    * ``terminated`` when t reaches N; ``truncated`` is always False (no time limit is registered;
-      every round commits at least one token, so an episode has at most N rounds).
+    * the round costs ``C(t, k) = T_D(k) + T_T(k, U_{t,k}, L_t)`` ms from the cost model
+      (:meth:`specenv.costmodel.CostModel.cost_table`): draft time plus the target's verification
+      time at ``U_{t,k}`` unique experts and context length ``L_t``. With ``lookahead = h > 0``
+      the draft proposes ``max(k, h)`` tokens (so the observation can show h confidences) and the
+      draft term becomes ``T_D(max(k, h))``, also for k = 0; the target term is unchanged.
 
-    Observation: the float32 vector of :mod:`specenv.observation` (layout and scaling documented
-    there, built by the same arithmetic as :class:`specenv.observation.ObservationState`):
-    ``prev_U`` is ``U_{t,k}`` of the executed round and ``prev_cost`` its cost in AR units; with
-    lookahead the last h entries are the draft confidences ``q_{t,1..h}`` of the coming round.
-    Nothing of the current round's rho or U, nor N, nor any later position reaches it.
+    Generation ids are split 80/20 into train/test by :mod:`specenv.splits` (sha256 rank of the
+    id; the same rule the oracle and the benchmark use). :mod:`specenv.envs.vector` steps many
+    generations at once in numpy with bit-identical trajectories.
 
-    ``info`` of :meth:`reset`: ``generation_id``, ``category``. ``info`` of :meth:`step`:
-    ``k``, ``accepted``, ``committed``, ``cost_ms`` (charged cost of the round), ``U_r`` (U_{t,k}),
+    ## Action Space
+
+    ``Discrete(kmax + 1)``: the budget ``k`` of the round, 0 = a plain autoregressive step (no
+    drafts verified), up to ``kmax`` (by default the trace set's Kmax).
+
+    ## Observation Space
+
+    ``Box(0, high, (10 + kmax + lookahead,), float32)``: what a real server knows before it
+    verifies (the contract of :mod:`specenv.observation`). Nothing of the current round's rho or
+    U, nor the generation's length N, nor any later position enters it.
+
+    | Name | Meaning | Range |
+    |---|---|---|
+    | context | context length L_t / 4096 | [0, 64] |
+    | progress | tokens generated so far t / max_new_tokens, clipped | [0, 1] |
+    | prev_k | previous round's budget k / kmax (0 before the first round) | [0, 1] |
+    | prev_accepted | previous round's accepted drafts / kmax | [0, 1] |
+    | prev_U | previous round's unique experts U_{t,k} / n_experts | [0, 1] |
+    | prev_cost | previous round's cost in AR units (cost / ar_unit_ms) / (kmax + 1) | [0, 16] |
+    | acc_rate | EMA (0.8) of accepted / k over rounds with k >= 1; prior 0.5 | [0, 1] |
+    | acc_len | EMA of accepted / kmax over rounds with k >= 1; prior 0 | [0, 1] |
+    | cost_per_token | EMA of the round cost per committed token, in AR units; prior 1 | [0, 16] |
+    | first_round | 1 before a generation's first round, else 0 | [0, 1] |
+    | acc_depth_j | j = 1..kmax: EMA of the acceptance at draft depth j over rounds reaching it; prior 0.5 | [0, 1] |
+    | conf_j | j = 1..lookahead: the draft's confidence q_{t,j} in its j-th next token | [0, 1] |
+
+    ## Rewards
+
+    ``reward="cost"`` (default): ``-cost / ar_unit_ms``, minus the round's cost in AR-step units.
+    ``ar_unit_ms`` (attribute) is the mean plain AR step cost ``C(t, 0)`` over all positions of the
+    loaded split, a constant per environment, so the episode return is minus the episode's cost in
+    AR-token equivalents.
+
+    ``reward="savings"``: ``-cost / ar_unit_ms + committed``, the AR-equivalent cost the round
+    saved. Over an episode the added terms sum to N whatever the policy does, so the optimal
+    policy is the same, but each round's reward measures its own progress (with the cost reward a
+    plain AR step, -1, looks better than a good speculative round until the credit for the
+    shorter episode propagates): the reward standard learners train on out of the box.
+
+    ## Starting State
+
+    :meth:`reset` picks a generation of the split with ``np_random`` (or
+    ``options["generation_id"]``) and draws the episode's acceptance uniforms; t = 0, no round
+    played yet (``first_round`` = 1, running statistics at their priors).
+
+    ## Episode End
+
+    * Termination: the generation's N tokens are committed (every round commits at least one
+      token, so an episode has at most N rounds).
+    * Truncation: never (no time limit is registered).
+
+    ``info`` of :meth:`reset`: ``generation_id``, ``category``. ``info`` of :meth:`step`: ``k``,
+    ``accepted``, ``committed``, ``cost_ms`` (charged cost of the round), ``U_r`` (U_{t,k}),
     ``L`` (context length L_t the round verified at), ``t`` (tokens committed after the round),
     ``generation_id``, ``category``; on the terminating step also ``speedup`` (episode AR cost /
-    episode cost), ``episode_cost_ms``, ``ar_cost_ms`` (sum_t C(t, 0)) and ``rounds``. No wall-clock
-    time appears anywhere (the replay is deterministic given the seed).
+    episode cost), ``episode_cost_ms``, ``ar_cost_ms`` (sum_t C(t, 0)) and ``rounds``. No
+    wall-clock time appears anywhere (the replay is deterministic given the seed).
 
-    Split: generation ids are split 80/20 into train/test by :mod:`specenv.splits` (sha256 rank of
-    the id; the same rule the oracle and the benchmark use).
+    ## Arguments
+
+    ```python
+    gymnasium.make("specenv/MoESpec-v0", dataset="paper-default", kmax=None, split="train",
+                   cost_model="fit", lookahead=0, render_mode=None, reward="cost")
+    ```
 
     Args:
         dataset: Registry name (``"paper-default"``) or path of a trace-set folder.
@@ -282,11 +350,51 @@ class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
             (the paper's coefficients) or a path to a cost-model JSON; see
             :func:`specenv.costsource.cost_model_for`.
         lookahead: Number h of draft confidences in the observation (0..kmax, default 0).
-        render_mode: None or ``"ansi"`` (:meth:`render` returns one line per round).
+        render_mode: None, ``"ansi"`` (:meth:`render` returns the last round as one line) or
+            ``"rgb_array"`` (a ``(64, 128, 3)`` uint8 bar strip of the last 32 rounds' k and
+            accepted, :mod:`specenv.envs.render`). ``gymnasium.make(..., render_mode="human")``
+            shows that image through gymnasium's ``HumanRendering`` (needs pygame).
+        reward: ``"cost"`` (default) or ``"savings"`` (see Rewards).
 
     Raises:
         ValueError: Naming the argument, for an unknown dataset or split, kmax outside 1..Kmax,
-            lookahead outside 0..kmax, a bad cost model or render mode.
+            lookahead outside 0..kmax, a bad cost model, reward or render mode.
+
+    ## Version History
+
+    * v0: initial version (replay of schema-v1 trace sets; observation contract of
+      :mod:`specenv.observation`; ``reward`` and ``render_mode="rgb_array"`` added without a
+      version bump: the defaults behave as before).
+
+    Examples:
+        >>> import gymnasium as gym
+        >>> import specenv
+        >>> env = gym.make("specenv/MoESpec-v0", dataset="paper-default", split="test")
+        >>> env.action_space
+        Discrete(11)
+        >>> obs, info = env.reset(seed=0)
+        >>> obs.shape, obs.dtype
+        ((20,), dtype('float32'))
+        >>> sorted(info)
+        ['category', 'generation_id']
+        >>> obs, reward, terminated, truncated, info = env.step(4)
+        >>> reward < 0, truncated, info["committed"] == info["accepted"] + 1
+        (True, False, True)
+        >>> while not terminated:
+        ...     obs, reward, terminated, truncated, info = env.step(4)
+        >>> info["speedup"] > 1
+        True
+
+        The savings reward and an image of the recent rounds:
+
+        >>> env = gym.make("specenv/MoESpec-v0", reward="savings", render_mode="rgb_array")
+        >>> obs, info = env.reset(seed=0)
+        >>> obs, reward, terminated, truncated, info = env.step(0)
+        >>> reward == info["committed"] - info["cost_ms"] / env.unwrapped.ar_unit_ms
+        True
+        >>> frame = env.render()
+        >>> frame.shape, frame.dtype
+        ((64, 128, 3), dtype('uint8'))
     """
 
     metadata = {"render_modes": list(RENDER_MODES), "render_fps": 4}
@@ -299,10 +407,11 @@ class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
         cost_model: str = "fit",
         lookahead: int = 0,
         render_mode: str | None = None,
+        reward: str = "cost",
     ):
-        if render_mode is not None and render_mode not in RENDER_MODES:
-            raise ValueError(f"render_mode={render_mode!r}: expected None or one of {RENDER_MODES}")
-        self.render_mode = render_mode
+        self.render_mode = check_render_mode(render_mode)
+        self._savings = check_reward(reward)
+        self.reward = reward
         self.data = replay_data(dataset, kmax, split, cost_model, lookahead)
         self.kmax = self.data.kmax
         self.lookahead = self.data.lookahead
@@ -320,6 +429,7 @@ class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
         self._N = 0
         self._done = True
         self._line = ""
+        self._strip = RoundStrip(self.kmax) if render_mode == "rgb_array" else None
 
     # ------------------------------------------------------------------ episode
     def reset(
@@ -357,6 +467,8 @@ class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
         self._done = False
         self._obs.reset()
         self._line = f"gen {self._gid} [{self._cat}] t=0"
+        if self._strip is not None:
+            self._strip.clear()
         conf = d.conf[self._row0].tolist() if self.lookahead else None
         return self._obs.build(self._L0, 0, conf), {"generation_id": self._gid, "category": self._cat}
 
@@ -418,19 +530,33 @@ class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
             conf = [0.0] * self.lookahead if self.lookahead else None
         else:
             conf = self.data.conf[row + committed].tolist() if self.lookahead else None
-        if self.render_mode == "ansi":
-            self._line = (
-                f"gen {self._gid} [{self._cat}] round {self._round - 1}: t={t} k={k} accepted={a} "
-                f"+{committed} cost={cost:.3f}ms U_r={U_r:.2f}" + (" (done)" if terminated else "")
-            )
-        return obs_state.build(self._L0 + t_new, t_new, conf), -units, terminated, False, info
+        if self.render_mode is not None:
+            self._record(t, k, a, committed, cost, U_r, terminated)
+        reward = committed - units if self._savings else -units
+        return obs_state.build(self._L0 + t_new, t_new, conf), reward, terminated, False, info
 
-    def render(self) -> str | None:
-        """The last round as one line of text (``render_mode="ansi"``); None otherwise."""
+    def _record(self, t: int, k: int, a: int, committed: int, cost: float, U_r: float, terminated: bool) -> None:
+        """Keep what :meth:`render` shows of the round just executed."""
+        if self._strip is not None:
+            self._strip.push(k, a)
+            return
+        self._line = (
+            f"gen {self._gid} [{self._cat}] round {self._round - 1}: t={t} k={k} accepted={a} "
+            f"+{committed} cost={cost:.3f}ms U_r={U_r:.2f}" + (" (done)" if terminated else "")
+        )
+
+    def render(self) -> str | np.ndarray | None:
+        """The recent rounds: one line of text (``"ansi"``) or a ``(64, 128, 3)`` uint8 image (``"rgb_array"``).
+
+        Returns None (with a warning) when the environment was made without a render mode.
+        """
         if self.render_mode is None:
             gym.logger.warn(
                 "You are calling render method without specifying any render mode. "
-                f'Create the environment with render_mode="ansi", e.g. gym.make("{ENV_ID}", render_mode="ansi")'
+                f'Create the environment with render_mode="ansi" or "rgb_array", '
+                f'e.g. gym.make("{ENV_ID}", render_mode="rgb_array")'
             )
             return None
+        if self._strip is not None:
+            return self._strip.frames()[0]
         return self._line

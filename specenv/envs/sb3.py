@@ -107,8 +107,14 @@ class SB3VecEnv(VecEnv):
         return [False for _ in self._get_indices(indices)]
 
     def get_images(self) -> Sequence[np.ndarray | None]:
-        """Not available: the environment renders text only (``render_mode="ansi"``)."""
-        raise NotImplementedError("specenv renders text only (render_mode='ansi')")
+        """One ``(64, 128, 3)`` uint8 frame per sub-environment (the vector env made with ``render_mode="rgb_array"``).
+
+        Raises:
+            ValueError: If the vector environment does not render images.
+        """
+        if self.venv.render_mode != "rgb_array":
+            raise ValueError(f"get_images needs render_mode='rgb_array' (the vector env has {self.venv.render_mode!r})")
+        return list(self.venv.render())
 
 
 def _split_info(info: dict[str, Any], n: int) -> list[dict[str, Any]]:
@@ -135,7 +141,7 @@ def make_sb3_vec_env(num_envs: int = 8, seed: int | None = None, **env_kwargs: A
         num_envs: Number of sub-environments.
         seed: Seed for the next ``reset()`` (sub-environment i gets ``seed + i``), or None.
         **env_kwargs: ``dataset``, ``kmax``, ``split``, ``cost_model``, ``lookahead``,
-            ``render_mode`` as for :class:`specenv.envs.replay.MoESpecEnv`.
+            ``render_mode``, ``reward`` as for :class:`specenv.envs.replay.MoESpecEnv`.
     """
     venv = SB3VecEnv(MoESpecVectorEnv(num_envs=num_envs, **env_kwargs))
     if seed is not None:

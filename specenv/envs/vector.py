@@ -27,7 +27,8 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
 from specenv.datasets import DEFAULT_DATASET
-from specenv.envs.replay import ENV_ID, RENDER_MODES, replay_data
+from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
+from specenv.envs.replay import ENV_ID, check_reward, replay_data
 from specenv.observation import ObservationState
 
 _STEP_KEYS = ("k", "accepted", "committed", "cost_ms", "U_r", "L", "t")
@@ -37,24 +38,94 @@ _END_KEYS = ("speedup", "episode_cost_ms", "ar_cost_ms", "rounds")
 class MoESpecVectorEnv(VectorEnv):
     """``num_envs`` independent replays of :class:`specenv.envs.replay.MoESpecEnv`, vectorised in numpy.
 
-    Dynamics, reward, observation and split are those of :class:`specenv.envs.replay.MoESpecEnv` (see its
-    docstring); the observation is built by :class:`specenv.observation.ObservationState` (one stream per
+    ## Description
+
+    The replay environment's rounds (:class:`specenv.envs.replay.MoESpecEnv`: draft budget k,
+    accepted drafts drawn from the recorded acceptance, cost from the cost model) for
+    ``num_envs`` generations at once, as array arithmetic on the shared replay tables.
+    Sub-environment i behaves exactly like a single environment reset with ``seed + i``: same
+    generations, same acceptance draws, same floats, across autoresets too (the module docstring
+    says how). The observation is built by :class:`specenv.observation.ObservationState` (one stream per
     sub-environment; bit-identical to the single environment's scalar path).
+
+    ## Action Space
+
+    ``MultiDiscrete([kmax + 1] * num_envs)``: one budget k per sub-environment
+    (``single_action_space`` is the single environment's ``Discrete(kmax + 1)``).
+
+    ## Observation Space
+
+    ``Box(0, high, (num_envs, 10 + kmax + lookahead), float32)``: row i is sub-environment i's
+    observation, with the features, meanings and ranges of the table in
+    :class:`specenv.envs.replay.MoESpecEnv` (``single_observation_space``; names in order:
+    :attr:`specenv.observation.ObservationSpec.names`).
+
+    ## Rewards
+
+    ``(num_envs,)`` float64, per sub-environment as in the single environment: ``reward="cost"``
+    (default) gives ``-cost / ar_unit_ms``, ``reward="savings"`` gives
+    ``-cost / ar_unit_ms + committed``. A step that autoresets a sub-environment gives it 0.
+
+    ## Starting State
+
+    :meth:`reset` starts every sub-environment (or those in ``options["reset_mask"]``) on a
+    generation picked by its own generator (or ``options["generation_id"]``), t = 0.
+
+    ## Episode End
+
+    * Termination: a sub-environment's generation is fully committed (``terminated[i]``).
+    * Truncation: never.
+
+    Autoreset follows gymnasium's ``AutoresetMode.NEXT_STEP``: the step after a sub-environment
+    terminates resets it (its action is ignored, reward 0, terminated False) and returns the first
+    observation of the new episode.
 
     ``info`` follows gymnasium's vector convention (an array per key plus a boolean ``"_key"``
     mask): every step carries ``k``, ``accepted``, ``committed``, ``cost_ms``, ``U_r``, ``L``, ``t``
-    (masked off, and meaningless, for sub-environments being autoreset), ``generation_id`` and ``category`` (of the
-    episode in progress, or of the new one after an autoreset); ``speedup``, ``episode_cost_ms``,
-    ``ar_cost_ms`` and ``rounds`` are set where ``terminated``.
+    (masked off, and meaningless, for sub-environments being autoreset), ``generation_id`` and
+    ``category`` (of the episode in progress, or of the new one after an autoreset); ``speedup``,
+    ``episode_cost_ms``, ``ar_cost_ms`` and ``rounds`` are set where ``terminated``.
+
+    ## Arguments
+
+    ```python
+    gymnasium.make_vec("specenv/MoESpec-v0", num_envs=256, dataset="paper-default", kmax=None,
+                       split="train", cost_model="fit", lookahead=0, render_mode=None, reward="cost")
+    ```
 
     Args:
         num_envs: Number of sub-environments.
-        dataset, kmax, split, cost_model, lookahead, render_mode: As for
-            :class:`specenv.envs.replay.MoESpecEnv`. ``render_mode="ansi"`` makes :meth:`render` return one
-            line per sub-environment (its last round).
+        dataset: As for :class:`specenv.envs.replay.MoESpecEnv`.
+        kmax: As for the single environment.
+        split: As for the single environment.
+        cost_model: As for the single environment.
+        lookahead: As for the single environment.
+        render_mode: None, ``"ansi"`` (:meth:`render` returns one line per sub-environment, its
+            last round) or ``"rgb_array"`` (one ``(64, 128, 3)`` uint8 image per sub-environment).
+        reward: ``"cost"`` (default) or ``"savings"``.
 
     Raises:
         ValueError: Naming the argument, as for the single environment, or ``num_envs`` < 1.
+
+    ## Version History
+
+    * v0: initial version (bit-identical to ``num_envs`` single environments; ``reward`` and
+      ``render_mode="rgb_array"`` added with unchanged defaults).
+
+    Examples:
+        >>> import gymnasium as gym
+        >>> import numpy as np
+        >>> import specenv
+        >>> envs = gym.make_vec("specenv/MoESpec-v0", num_envs=8, dataset="paper-default", split="test")
+        >>> envs.single_action_space, envs.observation_space.shape
+        (Discrete(11), (8, 20))
+        >>> obs, info = envs.reset(seed=0)
+        >>> obs, rewards, terminated, truncated, info = envs.step(np.full(8, 4))
+        >>> rewards.shape, bool((rewards < 0).all()), bool(truncated.any())
+        ((8,), True, False)
+        >>> sorted(k for k in info if not k.startswith("_"))
+        ['L', 'U_r', 'accepted', 'category', 'committed', 'cost_ms', 'generation_id', 'k', 't']
+        >>> envs.close()
     """
 
     metadata = {"render_modes": list(RENDER_MODES), "render_fps": 4, "autoreset_mode": AutoresetMode.NEXT_STEP}
@@ -68,13 +139,14 @@ class MoESpecVectorEnv(VectorEnv):
         cost_model: str = "fit",
         lookahead: int = 0,
         render_mode: str | None = None,
+        reward: str = "cost",
     ):
         if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
             raise ValueError(f"num_envs={num_envs!r}: must be an integer >= 1")
-        if render_mode is not None and render_mode not in RENDER_MODES:
-            raise ValueError(f"render_mode={render_mode!r}: expected None or one of {RENDER_MODES}")
+        self.render_mode = check_render_mode(render_mode)
+        self._savings = check_reward(reward)
+        self.reward = reward
         self.num_envs = n = int(num_envs)
-        self.render_mode = render_mode
         self.data = d = replay_data(dataset, kmax, split, cost_model, lookahead)
         self.kmax = d.kmax
         self.lookahead = d.lookahead
@@ -107,6 +179,7 @@ class MoESpecVectorEnv(VectorEnv):
         self._prev_done = np.zeros(n, dtype=bool)
         self._started = False
         self._lines = [""] * n
+        self._strip = RoundStrip(d.kmax, n) if render_mode == "rgb_array" else None
         self._all = np.ones(n, dtype=bool)
         self._all.flags.writeable = False
 
@@ -127,6 +200,9 @@ class MoESpecVectorEnv(VectorEnv):
         rng.random(out=self._u[i, :n])  # the same numbers as Env.reset's rng.random(n)
         if self.render_mode == "ansi":
             self._lines[i] = f"gen {int(d.generation_ids[g])} [{d.categories[g]}] t=0"
+        elif self._strip is not None:
+            self._strip.k[i] = -1
+            self._strip.accepted[i] = -1
 
     def _conf(self) -> np.ndarray | None:
         """Draft confidences q_{t,1..h} at every sub-environment's current position (0 when done)."""
@@ -166,6 +242,18 @@ class MoESpecVectorEnv(VectorEnv):
         """
         int_seed = seed if seed is None or isinstance(seed, (int, np.integer)) else None
         super().reset(seed=int_seed)
+        mask, gids = self._reset_options(options)
+        self._seed_generators(self._seeds(seed), mask)
+        for i in np.flatnonzero(mask):
+            self._start(int(i), gids[i])
+        self._started = True
+        self._obs_state.reset(mask)
+        self._prev_done[mask] = False
+        obs = self._obs_state.build(self._L0 + self._t, self._t, self._conf())
+        return obs, self._reset_info(mask)
+
+    def _reset_options(self, options: dict[str, Any] | None) -> tuple[np.ndarray, list[Any]]:
+        """Validate ``reset``'s options: the (num_envs,) mask to reset and one generation id (or None) each."""
         n = self.num_envs
         options = dict(options or {})
         unknown = set(options) - {"generation_id", "reset_mask"}
@@ -178,20 +266,6 @@ class MoESpecVectorEnv(VectorEnv):
             mask = np.asarray(mask)
             if mask.shape != (n,) or mask.dtype != np.bool_:
                 raise ValueError(f"options['reset_mask']: expected a boolean array of shape ({n},)")
-        if seed is None:
-            seeds: list[int | None] = [None] * n
-        elif isinstance(seed, (int, np.integer)):
-            seeds = [int(seed) + i for i in range(n)]
-        else:
-            seeds = list(seed)
-            if len(seeds) != n:
-                raise ValueError(f"seed: a sequence needs num_envs={n} entries, got {len(seeds)}")
-        if self._rngs is None:
-            self._rngs = [seeding.np_random(s)[0] for s in seeds]
-        else:
-            for i in np.flatnonzero(mask):
-                if seeds[i] is not None:
-                    self._rngs[i] = seeding.np_random(seeds[i])[0]
         gids = options.get("generation_id")
         if gids is None or isinstance(gids, (int, np.integer)):
             gids = [gids] * n
@@ -199,13 +273,28 @@ class MoESpecVectorEnv(VectorEnv):
             raise ValueError(f"options['generation_id']: a sequence needs num_envs={n} entries")
         if not self._started and not mask.all():
             raise ValueError("options['reset_mask']: the first reset must reset every sub-environment")
+        return mask, gids
+
+    def _seeds(self, seed: int | Sequence[int | None] | None) -> list[int | None]:
+        """One seed (or None) per sub-environment: ``seed + i`` for an int seed."""
+        n = self.num_envs
+        if seed is None:
+            return [None] * n
+        if isinstance(seed, (int, np.integer)):
+            return [int(seed) + i for i in range(n)]
+        seeds = list(seed)
+        if len(seeds) != n:
+            raise ValueError(f"seed: a sequence needs num_envs={n} entries, got {len(seeds)}")
+        return seeds
+
+    def _seed_generators(self, seeds: list[int | None], mask: np.ndarray) -> None:
+        """Create every generator on first use; later, reseed the masked ones that got a seed."""
+        if self._rngs is None:
+            self._rngs = [seeding.np_random(s)[0] for s in seeds]
+            return
         for i in np.flatnonzero(mask):
-            self._start(int(i), gids[i])
-        self._started = True
-        self._obs_state.reset(mask)
-        self._prev_done[mask] = False
-        obs = self._obs_state.build(self._L0 + self._t, self._t, self._conf())
-        return obs, self._reset_info(mask)
+            if seeds[i] is not None:
+                self._rngs[i] = seeding.np_random(seeds[i])[0]
 
     def step(self, actions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """Execute one round in every sub-environment (autoresetting those that ended last step).
@@ -249,6 +338,8 @@ class MoESpecVectorEnv(VectorEnv):
         self._ep_cost += cost
         self._obs_state.update(k, a, U_r, units, committed)
         reward = -units
+        if self._savings:
+            reward += committed
         L = self._L0 + t
         info: dict[str, Any] = {
             "k": k,
@@ -285,6 +376,10 @@ class MoESpecVectorEnv(VectorEnv):
                 info["_" + key] = terminated
         if self.render_mode == "ansi":
             self._render_lines(k, a, committed, cost, U_r, t, terminated, step_mask)
+        elif self._strip is not None:
+            self._strip.push(k, a)
+            if any_reset:
+                self._strip.clear(done_prev)
         self._prev_done = terminated
         obs = self._obs_state.build(self._L0 + self._t, self._t, self._conf())
         return obs, reward, terminated, np.zeros(n, dtype=bool), info
@@ -298,9 +393,15 @@ class MoESpecVectorEnv(VectorEnv):
                 f"cost={float(cost[i]):.3f}ms U_r={float(U_r[i]):.2f}" + (" (done)" if terminated[i] else "")
             )
 
-    def render(self) -> tuple[str, ...] | None:
-        """The last round of every sub-environment as one line of text each (``render_mode="ansi"``)."""
+    def render(self) -> tuple[str, ...] | tuple[np.ndarray, ...] | None:
+        """One frame per sub-environment, as ``SyncVectorEnv.render`` returns them.
+
+        Its last round as text (``"ansi"``) or its recent rounds as a ``(64, 128, 3)`` uint8 image
+        (``"rgb_array"``); None (with a warning) without a render mode.
+        """
         if self.render_mode is None:
-            logger.warn(f'render_mode is None; create with gym.make_vec("{ENV_ID}", render_mode="ansi")')
+            logger.warn(f'render_mode is None; create with gym.make_vec("{ENV_ID}", render_mode="rgb_array")')
             return None
+        if self._strip is not None:
+            return tuple(self._strip.frames())
         return tuple(self._lines)

@@ -45,7 +45,7 @@ def row(gid: int, rnd: int, K: int = 3, acc: int = 1, run: str = "") -> dict:
 
 
 def test_parts_are_complete_and_indexed(tmp_path):
-    rec = PartRecorder(tmp_path, FACTS, kmax=4, meta={"engine": "test"}, part_rounds=5)
+    rec = PartRecorder(tmp_path, FACTS, kmax=4, meta={"engine": "test"}, source="vllm", part_rounds=5)
     for i in range(12):
         rec.add(row(i // 6, i % 6))
         rec.maybe_flush()
@@ -63,7 +63,7 @@ def test_parts_are_complete_and_indexed(tmp_path):
 
 
 def test_readers_ignore_partial_and_corrupt_files(tmp_path):
-    rec = PartRecorder(tmp_path, FACTS, kmax=4, meta={}, part_rounds=4)
+    rec = PartRecorder(tmp_path, FACTS, kmax=4, meta={}, source="vllm", part_rounds=4)
     for i in range(8):
         rec.add(row(0, i))
         rec.maybe_flush()
@@ -85,7 +85,7 @@ def test_readers_ignore_partial_and_corrupt_files(tmp_path):
 
 
 def test_invalid_rows_are_rejected_not_published(tmp_path):
-    rec = PartRecorder(tmp_path, FACTS, kmax=4, meta={}, part_rounds=100)
+    rec = PartRecorder(tmp_path, FACTS, kmax=4, meta={}, source="vllm", part_rounds=100)
     bad = row(0, 0)
     bad["U_r"] = 1.0  # below top_k
     rec.add(bad)
@@ -99,19 +99,19 @@ def test_invalid_rows_are_rejected_not_published(tmp_path):
 def test_several_runs_assemble_and_resume_numbering(tmp_path):
     a, b = tmp_path / "k2", tmp_path / "k3"
     for folder, K in ((a, 2), (b, 3)):
-        rec = PartRecorder(folder, FACTS, kmax=K, meta={"run": K}, part_rounds=3)
+        rec = PartRecorder(folder, FACTS, kmax=K, meta={"run": K}, source="vllm", part_rounds=3)
         for i in range(4):
             rec.add(row(0, i, K=K, run=f"K={K}"))
             rec.maybe_flush()
         rec.close()
-    rec = PartRecorder(a, FACTS, kmax=2, meta={"run": "again"}, part_rounds=3)  # resumes after part 1
+    rec = PartRecorder(a, FACTS, kmax=2, meta={"run": "again"}, source="vllm", part_rounds=3)  # resumes after part 1
     rec.add(row(1, 0, K=2, run="K=2"))
     rec.close()
     assert recording_status(a)["parts"] == ["part-000000", "part-000001", "part-000002"]
     ts = load_recording([a, b], name="both")
     assert ts.manifest.kmax == 3 and ts.manifest.name == "both"
     assert sorted(set(ts.rounds["run"])) == ["K=2", "K=3"] and len(ts.rounds) == 9
-    other = PartRecorder(tmp_path / "other", ModelFacts(3, 16, 2), kmax=2, meta={})
+    other = PartRecorder(tmp_path / "other", ModelFacts(3, 16, 2), kmax=2, meta={}, source="vllm")
     other.add(row(0, 0, K=2))
     other.close()
     with pytest.raises(TraceError, match="another model"):

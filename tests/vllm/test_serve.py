@@ -162,7 +162,11 @@ def test_serve_records_and_sigkill_leaves_only_complete_parts(model_dirs, plain_
     for name in st["incomplete"]:  # only temporaries or an unindexed (never announced) Parquet file
         assert name.startswith(".") or name.endswith(".parquet"), name
     man = json.loads((rec / "recording.json").read_text())
-    assert man["format"] == "specenv.engines.vllm.recording/1" and man["extra"]["settings"]["policy"] == str(pol)
+    assert (
+        man["format"] == "specenv.recording/1"
+        and man["source"] == "vllm"
+        and man["extra"]["settings"]["policy"] == str(pol)
+    )
     ts = load_recording(rec)
     for part in st["parts"]:
         idx = json.loads((rec / PARTS / f"{part}.json").read_text())

@@ -75,9 +75,6 @@ def collect_live(
     Returns:
         A :class:`TraceSet` with both tables (``source="hf"``, ``greedy=True``).
     """
-    import torch
-    import transformers
-
     if clock not in CLOCKS:
         raise ValueError(f"clock={clock!r}: expected one of {CLOCKS}")
     if clock == "cpu" and threads != 1:
@@ -94,57 +91,108 @@ def collect_live(
     gc.collect()
     gc.disable()  # no collector pauses inside timed rounds
     try:
-        # warm-up: allocator, kernels and caches see every shape once before anything is timed
-        warm = models.encode(prompts[0].text)
-        for K in range(kmax + 1):
-            eng.start(warm)
-            for _ in range(3):
-                if not eng.done:
-                    eng.step(K)
-
+        _warm_up(eng, models.encode(prompts[0].text), kmax)
         round_frames, pos_frames = [], []
         mismatches: list[dict[str, int]] = []
         for i, p in enumerate(prompts):
-            ids = models.encode(p.text)
-            reference: list[int] = []
-            for K in range(kmax + 1):
-                out, rounds = eng.generate(ids, K)
-                if K == 0:
-                    reference = out
-                elif out != reference:
-                    first = next(
-                        (j for j, (x, y) in enumerate(zip(out, reference, strict=False)) if x != y),
-                        min(len(out), len(reference)),
-                    )
-                    mismatches.append({"generation_id": p.id, "K": K, "first_diff": int(first)})
-                round_frames.append(_rounds_frame(p, K, rounds, clock))
-            sw = eng.sweep(ids, reference, kmax)
-            cols: dict[str, Any] = {
-                "generation_id": np.full(len(reference), p.id, dtype=np.int64),
-                "category": p.category,
-                "t": np.arange(len(reference), dtype=np.int32),
-                "L": sw["L"],
-            }
-            for j, c in enumerate(rho_columns(kmax)):
-                cols[c] = sw["rho"][:, j]
-            for j, c in enumerate(q_columns(kmax)):
-                cols[c] = np.clip(sw["q"][:, j], 0.0, 1.0)
-            for j, c in enumerate(u_columns(kmax)):
-                cols[c] = sw["U"][:, j]
-            cols["T_T_sweep_ms"] = sw["T_T_ms"]
-            pos_frames.append(pd.DataFrame(cols))
+            rounds, positions = _collect_prompt(eng, models.encode(p.text), p, kmax, clock, mismatches)
+            round_frames += rounds
+            pos_frames.append(positions)
             if progress:
                 progress(i + 1, len(prompts))
     finally:
         eng.close()
         if gc_was:
             gc.enable()
-    wall = time.perf_counter() - wall0
+    manifest = _manifest(
+        models,
+        prompts,
+        name=name,
+        kmax=kmax,
+        max_new_tokens=max_new_tokens,
+        threads=threads,
+        prompt_set=prompt_set,
+        clock=clock,
+        mismatches=mismatches,
+        load_before=load_before,
+        wall=time.perf_counter() - wall0,
+    )
     rounds_df = pd.concat(round_frames, ignore_index=True)
     positions = pd.concat(pos_frames, ignore_index=True)
+    return TraceSet(manifest, positions, rounds_df)
+
+
+def _warm_up(eng: LiveEngine, ids: list[int], kmax: int) -> None:
+    """Let the allocator, kernels and caches see every shape once before anything is timed."""
+    for K in range(kmax + 1):
+        eng.start(ids)
+        for _ in range(3):
+            if not eng.done:
+                eng.step(K)
+
+
+def _collect_prompt(
+    eng: LiveEngine, ids: list[int], p: Prompt, kmax: int, clock: str, mismatches: list[dict[str, int]]
+) -> tuple[list[pd.DataFrame], pd.DataFrame]:
+    """The fixed-K runs K = 0..kmax of one prompt (rounds frames) and its counterfactual sweep (positions).
+
+    Runs that do not reproduce the K = 0 output are appended to ``mismatches``.
+    """
+    frames = []
+    reference: list[int] = []
+    for K in range(kmax + 1):
+        out, rounds = eng.generate(ids, K)
+        if K == 0:
+            reference = out
+        elif out != reference:
+            first = next(
+                (j for j, (x, y) in enumerate(zip(out, reference, strict=False)) if x != y),
+                min(len(out), len(reference)),
+            )
+            mismatches.append({"generation_id": p.id, "K": K, "first_diff": int(first)})
+        frames.append(_rounds_frame(p, K, rounds, clock))
+    return frames, _positions_frame(p, reference, eng.sweep(ids, reference, kmax), kmax)
+
+
+def _positions_frame(p: Prompt, reference: list[int], sw: dict[str, np.ndarray], kmax: int) -> pd.DataFrame:
+    """Rows of the positions table of one prompt from its counterfactual sweep."""
+    cols: dict[str, Any] = {
+        "generation_id": np.full(len(reference), p.id, dtype=np.int64),
+        "category": p.category,
+        "t": np.arange(len(reference), dtype=np.int32),
+        "L": sw["L"],
+    }
+    for j, c in enumerate(rho_columns(kmax)):
+        cols[c] = sw["rho"][:, j]
+    for j, c in enumerate(q_columns(kmax)):
+        cols[c] = np.clip(sw["q"][:, j], 0.0, 1.0)
+    for j, c in enumerate(u_columns(kmax)):
+        cols[c] = sw["U"][:, j]
+    cols["T_T_sweep_ms"] = sw["T_T_ms"]
+    return pd.DataFrame(cols)
+
+
+def _manifest(
+    models: SmallModels,
+    prompts: Sequence[Prompt],
+    *,
+    name: str,
+    kmax: int,
+    max_new_tokens: int,
+    threads: int,
+    prompt_set: str,
+    clock: str,
+    mismatches: list[dict[str, int]],
+    load_before: tuple[float, float, float],
+    wall: float,
+) -> Manifest:
+    """The trace set's manifest: models, prompts, clocks, machine, and the lossless check."""
+    import torch
+    import transformers
+
     mm = models.manifest
     n_runs = len(prompts) * kmax
-    manifest = Manifest(
+    return Manifest(
         name=name,
         source="hf",
         profile=f"{mm.get('name', 'small-moe')}-v{mm.get('version', 1)} (transformers, CPU, {threads} thread(s))",
@@ -198,7 +246,6 @@ def collect_live(
             },
         },
     )
-    return TraceSet(manifest, positions, rounds_df)
 
 
 def _rounds_frame(p: Prompt, K: int, rounds: list[Any], clock: str) -> pd.DataFrame:

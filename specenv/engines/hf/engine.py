@@ -6,7 +6,7 @@ verifies the last committed token plus k drafts in **one** forward pass with its
 accepted prefix is committed and both ``DynamicCache`` objects are cropped back. k = 0 is plain
 autoregressive decoding through the same path (m = 1, no draft call).
 
-Round protocol (DESIGN section 1). With n tokens committed (prompt + generated), the target cache
+Round protocol. With n tokens committed (prompt + generated), the target cache
 holds the first n-1 of them (the last committed token is always fed again), so every verification
 feeds exactly m = k+1 tokens:
 

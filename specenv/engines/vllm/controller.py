@@ -219,7 +219,7 @@ class SpecControlScheduler(Scheduler):
         self._slots = _ObsSlots(self.spec)
         self._stateless = True
         if self.settings.policy:
-            self.set_policy(resolve_policy(self.settings.policy))
+            self.set_policy(resolve_policy(self.settings.policy, self.spec))
         self.recorder = None
         if self.settings.record:
             self.start_recording(self.settings.record)
@@ -330,6 +330,7 @@ class SpecControlScheduler(Scheduler):
             facts,
             kmax=max(int(self.num_spec_tokens), self.spec.kmax, 1),
             meta=self._provenance(),
+            source="vllm",
             name=s.name,
             max_new_tokens=int(s.max_new_tokens or self.spec.max_new_tokens),
             part_rounds=s.part_rounds,

