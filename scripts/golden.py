@@ -34,8 +34,8 @@ MC_EPISODES, MC_SEED = 4, 0
 def compute() -> dict[str, Any]:
     """Recompute every golden figure from the package (no file is read but the shipped set)."""
     import oracle
+    from specenv.costsource import cost_model_for
     from specenv.datasets import load_dataset
-    from specenv.fit import cost_model_for
     from specenv.splits import select_split
 
     ts = load_dataset(DATASET)

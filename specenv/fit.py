@@ -11,7 +11,7 @@
 
 statsmodels and scikit-learn are imported inside the functions that fit, never at import of this or
 any other specenv module. Which model an environment uses (and the caching of its fit) is
-:func:`specenv.costsource.cost_model_for`, re-exported here for existing callers.
+:func:`specenv.costsource.cost_model_for`.
 """
 
 from __future__ import annotations
@@ -23,19 +23,15 @@ import numpy as np
 import pandas as pd
 
 from specenv.costmodel import CostModel
-from specenv.costsource import cost_model_for
-from specenv.io import json_digest
 
 __all__ = [
     "FORMS",
     "FitReport",
     "compare_forms",
-    "cost_model_for",
     "fit_cost_model",
     "fit_draft",
     "fit_per_k",
     "fit_replay_model",
-    "json_digest",
 ]
 
 FORMS = ("U_r + L", "U_r + L + gamma*K", "U_r x C(K) + L")

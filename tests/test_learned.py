@@ -96,8 +96,8 @@ def test_dagger_learns_from_oracle_labels(small_greedy_traces: Path) -> None:
     """One cheap DAgger run: the imitation policy beats always-AR and is exported in numpy form."""
     from oracle.dp import evaluate_policy, solve
     from policies.imitation import split_arrays, train_dagger
+    from specenv.costsource import cost_model_for
     from specenv.datasets import load_dataset
-    from specenv.fit import cost_model_for
 
     res = train_dagger(str(small_greedy_traces), iterations=2, epochs=20, seed=0)
     assert len(res.history) == 2

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import oracle
+from specenv.costsource import cost_model_for
 from specenv.datasets import load_dataset
-from specenv.fit import cost_model_for
 from specenv.splits import select_split
 
 # The pinned figures live in tests/golden.json only (written by scripts/golden.py, which documents their

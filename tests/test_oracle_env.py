@@ -8,8 +8,8 @@ import pytest
 import oracle
 import specenv.envs.replay as env_mod
 from policies.heuristics import FixedK
+from specenv.costsource import cost_model_for
 from specenv.datasets import load_dataset
-from specenv.fit import cost_model_for
 from specenv.observation import ObservationSpec
 from specenv.rollout import OnlinePolicy, evaluate_in_env
 from specenv.splits import select_split
