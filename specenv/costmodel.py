@@ -4,6 +4,18 @@
 ``T_D(K) = d1*K + d0`` for K >= 1, ``T_D(0) = 0``. K = 0 is plain autoregressive decoding (m = 1,
 U = top_k). Coefficients come from :func:`specenv.fit.fit_cost_model` on a rounds table, or from the
 paper profile (:meth:`CostModel.paper_profile`). Saved and loaded as JSON.
+
+**The charged cost of a round** is owned here: :meth:`CostModel.charged_ms` (one round) and
+:meth:`CostModel.charged_table` (every position and budget) compute ``T_T(k, U, L) + T_D(drafted)``
+with the number of drafted tokens given by the drafting mode (:data:`DRAFTING_MODES`):
+
+* ``"none"``: k is chosen before drafting, the round drafts (and pays for) k tokens;
+* ``"block"``: the drafter proposes h tokens at once (the lookahead), the controller trims to
+  ``k <= h`` after seeing their confidences; the round pays ``T_D(max(k, h))``, also at k = 0;
+* ``"sequential"``: the drafter stops after any token; the round pays ``T_D(tokens drafted)``,
+  which the caller passes as ``drafted``.
+
+Environments, the oracle and the benchmark all charge rounds through these two methods.
 """
 
 from __future__ import annotations
@@ -19,6 +31,22 @@ import numpy as np
 from specenv import paper
 
 FORMAT = "specenv.costmodel/1"
+
+#: How the draft cost of a round is charged (see the module docstring).
+DRAFTING_MODES: tuple[str, ...] = ("none", "block", "sequential")
+NONE, BLOCK, SEQUENTIAL = DRAFTING_MODES
+
+
+def drafting_mode(lookahead: int) -> str:
+    """The drafting mode of a replay with this lookahead: ``"block"`` for h > 0, else ``"none"``."""
+    return BLOCK if lookahead > 0 else NONE
+
+
+def drafted_tokens(k: np.ndarray | int, lookahead: int = 0) -> np.ndarray:
+    """Tokens drafted by a round with budget ``k``: ``max(k, h)`` (``k`` when h = 0, mode ``"none"``)."""
+    if lookahead < 0:
+        raise ValueError(f"lookahead={lookahead}: must be >= 0")
+    return np.maximum(np.asarray(k, dtype=np.int64), lookahead)
 
 
 @dataclass
@@ -76,22 +104,56 @@ class CostModel:
         """Cost of one round, C = T_D(K) + T_T(K, U, L), in ms."""
         return self.draft_ms(K) + self.target_ms(K, U, L)
 
-    def cost_table(self, U: np.ndarray, L: np.ndarray, kmax: int | None = None) -> np.ndarray:
-        """C(t, k) for every row and every k = 0..kmax.
+    def charged_ms(
+        self, k: np.ndarray | int, U: np.ndarray | float, L: np.ndarray | float, drafted: np.ndarray | int | None = None
+    ) -> np.ndarray:
+        """Charged cost of a round with budget ``k``: ``T_T(k, U, L) + T_D(drafted)`` in ms.
 
         Args:
-            U: (n, >=kmax+1) unique experts per chain prefix.
-            L: (n,) context lengths.
-            kmax: Budgets to cover (default: U's width - 1).
+            k: Budget (verified drafts).
+            U: Unique experts of the round.
+            L: Context length.
+            drafted: Tokens the drafter produced (default ``k``, mode ``"none"``); ``max(k, h)`` in
+                mode ``"block"`` (:func:`drafted_tokens`), the tokens drafted in mode ``"sequential"``.
 
         Returns:
-            (n, kmax+1) float64 costs in ms.
+            The cost (broadcast over array arguments).
+        """
+        return self.target_ms(k, U, L) + self.draft_ms(k if drafted is None else drafted)
+
+    def target_table(self, U: np.ndarray, L: np.ndarray, kmax: int | None = None) -> np.ndarray:
+        """T_T(k, U_{t,k}, L_t) for every row and every k = 0..kmax, (n, kmax+1) ms.
+
+        Raises:
+            ValueError: If ``kmax`` exceeds the model's Kmax.
         """
         kmax = U.shape[1] - 1 if kmax is None else kmax
         if kmax > self.kmax:
             raise ValueError(f"kmax={kmax} exceeds the cost model's Kmax={self.kmax}")
         ks = np.arange(kmax + 1)
-        return self.beta0[ks] + self.alpha[ks] * U[:, : kmax + 1] + self.c[ks] * L[:, None] + self.draft_ms(ks)
+        return self.beta0[ks] + self.alpha[ks] * U[:, : kmax + 1] + self.c[ks] * L[:, None]
+
+    def charged_table(self, U: np.ndarray, L: np.ndarray, kmax: int | None = None, lookahead: int = 0) -> np.ndarray:
+        """Charged cost C(t, k) = T_T(k, U_{t,k}, L_t) + T_D(max(k, h)) for every row and k = 0..kmax.
+
+        ``lookahead = h = 0`` is drafting mode ``"none"`` (the round drafts k tokens), ``h > 0`` mode
+        ``"block"`` (every round drafts max(k, h) tokens, also at k = 0). Same arithmetic as
+        :meth:`charged_ms` with ``drafted=drafted_tokens(k, h)``.
+
+        Args:
+            U: (n, >=kmax+1) unique experts per chain prefix.
+            L: (n,) context lengths.
+            kmax: Budgets to cover (default: U's width - 1).
+            lookahead: Draft tokens h every round drafts at least.
+
+        Returns:
+            (n, kmax+1) float64 costs in ms.
+
+        Raises:
+            ValueError: If ``kmax`` exceeds the model's Kmax or ``lookahead < 0``.
+        """
+        target = self.target_table(U, L, kmax)
+        return target + self.draft_ms(drafted_tokens(np.arange(target.shape[1]), lookahead))
 
     def ar_ms(self, L: np.ndarray | float) -> np.ndarray:
         """Cost of one autoregressive step (K = 0, U = top_k) at context L."""

@@ -233,6 +233,17 @@ class PositionArrays:
             greedy=self.greedy,
         )
 
+    def survival(self) -> np.ndarray:
+        """The acceptance survival table ``S[t, i-1] = P(a >= i | t) = prod_{j<=i} rho_{t,j}``, i = 1..kmax.
+
+        rho is clipped to [0, 1] first (validated tables already are, so this changes nothing on them).
+        The environments, the oracle and the benchmark all take survival probabilities from here.
+
+        Returns:
+            (n, kmax) float64 array, non-increasing along each row.
+        """
+        return np.cumprod(np.clip(self.rho, 0.0, 1.0), axis=1)
+
     def with_kmax(self, kmax: int) -> PositionArrays:
         """The same positions restricted to budgets 0..kmax (kmax <= self.kmax)."""
         if not 1 <= kmax <= self.kmax:

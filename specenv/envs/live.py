@@ -20,7 +20,9 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from specenv.envs.replay import _ScalarObservation, replay_data
+from specenv.costmodel import drafted_tokens
+from specenv.envs.replay import _ScalarObservation
+from specenv.replay import replay_data
 
 LIVE_ENV_ID = "specenv/MoESpecLive-v0"
 RENDER_MODES = ("ansi",)
@@ -224,7 +226,7 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
         if self.reward_kind == "measured":
             cost = float(r.T_T_cpu_ms + r.T_D_cpu_ms) if self.clock == "cpu" else float(r.T_T_ms + r.T_D_ms)
         else:
-            cost = float(cm.target_ms(k, r.U_r, r.L) + cm.draft_ms(max(k, self.lookahead)))
+            cost = float(cm.charged_ms(k, r.U_r, r.L, drafted=drafted_tokens(k, self.lookahead)))
         committed = len(r.committed)
         t_new = r.t + committed
         Ls = np.arange(r.L, r.L + committed, dtype=np.float64)
