@@ -46,7 +46,7 @@ import numpy as np
 
 from specenv.costmodel import CostModel
 from specenv.stats import mean_ci, ratio_ci
-from specenv.traceset import PositionArrays
+from specenv.traceset import PositionArrays, survival_table
 
 __all__ = [
     "Evaluation",
@@ -160,9 +160,17 @@ def _step_tables(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Cost (K+1, n) and survival (K, n) tables in step order.
 
-    :func:`cost_table` and :func:`survival` permuted by :meth:`_Layout.to_steps`.
+    The same functions as :func:`cost_table` and :func:`survival`
+    (:meth:`~specenv.costmodel.CostModel.charged_by_budget`, :func:`~specenv.traceset.survival_table`)
+    applied in place to the inputs permuted by :meth:`_Layout.to_steps`, so each step reads contiguous
+    slices; the values equal ``cost_table(...)[lay.perm].T`` and ``survival(...)[lay.perm].T`` exactly.
     """
-    return lay.to_steps(cost_table(arrays, cost_model, lookahead)), lay.to_steps(survival(arrays))
+    _check_inputs(arrays, cost_model, lookahead)
+    Ct = lay.to_steps(arrays.U[:, : arrays.kmax + 1])
+    cost_model.charged_by_budget(Ct, arrays.L[lay.perm], lookahead, out=Ct)
+    St = lay.to_steps(arrays.rho)
+    survival_table(St, axis=0, out=St)
+    return Ct, St
 
 
 def _backward(Ct: np.ndarray, St: np.ndarray, lay: _Layout, policy: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:

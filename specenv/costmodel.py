@@ -121,24 +121,12 @@ class CostModel:
         """
         return self.target_ms(k, U, L) + self.draft_ms(k if drafted is None else drafted)
 
-    def target_table(self, U: np.ndarray, L: np.ndarray, kmax: int | None = None) -> np.ndarray:
-        """T_T(k, U_{t,k}, L_t) for every row and every k = 0..kmax, (n, kmax+1) ms.
-
-        Raises:
-            ValueError: If ``kmax`` exceeds the model's Kmax.
-        """
-        kmax = U.shape[1] - 1 if kmax is None else kmax
-        if kmax > self.kmax:
-            raise ValueError(f"kmax={kmax} exceeds the cost model's Kmax={self.kmax}")
-        ks = np.arange(kmax + 1)
-        return self.beta0[ks] + self.alpha[ks] * U[:, : kmax + 1] + self.c[ks] * L[:, None]
-
     def charged_table(self, U: np.ndarray, L: np.ndarray, kmax: int | None = None, lookahead: int = 0) -> np.ndarray:
         """Charged cost C(t, k) = T_T(k, U_{t,k}, L_t) + T_D(max(k, h)) for every row and k = 0..kmax.
 
         ``lookahead = h = 0`` is drafting mode ``"none"`` (the round drafts k tokens), ``h > 0`` mode
-        ``"block"`` (every round drafts max(k, h) tokens, also at k = 0). Same arithmetic as
-        :meth:`charged_ms` with ``drafted=drafted_tokens(k, h)``.
+        ``"block"`` (every round drafts max(k, h) tokens, also at k = 0). Computed by
+        :meth:`charged_by_budget`, with the arithmetic of :meth:`charged_ms` (bit-identical).
 
         Args:
             U: (n, >=kmax+1) unique experts per chain prefix.
@@ -147,13 +135,46 @@ class CostModel:
             lookahead: Draft tokens h every round drafts at least.
 
         Returns:
-            (n, kmax+1) float64 costs in ms.
+            (n, kmax+1) C-contiguous float64 costs in ms.
 
         Raises:
             ValueError: If ``kmax`` exceeds the model's Kmax or ``lookahead < 0``.
         """
-        target = self.target_table(U, L, kmax)
-        return target + self.draft_ms(drafted_tokens(np.arange(target.shape[1]), lookahead))
+        kmax = U.shape[1] - 1 if kmax is None else kmax
+        by_budget = np.array(U[:, : kmax + 1].T, dtype=np.float64, order="C")  # always a copy
+        return np.ascontiguousarray(self.charged_by_budget(by_budget, L, lookahead, out=by_budget).T)
+
+    def charged_by_budget(
+        self, U: np.ndarray, L: np.ndarray, lookahead: int = 0, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """:meth:`charged_table` in budget-major layout: row k holds C(., k) for every position.
+
+        The one implementation of the charged table (the oracle calls it on its step-ordered tables).
+        Per element: ``((beta0[k] + alpha[k] * U) + c[k] * L) + T_D(max(k, h))``, as in :meth:`charged_ms`.
+
+        Args:
+            U: (kmax+1, n) unique experts, row k = budget k.
+            L: (n,) context lengths.
+            lookahead: Draft tokens h every round drafts at least.
+            out: Where to write (may be ``U`` itself, for in-place use); default a new array.
+
+        Returns:
+            (kmax+1, n) float64 costs in ms.
+
+        Raises:
+            ValueError: If ``kmax`` exceeds the model's Kmax or ``lookahead < 0``.
+        """
+        kmax = U.shape[0] - 1
+        if kmax > self.kmax:
+            raise ValueError(f"kmax={kmax} exceeds the cost model's Kmax={self.kmax}")
+        ks = np.arange(kmax + 1)
+        draft = self.draft_ms(drafted_tokens(ks, lookahead))
+        out = np.multiply(U, self.alpha[ks, None], out=out)
+        out += self.beta0[ks, None]
+        for k in range(kmax + 1):
+            out[k] += self.c[k] * L
+            out[k] += draft[k]
+        return out
 
     def ar_ms(self, L: np.ndarray | float) -> np.ndarray:
         """Cost of one autoregressive step (K = 0, U = top_k) at context L."""
