@@ -101,8 +101,11 @@ class CostModel:
         return np.where(K > 0, self.d1 * K + self.d0, 0.0)
 
     def round_ms(self, K: np.ndarray | int, U: np.ndarray | float, L: np.ndarray | float) -> np.ndarray:
-        """Cost of one round, C = T_D(K) + T_T(K, U, L), in ms."""
-        return self.draft_ms(K) + self.target_ms(K, U, L)
+        """Cost of one round that drafts K tokens (mode ``"none"``), C = T_D(K) + T_T(K, U, L), in ms.
+
+        The same as :meth:`charged_ms` with ``drafted=K``.
+        """
+        return self.charged_ms(K, U, L)
 
     def charged_ms(
         self, k: np.ndarray | int, U: np.ndarray | float, L: np.ndarray | float, drafted: np.ndarray | int | None = None
