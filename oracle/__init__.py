@@ -7,9 +7,12 @@
   :func:`simulate`: seeded Monte-Carlo episodes of one;
 * :func:`kmax_sweep`: the bound against Kmax (paper Figure 2);
 * :func:`delta_analysis` and :func:`boundary_slope`: the delta space of rejected candidates and the
-  slope lambda the delta-space heuristic uses (paper Figure 3);
-* :mod:`specenv.rollout` (imported on demand): Monte-Carlo evaluation of any online policy in the
-  Gymnasium environment, with confidence intervals.
+  slope lambda the delta-space heuristic uses (paper Figure 3).
+
+The oracle is numpy only: it never imports Gymnasium or the environments. Costs and survival
+probabilities come from their single owners, :meth:`specenv.costmodel.CostModel.charged_table` and
+:meth:`specenv.traceset.PositionArrays.survival`. Online policies are played through the
+environment by :mod:`specenv.rollout`.
 """
 
 from oracle.delta import DeltaAnalysis, boundary_slope, delta_analysis, delta_rule_policy, plot_delta

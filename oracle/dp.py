@@ -46,7 +46,7 @@ import numpy as np
 
 from specenv.costmodel import CostModel
 from specenv.stats import mean_ci, ratio_ci
-from specenv.traceset import PositionArrays
+from specenv.traceset import PositionArrays, survival_table
 
 __all__ = [
     "Evaluation",
@@ -80,7 +80,8 @@ def _check_inputs(arrays: PositionArrays, cost_model: CostModel, lookahead: int)
 def cost_table(arrays: PositionArrays, cost_model: CostModel, lookahead: int = 0) -> np.ndarray:
     """Round cost C(t, k) in ms for every position row and every budget k = 0..Kmax.
 
-    ``C(t,k) = T_T(k, U_{t,k}, L_t) + T_D(max(k, h))`` with h the lookahead (``T_D(0) = 0``).
+    ``C(t,k) = T_T(k, U_{t,k}, L_t) + T_D(max(k, h))`` with h the lookahead (``T_D(0) = 0``): the
+    cost model's :meth:`~specenv.costmodel.CostModel.charged_table`.
 
     Args:
         arrays: The positions table.
@@ -91,14 +92,15 @@ def cost_table(arrays: PositionArrays, cost_model: CostModel, lookahead: int = 0
         (n, Kmax+1) float64 array.
     """
     _check_inputs(arrays, cost_model, lookahead)
-    ks = np.arange(arrays.kmax + 1)
-    target = cost_model.target_ms(ks, arrays.U[:, : arrays.kmax + 1], arrays.L[:, None])
-    return target + cost_model.draft_ms(np.maximum(ks, lookahead))
+    return cost_model.charged_table(arrays.U, arrays.L, arrays.kmax, lookahead)
 
 
 def survival(arrays: PositionArrays) -> np.ndarray:
-    """``S[t, i-1] = P(a >= i) = prod_{j<=i} rho_{t,j}`` for i = 1..Kmax, shape (n, Kmax)."""
-    return np.cumprod(np.clip(arrays.rho, 0.0, 1.0), axis=1)
+    """``S[t, i-1] = P(a >= i) = prod_{j<=i} rho_{t,j}`` for i = 1..Kmax, shape (n, Kmax).
+
+    The positions table's :meth:`~specenv.traceset.PositionArrays.survival`.
+    """
+    return arrays.survival()
 
 
 def expected_accepted(arrays: PositionArrays) -> np.ndarray:
@@ -156,22 +158,18 @@ class _Layout:
 def _step_tables(
     arrays: PositionArrays, cost_model: CostModel, lookahead: int, lay: _Layout
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Cost (K+1, n) and survival (K, n) tables in step order; same arithmetic as :func:`cost_table`."""
+    """Cost (K+1, n) and survival (K, n) tables in step order.
+
+    The same functions as :func:`cost_table` and :func:`survival`
+    (:meth:`~specenv.costmodel.CostModel.charged_by_budget`, :func:`~specenv.traceset.survival_table`)
+    applied in place to the inputs permuted by :meth:`_Layout.to_steps`, so each step reads contiguous
+    slices; the values equal ``cost_table(...)[lay.perm].T`` and ``survival(...)[lay.perm].T`` exactly.
+    """
     _check_inputs(arrays, cost_model, lookahead)
-    K = arrays.kmax
-    ks = np.arange(K + 1)
-    Ct = lay.to_steps(arrays.U[:, : K + 1])
-    Lp = arrays.L[lay.perm]
-    Ct *= cost_model.alpha[ks, None]
-    Ct += cost_model.beta0[ks, None]
-    draft = cost_model.draft_ms(np.maximum(ks, lookahead))
-    for j in range(K + 1):
-        Ct[j] += cost_model.c[j] * Lp
-        Ct[j] += draft[j]
+    Ct = lay.to_steps(arrays.U[:, : arrays.kmax + 1])
+    cost_model.charged_by_budget(Ct, arrays.L[lay.perm], lookahead, out=Ct)
     St = lay.to_steps(arrays.rho)
-    np.clip(St, 0.0, 1.0, out=St)
-    for j in range(1, K):
-        St[j] *= St[j - 1]
+    survival_table(St, axis=0, out=St)
     return Ct, St
 
 

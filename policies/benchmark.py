@@ -84,33 +84,38 @@ def shipped_policy_dir() -> Path:
     return Path(str(trav))
 
 
+def train_priors(train: PositionArrays) -> tuple[np.ndarray, np.ndarray]:
+    """Priors the online rules start from, fitted on the train positions.
+
+    Returns:
+        ``u_prior`` (kmax+1,): mean unique experts U_{t,k} per budget; ``rho_prior`` (kmax,): mean
+        conditional acceptance per depth over the states where that depth is reached (weights
+        ``P(a >= j-1)`` from :meth:`~specenv.traceset.PositionArrays.survival`).
+    """
+    surv = train.survival()
+    reach = np.concatenate([np.ones((len(surv), 1)), surv[:, :-1]], axis=1)
+    rho_prior = (reach * train.rho).sum(axis=0) / np.maximum(reach.sum(axis=0), 1e-12)
+    return train.U.mean(axis=0), rho_prior
+
+
 def build_context(dataset: str, kmax: int | None, cost_model: str, policy_dir: Path | None) -> Context:
     """Fit everything policies need on the train split."""
     from oracle.delta import boundary_slope
     from oracle.dp import evaluate_policy
     from specenv.costsource import cost_model_for
     from specenv.datasets import load_dataset
-    from specenv.splits import select_split
+    from specenv.replay import select_positions
 
     ts = load_dataset(dataset)
-    arr = ts.arrays()
-    kmax = arr.kmax if kmax is None else kmax
-    if not 1 <= kmax <= arr.kmax:
-        raise ValueError(f"kmax={kmax}: must be in 1..{arr.kmax} (the trace set's Kmax)")
-    arr = arr.with_kmax(kmax) if kmax < arr.kmax else arr
+    train = select_positions(ts, kmax, "train")
+    test = select_positions(ts, kmax, "test")
+    kmax = train.kmax
     model = cost_model_for(ts, cost_model)
-    train, test = select_split(arr, "train"), select_split(arr, "test")
-    if test.n_generations == 0 or train.n_generations == 0:
-        raise ValueError(f"dataset '{dataset}': needs generations in both train and test splits")
     speed = [evaluate_policy(train, model, k).speedup_pooled for k in range(kmax + 1)]
     best = int(np.argmax(speed))
     lam = boundary_slope(train, model)
     lam_h3 = boundary_slope(train, model, lookahead=min(3, kmax))
-    u_prior = train.U.mean(axis=0)
-    # mean conditional acceptance per depth, over the states where that depth is reached
-    surv = np.cumprod(train.rho, axis=1)
-    reach = np.concatenate([np.ones((len(surv), 1)), surv[:, :-1]], axis=1)
-    rho_prior = (reach * train.rho).sum(axis=0) / np.maximum(reach.sum(axis=0), 1e-12)
+    u_prior, rho_prior = train_priors(train)
     spec = ObservationSpec(kmax, 0, int(ts.manifest.max_new_tokens), int(ts.facts.n_experts))
     return Context(
         dataset, kmax, model, cost_model, train, test, best, lam, lam_h3, u_prior, rho_prior, spec, policy_dir
@@ -170,10 +175,15 @@ def _learned(pol: MLPPolicy) -> Callable[[ObservationSpec], Policy]:
 
 
 def run_policy(entry: Entry, ctx: Context, episodes: int, seed: int) -> tuple[pd.DataFrame, Policy]:
-    """Replay every test generation ``episodes`` times with one policy; one row per episode."""
+    """Replay every test generation ``episodes`` times with one policy; one row per episode.
+
+    Episode r of a generation is reset with seed ``seed + r``; the episodes are played by
+    :func:`specenv.rollout.rollout`.
+    """
     import gymnasium as gym
 
     from specenv.envs.replay import ENV_ID
+    from specenv.rollout import rollout
 
     env = gym.make(
         ENV_ID,
@@ -183,34 +193,28 @@ def run_policy(entry: Entry, ctx: Context, episodes: int, seed: int) -> tuple[pd
         cost_model=ctx.cost_model_arg,
         lookahead=entry.lookahead,
     )
-    policy = entry.make(env.unwrapped.data.spec)
-    rows = []
-    for gid in env.unwrapped.data.generation_ids:
-        for r in range(episodes):
-            obs, info0 = env.reset(seed=seed + r, options={"generation_id": int(gid)})
-            policy.reset()
-            done, k_sum, a_sum, n = False, 0, 0, 0
-            while not done:
-                k = policy.act(obs)
-                obs, _, done, _, info = env.step(k)
-                k_sum += info["k"]
-                a_sum += info["accepted"]
-                n += 1
-            rows.append(
-                {
-                    "policy": entry.name,
-                    "generation_id": int(gid),
-                    "category": info0["category"],
-                    "episode": r,
-                    "cost_ms": info["episode_cost_ms"],
-                    "ar_ms": info["ar_cost_ms"],
-                    "rounds": n,
-                    "k_sum": k_sum,
-                    "accepted_sum": a_sum,
-                }
-            )
-    env.close()
-    return pd.DataFrame(rows), policy
+    try:
+        policy = entry.make(env.unwrapped.data.spec)
+        gids = np.asarray(env.unwrapped.data.generation_ids, dtype=np.int64)
+        ep_gid = np.repeat(gids, episodes)
+        ep_r = np.tile(np.arange(episodes, dtype=np.int64), len(gids))
+        res = rollout(env, policy, list(zip(ep_gid.tolist(), (seed + ep_r).tolist(), strict=True)))
+    finally:
+        env.close()
+    df = pd.DataFrame(
+        {
+            "policy": entry.name,
+            "generation_id": ep_gid,
+            "category": res.categories,
+            "episode": ep_r,
+            "cost_ms": res.cost,
+            "ar_ms": res.ar,
+            "rounds": res.rounds,
+            "k_sum": res.k_sum,
+            "accepted_sum": res.accepted_sum,
+        }
+    )
+    return df, policy
 
 
 def _t95(n: int) -> float:

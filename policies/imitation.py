@@ -71,103 +71,132 @@ def train_dagger(
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     env = gym.make(ENV_ID, dataset=dataset, kmax=kmax, split="train", cost_model=cost_model, lookahead=lookahead)
-    base = env.unwrapped
-    data = base.data
+    data = env.unwrapped.data
     spec: ObservationSpec = data.spec
     arrays = split_arrays(dataset, data.kmax, "train")
     model: CostModel = data.cost_model
     sol = solve(arrays, model, lookahead=spec.lookahead)
-    k_star = sol.k
-    unit = base.ar_unit_ms
+    unit = env.unwrapped.ar_unit_ms
+    net = _make_net(spec, hidden)
+    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
+
+    X: list[np.ndarray] = []
+    R: list[np.ndarray] = []
+    history: list[dict[str, float]] = []
+    for it in range(iterations):
+        beta = 1.0 if it == 0 else 0.5**it
+        roll = _mixture_rollouts(env, arrays, sol.k, _to_numpy(net, spec), beta, rng)
+        Q = action_values(arrays, model, sol.value, roll.rows, lookahead=spec.lookahead)
+        X.append(roll.obs)
+        R.append(((Q - Q.min(axis=1, keepdims=True)) / unit).astype(np.float32))
+        xs = torch.from_numpy(np.concatenate(X))
+        rs = torch.from_numpy(np.concatenate(R))
+        regret = _fit_regret(net, opt, xs, rs, epochs)
+        stats = {
+            "iteration": it,
+            "beta": beta,
+            "states": len(xs),
+            "rollout_speedup": roll.ar / roll.cost,
+            "train_regret_ar_units": regret,
+        }
+        history.append(stats)
+        if log:
+            log(
+                f"dagger it={it} beta={beta:.3f} states={len(xs)} rollout speedup={roll.ar / roll.cost:.3f} "
+                f"regret/step={regret:.4f} AR units"
+            )
+    env.close()
+    meta = {
+        "algo": "dagger",
+        "dataset": dataset,
+        "seed": seed,
+        "iterations": iterations,
+        "lookahead": lookahead,
+        "history": history,
+    }
+    return DaggerResult(_to_numpy(net, spec, name="imitation", meta=meta), history)
+
+
+@dataclass
+class _Visits:
+    """States visited by one DAgger iteration's rollouts (one episode per train generation)."""
+
+    obs: np.ndarray  # (n, dim) float32 observations
+    rows: np.ndarray  # (n,) position rows of the visited states
+    cost: float  # total cost of the episodes in ms
+    ar: float  # their total AR cost in ms
+
+
+def _mixture_rollouts(
+    env: Any, arrays: PositionArrays, k_star: np.ndarray, learner: MLPPolicy, beta: float, rng: np.random.Generator
+) -> _Visits:
+    """Roll out the mixture policy (oracle's k*(t) with probability beta, else the learner) once per generation."""
+    obs_buf, row_buf, ep_cost, ep_ar = [], [], 0.0, 0.0
+    for g, gid in enumerate(env.unwrapped.data.generation_ids):
+        obs, _ = env.reset(seed=int(rng.integers(2**31)), options={"generation_id": int(gid)})
+        t, done = 0, False
+        lo = int(arrays.offsets[g])
+        while not done:
+            row = lo + t
+            obs_buf.append(obs)
+            row_buf.append(row)
+            k = int(k_star[row]) if rng.random() < beta else learner.act(obs)
+            obs, _, done, _, info = env.step(k)
+            t = info["t"]
+        ep_cost += info["episode_cost_ms"]
+        ep_ar += info["ar_cost_ms"]
+    return _Visits(np.asarray(obs_buf, dtype=np.float32), np.asarray(row_buf), ep_cost, ep_ar)
+
+
+def _make_net(spec: ObservationSpec, hidden: tuple[int, ...]) -> Any:
+    """The torch MLP: observation -> one logit per budget, tanh hidden layers."""
+    import torch
 
     layers: list[Any] = []
     sizes = (spec.dim, *hidden)
     for a, b in zip(sizes[:-1], sizes[1:], strict=True):
         layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
     layers.append(torch.nn.Linear(sizes[-1], spec.kmax + 1))
-    net = torch.nn.Sequential(*layers)
-    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
-
-    X: list[np.ndarray] = []
-    R: list[np.ndarray] = []
-    history: list[dict[str, float]] = []
-    gids = data.generation_ids
-    for it in range(iterations):
-        beta = 1.0 if it == 0 else 0.5**it
-        learner = _to_numpy(net, spec)
-        obs_buf, row_buf, ep_cost, ep_ar = [], [], 0.0, 0.0
-        for g, gid in enumerate(gids):
-            obs, _ = env.reset(seed=int(rng.integers(2**31)), options={"generation_id": int(gid)})
-            t, done = 0, False
-            lo = int(arrays.offsets[g])
-            while not done:
-                row = lo + t
-                obs_buf.append(obs)
-                row_buf.append(row)
-                k = int(k_star[row]) if rng.random() < beta else learner.act(obs)
-                obs, _, done, _, info = env.step(k)
-                t = info["t"]
-            ep_cost += info["episode_cost_ms"]
-            ep_ar += info["ar_cost_ms"]
-        rows = np.asarray(row_buf)
-        Q = action_values(arrays, model, sol.value, rows, lookahead=spec.lookahead)
-        X.append(np.asarray(obs_buf, dtype=np.float32))
-        R.append(((Q - Q.min(axis=1, keepdims=True)) / unit).astype(np.float32))
-        xs = torch.from_numpy(np.concatenate(X))
-        rs = torch.from_numpy(np.concatenate(R))
-        target = rs.argmin(dim=1)
-        n = len(xs)
-        for _ in range(epochs):
-            perm = torch.randperm(n)
-            for s in range(0, n, 1024):
-                idx = perm[s : s + 1024]
-                logits = net(xs[idx])
-                p = torch.softmax(logits, dim=1)
-                loss = (p * rs[idx]).sum(dim=1).mean() + 0.05 * torch.nn.functional.cross_entropy(logits, target[idx])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-        with torch.no_grad():
-            regret = float((torch.softmax(net(xs) * 50.0, 1) * rs).sum(1).mean())
-        stats = {
-            "iteration": it,
-            "beta": beta,
-            "states": n,
-            "rollout_speedup": ep_ar / ep_cost,
-            "train_regret_ar_units": regret,
-        }
-        history.append(stats)
-        if log:
-            log(
-                f"dagger it={it} beta={beta:.3f} states={n} rollout speedup={ep_ar / ep_cost:.3f} "
-                f"regret/step={regret:.4f} AR units"
-            )
-    env.close()
-    policy = _to_numpy(
-        net,
-        spec,
-        name="imitation",
-        meta={
-            "algo": "dagger",
-            "dataset": dataset,
-            "seed": seed,
-            "iterations": iterations,
-            "lookahead": lookahead,
-            "history": history,
-        },
-    )
-    return DaggerResult(policy, history)
+    return torch.nn.Sequential(*layers)
 
 
-def split_arrays(dataset: str, kmax: int, split: str) -> PositionArrays:
+def _fit_regret(net: Any, opt: Any, xs: Any, rs: Any, epochs: int) -> float:
+    """Refit ``net`` on the aggregate: expected regret plus 0.05 x cross-entropy towards k*.
+
+    Args:
+        net: The torch MLP.
+        opt: Its optimiser.
+        xs: (n, dim) observations.
+        rs: (n, kmax+1) regrets ``(Q - min Q) / ar_unit`` per budget.
+        epochs: Passes over the aggregate (minibatches of 1024).
+
+    Returns:
+        The train regret per step of the near-greedy policy (softmax of 50 x logits), AR units.
+    """
+    import torch
+
+    target = rs.argmin(dim=1)
+    n = len(xs)
+    for _ in range(epochs):
+        perm = torch.randperm(n)
+        for s in range(0, n, 1024):
+            idx = perm[s : s + 1024]
+            logits = net(xs[idx])
+            p = torch.softmax(logits, dim=1)
+            loss = (p * rs[idx]).sum(dim=1).mean() + 0.05 * torch.nn.functional.cross_entropy(logits, target[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    with torch.no_grad():
+        return float((torch.softmax(net(xs) * 50.0, 1) * rs).sum(1).mean())
+
+
+def split_arrays(dataset: str, kmax: int | None, split: str) -> PositionArrays:
     """The positions of a split in the environment's order (row = offsets[g] + t)."""
     from specenv.datasets import load_dataset
-    from specenv.splits import select_split
+    from specenv.replay import select_positions
 
-    arr = load_dataset(dataset).arrays()
-    if kmax < arr.kmax:
-        arr = arr.with_kmax(kmax)
-    return select_split(arr, split)
+    return select_positions(load_dataset(dataset), kmax, split)
 
 
 def _to_numpy(

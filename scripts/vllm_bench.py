@@ -236,20 +236,18 @@ def overhead(args: argparse.Namespace) -> None:
 
 def speedup(args: argparse.Namespace) -> None:
     """Plain decoding, fixed k = 1..Kmax and the delta-space rule, B = 1, live-cpu test prompts."""
-    import numpy as np
-
     from oracle.delta import boundary_slope
+    from policies.benchmark import train_priors
     from specenv.datasets import load_dataset
     from specenv.engines.recorder import load_recording
     from specenv.fit import fit_cost_model
-    from specenv.splits import select_split
+    from specenv.replay import select_positions
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ts = load_dataset(args.dataset)
     kmax = args.kmax or ts.kmax
-    arr = ts.arrays().with_kmax(kmax)
-    test_ids = [int(g) for g in select_split(arr, "test").generation_ids][: args.prompts or None]
+    test_ids = [int(g) for g in select_positions(ts, kmax, "test").generation_ids][: args.prompts or None]
     mnt = int(args.tokens or ts.manifest.max_new_tokens)
     base = {"models": args.models, "max_tokens": mnt, "prompt_ids": test_ids, "reps": args.reps, "warmup": 1}
     configs: dict[str, dict[str, Any]] = {"plain": {**base, "k": 0}}
@@ -263,11 +261,9 @@ def speedup(args: argparse.Namespace) -> None:
     fit = fit_cost_model(rec_ts.rounds, kmax, rec_ts.facts.top_k, 5, source={"traces": "vllm fixed-k runs (bench)"})
     cm_path = out / "vllm-cost-model.json"
     fit.model.save(cm_path)
-    train = select_split(arr, "train")
+    train = select_positions(ts, kmax, "train")
     lam = float(boundary_slope(train, fit.model))
-    surv = np.cumprod(train.rho, axis=1)
-    reach = np.concatenate([np.ones((len(surv), 1)), surv[:, :-1]], axis=1)
-    rho_prior = ((reach * train.rho).sum(axis=0) / np.maximum(reach.sum(axis=0), 1e-12)).tolist()
+    u_prior, rho_prior = train_priors(train)
     pol = {
         "kind": "delta",
         "kmax": kmax,
@@ -275,8 +271,8 @@ def speedup(args: argparse.Namespace) -> None:
         "n_experts": ts.facts.n_experts,
         "cost_model": str(cm_path),
         "lam_ms": lam,
-        "u_prior": train.U.mean(axis=0).tolist(),
-        "rho_prior": rho_prior,
+        "u_prior": u_prior.tolist(),
+        "rho_prior": rho_prior.tolist(),
     }
     for name, p, horizon in (
         ("delta, oracle lambda, horizon max", pol, "max"),

@@ -229,7 +229,8 @@ def oracle_cmd(
     """Exact SSP oracle bound: S_max, mean k*, mean accepted (optionally Kmax sweep, delta space)."""
     import oracle
     from specenv.costsource import cost_model_for
-    from specenv.splits import check_split, select_split
+    from specenv.replay import SelectionError, select_positions
+    from specenv.splits import check_split
 
     try:
         check_split(split)
@@ -239,16 +240,15 @@ def oracle_cmd(
     ts = _load(traces)
     if not ts.has_positions:
         fail(f"{traces}: trace set has no positions table")
-    k = ts.kmax if kmax is None else kmax
-    if not 1 <= k <= ts.kmax:
-        fail(f"--kmax: {k} outside 1..{ts.kmax} (the trace set's Kmax)")
+    try:
+        arrays = select_positions(ts, kmax, split)
+    except SelectionError as exc:
+        fail(f"--{exc.argument}: {exc}")
+    k = arrays.kmax
     try:
         model = cost_model_for(ts, cost_model)
     except ValueError as exc:
         fail(f"--cost-model: {exc}")
-    arrays = select_split(ts.arrays().with_kmax(k), split)
-    if arrays.n_generations == 0:
-        fail(f"--split: no generation of {traces} is in the '{split}' split")
     res = oracle.solve(arrays, model, lookahead=lookahead, mc_episodes=episodes, seed=seed)
     setting = {"dataset": ts.manifest.name, "split": split, "cost_model": cost_model, "kmax": k, "lookahead": lookahead}
     report = _oracle_report(res, setting, greedy=bool(arrays.greedy))

@@ -4,6 +4,18 @@
 ``T_D(K) = d1*K + d0`` for K >= 1, ``T_D(0) = 0``. K = 0 is plain autoregressive decoding (m = 1,
 U = top_k). Coefficients come from :func:`specenv.fit.fit_cost_model` on a rounds table, or from the
 paper profile (:meth:`CostModel.paper_profile`). Saved and loaded as JSON.
+
+**The charged cost of a round** is owned here: :meth:`CostModel.charged_ms` (one round) and
+:meth:`CostModel.charged_table` (every position and budget) compute ``T_T(k, U, L) + T_D(drafted)``
+with the number of drafted tokens given by the drafting mode (:data:`DRAFTING_MODES`):
+
+* ``"none"``: k is chosen before drafting, the round drafts (and pays for) k tokens;
+* ``"block"``: the drafter proposes h tokens at once (the lookahead), the controller trims to
+  ``k <= h`` after seeing their confidences; the round pays ``T_D(max(k, h))``, also at k = 0;
+* ``"sequential"``: the drafter stops after any token; the round pays ``T_D(tokens drafted)``,
+  which the caller passes as ``drafted``.
+
+Environments, the oracle and the benchmark all charge rounds through these two methods.
 """
 
 from __future__ import annotations
@@ -19,6 +31,22 @@ import numpy as np
 from specenv import paper
 
 FORMAT = "specenv.costmodel/1"
+
+#: How the draft cost of a round is charged (see the module docstring).
+DRAFTING_MODES: tuple[str, ...] = ("none", "block", "sequential")
+NONE, BLOCK, SEQUENTIAL = DRAFTING_MODES
+
+
+def drafting_mode(lookahead: int) -> str:
+    """The drafting mode of a replay with this lookahead: ``"block"`` for h > 0, else ``"none"``."""
+    return BLOCK if lookahead > 0 else NONE
+
+
+def drafted_tokens(k: np.ndarray | int, lookahead: int = 0) -> np.ndarray:
+    """Tokens drafted by a round with budget ``k``: ``max(k, h)`` (``k`` when h = 0, mode ``"none"``)."""
+    if lookahead < 0:
+        raise ValueError(f"lookahead={lookahead}: must be >= 0")
+    return np.maximum(np.asarray(k, dtype=np.int64), lookahead)
 
 
 @dataclass
@@ -73,25 +101,83 @@ class CostModel:
         return np.where(K > 0, self.d1 * K + self.d0, 0.0)
 
     def round_ms(self, K: np.ndarray | int, U: np.ndarray | float, L: np.ndarray | float) -> np.ndarray:
-        """Cost of one round, C = T_D(K) + T_T(K, U, L), in ms."""
-        return self.draft_ms(K) + self.target_ms(K, U, L)
+        """Cost of one round that drafts K tokens (mode ``"none"``), C = T_D(K) + T_T(K, U, L), in ms.
 
-    def cost_table(self, U: np.ndarray, L: np.ndarray, kmax: int | None = None) -> np.ndarray:
-        """C(t, k) for every row and every k = 0..kmax.
+        The same as :meth:`charged_ms` with ``drafted=K``.
+        """
+        return self.charged_ms(K, U, L)
+
+    def charged_ms(
+        self, k: np.ndarray | int, U: np.ndarray | float, L: np.ndarray | float, drafted: np.ndarray | int | None = None
+    ) -> np.ndarray:
+        """Charged cost of a round with budget ``k``: ``T_T(k, U, L) + T_D(drafted)`` in ms.
+
+        Args:
+            k: Budget (verified drafts).
+            U: Unique experts of the round.
+            L: Context length.
+            drafted: Tokens the drafter produced (default ``k``, mode ``"none"``); ``max(k, h)`` in
+                mode ``"block"`` (:func:`drafted_tokens`), the tokens drafted in mode ``"sequential"``.
+
+        Returns:
+            The cost (broadcast over array arguments).
+        """
+        return self.target_ms(k, U, L) + self.draft_ms(k if drafted is None else drafted)
+
+    def charged_table(self, U: np.ndarray, L: np.ndarray, kmax: int | None = None, lookahead: int = 0) -> np.ndarray:
+        """Charged cost C(t, k) = T_T(k, U_{t,k}, L_t) + T_D(max(k, h)) for every row and k = 0..kmax.
+
+        ``lookahead = h = 0`` is drafting mode ``"none"`` (the round drafts k tokens), ``h > 0`` mode
+        ``"block"`` (every round drafts max(k, h) tokens, also at k = 0). Computed by
+        :meth:`charged_by_budget`, with the arithmetic of :meth:`charged_ms` (bit-identical).
 
         Args:
             U: (n, >=kmax+1) unique experts per chain prefix.
             L: (n,) context lengths.
             kmax: Budgets to cover (default: U's width - 1).
+            lookahead: Draft tokens h every round drafts at least.
 
         Returns:
-            (n, kmax+1) float64 costs in ms.
+            (n, kmax+1) C-contiguous float64 costs in ms.
+
+        Raises:
+            ValueError: If ``kmax`` exceeds the model's Kmax or ``lookahead < 0``.
         """
         kmax = U.shape[1] - 1 if kmax is None else kmax
+        by_budget = np.array(U[:, : kmax + 1].T, dtype=np.float64, order="C")  # always a copy
+        return np.ascontiguousarray(self.charged_by_budget(by_budget, L, lookahead, out=by_budget).T)
+
+    def charged_by_budget(
+        self, U: np.ndarray, L: np.ndarray, lookahead: int = 0, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """:meth:`charged_table` in budget-major layout: row k holds C(., k) for every position.
+
+        The one implementation of the charged table (the oracle calls it on its step-ordered tables).
+        Per element: ``((beta0[k] + alpha[k] * U) + c[k] * L) + T_D(max(k, h))``, as in :meth:`charged_ms`.
+
+        Args:
+            U: (kmax+1, n) unique experts, row k = budget k.
+            L: (n,) context lengths.
+            lookahead: Draft tokens h every round drafts at least.
+            out: Where to write (may be ``U`` itself, for in-place use); default a new array.
+
+        Returns:
+            (kmax+1, n) float64 costs in ms.
+
+        Raises:
+            ValueError: If ``kmax`` exceeds the model's Kmax or ``lookahead < 0``.
+        """
+        kmax = U.shape[0] - 1
         if kmax > self.kmax:
             raise ValueError(f"kmax={kmax} exceeds the cost model's Kmax={self.kmax}")
         ks = np.arange(kmax + 1)
-        return self.beta0[ks] + self.alpha[ks] * U[:, : kmax + 1] + self.c[ks] * L[:, None] + self.draft_ms(ks)
+        draft = self.draft_ms(drafted_tokens(ks, lookahead))
+        out = np.multiply(U, self.alpha[ks, None], out=out)
+        out += self.beta0[ks, None]
+        for k in range(kmax + 1):
+            out[k] += self.c[k] * L
+            out[k] += draft[k]
+        return out
 
     def ar_ms(self, L: np.ndarray | float) -> np.ndarray:
         """Cost of one autoregressive step (K = 0, U = top_k) at context L."""

@@ -37,7 +37,7 @@ import pandas as pd
 from specenv import paper
 from specenv.costmodel import CostModel
 from specenv.schema import ModelFacts, q_columns, rho_columns, u_columns
-from specenv.traceset import Manifest, TraceSet
+from specenv.traceset import Manifest, TraceSet, survival_table
 
 
 @dataclass(frozen=True)
@@ -319,7 +319,7 @@ def simulate_rounds(
     rows: list[tuple[int, int, int, int, int, float, float]] = []
     for K in ks:
         t, r = 0, 0
-        surv = np.cumprod(gen.rho[:, :K], axis=1)  # P(a >= i), i = 1..K
+        surv = survival_table(gen.rho[:, :K], axis=1)  # P(a >= i), i = 1..K
         while t < N:
             a = int(np.count_nonzero(rng.random() < surv[t])) if K else 0
             a = min(a, N - t - 1)

@@ -1,18 +1,21 @@
-"""Monte-Carlo evaluation of any online policy through the Gymnasium replay environment.
+"""The rollout loop: play an online policy through an environment, episode by episode.
 
-This is the only module of :mod:`oracle` that builds environments (it imports :mod:`gymnasium`
-and :mod:`specenv` registers ``specenv/MoESpec-v0``); the exact oracle and the exact evaluation of
-position-indexed policies (:mod:`oracle.dp`) never do.
+:func:`rollout` is the one loop that plays a policy (``reset()`` / ``act(obs)``) through an
+environment with the replay env's API for a list of ``(generation_id, seed)`` episodes and returns
+per-episode arrays; the benchmark (:func:`policies.benchmark.run_policy`, seeds ``seed + r``) and
+:func:`evaluate_in_env` both use it. The exact oracle (:mod:`oracle`) never builds environments.
 
-Every generation of the chosen split is replayed ``episodes`` times (``reset(seed=...,
-options={"generation_id": gid})``); the per-episode seeds come from one ``numpy`` generator seeded
-with ``seed``, so a run is reproducible. Estimates come with 95% normal confidence half-widths over
-episodes: plain means for per-episode quantities, the delta method for ratio estimators (pooled
-speedup = sum AR / sum cost, mean k and mean accepted per round).
+:func:`evaluate_in_env` is the Monte-Carlo evaluation of any online policy: every generation of
+the chosen split is replayed ``episodes`` times (``reset(seed=..., options={"generation_id": gid})``);
+the per-episode seeds come from one ``numpy`` generator seeded with ``seed``, so a run is reproducible.
+Estimates come with 95% normal confidence half-widths over episodes: plain means for per-episode
+quantities, the delta method for ratio estimators (pooled speedup = sum AR / sum cost, mean k and
+mean accepted per round).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -20,7 +23,7 @@ import numpy as np
 
 from specenv.stats import mean_ci, ratio_ci
 
-__all__ = ["EnvEvaluation", "OnlinePolicy", "evaluate_in_env"]
+__all__ = ["EnvEvaluation", "OnlinePolicy", "Rollouts", "evaluate_in_env", "rollout"]
 
 ENV_ID = "specenv/MoESpec-v0"
 
@@ -34,6 +37,79 @@ class OnlinePolicy(Protocol):
 
     def act(self, obs: np.ndarray) -> int:
         """Budget k of the next round given the observation vector."""
+
+
+@dataclass
+class Rollouts:
+    """Per-episode results of :func:`rollout` (arrays of length E, in the order of the episodes).
+
+    Attributes:
+        generation_ids: (E,) int64 generation replayed by each episode.
+        seeds: (E,) int64 reset seed of each episode.
+        categories: (E,) object array, the category the reset reported.
+        cost: (E,) episode cost in ms (sum of ``info["cost_ms"]`` in round order).
+        ar: (E,) AR cost of the episode's generation in ms (``info["ar_cost_ms"]`` of the last round).
+        rounds: (E,) rounds.
+        k_sum: (E,) sum of the budgets run (``info["k"]``).
+        accepted_sum: (E,) sum of ``info["accepted"]``.
+        returns: (E,) episode returns (sum of rewards).
+    """
+
+    generation_ids: np.ndarray
+    seeds: np.ndarray
+    categories: np.ndarray
+    cost: np.ndarray
+    ar: np.ndarray
+    rounds: np.ndarray
+    k_sum: np.ndarray
+    accepted_sum: np.ndarray
+    returns: np.ndarray
+
+
+def rollout(env: Any, policy: OnlinePolicy, episodes: Sequence[tuple[int, int]]) -> Rollouts:
+    """Play ``policy`` through ``env`` once per ``(generation_id, seed)`` episode.
+
+    Each episode is ``env.reset(seed=seed, options={"generation_id": gid})``, ``policy.reset()``,
+    then ``env.step(policy.act(obs))`` until terminated or truncated.
+
+    Args:
+        env: An environment with the replay env's API (``info`` carries ``k``, ``accepted``,
+            ``cost_ms``, and ``ar_cost_ms`` at the end of an episode); it is neither made nor closed here.
+        policy: Object with ``reset()`` and ``act(obs) -> int``.
+        episodes: ``(generation_id, seed)`` pairs, played in this order.
+
+    Returns:
+        The per-episode :class:`Rollouts`.
+    """
+    E = len(episodes)
+    out = Rollouts(
+        generation_ids=np.array([int(g) for g, _ in episodes], dtype=np.int64),
+        seeds=np.array([int(s) for _, s in episodes], dtype=np.int64),
+        categories=np.empty(E, dtype=object),
+        cost=np.zeros(E),
+        ar=np.zeros(E),
+        rounds=np.zeros(E, dtype=np.int64),
+        k_sum=np.zeros(E, dtype=np.int64),
+        accepted_sum=np.zeros(E, dtype=np.int64),
+        returns=np.zeros(E),
+    )
+    for e in range(E):
+        obs, info = env.reset(seed=int(out.seeds[e]), options={"generation_id": int(out.generation_ids[e])})
+        out.categories[e] = info.get("category")
+        policy.reset()
+        cost, ret, n, k_sum, a_sum = 0.0, 0.0, 0, 0, 0
+        done = False
+        while not done:
+            obs, reward, terminated, truncated, info = env.step(policy.act(obs))
+            cost += float(info["cost_ms"])
+            ret += float(reward)
+            k_sum += int(info["k"])
+            a_sum += int(info["accepted"])
+            n += 1
+            done = bool(terminated or truncated)
+        out.cost[e], out.returns[e], out.rounds[e], out.k_sum[e], out.accepted_sum[e] = cost, ret, n, k_sum, a_sum
+        out.ar[e] = float(info.get("ar_cost_ms", np.nan))  # absent only if an env truncates
+    return out
 
 
 @dataclass
@@ -136,30 +212,11 @@ def evaluate_in_env(
             raise ValueError("no generation to evaluate")
         ep_gid = np.repeat(gids, episodes)
         seeds = np.random.default_rng(seed).integers(0, 2**31 - 1, size=len(ep_gid))
-        E = len(ep_gid)
-        cost = np.zeros(E)
-        ar = np.zeros(E)
-        rounds = np.zeros(E, dtype=np.int64)
-        ksum = np.zeros(E, dtype=np.int64)
-        acc = np.zeros(E, dtype=np.int64)
-        ret = np.zeros(E)
-        for e in range(E):
-            obs, _ = env.reset(seed=int(seeds[e]), options={"generation_id": int(ep_gid[e])})
-            policy.reset()
-            done = False
-            info: dict[str, Any] = {}
-            while not done:
-                k = int(policy.act(obs))
-                obs, reward, terminated, truncated, info = env.step(k)
-                cost[e] += float(info["cost_ms"])
-                acc[e] += int(info["accepted"])
-                ksum[e] += k
-                rounds[e] += 1
-                ret[e] += float(reward)
-                done = bool(terminated or truncated)
-            ar[e] = float(info.get("ar_cost_ms", np.nan))  # absent only if an env truncates
+        res = rollout(env, policy, list(zip(ep_gid.tolist(), seeds.tolist(), strict=True)))
     finally:
         if own:
             env.close()
     name = getattr(policy, "name", type(policy).__name__)
-    return EnvEvaluation(str(name), ep_gid, seeds, cost, ar, rounds, ksum, acc, ret)
+    return EnvEvaluation(
+        str(name), ep_gid, seeds, res.cost, res.ar, res.rounds, res.k_sum, res.accepted_sum, res.returns
+    )

@@ -167,6 +167,29 @@ class Manifest:
         )
 
 
+def survival_table(rho: np.ndarray, axis: int = -1, out: np.ndarray | None = None) -> np.ndarray:
+    """Acceptance survival ``P(a >= i) = prod_{j<=i} rho_j``: the cumulative product along ``axis``.
+
+    The one implementation of the survival table: the environments, the oracle (on its step-ordered
+    tables, ``axis=0``) and the benchmark priors all use it, usually through
+    :meth:`PositionArrays.survival`. rho is clipped to [0, 1] first (validated tables already are,
+    so this changes nothing on them).
+
+    Args:
+        rho: Conditional acceptance probabilities, depth j along ``axis``.
+        axis: The depth axis.
+        out: Where to write (may be ``rho`` itself, for in-place use); default a new array.
+
+    Returns:
+        The survival probabilities, same shape as ``rho``.
+    """
+    out = np.clip(rho, 0.0, 1.0, out=out)
+    by_depth = np.moveaxis(out, axis, 0)  # a view: depth-by-depth products run over whole slices
+    for j in range(1, by_depth.shape[0]):
+        by_depth[j] *= by_depth[j - 1]
+    return out
+
+
 @dataclass(frozen=True)
 class PositionArrays:
     """The positions table packed into numpy arrays, sorted by generation then t.
@@ -229,6 +252,16 @@ class PositionArrays:
             U=self.U[rows],
             greedy=self.greedy,
         )
+
+    def survival(self) -> np.ndarray:
+        """The acceptance survival table ``S[t, i-1] = P(a >= i | t) = prod_{j<=i} rho_{t,j}``, i = 1..kmax.
+
+        See :func:`survival_table` (rho clipped to [0, 1]; validated tables already are).
+
+        Returns:
+            (n, kmax) float64 array, non-increasing along each row.
+        """
+        return survival_table(self.rho, axis=1)
 
     def with_kmax(self, kmax: int) -> PositionArrays:
         """The same positions restricted to budgets 0..kmax (kmax <= self.kmax)."""

@@ -18,8 +18,9 @@ from gymnasium.utils.env_match import check_environments_match
 import specenv
 from specenv.costmodel import CostModel
 from specenv.envs.registration import REPLAY_ID, register_envs
-from specenv.envs.replay import MoESpecEnv, replay_data
+from specenv.envs.replay import MoESpecEnv
 from specenv.observation import ObservationSpec, ObservationState, ScalarObservation
+from specenv.replay import replay_data
 from specenv.schema import q_columns, rho_columns, u_columns
 from specenv.splits import SPLITS, held_out_ids, n_test, select_split, split_ids, split_mask
 from specenv.traceset import TraceSet

@@ -21,9 +21,11 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
+from specenv.costmodel import drafted_tokens
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
-from specenv.envs.replay import check_reward, replay_data
+from specenv.envs.replay import check_reward
 from specenv.observation import ScalarObservation
+from specenv.replay import replay_data
 
 LIVE_ENV_ID = "specenv/MoESpecLive-v0"
 #: Where the round cost comes from: the measured times, or the cost model at the measured routing.
@@ -289,7 +291,7 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
         if self.cost_source == "measured":
             cost = float(r.T_T_cpu_ms + r.T_D_cpu_ms) if self.clock == "cpu" else float(r.T_T_ms + r.T_D_ms)
         else:
-            cost = float(cm.target_ms(k, r.U_r, r.L) + cm.draft_ms(max(k, self.lookahead)))
+            cost = float(cm.charged_ms(k, r.U_r, r.L, drafted=drafted_tokens(k, self.lookahead)))
         committed = len(r.committed)
         t_new = r.t + committed
         Ls = np.arange(r.L, r.L + committed, dtype=np.float64)

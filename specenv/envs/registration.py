@@ -5,11 +5,19 @@ Gymnasium 1.x has no plugin entry points for environments: importing :mod:`spece
 ``gymnasium.make_vec("specenv/MoESpec-v0", num_envs=..., ...)`` work. Users may also write
 ``gymnasium.register_envs(specenv)`` (keeps linters quiet about the import) or
 ``gymnasium.make("specenv:specenv/MoESpec-v0")``.
+
+``import specenv`` does not import Gymnasium itself (the cost model, trace sets and the oracle need
+only numpy): :func:`register_when_imported` registers at once when Gymnasium is already loaded,
+and otherwise right after Gymnasium's first import (a one-shot import hook).
 """
 
 from __future__ import annotations
 
-import gymnasium
+import importlib.abc
+import importlib.util
+import sys
+from collections.abc import Callable
+from typing import Any
 
 #: The replay environment (positions tables, cost model); deterministic given the seed.
 REPLAY_ID = "specenv/MoESpec-v0"
@@ -23,6 +31,8 @@ def register_envs() -> list[str]:
     Returns:
         The ids registered by this call (empty when all were already present).
     """
+    import gymnasium
+
     added = []
     if REPLAY_ID not in gymnasium.registry:
         gymnasium.register(
@@ -44,3 +54,46 @@ def register_envs() -> list[str]:
         )
         added.append(LIVE_ID)
     return added
+
+
+def register_when_imported() -> None:
+    """Register now if Gymnasium is imported, else right after Gymnasium's first import."""
+    if "gymnasium" in sys.modules:
+        register_envs()
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport("gymnasium", register_envs))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """One-shot finder: lets ``name`` load as usual, then calls ``callback`` once it has loaded."""
+
+    def __init__(self, name: str, callback: Callable[[], Any]):
+        self.name = name
+        self.callback = callback
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _CallbackLoader(spec.loader, self.callback)
+        return spec
+
+
+class _CallbackLoader(importlib.abc.Loader):
+    """Wraps a module's loader: runs ``callback`` after the module executed; delegates the rest."""
+
+    def __init__(self, loader: Any, callback: Callable[[], Any]):
+        self._loader = loader
+        self._callback = callback
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        self._callback()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)

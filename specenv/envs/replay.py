@@ -5,29 +5,25 @@ replays recorded generations (the positions table of a trace set) under the roun
 in :class:`MoESpecEnv`. :class:`MoESpecEnv` steps one generation; :mod:`specenv.envs.vector` steps
 many at once in numpy and produces exactly the same trajectories for the same seeds and actions.
 
-Both are built on :class:`ReplayData`: the per-trace-set tables (survival probabilities, charged
+Both are built on :class:`specenv.replay.ReplayData`: the per-trace-set tables (survival probabilities, charged
 round costs, unique experts, draft confidences) computed once and shared, read-only, between every
 environment built with the same arguments in a process.
 """
 
 from __future__ import annotations
 
-import os
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from specenv.costmodel import CostModel
-from specenv.costsource import cost_model_for
-from specenv.datasets import DEFAULT_DATASET, load_dataset
+from specenv.datasets import DEFAULT_DATASET
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
-from specenv.io import json_digest, sha256_file
-from specenv.observation import ObservationSpec, ScalarObservation
-from specenv.splits import check_split, select_split
+from specenv.observation import ScalarObservation
+from specenv.replay import ReplayData, replay_data
+
+__all__ = ["ENV_ID", "RENDER_MODES", "MoESpecEnv", "ReplayData", "replay_data"]
 
 ENV_ID = "specenv/MoESpec-v0"
 #: Reward options: ``"cost"`` = -cost / ar_unit_ms; ``"savings"`` = that + the tokens the round committed.
@@ -43,206 +39,6 @@ def check_reward(reward: str) -> bool:
     if reward not in REWARDS:
         raise ValueError(f"reward={reward!r}: expected one of {REWARDS}")
     return reward == "savings"
-
-
-# --------------------------------------------------------------------------------------------------
-# Shared, precomputed replay tables
-# --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True, eq=False)
-class ReplayData:
-    """Everything an environment needs from one trace set, precomputed once (read-only arrays).
-
-    Row ``offsets[g] + t`` is position t of the g-th generation of the split.
-
-    Attributes:
-        dataset: The ``dataset`` argument as given (registry name or folder path).
-        name: The trace set's manifest name.
-        split: ``"train"``, ``"test"`` or ``"all"``.
-        kmax: Largest budget (actions are 0..kmax).
-        lookahead: Draft confidences exposed per observation (h).
-        spec: Observation layout.
-        cost_model: The cost model C(t, k).
-        generation_ids: (G,) ids of the split's generations.
-        categories: (G,) their categories.
-        offsets: (G+1,) row offsets.
-        lengths: (G,) number of positions N of each generation.
-        L0: (G,) context length at t = 0 (prompt length P), int64.
-        survival: (n, kmax+1) float64; column j-1 holds P(a >= j | t) = prod_{i<=j} rho_{t,i} for
-            j = 1..kmax, and column kmax holds P(a >= kmax+1) = 0 (a sentinel that ends every
-            count of the leading ``u < P(a >= j)``).
-        cost: (n, kmax+1) charged round cost in ms: C(t, k) with the draft term T_D(max(k, h)).
-        U: (n, kmax+1) unique experts U_{t,k}.
-        conf: (n, h) draft confidences q_{t,1..h}.
-        ar_ms: (n,) plain autoregressive step cost C(t, 0) (no lookahead charge).
-        ar_unit_ms: Mean of ``ar_ms`` over the split: the reward unit.
-        ar_total_ms: (G,) AR cost of each generation, sum_t C(t, 0).
-        max_len: Longest generation of the split.
-    """
-
-    dataset: str
-    name: str
-    split: str
-    kmax: int
-    lookahead: int
-    spec: ObservationSpec
-    cost_model: CostModel
-    generation_ids: np.ndarray
-    categories: np.ndarray
-    offsets: np.ndarray
-    lengths: np.ndarray
-    L0: np.ndarray
-    survival: np.ndarray
-    cost: np.ndarray
-    U: np.ndarray
-    conf: np.ndarray
-    ar_ms: np.ndarray
-    ar_unit_ms: float
-    ar_total_ms: np.ndarray
-    max_len: int
-
-    @property
-    def n_generations(self) -> int:
-        """Number of generations G in the split."""
-        return int(len(self.generation_ids))
-
-    def index_of(self, generation_id: Any) -> int:
-        """Index in the split of a generation id.
-
-        Raises:
-            ValueError: Naming the id when it is not in the split.
-        """
-        try:
-            gid = int(generation_id)
-            if gid != generation_id:
-                raise ValueError
-        except (TypeError, ValueError):
-            raise ValueError(f"options['generation_id']={generation_id!r}: not an integer id") from None
-        hit = np.flatnonzero(self.generation_ids == gid)
-        if not len(hit):
-            raise ValueError(
-                f"options['generation_id']={gid}: not in the '{self.split}' split of dataset "
-                f"'{self.name}' ({self.n_generations} generations)"
-            )
-        return int(hit[0])
-
-
-_REPLAY_CACHE: OrderedDict[tuple[Any, ...], ReplayData] = OrderedDict()
-_REPLAY_CACHE_SIZE = 8
-
-
-def _check_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name}={value!r}: must be an integer")
-    return int(value)
-
-
-def replay_data(
-    dataset: str | os.PathLike[str] = DEFAULT_DATASET,
-    kmax: int | None = None,
-    split: str = "train",
-    cost_model: str = "fit",
-    lookahead: int = 0,
-) -> ReplayData:
-    """Build (or fetch from the per-process cache) the replay tables for these arguments.
-
-    Args: see :class:`MoESpecEnv`.
-
-    Raises:
-        ValueError: Naming the bad argument (``dataset``, ``kmax``, ``split``, ``cost_model``,
-            ``lookahead``).
-    """
-    check_split(split)
-    if not isinstance(dataset, (str, os.PathLike)):
-        raise ValueError(f"dataset={dataset!r}: expected a registry name or a folder path")
-    if not isinstance(cost_model, (str, os.PathLike)):
-        raise ValueError(f"cost_model={cost_model!r}: expected 'fit', 'profile' or a JSON path")
-    cost_model = os.fspath(cost_model)
-    ts = load_dataset(dataset)
-    if not ts.has_positions:
-        raise ValueError(f"dataset={os.fspath(dataset)!r}: trace set '{ts.manifest.name}' has no positions table")
-    trace_kmax = ts.kmax
-    kmax = trace_kmax if kmax is None else _check_int("kmax", kmax)
-    if not 1 <= kmax <= trace_kmax:
-        raise ValueError(f"kmax={kmax}: must be in 1..{trace_kmax} (the trace set's Kmax)")
-    lookahead = _check_int("lookahead", lookahead)
-    if not 0 <= lookahead <= kmax:
-        raise ValueError(f"lookahead={lookahead}: must be in 0..kmax={kmax}")
-    cm_key: tuple[str, str] = (cost_model, "")
-    if cost_model not in ("fit", "profile") and os.path.isfile(cost_model):
-        cm_key = (os.path.abspath(cost_model), sha256_file(cost_model))  # content-addressed
-    key = (str(ts.root), ts.manifest.name, json_digest(ts.manifest.files), kmax, split, cm_key, lookahead)
-    hit = _REPLAY_CACHE.get(key)
-    if hit is not None:
-        _REPLAY_CACHE.move_to_end(key)
-        return hit
-
-    model = cost_model_for(ts, cost_model)
-    arr = ts.arrays()
-    if kmax < trace_kmax:
-        arr = arr.with_kmax(kmax)
-    arr = select_split(arr, split)
-    if arr.n_generations == 0:
-        raise ValueError(
-            f"split={split!r}: dataset '{ts.manifest.name}' has no generations in this split "
-            f"({ts.arrays().n_generations} in all; use split='all')"
-        )
-    try:
-        cost = model.cost_table(arr.U, arr.L, kmax)
-    except ValueError as exc:
-        raise ValueError(f"cost_model={cost_model!r}: {exc}") from None
-    ar_ms = cost[:, 0].copy()
-    if lookahead:
-        ks = np.arange(kmax + 1)
-        cost = cost + (model.draft_ms(np.maximum(ks, lookahead)) - model.draft_ms(ks))
-    ar_unit = float(np.mean(ar_ms))
-    if not np.isfinite(ar_unit) or ar_unit <= 0:
-        raise ValueError(f"cost_model={cost_model!r}: mean AR step cost {ar_unit} ms is not positive")
-    offsets = arr.offsets.astype(np.int64)
-    data = ReplayData(
-        dataset=os.fspath(dataset),
-        name=ts.manifest.name,
-        split=split,
-        kmax=kmax,
-        lookahead=lookahead,
-        spec=ObservationSpec(
-            kmax=kmax,
-            lookahead=lookahead,
-            max_new_tokens=int(ts.manifest.max_new_tokens),
-            n_experts=int(ts.facts.n_experts),
-        ),
-        cost_model=model,
-        generation_ids=arr.generation_ids.astype(np.int64),
-        categories=arr.categories.astype(object),
-        offsets=offsets,
-        lengths=np.diff(offsets),
-        L0=np.rint(arr.L[offsets[:-1]]).astype(np.int64),
-        survival=np.concatenate([np.cumprod(arr.rho, axis=1), np.zeros((len(arr.L), 1))], axis=1),
-        cost=np.ascontiguousarray(cost),
-        U=np.ascontiguousarray(arr.U),
-        conf=np.ascontiguousarray(arr.q[:, :lookahead]),
-        ar_ms=ar_ms,
-        ar_unit_ms=ar_unit,
-        ar_total_ms=np.add.reduceat(ar_ms, offsets[:-1]),
-        max_len=int(np.diff(offsets).max()),
-    )
-    for name in (
-        "generation_ids",
-        "categories",
-        "offsets",
-        "lengths",
-        "L0",
-        "survival",
-        "cost",
-        "U",
-        "conf",
-        "ar_ms",
-        "ar_total_ms",
-    ):
-        getattr(data, name).flags.writeable = False
-    _REPLAY_CACHE[key] = data
-    while len(_REPLAY_CACHE) > _REPLAY_CACHE_SIZE:
-        _REPLAY_CACHE.popitem(last=False)
-    return data
 
 
 # --------------------------------------------------------------------------------------------------
@@ -268,7 +64,7 @@ class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
     * the round commits ``a + 1`` tokens, ``t' = min(t + a + 1, N)``; at the very end the reported
       ``accepted`` is capped to ``t' - t - 1`` (nothing is accepted past the generation's end);
     * the round costs ``C(t, k) = T_D(k) + T_T(k, U_{t,k}, L_t)`` ms from the cost model
-      (:meth:`specenv.costmodel.CostModel.cost_table`): draft time plus the target's verification
+      (:meth:`specenv.costmodel.CostModel.charged_table`): draft time plus the target's verification
       time at ``U_{t,k}`` unique experts and context length ``L_t``. With ``lookahead = h > 0``
       the draft proposes ``max(k, h)`` tokens (so the observation can show h confidences) and the
       draft term becomes ``T_D(max(k, h))``, also for k = 0; the target term is unchanged.

@@ -7,7 +7,7 @@
 draws from it in the same order (the generation with ``integers(G)``, then the episode's ``N``
 acceptance uniforms with ``random(N)``), so trajectories match the single environment bit for bit
 for the same seeds and actions, across autoresets too. Random draws happen only at (auto)reset; the
-step itself is pure array arithmetic on the shared :class:`specenv.envs.replay.ReplayData` tables.
+step itself is pure array arithmetic on the shared :class:`specenv.replay.ReplayData` tables.
 
 Autoreset follows gymnasium's ``AutoresetMode.NEXT_STEP``: the step after a sub-environment
 terminates resets it (its action is ignored, reward 0, terminated False) and returns the first
@@ -28,8 +28,9 @@ from gymnasium.vector.utils import batch_space
 
 from specenv.datasets import DEFAULT_DATASET
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
-from specenv.envs.replay import ENV_ID, check_reward, replay_data
+from specenv.envs.replay import ENV_ID, check_reward
 from specenv.observation import ObservationState
+from specenv.replay import replay_data
 
 _STEP_KEYS = ("k", "accepted", "committed", "cost_ms", "U_r", "L", "t")
 _END_KEYS = ("speedup", "episode_cost_ms", "ar_cost_ms", "rounds")
