@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from specenv import paper
+from specenv.io import atomic_write_json
 
 FORMAT = "specenv.costmodel/1"
 
@@ -243,9 +244,7 @@ class CostModel:
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the JSON form atomically."""
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        atomic_write_json(path, self.to_json())
         return path
 
     @classmethod

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
-from specenv.io import sha256_file
+from specenv.io import package_data, sha256_file
 from specenv.traceset import MANIFEST, TraceSet
 
 
@@ -78,17 +76,6 @@ def find_dataset(name: str) -> Dataset | None:
     return same[-1] if same else None
 
 
-def _materialise(ds: Dataset) -> Path:
-    trav = resources.files("specenv").joinpath("data", ds.folder)
-    if isinstance(trav, Path):
-        return trav
-    # zipped or otherwise non-filesystem install: copy the files to a private temp folder
-    out = Path(tempfile.mkdtemp(prefix=f"specenv-{ds.id}-"))
-    for entry in trav.iterdir():
-        (out / entry.name).write_bytes(entry.read_bytes())
-    return out
-
-
 def resolve(name_or_path: str | os.PathLike[str]) -> Path:
     """Folder of a registered set (by name) or of a user's trace set (by path).
 
@@ -99,7 +86,7 @@ def resolve(name_or_path: str | os.PathLike[str]) -> Path:
     key = os.fspath(name_or_path)
     ds = find_dataset(key)
     if ds is not None:
-        path = _materialise(ds)
+        path = package_data(ds.folder)
         got = sha256_file(path / MANIFEST)
         if got != ds.manifest_sha256:
             raise ValueError(f"dataset '{ds.id}': manifest sha256 {got[:12]}... does not match the registry")

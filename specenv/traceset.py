@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from specenv.io import sha256_file
+from specenv.io import atomic_dir, atomic_write_json, sha256_file
 from specenv.schema import (
     ROUNDS_COLUMNS,
     SCHEMA_VERSION,
@@ -507,9 +505,7 @@ class TraceSet:
         root = Path(root)
         if root.exists() and not overwrite:
             raise FileExistsError(f"{root}: already exists (pass overwrite)")
-        root.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
-        try:
+        with atomic_dir(root, replace=overwrite) as tmp:
             m = self.manifest
             files: dict[str, dict[str, Any]] = {}
             if self.positions is not None:
@@ -527,13 +523,7 @@ class TraceSet:
             if not files:
                 raise ValueError("a trace set needs a positions or a rounds table")
             m.files = files
-            (tmp / MANIFEST).write_text(json.dumps(m.to_json(), indent=2) + "\n", encoding="utf-8")
-            if root.exists():
-                shutil.rmtree(root)
-            os.replace(tmp, root)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            atomic_write_json(tmp / MANIFEST, m.to_json())
         self.root = root
         return root
 

@@ -242,11 +242,11 @@ def test_live_env_rejects_bad_arguments_before_loading_anything(kwargs, name):
 def test_backends_by_name():
     import importlib.util
 
-    from specenv.engines import BACKENDS, make_backend
+    from specenv.engines import BACKENDS, BackendConfig, make_backend
 
     assert set(BACKENDS) >= {"hf", "vllm"}
     for target in BACKENDS.values():
         module, _, func = target.partition(":")
         assert importlib.util.find_spec(module) is not None and func == "make"
     with pytest.raises(ValueError, match="backend='sglang'"):
-        make_backend("sglang", "small-moe-v1", kmax=4, max_new_tokens=8)
+        make_backend("sglang", "small-moe-v1", BackendConfig(kmax=4, max_new_tokens=8))

@@ -13,6 +13,6 @@ factory returning a ``RoundBackend``, and one entry in :data:`BACKENDS`. Engines
 environments (:mod:`specenv.envs`); the live environment drives them through this interface.
 """
 
-from specenv.engines.base import BACKENDS, RoundBackend, RoundResult, make_backend
+from specenv.engines.base import BACKENDS, BackendConfig, RoundBackend, RoundResult, make_backend
 
-__all__ = ["BACKENDS", "RoundBackend", "RoundResult", "make_backend"]
+__all__ = ["BACKENDS", "BackendConfig", "RoundBackend", "RoundResult", "make_backend"]

@@ -26,10 +26,12 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 __all__ = [
+    "BackendConfig",
     "BACKENDS",
     "RoundBackend",
     "RoundResult",
     "make_backend",
+    "run_fixed_k",
     "prefix_expert_stats",
     "span_expert_stats",
     "u_prior",
@@ -107,6 +109,10 @@ class RoundBackend(Protocol):
     def L(self) -> int:
         """Context length (prompt + generated tokens)."""
 
+    @property
+    def generated(self) -> list[int]:
+        """Token ids generated so far in the current generation."""
+
     def seed(self, seed: int) -> None:
         """Seed the sampling of the next generation."""
 
@@ -175,44 +181,48 @@ def span_expert_stats(routing: np.ndarray, spans: list[tuple[int, int]], n_exper
     return (counts > 0).sum(axis=2).mean(axis=1), counts.max(axis=2).mean(axis=1)
 
 
-def make_backend(
-    name: str,
-    models: str | os.PathLike[str],
-    *,
-    kmax: int,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    threads: int | None = 1,
-    lookahead: int = 0,
-) -> RoundBackend:
-    """Build the engine registered under ``name`` in :data:`BACKENDS`.
+@dataclass(frozen=True)
+class BackendConfig:
+    """What every engine factory is given (an engine ignores what does not apply to it).
 
-    Every factory takes these arguments (an engine ignores what does not apply to it, e.g. vLLM's
-    ``threads``) and raises ValueError for what it cannot do (e.g. ``lookahead`` without access
-    to the draft's confidences).
+    Attributes:
+        kmax: Largest draft budget.
+        max_new_tokens: Generation cap.
+        temperature: 0 = greedy; > 0 = sampling with speculative rejection sampling.
+        threads: Torch threads (process-wide; None = unchanged; vLLM sets its own).
+        lookahead: Draft confidences the caller will ask for before each round
+            (:meth:`RoundBackend.propose`); an engine that cannot show them raises ValueError.
+    """
+
+    kmax: int
+    max_new_tokens: int
+    temperature: float = 0.0
+    threads: int | None = 1
+    lookahead: int = 0
+
+
+def make_backend(name: str, models: str | os.PathLike[str], config: BackendConfig) -> RoundBackend:
+    """Build the engine registered under ``name`` in :data:`BACKENDS`.
 
     Args:
         name: Engine name (``"hf"``, ``"vllm"``).
         models: Model set: shipped name or folder.
-        kmax: Largest draft budget.
-        max_new_tokens: Generation cap.
-        temperature: 0 = greedy; > 0 = sampling with speculative rejection sampling.
-        threads: Torch threads (process-wide; None = unchanged).
-        lookahead: Draft confidences the caller will ask for before each round (:meth:`RoundBackend.propose`).
+        config: Budget, generation cap, sampling and threads (:class:`BackendConfig`).
 
     Raises:
-        ValueError: For an unknown name, or arguments the engine cannot serve.
+        ValueError: For an unknown name, or a configuration the engine cannot serve.
     """
     target = BACKENDS.get(name)
     if target is None:
         raise ValueError(f"backend={name!r}: expected one of {tuple(BACKENDS)}")
     module, _, func = target.partition(":")
-    factory = getattr(importlib.import_module(module), func)
-    return factory(
-        models,
-        kmax=kmax,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        threads=threads,
-        lookahead=lookahead,
-    )
+    return getattr(importlib.import_module(module), func)(models, config)
+
+
+def run_fixed_k(backend: RoundBackend, prompt_ids: list[int], k: int) -> tuple[list[int], list[RoundResult]]:
+    """A whole generation with a fixed budget ``k``; returns the generated tokens and the rounds."""
+    backend.start(prompt_ids)
+    rounds = []
+    while not backend.done:
+        rounds.append(backend.step(k))
+    return backend.generated, rounds

@@ -55,7 +55,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from specenv.io import atomic_write_text, sha256_file
+from specenv.io import atomic_file, atomic_write_json, sha256_file
 from specenv.schema import ROUNDS_COLUMNS, SCHEMA_VERSION, ModelFacts, TraceError, validate_rounds
 
 RUN_MANIFEST = "recording.json"
@@ -86,17 +86,6 @@ EXTRA_COLUMNS: dict[str, pa.DataType] = {
 }
 COLUMNS: dict[str, pa.DataType] = {**ROUNDS_COLUMNS, **EXTRA_COLUMNS}
 TOKENS_COLUMN = "verified_tokens"
-
-
-def _fsync_replace(tmp: Path, dest: Path) -> None:
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, dest)
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON through a temporary sibling + fsync + ``os.replace`` (:func:`specenv.io.atomic_write_text`)."""
-    atomic_write_text(path, json.dumps(obj, indent=2) + "\n", fsync=True)
 
 
 class PartRecorder:
@@ -163,7 +152,7 @@ class PartRecorder:
                 raise ValueError(f"{old}: recording of another engine ({_source(prev)!r}); use a new folder")
             self.run_manifest["kmax"] = max(self.kmax, int(prev.get("kmax", 0)))
             self.run_manifest["previous_runs"] = [*prev.get("previous_runs", []), prev.get("extra", {})]
-        write_json_atomic(old, self.run_manifest)
+        atomic_write_json(old, self.run_manifest, fsync=True)
         self._cols: dict[str, list[Any]] = {c: [] for c in self.columns}
         self._last_flush = time.monotonic()
         self._queue: queue.Queue[tuple[int, dict[str, list[Any]]] | None] = queue.Queue()
@@ -215,7 +204,7 @@ class PartRecorder:
             "errors": self.errors,
             **(summary or {}),
         }
-        write_json_atomic(self.folder / RUN_MANIFEST, self.run_manifest)
+        atomic_write_json(self.folder / RUN_MANIFEST, self.run_manifest, fsync=True)
 
     # ------------------------------------------------------------------ writer thread
     def _writer(self) -> None:
@@ -238,13 +227,12 @@ class PartRecorder:
             self.errors.append(str(exc))
             name = f"rejected-{index:06d}"  # kept for inspection, never read as a part
         pq_path = self.parts_dir / f"{name}.parquet"
-        tmp = self.parts_dir / f".{name}.parquet.tmp"
-        pq.write_table(table, tmp, compression="zstd")
-        _fsync_replace(tmp, pq_path)
+        with atomic_file(pq_path, fsync=True) as tmp:
+            pq.write_table(table, tmp, compression="zstd")
         if name.startswith("rejected"):
             return
         steps = cols["step"]
-        write_json_atomic(
+        atomic_write_json(
             self.parts_dir / f"{name}.json",
             {
                 "format": PART_FORMAT,
@@ -256,6 +244,7 @@ class PartRecorder:
                 "last_step": int(max(steps)),
                 "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             },
+            fsync=True,
         )
         self.rows_written += table.num_rows
         self.parts_written += 1

@@ -17,13 +17,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
 from specenv.costmodel import drafted_tokens
+from specenv.envs.common import RoundEnv, check_reward, reset_generation_id
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
-from specenv.envs.replay import check_reward
 from specenv.observation import ScalarObservation
 from specenv.replay import replay_data
 
@@ -33,7 +32,7 @@ COST_SOURCES = ("measured", "model")
 CLOCKS = ("cpu", "wall")
 
 
-class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
+class MoESpecLiveEnv(RoundEnv):
     """Live speculative decoding; the agent picks the draft budget k of every round.
 
     ## Description
@@ -153,6 +152,7 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
     """
 
     metadata = {"render_modes": list(RENDER_MODES), "render_fps": 4}
+    env_id = LIVE_ENV_ID
 
     def __init__(
         self,
@@ -172,7 +172,7 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
         backend: str = "hf",
         reward: str = "cost",
     ):
-        from specenv.engines import BACKENDS, make_backend
+        from specenv.engines import BACKENDS, BackendConfig, make_backend
 
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: expected one of {tuple(BACKENDS)}")
@@ -205,15 +205,8 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
                 f"prompts={os.fspath(prompts)!r}: holds none of the generations of dataset "
                 f"'{self.data.name}' (split '{split}')"
             )
-        self.engine = make_backend(
-            backend,
-            models,
-            kmax=self.kmax,
-            max_new_tokens=int(max_new_tokens),
-            temperature=temperature,
-            threads=threads,
-            lookahead=self.lookahead,
-        )
+        config = BackendConfig(self.kmax, int(max_new_tokens), temperature, threads, self.lookahead)
+        self.engine = make_backend(backend, models, config)
         self.models = self.engine.models
         self._ids = [self.models.encode(p.text) for p in self.prompts]
         self.action_space = spaces.Discrete(self.kmax + 1)
@@ -239,12 +232,7 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
             ValueError: If ``options`` has an unknown key or names a generation not in the split.
         """
         super().reset(seed=seed)
-        gid = None
-        if options:
-            unknown = set(options) - {"generation_id"}
-            if unknown:
-                raise ValueError(f"options: unknown key(s) {sorted(unknown)} (supported: 'generation_id')")
-            gid = options.get("generation_id")
+        gid = reset_generation_id(options)
         rng = self.np_random
         if gid is None:
             g = int(rng.integers(len(self.prompts)))
@@ -278,14 +266,7 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
             ValueError: If ``action`` is not an integer in 0..kmax.
             RuntimeError: If called before :meth:`reset` or after the episode ended.
         """
-        try:
-            k = action.__index__()
-        except (AttributeError, TypeError):
-            raise ValueError(f"action={action!r}: must be an integer in 0..{self.kmax}") from None
-        if not 0 <= k <= self.kmax:
-            raise ValueError(f"action={k}: outside 0..{self.kmax}")
-        if self._done:
-            raise RuntimeError("step() called before reset() or after the episode ended; call reset()")
+        k = self._check_action(action)
         r = self.engine.step(k)
         cm = self.cost_model
         if self.cost_source == "measured":
@@ -336,22 +317,6 @@ class MoESpecLiveEnv(gym.Env[np.ndarray, np.int64]):
             )
         reward = committed - units if self._savings else -units
         return self._obs.build(self._L0 + t_new, t_new, conf), reward, terminated, False, info
-
-    def render(self) -> str | np.ndarray | None:
-        """The recent rounds: one line of text (``"ansi"``) or a ``(64, 128, 3)`` uint8 image (``"rgb_array"``).
-
-        Returns None (with a warning) when the environment was made without a render mode.
-        """
-        if self.render_mode is None:
-            gym.logger.warn(
-                "You are calling render method without specifying any render mode. "
-                f'Create the environment with render_mode="ansi" or "rgb_array", '
-                f'e.g. gym.make("{LIVE_ENV_ID}", render_mode="rgb_array")'
-            )
-            return None
-        if self._strip is not None:
-            return self._strip.frames()[0]
-        return self._line
 
     def close(self) -> None:
         """Detach the engine's routing hooks from the (shared) target model; idempotent."""

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
 from specenv.datasets import DEFAULT_DATASET
+from specenv.envs.common import RoundEnv, check_reward, reset_generation_id
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
 from specenv.observation import ScalarObservation
 from specenv.replay import ReplayData, replay_data
@@ -26,25 +26,12 @@ from specenv.replay import ReplayData, replay_data
 __all__ = ["ENV_ID", "RENDER_MODES", "MoESpecEnv", "ReplayData", "replay_data"]
 
 ENV_ID = "specenv/MoESpec-v0"
-#: Reward options: ``"cost"`` = -cost / ar_unit_ms; ``"savings"`` = that + the tokens the round committed.
-REWARDS = ("cost", "savings")
-
-
-def check_reward(reward: str) -> bool:
-    """Validate a ``reward`` argument; True for ``"savings"``.
-
-    Raises:
-        ValueError: Naming the argument when it is not one of :data:`REWARDS`.
-    """
-    if reward not in REWARDS:
-        raise ValueError(f"reward={reward!r}: expected one of {REWARDS}")
-    return reward == "savings"
 
 
 # --------------------------------------------------------------------------------------------------
 # The environment
 # --------------------------------------------------------------------------------------------------
-class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
+class MoESpecEnv(RoundEnv):
     """Replay of recorded generations; the agent picks the draft budget k of every round.
 
     ## Description
@@ -194,6 +181,7 @@ class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
     """
 
     metadata = {"render_modes": list(RENDER_MODES), "render_fps": 4}
+    env_id = ENV_ID
 
     def __init__(
         self,
@@ -242,12 +230,7 @@ class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
         """
         super().reset(seed=seed)
         d = self.data
-        gid = None
-        if options:
-            unknown = set(options) - {"generation_id"}
-            if unknown:
-                raise ValueError(f"options: unknown key(s) {sorted(unknown)} (supported: 'generation_id')")
-            gid = options.get("generation_id")
+        gid = reset_generation_id(options)
         rng = self.np_random
         g = int(rng.integers(d.n_generations)) if gid is None else d.index_of(gid)
         self._gen = g
@@ -275,14 +258,7 @@ class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
             ValueError: If ``action`` is not an integer in 0..kmax.
             RuntimeError: If called before :meth:`reset` or after the episode ended.
         """
-        try:
-            k = action.__index__()
-        except (AttributeError, TypeError):
-            raise ValueError(f"action={action!r}: must be an integer in 0..{self.kmax}") from None
-        if not 0 <= k <= self.kmax:
-            raise ValueError(f"action={k}: outside 0..{self.kmax}")
-        if self._done:
-            raise RuntimeError("step() called before reset() or after the episode ended; call reset()")
+        k = self._check_action(action)
         t = self._t
         row = self._row0 + t
         u = self._u(self._round)
@@ -340,19 +316,3 @@ class MoESpecEnv(gym.Env[np.ndarray, np.int64]):
             f"gen {self._gid} [{self._cat}] round {self._round - 1}: t={t} k={k} accepted={a} "
             f"+{committed} cost={cost:.3f}ms U_r={U_r:.2f}" + (" (done)" if terminated else "")
         )
-
-    def render(self) -> str | np.ndarray | None:
-        """The recent rounds: one line of text (``"ansi"``) or a ``(64, 128, 3)`` uint8 image (``"rgb_array"``).
-
-        Returns None (with a warning) when the environment was made without a render mode.
-        """
-        if self.render_mode is None:
-            gym.logger.warn(
-                "You are calling render method without specifying any render mode. "
-                f'Create the environment with render_mode="ansi" or "rgb_array", '
-                f'e.g. gym.make("{ENV_ID}", render_mode="rgb_array")'
-            )
-            return None
-        if self._strip is not None:
-            return self._strip.frames()[0]
-        return self._line

@@ -27,8 +27,9 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
 from specenv.datasets import DEFAULT_DATASET
+from specenv.envs.common import check_reward
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
-from specenv.envs.replay import ENV_ID, check_reward
+from specenv.envs.replay import ENV_ID
 from specenv.observation import ObservationState
 from specenv.replay import replay_data
 

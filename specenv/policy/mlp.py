@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from specenv.io import atomic_file, atomic_write_json
 from specenv.observation import ObservationSpec, mismatch_json, upgrade_contract
 from specenv.policy.base import Policy
 
@@ -105,13 +105,9 @@ class MLPPolicy(Policy):
             "observation": spec.to_json(),
             "meta": self.meta,
         }
-        with tempfile.NamedTemporaryFile(dir=folder, suffix=".npz", delete=False) as fh:
+        with atomic_file(folder / "weights.npz") as tmp, open(tmp, "wb") as fh:
             np.savez(fh, **arrays)
-            tmp_w = fh.name
-        os.replace(tmp_w, folder / "weights.npz")
-        tmp_j = folder / ".policy.json.tmp"
-        tmp_j.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp_j, folder / "policy.json")
+        atomic_write_json(folder / "policy.json", meta)
         return folder
 
     @classmethod

@@ -4,28 +4,20 @@ from __future__ import annotations
 
 import os
 
+from specenv.engines.base import BackendConfig
 from specenv.engines.hf.engine import LiveEngine
 from specenv.engines.hf.models import load_models
 
 
-def make(
-    models: str | os.PathLike[str],
-    *,
-    kmax: int,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    threads: int | None = 1,
-    lookahead: int = 0,
-) -> LiveEngine:
+def make(models: str | os.PathLike[str], config: BackendConfig) -> LiveEngine:
     """A :class:`specenv.engines.hf.engine.LiveEngine` on a model set (shipped name or folder).
 
-    ``lookahead`` needs nothing here: the engine drafts ahead in :meth:`LiveEngine.propose`.
+    ``config.lookahead`` needs nothing here: the engine drafts ahead in :meth:`LiveEngine.propose`.
     """
-    del lookahead
     return LiveEngine(
         load_models(models),
-        kmax=kmax,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        threads=threads,
+        kmax=config.kmax,
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        threads=config.threads,
     )

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from specenv.engines.base import RoundResult, prefix_expert_stats
+from specenv.engines.base import RoundResult, prefix_expert_stats, run_fixed_k
 from specenv.engines.hf.models import SmallModels, load_models
 
 
@@ -379,11 +379,7 @@ class LiveEngine:
 
     def generate(self, prompt_ids: list[int], k: int) -> tuple[list[int], list[RoundResult]]:
         """Run a whole generation with a fixed budget ``k``; returns the new tokens and the rounds."""
-        self.start(prompt_ids)
-        rounds = []
-        while not self.done:
-            rounds.append(self.step(k))
-        return self.generated, rounds
+        return run_fixed_k(self, prompt_ids, k)
 
     # ------------------------------------------------------------------ counterfactual sweep
     def sweep(self, prompt_ids: list[int], reference: list[int], kmax: int | None = None) -> dict[str, np.ndarray]:

@@ -15,34 +15,15 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from specenv.io import package_data
 
 MODEL_NAME = "small-moe-v1"
 PROMPT_SET = "stdlib-code-v1"
 EOS_TOKEN = "<|endoftext|>"
-
-
-def _packaged(*parts: str) -> Path:
-    """A real filesystem path for a package-data file or folder (copied to a temp folder if zipped)."""
-    trav = resources.files("specenv").joinpath("data", *parts)
-    if isinstance(trav, Path):
-        return trav
-    out = Path(tempfile.mkdtemp(prefix="specenv-data-"))
-
-    def copy(src: Any, dst: Path) -> None:
-        if src.is_dir():
-            dst.mkdir(parents=True, exist_ok=True)
-            for child in src.iterdir():
-                copy(child, dst / child.name)
-        else:
-            dst.write_bytes(src.read_bytes())
-
-    copy(trav, out / parts[-1])
-    return out / parts[-1]
 
 
 def model_dir(name_or_path: str | os.PathLike[str] = MODEL_NAME) -> Path:
@@ -53,7 +34,7 @@ def model_dir(name_or_path: str | os.PathLike[str] = MODEL_NAME) -> Path:
     """
     key = os.fspath(name_or_path)
     if "/" not in key and "\\" not in key:
-        path = _packaged("models", key)
+        path = package_data("models", key)
         if (path / "manifest.json").is_file():
             return path
     path = Path(key)
@@ -206,7 +187,7 @@ def load_prompts(name_or_path: str | os.PathLike[str] = PROMPT_SET) -> list[Prom
     key = os.fspath(name_or_path)
     path = Path(key)
     if not path.is_file():
-        path = _packaged("prompts", key if key.endswith(".json") else key + ".json")
+        path = package_data("prompts", key if key.endswith(".json") else key + ".json")
         if not path.is_file():
             raise ValueError(f"prompts={key!r}: not a shipped prompt set ({PROMPT_SET}) nor a JSON file")
     try:

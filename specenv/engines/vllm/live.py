@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specenv.engines.base import RoundResult
+from specenv.engines.base import BackendConfig, RoundResult, run_fixed_k
 from specenv.engines.vllm.settings import SpecenvSettings, engine_kwargs
 
 
@@ -295,11 +295,7 @@ class VLLMBackend:
 
     def generate(self, prompt_ids: list[int], k: int) -> tuple[list[int], list[RoundResult]]:
         """A whole generation with a fixed budget ``k``; returns the generated tokens and the rounds."""
-        self.start(prompt_ids)
-        rounds = []
-        while not self.done:
-            rounds.append(self.step(k))
-        return self.generated, rounds
+        return run_fixed_k(self, prompt_ids, k)
 
     def close(self) -> None:
         """Abort the running generation and close a recording in progress (idempotent)."""
@@ -307,23 +303,16 @@ class VLLMBackend:
         self.controller.stop_recording()
 
 
-def make(
-    models: str | os.PathLike[str],
-    *,
-    kmax: int,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    threads: int | None = 1,
-    lookahead: int = 0,
-) -> VLLMBackend:
+def make(models: str | os.PathLike[str], config: BackendConfig) -> VLLMBackend:
     """The factory of ``backend="vllm"`` (:func:`specenv.engines.base.make_backend`): the shared backend.
 
-    ``threads`` does not apply (vLLM sets its own).
+    ``config.threads`` does not apply (vLLM sets its own).
 
     Raises:
         ValueError: For ``lookahead > 0``: the scheduler never sees the draft's confidences.
     """
-    del threads
-    if lookahead:
-        raise ValueError(f"lookahead={lookahead}: the vllm backend cannot show draft confidences")
-    return VLLMBackend.shared(models, kmax=kmax, max_new_tokens=int(max_new_tokens), temperature=temperature)
+    if config.lookahead:
+        raise ValueError(f"lookahead={config.lookahead}: the vllm backend cannot show draft confidences")
+    return VLLMBackend.shared(
+        models, kmax=config.kmax, max_new_tokens=int(config.max_new_tokens), temperature=config.temperature
+    )

@@ -4,7 +4,7 @@ vLLM loads a model from one folder holding ``config.json``, the safetensors and 
 (``tokenizer.json`` plus ``tokenizer_config.json`` for ``transformers``' fast tokenizer). The shipped
 set keeps one ``tokenizer.json`` beside ``target/`` and ``draft/`` (see
 :mod:`specenv.engines.hf.models`), so :func:`vllm_model_dirs` builds a *view*: a folder in the user's cache
-(``$SPECENV_CACHE`` or ``~/.cache/specenv``, never inside the package) with symbolic links to the
+(:func:`specenv.io.cache_dir`, never inside the package) with symbolic links to the
 weights and configs and the two tokenizer files, keyed by the sha256 of the set's manifest. Folders
 that are already vLLM-ready (``target/tokenizer_config.json`` present, e.g. from
 :func:`specenv.engines.vllm.tinymodels.build_tiny_models`) are returned as they are.
@@ -15,10 +15,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from specenv.io import atomic_dir, atomic_write_json, cache_dir
 
 EOS = "<|endoftext|>"
 
@@ -38,12 +39,6 @@ class VLLMModelDirs:
     draft: Path
     max_model_len: int
     source: Path
-
-
-def cache_dir() -> Path:
-    """The cache folder of specenv (``$SPECENV_CACHE`` or ``~/.cache/specenv``)."""
-    env = os.environ.get("SPECENV_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "specenv"
 
 
 def _max_len(target: Path) -> int:
@@ -70,11 +65,13 @@ def vllm_model_dirs(name_or_path: str | os.PathLike[str] = "small-moe-v1") -> VL
         if not (src / part).is_file():
             raise ValueError(f"{src}: model set lacks {part}")
     digest = hashlib.sha256((src / "manifest.json").read_bytes()).hexdigest()[:16]
-    view = cache_dir() / "vllm-models" / f"{src.name}-{digest}"
+    base = cache_dir()
+    if base is None:  # disk cache disabled: a private temporary folder for this process
+        base = Path(tempfile.mkdtemp(prefix="specenv-"))
+    view = base / "vllm-models" / f"{src.name}-{digest}"
     if not (view / "draft" / "tokenizer_config.json").is_file():
         view.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{view.name}.", dir=view.parent))
-        try:
+        with atomic_dir(view, replace=True) as tmp:
             cfg = {
                 "tokenizer_class": "PreTrainedTokenizerFast",
                 "eos_token": EOS,
@@ -88,11 +85,5 @@ def vllm_model_dirs(name_or_path: str | os.PathLike[str] = "small-moe-v1") -> VL
                     if f.is_file():
                         (tmp / sub / f.name).symlink_to(f.resolve())
                 (tmp / sub / "tokenizer.json").symlink_to((src / "tokenizer.json").resolve())
-                (tmp / sub / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-            if view.exists():
-                shutil.rmtree(view)
-            os.replace(tmp, view)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+                atomic_write_json(tmp / sub / "tokenizer_config.json", cfg)
     return VLLMModelDirs(view / "target", view / "draft", _max_len(src / "target"), src)
