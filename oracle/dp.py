@@ -46,7 +46,7 @@ import numpy as np
 
 from specenv.costmodel import CostModel
 from specenv.stats import mean_ci, ratio_ci
-from specenv.traceset import PositionArrays, survival_table
+from specenv.traceset import PositionArrays, expected_accepted_table, survival_table
 
 __all__ = [
     "Evaluation",
@@ -105,8 +105,7 @@ def survival(arrays: PositionArrays) -> np.ndarray:
 
 def expected_accepted(arrays: PositionArrays) -> np.ndarray:
     """``E[a(t,k)] = sum_{i=1..k} S_{t,i}`` for k = 0..Kmax, shape (n, Kmax+1) (column 0 is 0)."""
-    S = survival(arrays)
-    return np.concatenate([np.zeros((len(S), 1)), np.cumsum(S, axis=1)], axis=1)
+    return expected_accepted_table(arrays.rho)
 
 
 def ar_costs(arrays: PositionArrays, cost_model: CostModel) -> np.ndarray:

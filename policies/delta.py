@@ -26,6 +26,7 @@ import numpy as np
 from policies.heuristics import AcceptanceEstimator, _CostAware
 from specenv.costmodel import CostModel
 from specenv.observation import ObservationSpec
+from specenv.traceset import expected_accepted_table
 
 
 class DeltaSpaceRule(_CostAware):
@@ -74,7 +75,7 @@ class DeltaSpaceRule(_CostAware):
             conf = self.view.conf(obs)
             h = min(len(conf), len(rho))
             rho[:h] = 0.5 * (rho[:h] + conf[:h])
-        return np.concatenate([[0.0], np.cumsum(np.cumprod(rho))])
+        return expected_accepted_table(rho)
 
     def lam(self, obs: np.ndarray) -> float:
         """Current lambda in ms per accepted token."""

@@ -38,20 +38,8 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, fsync: bool = 
         The destination path.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    try:
-        with open(tmp, "xb") as fh:  # exclusive create, ordinary (umask) permissions
-            fh.write(data)
-            if fsync:
-                fh.flush()
-                os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with atomic_file(path, fsync=fsync) as tmp, open(tmp, "xb") as fh:  # exclusive create, umask permissions
+        fh.write(data)
     return path
 
 

@@ -113,30 +113,14 @@ def rollout(env: Any, policy: OnlinePolicy, episodes: Sequence[tuple[int, int]])
 
 
 @dataclass
-class EnvEvaluation:
-    """Episodes of a policy in the replay environment.
+class EnvEvaluation(Rollouts):
+    """Episodes of a policy in the replay environment: :class:`Rollouts` plus the policy's name.
 
     Attributes:
         policy: The policy's ``name`` (or class name).
-        generation_ids: (E,) generation replayed by each episode.
-        seeds: (E,) reset seed of each episode.
-        cost: (E,) episode cost in ms (sum of ``info["cost_ms"]``).
-        ar: (E,) AR cost of the episode's generation in ms.
-        rounds: (E,) rounds.
-        k_sum: (E,) sum of chosen budgets.
-        accepted_sum: (E,) sum of ``info["accepted"]``.
-        returns: (E,) episode returns (sum of rewards, AR-step units).
     """
 
-    policy: str
-    generation_ids: np.ndarray
-    seeds: np.ndarray
-    cost: np.ndarray
-    ar: np.ndarray
-    rounds: np.ndarray
-    k_sum: np.ndarray
-    accepted_sum: np.ndarray
-    returns: np.ndarray
+    policy: str = ""
 
     @property
     def speedup(self) -> np.ndarray:
@@ -217,6 +201,4 @@ def evaluate_in_env(
         if own:
             env.close()
     name = getattr(policy, "name", type(policy).__name__)
-    return EnvEvaluation(
-        str(name), ep_gid, seeds, res.cost, res.ar, res.rounds, res.k_sum, res.accepted_sum, res.returns
-    )
+    return EnvEvaluation(**vars(res), policy=str(name))

@@ -188,6 +188,19 @@ def survival_table(rho: np.ndarray, axis: int = -1, out: np.ndarray | None = Non
     return out
 
 
+def expected_accepted_table(rho: np.ndarray) -> np.ndarray:
+    """``E[a(k)] = sum_{i<=k} P(a >= i)`` for k = 0..K from conditional acceptances ``rho`` (depth last).
+
+    Args:
+        rho: ``(..., K)`` conditional acceptance probabilities (a trace's rho or online estimates).
+
+    Returns:
+        ``(..., K + 1)``; entry 0 is 0 (a plain AR step accepts nothing).
+    """
+    S = survival_table(np.asarray(rho, dtype=np.float64))
+    return np.concatenate([np.zeros((*S.shape[:-1], 1)), np.cumsum(S, axis=-1)], axis=-1)
+
+
 @dataclass(frozen=True)
 class PositionArrays:
     """The positions table packed into numpy arrays, sorted by generation then t.

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from specenv.generator import generate_paper
 from specenv.traceset import TraceSet
+
+# The suite never writes to the user's cache folder (fitted cost models, vLLM model views): a private
+# one per session unless the caller chose one (subprocesses inherit it).
+os.environ.setdefault("SPECENV_CACHE", tempfile.mkdtemp(prefix="specenv-test-cache-"))
 
 
 @pytest.fixture(scope="session")

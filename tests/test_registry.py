@@ -69,7 +69,7 @@ def test_policy_folder(tmp_path):
     assert registry.resolve(str(folder), SPEC).spec == SPEC
     registry.check(folder)
     other = ObservationSpec(kmax=6, lookahead=0, max_new_tokens=200, n_experts=128)
-    with pytest.raises(ValueError, match="n_experts=64 differs from the caller's n_experts=128"):
+    with pytest.raises(ValueError, match=r"policy.json: observation contract differs: n_experts 64 != 128"):
         registry.resolve(folder, other)
     with pytest.raises(ValueError, match="no parameters"):
         registry.resolve(folder, SPEC, k=3)

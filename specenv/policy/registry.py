@@ -38,7 +38,6 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from dataclasses import fields
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -185,17 +184,7 @@ def resolve(name_or_folder: str | os.PathLike[str], spec: ObservationSpec | None
 
         if params:
             raise ValueError(f"policy {os.fspath(name_or_folder)!r}: a policy folder takes no parameters")
-        policy = MLPPolicy.load(name_or_folder)
-        if spec is not None and policy.spec != spec:
-            field = next(
-                (f.name for f in fields(spec) if getattr(policy.spec, f.name, None) != getattr(spec, f.name)), None
-            )
-            if field is None:
-                raise ValueError(f"policy {os.fspath(name_or_folder)!r}: observation spec differs from the caller's")
-            raise ValueError(
-                f"policy {os.fspath(name_or_folder)!r}: {field}={getattr(policy.spec, field, None)!r} "
-                f"differs from the caller's {field}={getattr(spec, field)!r}"
-            )
+        policy = MLPPolicy.load(name_or_folder, expect=spec)  # one line naming a differing field
         return policy
     if not isinstance(name_or_folder, str):
         raise ValueError(f"policy {os.fspath(name_or_folder)!r}: not a policy folder (no policy.json)")

@@ -50,7 +50,7 @@ def wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float = 60
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            raise AssertionError(f"server exited with {proc.returncode}:\n{log.read_text()[-12000:]}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
@@ -62,7 +62,10 @@ def wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float = 60
 
 
 def test_serve_records_and_sigkill_leaves_only_complete_parts(model_dirs, plain_reference, tmp_path):
-    spec = ObservationSpec(kmax=KMAX, max_new_tokens=MAX_TOKENS, n_experts=16)
+    # the served model's experts: the controller refuses a policy trained for another model
+    cfg = json.loads((Path(model_dirs.target) / "config.json").read_text())
+    n_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    spec = ObservationSpec(kmax=KMAX, max_new_tokens=MAX_TOKENS, n_experts=n_experts)
     rng = np.random.default_rng(2)
     pol = MLPPolicy(
         spec,
