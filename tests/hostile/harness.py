@@ -1,0 +1,115 @@
+"""What every hostile-input case asserts: exit 2, one line naming the culprit, nothing written or deleted.
+
+A case runs a ``specenv`` command in-process (typer's ``CliRunner``; subprocesses only where a
+resource limit or a signal is needed), with the folders it could touch snapshotted before and after.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import resource
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from specenv.cli import app
+
+PREFIX = "specenv: error: "
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a command did."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(args: Sequence[str], cwd: str | os.PathLike[str] | None = None) -> Outcome:
+    """Run ``specenv ARGS`` in-process (optionally from another working directory)."""
+    old = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        res = CliRunner().invoke(app, [str(a) for a in args])
+    finally:
+        os.chdir(old)
+    stderr = res.stderr if res.stderr_bytes is not None else ""
+    if res.exception is not None and not isinstance(res.exception, SystemExit):
+        # an uncaught exception is a traceback for the user: make it visible in the failure
+        import traceback
+
+        stderr += "".join(traceback.format_exception(res.exception))
+    return Outcome(res.exit_code, res.stdout, stderr)
+
+
+def run_limited(args: Sequence[str], memory_bytes: int = 1 << 30, seconds: float = 30.0) -> Outcome:
+    """Run ``python -m specenv.cli ARGS`` in a subprocess under an address-space limit."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+
+    p = subprocess.run(
+        [sys.executable, "-m", "specenv.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=seconds,
+        preexec_fn=limit,
+    )
+    return Outcome(p.returncode, p.stdout, p.stderr)
+
+
+def snapshot(*roots: str | os.PathLike[str]) -> dict[str, tuple[str, str]]:
+    """Every file and folder under ``roots``: path -> (kind, sha256 of the content for files)."""
+    out: dict[str, tuple[str, str]] = {}
+    for root in map(Path, roots):
+        if not root.exists():
+            continue
+        for p in [root, *sorted(root.rglob("*"))]:
+            if p.is_symlink():
+                out[str(p)] = ("link", os.readlink(p))
+            elif p.is_dir():
+                out[str(p)] = ("dir", "")
+            else:
+                out[str(p)] = ("file", hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
+def assert_rejected(out: Outcome, *names: str) -> None:
+    """Exit code 2, one line ``specenv: error: ...`` on stderr naming every string in ``names``.
+
+    Nothing on stdout, no traceback anywhere.
+    """
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert "Traceback" not in out.stderr + out.stdout, out.stderr[-3000:]
+    assert out.exit_code == 2, f"exit {out.exit_code}; stderr: {out.stderr[-2000:]!r}"
+    assert len(lines) == 1, f"expected one line, got {len(lines)}: {out.stderr[-2000:]!r}"
+    assert lines[0].startswith(PREFIX), lines[0]
+    for name in names:
+        assert name in lines[0], f"{name!r} not named in: {lines[0]}"
+    assert out.stdout.strip() == "", out.stdout[-2000:]
+
+
+def assert_unchanged(before: dict[str, tuple[str, str]], after: dict[str, tuple[str, str]]) -> None:
+    """Nothing written, changed or deleted under the snapshotted roots."""
+    added = sorted(set(after) - set(before))
+    removed = sorted(set(before) - set(after))
+    changed = sorted(k for k in set(before) & set(after) if before[k] != after[k])
+    assert not (added or removed or changed), f"added {added[:5]}, removed {removed[:5]}, changed {changed[:5]}"
+
+
+def reject_cleanly(
+    args: Sequence[str], names: Iterable[str], roots: Iterable[str | os.PathLike[str]], cwd=None
+) -> None:
+    """Run a command that must be refused: one line naming ``names``, exit 2, ``roots`` untouched."""
+    roots = list(roots)
+    before = snapshot(*roots)
+    out = run_cli(args, cwd=cwd)
+    assert_rejected(out, *names)
+    assert_unchanged(before, snapshot(*roots))
