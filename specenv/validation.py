@@ -410,6 +410,19 @@ def _models() -> dict[str, Any]:
         observation: dict[str, Any]
         meta: dict[str, Any] = {}
 
+        @field_validator("observation")
+        @classmethod
+        def _bounded(cls, obs: dict[str, Any]) -> dict[str, Any]:
+            # bounds before the contract builds its feature names from them
+            for key, lo in (("kmax", 1), ("lookahead", 0), ("n_experts", 1), ("max_new_tokens", 1), ("dim", 1)):
+                if key not in obs:
+                    continue
+                v = obs[key]
+                hi = {"kmax": KMAX_MAX, "lookahead": KMAX_MAX, "n_experts": N_EXPERTS_MAX}.get(key, MAX_NEW_TOKENS_MAX)
+                if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                    raise ValueError(f"'{key}' must be an integer in {lo}..{hi} (got {_short(v)})")
+            return obs
+
     class RecordingJSON(Open):
         """A recording's ``recording.json`` (fields the recorder adds later are allowed)."""
 
