@@ -238,15 +238,18 @@ def npz_headers(
             for zi in members:
                 if not zi.filename.endswith(".npy"):
                     _raise(error, file, f"member {zi.filename!r} is not a .npy array")
-                with zf.open(zi) as fh:
-                    version = npf.read_magic(fh)
-                    if version == (1, 0):
-                        shape, _, dtype = npf.read_array_header_1_0(fh)
-                    elif version in ((2, 0), (3, 0)):
-                        shape, _, dtype = npf.read_array_header_2_0(fh)
-                    else:  # pragma: no cover - numpy's read_magic accepts only these
-                        _raise(error, file, f"array {zi.filename!r}: unsupported .npy version {version}")
-                out[zi.filename[: -len(".npy")]] = (tuple(int(n) for n in shape), np.dtype(dtype))
+                name = zi.filename[: -len(".npy")]
+                try:
+                    with zf.open(zi) as fh:
+                        version = npf.read_magic(fh)
+                        if version == (1, 0):
+                            shape, _, dtype = npf.read_array_header_1_0(fh)
+                        else:
+                            shape, _, dtype = npf.read_array_header_2_0(fh)
+                except (OSError, ValueError, EOFError, zlib.error, TypeError, zipfile.BadZipFile) as exc:
+                    msg = str(exc).splitlines()[0][:200] if str(exc) else exc.__class__.__name__
+                    _raise(error, file, f"array '{name}': unreadable .npy header ({msg})")
+                out[name] = (tuple(int(n) for n in shape), np.dtype(dtype))
     except FileNotFoundError:
         _raise(error, file, "no such file")
     except PermissionError:

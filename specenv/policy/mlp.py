@@ -83,6 +83,10 @@ class MLPPolicy(Policy):
     def _act(self, obs: np.ndarray) -> int:
         return int(self.act_batch(obs)[0])
 
+    def act(self, obs: np.ndarray) -> int:
+        """Budget for one observation (stateless); ``-1`` when the scores are not finite (see :meth:`act_batch`)."""
+        return self._act(obs)
+
     def act_batch(self, obs: np.ndarray) -> np.ndarray:
         """Budgets for a batch (stateless, one matrix product per layer).
 
