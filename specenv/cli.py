@@ -147,6 +147,7 @@ def fit(
         rep = fit_cost_model(ts.rounds, ts.kmax, ts.facts.top_k, folds, source={"traces": ts.manifest.name})
     except ValueError as exc:
         fail(f"{traces}: {exc}")
+    rep.model.n_experts, rep.model.n_layers = ts.facts.n_experts, ts.facts.n_layers  # recorded in the JSON
     if save is not None:
         rep.model.save(save)
     if as_json:

@@ -20,7 +20,6 @@ Environments, the oracle and the benchmark all charge rounds through these two m
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +60,8 @@ class CostModel:
         d1: Draft ms per drafted token.
         d0: Draft ms fixed cost of a round with K >= 1.
         top_k: Experts per token (U of a single position).
+        n_experts: Experts per MoE layer of the model it was fitted for (None: not recorded).
+        n_layers: MoE layers of that model (None: not recorded).
         ar_extrapolated: True when the K = 0 coefficients were not fitted on K = 0 rounds.
         source: Provenance (trace set name, fit method...).
         diagnostics: Fit statistics kept with the model (per-K SEs, R2, OOS errors...).
@@ -75,6 +76,8 @@ class CostModel:
     ar_extrapolated: bool = False
     source: dict[str, Any] = field(default_factory=dict)
     diagnostics: dict[str, Any] = field(default_factory=dict)
+    n_experts: int | None = None
+    n_layers: int | None = None
 
     def __post_init__(self) -> None:
         self.beta0 = np.asarray(self.beta0, dtype=np.float64)
@@ -197,17 +200,21 @@ class CostModel:
             d1=paper.DRAFT_D1,
             d0=paper.DRAFT_D0,
             top_k=paper.TOP_K,
+            n_experts=paper.N_EXPERTS,
+            n_layers=paper.N_LAYERS,
             ar_extrapolated=True,
             source={"kind": "paper-profile", "table": "A4", "gaps": "specenv.paper.profile_coefficients"},
         )
 
     # ------------------------------------------------------------- JSON
     def to_json(self) -> dict[str, Any]:
-        """Plain-JSON form."""
+        """Plain-JSON form (``n_experts``/``n_layers`` only when known)."""
+        facts = {k: int(v) for k, v in (("n_experts", self.n_experts), ("n_layers", self.n_layers)) if v is not None}
         return {
             "format": FORMAT,
             "kmax": self.kmax,
             "top_k": self.top_k,
+            **facts,
             "target": {
                 str(k): {"beta0": float(self.beta0[k]), "alpha": float(self.alpha[k]), "c": float(self.c[k])}
                 for k in range(self.kmax + 1)
@@ -220,26 +227,30 @@ class CostModel:
 
     @classmethod
     def from_json(cls, obj: Any, file: str = "cost model") -> CostModel:
-        """Parse the JSON form; raises ValueError naming the file and the bad field."""
-        try:
-            if obj.get("format") != FORMAT:
-                raise ValueError(f"format must be '{FORMAT}'")
-            kmax = int(obj["kmax"])
-            tgt = obj["target"]
-            rows = [tgt[str(k)] for k in range(kmax + 1)]
-            return cls(
-                beta0=np.array([float(r["beta0"]) for r in rows]),
-                alpha=np.array([float(r["alpha"]) for r in rows]),
-                c=np.array([float(r["c"]) for r in rows]),
-                d1=float(obj["draft"]["d1"]),
-                d0=float(obj["draft"]["d0"]),
-                top_k=int(obj["top_k"]),
-                ar_extrapolated=bool(obj.get("ar_extrapolated", False)),
-                source=dict(obj.get("source", {})),
-                diagnostics=dict(obj.get("diagnostics", {})),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"{file}: not a specenv cost model ({exc.__class__.__name__}: {exc})") from None
+        """Parse the JSON form, checked by :mod:`specenv.validation` (``CostModelJSON``).
+
+        Strict types, finite coefficients, kmax 1..64, top_k 1..4096, every charged cost positive.
+
+        Raises:
+            ValueError: One line naming the file and the bad field.
+        """
+        from specenv.validation import check
+
+        m = check("CostModelJSON", obj, file, formats=(FORMAT,), what="specenv cost model")
+        rows = [m.target[str(k)] for k in range(m.kmax + 1)]
+        return cls(
+            beta0=np.array([r.beta0 for r in rows], dtype=np.float64),
+            alpha=np.array([r.alpha for r in rows], dtype=np.float64),
+            c=np.array([r.c for r in rows], dtype=np.float64),
+            d1=float(m.draft.d1),
+            d0=float(m.draft.d0),
+            top_k=m.top_k,
+            ar_extrapolated=m.ar_extrapolated,
+            source=dict(m.source),
+            diagnostics=dict(m.diagnostics),
+            n_experts=m.n_experts,
+            n_layers=m.n_layers,
+        )
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the JSON form atomically."""
@@ -250,9 +261,7 @@ class CostModel:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> CostModel:
         """Read the JSON form written by :meth:`save`."""
+        from specenv.validation import read_json
+
         path = Path(path)
-        try:
-            obj = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: cannot read cost model ({exc})") from None
-        return cls.from_json(obj, str(path))
+        return cls.from_json(read_json(path, what="cost model"), str(path))

@@ -72,17 +72,40 @@ def cost_model_for(traces: Any, which: str = "fit") -> CostModel:
     path = Path(which)
     if path.suffix == ".json" and path.is_file():
         model = CostModel.load(path)
-        if model.kmax < kmax:
-            raise ValueError(f"cost_model={which}: covers K <= {model.kmax}, trace set needs {kmax}")
+        check_model_facts(model, traces, str(path))
         return model
     raise ValueError(f"cost_model={which!r}: expected 'fit', 'profile' or an existing .json file")
 
 
+def check_model_facts(model: CostModel, traces: Any, file: str) -> None:
+    """A cost model read from ``file`` fits the trace set: Kmax covers the set's budgets, same model facts.
+
+    ``top_k`` must be equal; ``n_experts`` and ``n_layers`` are compared when the cost model records them.
+
+    Raises:
+        ValueError: One line naming both files and the field that differs.
+    """
+    where = f"trace set '{traces.manifest.name}'"
+    if getattr(traces, "root", None) is not None:
+        where += f" ({Path(traces.root) / 'manifest.json'})"
+    if model.kmax < traces.kmax:
+        raise ValueError(
+            f"{file}: field 'kmax' = {model.kmax} covers K <= {model.kmax}, but {where} has kmax = {traces.kmax}"
+        )
+    facts = traces.facts
+    for name in ("top_k", "n_experts", "n_layers"):
+        mine, theirs = getattr(model, name), getattr(facts, name)
+        if mine is not None and mine != theirs:
+            raise ValueError(f"{file}: field '{name}' = {mine} does not match {where}: model.{name} = {theirs}")
+
+
 def fresh_fit(traces: Any) -> CostModel:
-    """The ``"fit"`` cost model of a trace set computed now (no cache read or written)."""
+    """The ``"fit"`` cost model of a trace set computed now (no cache read or written), with the set's model facts."""
     from specenv.fit import fit_replay_model
 
-    return fit_replay_model(traces.rounds, traces.kmax, traces.facts.top_k, {"traces": traces.manifest.name})
+    model = fit_replay_model(traces.rounds, traces.kmax, traces.facts.top_k, {"traces": traces.manifest.name})
+    model.n_experts, model.n_layers = traces.facts.n_experts, traces.facts.n_layers
+    return model
 
 
 def fit_cache_key(traces: Any) -> dict[str, Any] | None:
@@ -145,7 +168,11 @@ def _read_entry(path: Path, key: dict[str, Any]) -> CostModel | None:
         model = CostModel.from_json(obj, str(path))
     except ValueError:
         return None
-    return model if model.kmax == key["kmax"] and model.top_k == key["top_k"] else None
+    if model.kmax != key["kmax"] or model.top_k != key["top_k"]:
+        return None
+    if model.n_experts is None or model.n_layers is None:  # written before the model facts were recorded
+        return None
+    return model
 
 
 def _write_entry(path: Path, key: dict[str, Any], model: CostModel) -> None:

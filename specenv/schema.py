@@ -9,10 +9,13 @@ The schema is documented for people in ``traces/README.md``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+
+from specenv.validation import KMAX_MAX, one_line
 
 SCHEMA_VERSION = 1
 
@@ -40,18 +43,28 @@ POSITIONS_FIXED: dict[str, pa.DataType] = {
 }
 
 
+def _bounded(kmax: int) -> int:
+    """``kmax`` if it is in 1..KMAX_MAX (checked before any list of column names is built)."""
+    if isinstance(kmax, bool) or not isinstance(kmax, (int, np.integer)) or not 0 <= kmax <= KMAX_MAX:
+        raise ValueError(f"kmax={kmax!r}: must be an integer in 1..{KMAX_MAX}")
+    return int(kmax)
+
+
 def rho_columns(kmax: int) -> list[str]:
     """Names of the conditional-acceptance columns rho_1..rho_kmax."""
+    kmax = _bounded(kmax)
     return [f"rho_{j}" for j in range(1, kmax + 1)]
 
 
 def q_columns(kmax: int) -> list[str]:
     """Names of the draft-confidence columns q_1..q_kmax."""
+    kmax = _bounded(kmax)
     return [f"q_{j}" for j in range(1, kmax + 1)]
 
 
 def u_columns(kmax: int) -> list[str]:
     """Names of the unique-expert columns U_0..U_kmax (U_0 is a single position: top_k)."""
+    kmax = _bounded(kmax)
     return [f"U_{k}" for k in range(0, kmax + 1)]
 
 
@@ -76,7 +89,7 @@ class TraceError(ValueError):
             where.append(f"column '{column}'")
         if row is not None:
             where.append(f"row {row}")
-        super().__init__(": ".join([", ".join(where), problem]))
+        super().__init__(one_line(": ".join([", ".join(where), problem])))
 
 
 @dataclass(frozen=True)
@@ -212,6 +225,51 @@ def validate_rounds(table: pa.Table, facts: ModelFacts, kmax: int, file: str = "
     _require((E < 1 - eps) | (E > m + eps), file, "E_max", "must lie in [1, m]")
     _require(_num(table, "T_T_ms", np.float64) <= 0, file, "T_T_ms", "target time must be > 0")
     _require(_num(table, "T_D_ms", np.float64) < 0, file, "T_D_ms", "draft time must be >= 0")
+    gid = _num(table, "generation_id", np.int64)
+    _, first, inverse = np.unique(gid, return_index=True, return_inverse=True)
+    cats = column_strings(table, "category")
+    _require(cats != cats[first][inverse], file, "category", "category changes inside a generation")
+
+
+def _beyond_kmax(table: pa.Table, kmax: int, file: str) -> None:
+    """Refuse indexed columns past ``kmax`` (a manifest kmax lower than the table would drop them silently)."""
+    for name in table.column_names:
+        hit = re.fullmatch(r"(rho|q|U)_(\d+)", name)
+        if hit and int(hit.group(2)) > kmax:
+            raise TraceError(file, f"column beyond the manifest's kmax={kmax}", column=name)
+
+
+def generation_categories(table: pa.Table) -> dict[int, str]:
+    """Generation id -> category of a validated table (one category per generation)."""
+    gid = _num(table, "generation_id", np.int64)
+    _, first = np.unique(gid, return_index=True)
+    cats = column_strings(table, "category")
+    return {int(gid[i]): str(cats[i]) for i in first}
+
+
+def validate_pair(positions: pa.Table, rounds: pa.Table, positions_file: str, rounds_file: str) -> None:
+    """The two tables of one set describe the same generations, with the same category each.
+
+    Raises:
+        TraceError: Naming both files and the first generation that differs.
+    """
+    p, r = generation_categories(positions), generation_categories(rounds)
+    if p.keys() != r.keys():
+        only_p, only_r = sorted(p.keys() - r.keys()), sorted(r.keys() - p.keys())
+        g, where = (only_p[0], "positions only") if only_p else (only_r[0], "rounds only")
+        raise TraceError(
+            rounds_file,
+            f"generation ids differ from {positions_file} ({len(only_p)} in positions only, "
+            f"{len(only_r)} in rounds only; first: {g}, {where})",
+            column="generation_id",
+        )
+    for g in sorted(p):
+        if p[g] != r[g]:
+            raise TraceError(
+                rounds_file,
+                f"generation {g} has category {r[g]!r} here and {p[g]!r} in {positions_file}",
+                column="category",
+            )
 
 
 def validate_positions(
@@ -236,6 +294,7 @@ def validate_positions(
     if table.num_rows == 0:
         raise TraceError(file, "table has no rows")
     _check_columns(table, positions_columns(kmax), file)
+    _beyond_kmax(table, kmax, file)
     gid = _num(table, "generation_id", np.int64)
     t = _num(table, "t", np.int64)
     L = _num(table, "L", np.int64)

@@ -13,7 +13,6 @@ leaves a folder that loads as valid. No pickle anywhere.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from specenv.schema import (
     q_columns,
     rho_columns,
     u_columns,
+    validate_pair,
     validate_positions,
     validate_rounds,
 )
@@ -107,61 +107,34 @@ class Manifest:
 
     @classmethod
     def from_json(cls, obj: Any, file: str = MANIFEST) -> Manifest:
-        """Parse and check a manifest object.
+        """Parse and check a manifest object (:class:`specenv.validation` ``ManifestJSON``: strict types, bounds).
 
         Raises:
-            TraceError: If a field is missing, mistyped or the schema version is not supported.
+            TraceError: One line naming the file and the field: missing, mistyped, out of range
+                (kmax 1..64, 1 <= top_k <= n_experts <= 4096, n_layers 1..1024, max_new_tokens >= 1,
+                counts >= 0), a name with control characters, or an unsupported schema version.
         """
-        if not isinstance(obj, dict):
-            raise TraceError(file, "manifest must be a JSON object")
+        from specenv.validation import check
 
-        def get(key: str, typ: type | tuple[type, ...]) -> Any:
-            if key not in obj:
-                raise TraceError(file, f"missing field '{key}'")
-            val = obj[key]
-            if not isinstance(val, typ) or (typ is int and isinstance(val, bool)):
-                raise TraceError(file, f"field '{key}' has the wrong type ({type(val).__name__})")
-            return val
-
-        version = get("schema_version", int)
-        if version != SCHEMA_VERSION:
-            raise TraceError(file, f"unsupported schema_version {version} (this specenv reads {SCHEMA_VERSION})")
-        model = get("model", dict)
-        try:
-            facts = ModelFacts(int(model["n_layers"]), int(model["n_experts"]), int(model["top_k"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TraceError(file, f"field 'model' needs integer n_layers, n_experts, top_k ({exc})") from None
-        if not (1 <= facts.top_k <= facts.n_experts) or facts.n_layers < 1:
-            raise TraceError(file, "field 'model' needs 1 <= top_k <= n_experts and n_layers >= 1")
-        kmax = get("kmax", int)
-        if kmax < 1:
-            raise TraceError(file, "field 'kmax' must be >= 1")
-        files = get("files", dict)
-        if not files or any(k not in TABLES for k in files):
-            raise TraceError(file, f"field 'files' must name one or both of {TABLES}")
-        for tab, ent in files.items():
-            if (
-                not isinstance(ent, dict)
-                or not isinstance(ent.get("path"), str)
-                or not isinstance(ent.get("sha256"), str)
-            ):
-                raise TraceError(file, f"files.{tab} needs string 'path' and 'sha256'")
-            if "/" in ent["path"] or "\\" in ent["path"] or ent["path"].startswith("."):
-                raise TraceError(file, f"files.{tab}.path must be a plain file name")
+        if isinstance(obj, dict):
+            version = obj.get("schema_version")
+            if isinstance(version, int) and not isinstance(version, bool) and version != SCHEMA_VERSION:
+                raise TraceError(file, f"unsupported schema_version {version} (this specenv reads {SCHEMA_VERSION})")
+        m = check("ManifestJSON", obj, file, error=TraceError)
         return cls(
-            name=get("name", str),
-            source=get("source", str),
-            profile=get("profile", str),
-            model=facts,
-            kmax=kmax,
-            greedy=get("greedy", bool),
+            name=m.name,
+            source=m.source,
+            profile=m.profile,
+            model=ModelFacts(m.model.n_layers, m.model.n_experts, m.model.top_k),
+            kmax=m.kmax,
+            greedy=m.greedy,
             counts=dict(obj.get("counts", {})),
-            files=files,
-            version=int(obj.get("version", 1)),
-            description=str(obj.get("description", "")),
-            max_new_tokens=int(obj.get("max_new_tokens", 1000)),
-            extra=dict(obj.get("extra", {})),
-            schema_version=version,
+            files={tab: dict(ent) for tab, ent in obj["files"].items()},
+            version=m.version,
+            description=m.description,
+            max_new_tokens=m.max_new_tokens,
+            extra=dict(m.extra),
+            schema_version=m.schema_version,
         )
 
 
@@ -464,43 +437,28 @@ class TraceSet:
         Raises:
             TraceError: One line naming the file, column and first bad row.
         """
+        from specenv.validation import read_json
+
         root = Path(root)
         mpath = root / MANIFEST
         if not root.is_dir():
             raise TraceError(str(root), "not a trace set folder")
         if not mpath.is_file():
             raise TraceError(str(mpath), "missing manifest")
-        try:
-            obj = json.loads(mpath.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise TraceError(str(mpath), f"not valid JSON ({exc.__class__.__name__}: {exc})") from None
-        manifest = Manifest.from_json(obj, str(mpath))
+        manifest = Manifest.from_json(read_json(mpath, TraceError, what="manifest"), str(mpath))
         tables: dict[str, pa.Table | None] = {"positions": None, "rounds": None}
         verified: dict[str, str] = {}
         for tab, ent in manifest.files.items():
             path = root / ent["path"]
-            if not path.is_file():
-                raise TraceError(str(path), "file named in the manifest is missing")
-            if verify_hashes:
-                if sha256_file(path) != ent["sha256"]:
-                    raise TraceError(str(path), "sha256 does not match the manifest")
-                verified[tab] = ent["sha256"]
-            try:
-                table = _read_parquet(path)
-            except (pa.ArrowException, OSError) as exc:
-                msg = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
-                raise TraceError(str(path), f"not a readable Parquet file ({msg})") from None
-            meta = table.schema.metadata or {}
-            sv = meta.get(b"specenv.schema_version")
-            if sv is not None and sv.decode() != str(SCHEMA_VERSION):
-                raise TraceError(str(path), f"Parquet schema_version {sv.decode()} != {SCHEMA_VERSION}")
-            if "rows" in ent and int(ent["rows"]) != table.num_rows:
-                raise TraceError(str(path), f"has {table.num_rows} rows, manifest says {ent['rows']}")
-            if tab == "positions":
-                validate_positions(table, manifest.model, manifest.kmax, manifest.greedy, file=str(path))
-            else:
-                validate_rounds(table, manifest.model, manifest.kmax, file=str(path))
-            tables[tab] = table
+            tables[tab] = _load_table(tab, path, ent, manifest, verified if verify_hashes else None)
+        _check_counts(manifest, tables, str(mpath))
+        if tables["positions"] is not None and tables["rounds"] is not None:
+            validate_pair(
+                tables["positions"],
+                tables["rounds"],
+                str(root / manifest.files["positions"]["path"]),
+                str(root / manifest.files["rounds"]["path"]),
+            )
         ts = cls(manifest, tables["positions"], tables["rounds"], root=root)
         ts._verified.update(verified)
         return ts
@@ -541,10 +499,65 @@ class TraceSet:
         return root
 
 
-def _read_parquet(path: Path) -> pa.Table:
-    """Read a whole Parquet file (``ParquetFile``: unlike ``pq.read_table`` it does not import pandas)."""
-    with pq.ParquetFile(path) as pf:
-        return pf.read()
+def _load_table(
+    tab: str, path: Path, ent: dict[str, Any], manifest: Manifest, verified: dict[str, str] | None
+) -> pa.Table:
+    """Read and validate one table named in the manifest (hash, row count and schema checked before reading)."""
+    if not path.is_file():
+        raise TraceError(str(path), "file named in the manifest is missing")
+    if verified is not None:
+        try:
+            digest = sha256_file(path)
+        except OSError as exc:
+            raise TraceError(str(path), f"cannot read ({exc.strerror or exc.__class__.__name__})") from None
+        if digest != ent["sha256"]:
+            raise TraceError(str(path), "sha256 does not match the manifest")
+        verified[tab] = ent["sha256"]
+    table = _read_parquet(path, ent.get("rows"))
+    meta = table.schema.metadata or {}
+    sv = meta.get(b"specenv.schema_version")
+    if sv is not None and sv.decode(errors="replace") != str(SCHEMA_VERSION):
+        raise TraceError(str(path), f"Parquet schema_version {sv.decode(errors='replace')} != {SCHEMA_VERSION}")
+    if tab == "positions":
+        validate_positions(table, manifest.model, manifest.kmax, manifest.greedy, file=str(path))
+    else:
+        validate_rounds(table, manifest.model, manifest.kmax, file=str(path))
+    return table
+
+
+def _check_counts(manifest: Manifest, tables: dict[str, pa.Table | None], file: str) -> None:
+    """The manifest's ``counts`` agree with the tables (rows per table, generations)."""
+    counts = manifest.counts
+    for tab, table in tables.items():
+        if tab in counts and table is not None and counts[tab] != table.num_rows:
+            raise TraceError(file, f"field 'counts.{tab}' = {counts[tab]}, but the table has {table.num_rows} rows")
+        if tab in counts and table is None and counts[tab] != 0:
+            raise TraceError(file, f"field 'counts.{tab}' = {counts[tab]}, but the set has no {tab} table")
+    table = tables["positions"] if tables["positions"] is not None else tables["rounds"]
+    if "generations" in counts and table is not None:
+        n = len(np.unique(column_values(table, "generation_id", np.int64)))
+        if counts["generations"] != n:
+            raise TraceError(file, f"field 'counts.generations' = {counts['generations']}, but the tables hold {n}")
+
+
+def _read_parquet(path: Path, rows: int | None = None) -> pa.Table:
+    """Read a whole Parquet file (``ParquetFile``: unlike ``pq.read_table`` it does not import pandas).
+
+    The row count the manifest declares is compared with the file's footer before anything is read.
+
+    Raises:
+        TraceError: Unreadable file, row count different from ``rows``, or too large to load.
+    """
+    try:
+        with pq.ParquetFile(path) as pf:
+            if rows is not None and pf.metadata.num_rows != rows:
+                raise TraceError(str(path), f"has {pf.metadata.num_rows} rows, manifest says {rows}")
+            return pf.read()
+    except (pa.ArrowException, OSError) as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+        raise TraceError(str(path), f"not a readable Parquet file ({msg})") from None
+    except MemoryError:
+        raise TraceError(str(path), "too large to load into memory") from None
 
 
 def _schema_meta() -> dict[bytes, bytes]:

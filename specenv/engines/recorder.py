@@ -43,7 +43,6 @@ says so.
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import threading
@@ -145,7 +144,7 @@ class PartRecorder:
         }
         old = self.folder / RUN_MANIFEST
         if old.is_file():
-            prev = json.loads(old.read_text(encoding="utf-8"))
+            prev = read_run_manifest(old)  # one line (TraceError) for a corrupt or foreign recording.json
             if prev.get("model") != self.run_manifest["model"]:
                 raise ValueError(f"{old}: recording of another model ({prev.get('model')}); use a new folder")
             if _source(prev) != self.run_manifest["source"]:
@@ -261,31 +260,64 @@ def columns_to_table(cols: dict[str, list[Any]], columns: dict[str, pa.DataType]
 
 
 # ---------------------------------------------------------------------- reading
+def read_run_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A recording's ``recording.json``, checked by :mod:`specenv.validation` (``RecordingJSON``).
+
+    Raises:
+        TraceError: One line naming the file and the field (not JSON, duplicate keys, another
+            format, no or bad ``model``, kmax outside 1..64, ...).
+    """
+    from specenv.validation import check, read_json
+
+    obj = read_json(path, TraceError, what="recording manifest")
+    formats = (RUN_FORMAT, *LEGACY_RUN_FORMATS)
+    check("RecordingJSON", obj, str(path), TraceError, formats=formats, what="specenv recording")
+    return obj
+
+
+def read_part_index(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A part index, checked (``PartIndexJSON``): its ``path`` must be a plain file name in ``parts/``.
+
+    Raises:
+        TraceError: One line naming the index file and the field (a path with ``../`` or an
+            absolute path is refused, never followed).
+    """
+    from specenv.validation import check, read_json
+
+    obj = read_json(path, TraceError, what="part index")
+    formats = (PART_FORMAT, *LEGACY_PART_FORMATS)
+    check("PartIndexJSON", obj, str(path), TraceError, formats=formats, what="specenv recording part index")
+    return obj
+
+
 def recording_status(folder: str | os.PathLike[str]) -> dict[str, Any]:
     """What a recording folder holds: valid parts, and anything that would not be read.
 
     Returns:
         ``parts`` (valid part names), ``rows``, ``incomplete`` (temporaries and Parquet files
-        without an index), ``invalid`` (part indices whose file is missing or whose sha256 differs),
-        ``rejected`` (parts that failed validation when written).
+        without an index), ``invalid`` (index files that are malformed, or whose Parquet file is
+        missing or has another sha256), ``malformed`` (the malformed ones: index name -> the one-line
+        reason), ``rejected`` (parts that failed validation when written).
     """
     folder = Path(folder)
     pdir = folder / PARTS
     valid, invalid, rows = [], [], 0
+    malformed: dict[str, str] = {}
     indexed = set()
     for idx in sorted(pdir.glob("part-*.json")):
         indexed.add(f"{idx.stem}.parquet")
         try:
-            ent = json.loads(idx.read_text(encoding="utf-8"))
-            path = pdir / ent["path"]
-            indexed.add(ent["path"])
-            ok = (
-                ent.get("format") in (PART_FORMAT, *LEGACY_PART_FORMATS)
-                and path.is_file()
-                and sha256_file(path) == ent["sha256"]
-            )
-        except (OSError, ValueError, KeyError, TypeError):
-            ok, ent = False, {}
+            ent = read_part_index(idx)
+        except TraceError as exc:
+            malformed[idx.name] = str(exc)
+            invalid.append(idx.name)
+            continue
+        indexed.add(ent["path"])
+        path = pdir / ent["path"]
+        try:
+            ok = path.is_file() and sha256_file(path) == ent["sha256"]
+        except OSError:
+            ok = False
         if ok:
             valid.append(idx.stem)
             rows += int(ent["rows"])
@@ -295,7 +327,14 @@ def recording_status(folder: str | os.PathLike[str]) -> dict[str, Any]:
         p.name for p in pdir.glob("part-*.parquet") if p.name not in indexed
     )
     rejected = sorted(p.name for p in pdir.glob("rejected-*.parquet"))
-    return {"parts": valid, "rows": rows, "incomplete": incomplete, "invalid": invalid, "rejected": rejected}
+    return {
+        "parts": valid,
+        "rows": rows,
+        "incomplete": incomplete,
+        "invalid": invalid,
+        "malformed": malformed,
+        "rejected": rejected,
+    }
 
 
 def load_recording(
@@ -305,7 +344,9 @@ def load_recording(
 
     Several folders (e.g. the fixed-K runs of a collection) must record the same model; their
     rounds are concatenated (generation ids as recorded, the ``run`` column tells runs apart) and
-    Kmax is the largest of theirs.
+    Kmax is the largest of theirs. Parts whose Parquet file is missing or differs from its index
+    (what a crash or a later edit leaves) are skipped and listed in ``extra["skipped_files"]``; a
+    malformed index (not JSON, wrong fields, a path outside ``parts/``) is refused.
 
     Args:
         folders: Recording folder(s).
@@ -317,48 +358,78 @@ def load_recording(
         engine's.
 
     Raises:
-        TraceError: One line naming the file and the problem (no run manifest, no valid part,
-            different models or engines, a part that breaks the schema).
+        TraceError: One line naming the file and the problem (no or bad run manifest, a malformed
+            part index, no valid part, different models or engines, a part that breaks the schema).
     """
-    import pandas as pd
-
-    from specenv.traceset import Manifest, TraceSet
-
     if isinstance(folders, (str, os.PathLike)):
         folders = [folders]
-    manifests: list[dict[str, Any]] = []
+    folders = [Path(f) for f in folders]
+    manifests = _read_run_manifests(folders)
     tables: list[pa.Table] = []
     skipped: list[str] = []
-    for f in map(Path, folders):
+    for f in folders:
+        parts, skip = _read_parts(f)
+        tables += parts
+        skipped += skip
+    if not tables:
+        raise TraceError(str(folders[0]), "recording holds no complete part yet")
+    return _assemble(folders, manifests, tables, skipped, name, category)
+
+
+def _read_run_manifests(folders: list[Path]) -> list[dict[str, Any]]:
+    """The checked run manifests of ``folders``, which must record one model with one engine."""
+    manifests: list[dict[str, Any]] = []
+    for f in folders:
         mpath = f / RUN_MANIFEST
         if not mpath.is_file():
             raise TraceError(str(mpath), "missing recording manifest (not a specenv recording)")
-        try:
-            man = json.loads(mpath.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise TraceError(str(mpath), f"not valid JSON ({exc})") from None
-        if man.get("format") not in (RUN_FORMAT, *LEGACY_RUN_FORMATS):
-            raise TraceError(str(mpath), f"format must be '{RUN_FORMAT}'")
+        man = read_run_manifest(mpath)
         if manifests and man["model"] != manifests[0]["model"]:
             raise TraceError(str(mpath), f"records another model ({man['model']} vs {manifests[0]['model']})")
         if manifests and _source(man) != _source(manifests[0]):
             raise TraceError(str(mpath), f"records another engine ({_source(man)!r} vs {_source(manifests[0])!r})")
         manifests.append(man)
-        st = recording_status(f)
-        skipped += [f"{f}/{PARTS}/{x}" for x in st["incomplete"] + st["invalid"] + st["rejected"]]
-        for part in st["parts"]:
-            ent = json.loads((f / PARTS / f"{part}.json").read_text(encoding="utf-8"))
-            path = f / PARTS / ent["path"]
-            try:
-                tables.append(pq.read_table(path))
-            except (pa.ArrowException, OSError) as exc:
-                raise TraceError(str(path), f"not a readable Parquet file ({exc})") from None
-    if not tables:
-        raise TraceError(str(folders[0]), "recording holds no complete part yet")
+    return manifests
+
+
+def _read_parts(folder: Path) -> tuple[list[pa.Table], list[str]]:
+    """The tables of a recording's valid parts, and the files that were skipped."""
+    st = recording_status(folder)
+    for idx in st["malformed"]:
+        read_part_index(folder / PARTS / idx)  # raises the one-line TraceError naming the index and field
+    skipped = [f"{folder}/{PARTS}/{x}" for x in st["incomplete"] + st["invalid"] + st["rejected"]]
+    tables = []
+    for part in st["parts"]:
+        ent = read_part_index(folder / PARTS / f"{part}.json")
+        path = folder / PARTS / ent["path"]
+        try:
+            tables.append(pq.read_table(path))
+        except (pa.ArrowException, OSError) as exc:
+            msg = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+            raise TraceError(str(path), f"not a readable Parquet file ({msg})") from None
+    return tables, skipped
+
+
+def _assemble(
+    folders: list[Path],
+    manifests: list[dict[str, Any]],
+    tables: list[pa.Table],
+    skipped: list[str],
+    name: str | None,
+    category: str | None,
+) -> Any:
+    """One validated in-memory TraceSet (rounds only) from the parts of every recording."""
+    import pandas as pd
+
+    from specenv.traceset import Manifest, TraceSet
+
     first = manifests[0]
     facts = ModelFacts(**first["model"])
     kmax = max(int(m["kmax"]) for m in manifests)
-    table = pa.concat_tables(tables, promote_options="permissive")
+    try:
+        table = pa.concat_tables(tables, promote_options="permissive")
+    except pa.ArrowException as exc:
+        raise TraceError(str(folders[0]), f"parts do not share one schema ({str(exc).splitlines()[0]})") from None
     validate_rounds(table, facts, kmax, file=f"{folders[0]} (assembled)")
     df: pd.DataFrame = table.to_pandas()
     if category is not None:

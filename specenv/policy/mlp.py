@@ -15,7 +15,6 @@ Q-values; imitation: logits); the policy plays ``argmax`` (deterministic).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -56,6 +55,8 @@ class MLPPolicy(Policy):
             raise ValueError(f"activation={activation!r}: expected one of {sorted(ACTIVATIONS)}")
         if not weights:
             raise ValueError("weights: need at least one layer")
+        for i, (W, b) in enumerate(weights):
+            _check_layer(i, np.asarray(W), np.asarray(b))
         if weights[0][0].shape[0] != spec.dim:
             raise ValueError(f"weights: first layer takes {weights[0][0].shape[0]} inputs, observation has {spec.dim}")
         if weights[-1][0].shape[1] != spec.kmax + 1:
@@ -80,11 +81,25 @@ class MLPPolicy(Policy):
         return x
 
     def _act(self, obs: np.ndarray) -> int:
-        return int(np.argmax(self.scores(obs)[0]))
+        return int(self.act_batch(obs)[0])
+
+    def act(self, obs: np.ndarray) -> int:
+        """Budget for one observation (stateless); ``-1`` when the scores are not finite (see :meth:`act_batch`)."""
+        return self._act(obs)
 
     def act_batch(self, obs: np.ndarray) -> np.ndarray:
-        """Budgets for a batch (stateless, one matrix product per layer)."""
-        return np.argmax(self.scores(obs), axis=1).astype(np.int64)
+        """Budgets for a batch (stateless, one matrix product per layer).
+
+        A row whose scores are not all finite gets ``-1``, an invalid budget: ``argmax`` of NaN
+        scores would be 0, a valid k that silently turns speculation off. Callers that validate k
+        (the vLLM controller's fail-safe, the environments' action check) refuse it.
+        """
+        scores = self.scores(obs)
+        ks = np.argmax(scores, axis=1).astype(np.int64)
+        bad = ~np.isfinite(scores).all(axis=1)
+        if bad.any():
+            ks[bad] = -1
+        return ks
 
     # ------------------------------------------------------------------ I/O
     def save(self, folder: str | os.PathLike[str]) -> Path:
@@ -124,30 +139,87 @@ class MLPPolicy(Policy):
                 ``expect``: ``"<folder>/policy.json: observation contract differs: kmax 10 != 8"``
                 (the stored value first, then the expected one).
         """
+        from specenv.validation import check, read_json
+
         folder = Path(folder)
         pj, pw = folder / "policy.json", folder / "weights.npz"
-        try:
-            meta = json.loads(pj.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{pj}: cannot read policy ({exc.__class__.__name__}: {exc})") from None
+        meta = read_json(pj, what="policy")
         if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("kind") != "mlp":
             raise ValueError(f"{pj}: not a specenv MLP policy (format must be '{FORMAT}', kind 'mlp')")
-        stored = meta.get("observation")
-        if not isinstance(stored, dict):
-            raise ValueError(f"{pj}: no observation contract ('observation' must be an object)")
-        stored = upgrade_contract(stored)
+        doc = check("PolicyJSON", meta, str(pj))
+        stored = upgrade_contract(doc.observation)
         if expect is not None:
             bad = mismatch_json(stored, expect.to_json())
             if bad is not None:
                 raise ValueError(f"{pj}: observation contract differs: {bad}")
         try:
             spec = ObservationSpec.from_json(stored)
-        except ValueError as exc:
+        except (ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"{pj}: observation contract: {exc}") from None
-        try:
-            n = int(meta["layers"])
-            with np.load(pw, allow_pickle=False) as z:
-                weights = [(z[f"W{i}"], z[f"b{i}"]) for i in range(n)]
-        except (KeyError, TypeError, ValueError, OSError) as exc:
-            raise ValueError(f"{pw}: bad policy weights ({exc.__class__.__name__}: {exc})") from None
-        return cls(spec, weights, meta.get("activation", "tanh"), meta.get("name", folder.name), meta.get("meta"))
+        weights = _load_weights(pw, doc.layers, spec)
+        return cls(spec, weights, doc.activation, doc.name if "name" in meta else folder.name, dict(doc.meta))
+
+
+def _check_layer(i: int, W: np.ndarray, b: np.ndarray, file: str = "weights") -> None:
+    """Layer i: W 2-D, b 1-D of W's output size, floating point, finite."""
+    if W.ndim != 2:
+        raise ValueError(f"{file}: W{i} must be 2-D (in, out), has shape {W.shape}")
+    if b.ndim != 1 or b.shape[0] != W.shape[1]:
+        raise ValueError(f"{file}: b{i} must have shape ({W.shape[1]},) to match W{i} {W.shape}, has {b.shape}")
+    for name, arr in ((f"W{i}", W), (f"b{i}", b)):
+        if arr.dtype.kind != "f":
+            raise ValueError(f"{file}: {name} must be floating point, has dtype {arr.dtype}")
+        if not np.isfinite(arr).all():
+            raise ValueError(f"{file}: {name} holds NaN or infinite values")
+
+
+def _load_weights(pw: Path, layers: int, spec: ObservationSpec) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The arrays of ``weights.npz``, their shapes checked from the .npy headers before anything is read.
+
+    Raises:
+        ValueError: One line naming ``weights.npz`` and the array: not a zip, missing or unexpected
+            array, a shape that does not chain from the observation (``spec.dim`` inputs) to
+            ``kmax + 1`` scores, a non-float dtype, too many elements, NaN or infinite values.
+    """
+    import zipfile
+    import zlib
+
+    from specenv.validation import POLICY_ELEMENTS_MAX, npz_headers
+
+    heads = npz_headers(pw)
+    want = [f"{p}{i}" for i in range(layers) for p in ("W", "b")]
+    for name in want:
+        if name not in heads:
+            raise ValueError(f"{pw}: array '{name}' missing (policy.json declares {layers} layers)")
+    extra = sorted(set(heads) - set(want))
+    if extra:
+        raise ValueError(f"{pw}: unexpected array '{extra[0]}' (policy.json declares {layers} layers)")
+    total = 0
+    width = spec.dim
+    for i in range(layers):
+        (ws, wd), (bs, bd) = heads[f"W{i}"], heads[f"b{i}"]
+        for name, dt in ((f"W{i}", wd), (f"b{i}", bd)):
+            if dt.kind != "f":
+                raise ValueError(f"{pw}: {name} must be floating point, has dtype {dt}")
+        if len(ws) != 2:
+            raise ValueError(f"{pw}: W{i} must be 2-D (in, out), has shape {ws}")
+        if ws[0] != width:
+            what = "the observation has" if i == 0 else f"layer {i - 1} gives"
+            raise ValueError(f"{pw}: W{i} takes {ws[0]} inputs, {what} {width}")
+        if bs != (ws[1],):
+            raise ValueError(f"{pw}: b{i} must have shape ({ws[1]},) to match W{i} {ws}, has {bs}")
+        total += ws[0] * ws[1] + ws[1]
+        if total > POLICY_ELEMENTS_MAX:
+            raise ValueError(f"{pw}: arrays declare more than {POLICY_ELEMENTS_MAX} elements (W{i} {ws})")
+        width = ws[1]
+    if width != spec.kmax + 1:
+        raise ValueError(f"{pw}: last layer gives {width} scores, need kmax+1={spec.kmax + 1}")
+    try:
+        with np.load(pw, allow_pickle=False) as z:
+            weights = [(z[f"W{i}"], z[f"b{i}"]) for i in range(layers)]
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as exc:
+        msg = str(exc).splitlines()[0][:200] if str(exc) else exc.__class__.__name__
+        raise ValueError(f"{pw}: bad policy weights ({exc.__class__.__name__}: {msg})") from None
+    for i, (W, b) in enumerate(weights):
+        _check_layer(i, W, b, str(pw))
+    return weights

@@ -12,7 +12,6 @@ prompts cut from held-out standard-library files, with a category each.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -98,6 +97,22 @@ def _sha256(path: Path) -> str:
 _MODEL_CACHE: dict[str, SmallModels] = {}
 
 
+def read_model_manifest(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """A model set's ``manifest.json``, checked (:mod:`specenv.validation` ``ModelSetJSON``).
+
+    Every file is named by a relative path inside the folder (no ``..``, not absolute) with its sha256.
+
+    Raises:
+        ValueError: One line naming the file and the field.
+    """
+    from specenv.validation import check, read_json
+
+    mpath = Path(folder) / "manifest.json"
+    obj = read_json(mpath, what="model manifest")
+    check("ModelSetJSON", obj, str(mpath))
+    return obj
+
+
 def load_models(
     name_or_path: str | os.PathLike[str] = MODEL_NAME, verify: bool = True, cache: bool = True
 ) -> SmallModels:
@@ -121,12 +136,7 @@ def load_models(
     key = str(path.resolve())
     if cache and key in _MODEL_CACHE:
         return _MODEL_CACHE[key]
-    import torch
-    from tokenizers import Tokenizer
-    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+    manifest = read_model_manifest(path)  # checked before torch and transformers load (seconds)
     if verify:
         for rel, ent in manifest.get("files", {}).items():
             f = path / rel
@@ -134,6 +144,11 @@ def load_models(
                 raise ValueError(f"{f}: file named in the model manifest is missing")
             if _sha256(f) != ent["sha256"]:
                 raise ValueError(f"{f}: sha256 does not match the model manifest")
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+    from transformers.utils import logging as hf_logging
+
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     eos = tok.token_to_id(EOS_TOKEN)
     bar = hf_logging.is_progress_bar_enabled()
@@ -182,22 +197,19 @@ def load_prompts(name_or_path: str | os.PathLike[str] = PROMPT_SET) -> list[Prom
     """The prompts of a shipped prompt set (``stdlib-code-v1``) or of a JSON file of the same form.
 
     Raises:
-        ValueError: Unknown name or malformed file.
+        ValueError: Unknown name or malformed file (one line naming the file and the field:
+            :mod:`specenv.validation` ``PromptSetJSON``; ids must be distinct).
     """
     key = os.fspath(name_or_path)
     path = Path(key)
-    if not path.is_file():
+    if not path.is_file() and not path.is_dir():
         path = package_data("prompts", key if key.endswith(".json") else key + ".json")
         if not path.is_file():
             raise ValueError(f"prompts={key!r}: not a shipped prompt set ({PROMPT_SET}) nor a JSON file")
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        return [
-            Prompt(int(p["id"]), str(p["category"]), str(p["text"]), str(p.get("file", "")), int(p.get("line", 0)))
-            for p in doc["prompts"]
-        ]
-    except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not a prompt set ({exc.__class__.__name__}: {exc})") from None
+    from specenv.validation import check, read_json
+
+    doc = check("PromptSetJSON", read_json(path, what="prompt set"), str(path))
+    return [Prompt(p.id, p.category, p.text, p.file, p.line) for p in doc.prompts]
 
 
 def copy_models(dest: Path, name_or_path: str | os.PathLike[str] = MODEL_NAME) -> Path:

@@ -1,0 +1,546 @@
+"""One validation layer for every file specenv reads: JSON files through pydantic models, npz headers, bounds.
+
+Every JSON file specenv reads is parsed by :func:`read_json` (duplicate keys, deep nesting, huge
+integers, non-UTF-8 bytes and unreadable files each become one line) and checked by :func:`check`
+against one of the pydantic models below (strict types: no bool for an integer, no float for an
+integer, so ``1e999`` is refused; finite floats; bounded integers; names without control
+characters). The first problem becomes ONE line ``FILE: field 'a.b': problem``, raised as the
+exception the caller already handles: :class:`specenv.schema.TraceError` for trace sets (the caller
+passes it as ``error``), :class:`ValueError` everywhere else (:func:`value_error`).
+
+| file | model | read by |
+|---|---|---|
+| trace-set ``manifest.json`` | :class:`ManifestJSON` | :meth:`specenv.traceset.Manifest.from_json` |
+| cost-model JSON | :class:`CostModelJSON` | :meth:`specenv.costmodel.CostModel.from_json` |
+| ``policy.json`` (+ :func:`npz_headers`) | :class:`PolicyJSON` | :meth:`specenv.policy.mlp.MLPPolicy.load` |
+| ``recording.json`` | :class:`RecordingJSON` | :mod:`specenv.engines.recorder` |
+| recording part index ``parts/part-N.json`` | :class:`PartIndexJSON` | :mod:`specenv.engines.recorder` |
+| prompt set | :class:`PromptSetJSON` | :func:`specenv.engines.hf.models.load_prompts` |
+| model-set ``manifest.json`` | :class:`ModelSetJSON` | :func:`specenv.engines.hf.models.load_models` |
+
+Bounds are checked before anything is allocated from them: :data:`KMAX_MAX` (the schema builds
+column names from Kmax), :data:`N_EXPERTS_MAX`, :data:`N_LAYERS_MAX`, and the shapes of the arrays of
+a ``weights.npz``, read from the ``.npy`` headers inside the zip before ``np.load`` allocates.
+
+Cost models: coefficients must be finite, and every round the model can charge must cost something:
+``T_T(K, U, L) > 0`` and ``T_D(n) >= 0`` over the whole domain (U from top_k to ``min((K+1)*top_k,
+n_experts)``, L from 1 to :data:`CONTEXT_MAX`, n from 1 to Kmax). The model is linear, so checking the
+corners is exact. Single coefficients may be slightly negative: an OLS intercept (beta0, d0) or a
+context slope c within noise of zero is a legitimate fit, a negative charged cost is not.
+
+pydantic is imported on first use (inside the functions), so ``import specenv`` does not load it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import unicodedata
+from collections.abc import Callable, Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any, NoReturn
+
+#: Largest draft budget any file may declare (the tables hold one column per budget).
+KMAX_MAX = 64
+#: Largest number of routed experts per MoE layer.
+N_EXPERTS_MAX = 4096
+#: Largest number of MoE layers.
+N_LAYERS_MAX = 1024
+#: Largest generation cap a file may declare.
+MAX_NEW_TOKENS_MAX = 1 << 24
+#: Longest context (tokens) over which a cost model must charge positive costs.
+CONTEXT_MAX = 1 << 20
+#: Largest JSON file read (bytes): manifests, cost models, policies and prompt sets are far smaller.
+JSON_MAX_BYTES = 64 << 20
+#: Most layers of a policy MLP, and most float elements in all its arrays together (64 MiB of float32).
+POLICY_LAYERS_MAX = 64
+POLICY_ELEMENTS_MAX = 1 << 24
+#: Longest name (trace set, source, category...).
+NAME_MAX = 256
+
+ErrorFactory = Callable[[str, str], Exception]
+
+
+def one_line(text: str) -> str:
+    """``text`` with every control character (newline, tab, escape...) written as a Python escape."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
+
+
+def value_error(file: str, problem: str) -> ValueError:
+    """The default error of a file: ``ValueError("FILE: problem")`` on one line."""
+    return ValueError(one_line(f"{file}: {problem}"))
+
+
+def _raise(error: ErrorFactory, file: str, problem: str) -> NoReturn:
+    raise error(str(file), problem) from None
+
+
+# ---------------------------------------------------------------------- reading JSON
+class _DuplicateKeyError(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
+def parse_json(text: str, file: str, error: ErrorFactory = value_error, what: str = "file") -> Any:
+    """Parse JSON text; duplicate keys, deep nesting and unparsable numbers are one line.
+
+    Args:
+        text: The JSON text.
+        file: Name used in the message.
+        error: Builds the exception from (file, problem).
+        what: What the file is, for the message (``"cannot read policy: ..."``).
+    """
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKeyError as exc:
+        _raise(error, file, f"cannot read {what}: duplicate key {exc.key!r}")
+    except json.JSONDecodeError as exc:
+        _raise(error, file, f"cannot read {what}: not valid JSON ({exc.msg}: line {exc.lineno} column {exc.colno})")
+    except RecursionError:
+        _raise(error, file, f"cannot read {what}: not valid JSON (nested too deeply)")
+    except ValueError as exc:  # e.g. an integer literal longer than Python's digit limit
+        _raise(error, file, f"cannot read {what}: not valid JSON ({str(exc).splitlines()[0][:200]})")
+
+
+def read_json(path: str | os.PathLike[str], error: ErrorFactory = value_error, what: str = "file") -> Any:
+    """Read and parse a JSON file; every failure (missing, unreadable, too big, not UTF-8, bad JSON) is one line."""
+    path = Path(path)
+    file = str(path)
+    try:
+        size = path.stat().st_size
+        if path.is_dir():
+            _raise(error, file, f"cannot read {what}: is a folder, not a file")
+        if size > JSON_MAX_BYTES:
+            _raise(error, file, f"cannot read {what}: {size} bytes (more than {JSON_MAX_BYTES})")
+        data = path.read_bytes()
+    except FileNotFoundError:
+        _raise(error, file, f"cannot read {what}: no such file")
+    except PermissionError:
+        _raise(error, file, f"cannot read {what}: permission denied")
+    except OSError as exc:
+        _raise(error, file, f"cannot read {what}: {exc.strerror or exc.__class__.__name__}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        _raise(error, file, f"cannot read {what}: not UTF-8 text (byte {exc.start})")
+    return parse_json(text, file, error, what)
+
+
+# ---------------------------------------------------------------------- checking against a model
+def check(
+    model: Any,
+    obj: Any,
+    file: str,
+    error: ErrorFactory = value_error,
+    formats: Sequence[str] | None = None,
+    what: str = "file",
+) -> Any:
+    """Validate a parsed JSON object against one of this module's pydantic models (strict).
+
+    Args:
+        model: The model's name in this module (``"ManifestJSON"``...) or the class.
+        obj: The parsed JSON.
+        file: Name used in the message.
+        error: Builds the exception from (file, problem).
+        formats: Accepted values of the ``format`` field, checked first (None: not checked here).
+        what: What the file should be, for the format message (``"not a specenv cost model"``).
+
+    Returns:
+        The validated model instance.
+
+    Raises:
+        Exception: ``error(file, "field 'a.b': problem")`` for the first problem.
+    """
+    from pydantic import ValidationError
+
+    cls = _models()[model] if isinstance(model, str) else model
+    if not isinstance(obj, dict):
+        _raise(error, file, f"must be a JSON object (got {_kind(obj)})")
+    if formats is not None and obj.get("format") not in formats:
+        _raise(error, file, f"not a {what}: field 'format' must be {formats[0]!r} (got {_short(obj.get('format'))})")
+    try:
+        return cls.model_validate(obj, strict=True)
+    except ValidationError as exc:
+        _raise(error, file, describe(exc))
+    except RecursionError:
+        _raise(error, file, "nested too deeply")
+
+
+def describe(exc: Any) -> str:
+    """The first problem of a pydantic ``ValidationError`` as ``field 'a.b': problem (got TYPE)``."""
+    e = exc.errors(include_url=False)[0]
+    loc = ".".join(str(x) for x in e.get("loc", ()))
+    msg = str(e.get("msg", "invalid")).removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    kind = e.get("type", "")
+    if kind == "missing":
+        return f"missing field '{loc}'"
+    if kind == "extra_forbidden":
+        return f"unknown field '{loc}'"
+    if kind.endswith("_type"):
+        msg = re.sub(r" or instance of \w+", "", msg) + f" (got {_kind(e.get('input'))})"
+    return f"field '{loc}': {msg}" if loc else msg
+
+
+def _kind(value: Any) -> str:
+    return {bool: "bool", int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(
+        type(value), "null" if value is None else type(value).__name__
+    )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ---------------------------------------------------------------------- npz headers
+def npz_headers(
+    path: str | os.PathLike[str], error: ErrorFactory = value_error, max_members: int = 1024
+) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """Shapes and dtypes of the arrays of an ``.npz``, read from the ``.npy`` headers inside the zip.
+
+    Nothing is allocated from the declared shapes, so a small file that declares a huge array is
+    refused by the caller before ``np.load`` reads it.
+
+    Returns:
+        ``{name: (shape, dtype)}`` (names without ``.npy``).
+
+    Raises:
+        Exception: ``error(file, problem)`` for a missing file, a file that is not a zip, a member that
+            is not a ``.npy`` array, or an unreadable header.
+    """
+    import zipfile
+    import zlib
+
+    import numpy as np
+    from numpy.lib import format as npf
+
+    file = str(path)
+    out: dict[str, tuple[tuple[int, ...], Any]] = {}
+    try:
+        with zipfile.ZipFile(path) as zf:
+            members = zf.infolist()
+            if len(members) > max_members:
+                _raise(error, file, f"holds {len(members)} arrays (more than {max_members})")
+            for zi in members:
+                if not zi.filename.endswith(".npy"):
+                    _raise(error, file, f"member {zi.filename!r} is not a .npy array")
+                name = zi.filename[: -len(".npy")]
+                try:
+                    with zf.open(zi) as fh:
+                        version = npf.read_magic(fh)
+                        if version == (1, 0):
+                            shape, _, dtype = npf.read_array_header_1_0(fh)
+                        else:
+                            shape, _, dtype = npf.read_array_header_2_0(fh)
+                except (OSError, ValueError, EOFError, zlib.error, TypeError, zipfile.BadZipFile) as exc:
+                    msg = str(exc).splitlines()[0][:200] if str(exc) else exc.__class__.__name__
+                    _raise(error, file, f"array '{name}': unreadable .npy header ({msg})")
+                out[name] = (tuple(int(n) for n in shape), np.dtype(dtype))
+    except FileNotFoundError:
+        _raise(error, file, "no such file")
+    except PermissionError:
+        _raise(error, file, "cannot read (permission denied)")
+    except IsADirectoryError:
+        _raise(error, file, "is a folder, not a file")
+    except zipfile.BadZipFile as exc:
+        _raise(error, file, f"not a valid npz (zip) file ({exc})")
+    except (OSError, ValueError, EOFError, zlib.error, TypeError) as exc:
+        msg = str(exc).splitlines()[0][:200] if str(exc) else exc.__class__.__name__
+        _raise(error, file, f"unreadable array header ({msg})")
+    return out
+
+
+# ---------------------------------------------------------------------- the models
+def check_name(value: str) -> str:
+    """A name printed on one line: no control characters (newlines, tabs, escapes), at most NAME_MAX chars."""
+    if any(unicodedata.category(c).startswith("C") for c in value):
+        raise ValueError("contains a control character (newline, tab, escape...)")
+    if len(value) > NAME_MAX:
+        raise ValueError(f"longer than {NAME_MAX} characters")
+    return value
+
+
+def check_file_name(value: str) -> str:
+    """A plain file name inside the folder: no separator, not hidden, not ``..``, not absolute."""
+    check_name(value)
+    if not value or "/" in value or "\\" in value or value.startswith(".") or os.path.isabs(value):
+        raise ValueError(f"must be a plain file name inside the folder (got {value!r})")
+    return value
+
+
+def check_relative_path(value: str) -> str:
+    """A relative path inside the folder: no ``..`` part, not absolute, no backslash, no empty part."""
+    check_name(value)
+    parts = value.split("/")
+    if not value or value.startswith("/") or "\\" in value or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"must be a relative path inside the folder (got {value!r})")
+    return value
+
+
+@cache
+def _models() -> dict[str, Any]:
+    """Build the pydantic models (once, on first use: pydantic is imported only here)."""
+    from typing import Annotated, Literal
+
+    from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+    Name = Annotated[str, AfterValidator(check_name)]
+    FileName = Annotated[str, AfterValidator(check_file_name)]
+    RelPath = Annotated[str, AfterValidator(check_relative_path)]
+    Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    Finite = Annotated[float, Field(allow_inf_nan=False)]
+    Count = Annotated[int, Field(ge=0)]
+
+    class Strict(BaseModel):
+        model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    class Open(BaseModel):
+        model_config = ConfigDict(strict=True, extra="allow", frozen=True)
+
+    class ModelFactsJSON(Strict):
+        n_layers: Annotated[int, Field(ge=1, le=N_LAYERS_MAX)]
+        n_experts: Annotated[int, Field(ge=1, le=N_EXPERTS_MAX)]
+        top_k: Annotated[int, Field(ge=1, le=N_EXPERTS_MAX)]
+
+        @model_validator(mode="after")
+        def _top_k(self) -> ModelFactsJSON:
+            if self.top_k > self.n_experts:
+                raise ValueError(f"needs 1 <= top_k <= n_experts (top_k={self.top_k}, n_experts={self.n_experts})")
+            return self
+
+    class TraceFileJSON(Strict):
+        path: FileName
+        sha256: Sha256
+        rows: Count | None = None
+
+    class CountsJSON(Strict):
+        generations: Count | None = None
+        positions: Count | None = None
+        rounds: Count | None = None
+
+    class ManifestJSON(Strict):
+        """A trace set's ``manifest.json`` (unknown fields are refused: a typo is never ignored)."""
+
+        format: Literal["specenv.traces"]
+        schema_version: int
+        name: Name
+        version: Count = 1
+        description: str = ""
+        source: Name
+        profile: Name
+        greedy: bool
+        model: ModelFactsJSON
+        kmax: Annotated[int, Field(ge=1, le=KMAX_MAX)]
+        max_new_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS_MAX)] = 1000
+        counts: CountsJSON = CountsJSON()
+        files: dict[str, TraceFileJSON]
+        extra: dict[str, Any] = {}
+
+        @field_validator("files")
+        @classmethod
+        def _files(cls, files: dict[str, Any]) -> dict[str, Any]:
+            if not files or any(k not in ("positions", "rounds") for k in files):
+                raise ValueError("must name one or both of ('positions', 'rounds')")
+            if len({f.path for f in files.values()}) != len(files):
+                raise ValueError("the tables must be different files")
+            return files
+
+    class TargetRowJSON(Strict):
+        beta0: Finite
+        alpha: Finite
+        c: Finite
+
+    class DraftJSON(Strict):
+        d1: Finite
+        d0: Finite
+
+    class CostModelJSON(Strict):
+        """A cost model (``specenv fit --out``); see the module docstring for the cost rules."""
+
+        format: str
+        kmax: Annotated[int, Field(ge=1, le=KMAX_MAX)]
+        top_k: Annotated[int, Field(ge=1, le=N_EXPERTS_MAX)]
+        n_experts: Annotated[int, Field(ge=1, le=N_EXPERTS_MAX)] | None = None
+        n_layers: Annotated[int, Field(ge=1, le=N_LAYERS_MAX)] | None = None
+        target: dict[str, TargetRowJSON]
+        draft: DraftJSON
+        ar_extrapolated: bool = False
+        source: dict[str, Any] = {}
+        diagnostics: dict[str, Any] = {}
+
+        @model_validator(mode="after")
+        def _consistent(self) -> CostModelJSON:
+            want = [str(k) for k in range(self.kmax + 1)]
+            if sorted(self.target, key=lambda s: (len(s), s)) != want:
+                raise ValueError(f"field 'target' must hold exactly the budgets '0'..'{self.kmax}' (kmax)")
+            if self.n_experts is not None and self.top_k > self.n_experts:
+                raise ValueError(f"top_k={self.top_k} exceeds n_experts={self.n_experts}")
+            problem = cost_problem(
+                [self.target[k].beta0 for k in want],
+                [self.target[k].alpha for k in want],
+                [self.target[k].c for k in want],
+                self.draft.d1,
+                self.draft.d0,
+                self.top_k,
+                self.n_experts,
+            )
+            if problem is not None:
+                raise ValueError(problem)
+            return self
+
+    class PolicyJSON(Strict):
+        """``policy.json`` of an exported MLP policy (the observation contract is checked by its owner)."""
+
+        format: str
+        kind: Literal["mlp"]
+        name: Name = "mlp"
+        activation: Literal["tanh", "relu"] = "tanh"
+        layers: Annotated[int, Field(ge=1, le=POLICY_LAYERS_MAX)]
+        observation: dict[str, Any]
+        meta: dict[str, Any] = {}
+
+        @field_validator("observation")
+        @classmethod
+        def _bounded(cls, obs: dict[str, Any]) -> dict[str, Any]:
+            # bounds before the contract builds its feature names from them
+            for key, lo in (("kmax", 1), ("lookahead", 0), ("n_experts", 1), ("max_new_tokens", 1), ("dim", 1)):
+                if key not in obs:
+                    continue
+                v = obs[key]
+                hi = {"kmax": KMAX_MAX, "lookahead": KMAX_MAX, "n_experts": N_EXPERTS_MAX}.get(key, MAX_NEW_TOKENS_MAX)
+                if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                    raise ValueError(f"'{key}' must be an integer in {lo}..{hi} (got {_short(v)})")
+            return obs
+
+    class RecordingJSON(Open):
+        """A recording's ``recording.json`` (fields the recorder adds later are allowed)."""
+
+        format: str
+        schema_version: int | None = None
+        source: Name = "vllm"
+        name: Name = "recording"
+        model: ModelFactsJSON
+        kmax: Annotated[int, Field(ge=1, le=KMAX_MAX)]
+        max_new_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS_MAX)] = 1000
+        extra: dict[str, Any] = {}
+        previous_runs: list[Any] = []
+
+    class PartIndexJSON(Open):
+        """The index of one recorded part: written after its Parquet file, carries the file's sha256."""
+
+        format: str
+        part: Count | None = None
+        path: FileName
+        sha256: Sha256
+        rows: Count
+        first_step: int | None = None
+        last_step: int | None = None
+
+    class PromptJSON(Strict):
+        id: Count
+        category: Name
+        text: str
+        file: str = ""
+        line: Count = 0
+
+    class PromptSetJSON(Open):
+        """A prompt set: ``{"prompts": [{id, category, text, file, line}, ...]}`` with distinct ids."""
+
+        prompts: Annotated[list[PromptJSON], Field(min_length=1, max_length=1_000_000)]
+
+        @field_validator("prompts")
+        @classmethod
+        def _ids(cls, prompts: list[Any]) -> list[Any]:
+            seen: set[int] = set()
+            for i, p in enumerate(prompts):
+                if p.id in seen:
+                    raise ValueError(f"prompt {i} repeats id {p.id} (ids are generation ids: distinct)")
+                seen.add(p.id)
+            return prompts
+
+    class ModelFileJSON(Open):
+        sha256: Sha256
+        bytes: Count | None = None
+
+    class ModelSetJSON(Open):
+        """A model set's ``manifest.json``: the sha256 of every file, by path relative to the folder."""
+
+        name: Name | None = None
+        files: dict[RelPath, ModelFileJSON] = {}
+
+    return {
+        cls.__name__: cls
+        for cls in (
+            ModelFactsJSON,
+            ManifestJSON,
+            CostModelJSON,
+            PolicyJSON,
+            RecordingJSON,
+            PartIndexJSON,
+            PromptSetJSON,
+            ModelSetJSON,
+        )
+    }
+
+
+def cost_problem(
+    beta0: Sequence[float],
+    alpha: Sequence[float],
+    c: Sequence[float],
+    d1: float,
+    d0: float,
+    top_k: int,
+    n_experts: int | None = None,
+) -> str | None:
+    """Why a cost model would charge an impossible cost, or None (rules: see the module docstring).
+
+    Args:
+        beta0: Intercepts per budget K = 0..kmax.
+        alpha: ms per unique expert per K.
+        c: ms per context token per K.
+        d1: Draft ms per drafted token.
+        d0: Draft ms per round.
+        top_k: Experts per token.
+        n_experts: Experts per layer, when known (caps U).
+
+    Returns:
+        One phrase naming the field, or None when the model is sane.
+    """
+    import math
+
+    kmax = len(beta0) - 1
+    for name, arr in (("beta0", beta0), ("alpha", alpha), ("c", c)):
+        for k, v in enumerate(arr):
+            if not math.isfinite(v):
+                return f"field 'target.{k}.{name}' must be finite (got {v})"
+    for name, v in (("d1", d1), ("d0", d0)):
+        if not math.isfinite(v):
+            return f"field 'draft.{name}' must be finite (got {v})"
+    for k in range(kmax + 1):
+        u_hi = (k + 1) * top_k if n_experts is None else min((k + 1) * top_k, n_experts)
+        for u in (top_k, max(top_k, u_hi)):
+            for L in (1, CONTEXT_MAX):
+                t = beta0[k] + alpha[k] * u + c[k] * L
+                if not t > 0:
+                    return (
+                        f"field 'target.{k}': charges a verification time {t:.4g} ms <= 0 "
+                        f"(U={u}, L={L}; beta0={beta0[k]}, alpha={alpha[k]}, c={c[k]})"
+                    )
+    for n in (1, max(1, kmax)):
+        if d1 * n + d0 < 0:
+            return f"field 'draft': charges a draft time {d1 * n + d0:.4g} ms < 0 for {n} tokens (d1={d1}, d0={d0})"
+    return None
