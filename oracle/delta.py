@@ -212,11 +212,61 @@ def delta_analysis(
     res = result if result is not None else solve(arrays, cost_model, lookahead=lookahead)
     if res.kmax != arrays.kmax or len(res.k) != len(arrays.L):
         raise ValueError("result does not belong to these arrays (solve them with the same kmax)")
-    C = cost_table(arrays, cost_model, lookahead)
-    A = expected_accepted(arrays)
     w_state = _state_weights(arrays, cost_model, res, states, min_occupancy, episodes, seed)
     rows = np.flatnonzero(w_state > 0)
-    ks = res.k[rows]
+    x, y, w, kk, kst = _rejected_points(arrays, cost_model, lookahead, res.k[rows], rows, w_state)
+    masks = _quadrant_masks(x, y, tol_a, tol_cost)
+    lam, r2, rsd, rq = _least_squares_line(x, y, w)
+    mu, err = _separating_slope(x, y, w, tol_a)
+    return DeltaAnalysis(
+        states=states,
+        decisions=int(len(rows)),
+        points=int(len(x)),
+        tol_cost=tol_cost,
+        tol_a=tol_a,
+        quadrants={q: int(m.sum()) for q, m in masks.items()},
+        quadrants_weighted={q: float(w[m].sum()) for q, m in masks.items()},
+        lambda_ls=lam,
+        r2_origin=r2,
+        resid_sd=rsd,
+        resid_quantiles=rq,
+        lambda_sep=mu,
+        sep_error=err,
+        lambda_interval=_hard_envelope(x, y, tol_a),
+        v0_per_token=res.v0_per_token,
+        marginal_dv=_marginal_dv(arrays, res, rows, w_state[rows]),
+        ar_per_token=float(res.ar.sum() / res.lengths.sum()),
+        da=x,
+        dc=y,
+        weight=w,
+        k=kk,
+        kstar=kst,
+    )
+
+
+def _rejected_points(
+    arrays: PositionArrays,
+    cost_model: CostModel,
+    lookahead: int,
+    ks: np.ndarray,
+    rows: np.ndarray,
+    w_state: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every (decision state, rejected k) point, flattened row by row.
+
+    Args:
+        arrays: Positions table.
+        cost_model: Cost model covering ``arrays.kmax``.
+        lookahead: Draft lookahead h.
+        ks: (len(rows),) the oracle's budget k* at each decision state.
+        rows: Position rows of the decision states.
+        w_state: (n,) weight of every position row.
+
+    Returns:
+        ``(da, dc, weight, k, kstar)``, each of shape (points,).
+    """
+    C = cost_table(arrays, cost_model, lookahead)
+    A = expected_accepted(arrays)
     K1 = arrays.kmax + 1
     dc = C[rows] - C[rows, ks][:, None]
     da = A[rows] - A[rows, ks][:, None]
@@ -226,14 +276,27 @@ def delta_analysis(
     w = np.broadcast_to(w_state[rows][:, None], dc.shape)[rej]
     kk = np.broadcast_to(np.arange(K1)[None, :], dc.shape)[rej]
     kst = np.broadcast_to(ks[:, None], dc.shape)[rej]
+    return x, y, w, kk, kst
 
+
+def _quadrant_masks(x: np.ndarray, y: np.ndarray, tol_a: float, tol_cost: float) -> dict[str, np.ndarray]:
+    """Boolean mask of every quadrant of ``QUADRANTS`` (x = dE[a], y = dE[Cost]; see the module docstring)."""
     px, nx = x > tol_a, x < -tol_a
     py, ny = y > tol_cost, y < -tol_cost
     masks = {"I": px & py, "II": px & ny, "III": nx & ny, "IV": nx & py}
     masks["axis"] = ~(masks["I"] | masks["II"] | masks["III"] | masks["IV"])
-    quads = {q: int(m.sum()) for q, m in masks.items()}
-    quads_w = {q: float(w[m].sum()) for q, m in masks.items()}
+    return masks
 
+
+def _least_squares_line(
+    x: np.ndarray, y: np.ndarray, w: np.ndarray
+) -> tuple[float, float, float, tuple[float, float, float]]:
+    """Weighted least-squares line ``y = lambda * x`` through the origin.
+
+    Returns:
+        ``(lambda, uncentred R^2, weighted residual SD, residual 5/50/95% quantiles)``; NaN where
+        undefined (no points, zero weights).
+    """
     sxx = float((w * x * x).sum())
     lam = float((w * x * y).sum() / sxx) if sxx > 0 else float("nan")
     resid = y - lam * x
@@ -243,45 +306,29 @@ def delta_analysis(
     rmean = float((w * resid).sum() / wsum) if wsum > 0 else float("nan")
     rsd = float(np.sqrt((w * (resid - rmean) ** 2).sum() / wsum)) if wsum > 0 else float("nan")
     rq = tuple(float(v) for v in np.percentile(resid, [5, 50, 95])) if len(resid) else (np.nan,) * 3
+    return lam, r2, rsd, rq  # type: ignore[return-value]
 
-    mu, err = _separating_slope(x, y, w, tol_a)
+
+def _hard_envelope(x: np.ndarray, y: np.ndarray, tol_a: float) -> tuple[float, float]:
+    """``(lo, hi)`` = (max ratio y/x of the points with x < 0, min ratio of those with x > 0).
+
+    Every line ``y = mu * x`` with ``lo <= mu <= hi`` separates all points; lo > hi means none does.
+    """
+    px, nx = x > tol_a, x < -tol_a
     ratios_i = y[px] / x[px]
     ratios_iii = y[nx] / x[nx]
     hi = float(ratios_i.min()) if len(ratios_i) else float("inf")
     lo = float(ratios_iii.max()) if len(ratios_iii) else float("-inf")
+    return lo, hi
 
-    # marginal V(t) - V(t+1) at the decision states (V(N) = 0)
+
+def _marginal_dv(arrays: PositionArrays, res: Evaluation, rows: np.ndarray, ws: np.ndarray) -> float:
+    """Weighted mean of the marginal V(t) - V(t+1) (V(N) = 0) over the decision states ``rows``."""
     V = res.value
     nxt = np.append(V[1:], 0.0)
     nxt[arrays.offsets[1:] - 1] = 0.0
     dv = V - nxt
-    ws = w_state[rows]
-    marginal = float((dv[rows] * ws).sum() / ws.sum()) if ws.sum() > 0 else float("nan")
-
-    return DeltaAnalysis(
-        states=states,
-        decisions=int(len(rows)),
-        points=int(len(x)),
-        tol_cost=tol_cost,
-        tol_a=tol_a,
-        quadrants=quads,
-        quadrants_weighted=quads_w,
-        lambda_ls=lam,
-        r2_origin=r2,
-        resid_sd=rsd,
-        resid_quantiles=rq,  # type: ignore[arg-type]
-        lambda_sep=mu,
-        sep_error=err,
-        lambda_interval=(lo, hi),
-        v0_per_token=res.v0_per_token,
-        marginal_dv=marginal,
-        ar_per_token=float(res.ar.sum() / res.lengths.sum()),
-        da=x,
-        dc=y,
-        weight=w,
-        k=kk,
-        kstar=kst,
-    )
+    return float((dv[rows] * ws).sum() / ws.sum()) if ws.sum() > 0 else float("nan")
 
 
 def delta_rule_policy(arrays: PositionArrays, cost_model: CostModel, lam: float, lookahead: int = 0) -> np.ndarray:
@@ -383,30 +430,53 @@ def plot_delta(analysis: DeltaAnalysis, path: str, max_points: int = 20000, seed
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    x, y, w = analysis.da, analysis.dc, analysis.weight
-    n = len(x)
-    if n > max_points:
-        rng = np.random.default_rng(seed)
-        p = w / w.sum()
-        idx = rng.choice(n, size=max_points, replace=False, p=p)
-    else:
-        idx = np.arange(n)
-    colors = {"I": "tab:red", "II": "tab:purple", "III": "tab:blue", "IV": "tab:orange", "axis": "0.6"}
-    tc, ta = analysis.tol_cost, analysis.tol_a
-    xs, ys = x[idx], y[idx]
-    quad = np.full(len(idx), "axis", dtype=object)
-    quad[(xs > ta) & (ys > tc)] = "I"
-    quad[(xs > ta) & (ys < -tc)] = "II"
-    quad[(xs < -ta) & (ys < -tc)] = "III"
-    quad[(xs < -ta) & (ys > tc)] = "IV"
+    idx = _subsample(analysis.weight, max_points, seed)
     fig, ax = plt.subplots(figsize=(7, 5.5))
+    _scatter_quadrants(ax, analysis, idx)
+    _plot_slopes(ax, analysis)
+    ax.axhline(0, color="0.3", lw=0.6)
+    ax.axvline(0, color="0.3", lw=0.6)
+    ax.set_xlabel("dE[a]  (accepted drafts, rejected k minus k*)")
+    ax.set_ylabel("dE[Cost]  (ms, rejected k minus k*)")
+    ax.set_title(
+        f"Delta space of the oracle's rejected candidates ({analysis.points:,} points, "
+        f"V(0)/N = {analysis.v0_per_token:.3f} ms)",
+        fontsize=10,
+    )
+    ax.legend(fontsize=8, markerscale=4, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return str(path)
+
+
+def _subsample(w: np.ndarray, max_points: int, seed: int) -> np.ndarray:
+    """Indices of at most ``max_points`` points, drawn without replacement with probability proportional to ``w``."""
+    n = len(w)
+    if n <= max_points:
+        return np.arange(n)
+    rng = np.random.default_rng(seed)
+    p = w / w.sum()
+    return rng.choice(n, size=max_points, replace=False, p=p)
+
+
+def _scatter_quadrants(ax: Any, analysis: DeltaAnalysis, idx: np.ndarray) -> None:
+    """The points ``idx`` of ``analysis``, one colour per quadrant, labelled with the quadrant's full count."""
+    colors = {"I": "tab:red", "II": "tab:purple", "III": "tab:blue", "IV": "tab:orange", "axis": "0.6"}
+    xs, ys = analysis.da[idx], analysis.dc[idx]
+    masks = _quadrant_masks(xs, ys, analysis.tol_a, analysis.tol_cost)
     for q in QUADRANTS:
-        m = quad == q
+        m = masks[q]
         if m.any():
             ax.scatter(
                 xs[m], ys[m], s=3, alpha=0.35, color=colors[q], label=f"{q}: {analysis.quadrants[q]:,}", rasterized=True
             )
-    lim = np.array([x.min(), x.max()]) if n else np.array([-1.0, 1.0])
+
+
+def _plot_slopes(ax: Any, analysis: DeltaAnalysis) -> None:
+    """The boundary line (solid) and the least-squares line (dashed) across the points' dE[a] range."""
+    x = analysis.da
+    lim = np.array([x.min(), x.max()]) if len(x) else np.array([-1.0, 1.0])
     ax.plot(
         lim,
         analysis.lambda_sep * lim,
@@ -422,17 +492,3 @@ def plot_delta(analysis: DeltaAnalysis, path: str, max_points: int = 20000, seed
         ls="--",
         label=f"least squares  lambda={analysis.lambda_ls:.3f} (R2 {analysis.r2_origin:.3f})",
     )
-    ax.axhline(0, color="0.3", lw=0.6)
-    ax.axvline(0, color="0.3", lw=0.6)
-    ax.set_xlabel("dE[a]  (accepted drafts, rejected k minus k*)")
-    ax.set_ylabel("dE[Cost]  (ms, rejected k minus k*)")
-    ax.set_title(
-        f"Delta space of the oracle's rejected candidates ({analysis.points:,} points, "
-        f"V(0)/N = {analysis.v0_per_token:.3f} ms)",
-        fontsize=10,
-    )
-    ax.legend(fontsize=8, markerscale=4, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return str(path)

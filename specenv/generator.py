@@ -240,25 +240,56 @@ def generate_generation(
     greedy: bool,
     with_load: bool = True,
 ) -> Generation:
-    """Draw one generation's positions table (see the module docstring for the model)."""
-    pr = profile
+    """Draw one generation's positions table (see the module docstring for the model).
+
+    The draws come from ``rng`` in a fixed order (lengths, segments, routing, acceptance), so the
+    output is a function of the generator's state.
+    """
     cp = CATEGORIES[category]
+    P, N = _draw_lengths(profile, rng)
+    n_tok = N + kmax + 1  # the chain at t reaches token t + kmax
+    kind, seg = _draw_segments(cp, rng, n_tok)
+    Y, Z = _draw_routing(profile, rng, kind, seg)
+    rho, q, D = _draw_acceptance(profile, cp, rng, kind, seg, N, kmax, greedy)
+    U, Emax = _chain_union(Y, Z, D, N, kmax, profile.n_experts, with_load)
+    return Generation(gen_id, category, P, P + np.arange(N), rho, q, U, Emax)
+
+
+def _draw_lengths(pr: PaperProfile, rng: np.random.Generator) -> tuple[int, int]:
+    """Prompt length P and output length N (a share ``cap_share`` runs to ``max_new_tokens``)."""
     P = int(np.clip(round(rng.lognormal(np.log(pr.prompt_median), pr.prompt_sd)), 16, 3000))
     if rng.random() < pr.cap_share:
         N = pr.max_new_tokens
     else:
         N = int(np.clip(round(rng.lognormal(np.log(pr.out_median), pr.out_sd)), 32, pr.max_new_tokens))
-    n_tok = N + kmax + 1  # the chain at t reaches token t + kmax
+    return P, N
 
-    # 1. segments: 0 = continue, 1 = minor opening, 2 = major opening
+
+def _draw_segments(cp: CategoryProfile, rng: np.random.Generator, n_tok: int) -> tuple[np.ndarray, np.ndarray]:
+    """Segment openings of ``n_tok`` tokens (step 1 of the module docstring).
+
+    Returns:
+        ``(kind, seg)``: (n_tok,) kind of every token (0 = continue, 1 = minor opening, 2 = major
+        opening; token 0 opens a major segment) and (n_tok,) its segment index.
+    """
     opens = rng.random(n_tok) < cp.hazard
     major = rng.random(n_tok) < cp.major_share
     kind = np.where(opens, np.where(major, 2, 1), 0)
     kind[0] = 2
     seg = np.cumsum(kind > 0) - 1
-    n_seg = int(seg[-1]) + 1
+    return kind, seg
 
-    # 2. routing pools per segment and layer
+
+def _draw_routing(
+    pr: PaperProfile, rng: np.random.Generator, kind: np.ndarray, seg: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k expert ids of every token, reference and off-reference (step 2 of the module docstring).
+
+    Returns:
+        ``(Y, Z)``: (n_tok, n_layers, top_k) expert ids of the reference tokens and of the draft's
+        off-reference tokens.
+    """
+    n_tok, n_seg = len(kind), int(seg[-1]) + 1
     Ly, E, S = pr.n_layers, pr.n_experts, pr.top_k
     pop = rng.normal(0.0, pr.popularity_sd, size=(Ly, E)).astype(np.float32)
     starts = np.flatnonzero(kind > 0)
@@ -278,20 +309,36 @@ def generate_generation(
         scores[seg_pools[seg]] += pr.pool_affinity
         return np.argpartition(-scores, S - 1, axis=-1)[..., :S]
 
-    Y = route(pools)  # (n_tok, Ly, S) expert ids of the reference tokens
-    Z = route(alt_pools)  # ... of the draft's off-reference tokens
+    Y = route(pools)
+    Z = route(alt_pools)
+    return Y, Z
 
-    # 3. draftability and acceptance
+
+def _draw_acceptance(
+    pr: PaperProfile,
+    cp: CategoryProfile,
+    rng: np.random.Generator,
+    kind: np.ndarray,
+    seg: np.ndarray,
+    N: int,
+    kmax: int,
+    greedy: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Acceptance and draft confidences of every chain (steps 3 and 4 of the module docstring).
+
+    Returns:
+        ``(rho, q, D)``: (N, kmax) conditional acceptance and confidences (quantised), and (N,) the
+        first draft j (1-based) where the chain at t leaves the reference (kmax + 1 if it never does).
+    """
+    n_tok, n_seg = len(kind), int(seg[-1]) + 1
     seg_shift = rng.normal(0.0, pr.segment_sd, size=n_seg)
     base = np.where(kind == 0, cp.p_in, np.where(kind == 1, pr.p_minor, pr.p_major))
     pi = _sigmoid(_logit(base) + seg_shift[seg] + rng.normal(0.0, pr.token_sd, size=n_tok))
     u = rng.random(n_tok)
-    t_idx = np.arange(N)
     j_idx = np.arange(1, kmax + 1)
-    tok = t_idx[:, None] + j_idx[None, :]  # (N, kmax) token index of draft j
+    tok = np.arange(N)[:, None] + j_idx[None, :]  # (N, kmax) token index of draft j
     p_chain = pi[tok] * pr.depth_decay ** (j_idx - 1)
     match = u[tok] < p_chain
-    # D[t] = first j (1-based) where the chain leaves the reference; kmax+1 if it never does
     miss = ~match
     D = np.where(miss.any(axis=1), miss.argmax(axis=1) + 1, kmax + 1)
     if greedy:
@@ -301,10 +348,7 @@ def generate_generation(
     q = _sigmoid(_logit(p_chain) + rng.normal(0.0, pr.conf_sd, size=p_chain.shape))
     rho = np.round(rho * pr.quantum) / pr.quantum
     q = np.clip(np.round(q * pr.quantum) / pr.quantum, 0.0, 1.0)
-
-    # 4. unique experts (and max expert load) of every chain prefix
-    U, Emax = _chain_union(Y, Z, D, N, kmax, E, with_load)
-    return Generation(gen_id, category, P, P + t_idx, rho, q, U, Emax)
+    return rho, q, D
 
 
 def simulate_rounds(

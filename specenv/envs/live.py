@@ -21,6 +21,7 @@ import numpy as np
 from gymnasium import spaces
 
 from specenv.costmodel import drafted_tokens
+from specenv.datasets import load_dataset
 from specenv.envs.common import RoundEnv, check_reward, reset_generation_id
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
 from specenv.observation import ScalarObservation
@@ -30,6 +31,49 @@ LIVE_ENV_ID = "specenv/MoESpecLive-v0"
 #: Where the round cost comes from: the measured times, or the cost model at the measured routing.
 COST_SOURCES = ("measured", "model")
 CLOCKS = ("cpu", "wall")
+
+
+def _check_options(
+    backend: str, render_mode: str | None, reward: str, cost_source: str, clock: str, threads: int | None
+) -> bool:
+    """Check the live environment's options (in this order: the first bad one is reported).
+
+    Returns:
+        Whether the reward is ``"savings"``.
+
+    Raises:
+        ValueError: Naming the first bad option.
+    """
+    from specenv.engines import BACKENDS
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {tuple(BACKENDS)}")
+    check_render_mode(render_mode)
+    savings = check_reward(reward)
+    if cost_source not in COST_SOURCES:
+        raise ValueError(f"cost_source={cost_source!r}: expected one of {COST_SOURCES}")
+    if clock not in CLOCKS:
+        raise ValueError(f"clock={clock!r}: expected one of {CLOCKS}")
+    if clock == "cpu" and threads != 1:
+        raise ValueError(f"clock='cpu' measures the calling thread only: it needs threads=1 (got {threads!r})")
+    return savings
+
+
+def _episode_prompts(prompts: str, data: Any, split: str) -> list[Any]:
+    """The prompts of ``prompts`` whose ids are generations of the replay data, in the prompt set's order.
+
+    Raises:
+        ValueError: If the prompt set holds none of them.
+    """
+    from specenv.engines.hf.models import load_prompts
+
+    wanted = {int(g) for g in data.generation_ids}
+    kept = [p for p in load_prompts(prompts) if p.id in wanted]
+    if not kept:
+        raise ValueError(
+            f"prompts={os.fspath(prompts)!r}: holds none of the generations of dataset '{data.name}' (split '{split}')"
+        )
+    return kept
 
 
 class MoESpecLiveEnv(RoundEnv):
@@ -172,21 +216,9 @@ class MoESpecLiveEnv(RoundEnv):
         backend: str = "hf",
         reward: str = "cost",
     ):
-        from specenv.engines import BACKENDS, BackendConfig, make_backend
+        from specenv.engines import BackendConfig, make_backend
 
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r}: expected one of {tuple(BACKENDS)}")
-        check_render_mode(render_mode)
-        self._savings = check_reward(reward)
-        if cost_source not in COST_SOURCES:
-            raise ValueError(f"cost_source={cost_source!r}: expected one of {COST_SOURCES}")
-        if clock not in CLOCKS:
-            raise ValueError(f"clock={clock!r}: expected one of {CLOCKS}")
-        if clock == "cpu" and threads != 1:
-            raise ValueError(f"clock='cpu' measures the calling thread only: it needs threads=1 (got {threads!r})")
-        from specenv.datasets import load_dataset
-        from specenv.engines.hf.models import load_prompts
-
+        self._savings = _check_options(backend, render_mode, reward, cost_source, clock, threads)
         self.render_mode = render_mode
         self.reward = reward
         self.cost_source = cost_source
@@ -198,13 +230,7 @@ class MoESpecLiveEnv(RoundEnv):
         self.cost_model = self.data.cost_model
         if max_new_tokens is None:
             max_new_tokens = int(load_dataset(dataset).manifest.max_new_tokens)
-        wanted = {int(g) for g in self.data.generation_ids}
-        self.prompts = [p for p in load_prompts(prompts) if p.id in wanted]
-        if not self.prompts:
-            raise ValueError(
-                f"prompts={os.fspath(prompts)!r}: holds none of the generations of dataset "
-                f"'{self.data.name}' (split '{split}')"
-            )
+        self.prompts = _episode_prompts(prompts, self.data, split)
         config = BackendConfig(self.kmax, int(max_new_tokens), temperature, threads, self.lookahead)
         self.engine = make_backend(backend, models, config)
         self.models = self.engine.models

@@ -310,13 +310,7 @@ class MoESpecVectorEnv(VectorEnv):
         """
         if not self._started:
             raise RuntimeError("step() called before reset()")
-        k = np.asarray(actions)
-        n = self.num_envs
-        if k.shape != (n,) or k.dtype.kind not in "iu":
-            raise ValueError(f"actions: expected an integer array of shape ({n},), got {k.dtype} {k.shape}")
-        k = k.astype(np.int64)  # a copy: info["k"] is returned
-        if k.view(np.uint64).max() > self.kmax:  # negative values wrap to huge unsigned ones
-            raise ValueError(f"actions: out of range 0..{self.kmax} ({k.min()}..{k.max()})")
+        k = self._check_actions(actions)
         d = self.data
         done_prev = self._prev_done
         any_reset = bool(done_prev.any())
@@ -350,32 +344,17 @@ class MoESpecVectorEnv(VectorEnv):
             "cost_ms": cost,
             "U_r": U_r,
             "L": L,
-            "t": t_new,
+            "t": t_new,  # self._t: an autoreset below sets its entry to 0
         }
         step_mask = self._all
-        if any_reset:
+        if any_reset:  # NEXT_STEP autoreset: these sub-environments start a new episode instead
             step_mask = ~done_prev
             for i in np.flatnonzero(done_prev).tolist():
                 self._start(i)
             self._obs_state.reset(done_prev)
             reward[done_prev] = 0.0
             terminated[done_prev] = False
-        for key in _STEP_KEYS:
-            info["_" + key] = step_mask
-        gen = self._gen
-        info["generation_id"] = d.generation_ids.take(gen)
-        info["_generation_id"] = self._all
-        info["category"] = d.categories.take(gen)
-        info["_category"] = self._all
-        if terminated.any():
-            ep = self._ep_cost
-            ar = d.ar_total_ms.take(gen)
-            info["speedup"] = np.divide(ar, ep, out=np.zeros(n), where=terminated)
-            info["episode_cost_ms"] = np.where(terminated, ep, 0.0)
-            info["ar_cost_ms"] = np.where(terminated, ar, 0.0)
-            info["rounds"] = np.where(terminated, self._round, 0)
-            for key in _END_KEYS:
-                info["_" + key] = terminated
+        self._complete_info(info, step_mask, terminated)
         if self.render_mode == "ansi":
             self._render_lines(k, a, committed, cost, U_r, t, terminated, step_mask)
         elif self._strip is not None:
@@ -384,7 +363,48 @@ class MoESpecVectorEnv(VectorEnv):
                 self._strip.clear(done_prev)
         self._prev_done = terminated
         obs = self._obs_state.build(self._L0 + self._t, self._t, self._conf())
-        return obs, reward, terminated, np.zeros(n, dtype=bool), info
+        return obs, reward, terminated, np.zeros(self.num_envs, dtype=bool), info
+
+    def _check_actions(self, actions: Any) -> np.ndarray:
+        """``actions`` as a new (num_envs,) int64 array (``info["k"]`` returns it).
+
+        Raises:
+            ValueError: If ``actions`` has the wrong shape, is not integer, or is out of range.
+        """
+        k = np.asarray(actions)
+        n = self.num_envs
+        if k.shape != (n,) or k.dtype.kind not in "iu":
+            raise ValueError(f"actions: expected an integer array of shape ({n},), got {k.dtype} {k.shape}")
+        k = k.astype(np.int64)  # a copy: info["k"] is returned
+        if k.view(np.uint64).max() > self.kmax:  # negative values wrap to huge unsigned ones
+            raise ValueError(f"actions: out of range 0..{self.kmax} ({k.min()}..{k.max()})")
+        return k
+
+    def _complete_info(self, info: dict[str, Any], step_mask: np.ndarray, terminated: np.ndarray) -> None:
+        """Add to a step's ``info`` the masks of the round keys, the generation and category, and the episode's end.
+
+        Args:
+            info: The round keys (``_STEP_KEYS``); completed in place.
+            step_mask: Sub-environments that played a round (not autoreset) this step.
+            terminated: Sub-environments whose episode ended this step (they get ``_END_KEYS``).
+        """
+        for key in _STEP_KEYS:
+            info["_" + key] = step_mask
+        d = self.data
+        gen = self._gen
+        info["generation_id"] = d.generation_ids.take(gen)
+        info["_generation_id"] = self._all
+        info["category"] = d.categories.take(gen)
+        info["_category"] = self._all
+        if terminated.any():
+            ep = self._ep_cost
+            ar = d.ar_total_ms.take(gen)
+            info["speedup"] = np.divide(ar, ep, out=np.zeros(self.num_envs), where=terminated)
+            info["episode_cost_ms"] = np.where(terminated, ep, 0.0)
+            info["ar_cost_ms"] = np.where(terminated, ar, 0.0)
+            info["rounds"] = np.where(terminated, self._round, 0)
+            for key in _END_KEYS:
+                info["_" + key] = terminated
 
     def _render_lines(self, k, a, committed, cost, U_r, t, terminated, step_mask) -> None:  # noqa: ANN001
         d = self.data

@@ -292,58 +292,17 @@ class LiveEngine:
         k = int(k)
         if not 0 <= k <= self.kmax:
             raise ValueError(f"k={k}: outside 0..{self.kmax}")
-        torch = self._torch
         n0 = len(s.ids)
         t_before = n0 - s.prompt_len
         if k:
             self.propose(k)
-        drafts = s.drafts[:k]
-
-        # ---- verification: one target forward over [last, d_1..d_k]
-        t0, c0 = time.perf_counter(), time.thread_time()
-        self.recorder.active = True
-        with torch.inference_mode():
-            x = torch.tensor([[s.ids[-1], *drafts]], dtype=torch.long)
-            logits = self.target(input_ids=x, past_key_values=self._t_cache, use_cache=True).logits[0]
-            self.recorder.active = False
-            if self.temperature == 0.0:
-                g = logits.argmax(-1).tolist()
-                a = 0
-                while a < k and drafts[a] == g[a]:
-                    a += 1
-                new = [*drafts[:a], g[a]]
-            else:
-                a, new = self._reject_sample(logits, drafts)
-            if k - a:
-                self._t_cache.crop(-(k - a))
-        t_target = (time.perf_counter() - t0) * 1e3
-        c_target = (time.thread_time() - c0) * 1e3
-
-        # ---- roll the draft cache back to the accepted prefix
-        t1, c1 = time.perf_counter(), time.thread_time()
-        valid = n0 + a
-        if s.d_len > valid:
-            self._d_cache.crop(-(s.d_len - valid))
-            s.d_len = valid
-        t_draft = s.draft_ms + ((time.perf_counter() - t1) * 1e3 if k or s.drafts else 0.0)
-        c_draft = s.draft_cpu_ms + ((time.thread_time() - c1) * 1e3 if k or s.drafts else 0.0)
-
+        a, new, t_target, c_target = self._verify(s.drafts[:k])
+        t_draft, c_draft = self._roll_back_draft(n0 + a, timed=bool(k or s.drafts))
         routing = self.recorder.buf[:, : k + 1].numpy()
         U, E = prefix_expert_stats(routing, self.n_experts)
         self.last_routing = routing.copy()
-
-        # ---- commit (cap at max_new_tokens and after end-of-text)
-        room = self.max_new_tokens - t_before
-        new = new[:room]
-        if self.stop_at_eos and self.models.eos_id in new:
-            new = new[: new.index(self.models.eos_id) + 1]
-        s.ids.extend(new)
-        s.t_len = n0 + a
         q, drafted = tuple(s.q), tuple(s.drafts)
-        s.drafts, s.q, s.dists, s.draft_ms, s.draft_cpu_ms = [], [], [], 0.0, 0.0
-        s.done = len(s.ids) - s.prompt_len >= self.max_new_tokens or (
-            self.stop_at_eos and bool(new) and new[-1] == self.models.eos_id
-        )
+        new = self._commit(new, t_before, n0 + a)
         return RoundResult(
             k=k,
             m=k + 1,
@@ -361,6 +320,72 @@ class LiveEngine:
             T_T_cpu_ms=c_target,
             T_D_cpu_ms=c_draft,
         )
+
+    def _verify(self, drafts: list[int]) -> tuple[int, list[int], float, float]:
+        """One target forward over ``[last, d_1..d_k]`` (routing recorded); the target cache keeps the accepted prefix.
+
+        Returns:
+            ``(a, new, T_T_ms, T_T_cpu_ms)``: accepted drafts, the tokens to commit (the accepted
+            drafts and the target's own token) and the wall and CPU time of the verification.
+        """
+        torch = self._torch
+        s = self._s
+        k = len(drafts)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        self.recorder.active = True
+        with torch.inference_mode():
+            x = torch.tensor([[s.ids[-1], *drafts]], dtype=torch.long)
+            logits = self.target(input_ids=x, past_key_values=self._t_cache, use_cache=True).logits[0]
+            self.recorder.active = False
+            if self.temperature == 0.0:
+                g = logits.argmax(-1).tolist()
+                a = 0
+                while a < k and drafts[a] == g[a]:
+                    a += 1
+                new = [*drafts[:a], g[a]]
+            else:
+                a, new = self._reject_sample(logits, drafts)
+            if k - a:
+                self._t_cache.crop(-(k - a))
+        return a, new, (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
+
+    def _roll_back_draft(self, valid: int, timed: bool) -> tuple[float, float]:
+        """Crop the draft cache to the first ``valid`` tokens (the committed context and the accepted drafts).
+
+        Args:
+            valid: Tokens the draft cache may keep.
+            timed: Whether the round drafted (then the crop is charged to the draft time).
+
+        Returns:
+            ``(T_D_ms, T_D_cpu_ms)``: the round's draft wall and CPU time, crop included.
+        """
+        s = self._s
+        t1, c1 = time.perf_counter(), time.thread_time()
+        if s.d_len > valid:
+            self._d_cache.crop(-(s.d_len - valid))
+            s.d_len = valid
+        t_draft = s.draft_ms + ((time.perf_counter() - t1) * 1e3 if timed else 0.0)
+        c_draft = s.draft_cpu_ms + ((time.thread_time() - c1) * 1e3 if timed else 0.0)
+        return t_draft, c_draft
+
+    def _commit(self, new: list[int], t_before: int, t_len: int) -> list[int]:
+        """Append ``new`` (capped at max_new_tokens and after end-of-text), clear the round, update ``done``.
+
+        Returns:
+            The tokens committed.
+        """
+        s = self._s
+        room = self.max_new_tokens - t_before
+        new = new[:room]
+        if self.stop_at_eos and self.models.eos_id in new:
+            new = new[: new.index(self.models.eos_id) + 1]
+        s.ids.extend(new)
+        s.t_len = t_len
+        s.drafts, s.q, s.dists, s.draft_ms, s.draft_cpu_ms = [], [], [], 0.0, 0.0
+        s.done = len(s.ids) - s.prompt_len >= self.max_new_tokens or (
+            self.stop_at_eos and bool(new) and new[-1] == self.models.eos_id
+        )
+        return new
 
     def _reject_sample(self, logits: Any, drafts: list[int]) -> tuple[int, list[int]]:
         torch = self._torch

@@ -29,10 +29,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specenv.engines.base import BackendConfig, RoundResult, run_fixed_k
 from specenv.engines.vllm.settings import SpecenvSettings, engine_kwargs
+
+if TYPE_CHECKING:
+    from specenv.engines.vllm.models import VLLMModelDirs
 
 
 @dataclass
@@ -91,13 +94,7 @@ class VLLMBackend:
             raise ValueError(f"kmax={kmax}: must be >= 1")
         if max_new_tokens < 2:
             raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 2 (the prefill makes the first)")
-        mp = os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if mp != "0":
-            raise RuntimeError(
-                "VLLMBackend runs the engine in this process: unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
-            )
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        from tokenizers import Tokenizer
+        _require_in_process_engine()
         from vllm import LLM
 
         from specenv.engines.vllm.models import vllm_model_dirs
@@ -105,27 +102,14 @@ class VLLMBackend:
 
         register()
         dirs = vllm_model_dirs(models)
-        tok = Tokenizer.from_file(str(dirs.target / "tokenizer.json"))
-        eos = tok.token_to_id("<|endoftext|>")
-        self.models = TokenizerModels(tok, int(eos) if eos is not None else -1, dirs.source)
+        self.models = _tokenizer_models(dirs)
         self.kmax = int(kmax)
         self.max_new_tokens = int(max_new_tokens)
         self.temperature = float(temperature)
         self.stop_at_eos = stop_at_eos
         self._seed = int(seed)
-        kw: dict[str, Any] = dict(
-            model=str(dirs.target),
-            tokenizer=str(dirs.target),
-            dtype=dtype,
-            enforce_eager=True,
-            max_model_len=dirs.max_model_len,
-            max_num_seqs=1,
-            seed=seed,
-            speculative_config={"method": "draft_model", "model": str(dirs.draft), "num_speculative_tokens": self.kmax},
-        )
-        kw.update(engine_kwargs(settings if settings is not None else SpecenvSettings(record=record), tap=True))
-        kw.update(llm_kwargs)
-        self.llm = LLM(**kw)
+        settings = settings if settings is not None else SpecenvSettings(record=record)
+        self.llm = LLM(**_llm_kwargs(dirs, self.kmax, dtype, seed, settings, llm_kwargs))
         self.engine = self.llm.llm_engine
         self.controller = self.engine.engine_core.engine_core.scheduler
         if self.controller.tap is None:
@@ -301,6 +285,51 @@ class VLLMBackend:
         """Abort the running generation and close a recording in progress (idempotent)."""
         self.abort()
         self.controller.stop_recording()
+
+
+def _require_in_process_engine() -> None:
+    """Make vLLM run its engine in this process (and give its CPU KV cache a default size).
+
+    Raises:
+        RuntimeError: If ``VLLM_ENABLE_V1_MULTIPROCESSING`` is set to something else than 0.
+    """
+    mp = os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if mp != "0":
+        raise RuntimeError(
+            "VLLMBackend runs the engine in this process: unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
+        )
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def _tokenizer_models(dirs: VLLMModelDirs) -> TokenizerModels:
+    """The target's tokenizer (and its end-of-text id, -1 if none) of a model set's folders."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(dirs.target / "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+    return TokenizerModels(tok, int(eos) if eos is not None else -1, dirs.source)
+
+
+def _llm_kwargs(
+    dirs: VLLMModelDirs, kmax: int, dtype: str, seed: int, settings: SpecenvSettings, llm_kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """``vllm.LLM`` arguments: one sequence, the draft model proposing ``kmax`` tokens, the specenv controller.
+
+    ``llm_kwargs`` override the defaults.
+    """
+    kw: dict[str, Any] = dict(
+        model=str(dirs.target),
+        tokenizer=str(dirs.target),
+        dtype=dtype,
+        enforce_eager=True,
+        max_model_len=dirs.max_model_len,
+        max_num_seqs=1,
+        seed=seed,
+        speculative_config={"method": "draft_model", "model": str(dirs.draft), "num_speculative_tokens": kmax},
+    )
+    kw.update(engine_kwargs(settings, tap=True))
+    kw.update(llm_kwargs)
+    return kw
 
 
 def make(models: str | os.PathLike[str], config: BackendConfig) -> VLLMBackend:

@@ -119,12 +119,36 @@ def build_tiny_models(
         The folder.
     """
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out, vocab)
     gen = torch.Generator().manual_seed(seed)
+    tcfg, dcfg = _tiny_configs(vocab, hidden, target_layers, draft_layers, n_experts, top_k)
+    torch.manual_seed(seed)
+    target = Qwen3MoeForCausalLM(tcfg).float().eval()
+    draft = Qwen3ForCausalLM(dcfg).float().eval()
+    _set_weights(target, draft, vocab, hidden, layer_scale, gen)
+    manifest = {
+        "name": "tiny-random-moe",
+        "kind": "specenv.engines.vllm.tinymodels",
+        "target": {"n_layers": target_layers, "n_experts": n_experts, "top_k": top_k, "hidden": hidden},
+        "draft": {"n_layers": draft_layers},
+        "vocab": vocab,
+        "layer_scale": layer_scale,
+        "seed": seed,
+    }
+    _save(out, target, draft, manifest)
+    return out
+
+
+def _tiny_configs(
+    vocab: int, hidden: int, target_layers: int, draft_layers: int, n_experts: int, top_k: int
+) -> tuple[Any, Any]:
+    """The target's ``Qwen3MoeConfig`` and the draft's ``Qwen3Config`` (shared vocabulary, width and attention)."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
     common = dict(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -148,9 +172,17 @@ def build_tiny_models(
         **common,
     )
     dcfg = Qwen3Config(num_hidden_layers=draft_layers, intermediate_size=4 * hidden, **common)
-    torch.manual_seed(seed)
-    target = Qwen3MoeForCausalLM(tcfg).float().eval()
-    draft = Qwen3ForCausalLM(dcfg).float().eval()
+    return tcfg, dcfg
+
+
+def _set_weights(target: Any, draft: Any, vocab: int, hidden: int, layer_scale: float, gen: Any) -> None:
+    """Overwrite both models' weights from ``gen`` (see the module docstring).
+
+    Both share the embedding and an LM head that maps every token to a fixed successor; every other
+    weight is random, the layers' output projections scaled by ``layer_scale`` (0.8 of it in the
+    draft) and the MoE routers sharpened.
+    """
+    import torch
 
     emb = torch.randn(vocab, hidden, generator=gen)
     succ = torch.randperm(vocab, generator=gen)  # token t is followed by succ[t]
@@ -169,25 +201,13 @@ def build_tiny_models(
                     p.mul_(scale)
                 if name.endswith("gate.weight"):  # MoE router: sharper, context-dependent routing
                     p.mul_(4.0)
+
+
+def _save(out: Path, target: Any, draft: Any, manifest: dict[str, Any]) -> None:
+    """Write ``target/`` and ``draft/`` (weights and copies of the tokenizer files) and ``manifest.json``."""
     target.save_pretrained(out / "target", safe_serialization=True)
     draft.save_pretrained(out / "draft", safe_serialization=True)
     for sub in ("target", "draft"):
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             (out / sub / f).write_bytes((out / f).read_bytes())
-    (out / "manifest.json").write_text(
-        json.dumps(
-            {
-                "name": "tiny-random-moe",
-                "kind": "specenv.engines.vllm.tinymodels",
-                "target": {"n_layers": target_layers, "n_experts": n_experts, "top_k": top_k, "hidden": hidden},
-                "draft": {"n_layers": draft_layers},
-                "vocab": vocab,
-                "layer_scale": layer_scale,
-                "seed": seed,
-            },
-            indent=2,
-        )
-        + "\n",
-        encoding="utf-8",
-    )
-    return out
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
