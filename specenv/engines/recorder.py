@@ -378,12 +378,13 @@ def chain_flush_on_signals(
 ) -> list[int]:
     """Make SIGTERM/SIGINT ask the current recorder for an immediate part, then run the handler in place.
 
-    Only signals whose handler is a Python function are chained (e.g. vLLM's engine-core handler,
-    which then shuts the engine down and so closes the recording); the default action and ignored
-    signals are left alone. Call from the main thread.
+    Only signals whose handler a program installed are chained (e.g. vLLM's engine-core handler, which
+    then shuts the engine down and so closes the recording); the default action, Python's own SIGINT
+    handler (KeyboardInterrupt) and ignored signals are left alone. Call from the main thread.
 
     Args:
-        recorder_of: Returns the recorder to flush (or None), looked up when the signal arrives.
+        recorder_of: Returns the recorder to flush (or None), called inside the signal handler (so it
+            must not take locks).
         signals: The signals to chain.
 
     Returns:
@@ -394,7 +395,7 @@ def chain_flush_on_signals(
     chained = []
     for sig in signals:
         prev = signal.getsignal(sig)
-        if not callable(prev):
+        if not callable(prev) or prev is signal.default_int_handler:
             continue
 
         def handler(signum: int, frame: Any, prev: Callable[..., Any] = prev) -> None:

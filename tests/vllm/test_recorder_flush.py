@@ -241,7 +241,7 @@ def test_serve_sigterm_after_idle_keeps_every_round(model_dirs, tmp_path):
         str(specenv_bin),
         "serve",
         "--policy",
-        "fixed-k:k=2",
+        "none",  # vLLM's fixed k: the recorder alone
         "--record",
         str(rec),
         "--",
@@ -266,6 +266,7 @@ def test_serve_sigterm_after_idle_keeps_every_round(model_dirs, tmp_path):
     ]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # engine core spawned
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # this checkout's specenv
+    env["VLLM_LOGGING_LEVEL"] = "INFO"  # vLLM's shutdown messages
     tokens = 16
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -311,6 +312,8 @@ def test_serve_sigterm_after_idle_keeps_every_round(model_dirs, tmp_path):
     assert st["invalid"] == st["rejected"] == st["incomplete"] == [], st  # nothing half-written
     man = json.loads((rec / RUN_MANIFEST).read_text())
     assert "closed_at" in man and man["summary"]["rows"] == st["rows"] and man["summary"]["errors"] == []
+    # closed as soon as the engine had no request left after the signal, before it tore down its workers
+    assert man["summary"]["closed_by"] == "signal"
     for part in st["parts"]:
         idx = json.loads((rec / PARTS / f"{part}.json").read_text())
         assert pq.read_table(rec / PARTS / idx["path"]).num_rows == idx["rows"]

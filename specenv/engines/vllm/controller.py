@@ -81,25 +81,33 @@ _MAX_LOGGED_ERRORS = 5
 _SIGNALS_CHAINED = False
 
 
-def _active_recorder() -> Any:
-    """The recorder of the newest live controller of this process (None when not recording)."""
+def _on_signal() -> Any:
+    """Inside a SIGTERM/SIGINT handler: mark the newest controller as stopping; its recorder (or None).
+
+    Plain attribute stores only (no locks): it runs between two bytecodes of the engine's thread.
+    """
     ctl = active_controller()
-    return None if ctl is None else ctl.recorder
+    if ctl is None:
+        return None
+    ctl._stopping = True
+    return ctl.recorder
 
 
 def _chain_signals() -> None:
     """Once per process: SIGTERM/SIGINT also ask the active recorder for an immediate part.
 
-    In vLLM's engine-core process the signals' handlers are vLLM's (they start the engine's shutdown,
-    whose ``scheduler.shutdown()`` then closes the recording); the flush runs first, on the writer
-    thread, so the rounds finished before the signal are on disk even if the shutdown is cut short.
+    In vLLM's engine-core process the signals' handlers are vLLM's: they start the engine's shutdown
+    (abort or drain the requests in flight, then tear down). The flush runs first, on the writer
+    thread, so the rounds finished before the signal are on disk even if the shutdown is cut short;
+    the controller then closes the recording as soon as it has no request left
+    (:meth:`SpecControlScheduler.has_requests`), before the engine tears its workers down.
     """
     global _SIGNALS_CHAINED
     if _SIGNALS_CHAINED or threading.current_thread() is not threading.main_thread():
         return
     from specenv.engines.recorder import chain_flush_on_signals
 
-    chain_flush_on_signals(_active_recorder)
+    chain_flush_on_signals(_on_signal)
     _SIGNALS_CHAINED = True
 
 
@@ -279,6 +287,7 @@ class SpecControlScheduler(Scheduler):
         if self.settings.policy:
             self.set_policy(resolve_policy(self.settings.policy, self.spec))
         self.recorder = None
+        self._stopping = False  # a SIGTERM/SIGINT reached this process (see _chain_signals)
         if self.settings.record:
             self.start_recording(self.settings.record)
         CONTROLLERS.append(weakref.ref(self))
@@ -397,11 +406,16 @@ class SpecControlScheduler(Scheduler):
         )
         _chain_signals()
 
-    def stop_recording(self) -> None:
-        """Write the last part and close the recording (no-op when not recording)."""
+    def stop_recording(self, closed_by: str = "stop_recording") -> None:
+        """Write the last part and close the recording (no-op when not recording).
+
+        Args:
+            closed_by: What closed it, kept in the run summary (``stop_recording``, ``shutdown``, or
+                ``signal``: the engine had no request left after SIGTERM/SIGINT).
+        """
         if self.recorder is not None:
-            self.recorder.close(summary=self.summary())
-            self.recorder = None
+            rec, self.recorder = self.recorder, None
+            rec.close(summary={**self.summary(), "closed_by": closed_by})
 
     def flush_recording(self) -> None:
         """Hand the buffered rounds to the writer now (they appear as a part shortly after).
@@ -465,6 +479,17 @@ class SpecControlScheduler(Scheduler):
         if st is not None:
             self._slots.release(st.slot)
 
+    def has_requests(self) -> bool:
+        """Base behaviour; after SIGTERM/SIGINT, the first time there is no request left also closes the recording.
+
+        vLLM's engine core asks this to decide that its shutdown may proceed, and tears down its model
+        workers (seconds) before it calls :meth:`shutdown`; the recording is closed before that.
+        """
+        busy = super().has_requests()
+        if self._stopping and not busy and self.recorder is not None:
+            self.stop_recording(closed_by="signal")
+        return busy
+
     def shutdown(self) -> None:
         """Close the recording (its last part written), then the base scheduler's shutdown.
 
@@ -472,7 +497,7 @@ class SpecControlScheduler(Scheduler):
         forwards its own as SIGTERM), a fatal error and a normal exit.
         """
         try:
-            self.stop_recording()
+            self.stop_recording(closed_by="shutdown")
         finally:
             super().shutdown()
 

@@ -33,7 +33,7 @@ DRAFT_HORIZONS = ("max", "policy")
 #: vLLM's ``--shutdown-timeout`` that ``specenv serve --record`` passes when none is given: on SIGTERM/SIGINT
 #: vLLM then lets in-flight requests finish and the engine-core process (where the recorder runs) close
 #: the recording for up to this many seconds, instead of killing it at once (vLLM's default, 0).
-RECORD_SHUTDOWN_TIMEOUT_S = 10
+RECORD_SHUTDOWN_TIMEOUT_S = 30
 
 
 @dataclass
@@ -170,7 +170,7 @@ def shutdown_args(settings: SpecenvSettings, vllm_args: list[str]) -> list[str]:
     recorder there writes its last part; a grace period lets the engine shut down and close it.
 
     Returns:
-        ``["--shutdown-timeout", "10"]`` (:data:`RECORD_SHUTDOWN_TIMEOUT_S`) when recording without a
+        ``["--shutdown-timeout", "30"]`` (:data:`RECORD_SHUTDOWN_TIMEOUT_S`) when recording without a
         ``--shutdown-timeout`` among ``vllm_args``, else ``[]``.
     """
     if settings.record is None or any(
