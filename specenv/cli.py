@@ -618,7 +618,7 @@ def serve(
     import importlib.util
     import shlex
 
-    from specenv.engines.vllm.settings import SpecenvSettings, serve_args
+    from specenv.engines.vllm.settings import SpecenvSettings, serve_args, shutdown_args
     from specenv.policy.registry import check as check_policy
 
     vllm_args = list(ctx.args)
@@ -653,6 +653,7 @@ def serve(
         )
     except ValueError as exc:
         fail(str(exc))
+    vllm_args += shutdown_args(settings, vllm_args)  # SIGTERM/SIGINT: the engine core closes the recording
     argv = ["vllm", "serve", *vllm_args, *serve_args(settings)]
     if print_command:
         out.print(shlex.join(argv), markup=False, highlight=False)

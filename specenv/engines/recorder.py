@@ -18,7 +18,16 @@ the index carries the Parquet file's sha256, so a crash (even SIGKILL) loses at 
 progress, and nothing half-written is ever taken as valid: leftover temporaries and a Parquet file
 without its index are ignored (and reported by :func:`recording_status`).
 
-Writing happens on a background thread; the serving loop only appends values to column lists.
+Writing happens on a background thread; the serving loop only appends values to column lists (under a
+lock the writer shares). Nothing waits for the next round to be written: a part is handed over when it
+holds ``part_rounds`` rows (by the serving loop), and the writer also writes whatever rows are older
+than ``part_seconds`` (default 2 s) on its own, so an idle server has its finished rounds on disk
+within ``part_seconds`` plus one tick. :meth:`PartRecorder.close` writes the rest (the vLLM controller
+calls it from the scheduler's ``shutdown``, which vLLM reaches on SIGTERM/SIGINT and on normal exit; an
+``atexit`` hook closes recorders left open at interpreter exit). :func:`chain_flush_on_signals` makes
+SIGTERM/SIGINT also ask the writer for an immediate part. Loss window on SIGKILL: at most the rows of
+the last ``part_seconds`` (plus one tick) and the part being written; hidden temporaries of writers that
+no longer run are removed when the next recorder starts in the folder.
 
 :func:`load_recording` assembles one or more recordings into an in-memory
 :class:`specenv.traceset.TraceSet` (rounds only; ``source`` = the recording engine) that validates;
@@ -43,10 +52,16 @@ says so.
 
 from __future__ import annotations
 
+import atexit
+import io
 import os
 import queue
+import re
+import signal
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,14 +100,26 @@ EXTRA_COLUMNS: dict[str, pa.DataType] = {
 }
 COLUMNS: dict[str, pa.DataType] = {**ROUNDS_COLUMNS, **EXTRA_COLUMNS}
 TOKENS_COLUMN = "verified_tokens"
+#: Default age (seconds) of the oldest buffered row at which the writer writes a part on its own.
+PART_SECONDS = 2.0
+#: Longest sleep of the writer thread between looks at the buffer (seconds).
+WRITER_TICK = 0.25
+#: A hidden temporary of :func:`specenv.io.atomic_file`: ``.<name>.<pid>.<hex>.tmp``.
+_TEMPORARY = re.compile(r"^\..+\.(\d+)\.[0-9a-f]+\.tmp$")
 
 
 class PartRecorder:
     """Buffers round rows and writes them as atomic Parquet parts on a background thread.
 
+    The serving loop calls :meth:`add` (and :meth:`maybe_flush`); the writer thread writes a part when
+    the serving loop hands one over, when the oldest buffered row is ``part_seconds`` old (also when no
+    further round comes: an idle server loses nothing), and when :meth:`request_flush` was called
+    (signal-safe). :meth:`close` writes everything that is left.
+
     Args:
         folder: Recording folder (created). If it already holds a recording, new parts continue
-            its numbering (the run manifest is rewritten with the union of both runs' metadata).
+            its numbering (the run manifest is rewritten with the union of both runs' metadata);
+            hidden temporaries that writers no longer running left in ``parts/`` are removed.
         facts: Routing facts of the target (MoE layers, experts, top-k).
         source: The engine that executes the rounds (``"vllm"``, ``"hf"``, ...): the trace set's
             ``source``.
@@ -101,7 +128,8 @@ class PartRecorder:
         name: Name of the recording.
         max_new_tokens: Generation cap recorded in the manifest.
         part_rounds: Rows per part.
-        part_seconds: Also write a part when this many seconds passed since the last one.
+        part_seconds: Also write a part when the oldest buffered row is this many seconds old: the
+            bound of what SIGKILL can lose (plus :data:`WRITER_TICK` and the part being written).
         with_tokens: Also record the verified token ids (column ``verified_tokens``).
     """
 
@@ -116,9 +144,11 @@ class PartRecorder:
         name: str = "recording",
         max_new_tokens: int = 1000,
         part_rounds: int = 2048,
-        part_seconds: float = 30.0,
+        part_seconds: float = PART_SECONDS,
         with_tokens: bool = False,
     ):
+        if not part_seconds > 0:
+            raise ValueError(f"part_seconds={part_seconds}: must be > 0")
         self.folder = Path(folder)
         self.parts_dir = self.folder / PARTS
         self.parts_dir.mkdir(parents=True, exist_ok=True)
@@ -129,6 +159,8 @@ class PartRecorder:
         self.columns = dict(COLUMNS)
         if with_tokens:
             self.columns[TOKENS_COLUMN] = pa.list_(pa.int32())
+        #: Hidden temporaries of dead writers removed at start (names).
+        self.removed_temporaries = remove_dead_temporaries(self.parts_dir)
         existing = sorted(self.parts_dir.glob("part-*.json"))
         self.next_part = 1 + max((int(p.stem.split("-")[1]) for p in existing), default=-1)
         self.run_manifest = {
@@ -152,50 +184,72 @@ class PartRecorder:
             self.run_manifest["kmax"] = max(self.kmax, int(prev.get("kmax", 0)))
             self.run_manifest["previous_runs"] = [*prev.get("previous_runs", []), prev.get("extra", {})]
         atomic_write_json(old, self.run_manifest, fsync=True)
+        # The buffer and the part numbering are shared by the serving loop and the writer thread.
+        self._lock = threading.Lock()
         self._cols: dict[str, list[Any]] = {c: [] for c in self.columns}
-        self._last_flush = time.monotonic()
+        self._oldest = 0.0  # time.monotonic() of the oldest buffered row
+        self._flush_requested = False  # set by request_flush (a plain store: safe in a signal handler)
         self._queue: queue.Queue[tuple[int, dict[str, list[Any]]] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._writer, name="specenv-recorder", daemon=True)
-        self._thread.start()
         self.rows_buffered = 0
         self.rows_written = 0
         self.parts_written = 0
         self.errors: list[str] = []
         self._closed = False
+        self._thread = threading.Thread(target=self._writer, name="specenv-recorder", daemon=True)
+        self._thread.start()
+        self._at_exit = _CloseAtExit(self)
+        atexit.register(self._at_exit)
 
     # ------------------------------------------------------------------ serving side
     def add(self, row: dict[str, Any]) -> None:
         """Append one round (keys: every column of :attr:`columns`)."""
-        cols = self._cols
-        for c in self.columns:
-            cols[c].append(row[c])
-        self.rows_buffered += 1
+        values = [row[c] for c in self.columns]  # a missing key raises before anything is appended
+        with self._lock:
+            if not self.rows_buffered:
+                self._oldest = time.monotonic()
+            for col, v in zip(self._cols.values(), values, strict=True):
+                col.append(v)
+            self.rows_buffered += 1
 
     def maybe_flush(self) -> None:
-        """Hand the buffer to the writer when it is full or old enough."""
-        if self.rows_buffered >= self.part_rounds or (
-            self.rows_buffered and time.monotonic() - self._last_flush >= self.part_seconds
-        ):
+        """Hand the buffer to the writer when it is full or old enough (the writer also does the latter)."""
+        n = self.rows_buffered
+        if n >= self.part_rounds or (n and time.monotonic() - self._oldest >= self.part_seconds):
             self.flush()
 
     def flush(self) -> None:
-        """Hand whatever is buffered to the writer thread as one part."""
-        if not self.rows_buffered:
-            return
-        cols, self._cols = self._cols, {c: [] for c in self.columns}
-        self._queue.put((self.next_part, cols))
-        self.next_part += 1
-        self.rows_buffered = 0
-        self._last_flush = time.monotonic()
+        """Hand whatever is buffered to the writer thread as one part (any thread; not a signal handler)."""
+        with self._lock:
+            if not self.rows_buffered:
+                return
+            cols, self._cols = self._cols, {c: [] for c in self.columns}
+            # numbered and queued under the lock: parts are written in the order their rows came
+            self._queue.put((self.next_part, cols))
+            self.next_part += 1
+            self.rows_buffered = 0
+
+    def request_flush(self) -> None:
+        """Ask the writer thread to write what is buffered within one tick (safe in a signal handler)."""
+        self._flush_requested = True
 
     def close(self, summary: dict[str, Any] | None = None) -> None:
         """Write the last part, wait for the writer, and record the run summary (idempotent)."""
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._at_exit)
         self.flush()
         self._queue.put(None)
         self._thread.join()
+        # what the writer's own last flush queued behind the stop mark, and rows added meanwhile
+        self.flush()
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._write_job(job)
         self.run_manifest["closed_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         self.run_manifest["summary"] = {
             "rows": self.rows_written,
@@ -207,15 +261,39 @@ class PartRecorder:
 
     # ------------------------------------------------------------------ writer thread
     def _writer(self) -> None:
+        self._warm_up()
         while True:
-            job = self._queue.get()
+            try:
+                job = self._queue.get(timeout=min(WRITER_TICK, self.part_seconds))
+            except queue.Empty:
+                job = ()
             if job is None:
                 return
-            index, cols = job
-            try:
-                self._write_part(index, cols)
-            except Exception as exc:  # never take the server down; keep the message
-                self.errors.append(f"part {index}: {exc.__class__.__name__}: {exc}")
+            if job:
+                self._write_job(job)
+            if self._flush_requested or (self.rows_buffered and time.monotonic() - self._oldest >= self.part_seconds):
+                self._flush_requested = False
+                self.flush()  # queued: written at the next turn of the loop, before any sleep
+
+    def _warm_up(self) -> None:
+        """Write an empty part to memory, so that the write path's lazy imports happen now.
+
+        pyarrow loads pandas on first use, which registers an exit hook: at interpreter exit (a last part
+        written by the ``atexit`` hook) that import fails.
+        """
+        try:
+            pq.write_table(
+                columns_to_table({c: [] for c in self.columns}, self.columns), io.BytesIO(), compression="zstd"
+            )
+        except Exception as exc:  # the real parts will report it
+            self.errors.append(f"warm-up: {exc.__class__.__name__}: {exc}")
+
+    def _write_job(self, job: tuple[int, dict[str, list[Any]]]) -> None:
+        index, cols = job
+        try:
+            self._write_part(index, cols)
+        except Exception as exc:  # never take the server down; keep the message
+            self.errors.append(f"part {index}: {exc.__class__.__name__}: {exc}")
 
     def _write_part(self, index: int, cols: dict[str, list[Any]]) -> None:
         table = columns_to_table(cols, self.columns)
@@ -247,6 +325,87 @@ class PartRecorder:
         )
         self.rows_written += table.num_rows
         self.parts_written += 1
+
+
+class _CloseAtExit:
+    """``atexit`` hook that closes a recorder still open when the interpreter exits (weak reference)."""
+
+    def __init__(self, recorder: PartRecorder):
+        self._ref = weakref.ref(recorder)
+
+    def __call__(self) -> None:
+        rec = self._ref()
+        if rec is not None:
+            rec.close(summary={"closed_by": "atexit"})
+
+
+def remove_dead_temporaries(folder: Path) -> list[str]:
+    """Remove the hidden temporaries (``.<name>.<pid>.<hex>.tmp``) that a process no longer running left.
+
+    A temporary of a live process (a writer still at work) is kept; so is a name without a process id.
+
+    Returns:
+        The names removed.
+    """
+    removed = []
+    for p in folder.glob(".*.tmp"):
+        m = _TEMPORARY.match(p.name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(p.name)
+    return sorted(removed)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process, or not a process id at all
+        return True
+    return True
+
+
+def chain_flush_on_signals(
+    recorder_of: Callable[[], PartRecorder | None], signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
+) -> list[int]:
+    """Make SIGTERM/SIGINT ask the current recorder for an immediate part, then run the handler in place.
+
+    Only signals whose handler a program installed are chained (e.g. vLLM's engine-core handler, which
+    then shuts the engine down and so closes the recording); the default action, Python's own SIGINT
+    handler (KeyboardInterrupt) and ignored signals are left alone. Call from the main thread.
+
+    Args:
+        recorder_of: Returns the recorder to flush (or None), called inside the signal handler (so it
+            must not take locks).
+        signals: The signals to chain.
+
+    Returns:
+        The signals chained.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return []
+    chained = []
+    for sig in signals:
+        prev = signal.getsignal(sig)
+        if not callable(prev) or prev is signal.default_int_handler:
+            continue
+
+        def handler(signum: int, frame: Any, prev: Callable[..., Any] = prev) -> None:
+            rec = recorder_of()
+            if rec is not None:
+                rec.request_flush()
+            prev(signum, frame)
+
+        signal.signal(sig, handler)
+        chained.append(int(sig))
+    return chained
 
 
 def columns_to_table(cols: dict[str, list[Any]], columns: dict[str, pa.DataType] | None = None) -> pa.Table:

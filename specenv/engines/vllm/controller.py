@@ -51,6 +51,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field, replace
@@ -77,6 +78,37 @@ logger = init_logger("specenv.engines.vllm")
 #: Live controllers of this process (weak references), newest last.
 CONTROLLERS: list[weakref.ReferenceType[SpecControlScheduler]] = []
 _MAX_LOGGED_ERRORS = 5
+_SIGNALS_CHAINED = False
+
+
+def _on_signal() -> Any:
+    """Inside a SIGTERM/SIGINT handler: mark the newest controller as stopping; its recorder (or None).
+
+    Plain attribute stores only (no locks): it runs between two bytecodes of the engine's thread.
+    """
+    ctl = active_controller()
+    if ctl is None:
+        return None
+    ctl._stopping = True
+    return ctl.recorder
+
+
+def _chain_signals() -> None:
+    """Once per process: SIGTERM/SIGINT also ask the active recorder for an immediate part.
+
+    In vLLM's engine-core process the signals' handlers are vLLM's: they start the engine's shutdown
+    (abort or drain the requests in flight, then tear down). The flush runs first, on the writer
+    thread, so the rounds finished before the signal are on disk even if the shutdown is cut short;
+    the controller then closes the recording as soon as it has no request left
+    (:meth:`SpecControlScheduler.has_requests`), before the engine tears its workers down.
+    """
+    global _SIGNALS_CHAINED
+    if _SIGNALS_CHAINED or threading.current_thread() is not threading.main_thread():
+        return
+    from specenv.engines.recorder import chain_flush_on_signals
+
+    chain_flush_on_signals(_on_signal)
+    _SIGNALS_CHAINED = True
 
 
 def active_controller() -> SpecControlScheduler | None:
@@ -160,6 +192,40 @@ class _Req:
     last: dict[str, Any] | None = None
 
 
+@dataclass
+class _StepClock:
+    """Times of one engine step: its wall time, and the target/draft forwards' (``timing``: hooks or step)."""
+
+    step_ms: float
+    t_ms: float
+    d_ms: float
+    t_cpu: float
+    d_cpu: float
+    timing: str
+
+
+@dataclass
+class _Round:
+    """A request whose step was a verification round: ``n = 1 + K`` tokens, ``gen`` sampled."""
+
+    req_id: str
+    n: int
+    request: Any
+    st: _Req
+    gen: list[int]
+    drafts: Any
+    K: int
+
+
+def _batch_offsets(sched: dict[str, int], index: dict[str, int]) -> tuple[dict[str, int], int]:
+    """Each request's first token in the step's flattened batch (in the runner's order), and the total."""
+    offsets, off = {}, 0
+    for r in sorted(sched, key=lambda r: index.get(r, 1 << 30)):
+        offsets[r] = off
+        off += sched[r]
+    return offsets, off
+
+
 class SpecControlScheduler(Scheduler):
     """V1 scheduler with a per-request speculation-length policy and an optional round recorder.
 
@@ -221,6 +287,7 @@ class SpecControlScheduler(Scheduler):
         if self.settings.policy:
             self.set_policy(resolve_policy(self.settings.policy, self.spec))
         self.recorder = None
+        self._stopping = False  # a SIGTERM/SIGINT reached this process (see _chain_signals)
         if self.settings.record:
             self.start_recording(self.settings.record)
         CONTROLLERS.append(weakref.ref(self))
@@ -337,15 +404,24 @@ class SpecControlScheduler(Scheduler):
             part_seconds=s.part_seconds,
             with_tokens=s.record_tokens,
         )
+        _chain_signals()
 
-    def stop_recording(self) -> None:
-        """Write the last part and close the recording (no-op when not recording)."""
+    def stop_recording(self, closed_by: str = "stop_recording") -> None:
+        """Write the last part and close the recording (no-op when not recording).
+
+        Args:
+            closed_by: What closed it, kept in the run summary (``stop_recording``, ``shutdown``, or
+                ``signal``: the engine had no request left after SIGTERM/SIGINT).
+        """
         if self.recorder is not None:
-            self.recorder.close(summary=self.summary())
-            self.recorder = None
+            rec, self.recorder = self.recorder, None
+            rec.close(summary={**self.summary(), "closed_by": closed_by})
 
     def flush_recording(self) -> None:
-        """Hand the buffered rounds to the writer now (they appear as a part shortly after)."""
+        """Hand the buffered rounds to the writer now (they appear as a part shortly after).
+
+        Not needed to keep rounds: the recorder writes buffered rounds within ``part_seconds`` on its own.
+        """
         if self.recorder is not None:
             self.recorder.flush()
 
@@ -403,10 +479,25 @@ class SpecControlScheduler(Scheduler):
         if st is not None:
             self._slots.release(st.slot)
 
+    def has_requests(self) -> bool:
+        """Base behaviour; after SIGTERM/SIGINT, the first time there is no request left also closes the recording.
+
+        vLLM's engine core asks this to decide that its shutdown may proceed, and tears down its model
+        workers (seconds) before it calls :meth:`shutdown`; the recording is closed before that.
+        """
+        busy = super().has_requests()
+        if self._stopping and not busy and self.recorder is not None:
+            self.stop_recording(closed_by="signal")
+        return busy
+
     def shutdown(self) -> None:
-        """Close the recording, then the base scheduler's shutdown."""
+        """Close the recording (its last part written), then the base scheduler's shutdown.
+
+        vLLM's engine core calls it on every way out of its busy loop: SIGTERM/SIGINT (the API server
+        forwards its own as SIGTERM), a fatal error and a normal exit.
+        """
         try:
-            self.stop_recording()
+            self.stop_recording(closed_by="shutdown")
         finally:
             super().shutdown()
 
@@ -508,30 +599,61 @@ class SpecControlScheduler(Scheduler):
         return out
 
     def _observe(self, so: Any, mro: Any) -> None:
-        step_ms = (time.perf_counter() - self._t_sched) * 1e3
+        """Fold the verification rounds of the step just run into the statistics, callback and recording."""
+        clock = self._step_clock()
         sched = so.num_scheduled_tokens
         if not sched:
             return
+        offsets, batch_tokens = _batch_offsets(sched, mro.req_id_to_index)
+        rounds = self._rounds_of_step(so, mro, clock)
+        if not rounds:
+            return
+        stats = self._routing_stats(rounds, offsets, batch_tokens)
+        batch = {"batch_size": len(sched), "batch_tokens": batch_tokens}
+        upd: tuple[list[Any], ...] = ([], [], [], [], [])
+        for rnd, (U, E) in zip(rounds, stats, strict=True):
+            out = self._outcome(rnd, U, E, clock)
+            st = rnd.st
+            for col, v in zip(upd, (st.slot, rnd.K, out["accepted"], U, out["cost_units"]), strict=True):
+                col.append(v)
+            st.last_U[rnd.K] = U
+            st.last = out
+            if self.round_callback is not None:
+                self.round_callback(rnd.req_id, st.last)
+            self.stats["rounds"] += 1
+            if self.recorder is not None:
+                self.recorder.add(self._row(rnd, out, clock, batch))
+            st.rounds += 1
+            st.td_ms, st.td_cpu_ms = clock.d_ms, clock.d_cpu
+        if upd[0]:
+            self._slots.update(*upd)
+
+    def _step_clock(self) -> _StepClock:
+        """The step's wall time and, from the tap's forward hooks when they ran, target/draft times."""
+        step_ms = (time.perf_counter() - self._t_sched) * 1e3
+        tap = self.tap
+        if tap is not None and tap.target_clock.calls > 0:
+            return _StepClock(
+                step_ms,
+                tap.target_clock.ms,
+                tap.draft_clock.ms,
+                tap.target_clock.cpu_ms,
+                tap.draft_clock.cpu_ms,
+                "hooks",
+            )
+        return _StepClock(step_ms, step_ms, 0.0, 0.0, 0.0, "step")
+
+    def _rounds_of_step(self, so: Any, mro: Any, clock: _StepClock) -> list[_Round]:
+        """The requests whose step was a verification round (1 + K tokens after the prefill), in batch order.
+
+        A request whose step was (the last chunk of) its prefill keeps the step's drafting time: that
+        drafting feeds its first round.
+        """
         index = mro.req_id_to_index
         sampled = mro.sampled_token_ids
-        tap = self.tap
-        hooked = tap is not None and tap.target_clock.calls > 0
-        t_ms = tap.target_clock.ms if hooked else step_ms
-        d_ms = tap.draft_clock.ms if hooked else 0.0
-        t_cpu = tap.target_clock.cpu_ms if hooked else 0.0
-        d_cpu = tap.draft_clock.cpu_ms if hooked else 0.0
-        timing = "hooks" if hooked else "step"
-        order = sorted(sched, key=lambda r: index.get(r, 1 << 30))
-        offsets, off = {}, 0
-        for r in order:
-            offsets[r] = off
-            off += sched[r]
-        routing = tap.routing(off) if tap is not None and off <= tap.capacity else None
         spec_tokens = so.scheduled_spec_decode_tokens
-        batch_size = len(sched)
-        upd: tuple[list[Any], ...] = ([], [], [], [], [])
         rounds = []
-        for req_id, n in sched.items():
+        for req_id, n in so.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             i = index.get(req_id)
             if request is None or request.is_finished() or i is None:
@@ -542,86 +664,75 @@ class SpecControlScheduler(Scheduler):
             K = len(drafts)
             prior = request.num_computed_tokens - n
             if not (gen and request.num_output_tokens >= 1 and n == K + 1 and prior == request.num_tokens - 1):
-                st.td_ms, st.td_cpu_ms = d_ms, d_cpu  # a prefill step: its drafting feeds the first round
+                st.td_ms, st.td_cpu_ms = clock.d_ms, clock.d_cpu
                 continue
-            rounds.append((req_id, n, request, st, gen, drafts, K))
-        if not rounds:
-            return
-        if routing is not None:
-            Us, Es = span_expert_stats(routing, [(offsets[r[0]], r[1]) for r in rounds], self.n_experts)
-        for j, (req_id, n, request, st, gen, drafts, K) in enumerate(rounds):
-            acc = min(len(gen) - 1, K)
-            L, t = request.num_tokens, request.num_output_tokens
-            if routing is not None:
-                U, E = float(Us[j]), float(Es[j])
-            else:
-                U, E = float(u_prior(K, self.top_k or 1, self.n_experts or 1)), 1.0
-            td = st.td_ms if timing == "hooks" else 0.0
-            td_cpu = st.td_cpu_ms if timing == "hooks" else 0.0
-            cost = self._cost_units(K, U, L, t_ms, td)
-            upd[0].append(st.slot)
-            upd[1].append(K)
-            upd[2].append(acc)
-            upd[3].append(U)
-            upd[4].append(cost)
-            st.last_U[K] = U
-            st.last = {
-                "K": K,
-                "m": n,
-                "accepted": acc,
-                "L": L,
-                "t": t,
-                "U_r": U,
-                "E_max": E,
-                "T_T_ms": t_ms,
-                "T_D_ms": td,
-                "T_T_cpu_ms": t_cpu,
-                "T_D_cpu_ms": td_cpu,
-                "step_ms": step_ms,
-                "cost_units": cost,
-                "committed": list(gen[: acc + 1]),
-                "drafted": list(st.full_drafts),
-            }
-            if self.round_callback is not None:
-                self.round_callback(req_id, st.last)
-            self.stats["rounds"] += 1
-            if self.recorder is not None:
-                sp = request.sampling_params
-                row = {
-                    "generation_id": st.gid,
-                    "category": self.settings.category,
-                    "round": st.rounds,
-                    "K": K,
-                    "m": n,
-                    "accepted": acc,
-                    "L": L,
-                    "U_r": U,
-                    "E_max": E,
-                    "T_T_ms": t_ms,
-                    "T_D_ms": td,
-                    "request_id": req_id,
-                    "t": t,
-                    "step": self._step,
-                    "batch_size": batch_size,
-                    "batch_tokens": off,
-                    "drafted": st.drafted,
-                    "policy_k": st.policy_k,
-                    "fallback": st.fallback,
-                    "capped": st.capped,
-                    "greedy": bool(sp is None or sp.temperature == 0.0),
-                    "step_ms": step_ms,
-                    "T_T_cpu_ms": t_cpu,
-                    "T_D_cpu_ms": td_cpu,
-                    "timing": timing,
-                    "run": self.settings.run,
-                }
-                if self.settings.record_tokens:
-                    row["verified_tokens"] = [int(request.all_token_ids[-1]), *map(int, drafts)]
-                self.recorder.add(row)
-            st.rounds += 1
-            st.td_ms, st.td_cpu_ms = d_ms, d_cpu
-        if upd[0]:
-            self._slots.update(*upd)
+            rounds.append(_Round(req_id, n, request, st, gen, drafts, K))
+        return rounds
+
+    def _routing_stats(
+        self, rounds: list[_Round], offsets: dict[str, int], batch_tokens: int
+    ) -> list[tuple[float, float]]:
+        """``(U_r, E_max)`` of every round: from the tap's routing of the step, else the U prior and 1."""
+        tap = self.tap
+        if tap is not None and batch_tokens <= tap.capacity:
+            routing = tap.routing(batch_tokens)
+            Us, Es = span_expert_stats(routing, [(offsets[r.req_id], r.n) for r in rounds], self.n_experts)
+            return [(float(U), float(E)) for U, E in zip(Us, Es, strict=True)]
+        return [(float(u_prior(r.K, self.top_k or 1, self.n_experts or 1)), 1.0) for r in rounds]
+
+    def _outcome(self, rnd: _Round, U: float, E: float, clock: _StepClock) -> dict[str, Any]:
+        """The round's outcome as the live backend sees it (``request_state()["last"]``)."""
+        request, st, K = rnd.request, rnd.st, rnd.K
+        acc = min(len(rnd.gen) - 1, K)
+        L = request.num_tokens
+        hooked = clock.timing == "hooks"
+        td = st.td_ms if hooked else 0.0
+        td_cpu = st.td_cpu_ms if hooked else 0.0
+        return {
+            "K": K,
+            "m": rnd.n,
+            "accepted": acc,
+            "L": L,
+            "t": request.num_output_tokens,
+            "U_r": U,
+            "E_max": E,
+            "T_T_ms": clock.t_ms,
+            "T_D_ms": td,
+            "T_T_cpu_ms": clock.t_cpu,
+            "T_D_cpu_ms": td_cpu,
+            "step_ms": clock.step_ms,
+            "cost_units": self._cost_units(K, U, L, clock.t_ms, td),
+            "committed": list(rnd.gen[: acc + 1]),
+            "drafted": list(st.full_drafts),
+        }
+
+    def _row(self, rnd: _Round, out: dict[str, Any], clock: _StepClock, batch: dict[str, int]) -> dict[str, Any]:
+        """The round's row of the recording (see :mod:`specenv.engines.recorder` for the columns)."""
+        st, request = rnd.st, rnd.request
+        sp = request.sampling_params
+        row = {
+            "generation_id": st.gid,
+            "category": self.settings.category,
+            "round": st.rounds,
+            **{c: out[c] for c in ("K", "m", "accepted", "L", "U_r", "E_max", "T_T_ms", "T_D_ms")},
+            "request_id": rnd.req_id,
+            "t": out["t"],
+            "step": self._step,
+            **batch,
+            "drafted": st.drafted,
+            "policy_k": st.policy_k,
+            "fallback": st.fallback,
+            "capped": st.capped,
+            "greedy": bool(sp is None or sp.temperature == 0.0),
+            "step_ms": clock.step_ms,
+            "T_T_cpu_ms": clock.t_cpu,
+            "T_D_cpu_ms": out["T_D_cpu_ms"],
+            "timing": clock.timing,
+            "run": self.settings.run,
+        }
+        if self.settings.record_tokens:
+            row["verified_tokens"] = [int(request.all_token_ids[-1]), *map(int, rnd.drafts)]
+        return row
 
     def _cost_units(self, K: int, U: float, L: int, t_ms: float, d_ms: float) -> float:
         cm = self.cost_model

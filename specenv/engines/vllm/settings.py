@@ -30,6 +30,11 @@ SCHEDULER_CLS = "specenv.engines.vllm.controller.SpecControlScheduler"
 #: Key in ``additional_config``.
 CONFIG_KEY = "specenv"
 DRAFT_HORIZONS = ("max", "policy")
+#: vLLM's ``--shutdown-timeout`` that ``specenv serve --record`` passes when none is given: on SIGTERM/SIGINT
+#: vLLM then lets in-flight requests finish and the engine-core process (where the recorder runs) close
+#: the recording and tear down for up to this many seconds, instead of killing it at once (vLLM's
+#: default, 0). Tearing down took 7 s on CPU with the shipped models.
+RECORD_SHUTDOWN_TIMEOUT_S = 30
 
 
 @dataclass
@@ -43,7 +48,8 @@ class SpecenvSettings:
             engine's ``num_speculative_tokens``.
         record: Recording folder (None = no recording).
         part_rounds: Rounds per part file of the recording.
-        part_seconds: A part is also written when this many seconds passed since the last one.
+        part_seconds: The recorder also writes a part when its oldest buffered round is this many
+            seconds old, also while the server is idle: what SIGKILL can lose is bounded by it.
         category: Value of the ``category`` column of recorded rounds.
         run: Value of the extra ``run`` column (e.g. ``"K=4"`` for a fixed-K collection run).
         name: Name written to the recording's manifest.
@@ -65,7 +71,7 @@ class SpecenvSettings:
     fallback_k: int | None = None
     record: str | None = None
     part_rounds: int = 2048
-    part_seconds: float = 30.0
+    part_seconds: float = 2.0
     category: str = "vllm"
     run: str = ""
     name: str = "vllm-recording"
@@ -156,6 +162,23 @@ def serve_args(settings: SpecenvSettings, tap: bool = True) -> list[str]:
     if tap or settings.record is not None:
         args += ["--load-format", "specenv"]
     return args
+
+
+def shutdown_args(settings: SpecenvSettings, vllm_args: list[str]) -> list[str]:
+    """``--shutdown-timeout`` for a recording server, unless the vLLM arguments already set one.
+
+    vLLM's default (0) has the API server kill the engine-core process right after SIGTERM, before the
+    recorder there writes its last part; a grace period lets the engine shut down and close it.
+
+    Returns:
+        ``["--shutdown-timeout", "30"]`` (:data:`RECORD_SHUTDOWN_TIMEOUT_S`) when recording without a
+        ``--shutdown-timeout`` among ``vllm_args``, else ``[]``.
+    """
+    if settings.record is None or any(
+        a == "--shutdown-timeout" or a.startswith("--shutdown-timeout=") for a in vllm_args
+    ):
+        return []
+    return ["--shutdown-timeout", str(RECORD_SHUTDOWN_TIMEOUT_S)]
 
 
 def register_policy(name: str, policy: Any) -> str:
