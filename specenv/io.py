@@ -278,12 +278,12 @@ def check_new_path(dest: str | os.PathLike[str]) -> None:
     while not os.path.lexists(anc) and anc != anc.parent:
         anc = anc.parent
     if not anc.is_dir():
-        raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(anc))
+        raise NotADirectoryError(errno.ENOTDIR, f"cannot be created ({anc} is not a folder)", str(dest))
     probe = temp_sibling(anc / dest.name)
     try:
         os.mkdir(probe)
     except OSError as exc:
-        raise OSError(exc.errno, exc.strerror, str(anc)) from None
+        raise OSError(exc.errno, f"cannot be created in {anc} ({exc.strerror})", str(dest)) from None
     os.rmdir(probe)
 
 
