@@ -876,6 +876,8 @@ def _serve_settings(
     from specenv.engines.vllm.settings import SpecenvSettings
     from specenv.policy.registry import check as check_policy
 
+    if draft_horizon not in ("max", "policy"):
+        fail(f"--draft-horizon: unknown value {draft_horizon!r} (known: max, policy)")
     pol = None
     if policy.lower() != "none":
         path = Path(policy)
