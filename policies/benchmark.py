@@ -286,11 +286,15 @@ class BenchResult:
     skipped: list[dict[str, str]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        """Plain-JSON form."""
+        """Plain-JSON form (strict JSON: the exact oracle row has no confidence interval, ``null``)."""
+        policies = [
+            {k: (None if k.startswith("ci95_") and isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
+            for r in self.summary.to_dict(orient="records")
+        ]
         return {
             "context": self.context,
             "oracle": self.oracle,
-            "policies": self.summary.to_dict(orient="records"),
+            "policies": policies,
             "categories": self.categories.pivot(index="policy", columns="category", values="speedup_pooled")
             .reset_index()
             .to_dict(orient="records"),

@@ -1,14 +1,21 @@
 """The ``specenv`` command line.
 
 Every command takes a trace set by registry name (``paper-default``) or by folder path. Bad
-arguments and bad files end with one line on stderr (``specenv: error: ...``) and exit code 2;
-nothing half-written is left behind (trace sets and cost models are written atomically).
+arguments and bad files end with one line on stderr (``specenv: error: ...``) naming the argument,
+file or field, and exit code 2 (click's usage errors too: :class:`_Group` formats them). Every
+command checks its arguments, inputs and output locations before it does any work or prints
+progress, so a refused command has written nothing. Nothing half-written is left behind either
+(trace sets and cost models are written atomically), and ``--overwrite`` replaces only a trace set
+(:func:`specenv.traceset.check_save_destination`). JSON output never holds NaN or Infinity.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -17,8 +24,90 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+try:  # typer >= 0.20 vendors click as typer._click
+    from typer._click import exceptions as _cx
+except ImportError:  # pragma: no cover - older typer runs on click
+    from click import exceptions as _cx
+from typer.core import TyperGroup
+
+#: Upper bounds of count options: far above any sensible run, low enough that nothing allocates unbounded memory.
+MAX_GENERATIONS = 100_000
+MAX_EPISODES = 10_000
+MAX_SEED = 2**32 - 1  # numpy's legacy seeding (Stable-Baselines3) takes 32-bit seeds
+MAX_NAME = 200
+
+
+def _one_line(msg: str) -> str:
+    """``msg`` with every non-printable character (newlines included) escaped: one line, always."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in msg)
+
+
+def _param_name(param: Any) -> str:
+    """How the user names a parameter: ``--generations/-n`` for an option, ``TRACES`` for an argument."""
+    if param.param_type_name == "option":
+        return "/".join(sorted(param.opts, key=len, reverse=True))
+    return str(getattr(param, "metavar", None) or param.name or "ARGUMENT").upper()
+
+
+def _usage_message(exc: Any) -> str:
+    """One line for a click usage error, naming the option or argument first."""
+    if isinstance(exc, _cx.MissingParameter) and exc.param is not None:
+        return f"{_param_name(exc.param)}: missing (required)"
+    if isinstance(exc, _cx.BadParameter) and exc.param is not None:
+        return f"{_param_name(exc.param)}: {exc.message}"
+    if isinstance(exc, _cx.NoSuchOption):
+        hint = f" (did you mean {', '.join(sorted(exc.possibilities))}?)" if exc.possibilities else ""
+        return f"{exc.option_name}: no such option{hint}"
+    return exc.format_message()
+
+
+def _os_message(exc: OSError) -> str:
+    """``FILE: reason`` for an OSError."""
+    if exc.filename is None:
+        return str(exc)
+    return f"{exc.filename}: {exc.strerror or exc}"
+
+
+class _Group(TyperGroup):
+    """The ``specenv`` command group, with one-line usage errors.
+
+    Click's usage errors (bad option values, ranges, unknown options) become one
+    ``specenv: error: --opt: ...`` line with exit code 2 instead of typer's multi-line panel.
+    """
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, *a: Any, **kw: Any) -> Any:
+        """Run the command line; format errors as one line (exit 2)."""
+        standalone = kw.pop("standalone_mode", True)
+        try:
+            rv = super().main(args, prog_name, *a, standalone_mode=False, **kw)
+        except _cx.NoArgsIsHelpError as exc:
+            if not standalone:
+                raise
+            exc.show()
+            sys.exit(exc.exit_code)
+        except _cx.ClickException as exc:
+            if not standalone:
+                raise
+            _error_line(_usage_message(exc))
+            sys.exit(2)
+        except typer.Abort:
+            if not standalone:
+                raise
+            err.print("specenv: interrupted", markup=False, highlight=False)
+            sys.exit(130)
+        except OSError as exc:  # a file the checks could not foresee (disk full, a race): still one line
+            if not standalone:
+                raise
+            _error_line(_os_message(exc))
+            sys.exit(2)
+        if not standalone:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
 app = typer.Typer(
     name="specenv",
+    cls=_Group,
     help="Speculation-length control on MoE models: traces, cost model, environment, oracle, policies.",
     no_args_is_help=True,
     add_completion=False,
@@ -31,10 +120,79 @@ Traces = Annotated[str, typer.Argument(help="Trace set: a registered name (e.g. 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
 
 
+def _error_line(msg: str) -> None:
+    err.print(f"specenv: error: {_one_line(msg)}", markup=False, highlight=False)
+
+
 def fail(msg: str) -> NoReturn:
-    """Print one error line and exit with code 2."""
-    err.print(f"specenv: error: {msg}", markup=False, highlight=False)
+    """Print one error line (control characters escaped) and exit with code 2."""
+    _error_line(msg)
     raise typer.Exit(2)
+
+
+def _check_name(opt: str, name: str) -> None:
+    """A name written to a manifest or used as a folder name: printable, 1..MAX_NAME characters."""
+    if not name or len(name) > MAX_NAME or not name.isprintable() or name != name.strip():
+        fail(f"{opt}: {name!r} must be 1..{MAX_NAME} printable characters without surrounding spaces")
+
+
+def _check_finite(opt: str, value: float) -> None:
+    if not math.isfinite(value):
+        fail(f"{opt}: must be a finite number, got {value}")
+
+
+def _check_traceset_out(out_dir: Path, overwrite: bool) -> None:
+    """``--out`` of a command writing a trace set: creatable, or (``--overwrite``) a replaceable trace set."""
+    from specenv.traceset import check_save_destination
+
+    try:
+        check_save_destination(out_dir, overwrite)
+    except FileExistsError:
+        fail(f"--out: {out_dir} already exists (use --overwrite to replace a trace set)")
+    except OSError as exc:
+        fail(f"--out: {_os_message(exc)}")
+    except ValueError as exc:
+        fail(f"--out: {exc}")
+
+
+def _check_out_folder(opt: str, folder: Path) -> None:
+    """An output folder (existing or to be created with its parents) in which files can be written."""
+    from specenv.io import check_new_path
+
+    if os.path.lexists(folder) and not folder.is_dir():
+        fail(f"{opt}: {folder} exists and is not a folder")
+    try:
+        check_new_path(folder / "x" if folder.is_dir() else folder)
+    except OSError as exc:
+        fail(f"{opt}: {_os_message(exc)}")
+
+
+def _check_out_file(opt: str, path: Path) -> None:
+    """An output file: not a folder, in an existing folder that can be written."""
+    from specenv.io import check_new_path
+
+    if path.is_dir():
+        fail(f"{opt}: {path} is a folder (give a file name)")
+    parent = path.parent
+    if not parent.is_dir():
+        fail(f"{opt}: {parent} is not an existing folder")
+    try:
+        check_new_path(path)
+    except OSError as exc:
+        fail(f"{opt}: {_os_message(exc)}")
+
+
+def _check_budget(ts: Any, kmax: int | None, lookahead: int | None = None) -> int:
+    """``--kmax`` in 1..the trace set's Kmax and ``--lookahead`` in 0..kmax; returns the effective kmax."""
+    from specenv.replay import SelectionError, check_kmax
+
+    try:
+        k = check_kmax(kmax, ts.kmax)
+    except SelectionError as exc:
+        fail(f"--kmax: {exc}")
+    if lookahead is not None and not 0 <= lookahead <= k:
+        fail(f"--lookahead: {lookahead} outside 0..{k} (the largest budget, Kmax)")
+    return k
 
 
 def _progress(transient: bool = True) -> Progress:
@@ -59,17 +217,42 @@ def _load(traces: str) -> Any:
         fail(str(exc))
 
 
+def _nonfinite_field(obj: Any, path: str = "") -> str | None:
+    """The first field of ``obj`` (``a.b[2]``) holding NaN or an infinity, else None."""
+    if isinstance(obj, dict):
+        items: Any = ((f"{path}.{k}" if path else str(k), v) for k, v in obj.items())
+    elif isinstance(obj, (list, tuple)):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(obj))
+    else:
+        try:
+            return None if math.isfinite(float(obj)) else (path or "(value)")
+        except (TypeError, ValueError):
+            return None
+    for sub, v in items:
+        found = _nonfinite_field(v, sub)
+        if found is not None:
+            return found
+    return None
+
+
 def _print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=float) + "\n")
+    """Print ``obj`` as strict JSON (never NaN/Infinity: such a value is an error naming its field)."""
+    try:
+        text = json.dumps(obj, indent=2, default=float, allow_nan=False)
+    except ValueError:
+        fail(f"result field '{_nonfinite_field(obj)}' is not a finite number: no JSON written")
+    sys.stdout.write(text + "\n")
 
 
 @app.command()
 def generate(
     out_dir: Annotated[Path, typer.Option("--out", "-o", help="Folder to write the trace set to.")],
     profile: Annotated[str, typer.Option(help="Generator profile.")] = "paper",
-    generations: Annotated[int, typer.Option("--generations", "-n", min=1, help="Number of generations.")] = 128,
+    generations: Annotated[
+        int, typer.Option("--generations", "-n", min=1, max=MAX_GENERATIONS, help="Number of generations.")
+    ] = 128,
     kmax: Annotated[int, typer.Option(min=1, max=16, help="Longest draft chain.")] = 10,
-    seed: Annotated[int, typer.Option(help="Master seed (output is deterministic given it).")] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Master seed (output is deterministic given it).")] = 0,
     greedy: Annotated[bool, typer.Option(help="Greedy decoding: rho in {0,1} (default: T=0.7 sampling).")] = False,
     rounds: Annotated[bool, typer.Option(help="Also simulate fixed-K runs into a rounds table.")] = True,
     name: Annotated[str, typer.Option(help="Name written to the manifest.")] = "paper-generated",
@@ -81,8 +264,8 @@ def generate(
 
     if profile != "paper":
         fail(f"--profile: unknown profile '{profile}' (known: paper)")
-    if out_dir.exists() and not overwrite:
-        fail(f"--out: {out_dir} already exists (use --overwrite)")
+    _check_name("--name", name)
+    _check_traceset_out(out_dir, overwrite)
     with _progress() as prog:
         task = prog.add_task("generating", total=generations)
         ts = generate_paper(
@@ -133,16 +316,20 @@ def validate(traces: Traces, as_json: JsonOpt = False) -> None:
 def fit(
     traces: Traces,
     save: Annotated[Path | None, typer.Option("--out", "-o", help="Write the cost model JSON here.")] = None,
-    folds: Annotated[int, typer.Option(min=2, help="GroupKFold folds (by generation).")] = 5,
+    folds: Annotated[int, typer.Option(min=2, max=1000, help="GroupKFold folds (by generation).")] = 5,
     as_json: JsonOpt = False,
 ) -> None:
     """Fit the per-K cost model T_T = beta0 + alpha*U_r + c*L (and T_D, AR step) on the rounds table."""
-    from specenv import paper
     from specenv.fit import fit_cost_model
 
+    if save is not None:
+        _check_out_file("--out", save)
     ts = _load(traces)
     if not ts.has_rounds:
         fail(f"{traces}: trace set has no rounds table to fit on")
+    n_gen = int(ts.rounds["generation_id"].nunique())
+    if folds > n_gen:
+        fail(f"--folds: {folds} folds need at least {folds} generations, the rounds table has {n_gen}")
     try:
         rep = fit_cost_model(ts.rounds, ts.kmax, ts.facts.top_k, folds, source={"traces": ts.manifest.name})
     except ValueError as exc:
@@ -153,7 +340,16 @@ def fit(
     if as_json:
         _print_json(rep.to_json())
         return
-    tab = Table(title=f"Per-K cost model on {ts.manifest.name} (paper's Table A4 in brackets)")
+    _print_fit(rep, ts.manifest.name)
+    if save is not None:
+        out.print(f"cost model written to {save}")
+
+
+def _print_fit(rep: Any, name: str) -> None:
+    """Human-readable ``specenv fit`` output: the per-K table, the pooled forms, T_D and the AR step."""
+    from specenv import paper
+
+    tab = Table(title=f"Per-K cost model on {name} (paper's Table A4 in brackets)")
     for col in ("K", "alpha ms/expert", "c 1e-3 ms/tok", "beta0 ms", "N", "R2", "OOS MAPE %", "alpha p"):
         tab.add_column(col, justify="right")
     for r in rep.per_k.itertuples():
@@ -196,8 +392,6 @@ def fit(
     m = rep.model
     flag = "EXTRAPOLATED (no K=0 rounds)" if rep.ar["extrapolated"] else "fitted on K=0 rounds"
     out.print(f"AR step (K=0): T = {m.beta0[0]:.3f} + {m.alpha[0]:.4f}*U + {m.c[0] * 1e3:.3f}e-3*L ms, {flag}")
-    if save is not None:
-        out.print(f"cost model written to {save}")
 
 
 @app.command("datasets")
@@ -222,9 +416,9 @@ def oracle_cmd(
     plot: Annotated[Path | None, typer.Option("--plot", help="Write the figures of --sweep/--delta here.")] = None,
     cost_model: Annotated[str, typer.Option("--cost-model", help="'fit', 'profile' or a cost-model JSON.")] = "fit",
     split: Annotated[str, typer.Option(help="Generations: all, train or test (specenv.splits).")] = "all",
-    lookahead: Annotated[int, typer.Option(help="Draft lookahead h charged as T_D(max(k, h)).")] = 0,
-    episodes: Annotated[int, typer.Option(help="Monte-Carlo episodes per generation (0: none).")] = 4,
-    seed: Annotated[int, typer.Option(help="Seed of the Monte-Carlo episodes.")] = 0,
+    lookahead: Annotated[int, typer.Option(help="Draft lookahead h (0..Kmax) charged as T_D(max(k, h)).")] = 0,
+    episodes: Annotated[int, typer.Option(max=MAX_EPISODES, help="Monte-Carlo episodes per generation (0: none).")] = 4,
+    seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed of the Monte-Carlo episodes.")] = 0,
     as_json: JsonOpt = False,
 ) -> None:
     """Exact SSP oracle bound: S_max, mean k*, mean accepted (optionally Kmax sweep, delta space)."""
@@ -246,6 +440,8 @@ def oracle_cmd(
     except SelectionError as exc:
         fail(f"--{exc.argument}: {exc}")
     k = arrays.kmax
+    if lookahead > k:
+        fail(f"--lookahead: {lookahead} outside 0..{k} (the largest budget, Kmax)")
     try:
         model = cost_model_for(ts, cost_model)
     except ValueError as exc:
@@ -268,8 +464,8 @@ def _check_oracle_options(lookahead: int, episodes: int, plot: Path | None, *, s
         fail(f"--episodes: must be >= 0, got {episodes}")
     if plot is not None and not (sweep or delta):
         fail("--plot: needs --sweep and/or --delta (the figures it writes)")
-    if plot is not None and plot.exists() and not plot.is_dir():
-        fail(f"--plot: {plot} exists and is not a folder")
+    if plot is not None:
+        _check_out_folder("--plot", plot)
 
 
 def _oracle_report(res: Any, setting: dict[str, Any], greedy: bool) -> dict[str, Any]:
@@ -408,13 +604,13 @@ def train(
     out_dir: Annotated[Path, typer.Option("--out", "-o", help="Run folder: model, logs, exported policy/.")] = Path(
         "runs"
     ),
-    timesteps: Annotated[int, typer.Option(min=1000, help="Environment steps (ppo, dqn).")] = 300_000,
-    iterations: Annotated[int, typer.Option(min=1, help="DAgger iterations (imitation).")] = 6,
-    seed: Annotated[int, typer.Option(help="Seed.")] = 0,
-    n_envs: Annotated[int, typer.Option(min=1, help="Parallel streams of the vector env (ppo, dqn).")] = 32,
+    timesteps: Annotated[int, typer.Option(min=1000, max=10**10, help="Environment steps (ppo, dqn).")] = 300_000,
+    iterations: Annotated[int, typer.Option(min=1, max=1000, help="DAgger iterations (imitation).")] = 6,
+    seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed.")] = 0,
+    n_envs: Annotated[int, typer.Option(min=1, max=4096, help="Parallel streams of the vector env (ppo, dqn).")] = 32,
     kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
     cost_model: Annotated[str, typer.Option(help="fit, profile or a cost-model JSON.")] = "fit",
-    lookahead: Annotated[int, typer.Option(min=0, help="Draft confidences in the observation.")] = 0,
+    lookahead: Annotated[int, typer.Option(min=0, help="Draft confidences in the observation (0..Kmax).")] = 0,
     name: Annotated[str | None, typer.Option(help="Run name (default: ALGO[-hH]-seedS).")] = None,
     gamma: Annotated[float, typer.Option(min=0.0, max=1.0, help="Discount factor (ppo, dqn).")] = 0.99,
     as_json: JsonOpt = False,
@@ -423,8 +619,15 @@ def train(
     algos = ("ppo", "dqn", "imitation")
     if algo not in algos:
         fail(f"--algo: unknown learner '{algo}' (known: {', '.join(algos)})")
-    _load(traces)
+    _check_finite("--gamma", gamma)
+    if name is not None:
+        _check_name("--name", name)
+        if name in (".", "..") or "/" in name or os.sep in name:
+            fail(f"--name: {name!r} must be a plain folder name (no '/', not '.' or '..')")
     run = out_dir / (name or f"{algo}{f'-h{lookahead}' if lookahead else ''}-seed{seed}")
+    _check_out_folder("--out", out_dir)
+    _check_out_folder("--out", run)
+    _check_budget(_load(traces), kmax, lookahead)
     try:
         if algo == "imitation":
             from policies.imitation import train_dagger
@@ -472,8 +675,10 @@ def bench(
     out_dir: Annotated[Path, typer.Option("--out", "-o", help="Folder for CSV, JSON, Markdown and the figure.")] = Path(
         "bench-out"
     ),
-    episodes: Annotated[int, typer.Option(min=1, help="Monte-Carlo episodes per held-out generation.")] = 4,
-    seed: Annotated[int, typer.Option(help="Base seed of the episodes.")] = 0,
+    episodes: Annotated[
+        int, typer.Option(min=1, max=MAX_EPISODES, help="Monte-Carlo episodes per held-out generation.")
+    ] = 4,
+    seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Base seed of the episodes.")] = 0,
     kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
     cost_model: Annotated[str, typer.Option(help="fit, profile or a cost-model JSON.")] = "fit",
     policies: Annotated[Path | None, typer.Option(help="Folder with trained ppo/, dqn/, imitation/ policies.")] = None,
@@ -483,9 +688,10 @@ def bench(
     """Benchmark every policy on the held-out split against the exact oracle bound."""
     from policies.benchmark import category_table, markdown_table, run_benchmark, write_outputs
 
-    _load(traces)
+    _check_out_folder("--out", out_dir)
     if policies is not None and not policies.is_dir():
         fail(f"--policies: {policies} is not a folder")
+    _check_budget(_load(traces), kmax)
     try:
         with _progress() as prog:
             task = prog.add_task("benchmark", total=None)
@@ -529,10 +735,12 @@ def collect(
     out_dir: Annotated[Path, typer.Option("--out", "-o", help="Folder to write the trace set to.")],
     engine: Annotated[str, typer.Option(help="Engine: hf (live CPU engine on the shipped small models).")] = "hf",
     prompts: Annotated[str, typer.Option(help="Prompt set: shipped name or JSON file.")] = "stdlib-code-v1",
-    n_prompts: Annotated[int, typer.Option("--n-prompts", "-n", min=1, help="First N prompts of the set.")] = 64,
+    n_prompts: Annotated[
+        int, typer.Option("--n-prompts", "-n", min=1, max=MAX_GENERATIONS, help="First N prompts of the set.")
+    ] = 64,
     kmax: Annotated[int, typer.Option(min=1, max=16, help="Fixed-K runs K=0..Kmax; sweep chain length.")] = 8,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per prompt.")] = 128,
-    threads: Annotated[int, typer.Option(min=1, help="Torch threads of the engine.")] = 1,
+    max_new_tokens: Annotated[int, typer.Option(min=1, max=32768, help="Tokens generated per prompt.")] = 128,
+    threads: Annotated[int, typer.Option(min=1, max=1024, help="Torch threads of the engine.")] = 1,
     clock: Annotated[str, typer.Option(help="T_T/T_D clock: cpu (thread CPU time, needs 1 thread) or wall.")] = "cpu",
     models: Annotated[str, typer.Option(help="Model set: shipped name or folder.")] = "small-moe-v1",
     name: Annotated[str, typer.Option(help="Name written to the manifest.")] = "live-cpu",
@@ -542,20 +750,32 @@ def collect(
     """Record a trace set with a live engine: fixed-K rounds (K=0..Kmax) and the counterfactual sweep."""
     if engine != "hf":
         fail(f"--engine: unknown engine '{engine}' (known: hf)")
-    if out_dir.exists() and not overwrite:
-        fail(f"--out: {out_dir} already exists (use --overwrite)")
     if clock not in ("cpu", "wall"):
         fail(f"--clock: unknown clock '{clock}' (known: cpu, wall)")
     if clock == "cpu" and threads != 1:
         fail("--clock cpu measures the calling thread only: use --threads 1 or --clock wall")
+    _check_name("--name", name)
+    _check_traceset_out(out_dir, overwrite)
+    from specenv.engines.hf.models import load_prompts, model_dir
+
+    try:
+        model_dir(models)
+    except ValueError as exc:
+        fail(f"--models: {exc}")
+    try:
+        plist = load_prompts(prompts)
+    except ValueError as exc:
+        fail(f"--prompts: {exc}")
+    if n_prompts > len(plist):
+        fail(f"--n-prompts: {n_prompts} exceeds the {len(plist)} prompts of {prompts}")
+    plist = plist[:n_prompts]
     try:
         from specenv.engines.hf.collect import collect_live
-        from specenv.engines.hf.models import load_models, load_prompts
+        from specenv.engines.hf.models import load_models
     except ImportError as exc:
         fail(f"--engine hf needs the live extra (pip install 'specenv[live]'): {exc}")
     try:
         mdl = load_models(models)
-        plist = load_prompts(prompts)[:n_prompts]
         with _progress() as prog:
             task = prog.add_task("collecting", total=len(plist))
             ts = collect_live(
@@ -598,14 +818,14 @@ def serve(
     ],
     record: Annotated[Path | None, typer.Option(help="Record the rounds table (atomic Parquet parts) here.")] = None,
     fallback_k: Annotated[
-        int | None, typer.Option(min=0, help="k when the policy fails (default: num_speculative_tokens).")
+        int | None, typer.Option(min=0, max=64, help="k when the policy fails (default: num_speculative_tokens).")
     ] = None,
     draft_horizon: Annotated[
         str,
         typer.Option(help="max (drafter proposes num_speculative_tokens) or policy (as many as the policy may use)."),
     ] = "max",
     cost_model: Annotated[Path | None, typer.Option(help="Cost-model JSON for the prev_cost observation.")] = None,
-    part_rounds: Annotated[int, typer.Option(min=1, help="Rounds per recorded part file.")] = 2048,
+    part_rounds: Annotated[int, typer.Option(min=1, max=10**7, help="Rounds per recorded part file.")] = 2048,
     print_command: Annotated[
         bool, typer.Option("--print-command", help="Print the equivalent `vllm serve` command and exit.")
     ] = False,
@@ -613,25 +833,53 @@ def serve(
     """Start vLLM's OpenAI-compatible server with the speculation-length controller (and recorder).
 
     Everything after `--` is passed to `vllm serve` (model, --speculative-config, --port, ...).
-    Needs the vllm extra; see specenv/engines/vllm/ and the README.
+    Needs the vllm extra; see specenv/engines/vllm/ and the README. The policy, the cost model and
+    the record folder are checked before vLLM is imported.
     """
-    import importlib.util
     import shlex
 
-    from specenv.engines.vllm.settings import SpecenvSettings, serve_args, shutdown_args
-    from specenv.policy.registry import check as check_policy
+    from specenv.engines.vllm.settings import serve_args, shutdown_args
 
-    vllm_args = list(ctx.args)
-    if vllm_args[:1] == ["--"]:
-        vllm_args = vllm_args[1:]
-    if not vllm_args:
+    vllm_args = _vllm_args(list(ctx.args))
+    settings = _serve_settings(policy, record, fallback_k, draft_horizon, cost_model, part_rounds)
+    vllm_args += shutdown_args(settings, vllm_args)  # SIGTERM/SIGINT: the engine core closes the recording
+    argv = ["vllm", "serve", *vllm_args, *serve_args(settings)]
+    if print_command:
+        out.print(shlex.join(argv), markup=False, highlight=False)
+        return
+    _run_vllm(vllm_args, settings)
+
+
+def _vllm_args(args: list[str]) -> list[str]:
+    """The arguments given after ``--`` for ``vllm serve``; fail on none or on ones specenv sets."""
+    if args[:1] == ["--"]:
+        args = args[1:]
+    if not args:
         fail(
             "no vLLM arguments: give them after --, e.g. specenv serve --policy P -- MODEL "
             '--speculative-config \'{"method": "draft_model", ...}\''
         )
     for flag in ("--scheduler-cls", "--async-scheduling", "--additional-config", "--load-format"):
-        if any(a == flag or a.startswith(flag + "=") for a in vllm_args):
+        if any(a == flag or a.startswith(flag + "=") for a in args):
             fail(f"{flag}: set by specenv serve, do not pass it to vLLM")
+    return args
+
+
+def _serve_settings(
+    policy: str,
+    record: Path | None,
+    fallback_k: int | None,
+    draft_horizon: str,
+    cost_model: Path | None,
+    part_rounds: int,
+) -> Any:
+    """Check ``serve``'s policy, cost model (both loaded) and record folder; build its settings."""
+    from specenv.costmodel import CostModel
+    from specenv.engines.vllm.settings import SpecenvSettings
+    from specenv.policy.registry import check as check_policy
+
+    if draft_horizon not in ("max", "policy"):
+        fail(f"--draft-horizon: unknown value {draft_horizon!r} (known: max, policy)")
     pol = None
     if policy.lower() != "none":
         path = Path(policy)
@@ -640,10 +888,17 @@ def serve(
             check_policy(pol)  # a folder loads; a name is registered (built later for the server's spec)
         except ValueError as exc:
             fail(f"--policy: {exc}")
-    if cost_model is not None and not cost_model.is_file():
-        fail(f"--cost-model: {cost_model} is not a file")
+    if cost_model is not None:
+        if not cost_model.is_file():
+            fail(f"--cost-model: {cost_model} is not a file")
+        try:
+            CostModel.load(cost_model)
+        except ValueError as exc:
+            fail(f"--cost-model: {exc}")
+    if record is not None:
+        _check_out_folder("--record", record)
     try:
-        settings = SpecenvSettings(
+        return SpecenvSettings(
             policy=pol,
             record=None if record is None else str(record.resolve()),
             fallback_k=fallback_k,
@@ -653,15 +908,18 @@ def serve(
         )
     except ValueError as exc:
         fail(str(exc))
-    vllm_args += shutdown_args(settings, vllm_args)  # SIGTERM/SIGINT: the engine core closes the recording
-    argv = ["vllm", "serve", *vllm_args, *serve_args(settings)]
-    if print_command:
-        out.print(shlex.join(argv), markup=False, highlight=False)
-        return
-    if importlib.util.find_spec("vllm") is None:
-        fail("vLLM is not installed: pip install 'specenv[vllm]' (CPU: torch==2.13.0 first; see README)")
+
+
+def _run_vllm(vllm_args: list[str], settings: Any) -> None:
+    """Run vLLM's OpenAI-compatible server in this process with specenv's scheduler settings."""
+    import importlib.util
     from importlib.metadata import PackageNotFoundError, version
 
+    from specenv.engines.vllm.settings import serve_args
+
+    if importlib.util.find_spec("vllm") is None:
+        fail("vLLM is not installed: pip install 'specenv[vllm]' (CPU: torch==2.13.0 first; see README)")
+    argv = ["vllm", "serve", *vllm_args, *serve_args(settings)]
     try:
         version("vllm")
         from vllm.entrypoints.cli.main import main as vllm_main

@@ -8,7 +8,6 @@ checked end to end on load. Every command also accepts a plain folder path (a us
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,8 +117,9 @@ def load_dataset(name_or_path: str | os.PathLike[str], cache: bool = True) -> Tr
 
 
 def install_dataset_files(ts: TraceSet, dest: Path) -> str:
-    """Save a set into the package-data folder ``dest`` and return its manifest sha256."""
-    if dest.exists():
-        shutil.rmtree(dest)
-    ts.save(dest)
+    """Save a set into the package-data folder ``dest`` and return its manifest sha256.
+
+    An existing ``dest`` must be a trace set: it is replaced in one atomic exchange (:meth:`TraceSet.save`).
+    """
+    ts.save(dest, overwrite=os.path.lexists(dest))
     return sha256_file(dest / MANIFEST)

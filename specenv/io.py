@@ -2,20 +2,35 @@
 
 Atomic writes go to a temporary sibling file that is renamed over the destination with
 :func:`os.replace`, so a reader sees either the old file or the complete new one, never a partial
-write (a crash leaves at most a stray ``.<name>.*.tmp`` file next to it).
+write.
 
 Folders are written the same way: into a hidden temporary sibling folder that is renamed into place
-when complete (:func:`atomic_dir`).
+when complete (:func:`atomic_dir`). Replacing an existing folder exchanges the two folders in one
+step (Linux ``renameat2(RENAME_EXCHANGE)``) and then removes the old one, so a reader sees the old
+folder or the new one, never none and never a mix. Where the filesystem cannot exchange (EINVAL,
+ENOSYS, or not Linux), the old folder is renamed aside and the new one renamed into place: two
+renames, with a window of two system calls in which the destination does not exist (a crash inside
+it leaves the old folder under a hidden temporary name, removed by the next write).
+
+Temporaries are named ``.<name>.<pid>.<8 hex>`` (folders) and ``.<name>.<pid>.<8 hex>.tmp``
+(files) next to the destination ``<name>``. A run killed mid-write leaves them behind; the next
+write to the same destination removes those whose process is gone (:func:`remove_stale_temporaries`),
+and nothing else.
 
 Only the standard library is imported here: this module is on the ``import specenv`` path.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
 import os
+import platform
+import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -75,7 +90,8 @@ def atomic_file(path: str | os.PathLike[str], fsync: bool = False) -> Iterator[P
     On an exception the temporary file is removed and ``path`` is untouched.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    remove_stale_temporaries(path)
+    tmp = temp_sibling(path, ".tmp")
     try:
         yield tmp
         if fsync:
@@ -90,6 +106,187 @@ def atomic_file(path: str | os.PathLike[str], fsync: bool = False) -> Iterator[P
         raise
 
 
+class ReplaceRefused(ValueError):
+    """An existing path that specenv will not replace (the working directory, a folder above it, home, ...)."""
+
+
+def temp_sibling(dest: str | os.PathLike[str], suffix: str = "") -> Path:
+    """A fresh temporary name next to ``dest``: ``.<name>.<pid>.<8 hex><suffix>`` (not created here)."""
+    dest = Path(dest)
+    return dest.with_name(f".{dest.name}.{os.getpid()}.{os.urandom(4).hex()}{suffix}")
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (on this machine)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def remove_stale_temporaries(dest: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporaries that killed specenv runs left next to ``dest``; return what was removed.
+
+    Only names of the exact form ``.<name>.<pid>.<8 hex>`` (a real folder) or ``.<name>.<pid>.<8
+    hex>.tmp`` (a regular file) whose process ``pid`` no longer runs are removed: a concurrent writer's
+    temporaries and anything else stay.
+    """
+    dest = Path(dest)
+    pattern = re.compile(rf"\.{re.escape(dest.name)}\.([1-9][0-9]{{0,9}})\.[0-9a-f]{{8}}(\.tmp)?")
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(dest.parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = pattern.fullmatch(entry.name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        path = Path(entry.path)
+        try:
+            if m.group(2) and entry.is_file(follow_symlinks=False):
+                path.unlink()
+            elif not m.group(2) and entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(path)
+            else:
+                continue
+        except OSError:
+            continue
+        removed.append(path)
+    return removed
+
+
+AT_FDCWD = -100
+RENAME_EXCHANGE = 2
+#: ``renameat2`` system call numbers where libc has no ``renameat2`` symbol (glibc < 2.28).
+_SYS_RENAMEAT2 = {"x86_64": 316, "amd64": 316, "aarch64": 276, "arm64": 276, "i686": 353, "i386": 353}
+
+
+def _renameat2() -> Any:
+    """A callable ``(old: bytes, new: bytes, flags: int) -> int`` for Linux's renameat2, or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    fn = getattr(libc, "renameat2", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        return lambda old, new, flags: fn(AT_FDCWD, old, AT_FDCWD, new, flags)
+    nr = _SYS_RENAMEAT2.get(platform.machine().lower())
+    if nr is None:
+        return None
+    libc.syscall.restype = ctypes.c_long
+    return lambda old, new, flags: libc.syscall(
+        ctypes.c_long(nr),
+        ctypes.c_int(AT_FDCWD),
+        ctypes.c_char_p(old),
+        ctypes.c_int(AT_FDCWD),
+        ctypes.c_char_p(new),
+        ctypes.c_uint(flags),
+    )
+
+
+def exchange(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Exchange two existing paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+    Returns:
+        True when exchanged; False when this system or filesystem cannot (no renameat2, EINVAL,
+        ENOSYS, EOPNOTSUPP): nothing was changed then.
+
+    Raises:
+        OSError: Any other failure (with its errno), nothing changed.
+    """
+    fn = _renameat2()
+    if fn is None:
+        return False
+    ctypes.set_errno(0)
+    if fn(os.fsencode(a), os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
+def replace_dir(new: str | os.PathLike[str], dest: str | os.PathLike[str]) -> None:
+    """Put the folder ``new`` in place of the existing ``dest`` and remove the old ``dest``.
+
+    One atomic exchange where the filesystem supports it; otherwise the old folder is renamed aside
+    (to a temporary name that :func:`remove_stale_temporaries` recognises), ``new`` renamed into place
+    and the old one removed. A failure to remove the old folder is not an error (it is a stale
+    temporary then).
+    """
+    new, dest = Path(new), Path(dest)
+    if exchange(new, dest):
+        shutil.rmtree(new, ignore_errors=True)  # ``new`` now holds the old folder
+        return
+    aside = temp_sibling(dest)
+    os.rename(dest, aside)
+    try:
+        os.rename(new, dest)
+    except BaseException:
+        os.rename(aside, dest)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def check_replaceable(dest: str | os.PathLike[str]) -> None:
+    """Refuse to replace a path that no writer may replace, whatever it holds.
+
+    Raises:
+        ReplaceRefused: ``dest`` is a symbolic link or not a folder, the filesystem root, the home
+            folder or a folder above it, or the working directory or a folder above it.
+    """
+    dest = Path(dest)
+    if dest.is_symlink():
+        raise ReplaceRefused(f"{dest}: is a symbolic link: refusing to replace it")
+    if not dest.is_dir():
+        raise ReplaceRefused(f"{dest}: exists and is not a folder: refusing to replace it")
+    real = dest.resolve()
+    if real == Path(real.anchor):
+        raise ReplaceRefused(f"{dest}: is the filesystem root: refusing to replace it")
+    cwd = Path.cwd().resolve()
+    if real == cwd or real in cwd.parents:
+        raise ReplaceRefused(f"{dest}: is the working directory or a folder above it: refusing to replace it")
+    try:
+        home = Path.home().resolve()
+    except (KeyError, RuntimeError):
+        home = None
+    if home is not None and (real == home or real in home.parents):
+        raise ReplaceRefused(f"{dest}: is the home folder or a folder above it: refusing to replace it")
+
+
+def check_new_path(dest: str | os.PathLike[str]) -> None:
+    """Check that ``dest`` (file or folder, missing parent folders allowed) could be created.
+
+    The nearest existing ancestor must be a folder in which a folder can be created: this is tried
+    (a temporary folder is created and removed at once), so read-only filesystems, ``/proc`` and
+    permissions are all seen as they are.
+
+    Raises:
+        NotADirectoryError: An existing ancestor is not a folder.
+        OSError: Nothing can be created there (its errno and file name say why).
+    """
+    dest = Path(dest)
+    anc = dest.parent
+    while not os.path.lexists(anc) and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, f"cannot be created ({anc} is not a folder)", str(dest))
+    probe = temp_sibling(anc / dest.name)
+    try:
+        os.mkdir(probe)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot be created in {anc} ({exc.strerror})", str(dest)) from None
+    os.rmdir(probe)
+
+
 @contextmanager
 def atomic_dir(dest: str | os.PathLike[str], replace: bool = False) -> Iterator[Path]:
     """Yield a hidden temporary sibling folder; when the block succeeds it becomes ``dest``.
@@ -97,20 +294,33 @@ def atomic_dir(dest: str | os.PathLike[str], replace: bool = False) -> Iterator[
     Args:
         dest: The folder to create.
         replace: Replace an existing ``dest`` (otherwise an existing ``dest`` raises
-            FileExistsError before anything is written).
+            FileExistsError before anything is written). The new folder is exchanged with the old one
+            in one step (see the module docstring), then the old one is removed. A caller that only
+            replaces certain folders checks that itself first (``TraceSet.save``: trace sets only).
 
-    On an exception the temporary folder is removed and ``dest`` is untouched.
+    Raises:
+        FileExistsError: ``dest`` exists and ``replace`` is false.
+        ReplaceRefused: ``dest`` may never be replaced (:func:`check_replaceable`).
+
+    On an exception the temporary folder is removed and ``dest`` is untouched. Temporaries that
+    killed runs left next to ``dest`` are removed first (:func:`remove_stale_temporaries`).
     """
     dest = Path(dest)
-    if dest.exists() and not replace:
+    exists = os.path.lexists(dest)
+    if exists and not replace:
         raise FileExistsError(f"{dest}: already exists")
+    if exists:
+        check_replaceable(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    remove_stale_temporaries(dest)
+    tmp = temp_sibling(dest)
+    os.mkdir(tmp, 0o777)
     try:
         yield tmp
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
+        if os.path.lexists(dest):
+            replace_dir(tmp, dest)
+        else:
+            os.rename(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

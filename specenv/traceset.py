@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from specenv.io import atomic_dir, atomic_write_json, sha256_file
+from specenv.io import ReplaceRefused, atomic_dir, atomic_write_json, check_new_path, check_replaceable, sha256_file
 from specenv.schema import (
     ROUNDS_COLUMNS,
     SCHEMA_VERSION,
@@ -467,15 +467,23 @@ class TraceSet:
         """Validate and write the set atomically; fills in counts, rows and sha256 in the manifest.
 
         Args:
-            root: Destination folder (created; must not exist unless ``overwrite``).
-            overwrite: Replace an existing folder.
+            root: Destination folder (created with its missing parents; must not exist unless
+                ``overwrite``).
+            overwrite: Replace an existing folder, which must be a trace set (see
+                :func:`check_save_destination`). The new set is written beside it and the two are
+                exchanged in one step (:func:`specenv.io.atomic_dir`), then the old one is removed.
 
         Returns:
             The destination path.
+
+        Raises:
+            FileExistsError: ``root`` exists and ``overwrite`` is false.
+            specenv.io.ReplaceRefused: ``root`` exists but is not a trace set, or is a folder that
+                is never replaced (the working directory, a folder above it, home, the root).
+            OSError: Nothing can be created at ``root``.
         """
         root = Path(root)
-        if root.exists() and not overwrite:
-            raise FileExistsError(f"{root}: already exists (pass overwrite)")
+        check_save_destination(root, overwrite)
         with atomic_dir(root, replace=overwrite) as tmp:
             m = self.manifest
             files: dict[str, dict[str, Any]] = {}
@@ -593,3 +601,53 @@ def _rounds_table(df: pd.DataFrame) -> pa.Table:
 def _write_table(table: pa.Table, path: Path) -> dict[str, Any]:
     pq.write_table(table, path, compression="zstd", compression_level=9, use_dictionary=True)
     return {"path": path.name, "sha256": sha256_file(path), "rows": table.num_rows}
+
+
+def is_trace_set(folder: str | os.PathLike[str]) -> bool:
+    """Whether ``folder`` holds a trace set and nothing else.
+
+    Its ``manifest.json`` must parse as a JSON object with ``"format": "specenv.traces"``, and every
+    other entry of the folder must be a table the manifest names. Only the manifest is read (its
+    tables are not validated): this is the test for "may ``--overwrite`` replace it".
+    """
+    folder = Path(folder)
+    try:
+        obj = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    if not isinstance(obj, dict) or obj.get("format") != "specenv.traces":
+        return False
+    files = obj.get("files")
+    named = {MANIFEST}
+    if isinstance(files, dict):
+        named |= {ent["path"] for ent in files.values() if isinstance(ent, dict) and isinstance(ent.get("path"), str)}
+    try:
+        return all(entry.name in named for entry in os.scandir(folder))
+    except OSError:
+        return False
+
+
+def check_save_destination(root: str | os.PathLike[str], overwrite: bool) -> None:
+    """Check, before any work, that :meth:`TraceSet.save` may write ``root``.
+
+    A missing ``root`` must be creatable (its nearest existing ancestor a writable folder). An existing
+    one needs ``overwrite`` and must be a trace set (:func:`is_trace_set`) that may be replaced
+    (:func:`specenv.io.check_replaceable`: not the working directory, a folder above it, home or the
+    root, not a symbolic link).
+
+    Raises:
+        FileExistsError: ``root`` exists and ``overwrite`` is false.
+        specenv.io.ReplaceRefused: ``root`` exists and may not be replaced.
+        OSError: ``root`` cannot be created (an ancestor is a file, read-only, ...).
+    """
+    root = Path(root)
+    if not os.path.lexists(root):
+        check_new_path(root)
+        return
+    if not overwrite:
+        raise FileExistsError(f"{root}: already exists (use --overwrite to replace a trace set)")
+    check_replaceable(root)
+    if not is_trace_set(root):
+        raise ReplaceRefused(
+            f"{root}: not a trace set (a specenv manifest.json and its tables only): refusing to replace it"
+        )
