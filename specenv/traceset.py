@@ -611,9 +611,11 @@ def is_trace_set(folder: str | os.PathLike[str]) -> bool:
     tables are not validated): this is the test for "may ``--overwrite`` replace it".
     """
     folder = Path(folder)
+    from specenv.validation import read_json
+
     try:
-        obj = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        obj = read_json(folder / MANIFEST, what="manifest")  # size-bounded, duplicate keys refused
+    except ValueError:
         return False
     if not isinstance(obj, dict) or obj.get("format") != "specenv.traces":
         return False
