@@ -161,7 +161,7 @@ def _fit_cached(traces: Any, split: str = "all") -> CostModel:
         model = _read_entry(path, key)
         if model is not None:
             return model
-    model = fresh_fit(traces, split)
+    model = fresh_fit(traces) if split == "all" else fresh_fit(traces, split)
     if path is not None:
         _write_entry(path, key, model)
     return model
