@@ -277,3 +277,21 @@ def test_goodput_recovers_from_k0(tmp_path: Path) -> None:
     assert old_stuck >= 3  # the set where the old rule got stuck at k = 0
     assert new_stuck == 0 and new_zeros < 0.5 * old_zeros
     env.close()
+
+
+def test_train_fit_is_cached_on_disk_beside_the_full_fit(bench_set: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from specenv import costsource
+    from specenv.datasets import load_dataset
+
+    ts = load_dataset(str(bench_set))
+    first = costsource.cost_model_for(ts, "fit-train")
+    key = costsource.fit_cache_key(ts, "train")
+    assert key is not None and key != costsource.fit_cache_key(ts) and key["split"] == "train"
+    assert costsource.fit_cache_path(key).is_file()
+    monkeypatch.setattr(costsource, "_FIT_CACHE", {})
+    calls: list[str] = []
+    monkeypatch.setattr(costsource, "fresh_fit", lambda traces, split="all": calls.append(split))
+    again = costsource.cost_model_for(ts, "fit-train")  # from the disk entry: no fit
+    assert calls == [] and again is not first
+    np.testing.assert_array_equal(again.alpha, first.alpha)
+    np.testing.assert_array_equal(again.beta0, first.beta0)
