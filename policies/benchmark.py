@@ -525,7 +525,9 @@ def run_benchmark(
         "learned": False,
     }
     summary = pd.concat([summary, pd.DataFrame([oracle_row])], ignore_index=True)
-    summary["constant_k"] = summary["constant_k"].astype(object).where(summary["constant"], None)
+    summary["constant_k"] = pd.Series(
+        [int(k) if c else None for k, c in zip(summary["constant_k"], summary["constant"], strict=True)], dtype=object
+    )
     ocat = (
         oracle_df.groupby("category")
         .apply(lambda d: d["ar_ms"].sum() / d["v0_ms"].sum(), include_groups=False)
