@@ -1,17 +1,31 @@
 """The benchmark: every policy on the held-out split, side by side with the oracle bound.
 
-For each policy, every test generation is replayed ``episodes`` times through the replay
-environment (``specenv/MoESpec-v0``, seeds ``seed + r``); a generation's speedup is its AR cost over
-the policy's mean episode cost. Reported per policy: mean speedup over generations with a 95%
-t-interval, pooled speedup (sum AR / sum cost), % of the oracle bound (pooled speedup / pooled
-S_max), mean k and mean accepted per round, and the pooled speedup per category. The bound is the
-exact SSP oracle on the same generations (lookahead 0, the true optimum). Policies that need the
-draft's confidences run in an environment with a lookahead h (``kmax`` for the confidence
-thresholds, the training lookahead for learned policies), which charges drafting max(k, h) tokens
-every round.
+Evaluation of a row:
 
-Everything that needs fitting uses the **train** split only: the best fixed k (exact evaluation),
-the delta-space lambda (oracle boundary slope), the U(k) prior (train means) and the learned
+* **exact** rows (every fixed budget, k = 0 included, and the best fixed k): the expected cost on
+  every test generation from the oracle's exact policy evaluation
+  (:func:`oracle.dp.evaluate_policy`); no Monte Carlo, so no sampling noise (CI of width 0);
+* **Monte-Carlo** rows (every adaptive policy): every test generation is replayed ``episodes``
+  times, all episodes of a policy at once as the streams of the native vector environment
+  (:func:`specenv.rollout.rollout_vector`, the policy's ``act_batch``). Episode r of generation g
+  is reset with its own seed :func:`specenv.rollout.episode_seeds` ``(seed, g, r)``: independent
+  random streams across generations and episodes, the same ones for every policy (common random
+  numbers). A generation's cost is the policy's mean episode cost on it.
+
+Reported per policy: mean speedup over generations and pooled speedup (sum AR / sum cost), each
+with a 95% percentile-bootstrap interval over generations (:func:`specenv.stats.bootstrap_ratio_ci`,
+``n_boot`` resamples shared by every policy), % of the oracle bound (pooled speedup / pooled
+S_max), mean k and mean accepted per round, the pooled speedup per category, and whether the
+policy's budgets were constant over every test state it visited (a learned policy that is constant
+is named so, not "learned"). The bound is the exact SSP oracle on the same generations
+(lookahead 0, the true optimum). Policies that need the draft's confidences run in an environment
+with a lookahead h (``kmax`` for the confidence thresholds, the training lookahead for learned
+policies), which charges drafting max(k, h) tokens every round.
+
+Everything that needs fitting uses the **train** split only: the cost model (``cost_model=
+"fit-train"``, the default: the per-K fit on the train generations' rounds,
+:func:`specenv.costsource.cost_model_for`), the best fixed k (exact evaluation), the delta-space
+lambda (oracle boundary slope), the U(k) and acceptance priors (train means) and the learned
 policies (shipped, trained on the train split by ``specenv train``).
 """
 
@@ -45,6 +59,10 @@ from specenv.traceset import PositionArrays
 
 LEARNED = ("ppo", "dqn", "imitation")
 ORACLE_ROW = "oracle bound (SSP)"
+#: The benchmark's default cost model: fitted on the train split's rounds only.
+DEFAULT_COST_MODEL = "fit-train"
+#: Bootstrap resamples of the generations behind every Monte-Carlo row's intervals.
+N_BOOT = 2000
 
 
 @dataclass
@@ -55,6 +73,8 @@ class Entry:
     make: Callable[[ObservationSpec], Policy]
     lookahead: int = 0
     note: str = ""
+    exact_k: int | None = None  # a fixed budget: evaluated exactly by the oracle, not by Monte Carlo
+    learned: bool = False
 
 
 @dataclass
@@ -125,16 +145,17 @@ def build_context(dataset: str, kmax: int | None, cost_model: str, policy_dir: P
 def default_entries(ctx: Context) -> list[Entry]:
     """Every policy of the benchmark, in display order."""
     m, up, rp = ctx.cost_model, ctx.u_prior, ctx.rho_prior
+    k4, best = min(4, ctx.kmax), ctx.best_fixed_k
     entries = [
-        Entry("autoregressive (k=0)", lambda s: FixedK(s, 0)),
-        Entry("fixed k=1", lambda s: FixedK(s, 1)),
-        Entry(f"fixed k={min(4, ctx.kmax)}", lambda s: FixedK(s, min(4, ctx.kmax))),
-        Entry(f"fixed k={ctx.kmax}", lambda s: FixedK(s, ctx.kmax)),
-        Entry(f"best fixed k={ctx.best_fixed_k} (train)", lambda s: FixedK(s, ctx.best_fixed_k)),
+        Entry("autoregressive (k=0)", lambda s: FixedK(s, 0), exact_k=0),
+        Entry("fixed k=1", lambda s: FixedK(s, 1), exact_k=1),
+        Entry(f"fixed k={k4}", lambda s: FixedK(s, k4), exact_k=k4),
+        Entry(f"fixed k={ctx.kmax}", lambda s: FixedK(s, ctx.kmax), exact_k=ctx.kmax),
+        Entry(f"best fixed k={best} (train)", lambda s: FixedK(s, best), exact_k=best),
         Entry("transformers heuristic", lambda s: TransformersHeuristic(s)),
         Entry("confidence 0.4", lambda s: ConfidenceThreshold(s, 0.4), lookahead=ctx.kmax),
         Entry("confidence ROC", lambda s: ConfidenceThreshold(s, 0.4, adaptive=True), lookahead=ctx.kmax),
-        Entry("goodput (SmartSpec)", lambda s: GoodputRule(s, m, up)),
+        Entry("goodput (SmartSpec)", lambda s: GoodputRule(s, m, up, rp)),
         Entry("cascade utility", lambda s: CascadeUtility(s)),
         Entry("UCB bandit", lambda s: UCBBandit(s)),
         Entry(
@@ -148,20 +169,39 @@ def default_entries(ctx: Context) -> list[Entry]:
         ),
     ]
     if ctx.policy_dir is not None and ctx.policy_dir.is_dir():
-        found = sorted(p.parent for p in ctx.policy_dir.glob("*/policy.json"))
+        found = find_policies(ctx.policy_dir)
         for name in LEARNED:
-            if not any(f.name == name or f.name.startswith(name + "-") for f in found):
+            if not any(n == name or n.startswith(name + "-") for n in found):
                 ctx.notes.append(f"no trained '{name}' policy in {ctx.policy_dir} (run `specenv train --algo {name}`)")
-        for folder in found:
+        for name, folder in found.items():
             try:  # the benchmark's contract, with the lookahead the policy reads
                 lookahead = MLPPolicy.load(folder).spec.lookahead
                 pol = MLPPolicy.load(folder, expect=replace(ctx.spec, lookahead=lookahead))
             except ValueError as exc:  # listed with the reason, never dropped silently
-                ctx.skipped.append({"policy": folder.name, "folder": str(folder), "reason": str(exc)})
-                ctx.notes.append(f"skipped '{folder.name}' in {ctx.policy_dir}: {exc}")
+                _skip(ctx, name, folder, str(exc))
                 continue
-            entries.append(Entry(f"{folder.name} (learned)", _learned(pol), lookahead=pol.spec.lookahead))
+            entries.append(Entry(f"{name} (learned)", _learned(pol), lookahead=pol.spec.lookahead, learned=True))
     return entries
+
+
+def find_policies(policy_dir: Path) -> dict[str, Path]:
+    """Trained policies under ``policy_dir``: name -> folder holding ``policy.json``, sorted by name.
+
+    Both layouts count: ``DIR/<name>/policy.json`` (the shipped policies) and
+    ``DIR/<run>/policy/policy.json`` (what ``specenv train --out DIR`` writes; the name is the run's).
+    A run with both is listed once, by its ``DIR/<run>/policy.json``.
+    """
+    found: dict[str, Path] = {}
+    for pj in sorted(policy_dir.glob("*/policy/policy.json")):
+        found[pj.parent.parent.name] = pj.parent
+    for pj in sorted(policy_dir.glob("*/policy.json")):
+        found[pj.parent.name] = pj.parent
+    return dict(sorted(found.items()))
+
+
+def _skip(ctx: Context, name: str, folder: Path, reason: str) -> None:
+    ctx.skipped.append({"policy": name, "folder": str(folder), "reason": reason})
+    ctx.notes.append(f"skipped '{name}' in {ctx.policy_dir}: {reason}")
 
 
 def _learned(pol: MLPPolicy) -> Callable[[ObservationSpec], Policy]:
@@ -177,16 +217,25 @@ def _learned(pol: MLPPolicy) -> Callable[[ObservationSpec], Policy]:
 def run_policy(entry: Entry, ctx: Context, episodes: int, seed: int) -> tuple[pd.DataFrame, Policy]:
     """Replay every test generation ``episodes`` times with one policy; one row per episode.
 
-    Episode r of a generation is reset with seed ``seed + r``; the episodes are played by
-    :func:`specenv.rollout.rollout`.
+    All ``G * episodes`` episodes run at once as the streams of one native vector environment
+    (:func:`specenv.rollout.rollout_vector`); episode r of generation g is reset with seed
+    :func:`specenv.rollout.episode_seeds` ``(seed, g, r)`` (the same for every policy).
     """
     import gymnasium as gym
 
     from specenv.envs.replay import ENV_ID
-    from specenv.rollout import rollout
+    from specenv.replay import replay_data
+    from specenv.rollout import episode_seeds, rollout_vector
 
-    env = gym.make(
+    data = replay_data(ctx.dataset, ctx.kmax, "test", ctx.cost_model_arg, entry.lookahead)
+    gids = np.asarray(data.generation_ids, dtype=np.int64)
+    ep_gid = np.repeat(gids, episodes)
+    ep_r = np.tile(np.arange(episodes, dtype=np.int64), len(gids))
+    seeds = episode_seeds(seed, ep_gid, ep_r)
+    envs = gym.make_vec(
         ENV_ID,
+        num_envs=len(ep_gid),
+        vectorization_mode="vector_entry_point",
         dataset=ctx.dataset,
         kmax=ctx.kmax,
         split="test",
@@ -194,37 +243,61 @@ def run_policy(entry: Entry, ctx: Context, episodes: int, seed: int) -> tuple[pd
         lookahead=entry.lookahead,
     )
     try:
-        policy = entry.make(env.unwrapped.data.spec)
-        gids = np.asarray(env.unwrapped.data.generation_ids, dtype=np.int64)
-        ep_gid = np.repeat(gids, episodes)
-        ep_r = np.tile(np.arange(episodes, dtype=np.int64), len(gids))
-        res = rollout(env, policy, list(zip(ep_gid.tolist(), (seed + ep_r).tolist(), strict=True)))
+        policy = entry.make(data.spec)
+        res = rollout_vector(envs, policy, list(zip(ep_gid.tolist(), seeds.tolist(), strict=True)))
     finally:
-        env.close()
+        envs.close()
     df = pd.DataFrame(
         {
             "policy": entry.name,
             "generation_id": ep_gid,
             "category": res.categories,
             "episode": ep_r,
+            "seed": seeds,
             "cost_ms": res.cost,
             "ar_ms": res.ar,
             "rounds": res.rounds,
             "k_sum": res.k_sum,
             "accepted_sum": res.accepted_sum,
+            "k_min": res.k_min,
+            "k_max": res.k_max,
         }
     )
     return df, policy
 
 
-def _t95(n: int) -> float:
-    from scipy import stats
+def exact_generations(entry: Entry, ctx: Context) -> pd.DataFrame:
+    """Per-generation expected cost of a fixed-budget entry, exactly (:func:`oracle.dp.evaluate_policy`).
 
-    return float(stats.t.ppf(0.975, max(n - 1, 1)))
+    The frame has the columns of :func:`generation_table`'s output (``n`` = 0: no episodes,
+    ``cost_sd`` = 0).
+    """
+    from oracle.dp import evaluate_policy
+
+    if entry.exact_k is None:
+        raise ValueError(f"policy '{entry.name}': no fixed budget to evaluate exactly")
+    ev = evaluate_policy(ctx.test, ctx.cost_model, int(entry.exact_k), lookahead=entry.lookahead)
+    return pd.DataFrame(
+        {
+            "policy": entry.name,
+            "generation_id": ctx.test.generation_ids.astype(np.int64),
+            "category": ctx.test.categories,
+            "cost_ms": ev.cost,
+            "cost_sd": 0.0,
+            "n": 0,
+            "ar_ms": ev.ar,
+            "rounds": ev.rounds.astype(np.float64),
+            "k_sum": ev.k_sum.astype(np.float64),
+            "accepted_sum": ev.accepted_sum.astype(np.float64),
+            "k_min": int(entry.exact_k),
+            "k_max": int(entry.exact_k),
+            "exact": True,
+        }
+    )
 
 
-def summarise(episodes: pd.DataFrame, oracle: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Per-policy summary and per-policy-per-category pooled speedups."""
+def generation_table(episodes: pd.DataFrame) -> pd.DataFrame:
+    """Monte-Carlo episodes -> one row per (policy, generation): mean cost, its SD, the summed counts."""
     g = (
         episodes.groupby(["policy", "generation_id", "category"], sort=False)
         .agg(
@@ -235,32 +308,69 @@ def summarise(episodes: pd.DataFrame, oracle: pd.DataFrame) -> tuple[pd.DataFram
             rounds=("rounds", "sum"),
             k_sum=("k_sum", "sum"),
             accepted_sum=("accepted_sum", "sum"),
+            k_min=("k_min", "min"),
+            k_max=("k_max", "max"),
         )
         .reset_index()
     )
-    g = g.merge(oracle[["generation_id", "v0_ms"]], on="generation_id")
+    g["cost_sd"] = g["cost_sd"].fillna(0.0)
+    g["rounds"] = g["rounds"].astype(np.float64)
+    g["k_sum"] = g["k_sum"].astype(np.float64)
+    g["accepted_sum"] = g["accepted_sum"].astype(np.float64)
+    g["exact"] = False
+    return g
+
+
+def summarise(
+    generations: pd.DataFrame, oracle: pd.DataFrame, n_boot: int = N_BOOT, seed: int = 0
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Per-policy summary and per-policy-per-category pooled speedups.
+
+    Args:
+        generations: One row per (policy, generation) (:func:`generation_table`, :func:`exact_generations`).
+        oracle: Per generation: ``generation_id``, ``v0_ms`` (the bound's cost), ``ar_ms``.
+        n_boot: Bootstrap resamples of the generations (shared by every policy: paired).
+        seed: Seed of the resamples.
+    """
+    from specenv.stats import bootstrap_indices, bootstrap_ratio_ci
+
+    g = generations.merge(oracle[["generation_id", "v0_ms"]], on="generation_id")
     g["speedup"] = g["ar_ms"] / g["cost_ms"]
-    se = (g["cost_sd"].fillna(0.0) / np.sqrt(g["n"])).to_numpy()
+    se = (g["cost_sd"] / np.sqrt(g["n"].clip(lower=1))).to_numpy()
     # a policy "beats the bound" only if its mean cost is below V(0) by more than 4 MC standard errors
     g["beats_bound"] = g["cost_ms"] < g["v0_ms"] - 4.0 * se - 1e-9 * g["v0_ms"]
     s_max = float(oracle["ar_ms"].sum() / oracle["v0_ms"].sum())
+    order = {gid: i for i, gid in enumerate(oracle["generation_id"])}
+    idx = bootstrap_indices(len(order), n_boot, seed)
     rows = []
     for name, d in g.groupby("policy", sort=False):
-        sp = d["speedup"].to_numpy()
-        half = _t95(len(sp)) * sp.std(ddof=1) / math.sqrt(len(sp)) if len(sp) > 1 else float("nan")
-        pooled = float(d["ar_ms"].sum() / d["cost_ms"].sum())
+        d = d.sort_values("generation_id", key=lambda c: c.map(order))
+        exact = bool(d["exact"].all())
+        ar, cost = d["ar_ms"].to_numpy(), d["cost_ms"].to_numpy()
+        pooled = float(ar.sum() / cost.sum())
+        mean = float((ar / cost).mean())
+        if exact:  # no sampling noise
+            ci = {"pooled": {"low": pooled, "high": pooled}, "mean": {"low": mean, "high": mean}}
+        else:
+            ci = bootstrap_ratio_ci(ar, cost, indices=idx if len(d) == len(order) else None, n_boot=n_boot, seed=seed)
+        k_lo, k_hi = int(d["k_min"].min()), int(d["k_max"].max())
         rows.append(
             {
                 "policy": name,
-                "speedup_mean": float(sp.mean()),
-                "ci95_low": float(sp.mean() - half),
-                "ci95_high": float(sp.mean() + half),
+                "evaluation": "exact" if exact else "monte-carlo",
+                "speedup_mean": mean,
+                "ci95_low": ci["mean"]["low"],
+                "ci95_high": ci["mean"]["high"],
                 "speedup_pooled": pooled,
+                "pooled_ci95_low": ci["pooled"]["low"],
+                "pooled_ci95_high": ci["pooled"]["high"],
                 "oracle_pct": 100.0 * pooled / s_max,
                 "mean_k": float(d["k_sum"].sum() / d["rounds"].sum()),
                 "mean_accepted": float(d["accepted_sum"].sum() / d["rounds"].sum()),
                 "generations": int(len(d)),
                 "beats_bound": int(d["beats_bound"].sum()),
+                "constant": k_lo == k_hi,
+                "constant_k": k_lo if k_lo == k_hi else None,
             }
         )
     summary = pd.DataFrame(rows)
@@ -275,7 +385,18 @@ def summarise(episodes: pd.DataFrame, oracle: pd.DataFrame) -> tuple[pd.DataFram
 
 @dataclass
 class BenchResult:
-    """Tables of one benchmark run."""
+    """Tables of one benchmark run.
+
+    Attributes:
+        summary: One row per policy (then the oracle's).
+        categories: Pooled speedup per policy and category.
+        episodes: The Monte-Carlo rows' episodes (one row each).
+        oracle: The oracle's summary.
+        context: What the run used (data set, cost model and what it was fitted on, seeds, statistics).
+        notes: Lines for the reader.
+        skipped: Policies that could not run, with the reason.
+        generations: One row per (policy, generation): the exact expected cost or the mean episode cost.
+    """
 
     summary: pd.DataFrame
     categories: pd.DataFrame
@@ -284,12 +405,13 @@ class BenchResult:
     context: dict[str, Any]
     notes: list[str]
     skipped: list[dict[str, str]] = field(default_factory=list)
+    generations: pd.DataFrame | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """Plain-JSON form (strict JSON: the exact oracle row has no confidence interval, ``null``)."""
+        """Plain-JSON form (strict JSON: a missing value, e.g. the exact rows' CI, is ``null``)."""
         policies = [
-            {k: (None if k.startswith("ci95_") and isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
-            for r in self.summary.to_dict(orient="records")
+            {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in rec.items()}
+            for rec in self.summary.to_dict(orient="records")
         ]
         return {
             "context": self.context,
@@ -303,62 +425,109 @@ class BenchResult:
         }
 
 
+def _constant_name(name: str, k: int) -> str:
+    """A learned policy's row name once its budgets turned out constant: not called learned."""
+    base = name[: -len(" (learned)")] if name.endswith(" (learned)") else name
+    return f"{base} (constant k={k})"
+
+
 def run_benchmark(
     dataset: str = "paper-default",
     kmax: int | None = None,
-    cost_model: str = "fit",
+    cost_model: str = DEFAULT_COST_MODEL,
     episodes: int = 4,
     seed: int = 0,
     policy_dir: Path | None = None,
     only: list[str] | None = None,
     progress: Callable[[str], None] | None = None,
+    n_boot: int = N_BOOT,
 ) -> BenchResult:
     """Run the benchmark on the test split of ``dataset``.
 
     Args:
         dataset: Registry name or trace-set folder.
         kmax: Largest budget (default: the trace set's Kmax).
-        cost_model: ``"fit"``, ``"profile"`` or a JSON path.
-        episodes: Monte-Carlo episodes per test generation and policy.
-        seed: Base seed (episode r uses ``seed + r``).
-        policy_dir: Folder with trained policies (``ppo/``, ``dqn/``, ``imitation/``); default the shipped ones.
+        cost_model: ``"fit-train"`` (default: fitted on the train split's rounds), ``"fit"`` (all
+            rounds, test generations included), ``"profile"`` or a JSON path.
+        episodes: Monte-Carlo episodes per test generation and adaptive policy.
+        seed: Base seed of the episodes (:func:`specenv.rollout.episode_seeds`) and of the bootstrap.
+        policy_dir: Folder with trained policies (``<name>/policy.json`` or ``<run>/policy/policy.json``);
+            default the shipped ones.
         only: Run only policies whose name contains one of these strings (the oracle always runs).
         progress: Called with the name of each policy as it starts.
+        n_boot: Bootstrap resamples of the generations.
     """
     from oracle.dp import solve
 
     if episodes < 1:
         raise ValueError(f"episodes={episodes}: must be >= 1")
+    if seed < 0:
+        raise ValueError(f"seed={seed}: must be >= 0")
     ctx = build_context(dataset, kmax, cost_model, policy_dir if policy_dir is not None else shipped_policy_dir())
     sol = solve(ctx.test, ctx.cost_model)
     oracle_df = pd.DataFrame(
         {"generation_id": ctx.test.generation_ids, "category": ctx.test.categories, "v0_ms": sol.cost, "ar_ms": sol.ar}
     )
-    frames = []
+    frames, gens = [], []
+    learned_names = set()
     for entry in default_entries(ctx):
         if only and not any(o in entry.name for o in only):
             continue
         if progress:
             progress(entry.name)
-        df, _ = run_policy(entry, ctx, episodes, seed)
+        if entry.exact_k is not None and entry.lookahead == 0:
+            gens.append(exact_generations(entry, ctx))
+            continue
+        try:
+            df, _ = run_policy(entry, ctx, episodes, seed)
+        except ValueError as exc:
+            if not entry.learned:
+                raise
+            _skip(ctx, entry.name.removesuffix(" (learned)"), ctx.policy_dir or Path(), str(exc))
+            continue
+        if entry.learned:
+            learned_names.add(entry.name)
         frames.append(df)
-    if not frames:
+        gens.append(generation_table(df))
+    if not gens:
         raise ValueError(f"only={only}: no policy matches")
-    episodes_df = pd.concat(frames, ignore_index=True)
-    summary, cats = summarise(episodes_df, oracle_df)
+    episodes_df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    gen_df = pd.concat(gens, ignore_index=True)
+    summary, cats = summarise(gen_df, oracle_df, n_boot=n_boot, seed=seed)
+    # a learned policy whose budget never changed over the test states is a constant policy
+    rename = {}
+    for r in summary.itertuples():
+        if r.policy in learned_names and r.constant:
+            rename[r.policy] = _constant_name(r.policy, int(r.constant_k))
+            ctx.notes.append(
+                f"'{r.policy}' chose k={int(r.constant_k)} in every test state: reported as '{rename[r.policy]}'"
+            )
+    summary["learned"] = summary["policy"].isin(learned_names)
+    for table in (summary, cats, gen_df, episodes_df):
+        if len(table):
+            table["policy"] = table["policy"].replace(rename)
     oracle_row = {
         "policy": ORACLE_ROW,
+        "evaluation": "exact",
         "speedup_mean": float(sol.speedup.mean()),
-        "ci95_low": float("nan"),
-        "ci95_high": float("nan"),
+        "ci95_low": float(sol.speedup.mean()),
+        "ci95_high": float(sol.speedup.mean()),
         "speedup_pooled": sol.speedup_pooled,
+        "pooled_ci95_low": sol.speedup_pooled,
+        "pooled_ci95_high": sol.speedup_pooled,
         "oracle_pct": 100.0,
         "mean_k": sol.mean_k,
         "mean_accepted": sol.mean_accepted,
         "generations": int(len(sol.cost)),
         "beats_bound": 0,
+        "constant": False,
+        "constant_k": None,
+        "learned": False,
     }
     summary = pd.concat([summary, pd.DataFrame([oracle_row])], ignore_index=True)
+    summary["constant_k"] = pd.Series(
+        [int(k) if c else None for k, c in zip(summary["constant_k"], summary["constant"], strict=True)], dtype=object
+    )
     ocat = (
         oracle_df.groupby("category")
         .apply(lambda d: d["ar_ms"].sum() / d["v0_ms"].sum(), include_groups=False)
@@ -367,12 +536,20 @@ def run_benchmark(
     )
     ocat.insert(0, "policy", ORACLE_ROW)
     cats = pd.concat([cats, ocat], ignore_index=True)
+    fitted = {"fit-train": "train split", "fit": "all rounds (train and test generations)"}
     context = {
         "dataset": dataset,
         "kmax": ctx.kmax,
         "cost_model": cost_model,
+        "cost_model_fitted_on": fitted.get(cost_model, "n/a (not fitted by the benchmark)"),
+        "fitted_on": "train split (best fixed k, delta-space lambda, U and acceptance priors, learned policies)",
         "episodes": episodes,
         "seed": seed,
+        "seeds": "episode_seeds(seed, generation_id, episode): independent per (generation, episode), "
+        "common to every policy",
+        "statistics": f"fixed-k rows exact (oracle.dp.evaluate_policy); other rows Monte Carlo with 95% "
+        f"percentile-bootstrap intervals over test generations (n_boot={n_boot})",
+        "n_boot": n_boot,
         "test_generations": int(ctx.test.n_generations),
         "train_generations": int(ctx.train.n_generations),
         "best_fixed_k_train": ctx.best_fixed_k,
@@ -380,20 +557,23 @@ def run_benchmark(
         "delta_lambda_ms_h3": ctx.lam_ms_h3,
         "ar_cost_model_extrapolated": bool(ctx.cost_model.ar_extrapolated),
     }
-    return BenchResult(summary, cats, episodes_df, sol.summary(), context, ctx.notes, ctx.skipped)
+    return BenchResult(summary, cats, episodes_df, sol.summary(), context, ctx.notes, ctx.skipped, gen_df)
 
 
 def markdown_table(res: BenchResult) -> str:
-    """The summary as a Markdown table."""
+    """The summary as a Markdown table (exact rows marked "exact", the others with bootstrap 95% CIs)."""
     lines = [
-        "| policy | speedup (mean, 95% CI) | pooled | % of oracle | mean k | mean accepted |",
+        "| policy | speedup (mean, 95% CI) | pooled (95% CI) | % of oracle | mean k | mean accepted |",
         "|---|---|---|---|---|---|",
     ]
     for r in res.summary.itertuples():
-        ci = "" if math.isnan(r.ci95_low) else f" [{r.ci95_low:.3f}, {r.ci95_high:.3f}]"
+        if r.evaluation == "exact":
+            mean, pooled = f"{r.speedup_mean:.3f} (exact)", f"{r.speedup_pooled:.3f} (exact)"
+        else:
+            mean = f"{r.speedup_mean:.3f} [{r.ci95_low:.3f}, {r.ci95_high:.3f}]"
+            pooled = f"{r.speedup_pooled:.3f} [{r.pooled_ci95_low:.3f}, {r.pooled_ci95_high:.3f}]"
         lines.append(
-            f"| {r.policy} | {r.speedup_mean:.3f}{ci} | {r.speedup_pooled:.3f} | {r.oracle_pct:.1f}% | "
-            f"{r.mean_k:.2f} | {r.mean_accepted:.2f} |"
+            f"| {r.policy} | {mean} | {pooled} | {r.oracle_pct:.1f}% | {r.mean_k:.2f} | {r.mean_accepted:.2f} |"
         )
     for sk in res.skipped:
         lines.append(f"| {sk['policy']} (not run: {sk['reason'].replace('|', '/')}) | | | | | |")
@@ -426,12 +606,17 @@ def write_outputs(res: BenchResult, out: Path) -> list[Path]:
         out / "bench.json",
         out / "bench.md",
         out / "speedup.png",
+        out / "generations.csv",
     ]
     res.summary.to_csv(paths[0], index=False)
     res.categories.to_csv(paths[1], index=False)
     res.episodes.to_csv(paths[2], index=False)
-    paths[3].write_text(json.dumps(res.to_json(), indent=2, default=float) + "\n")
+    paths[3].write_text(json.dumps(res.to_json(), indent=2, default=_json_default) + "\n")
     paths[4].write_text(markdown_table(res) + "\n\n" + category_table(res) + "\n")
+    if res.generations is not None:
+        res.generations.to_csv(paths[6], index=False)
+    else:
+        paths.pop()
     s = res.summary
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(s) + 1.5))
     y = np.arange(len(s))[::-1]
@@ -440,7 +625,7 @@ def write_outputs(res: BenchResult, out: Path) -> list[Path]:
     colors = [
         "tab:red"
         if p == ORACLE_ROW
-        else ("tab:green" if "learned" in p else ("tab:purple" if "delta" in p else "tab:blue"))
+        else ("tab:green" if "(learned)" in p else ("tab:purple" if "delta" in p else "tab:blue"))
         for p in s["policy"]
     ]
     ax.barh(y, s["speedup_mean"], xerr=err, color=colors, alpha=0.8)
@@ -448,9 +633,18 @@ def write_outputs(res: BenchResult, out: Path) -> list[Path]:
     ax.axvline(1.0, color="k", lw=0.8)
     bound = float(s.loc[s["policy"] == ORACLE_ROW, "speedup_mean"].iloc[0])
     ax.axvline(bound, color="tab:red", ls="--", lw=1)
-    ax.set_xlabel("speedup over autoregressive decoding (mean over held-out generations, 95% CI)")
+    ax.set_xlabel("speedup over autoregressive decoding (mean over held-out generations, bootstrap 95% CI)")
     ax.set_title(f"{res.context['dataset']}: policies vs the SSP oracle bound (Kmax={res.context['kmax']})")
     fig.tight_layout()
     fig.savefig(paths[5], dpi=120)
     plt.close(fig)
     return paths
+
+
+def _json_default(obj: Any) -> Any:
+    """Plain values for the numpy scalars of the JSON output."""
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return float(obj)

@@ -235,13 +235,51 @@ class GoodputRule(_CostAware):
     ``(1 - alpha**(k+1)) / (1 - alpha)``, predict the round time from the fitted cost model, and pick
     the k with the largest goodput (tokens per ms). Here the cost model is the paper's per-K MoE
     form, with U(k) from running per-k means of observed U.
+
+    The acceptance rate is the pooled per-token rate of
+    :class:`AcceptanceEstimator` (the delta rule's estimator): accepted drafts over drafts that
+    reached verification, summed over depths, with the estimator's prior and forgetting. Its
+    evidence ages every round, k = 0 rounds included, so a run of k = 0 (which shows no acceptance)
+    drifts alpha back to the prior and the rule speculates again; a moving average updated only on
+    k >= 1 rounds (the observation's ``acc_rate``) would stay at k = 0 for good once it got there.
+
+    Args:
+        spec: Observation layout.
+        cost_model: The server's cost model.
+        u_prior: Prior U(k) per budget (e.g. train-split means).
+        rho_prior: Prior conditional acceptance per depth (e.g. train-split means of rho); its mean
+            is the prior of alpha.
+        forget: Weight of the past acceptance evidence per round.
     """
 
     name = "goodput"
 
+    def __init__(
+        self,
+        spec: ObservationSpec,
+        cost_model: CostModel,
+        u_prior: np.ndarray | None = None,
+        rho_prior: np.ndarray | None = None,
+        forget: float = 0.9,
+    ):
+        self.rho_prior = rho_prior
+        self.forget = forget
+        super().__init__(spec, cost_model, u_prior)
+
+    def _reset_state(self) -> None:
+        super()._reset_state()
+        self.acc = AcceptanceEstimator(self.spec.kmax, self.rho_prior, forget=self.forget)
+
+    def alpha(self) -> float:
+        """Current per-token acceptance rate (pooled over depths, with the prior's mean as prior)."""
+        acc = self.acc
+        return float((acc.s.sum() + acc.strength * acc.prior.mean()) / (acc.n.sum() + acc.strength))
+
     def _act(self, obs: np.ndarray) -> int:
         self._observe(obs)
-        alpha = min(max(self.view.acc_rate(obs), 1e-6), 1 - 1e-6)
+        if not self.view.first_round(obs):
+            self.acc.observe(self.view.prev_k(obs), self.view.prev_accepted(obs))
+        alpha = min(max(self.alpha(), 1e-6), 1 - 1e-6)
         tokens = (1.0 - alpha ** (self.ks + 1)) / (1.0 - alpha)
         return int(np.argmax(tokens / self._round_ms(obs)))
 

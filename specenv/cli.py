@@ -678,10 +678,14 @@ def bench(
     episodes: Annotated[
         int, typer.Option(min=1, max=MAX_EPISODES, help="Monte-Carlo episodes per held-out generation.")
     ] = 4,
-    seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Base seed of the episodes.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Base seed of the episodes and the bootstrap.")] = 0,
     kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
-    cost_model: Annotated[str, typer.Option(help="fit, profile or a cost-model JSON.")] = "fit",
-    policies: Annotated[Path | None, typer.Option(help="Folder with trained ppo/, dqn/, imitation/ policies.")] = None,
+    cost_model: Annotated[
+        str, typer.Option(help="fit-train (fitted on the train split), fit (all rounds), profile or a cost-model JSON.")
+    ] = "fit-train",
+    policies: Annotated[
+        Path | None, typer.Option(help="Folder of trained policies: <name>/policy.json or <run>/policy/policy.json.")
+    ] = None,
     only: Annotated[list[str] | None, typer.Option(help="Only policies whose name contains this (repeatable).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -714,7 +718,9 @@ def bench(
     ctx = res.context
     out.print(
         f"# specenv bench: {ctx['dataset']}, held-out split ({ctx['test_generations']} generations, "
-        f"{ctx['episodes']} episodes each), Kmax={ctx['kmax']}\n",
+        f"{ctx['episodes']} episodes each), Kmax={ctx['kmax']}; cost model {ctx['cost_model']} "
+        f"(fitted on: {ctx['cost_model_fitted_on']}); fixed-k rows exact, the others Monte Carlo with bootstrap "
+        f"95% CIs over generations\n",
         markup=False,
     )
     out.print(markdown_table(res), markup=False)

@@ -1,9 +1,12 @@
 """Which cost model an environment, the oracle or the benchmark uses for a trace set: :func:`cost_model_for`.
 
-``cost_model="fit"`` means the per-K OLS of :mod:`specenv.fit` on the set's rounds table. That fit
-needs statsmodels (seconds to import), so it is done once and remembered twice:
+``cost_model="fit"`` means the per-K OLS of :mod:`specenv.fit` on the set's rounds table (every
+round); ``cost_model="fit-train"`` is the same fit on the rounds of the *train* split's generations
+only (:mod:`specenv.splits`, the rule the environments, the oracle and the benchmark use), so that
+nothing fitted sees a held-out generation (the benchmark's default). A fit needs statsmodels
+(seconds to import), so it is done once and remembered twice:
 
-* in the process, per (set name, manifest files, Kmax), as before;
+* in the process, per (set name, manifest files, Kmax, split);
 * on disk, in specenv's per-user cache folder (:func:`specenv.io.cache_dir`: ``$SPECENV_CACHE``,
   else ``$XDG_CACHE_HOME/specenv``, else ``~/.cache/specenv``), as the cost model's JSON, which
   round-trips every float exactly (``json`` writes ``repr``). An entry is keyed by the sha256 of the
@@ -40,7 +43,10 @@ FIT_LIBRARIES = ("numpy", "scipy", "statsmodels", "pandas")
 #: Sub-folder of the cache folder holding fitted cost models.
 CACHE_SUBDIR = "costmodels"
 
-_FIT_CACHE: dict[tuple[str, str, int], CostModel] = {}
+#: ``cost_model`` names of the fits, and the split of generations whose rounds each one fits.
+FITS: dict[str, str] = {"fit": "all", "fit-train": "train"}
+
+_FIT_CACHE: dict[tuple[str, str, int, str], CostModel] = {}
 
 
 def cost_model_for(traces: Any, which: str = "fit") -> CostModel:
@@ -50,7 +56,8 @@ def cost_model_for(traces: Any, which: str = "fit") -> CostModel:
         traces: A loaded :class:`specenv.traceset.TraceSet`.
         which: ``"fit"`` (per-K OLS on the set's rounds table, no cross-validation; cached per
             process by set and manifest hash, and on disk by rounds-file digest, see the module
-            docstring), ``"profile"`` (the paper's coefficients) or a path to a cost-model JSON
+            docstring), ``"fit-train"`` (the same fit on the train split's rounds only, cached the
+            same way), ``"profile"`` (the paper's coefficients) or a path to a cost-model JSON
             written by ``specenv fit --out``.
 
     Raises:
@@ -59,22 +66,23 @@ def cost_model_for(traces: Any, which: str = "fit") -> CostModel:
     kmax = traces.kmax
     if which == "profile":
         return CostModel.paper_profile(kmax)
-    if which == "fit":
+    if which in FITS:
         if not traces.has_rounds:
             raise ValueError(
-                f"cost_model='fit': trace set '{traces.manifest.name}' has no rounds table "
+                f"cost_model={which!r}: trace set '{traces.manifest.name}' has no rounds table "
                 "(use cost_model='profile' or a cost-model JSON path)"
             )
-        key = (traces.manifest.name, json_digest(traces.manifest.files), kmax)
+        split = FITS[which]
+        key = (traces.manifest.name, json_digest(traces.manifest.files), kmax, split)
         if key not in _FIT_CACHE:
-            _FIT_CACHE[key] = _fit_cached(traces)
+            _FIT_CACHE[key] = _fit_cached(traces, split)
         return _FIT_CACHE[key]
     path = Path(which)
     if path.suffix == ".json" and path.is_file():
         model = CostModel.load(path)
         check_model_facts(model, traces, str(path))
         return model
-    raise ValueError(f"cost_model={which!r}: expected 'fit', 'profile' or an existing .json file")
+    raise ValueError(f"cost_model={which!r}: expected 'fit', 'fit-train', 'profile' or an existing .json file")
 
 
 def check_model_facts(model: CostModel, traces: Any, file: str) -> None:
@@ -99,25 +107,58 @@ def check_model_facts(model: CostModel, traces: Any, file: str) -> None:
             raise ValueError(f"{file}: field '{name}' = {mine} does not match {where}: model.{name} = {theirs}")
 
 
-def fresh_fit(traces: Any) -> CostModel:
-    """The ``"fit"`` cost model of a trace set computed now (no cache read or written), with the set's model facts."""
+def split_rounds(traces: Any, split: str = "all") -> Any:
+    """The rounds of the generations of ``split`` (:mod:`specenv.splits`), as a DataFrame.
+
+    The split is the one of the set's positions table when it has one (the generations the
+    environments and the oracle replay), else of the rounds' own generation ids.
+
+    Raises:
+        ValueError: If the split has no rounds.
+    """
+    from specenv.splits import check_split, split_mask
+
+    rounds = traces.rounds
+    if check_split(split) == "all":
+        return rounds
+    ids = traces.arrays().generation_ids if traces.has_positions else np.unique(rounds["generation_id"])
+    ids = np.asarray(ids, dtype=np.int64)
+    keep = ids[split_mask(ids, split)]
+    part = rounds[rounds["generation_id"].isin(keep)]
+    if not len(part):
+        raise ValueError(f"cost_model: trace set '{traces.manifest.name}' has no rounds in the {split} split")
+    return part
+
+
+def fresh_fit(traces: Any, split: str = "all") -> CostModel:
+    """The ``"fit"`` (``split="all"``) or ``"fit-train"`` cost model of a set computed now (no cache used)."""
     from specenv.fit import fit_replay_model
 
-    model = fit_replay_model(traces.rounds, traces.kmax, traces.facts.top_k, {"traces": traces.manifest.name})
+    source: dict[str, Any] = {"traces": traces.manifest.name}
+    if split != "all":
+        source["split"] = split
+    model = fit_replay_model(split_rounds(traces, split), traces.kmax, traces.facts.top_k, source)
     model.n_experts, model.n_layers = traces.facts.n_experts, traces.facts.n_layers
     return model
 
 
-def fit_cache_key(traces: Any) -> dict[str, Any] | None:
-    """The disk-cache key of a set's ``"fit"`` model, or None when the set must not use the disk cache.
+def fit_cache_key(traces: Any, split: str = "all") -> dict[str, Any] | None:
+    """The disk-cache key of a set's ``"fit"`` (or ``"fit-train"``) model, or None without a disk cache.
 
     Only sets whose rounds table was read from a file whose sha256 was checked against the manifest
-    on load have a key.
+    on load have a key. The key of a split fit also names the split (and the positions file, which
+    defines the split's generations); the key of the full fit is unchanged.
     """
     digest = traces.verified_sha256("rounds")
     if digest is None:
         return None
-    return {
+    extra: dict[str, Any] = {}
+    if split != "all":
+        positions = traces.verified_sha256("positions") if traces.has_positions else "none"
+        if positions is None:  # the split's generations come from an unverified positions table
+            return None
+        extra = {"split": split, "positions_sha256": positions}
+    return extra | {
         "fit_version": FIT_VERSION,
         "traces": traces.manifest.name,
         "rounds_sha256": digest,
@@ -136,14 +177,14 @@ def fit_cache_path(key: dict[str, Any]) -> Path | None:
     return root / CACHE_SUBDIR / f"fit-{_digest(key)}.json"
 
 
-def _fit_cached(traces: Any) -> CostModel:
-    key = fit_cache_key(traces)
+def _fit_cached(traces: Any, split: str = "all") -> CostModel:
+    key = fit_cache_key(traces, split)
     path = fit_cache_path(key) if key is not None else None
     if path is not None:
         model = _read_entry(path, key)
         if model is not None:
             return model
-    model = fresh_fit(traces)
+    model = fresh_fit(traces) if split == "all" else fresh_fit(traces, split)
     if path is not None:
         _write_entry(path, key, model)
     return model

@@ -1,9 +1,14 @@
-"""The rollout loop: play an online policy through an environment, episode by episode.
+"""The rollout loops: play an online policy through an environment, one episode after another or all at once.
 
 :func:`rollout` is the one loop that plays a policy (``reset()`` / ``act(obs)``) through an
 environment with the replay env's API for a list of ``(generation_id, seed)`` episodes and returns
-per-episode arrays; the benchmark (:func:`policies.benchmark.run_policy`, seeds ``seed + r``) and
-:func:`evaluate_in_env` both use it. The exact oracle (:mod:`oracle`) never builds environments.
+per-episode arrays; :func:`evaluate_in_env` uses it. :func:`rollout_vector` plays the same episodes
+as the streams of one native vector environment (:class:`specenv.envs.vector.MoESpecVectorEnv`)
+with the policy's ``act_batch``, and gives the same per-episode results for the same seeds (the
+vector environment's sub-environments replay exactly the single environment's trajectories); the
+benchmark (:func:`policies.benchmark.run_policy`) uses it. :func:`episode_seeds` gives every
+``(seed, generation, episode)`` its own independent reset seed. The exact oracle (:mod:`oracle`)
+never builds environments.
 
 :func:`evaluate_in_env` is the Monte-Carlo evaluation of any online policy: every generation of
 the chosen split is replayed ``episodes`` times (``reset(seed=..., options={"generation_id": gid})``);
@@ -23,7 +28,7 @@ import numpy as np
 
 from specenv.stats import mean_ci, ratio_ci
 
-__all__ = ["EnvEvaluation", "OnlinePolicy", "Rollouts", "evaluate_in_env", "rollout"]
+__all__ = ["EnvEvaluation", "OnlinePolicy", "Rollouts", "episode_seeds", "evaluate_in_env", "rollout", "rollout_vector"]
 
 ENV_ID = "specenv/MoESpec-v0"
 
@@ -53,6 +58,8 @@ class Rollouts:
         k_sum: (E,) sum of the budgets run (``info["k"]``).
         accepted_sum: (E,) sum of ``info["accepted"]``.
         returns: (E,) episode returns (sum of rewards).
+        k_min: (E,) smallest budget the policy chose in the episode.
+        k_max: (E,) largest budget the policy chose in the episode.
     """
 
     generation_ids: np.ndarray
@@ -64,6 +71,63 @@ class Rollouts:
     k_sum: np.ndarray
     accepted_sum: np.ndarray
     returns: np.ndarray
+    k_min: np.ndarray
+    k_max: np.ndarray
+
+
+def _empty(episodes: Sequence[tuple[int, int]]) -> Rollouts:
+    E = len(episodes)
+    return Rollouts(
+        generation_ids=np.array([int(g) for g, _ in episodes], dtype=np.int64),
+        seeds=np.array([int(s) for _, s in episodes], dtype=np.int64),
+        categories=np.empty(E, dtype=object),
+        cost=np.zeros(E),
+        ar=np.zeros(E),
+        rounds=np.zeros(E, dtype=np.int64),
+        k_sum=np.zeros(E, dtype=np.int64),
+        accepted_sum=np.zeros(E, dtype=np.int64),
+        returns=np.zeros(E),
+        k_min=np.full(E, np.iinfo(np.int64).max, dtype=np.int64),
+        k_max=np.full(E, -1, dtype=np.int64),
+    )
+
+
+def episode_seeds(
+    seed: int, generation_ids: np.ndarray | Sequence[int], episodes: np.ndarray | Sequence[int]
+) -> np.ndarray:
+    """Independent reset seeds, one per ``(generation_id, episode)`` pair, from a base ``seed``.
+
+    The seed of a pair is the first 32-bit word of ``numpy.random.SeedSequence([seed, gid, r])``
+    (non-negative ``seed`` and ids; SeedSequence hashes its entropy, so neighbouring pairs get
+    unrelated streams). It depends on nothing else (not on the other pairs, the split or the
+    policy), so every policy replayed with the same base seed sees the same random numbers on the
+    same ``(generation, episode)`` (common random numbers), while the generations' draws are
+    independent of each other.
+
+    Args:
+        seed: Base seed (>= 0).
+        generation_ids: (E,) generation ids (>= 0).
+        episodes: (E,) episode numbers (>= 0).
+
+    Returns:
+        (E,) int64 seeds in 0..2**32-1.
+
+    Raises:
+        ValueError: If ``seed``, an id or an episode number is negative, or the lengths differ.
+    """
+    gids = np.asarray(generation_ids, dtype=np.int64).ravel()
+    eps = np.asarray(episodes, dtype=np.int64).ravel()
+    if len(gids) != len(eps):
+        raise ValueError(f"generation_ids ({len(gids)}) and episodes ({len(eps)}) differ in length")
+    if int(seed) < 0 or (len(gids) and (gids.min() < 0 or eps.min() < 0)):
+        raise ValueError("episode_seeds: seed, generation ids and episode numbers must be >= 0")
+    return np.array(
+        [
+            np.random.SeedSequence([int(seed), int(g), int(r)]).generate_state(1)[0]
+            for g, r in zip(gids, eps, strict=True)
+        ],
+        dtype=np.int64,
+    )
 
 
 def rollout(env: Any, policy: OnlinePolicy, episodes: Sequence[tuple[int, int]]) -> Rollouts:
@@ -81,35 +145,111 @@ def rollout(env: Any, policy: OnlinePolicy, episodes: Sequence[tuple[int, int]])
     Returns:
         The per-episode :class:`Rollouts`.
     """
-    E = len(episodes)
-    out = Rollouts(
-        generation_ids=np.array([int(g) for g, _ in episodes], dtype=np.int64),
-        seeds=np.array([int(s) for _, s in episodes], dtype=np.int64),
-        categories=np.empty(E, dtype=object),
-        cost=np.zeros(E),
-        ar=np.zeros(E),
-        rounds=np.zeros(E, dtype=np.int64),
-        k_sum=np.zeros(E, dtype=np.int64),
-        accepted_sum=np.zeros(E, dtype=np.int64),
-        returns=np.zeros(E),
-    )
-    for e in range(E):
+    out = _empty(episodes)
+    for e in range(len(episodes)):
         obs, info = env.reset(seed=int(out.seeds[e]), options={"generation_id": int(out.generation_ids[e])})
         out.categories[e] = info.get("category")
         policy.reset()
-        cost, ret, n, k_sum, a_sum = 0.0, 0.0, 0, 0, 0
+        cost, ret, n, k_sum, a_sum, k_lo, k_hi = 0.0, 0.0, 0, 0, 0, out.k_min[e], -1
         done = False
         while not done:
             obs, reward, terminated, truncated, info = env.step(policy.act(obs))
             cost += float(info["cost_ms"])
             ret += float(reward)
-            k_sum += int(info["k"])
+            k = int(info["k"])
+            k_sum += k
+            k_lo, k_hi = min(k_lo, k), max(k_hi, k)
             a_sum += int(info["accepted"])
             n += 1
             done = bool(terminated or truncated)
         out.cost[e], out.returns[e], out.rounds[e], out.k_sum[e], out.accepted_sum[e] = cost, ret, n, k_sum, a_sum
+        out.k_min[e], out.k_max[e] = k_lo, k_hi
         out.ar[e] = float(info.get("ar_cost_ms", np.nan))  # absent only if an env truncates
     return out
+
+
+def rollout_vector(envs: Any, policy: Any, episodes: Sequence[tuple[int, int]]) -> Rollouts:
+    """Play ``policy`` on every ``(generation_id, seed)`` episode at once, one stream per episode.
+
+    ``envs`` (a :class:`specenv.envs.vector.MoESpecVectorEnv` with ``num_envs == len(episodes)``)
+    is reset once with every stream's own seed and generation
+    (``reset(seed=[...], options={"generation_id": [...]})``); each step asks the policy for the
+    streams at once (``policy.act_batch(obs)``; a :class:`specenv.policy.base.Policy` keeps one copy
+    of its memory per stream, by position) and the loop ends when every stream has terminated. A
+    stream's episode is its steps up to its first termination: what the vector environment's
+    autoreset plays afterwards is ignored. The per-episode results equal :func:`rollout`'s for the
+    same episodes (same sums in the same order), since sub-environment i replays exactly what a
+    single environment reset with the same seed and generation would.
+
+    Not to spend the policy's time on finished streams, the streams are ordered by generation
+    length, longest first (when the environment exposes its replay tables), the policy is asked
+    only for the prefix of streams up to the last one still running (so stream i is always row i of
+    ``act_batch``), and a finished stream inside that prefix is shown its first observation again
+    (a fresh generation, cheap for every policy) instead of the autoreset episode.
+
+    Args:
+        envs: The vector environment (neither made nor closed here); its ``info`` carries ``k``,
+            ``accepted``, ``cost_ms``, ``category`` and, where a stream terminates, ``ar_cost_ms``.
+        policy: Object with ``reset()`` and ``act_batch(obs) -> ks`` (streams are independent).
+        episodes: ``(generation_id, seed)`` pairs.
+
+    Returns:
+        The per-episode :class:`Rollouts`, in the order of ``episodes``.
+
+    Raises:
+        ValueError: If ``envs.num_envs`` differs from the number of episodes.
+    """
+    out = _empty(episodes)
+    E = len(episodes)
+    if int(envs.num_envs) != E:
+        raise ValueError(f"rollout_vector: num_envs={envs.num_envs} but {E} episodes (one stream per episode)")
+    order = _longest_first(envs, out.generation_ids)
+    res = _empty([episodes[i] for i in order.tolist()])  # stream order
+    obs, info = envs.reset(seed=res.seeds.tolist(), options={"generation_id": res.generation_ids.tolist()})
+    res.categories[:] = np.asarray(info["category"], dtype=object)
+    first = np.array(obs, copy=True)
+    policy.reset()
+    live = np.ones(E, dtype=bool)
+    k = np.zeros(E, dtype=np.int64)  # finished streams past the prefix play k = 0 (ignored)
+    while live.any():
+        m = int(np.flatnonzero(live)[-1]) + 1
+        x = obs[:m]
+        dead = ~live[:m]
+        if dead.any():
+            x = np.array(x, copy=True)
+            x[dead] = first[:m][dead]
+        k[:] = 0
+        k[:m] = np.asarray(policy.act_batch(x), dtype=np.int64)
+        obs, reward, terminated, truncated, info = envs.step(k)
+        # streams still in their first episode stepped normally this round (none was autoreset)
+        k_run = info["k"]
+        idx = np.flatnonzero(live)
+        res.cost[idx] += info["cost_ms"][idx]
+        res.returns[idx] += reward[idx]
+        res.k_sum[idx] += k_run[idx]
+        res.accepted_sum[idx] += info["accepted"][idx]
+        res.rounds[idx] += 1
+        res.k_min[idx] = np.minimum(res.k_min[idx], k_run[idx])
+        res.k_max[idx] = np.maximum(res.k_max[idx], k_run[idx])
+        ended = live & (np.asarray(terminated) | np.asarray(truncated))
+        if ended.any():
+            if "ar_cost_ms" in info:
+                res.ar[ended] = np.where(info["_ar_cost_ms"][ended], info["ar_cost_ms"][ended], np.nan)
+            else:  # absent only if an env truncates
+                res.ar[ended] = np.nan
+            live &= ~ended
+    for name in ("categories", "cost", "ar", "rounds", "k_sum", "accepted_sum", "returns", "k_min", "k_max"):
+        getattr(out, name)[order] = getattr(res, name)
+    return out
+
+
+def _longest_first(envs: Any, generation_ids: np.ndarray) -> np.ndarray:
+    """Stream order: episodes by decreasing generation length (stable), or as given without replay tables."""
+    data = getattr(getattr(envs, "unwrapped", envs), "data", None)
+    if data is None or not hasattr(data, "lengths") or not hasattr(data, "index_of"):
+        return np.arange(len(generation_ids))
+    n = np.array([data.lengths[data.index_of(int(g))] for g in generation_ids], dtype=np.int64)
+    return np.argsort(-n, kind="stable")
 
 
 @dataclass

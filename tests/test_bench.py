@@ -99,10 +99,15 @@ def test_bench_json_emits_every_policy_with_oracle_pct(bench_set: Path, tmp_path
         assert 0.0 < p["oracle_pct"] and np.isfinite(p["speedup_mean"])
     assert obj["policies"][-1]["oracle_pct"] == 100.0
     assert_within_bound(pd.DataFrame(obj["policies"]), pd.read_csv(tmp_path / "out" / "episodes.csv"))
-    assert {"summary.csv", "categories.csv", "bench.json", "bench.md", "speedup.png"} <= {
+    assert {"summary.csv", "categories.csv", "bench.json", "bench.md", "speedup.png", "generations.csv"} <= {
         f.name for f in (tmp_path / "out").iterdir()
     }
     assert obj["context"]["test_generations"] == 3
+    # fixed budgets are evaluated exactly, the adaptive policies by Monte Carlo; fitted on train only
+    exact = {p["policy"] for p in obj["policies"] if p["evaluation"] == "exact"}
+    assert exact == set(EXPECTED_POLICIES[:5]) | {ORACLE}
+    assert obj["context"]["cost_model"] == "fit-train" and obj["context"]["cost_model_fitted_on"] == "train split"
+    assert "(exact)" in (tmp_path / "out" / "bench.md").read_text()
 
 
 def test_no_policy_beats_the_oracle_bound(bench_set: Path) -> None:

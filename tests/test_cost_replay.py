@@ -177,15 +177,20 @@ def test_rollout_equals_a_hand_loop(small_traces: Path, h: int) -> None:
     assert len(set(res.cost.tolist())) > 1
 
 
-def test_benchmark_run_policy_uses_seed_plus_r(small_traces: Path) -> None:
+def test_benchmark_run_policy_uses_episode_seeds(small_traces: Path) -> None:
     from policies.benchmark import Entry, build_context, run_policy
     from policies.heuristics import FixedK
+    from specenv.rollout import episode_seeds
 
     ctx = build_context(str(small_traces), None, "profile", None)
     df, _ = run_policy(Entry("fixed k=3", lambda s: FixedK(s, 3)), ctx, episodes=2, seed=5)
     env = gym.make(ENV_ID, dataset=str(small_traces), split="test", cost_model="profile")
     gids = [int(g) for g in env.unwrapped.data.generation_ids]
-    res = rollout(env, FixedK(env.unwrapped.data.spec, 3), [(g, 5 + r) for g in gids for r in range(2)])
+    seeds = [int(episode_seeds(5, [g], [r])[0]) for g in gids for r in range(2)]
+    res = rollout(
+        env, FixedK(env.unwrapped.data.spec, 3), list(zip([g for g in gids for _ in range(2)], seeds, strict=True))
+    )
+    assert df["seed"].tolist() == seeds
     assert df["generation_id"].tolist() == res.generation_ids.tolist()
     assert df["episode"].tolist() == [0, 1] * len(gids)
     np.testing.assert_array_equal(df["cost_ms"].to_numpy(), res.cost)
