@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,9 +10,10 @@ import pytest
 from specenv.generator import generate_paper
 from specenv.traceset import TraceSet
 
-# The suite never writes to the user's cache folder (fitted cost models, vLLM model views): a private
-# one per session unless the caller chose one (subprocesses inherit it).
-os.environ.setdefault("SPECENV_CACHE", tempfile.mkdtemp(prefix="specenv-test-cache-"))
+# The suite never writes to the user's cache folder (fitted cost models, vLLM model views): it uses the
+# checkout's own ignored `.test-cache/` unless the caller chose one (subprocesses inherit it). Entries are
+# keyed by content and verified on read, so a warm cache changes no result, only the time.
+os.environ.setdefault("SPECENV_CACHE", str(Path(__file__).resolve().parents[1] / ".test-cache"))
 
 
 @pytest.fixture(scope="session")

@@ -82,6 +82,7 @@ def test_episode_seeds_are_independent_per_generation_and_episode_and_common_to_
 
 
 # ----------------------------------------------------------------------------- vector rollout
+@pytest.mark.slow  # runs whole benchmarks (the full suite runs it)
 def test_vector_rollout_equals_the_single_env_rollout_for_every_policy(small_traces: Path) -> None:
     """Every benchmark policy (stateful ones per stream), every generation of a set, two episodes each."""
     ctx = build_context(str(small_traces), None, "fit-train", None)
@@ -113,6 +114,7 @@ def two_seeds(bench_set: Path) -> tuple:
     )
 
 
+@pytest.mark.slow  # runs whole benchmarks (the full suite runs it)
 def test_fixed_k_rows_are_the_exact_evaluation(bench_set: Path, two_seeds: tuple) -> None:
     from oracle.dp import evaluate_policy
     from specenv.costsource import cost_model_for
@@ -144,6 +146,7 @@ def test_fixed_k_rows_are_the_exact_evaluation(bench_set: Path, two_seeds: tuple
     assert "1.000 (exact)" in markdown_table(res)
 
 
+@pytest.mark.slow  # runs whole benchmarks (the full suite runs it)
 def test_two_seeds_move_no_pooled_figure_by_more_than_its_ci(two_seeds: tuple) -> None:
     a, b = (r.summary.set_index("policy") for r in two_seeds)
     mc = a.index[a["evaluation"] == "monte-carlo"]
@@ -158,6 +161,7 @@ def test_two_seeds_move_no_pooled_figure_by_more_than_its_ci(two_seeds: tuple) -
     assert moved >= 1  # the seed really changes the Monte-Carlo draws
 
 
+@pytest.mark.slow  # runs whole benchmarks (the full suite runs it)
 def test_common_random_numbers_across_policies(two_seeds: tuple) -> None:
     ep = two_seeds[0].episodes
     seeds = ep.groupby(["generation_id", "episode"])["seed"].nunique()
@@ -165,6 +169,7 @@ def test_common_random_numbers_across_policies(two_seeds: tuple) -> None:
     assert ep.groupby("policy")["seed"].nunique().min() == ep[["generation_id", "episode"]].drop_duplicates().shape[0]
 
 
+@pytest.mark.slow  # runs whole benchmarks (the full suite runs it)
 def test_cost_model_and_everything_fitted_come_from_the_train_split(bench_set: Path, two_seeds: tuple) -> None:
     from specenv.costsource import cost_model_for, fresh_fit, split_rounds
     from specenv.datasets import load_dataset
@@ -246,6 +251,7 @@ def _old_goodput_act(self: GoodputRule, obs: np.ndarray) -> int:
     return int(np.argmax(tokens / self._round_ms(obs)))
 
 
+@pytest.mark.slow  # runs whole benchmarks (the full suite runs it)
 def test_goodput_recovers_from_k0(tmp_path: Path) -> None:
     from specenv.datasets import load_dataset
     from specenv.generator import generate_paper
