@@ -183,7 +183,11 @@ CASES: list[tuple[str, Callable[[Path], None], list[str]]] = [
     ("ent-negative", lambda r: _edit(r, "positions", _set("ent_4", 6, -0.5)), ["ent_4", "row 6", "negative"]),
     ("ent-above-log-vocab", lambda r: _edit(r, "positions", _set("ent_1", 2, 12.5)), ["ent_1", "row 2", "log(vocab"]),
     ("ent-below-h(q)", lambda r: _edit(r, "positions", _ent_below_hq), ["ent_2", "h(q_2)"]),
-    ("margin-nan", lambda r: _edit(r, "positions", _set("margin_5", 8, np.nan)), ["positions.parquet", "margin_5", "row 8"]),
+    (
+        "margin-nan",
+        lambda r: _edit(r, "positions", _set("margin_5", 8, np.nan)),
+        ["positions.parquet", "margin_5", "row 8"],
+    ),
     ("margin-above-1", lambda r: _edit(r, "positions", _set("margin_1", 4, 1.5)), ["margin_1", "row 4", "[0, 1]"]),
     ("margin-negative", lambda r: _edit(r, "positions", _set("margin_2", 0, -0.1)), ["margin_2", "row 0", "[0, 1]"]),
     ("margin-below-2q-1", lambda r: _edit(r, "positions", _margin_below), ["margin_3", "2*q_3 - 1"]),
