@@ -40,21 +40,25 @@ class Dataset:
 
 
 #: The shipped trace sets. Regenerate with ``scripts/make_default_data.py``, which prints the entry.
+#: A changed set is a new version; a name alone resolves to its newest version. Version 1 of both sets
+#: (trace schema v1) was replaced by version 2, which adds the draft's entropy and margin and keeps
+#: every v1 column bit for bit (traces/README.md); ``name-v1`` is no longer shipped.
 REGISTRY: tuple[Dataset, ...] = (
     Dataset(
         name="paper-default",
-        version=1,
-        description="128 paper-profile generations (Qwen3-Coder-30B-A3B + EAGLE-3 calibration), Kmax=10, T=0.7",
-        folder="paper-default-v1",
-        manifest_sha256="33f01caf57001aa4a13a8838d85266a2d0942251a76ab3cf1b8b4fa3196aa7bc",
+        version=2,
+        description="128 paper-profile generations (Qwen3-Coder-30B-A3B + EAGLE-3 calibration), Kmax=10, T=0.7; "
+        "trace schema v2 (draft entropy and margin)",
+        folder="paper-default-v2",
+        manifest_sha256="6bb750dc8c3d7e8229cd8556c07a8b8b6387f726a26f8815f2cde7cfee204e92",
     ),
     Dataset(
         name="live-cpu",
-        version=1,
+        version=2,
         description="64 stdlib code prompts x 128 greedy tokens on the live CPU engine (small Qwen3-MoE, 64 experts "
-        "top-4, 6 layers + dense draft), Kmax=8, measured rounds K=0..8",
-        folder="live-cpu-v1",
-        manifest_sha256="708d7183b89d2e83cd0d80acd9bf3773b6d22d4c3b7b18420db7b1f410f34551",
+        "top-4, 6 layers + dense draft), Kmax=8, measured rounds K=0..8; trace schema v2 (positions re-collected)",
+        folder="live-cpu-v2",
+        manifest_sha256="0a2b8989f7ebf98e1eafbaf938934d3e2499932bfc0dc0dd2d3b6ee545e2c750",
     ),
 )
 

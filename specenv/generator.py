@@ -17,13 +17,19 @@ The generative model (documented with every calibration choice in ``traces/READM
    the chain; greedy traces take rho from the same uniforms (0/1).
    Transitions therefore end acceptance runs *and* bring new experts (paper Figs. B3-B5).
 4. **Confidences.** q_{t,j} = sigmoid(logit(rho_{t,j}) + noise): the draft's own probability,
-   informative but noisy.
+   informative but noisy. The rest of the draft's distribution (trace schema v2: its entropy and
+   top-1/top-2 margin) is a geometric tail: the other tokens get (1 - q)(1 - theta) theta^(i-1),
+   i = 1, 2, ..., with logit(theta) = tail_logit0 - tail_slope * logit(p) + noise, so a chain the
+   target is likely to accept has a concentrated draft (:func:`draft_signals`). Greedy sets keep the
+   drafted token on top (theta >= 1 - q/(1-q)).
 5. **Rounds.** Fixed-K runs K = 1..Kmax over the same generations; T_T from the profile's per-K
    coefficients plus Gaussian noise sized to Table A4's out-of-sample MAPE; T_D = 0.459K + 0.073 ms
    plus noise.
 
 Everything is drawn from one ``numpy.random.Generator`` per generation, seeded from (seed, index),
-so the output is deterministic given the seed and independent of the number of generations.
+so the output is deterministic given the seed and independent of the number of generations. The
+tails of step 4 come from a second generator seeded from (seed, index, SIGNAL_STREAM), so adding
+them left every other column bit-identical to the schema-v1 sets of the same seed.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import pandas as pd
 
 from specenv import paper
 from specenv.costmodel import CostModel
-from specenv.schema import ModelFacts, q_columns, rho_columns, u_columns
+from specenv.schema import ModelFacts, ent_columns, margin_columns, q_columns, rho_columns, u_columns
 from specenv.traceset import Manifest, TraceSet, survival_table
 
 
@@ -95,7 +101,13 @@ class PaperProfile:
         max_new_tokens: Generation cap.
         mape_pct: OOS MAPE (%) per K that the target-time noise is sized to (Table A4; 0.30 beyond K=6).
         draft_noise_ms: SD of the draft-time noise.
-        quantum: rho and q are stored as multiples of 1/quantum.
+        quantum: rho, q, entropy and margin are stored as multiples of 1/quantum.
+        vocab_size: The draft's vocabulary (Qwen3's), written to the manifest.
+        tail_logit0: Intercept of logit(theta), the ratio of the draft's geometric tail.
+        tail_slope: How much a likely acceptance concentrates the tail (logit(theta) falls by this
+            much per unit of logit(p)).
+        tail_sd: SD of the tail's logit noise (independent of the confidence noise).
+        tail_max: Largest theta (bounds the entropy, far below log(vocab_size)).
     """
 
     n_layers: int = paper.N_LAYERS
@@ -121,6 +133,15 @@ class PaperProfile:
     mape_pct: dict[int, float] = field(default_factory=lambda: {1: 0.44, 2: 0.51, 3: 0.59, 4: 0.33, 5: 0.32, 6: 0.30})
     draft_noise_ms: float = 0.02
     quantum: int = 1024
+    vocab_size: int = 151936
+    tail_logit0: float = 1.0
+    tail_slope: float = 0.5
+    tail_sd: float = 0.8
+    tail_max: float = 0.995
+
+
+#: The third seed word of the generator of the draft's tails (schema-v2 entropy and margin).
+SIGNAL_STREAM = 0x5167
 
 
 @dataclass
@@ -135,6 +156,8 @@ class Generation:
     q: np.ndarray  # (N, kmax)
     U: np.ndarray  # (N, kmax+1)
     E: np.ndarray | None  # (N, kmax+1) mean over layers of the per-layer max expert load
+    ent: np.ndarray | None = None  # (N, kmax) entropy of the draft's distribution (nats)
+    margin: np.ndarray | None = None  # (N, kmax) its top-1 minus top-2 probability
 
 
 def _logit(p: np.ndarray) -> np.ndarray:
@@ -239,20 +262,25 @@ def generate_generation(
     rng: np.random.Generator,
     greedy: bool,
     with_load: bool = True,
+    signal_rng: np.random.Generator | None = None,
 ) -> Generation:
     """Draw one generation's positions table (see the module docstring for the model).
 
     The draws come from ``rng`` in a fixed order (lengths, segments, routing, acceptance), so the
-    output is a function of the generator's state.
+    output is a function of the generator's state. The draft's entropy and margin are drawn from
+    ``signal_rng`` (none when it is None), which leaves ``rng``'s draws unchanged.
     """
     cp = CATEGORIES[category]
     P, N = _draw_lengths(profile, rng)
     n_tok = N + kmax + 1  # the chain at t reaches token t + kmax
     kind, seg = _draw_segments(cp, rng, n_tok)
     Y, Z = _draw_routing(profile, rng, kind, seg)
-    rho, q, D = _draw_acceptance(profile, cp, rng, kind, seg, N, kmax, greedy)
+    rho, q, D, p_chain = _draw_acceptance(profile, cp, rng, kind, seg, N, kmax, greedy)
     U, Emax = _chain_union(Y, Z, D, N, kmax, profile.n_experts, with_load)
-    return Generation(gen_id, category, P, P + np.arange(N), rho, q, U, Emax)
+    ent = margin = None
+    if signal_rng is not None:
+        ent, margin = _draw_signals(profile, signal_rng, p_chain, q, greedy)
+    return Generation(gen_id, category, P, P + np.arange(N), rho, q, U, Emax, ent, margin)
 
 
 def _draw_lengths(pr: PaperProfile, rng: np.random.Generator) -> tuple[int, int]:
@@ -323,12 +351,13 @@ def _draw_acceptance(
     N: int,
     kmax: int,
     greedy: bool,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Acceptance and draft confidences of every chain (steps 3 and 4 of the module docstring).
 
     Returns:
-        ``(rho, q, D)``: (N, kmax) conditional acceptance and confidences (quantised), and (N,) the
-        first draft j (1-based) where the chain at t leaves the reference (kmax + 1 if it never does).
+        ``(rho, q, D, p)``: (N, kmax) conditional acceptance and confidences (quantised), (N,) the
+        first draft j (1-based) where the chain at t leaves the reference (kmax + 1 if it never does),
+        and (N, kmax) the acceptance probabilities p_{t,j} behind both (not quantised).
     """
     n_tok, n_seg = len(kind), int(seg[-1]) + 1
     seg_shift = rng.normal(0.0, pr.segment_sd, size=n_seg)
@@ -348,7 +377,53 @@ def _draw_acceptance(
     q = _sigmoid(_logit(p_chain) + rng.normal(0.0, pr.conf_sd, size=p_chain.shape))
     rho = np.round(rho * pr.quantum) / pr.quantum
     q = np.clip(np.round(q * pr.quantum) / pr.quantum, 0.0, 1.0)
-    return rho, q, D
+    return rho, q, D, p_chain
+
+
+def draft_signals(q: np.ndarray, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Entropy (nats) and top-1 minus top-2 probability of a draft distribution with a geometric tail.
+
+    The drafted token has probability q; the other tokens have (1 - q)(1 - theta) theta^(i-1),
+    i = 1, 2, ... (the vocabulary is taken as unbounded: theta <= 0.995 leaves no mass past a few
+    thousand tokens). The entropy is h(q) + (1 - q) H_geom(theta) >= h(q), and the margin is >= 2q - 1.
+
+    Args:
+        q: Probabilities of the drafted tokens, in [0, 1].
+        theta: Tail ratios, in [0, 1).
+
+    Returns:
+        ``(entropy, margin)``, arrays of q's shape.
+    """
+    q = np.asarray(q, dtype=np.float64)
+    theta = np.asarray(theta, dtype=np.float64)
+    r = 1.0 - q
+
+    def xlogx(x: np.ndarray) -> np.ndarray:
+        return np.where(x > 0, x * np.log(np.where(x > 0, x, 1.0)), 0.0)
+
+    tail = (-xlogx(1.0 - theta) - xlogx(theta)) / (1.0 - theta)  # entropy of the geometric tail
+    ent = -xlogx(q) - xlogx(r) + r * tail
+    p2, p3 = r * (1.0 - theta), r * (1.0 - theta) * theta
+    top1 = np.maximum(q, p2)
+    top2 = np.maximum(np.minimum(q, p2), p3)
+    return np.maximum(ent, 0.0), np.clip(top1 - top2, 0.0, 1.0)
+
+
+def _draw_signals(
+    pr: PaperProfile, rng: np.random.Generator, p_chain: np.ndarray, q: np.ndarray, greedy: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """The draft's entropy and margin at every drafted token (step 4 of the module docstring), quantised.
+
+    ``rng`` is the generation's signal stream: nothing else draws from it.
+    """
+    z = pr.tail_logit0 - pr.tail_slope * _logit(p_chain) + rng.normal(0.0, pr.tail_sd, size=p_chain.shape)
+    theta = np.minimum(_sigmoid(z), pr.tail_max)
+    if greedy:  # the drafted token is the draft's argmax: the second token's (1-q)(1-theta) <= q
+        r = 1.0 - q
+        need = np.where(r > 0, 1.0 - q / np.where(r > 0, r, 1.0), 0.0)
+        theta = np.clip(np.maximum(theta, need), 0.0, pr.tail_max)
+    ent, margin = draft_signals(q, theta)
+    return np.round(ent * pr.quantum) / pr.quantum, np.clip(np.round(margin * pr.quantum) / pr.quantum, 0.0, 1.0)
 
 
 def simulate_rounds(
@@ -434,7 +509,9 @@ def generate_paper(
     pos_frames, round_frames = [], []
     for i, cat in enumerate(cats):
         rng = np.random.default_rng([seed, i])
-        g = generate_generation(i, cat, kmax, pr, rng, greedy)
+        g = generate_generation(
+            i, cat, kmax, pr, rng, greedy, signal_rng=np.random.default_rng([seed, i, SIGNAL_STREAM])
+        )
         cols: dict[str, np.ndarray | int | str] = {
             "generation_id": np.full(len(g.L), i, dtype=np.int64),
             "category": cat,
@@ -447,6 +524,10 @@ def generate_paper(
             cols[c] = g.q[:, j].astype(np.float32)
         for j, c in enumerate(u_columns(kmax)):
             cols[c] = g.U[:, j].astype(np.float32)
+        for j, c in enumerate(ent_columns(kmax)):
+            cols[c] = g.ent[:, j].astype(np.float32)
+        for j, c in enumerate(margin_columns(kmax)):
+            cols[c] = g.margin[:, j].astype(np.float32)
         pos_frames.append(pd.DataFrame(cols))
         if with_rounds:
             round_frames.append(simulate_rounds(g, model, pr, range(1, kmax + 1), rng))
@@ -464,8 +545,10 @@ def generate_paper(
             "EAGLE-3, A100): Table 4 U-vs-m, Table A4 per-K costs, T_D = 0.459K + 0.073 ms."
         ),
         max_new_tokens=pr.max_new_tokens,
+        vocab_size=pr.vocab_size,
         extra={
             "generator": "specenv.generator.generate_paper",
+            "signal_stream": SIGNAL_STREAM,
             "seed": seed,
             "n_generations": n_generations,
             "profile": {k: v for k, v in asdict(pr).items() if k != "mape_pct"}

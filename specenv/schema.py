@@ -1,4 +1,10 @@
-"""Trace schema v1: the columns of the ``rounds`` and ``positions`` tables and their validation.
+"""Trace schema v2: the columns of the ``rounds`` and ``positions`` tables and their validation.
+
+Version 2 adds the draft's online signals to the positions table: ``ent_1..Kmax`` (entropy of the
+draft's distribution at each drafted token, nats) and ``margin_1..Kmax`` (its top-1 minus top-2
+probability). Version-1 sets (without them) still load: the columns are then optional, and a
+reader that needs them says so in one line (:meth:`specenv.traceset.PositionArrays.signals`). The
+rounds table is the same in both versions.
 
 Every check is vectorised and reports the *first* offending row as one line naming the file, the
 column and the row (:class:`TraceError`). Nothing here reads or writes files; see
@@ -17,7 +23,10 @@ import pyarrow as pa
 
 from specenv.validation import KMAX_MAX, one_line
 
-SCHEMA_VERSION = 1
+#: The version this specenv writes.
+SCHEMA_VERSION = 2
+#: The versions it reads.
+SUPPORTED_SCHEMA_VERSIONS = (1, 2)
 
 #: Required columns of the rounds table (one row per executed verification round).
 ROUNDS_COLUMNS: dict[str, pa.DataType] = {
@@ -34,7 +43,7 @@ ROUNDS_COLUMNS: dict[str, pa.DataType] = {
     "T_D_ms": pa.float32(),
 }
 
-#: Fixed (non-indexed) columns of the positions table; rho_j, q_j, U_j follow.
+#: Fixed (non-indexed) columns of the positions table; rho_j, q_j, U_j (and from v2 ent_j, margin_j) follow.
 POSITIONS_FIXED: dict[str, pa.DataType] = {
     "generation_id": pa.int64(),
     "category": pa.string(),
@@ -68,12 +77,43 @@ def u_columns(kmax: int) -> list[str]:
     return [f"U_{k}" for k in range(0, kmax + 1)]
 
 
-def positions_columns(kmax: int) -> dict[str, pa.DataType]:
-    """All required columns of the positions table for a given Kmax, in canonical order."""
+def ent_columns(kmax: int) -> list[str]:
+    """Names of the draft-entropy columns ent_1..ent_kmax (schema v2)."""
+    kmax = _bounded(kmax)
+    return [f"ent_{j}" for j in range(1, kmax + 1)]
+
+
+def margin_columns(kmax: int) -> list[str]:
+    """Names of the draft top-1/top-2 margin columns margin_1..margin_kmax (schema v2)."""
+    kmax = _bounded(kmax)
+    return [f"margin_{j}" for j in range(1, kmax + 1)]
+
+
+def signal_columns(kmax: int) -> list[str]:
+    """The schema-v2 signal columns: ent_1..kmax then margin_1..kmax."""
+    return ent_columns(kmax) + margin_columns(kmax)
+
+
+def positions_columns(kmax: int, signals: bool = True) -> dict[str, pa.DataType]:
+    """The columns of the positions table for a given Kmax, in canonical order.
+
+    Args:
+        kmax: Number of draft positions.
+        signals: Include the schema-v2 signal columns (ent_j, margin_j); False gives the v1 columns.
+    """
     cols = dict(POSITIONS_FIXED)
-    for name in rho_columns(kmax) + q_columns(kmax) + u_columns(kmax):
+    names = rho_columns(kmax) + q_columns(kmax) + u_columns(kmax)
+    if signals:
+        names += signal_columns(kmax)
+    for name in names:
         cols[name] = pa.float32()
     return cols
+
+
+def has_signals(column_names: list[str] | set[str], kmax: int) -> bool:
+    """Whether a positions table carries any schema-v2 signal column (ent_j or margin_j) for j <= kmax."""
+    names = set(column_names)
+    return any(c in names for c in signal_columns(kmax))
 
 
 class TraceError(ValueError):
@@ -234,7 +274,7 @@ def validate_rounds(table: pa.Table, facts: ModelFacts, kmax: int, file: str = "
 def _beyond_kmax(table: pa.Table, kmax: int, file: str) -> None:
     """Refuse indexed columns past ``kmax`` (a manifest kmax lower than the table would drop them silently)."""
     for name in table.column_names:
-        hit = re.fullmatch(r"(rho|q|U)_(\d+)", name)
+        hit = re.fullmatch(r"(rho|q|U|ent|margin)_(\d+)", name)
         if hit and int(hit.group(2)) > kmax:
             raise TraceError(file, f"column beyond the manifest's kmax={kmax}", column=name)
 
@@ -273,13 +313,20 @@ def validate_pair(positions: pa.Table, rounds: pa.Table, positions_file: str, ro
 
 
 def validate_positions(
-    table: pa.Table, facts: ModelFacts, kmax: int, greedy: bool, file: str = "positions.parquet"
+    table: pa.Table,
+    facts: ModelFacts,
+    kmax: int,
+    greedy: bool,
+    file: str = "positions.parquet",
+    schema_version: int = SCHEMA_VERSION,
+    vocab_size: int | None = None,
 ) -> None:
-    """Validate a positions table against schema v1.
+    """Validate a positions table against schema v1 or v2.
 
     Checks types, NaN, 0<=rho<=1 (and rho in {0,1} for greedy traces), 0<=q<=1, U_0 == top_k,
     U non-decreasing in k, each extra position adding at most top_k experts, U <= n_experts,
-    positions t = 0..N-1 contiguous per generation with L_t = L_0 + t.
+    positions t = 0..N-1 contiguous per generation with L_t = L_0 + t. The signal columns (required
+    from v2; in a v1 table all of them or none) are checked by :func:`_check_signals`.
 
     Args:
         table: The table as read from Parquet.
@@ -287,13 +334,16 @@ def validate_positions(
         kmax: Number of draft positions the table carries.
         greedy: Whether the trace was recorded with greedy decoding (rho must be 0 or 1).
         file: Name used in error messages.
+        schema_version: The set's schema version (from its manifest).
+        vocab_size: The draft's vocabulary size, when known (bounds the entropy by its log).
 
     Raises:
         TraceError: On the first violation, naming file, column and row.
     """
     if table.num_rows == 0:
         raise TraceError(file, "table has no rows")
-    _check_columns(table, positions_columns(kmax), file)
+    signals = schema_version >= 2 or has_signals(table.column_names, kmax)
+    _check_columns(table, positions_columns(kmax, signals=signals), file)
     _beyond_kmax(table, kmax, file)
     gid = _num(table, "generation_id", np.int64)
     t = _num(table, "t", np.int64)
@@ -343,3 +393,47 @@ def validate_positions(
             _require(u > prev + facts.top_k + eps, file, col, f"one more position adds more than top_k={facts.top_k}")
         _require(u > facts.n_experts + eps, file, col, f"above n_experts={facts.n_experts}")
         prev = u
+    if signals:
+        _check_signals(table, kmax, file, vocab_size)
+
+
+#: Tolerance of the signal checks (the generator stores them as multiples of 1/1024, engines in float32).
+SIGNAL_EPS = 1e-3
+
+
+def binary_entropy(q: np.ndarray) -> np.ndarray:
+    """h(q) = -q log q - (1-q) log(1-q) in nats (0 at q in {0, 1}).
+
+    The least entropy of any distribution that gives one token the probability q.
+    """
+    q = np.clip(np.asarray(q, dtype=np.float64), 0.0, 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = -np.where(q > 0, q * np.log(q), 0.0) - np.where(q < 1, (1 - q) * np.log1p(-q), 0.0)
+    return out
+
+
+def _check_signals(table: pa.Table, kmax: int, file: str, vocab_size: int | None) -> None:
+    """Check the schema-v2 columns, to :data:`SIGNAL_EPS`.
+
+    ent_j: finite, >= 0, <= log(vocab) (when known) and >= h(q_j) (a token of probability q forces
+    that much entropy). margin_j: finite, in [0, 1] and >= 2 q_j - 1 (top-1 >= q_j, top-2 <= 1 - top-1).
+    """
+    eps = SIGNAL_EPS
+    cap = float(np.log(vocab_size)) if vocab_size else None
+    for j, (ecol, mcol, qcol) in enumerate(zip(ent_columns(kmax), margin_columns(kmax), q_columns(kmax), strict=True)):
+        q = _num(table, qcol, np.float64)
+        ent = _num(table, ecol, np.float64)
+        _finite(ent, file, ecol)
+        _require(ent < 0, file, ecol, "negative entropy")
+        if cap is not None:
+            _require(ent > cap + eps, file, ecol, f"entropy above log(vocab_size={vocab_size}) = {cap:.4f} nats")
+        _require(
+            ent < binary_entropy(q) - eps,
+            file,
+            ecol,
+            f"entropy below h(q_{j + 1}), the least a token of probability q allows",
+        )
+        mar = _num(table, mcol, np.float64)
+        _finite(mar, file, mcol)
+        _require((mar < 0) | (mar > 1), file, mcol, "margin outside [0, 1]")
+        _require(mar < 2 * q - 1 - eps, file, mcol, f"margin below 2*q_{j + 1} - 1 (top-1 >= q, top-2 <= 1 - top-1)")

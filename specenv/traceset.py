@@ -26,10 +26,14 @@ from specenv.io import ReplaceRefused, atomic_dir, atomic_write_json, check_new_
 from specenv.schema import (
     ROUNDS_COLUMNS,
     SCHEMA_VERSION,
+    SUPPORTED_SCHEMA_VERSIONS,
     ModelFacts,
     TraceError,
     column_strings,
     column_values,
+    ent_columns,
+    has_signals,
+    margin_columns,
     positions_columns,
     q_columns,
     rho_columns,
@@ -65,7 +69,10 @@ class Manifest:
         description: One paragraph for people.
         max_new_tokens: Generation cap used when recording (observation scaling uses it).
         extra: Free-form provenance (generator seed and parameters, engine settings...).
-        schema_version: Trace schema version; must equal :data:`specenv.schema.SCHEMA_VERSION`.
+        schema_version: Trace schema version, one of :data:`specenv.schema.SUPPORTED_SCHEMA_VERSIONS`
+            (:meth:`TraceSet.save` writes 2 when the positions carry the signal columns or the set has
+            no positions, else 1).
+        vocab_size: The draft's vocabulary size, when known (the entropy columns are <= its log).
     """
 
     name: str
@@ -81,6 +88,7 @@ class Manifest:
     max_new_tokens: int = 1000
     extra: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+    vocab_size: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Plain-JSON form, as written to ``manifest.json``."""
@@ -100,6 +108,7 @@ class Manifest:
             },
             "kmax": self.kmax,
             "max_new_tokens": self.max_new_tokens,
+            **({"vocab_size": self.vocab_size} if self.vocab_size is not None else {}),
             "counts": self.counts,
             "files": self.files,
             "extra": self.extra,
@@ -118,8 +127,9 @@ class Manifest:
 
         if isinstance(obj, dict):
             version = obj.get("schema_version")
-            if isinstance(version, int) and not isinstance(version, bool) and version != SCHEMA_VERSION:
-                raise TraceError(file, f"unsupported schema_version {version} (this specenv reads {SCHEMA_VERSION})")
+            if isinstance(version, int) and not isinstance(version, bool) and version not in SUPPORTED_SCHEMA_VERSIONS:
+                known = ", ".join(map(str, SUPPORTED_SCHEMA_VERSIONS))
+                raise TraceError(file, f"unsupported schema_version {version} (this specenv reads {known})")
         m = check("ManifestJSON", obj, file, error=TraceError)
         return cls(
             name=m.name,
@@ -135,6 +145,7 @@ class Manifest:
             max_new_tokens=m.max_new_tokens,
             extra=dict(m.extra),
             schema_version=m.schema_version,
+            vocab_size=m.vocab_size,
         )
 
 
@@ -190,6 +201,9 @@ class PositionArrays:
         q: (n, kmax) float64 draft confidences.
         U: (n, kmax+1) float64 unique experts of every chain prefix, U[:, 0] = top_k.
         greedy: Whether rho is 0/1.
+        ent: (n, kmax) float64 entropy (nats) of the draft's distribution at each drafted token, or
+            None for a schema-v1 set (see :meth:`signals`).
+        margin: (n, kmax) float64 top-1 minus top-2 probability of that distribution, or None.
     """
 
     generation_ids: np.ndarray
@@ -200,6 +214,8 @@ class PositionArrays:
     q: np.ndarray
     U: np.ndarray
     greedy: bool
+    ent: np.ndarray | None = None
+    margin: np.ndarray | None = None
 
     @property
     def kmax(self) -> int:
@@ -235,7 +251,30 @@ class PositionArrays:
             q=self.q[rows],
             U=self.U[rows],
             greedy=self.greedy,
+            ent=None if self.ent is None else self.ent[rows],
+            margin=None if self.margin is None else self.margin[rows],
         )
+
+    @property
+    def has_signals(self) -> bool:
+        """Whether the draft's entropy and margin are present (schema v2)."""
+        return self.ent is not None and self.margin is not None
+
+    def signals(self, what: str = "this reader") -> tuple[np.ndarray, np.ndarray]:
+        """The draft's entropy and top-1/top-2 margin, ``(ent, margin)``, each (n, kmax).
+
+        Args:
+            what: Who needs them, named in the error.
+
+        Raises:
+            ValueError: One line, when the set has no signal columns (a schema-v1 set).
+        """
+        if self.ent is None or self.margin is None:
+            raise ValueError(
+                f"{what} needs the draft's entropy and margin (columns ent_j, margin_j of trace schema v2); "
+                "this trace set has none (schema v1): regenerate or re-collect it"
+            )
+        return self.ent, self.margin
 
     def survival(self) -> np.ndarray:
         """The acceptance survival table ``S[t, i-1] = P(a >= i | t) = prod_{j<=i} rho_{t,j}``, i = 1..kmax.
@@ -260,6 +299,8 @@ class PositionArrays:
             self.q[:, :kmax],
             self.U[:, : kmax + 1],
             self.greedy,
+            None if self.ent is None else self.ent[:, :kmax],
+            None if self.margin is None else self.margin[:, :kmax],
         )
 
     @classmethod
@@ -272,6 +313,7 @@ class PositionArrays:
         gid = column_values(table, "generation_id", np.int64)
         starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
         offsets = np.append(starts, len(gid)).astype(np.int64)
+        signals = has_signals(table.column_names, kmax)
         return cls(
             generation_ids=gid[starts],
             categories=column_strings(table, "category")[starts],
@@ -281,6 +323,8 @@ class PositionArrays:
             q=_float_block(table, q_columns(kmax)),
             U=_float_block(table, u_columns(kmax)),
             greedy=greedy,
+            ent=_float_block(table, ent_columns(kmax)) if signals else None,
+            margin=_float_block(table, margin_columns(kmax)) if signals else None,
         )
 
     @classmethod
@@ -289,6 +333,7 @@ class PositionArrays:
         gid = df["generation_id"].to_numpy(np.int64)
         starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
         offsets = np.append(starts, len(gid)).astype(np.int64)
+        signals = has_signals(list(df.columns), kmax)
         return cls(
             generation_ids=gid[starts],
             categories=df["category"].astype(str).to_numpy(object)[starts],
@@ -298,6 +343,8 @@ class PositionArrays:
             q=df[q_columns(kmax)].to_numpy(np.float64),
             U=df[u_columns(kmax)].to_numpy(np.float64),
             greedy=greedy,
+            ent=df[ent_columns(kmax)].to_numpy(np.float64) if signals else None,
+            margin=df[margin_columns(kmax)].to_numpy(np.float64) if signals else None,
         )
 
 
@@ -466,6 +513,10 @@ class TraceSet:
     def save(self, root: str | os.PathLike[str], overwrite: bool = False) -> Path:
         """Validate and write the set atomically; fills in counts, rows and sha256 in the manifest.
 
+        The manifest's ``schema_version`` is set from the tables: 2 (:data:`SCHEMA_VERSION`), or 1
+        when the positions table has no signal columns (ent_j, margin_j); a v1 table keeps loading
+        as what it is.
+
         Args:
             root: Destination folder (created with its missing parents; must not exist unless
                 ``overwrite``).
@@ -487,14 +538,25 @@ class TraceSet:
         with atomic_dir(root, replace=overwrite) as tmp:
             m = self.manifest
             files: dict[str, dict[str, Any]] = {}
+            m.schema_version = SCHEMA_VERSION
             if self.positions is not None:
-                table = _positions_table(self.positions, m.kmax)
-                validate_positions(table, m.model, m.kmax, m.greedy, file="positions (in memory)")
+                signals = has_signals(list(self.positions.columns), m.kmax)
+                m.schema_version = SCHEMA_VERSION if signals else 1
+                table = _positions_table(self.positions, m.kmax, signals, m.schema_version)
+                validate_positions(
+                    table,
+                    m.model,
+                    m.kmax,
+                    m.greedy,
+                    file="positions (in memory)",
+                    schema_version=m.schema_version,
+                    vocab_size=m.vocab_size,
+                )
                 files["positions"] = _write_table(table, tmp / "positions.parquet")
                 m.counts["positions"] = table.num_rows
                 m.counts["generations"] = int(self.positions["generation_id"].nunique())
             if self.rounds is not None:
-                table = _rounds_table(self.rounds)
+                table = _rounds_table(self.rounds, m.schema_version)
                 validate_rounds(table, m.model, m.kmax, file="rounds (in memory)")
                 files["rounds"] = _write_table(table, tmp / "rounds.parquet")
                 m.counts["rounds"] = table.num_rows
@@ -524,10 +586,25 @@ def _load_table(
     table = _read_parquet(path, ent.get("rows"))
     meta = table.schema.metadata or {}
     sv = meta.get(b"specenv.schema_version")
-    if sv is not None and sv.decode(errors="replace") != str(SCHEMA_VERSION):
-        raise TraceError(str(path), f"Parquet schema_version {sv.decode(errors='replace')} != {SCHEMA_VERSION}")
+    if sv is not None:
+        # a table may be older than its manifest (v2 sets keep v1 rounds tables: the rounds did not change)
+        allowed = [str(v) for v in SUPPORTED_SCHEMA_VERSIONS if v <= manifest.schema_version]
+        if sv.decode(errors="replace") not in allowed:
+            raise TraceError(
+                str(path),
+                f"Parquet schema_version {sv.decode(errors='replace')} is not one of {', '.join(allowed)} "
+                f"(manifest schema_version {manifest.schema_version})",
+            )
     if tab == "positions":
-        validate_positions(table, manifest.model, manifest.kmax, manifest.greedy, file=str(path))
+        validate_positions(
+            table,
+            manifest.model,
+            manifest.kmax,
+            manifest.greedy,
+            file=str(path),
+            schema_version=manifest.schema_version,
+            vocab_size=manifest.vocab_size,
+        )
     else:
         validate_rounds(table, manifest.model, manifest.kmax, file=str(path))
     return table
@@ -568,15 +645,17 @@ def _read_parquet(path: Path, rows: int | None = None) -> pa.Table:
         raise TraceError(str(path), "too large to load into memory") from None
 
 
-def _schema_meta() -> dict[bytes, bytes]:
-    return {b"specenv.schema_version": str(SCHEMA_VERSION).encode()}
+def _schema_meta(version: int = SCHEMA_VERSION) -> dict[bytes, bytes]:
+    return {b"specenv.schema_version": str(version).encode()}
 
 
-def _to_table(df: pd.DataFrame, columns: dict[str, pa.DataType]) -> pa.Table:
+def _to_table(df: pd.DataFrame, columns: dict[str, pa.DataType], version: int = SCHEMA_VERSION) -> pa.Table:
     extra = [c for c in df.columns if c not in columns]
     arrays = []
     fields = []
     for name, typ in columns.items():
+        if name not in df.columns:
+            raise TraceError("(in memory)", "missing required column", column=name)
         if name == "category":
             arrays.append(pa.array(df[name].astype(str).to_numpy(object), type=pa.string()).dictionary_encode())
             fields.append(pa.field(name, pa.dictionary(pa.int32(), pa.string())))
@@ -587,15 +666,15 @@ def _to_table(df: pd.DataFrame, columns: dict[str, pa.DataType]) -> pa.Table:
         arr = pa.array(df[name], from_pandas=True)
         arrays.append(arr)
         fields.append(pa.field(name, arr.type))
-    return pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=_schema_meta()))
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=_schema_meta(version)))
 
 
-def _positions_table(df: pd.DataFrame, kmax: int) -> pa.Table:
-    return _to_table(df, positions_columns(kmax))
+def _positions_table(df: pd.DataFrame, kmax: int, signals: bool, version: int) -> pa.Table:
+    return _to_table(df, positions_columns(kmax, signals=signals), version)
 
 
-def _rounds_table(df: pd.DataFrame) -> pa.Table:
-    return _to_table(df, ROUNDS_COLUMNS)
+def _rounds_table(df: pd.DataFrame, version: int) -> pa.Table:
+    return _to_table(df, ROUNDS_COLUMNS, version)
 
 
 def _write_table(table: pa.Table, path: Path) -> dict[str, Any]:

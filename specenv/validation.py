@@ -50,6 +50,8 @@ N_EXPERTS_MAX = 4096
 N_LAYERS_MAX = 1024
 #: Largest generation cap a file may declare.
 MAX_NEW_TOKENS_MAX = 1 << 24
+#: Largest draft vocabulary a trace manifest may declare (bounds the entropy columns by its log).
+VOCAB_MAX = 1 << 24
 #: Longest context (tokens) over which a cost model must charge positive costs.
 CONTEXT_MAX = 1 << 20
 #: Largest JSON file read (bytes): manifests, cost models, policies and prompt sets are far smaller.
@@ -346,6 +348,7 @@ def _models() -> dict[str, Any]:
         model: ModelFactsJSON
         kmax: Annotated[int, Field(ge=1, le=KMAX_MAX)]
         max_new_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS_MAX)] = 1000
+        vocab_size: Annotated[int, Field(ge=2, le=VOCAB_MAX)] | None = None
         counts: CountsJSON = CountsJSON()
         files: dict[str, TraceFileJSON]
         extra: dict[str, Any] = {}

@@ -21,7 +21,15 @@ from specenv.envs.registration import REPLAY_ID, register_envs
 from specenv.envs.replay import MoESpecEnv
 from specenv.observation import ObservationSpec, ObservationState, ScalarObservation
 from specenv.replay import replay_data
-from specenv.schema import q_columns, rho_columns, u_columns
+from specenv.schema import (
+    binary_entropy,
+    ent_columns,
+    has_signals,
+    margin_columns,
+    q_columns,
+    rho_columns,
+    u_columns,
+)
 from specenv.splits import SPLITS, held_out_ids, n_test, select_split, split_ids, split_mask
 from specenv.traceset import TraceSet
 
@@ -303,6 +311,13 @@ def _modify_future(ts: TraceSet, gid: int, t_cut: int, lookahead: int, n_extra: 
     pos.loc[sel, rho_columns(kmax)] = rho.astype(np.float32)
     pos.loc[sel, u_columns(kmax)] = np.minimum(U, ts.facts.n_experts).astype(np.float32)
     pos.loc[sel, q_columns(kmax)] = q.astype(np.float32)
+    if has_signals(list(pos.columns), kmax):  # schema v2: new entropies and margins, consistent with the new q
+        ent = binary_entropy(q) + (1 - q) * rng.uniform(0, 3, q.shape)
+        floor = np.maximum(2 * q - 1, 0)
+        margin = floor + (1 - floor) * rng.random(q.shape)
+        for cols, new in ((ent_columns(kmax), ent), (margin_columns(kmax), margin)):
+            new[current, :lookahead] = pos.loc[sel, cols].to_numpy()[current, :lookahead]
+            pos.loc[sel, cols] = new.astype(np.float32)
     return TraceSet(copy.deepcopy(ts.manifest), pos, ts.rounds)
 
 

@@ -125,6 +125,25 @@ def _greedy_flag(root: Path) -> None:
     _manifest_edit(greedy=True)(root)
 
 
+def _first_row(df: pd.DataFrame, col: str, lo: float, hi: float) -> int:
+    return int(np.flatnonzero((df[col] > lo) & (df[col] < hi))[0])
+
+
+def _ent_below_hq(df: pd.DataFrame) -> pd.DataFrame:
+    df.loc[_first_row(df, "q_2", 0.2, 0.8), "ent_2"] = 0.0  # h(q) > 0.5 nats there
+    return df
+
+
+def _margin_below(df: pd.DataFrame) -> pd.DataFrame:
+    df.loc[_first_row(df, "q_3", 0.7, 1.0), "margin_3"] = 0.0  # 2q - 1 > 0.4 there
+    return df
+
+
+def _drop_signals(root: Path) -> None:
+    """A schema-v2 set whose positions lost every signal column but whose manifest still says 2."""
+    _edit(root, "positions", lambda df: df.drop(columns=[c for c in df.columns if c.startswith(("ent_", "margin_"))]))
+
+
 # (id, mutation of the folder, text the one-line error must contain)
 CASES: list[tuple[str, Callable[[Path], None], list[str]]] = [
     ("missing-column", lambda r: _edit(r, "positions", _drop_col("rho_3")), ["positions.parquet", "rho_3", "missing"]),
@@ -146,7 +165,7 @@ CASES: list[tuple[str, Callable[[Path], None], list[str]]] = [
     ("generation-split", lambda r: _edit(r, "positions", _swap_blocks), ["generation_id", "contiguous"]),
     ("category-changes", lambda r: _edit(r, "positions", _category_flip), ["category", "row 3"]),
     ("wrong-type", lambda r: _edit(r, "positions", _set("rho_1", 0, "high")), ["rho_1", "type"]),
-    ("wrong-schema-version", _manifest_edit(schema_version=2), ["manifest.json", "schema_version"]),
+    ("wrong-schema-version", _manifest_edit(schema_version=3), ["manifest.json", "schema_version"]),
     ("hash-mismatch", _hash_mismatch, ["rounds.parquet", "sha256"]),
     ("truncated-parquet", _truncate, ["positions.parquet", "Parquet"]),
     ("empty-file", _empty, ["rounds.parquet", "Parquet"]),
@@ -156,6 +175,27 @@ CASES: list[tuple[str, Callable[[Path], None], list[str]]] = [
     ("row-count-mismatch", _rows_mismatch, ["rounds.parquet", "rows"]),
     ("greedy-with-fractional-rho", _greedy_flag, ["rho_", "greedy"]),
     ("bad-model-facts", _manifest_edit(model={"n_layers": 48, "n_experts": 4, "top_k": 8}), ["manifest.json", "model"]),
+    # schema v2: the draft's entropy and margin
+    ("v2-missing-ent", lambda r: _edit(r, "positions", _drop_col("ent_3")), ["positions.parquet", "ent_3", "missing"]),
+    ("v2-no-signals", _drop_signals, ["positions.parquet", "ent_1", "missing"]),
+    ("ent-nan", lambda r: _edit(r, "positions", _set("ent_2", 11, np.nan)), ["positions.parquet", "ent_2", "row 11"]),
+    ("ent-infinite", lambda r: _edit(r, "positions", _set("ent_1", 3, np.inf)), ["ent_1", "row 3", "infinite"]),
+    ("ent-negative", lambda r: _edit(r, "positions", _set("ent_4", 6, -0.5)), ["ent_4", "row 6", "negative"]),
+    ("ent-above-log-vocab", lambda r: _edit(r, "positions", _set("ent_1", 2, 12.5)), ["ent_1", "row 2", "log(vocab"]),
+    ("ent-below-h(q)", lambda r: _edit(r, "positions", _ent_below_hq), ["ent_2", "h(q_2)"]),
+    (
+        "margin-nan",
+        lambda r: _edit(r, "positions", _set("margin_5", 8, np.nan)),
+        ["positions.parquet", "margin_5", "row 8"],
+    ),
+    ("margin-above-1", lambda r: _edit(r, "positions", _set("margin_1", 4, 1.5)), ["margin_1", "row 4", "[0, 1]"]),
+    ("margin-negative", lambda r: _edit(r, "positions", _set("margin_2", 0, -0.1)), ["margin_2", "row 0", "[0, 1]"]),
+    ("margin-below-2q-1", lambda r: _edit(r, "positions", _margin_below), ["margin_3", "2*q_3 - 1"]),
+    ("ent-wrong-type", lambda r: _edit(r, "positions", _set("ent_1", 0, "high")), ["ent_1", "type"]),
+    ("margin-beyond-kmax", lambda r: _edit(r, "positions", _set("margin_7", 0, 0.5)), ["margin_7", "kmax=6"]),
+    ("v1-manifest-v2-tables", _manifest_edit(schema_version=1), ["positions.parquet", "schema_version 2"]),
+    ("vocab-size-zero", _manifest_edit(vocab_size=0), ["manifest.json", "vocab_size"]),
+    ("vocab-size-string", _manifest_edit(vocab_size="151936"), ["manifest.json", "vocab_size"]),
 ]
 
 

@@ -67,6 +67,9 @@ class RoundResult:
         T_T_cpu_ms: CPU time of the calling thread during verification (``time.thread_time``): with
             one torch thread it excludes time the process spent descheduled by other processes.
         T_D_cpu_ms: The same for the draft phase.
+        ent: Entropy (nats) of the draft's distribution at every drafted token (aligned with ``q``;
+            empty when the engine does not report it).
+        margin: Top-1 minus top-2 probability of that distribution (aligned with ``q``; may be empty).
     """
 
     k: int
@@ -84,6 +87,8 @@ class RoundResult:
     drafted: tuple[int, ...] = ()
     T_T_cpu_ms: float = 0.0
     T_D_cpu_ms: float = 0.0
+    ent: tuple[float, ...] = ()
+    margin: tuple[float, ...] = ()
 
 
 @runtime_checkable

@@ -1,4 +1,4 @@
-"""Record a trace set (schema v1) with the live CPU engine: executed rounds and the counterfactual table.
+"""Record a trace set (schema v2) with the live CPU engine: executed rounds and the counterfactual table.
 
 For every prompt:
 
@@ -8,8 +8,12 @@ For every prompt:
    must reproduce y; mismatches are counted in the manifest (``extra.lossless``).
 2. **Counterfactual sweep** over y (:meth:`specenv.engines.hf.engine.LiveEngine.sweep`): at every position t
    the draft's greedy chain of Kmax tokens, its teacher-forced verification by the target
-   (rho in {0, 1}), the draft's probabilities q and the unique experts U_{t,0..Kmax}; one row of the
+   (rho in {0, 1}), the draft's probabilities q, the entropy and top-1/top-2 margin of its
+   distribution at every drafted token, and the unique experts U_{t,0..Kmax}; one row of the
    ``positions`` table per (prompt, t).
+
+:func:`recollect_positions` redoes step 2 alone for an existing set (its rounds stay): the migration
+of a schema-v1 live set to v2.
 
 Timings: every round is timed twice, by the wall clock (``time.perf_counter``) and by the CPU time
 of the calling thread (``time.thread_time``; the engine runs one torch thread, so this is all of its
@@ -37,8 +41,8 @@ import pandas as pd
 
 from specenv.engines.hf.engine import LiveEngine
 from specenv.engines.hf.models import PROMPT_SET, Prompt, SmallModels, load_models, load_prompts
-from specenv.schema import ModelFacts, q_columns, rho_columns, u_columns
-from specenv.traceset import Manifest, TraceSet
+from specenv.schema import ModelFacts, ent_columns, margin_columns, q_columns, rho_columns, u_columns
+from specenv.traceset import Manifest, PositionArrays, TraceSet
 
 CLOCKS = ("cpu", "wall")
 
@@ -168,6 +172,10 @@ def _positions_frame(p: Prompt, reference: list[int], sw: dict[str, np.ndarray],
         cols[c] = np.clip(sw["q"][:, j], 0.0, 1.0)
     for j, c in enumerate(u_columns(kmax)):
         cols[c] = sw["U"][:, j]
+    for j, c in enumerate(ent_columns(kmax)):
+        cols[c] = np.maximum(sw["ent"][:, j], 0.0)
+    for j, c in enumerate(margin_columns(kmax)):
+        cols[c] = np.clip(sw["margin"][:, j], 0.0, 1.0)
     cols["T_T_sweep_ms"] = sw["T_T_ms"]
     return pd.DataFrame(cols)
 
@@ -206,6 +214,7 @@ def _manifest(
             "counterfactual positions from teacher-forced verification of the draft's greedy chains."
         ),
         max_new_tokens=max_new_tokens,
+        vocab_size=int(models.draft.config.vocab_size),
         extra={
             "engine": "specenv.engines.hf.engine.LiveEngine",
             "collector": "specenv.engines.hf.collect.collect_live",
@@ -244,6 +253,8 @@ def _manifest(
                 "(time.thread_time; excludes time descheduled by other processes)",
                 "positions.T_T_sweep_ms": "time of the teacher-forced verification pass (m = Kmax+1)",
             },
+            "signals": "ent_j, margin_j: entropy (nats) and top-1 minus top-2 probability of the draft's "
+            "softmax at d_j (specenv.engines.hf.engine.draft_signals, float64)",
         },
     )
 
@@ -273,3 +284,106 @@ def _rounds_frame(p: Prompt, K: int, rounds: list[Any], clock: str) -> pd.DataFr
             "T_D_cpu_ms": cpu_d,
         }
     )
+
+
+def recollect_positions(
+    ts: TraceSet,
+    models: SmallModels | None = None,
+    prompt_set: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    keep_columns: bool = True,
+    q_tolerance: float = 1e-4,
+) -> tuple[TraceSet, dict[str, Any]]:
+    """Re-collect the positions table of a live set (reference output + counterfactual sweep); keep its rounds.
+
+    For every generation the greedy reference is decoded again (K = 0) and must have the length the
+    old positions table has; the sweep then yields every column of schema v2. The result's
+    manifest is the old one with the new positions, ``vocab_size`` and a ``recollected`` note.
+
+    Args:
+        ts: A set written by :func:`collect_live` (``source="hf"``): generation ids are prompt ids.
+        models: Loaded models (default: the shipped ``small-moe-v1``; must be those of ``ts``).
+        prompt_set: Prompt set name or path (default: the one in the manifest).
+        progress: Called as progress(done, total) after each generation.
+        keep_columns: Keep every column of the old table bit for bit (every figure computed from
+            them stays identical) and add the new signal columns, after checking that the new sweep
+            reproduces the old rho and U exactly and q to ``q_tolerance`` (float32 softmax on another
+            build moves q in the last bits). False takes the new sweep's table as it is (with the
+            sweep's new timings ``T_T_sweep_ms``).
+        q_tolerance: Largest absolute change of q accepted with ``keep_columns``.
+
+    Returns:
+        ``(new_set, report)``: the report counts the cells of rho, q and U that differ from the old
+        table.
+
+    Raises:
+        ValueError: If the set is not a live set, a prompt is missing, a reference has another
+            length, or (``keep_columns``) the sweep does not reproduce the old columns.
+    """
+    m = ts.manifest
+    if m.source != "hf" or not ts.has_positions:
+        raise ValueError(f"trace set '{m.name}': not a live set with a positions table (source={m.source!r})")
+    models = models or load_models()
+    plist = load_prompts(prompt_set or m.extra.get("prompt_set", PROMPT_SET))
+    by_id = {p.id: p for p in plist}
+    old = ts.arrays()
+    eng = LiveEngine(models, kmax=m.kmax, max_new_tokens=m.max_new_tokens, threads=int(m.extra.get("threads", 1)))
+    frames = []
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    try:
+        for g, gid in enumerate(old.generation_ids):
+            p = by_id.get(int(gid))
+            if p is None:
+                raise ValueError(f"generation {int(gid)}: no such prompt in the prompt set")
+            ids = models.encode(p.text)
+            reference, _ = eng.generate(ids, 0)
+            n_old = int(old.lengths[g])
+            if len(reference) != n_old:
+                raise ValueError(f"generation {int(gid)}: reference has {len(reference)} tokens, the set has {n_old}")
+            frames.append(_positions_frame(p, reference, eng.sweep(ids, reference, m.kmax), m.kmax))
+            if progress:
+                progress(g + 1, len(old.generation_ids))
+    finally:
+        eng.close()
+    positions = pd.concat(frames, ignore_index=True)
+    new_arrays = PositionArrays.from_frame(positions, m.kmax, m.greedy)
+    report = {
+        "generations": len(frames),
+        "rho_cells_changed": int(np.count_nonzero(new_arrays.rho != old.rho)),
+        "q_max_abs_change": float(np.max(np.abs(new_arrays.q - old.q))),
+        "U_cells_changed": int(np.count_nonzero(new_arrays.U != old.U)),
+        "wall_seconds": round(time.perf_counter() - wall0, 1),
+        "cpu_seconds": round(time.process_time() - cpu0, 1),
+    }
+    if keep_columns:
+        if report["rho_cells_changed"] or report["U_cells_changed"] or report["q_max_abs_change"] > q_tolerance:
+            raise ValueError(f"the sweep does not reproduce the old rho/q/U of '{m.name}': {report}")
+        signals = ent_columns(m.kmax) + margin_columns(m.kmax)
+        kept = ts.positions.drop(columns=[c for c in signals if c in ts.positions.columns])
+        positions = pd.concat([kept.reset_index(drop=True), positions[signals]], axis=1)
+    report["kept_old_columns"] = keep_columns
+    extra = dict(m.extra)
+    extra["signals"] = (
+        "ent_j, margin_j: entropy (nats) and top-1 minus top-2 probability of the draft's softmax at d_j "
+        "(specenv.engines.hf.engine.draft_signals, float64)"
+    )
+    extra["recollected"] = {
+        "positions": "re-collected for trace schema v2 by specenv.engines.hf.collect.recollect_positions; "
+        "the rounds table is the schema-v1 one",
+        **report,
+        "torch": __import__("torch").__version__,
+    }
+    manifest = Manifest(
+        name=m.name,
+        source=m.source,
+        profile=m.profile,
+        model=m.model,
+        kmax=m.kmax,
+        greedy=m.greedy,
+        version=m.version,
+        description=m.description,
+        max_new_tokens=m.max_new_tokens,
+        extra=extra,
+        vocab_size=int(models.draft.config.vocab_size),
+    )
+    return TraceSet(manifest, positions, ts.rounds), report

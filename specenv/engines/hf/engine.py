@@ -12,7 +12,8 @@ feeds exactly m = k+1 tokens:
 
 1. draft (timed as ``T_D``): the draft feeds whatever committed tokens its cache lacks, then proposes
    greedily (or samples, temperature > 0) one token per forward, k forwards in all, recording its
-   probability q of every drafted token;
+   probability q of every drafted token and the entropy and top-1/top-2 margin of the distribution
+   it drew it from (:func:`draft_signals`; trace schema v2);
 2. verify (timed as ``T_T``): one target forward over ``[last, d_1..d_k]``; greedy: accept the
    longest prefix of drafts equal to the target's argmax, then commit the target's own next token;
    temperature > 0: standard speculative rejection sampling (accept d_j with probability
@@ -46,6 +47,27 @@ import numpy as np
 
 from specenv.engines.base import RoundResult, prefix_expert_stats, run_fixed_k
 from specenv.engines.hf.models import SmallModels, load_models
+
+
+def draft_signals(probs: Any) -> tuple[float, float]:
+    """Entropy (nats) and top-1 minus top-2 probability of one draft distribution (trace schema v2).
+
+    Computed in float64 from the distribution the token was drawn from (the softmax of the logits
+    when greedy, of the tempered logits when sampling). For any token of probability q in it the
+    margin is >= 2q - 1 and the entropy is >= the binary entropy of q.
+
+    Args:
+        probs: ``(vocab,)`` torch tensor of probabilities.
+
+    Returns:
+        ``(entropy, margin)``: entropy in [0, log(vocab)], margin in [0, 1].
+    """
+    import torch
+
+    p = probs.double()
+    ent = float(torch.special.entr(p).sum())
+    top = torch.topk(p, 2).values.tolist() if p.numel() > 1 else [float(p[0]), 0.0]
+    return max(ent, 0.0), min(max(top[0] - top[1], 0.0), 1.0)
 
 
 class RoutingRecorder:
@@ -100,6 +122,8 @@ class _State:
     d_len: int = 0  # tokens in the draft cache
     drafts: list[int] = field(default_factory=list)
     q: list[float] = field(default_factory=list)
+    ent: list[float] = field(default_factory=list)  # entropy of each drafted token's distribution
+    margin: list[float] = field(default_factory=list)  # its top-1 minus top-2 probability
     dists: list[Any] = field(default_factory=list)  # full draft distributions (sampling only)
     draft_ms: float = 0.0
     draft_cpu_ms: float = 0.0
@@ -200,6 +224,16 @@ class LiveEngine:
         """Draft probabilities q of the tokens proposed so far in the current round."""
         return list(self._s.q)
 
+    @property
+    def draft_entropy(self) -> list[float]:
+        """Entropy (nats) of the draft's distribution at each token proposed so far in the current round."""
+        return list(self._s.ent)
+
+    @property
+    def draft_margin(self) -> list[float]:
+        """Top-1 minus top-2 probability of the draft's distribution at each token proposed so far."""
+        return list(self._s.margin)
+
     def seed(self, seed: int) -> None:
         """Reseed the sampling generator."""
         self._gen.manual_seed(int(seed))
@@ -244,7 +278,8 @@ class LiveEngine:
         Used for lookahead (confidences shown before the budget is chosen); :meth:`step` calls it.
 
         Returns:
-            The draft probabilities q of the chain so far.
+            The draft probabilities q of the chain so far (entropies and margins:
+            :attr:`draft_entropy`, :attr:`draft_margin`).
         """
         s = self._s
         if s.done:
@@ -267,14 +302,19 @@ class LiveEngine:
                 logits = out.logits[0, -1]
                 if self.temperature == 0.0:
                     tok = int(torch.argmax(logits))
-                    q = float(torch.softmax(logits, -1)[tok])
+                    probs = torch.softmax(logits, -1)
+                    q = float(probs[tok])
+                    ent, margin = draft_signals(torch.softmax(logits.double(), -1))
                 else:
                     dist = torch.softmax(logits / self.temperature, -1)
                     tok = int(torch.multinomial(dist, 1, generator=self._gen))
                     q = float(dist[tok])
+                    ent, margin = draft_signals(dist)
                     s.dists.append(dist)
                 s.drafts.append(tok)
                 s.q.append(q)
+                s.ent.append(ent)
+                s.margin.append(margin)
         s.draft_ms += (time.perf_counter() - t0) * 1e3
         s.draft_cpu_ms += (time.thread_time() - c0) * 1e3
         return list(s.q)
@@ -301,7 +341,7 @@ class LiveEngine:
         routing = self.recorder.buf[:, : k + 1].numpy()
         U, E = prefix_expert_stats(routing, self.n_experts)
         self.last_routing = routing.copy()
-        q, drafted = tuple(s.q), tuple(s.drafts)
+        q, drafted, ent, margin = tuple(s.q), tuple(s.drafts), tuple(s.ent), tuple(s.margin)
         new = self._commit(new, t_before, n0 + a)
         return RoundResult(
             k=k,
@@ -319,6 +359,8 @@ class LiveEngine:
             drafted=drafted,
             T_T_cpu_ms=c_target,
             T_D_cpu_ms=c_draft,
+            ent=ent,
+            margin=margin,
         )
 
     def _verify(self, drafts: list[int]) -> tuple[int, list[int], float, float]:
@@ -381,7 +423,7 @@ class LiveEngine:
             new = new[: new.index(self.models.eos_id) + 1]
         s.ids.extend(new)
         s.t_len = t_len
-        s.drafts, s.q, s.dists, s.draft_ms, s.draft_cpu_ms = [], [], [], 0.0, 0.0
+        s.drafts, s.q, s.ent, s.margin, s.dists, s.draft_ms, s.draft_cpu_ms = [], [], [], [], [], 0.0, 0.0
         s.done = len(s.ids) - s.prompt_len >= self.max_new_tokens or (
             self.stop_at_eos and bool(new) and new[-1] == self.models.eos_id
         )
@@ -416,9 +458,11 @@ class LiveEngine:
 
         Returns:
             ``rho`` (N, kmax) in {0, 1}: d_j equals the target's argmax after ``d_1..d_{j-1}``;
-            ``q`` (N, kmax): the draft's probability of d_j; ``U`` (N, kmax+1): unique experts of
-            the chain prefix of every length (U[:, 0] = top_k); ``E`` (N, kmax+1): largest expert
-            load; ``L`` (N,): context length P + t; ``T_T_ms`` (N,): time of the verification pass.
+            ``q`` (N, kmax): the draft's probability of d_j; ``ent``, ``margin`` (N, kmax): entropy
+            (nats) and top-1 minus top-2 probability of the draft's distribution at d_j; ``U``
+            (N, kmax+1): unique experts of the chain prefix of every length (U[:, 0] = top_k); ``E``
+            (N, kmax+1): largest expert load; ``L`` (N,): context length P + t; ``T_T_ms`` (N,): time of
+            the verification pass.
         """
         torch = self._torch
         kmax = self.kmax if kmax is None else int(kmax)
@@ -430,6 +474,8 @@ class LiveEngine:
         N = len(reference)
         rho = np.zeros((N, kmax), dtype=np.float32)
         qs = np.zeros((N, kmax), dtype=np.float32)
+        ents = np.zeros((N, kmax), dtype=np.float32)
+        margins = np.zeros((N, kmax), dtype=np.float32)
         U = np.zeros((N, kmax + 1), dtype=np.float32)
         E = np.zeros((N, kmax + 1), dtype=np.float32)
         tt = np.zeros(N, dtype=np.float32)
@@ -448,6 +494,7 @@ class LiveEngine:
                     lg = out.logits[0, -1]
                     d = int(lg.argmax())
                     qs[t, j] = float(torch.softmax(lg, -1)[d])
+                    ents[t, j], margins[t, j] = draft_signals(torch.softmax(lg.double(), -1))
                     chain.append(d)
                     feed = [d]
                 self._d_cache.crop(-(kmax - 1))  # keep context + seq[n-1]
@@ -466,4 +513,13 @@ class LiveEngine:
                 u, e = prefix_expert_stats(self.recorder.buf[:, : kmax + 1].numpy(), self.n_experts)
                 U[t], E[t] = u, e
         self._s.done = True
-        return {"rho": rho, "q": qs, "U": U, "E": E, "L": np.arange(P, P + N, dtype=np.int32), "T_T_ms": tt}
+        return {
+            "rho": rho,
+            "q": qs,
+            "ent": ents,
+            "margin": margins,
+            "U": U,
+            "E": E,
+            "L": np.arange(P, P + N, dtype=np.int32),
+            "T_T_ms": tt,
+        }
