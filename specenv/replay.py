@@ -219,7 +219,8 @@ def replay_data(
         ValueError: Naming the bad argument (``dataset``, ``kmax``, ``split``, ``cost_model``,
             ``lookahead``, ``drafting``).
     """
-    ts, kmax, cost_model, lookahead, drafting = _checked_arguments(dataset, kmax, split, cost_model, lookahead, drafting)
+    checked = _checked_arguments(dataset, kmax, split, cost_model, lookahead, drafting)
+    ts, kmax, cost_model, lookahead, drafting = checked
     key = _cache_key(ts, kmax, split, cost_model, lookahead, drafting)
     hit = _REPLAY_CACHE.get(key)
     if hit is not None:
