@@ -113,6 +113,8 @@ class MoESpecSeqEnv(RoundEnv):
 
     * v0: initial version.
 
+    The observation contract is the attribute ``obs_spec`` (``spec`` is Gymnasium's ``EnvSpec``).
+
     Examples:
         >>> import gymnasium as gym
         >>> import specenv
@@ -150,10 +152,10 @@ class MoESpecSeqEnv(RoundEnv):
         self.kmax = d.kmax
         self.drafting = d.drafting
         self.ar_unit_ms = d.ar_unit_ms
-        self.spec = replace(d.spec, lookahead=0, per_token=True)
+        self.obs_spec = replace(d.spec, lookahead=0, per_token=True)
         self.action_space = spaces.Discrete(2)
-        self.observation_space = self.spec.space()
-        self._obs = ScalarObservation(self.spec)
+        self.observation_space = self.obs_spec.space()
+        self._obs = ScalarObservation(self.obs_spec)
         self._width = self.kmax + 1
         self._surv = d.survival.item
         self._cost = d.cost.item
