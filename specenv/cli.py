@@ -763,7 +763,8 @@ def bench(
         f"# specenv bench: {ctx['dataset']}, held-out split ({ctx['test_generations']} generations, "
         f"{ctx['episodes']} episodes each), Kmax={ctx['kmax']}; cost model {ctx['cost_model']} "
         f"(fitted on: {ctx['cost_model_fitted_on']}); fixed-k rows exact, the others Monte Carlo with bootstrap "
-        f"95% CIs over generations\n",
+        f"95% CIs over generations; each row charged by its drafting mode (none: T_D(k); sequential: T_D(drafted) "
+        f"= T_D(k); block: T_D(max(k, h))), the bound is none's (= sequential's)\n",
         markup=False,
     )
     out.print(markdown_table(res), markup=False)
