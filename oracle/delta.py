@@ -175,7 +175,9 @@ def _state_weights(
         w[w <= min_occupancy] = 0.0
         return w
     if states == "mc":
-        sim = simulate(arrays, cost_model, res.k, episodes=episodes, seed=seed, lookahead=res.lookahead)
+        sim = simulate(
+            arrays, cost_model, res.k, episodes=episodes, seed=seed, lookahead=res.lookahead, drafting=res.drafting
+        )
         return sim.visits.astype(np.float64)
     raise ValueError(f"states must be 'occupancy' or 'mc', got {states!r}")
 
@@ -191,6 +193,7 @@ def delta_analysis(
     seed: int = 0,
     tol_cost: float = 1e-9,
     tol_a: float = 1e-9,
+    drafting: str | None = None,
 ) -> DeltaAnalysis:
     """Delta-space analysis of the oracle's decisions (paper Figure 3).
 
@@ -205,16 +208,20 @@ def delta_analysis(
         seed: Seed (mc mode).
         tol_cost: |dE[Cost]| <= tol_cost counts as on the axis (ms).
         tol_a: |dE[a]| <= tol_a counts as on the axis (tokens).
+        drafting: The drafting mode (as in :func:`oracle.dp.solve`; default: ``result``'s mode when
+            a result is given, else block for h > 0 and none for h = 0).
 
     Returns:
         The :class:`DeltaAnalysis`.
     """
-    res = result if result is not None else solve(arrays, cost_model, lookahead=lookahead)
+    if drafting is None and result is not None:
+        drafting = result.drafting
+    res = result if result is not None else solve(arrays, cost_model, lookahead=lookahead, drafting=drafting)
     if res.kmax != arrays.kmax or len(res.k) != len(arrays.L):
         raise ValueError("result does not belong to these arrays (solve them with the same kmax)")
     w_state = _state_weights(arrays, cost_model, res, states, min_occupancy, episodes, seed)
     rows = np.flatnonzero(w_state > 0)
-    x, y, w, kk, kst = _rejected_points(arrays, cost_model, lookahead, res.k[rows], rows, w_state)
+    x, y, w, kk, kst = _rejected_points(arrays, cost_model, lookahead, res.k[rows], rows, w_state, drafting)
     masks = _quadrant_masks(x, y, tol_a, tol_cost)
     lam, r2, rsd, rq = _least_squares_line(x, y, w)
     mu, err = _separating_slope(x, y, w, tol_a)
@@ -251,6 +258,7 @@ def _rejected_points(
     ks: np.ndarray,
     rows: np.ndarray,
     w_state: np.ndarray,
+    drafting: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every (decision state, rejected k) point, flattened row by row.
 
@@ -261,11 +269,12 @@ def _rejected_points(
         ks: (len(rows),) the oracle's budget k* at each decision state.
         rows: Position rows of the decision states.
         w_state: (n,) weight of every position row.
+        drafting: The drafting mode.
 
     Returns:
         ``(da, dc, weight, k, kstar)``, each of shape (points,).
     """
-    C = cost_table(arrays, cost_model, lookahead)
+    C = cost_table(arrays, cost_model, lookahead, drafting)
     A = expected_accepted(arrays)
     K1 = arrays.kmax + 1
     dc = C[rows] - C[rows, ks][:, None]
@@ -331,7 +340,9 @@ def _marginal_dv(arrays: PositionArrays, res: Evaluation, rows: np.ndarray, ws: 
     return float((dv[rows] * ws).sum() / ws.sum()) if ws.sum() > 0 else float("nan")
 
 
-def delta_rule_policy(arrays: PositionArrays, cost_model: CostModel, lam: float, lookahead: int = 0) -> np.ndarray:
+def delta_rule_policy(
+    arrays: PositionArrays, cost_model: CostModel, lam: float, lookahead: int = 0, drafting: str | None = None
+) -> np.ndarray:
     """Budgets of the delta rule with the trace's true acceptance: ``argmax_k lam*E[a(t,k)] - C(t,k)``.
 
     This is the offline (perfect-information) form of the delta-space heuristic; evaluate it with
@@ -340,19 +351,24 @@ def delta_rule_policy(arrays: PositionArrays, cost_model: CostModel, lam: float,
     Returns:
         (n,) int64 budgets per position row.
     """
-    C = cost_table(arrays, cost_model, lookahead)
+    C = cost_table(arrays, cost_model, lookahead, drafting)
     A = expected_accepted(arrays)
     return np.argmax(lam * A - C, axis=1).astype(np.int64)
 
 
 def _policy_optimal_slope(
-    arrays: PositionArrays, cost_model: CostModel, lookahead: int, start: float, iters: int = 24
+    arrays: PositionArrays,
+    cost_model: CostModel,
+    lookahead: int,
+    start: float,
+    iters: int = 24,
+    drafting: str | None = None,
 ) -> float:
     """Lambda minimising the exact expected cost of :func:`delta_rule_policy` (grid + golden section)."""
 
     def cost(lam: float) -> float:
-        k = delta_rule_policy(arrays, cost_model, lam, lookahead)
-        return float(evaluate_policy(arrays, cost_model, k, lookahead).cost.sum())
+        k = delta_rule_policy(arrays, cost_model, lam, lookahead, drafting)
+        return float(evaluate_policy(arrays, cost_model, k, lookahead, drafting).cost.sum())
 
     grid = start * np.geomspace(0.5, 2.0, 9)
     vals = [cost(g) for g in grid]
@@ -381,6 +397,7 @@ def boundary_slope(
     method: Literal["separating", "ls", "v0", "policy"] = "separating",
     states: States = "occupancy",
     unit_ms: float = 1.0,
+    drafting: str | None = None,
 ) -> float:
     """The delta-space boundary slope lambda fitted on the given generations (e.g. the train split).
 
@@ -400,11 +417,12 @@ def boundary_slope(
         states: Decision states for the delta analysis (see :func:`delta_analysis`).
         unit_ms: Unit of the returned slope in ms (1.0: ms per accepted token; pass the mean AR
             step cost in ms to get AR-step units as the environment's rewards use).
+        drafting: The drafting mode (as in :func:`oracle.dp.solve`).
 
     Returns:
         lambda in ``unit_ms`` per accepted token.
     """
-    res = solve(arrays, cost_model, lookahead=lookahead)
+    res = solve(arrays, cost_model, lookahead=lookahead, drafting=drafting)
     if method == "v0":
         return res.v0_per_token / unit_ms
     an = delta_analysis(arrays, cost_model, lookahead=lookahead, result=res, states=states)
@@ -413,7 +431,7 @@ def boundary_slope(
     if method == "ls":
         return an.lambda_ls / unit_ms
     if method == "policy":
-        return _policy_optimal_slope(arrays, cost_model, lookahead, an.lambda_sep) / unit_ms
+        return _policy_optimal_slope(arrays, cost_model, lookahead, an.lambda_sep, drafting=res.drafting) / unit_ms
     raise ValueError(f"method must be 'separating', 'ls', 'v0' or 'policy', got {method!r}")
 
 

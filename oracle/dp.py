@@ -30,8 +30,12 @@ every k is one cumulative sum.
 * accepted drafts that would run past the end are not counted: a round at ``t`` records
   ``min(a, N-t-1)`` accepted tokens and commits ``min(a+1, N-t)`` tokens, so over a generation the
   accepted counts plus the rounds sum to N exactly;
-* with a lookahead ``h`` (the policy sees the draft's confidences of its next h tokens) every
-  round drafts ``max(k, h)`` tokens and is charged ``T_D(max(k, h))``, also at k = 0;
+* the drafting mode decides the draft charge (:data:`specenv.costmodel.DRAFTING_MODES`): in mode
+  ``"block"`` with a lookahead ``h`` (the policy sees the draft's confidences of its next h tokens)
+  every round drafts ``max(k, h)`` tokens and is charged ``T_D(max(k, h))``, also at k = 0; in modes
+  ``"none"`` and ``"sequential"`` a round drafts (and pays for) the k tokens it verifies. The bound
+  of ``"sequential"`` is therefore the bound of ``"none"``: an oracle that knows where to stop
+  drafts exactly k. ``drafting=None`` reads the lookahead as always (block for h > 0, else none);
 * the autoregressive (AR) baseline never drafts: ``AR = sum_t [T_T(0, top_k, L_t)]`` whatever the
   lookahead, and speedup = AR / policy cost;
 * among budgets with equal value the smallest k is chosen (``argmin``).
@@ -44,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from specenv.costmodel import CostModel
+from specenv.costmodel import DRAFTING_MODES, CostModel, drafting_mode
 from specenv.stats import mean_ci, ratio_ci
 from specenv.traceset import PositionArrays, expected_accepted_table, survival_table
 
@@ -63,7 +67,7 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- inputs
-def _check_inputs(arrays: PositionArrays, cost_model: CostModel, lookahead: int) -> None:
+def _check_inputs(arrays: PositionArrays, cost_model: CostModel, lookahead: int, drafting: str | None = None) -> None:
     if arrays.n_generations < 1:
         raise ValueError("the positions table holds no generation")
     if np.any(arrays.lengths < 1):
@@ -75,24 +79,36 @@ def _check_inputs(arrays: PositionArrays, cost_model: CostModel, lookahead: int)
         )
     if lookahead < 0:
         raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+    if drafting is not None and drafting not in DRAFTING_MODES:
+        raise ValueError(f"drafting={drafting!r}: expected one of {DRAFTING_MODES}")
 
 
-def cost_table(arrays: PositionArrays, cost_model: CostModel, lookahead: int = 0) -> np.ndarray:
+def _mode(lookahead: int, drafting: str | None) -> str:
+    """The drafting mode of a call: as given, or ``"block"`` for h > 0 and ``"none"`` for h = 0."""
+    return drafting_mode(lookahead) if drafting is None else drafting
+
+
+def cost_table(
+    arrays: PositionArrays, cost_model: CostModel, lookahead: int = 0, drafting: str | None = None
+) -> np.ndarray:
     """Round cost C(t, k) in ms for every position row and every budget k = 0..Kmax.
 
-    ``C(t,k) = T_T(k, U_{t,k}, L_t) + T_D(max(k, h))`` with h the lookahead (``T_D(0) = 0``): the
-    cost model's :meth:`~specenv.costmodel.CostModel.charged_table`.
+    ``C(t,k) = T_T(k, U_{t,k}, L_t) + T_D(drafted)`` (``T_D(0) = 0``), drafted = max(k, h) in mode
+    ``"block"`` and k in modes ``"none"`` and ``"sequential"``: the cost model's
+    :meth:`~specenv.costmodel.CostModel.charged_table`.
 
     Args:
         arrays: The positions table.
         cost_model: Per-K cost model covering at least ``arrays.kmax``.
-        lookahead: Draft tokens a policy always sees (and pays for) before choosing k.
+        lookahead: Draft confidences h a policy sees (in mode ``"block"`` also drafted and paid for
+            before it chooses k).
+        drafting: ``"none"``, ``"block"``, ``"sequential"`` or None (block for h > 0, else none).
 
     Returns:
         (n, Kmax+1) float64 array.
     """
-    _check_inputs(arrays, cost_model, lookahead)
-    return cost_model.charged_table(arrays.U, arrays.L, arrays.kmax, lookahead)
+    _check_inputs(arrays, cost_model, lookahead, drafting)
+    return cost_model.charged_table(arrays.U, arrays.L, arrays.kmax, lookahead, drafting)
 
 
 def survival(arrays: PositionArrays) -> np.ndarray:
@@ -155,7 +171,7 @@ class _Layout:
 
 
 def _step_tables(
-    arrays: PositionArrays, cost_model: CostModel, lookahead: int, lay: _Layout
+    arrays: PositionArrays, cost_model: CostModel, lookahead: int, lay: _Layout, drafting: str | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Cost (K+1, n) and survival (K, n) tables in step order.
 
@@ -164,9 +180,9 @@ def _step_tables(
     applied in place to the inputs permuted by :meth:`_Layout.to_steps`, so each step reads contiguous
     slices; the values equal ``cost_table(...)[lay.perm].T`` and ``survival(...)[lay.perm].T`` exactly.
     """
-    _check_inputs(arrays, cost_model, lookahead)
+    _check_inputs(arrays, cost_model, lookahead, drafting)
     Ct = lay.to_steps(arrays.U[:, : arrays.kmax + 1])
-    cost_model.charged_by_budget(Ct, arrays.L[lay.perm], lookahead, out=Ct)
+    cost_model.charged_by_budget(Ct, arrays.L[lay.perm], lookahead, out=Ct, drafting=drafting)
     St = lay.to_steps(arrays.rho)
     survival_table(St, axis=0, out=St)
     return Ct, St
@@ -253,7 +269,7 @@ class Evaluation:
     Attributes:
         policy: Label (``"oracle"``, ``"fixed k=3"``, ``"position-indexed"``).
         kmax: Largest budget available.
-        lookahead: Draft lookahead h charged in every round.
+        lookahead: Draft confidences h seen (charged in every round in mode ``"block"``).
         generation_ids: (G,) generation ids.
         lengths: (G,) tokens N per generation.
         cost: (G,) expected total cost in ms (V(0) for the oracle).
@@ -265,6 +281,7 @@ class Evaluation:
         k_sum: (G,) expected sum of budgets over the rounds.
         accepted_sum: (G,) expected sum of accepted drafts (``= lengths - rounds``).
         offsets: (G+1,) row offsets (as in the positions table).
+        drafting: The drafting mode that charged the rounds (``"none"``, ``"block"``, ``"sequential"``).
     """
 
     policy: str
@@ -282,6 +299,7 @@ class Evaluation:
     accepted_sum: np.ndarray
     offsets: np.ndarray
     extra: dict[str, Any] = field(default_factory=dict)
+    drafting: str = "none"
 
     @property
     def speedup(self) -> np.ndarray:
@@ -319,6 +337,7 @@ class Evaluation:
             "policy": self.policy,
             "kmax": self.kmax,
             "lookahead": self.lookahead,
+            "drafting": self.drafting,
             "generations": int(len(self.cost)),
             "tokens": int(self.lengths.sum()),
             "speedup_pooled": self.speedup_pooled,
@@ -363,10 +382,15 @@ def _policy_rows(policy: int | np.ndarray, arrays: PositionArrays) -> tuple[np.n
 
 
 def _evaluate(
-    arrays: PositionArrays, cost_model: CostModel, policy: np.ndarray | None, label: str, lookahead: int
+    arrays: PositionArrays,
+    cost_model: CostModel,
+    policy: np.ndarray | None,
+    label: str,
+    lookahead: int,
+    drafting: str | None = None,
 ) -> Evaluation:
     lay = _Layout.of(arrays)
-    Ct, St = _step_tables(arrays, cost_model, lookahead, lay)
+    Ct, St = _step_tables(arrays, cost_model, lookahead, lay, drafting)
     Vp, kp = _backward(Ct, St, lay, None if policy is None else policy[lay.perm])
     occp = _forward(St, kp, lay)
     n = len(arrays.L)
@@ -394,6 +418,7 @@ def _evaluate(
         k_sum=np.add.reduceat(occ * k, starts),
         accepted_sum=lengths - rounds,
         offsets=arrays.offsets,
+        drafting=_mode(lookahead, drafting),
     )
 
 
@@ -403,6 +428,7 @@ def solve(
     lookahead: int = 0,
     mc_episodes: int = 0,
     seed: int = 0,
+    drafting: str | None = None,
 ) -> Evaluation:
     """Exact SSP oracle: optimal budgets k*(t) and optimal expected cost V(0) per generation.
 
@@ -410,24 +436,33 @@ def solve(
         arrays: Positions table (greedy or stochastic). Budgets 0..``arrays.kmax`` are allowed;
             restrict them with ``arrays.with_kmax(k)``.
         cost_model: Per-K cost model covering ``arrays.kmax``.
-        lookahead: Draft lookahead h (every round is charged ``T_D(max(k, h))``).
+        lookahead: Draft lookahead h (in mode ``"block"`` every round is charged ``T_D(max(k, h))``).
         mc_episodes: If > 0, also run this many seeded Monte-Carlo episodes per generation along
             the optimal policy; the result goes to ``extra["mc"]`` (see :func:`simulate`).
         seed: Seed of the Monte-Carlo episodes.
+        drafting: ``"none"``, ``"block"``, ``"sequential"`` or None (block for h > 0, else none). The
+            bound of ``"sequential"`` equals the bound of ``"none"`` (the oracle knows where to stop
+            and drafts exactly k); the bound of ``"block"`` with h > 0 is lower.
 
     Returns:
         The :class:`Evaluation` of the optimal policy (``policy == "oracle"``); ``speedup`` is the
         per-generation S_max and ``speedup_pooled`` the set's S_max.
     """
-    res = _evaluate(arrays, cost_model, None, "oracle", lookahead)
+    res = _evaluate(arrays, cost_model, None, "oracle", lookahead, drafting)
     if mc_episodes > 0:
-        sim = simulate(arrays, cost_model, res.k, episodes=mc_episodes, seed=seed, lookahead=lookahead)
+        sim = simulate(
+            arrays, cost_model, res.k, episodes=mc_episodes, seed=seed, lookahead=lookahead, drafting=drafting
+        )
         res.extra["mc"] = sim.summary()
     return res
 
 
 def evaluate_policy(
-    arrays: PositionArrays, cost_model: CostModel, policy: int | np.ndarray, lookahead: int = 0
+    arrays: PositionArrays,
+    cost_model: CostModel,
+    policy: int | np.ndarray,
+    lookahead: int = 0,
+    drafting: str | None = None,
 ) -> Evaluation:
     """Exact expected cost of a position-indexed policy (same recursion with k fixed per state).
 
@@ -437,12 +472,13 @@ def evaluate_policy(
         policy: A fixed budget ``k`` for every state, or an (n,) integer array with the budget at
             every position row (row ``offsets[g] + t``), e.g. ``solve(...).k``.
         lookahead: Draft lookahead h.
+        drafting: The drafting mode (as in :func:`solve`).
 
     Returns:
         The :class:`Evaluation` (expected cost per generation in ``cost``).
     """
     k, label = _policy_rows(policy, arrays)
-    return _evaluate(arrays, cost_model, k, label, lookahead)
+    return _evaluate(arrays, cost_model, k, label, lookahead, drafting)
 
 
 def action_values(
@@ -451,6 +487,7 @@ def action_values(
     value: np.ndarray,
     rows: np.ndarray | None = None,
     lookahead: int = 0,
+    drafting: str | None = None,
 ) -> np.ndarray:
     """Action values ``Q(t,k) = C(t,k) + sum_a P(a|t,k) V(min(t+a+1, N))`` for every budget.
 
@@ -460,11 +497,12 @@ def action_values(
         value: (n,) cost-to-go per row, e.g. ``solve(...).value`` (then ``min_k Q = V``).
         rows: Flat position rows to compute (default all).
         lookahead: Draft lookahead h.
+        drafting: The drafting mode (as in :func:`solve`).
 
     Returns:
         (len(rows), Kmax+1) float64 action values in ms.
     """
-    C = cost_table(arrays, cost_model, lookahead)
+    C = cost_table(arrays, cost_model, lookahead, drafting)
     S = survival(arrays)
     rows = np.arange(len(arrays.L)) if rows is None else np.asarray(rows, dtype=np.int64)
     K = arrays.kmax
@@ -521,6 +559,7 @@ def simulate(
     episodes: int = 1,
     seed: int = 0,
     lookahead: int = 0,
+    drafting: str | None = None,
 ) -> Simulation:
     """Seeded Monte-Carlo episodes of a position-indexed policy, all generations at once.
 
@@ -534,6 +573,7 @@ def simulate(
         episodes: Episodes per generation.
         seed: Seed of ``numpy.random.default_rng``.
         lookahead: Draft lookahead h.
+        drafting: The drafting mode (as in :func:`solve`).
 
     Returns:
         The :class:`Simulation`, episodes ordered generation-major.
@@ -541,7 +581,7 @@ def simulate(
     if episodes < 1:
         raise ValueError("episodes must be >= 1")
     k_rows, _ = _policy_rows(policy, arrays)
-    C = cost_table(arrays, cost_model, lookahead)
+    C = cost_table(arrays, cost_model, lookahead, drafting)
     S = survival(arrays)
     rng = np.random.default_rng(seed)
     G = arrays.n_generations

@@ -34,6 +34,7 @@ def kmax_sweep(
     cost_model: CostModel,
     kmaxes: Iterable[int] | None = None,
     lookahead: int = 0,
+    drafting: str | None = None,
 ) -> pd.DataFrame:
     """Solve the oracle with budgets restricted to 0..Kmax for every Kmax.
 
@@ -41,7 +42,8 @@ def kmax_sweep(
         arrays: Positions table.
         cost_model: Cost model covering ``arrays.kmax``.
         kmaxes: Budgets to sweep (default 1..``arrays.kmax``).
-        lookahead: Draft lookahead h (the lookahead is charged even where it exceeds Kmax).
+        lookahead: Draft lookahead h (in mode ``"block"`` it is charged even where it exceeds Kmax).
+        drafting: The drafting mode (as in :func:`oracle.dp.solve`).
 
     Returns:
         One row per Kmax with columns :data:`SWEEP_COLUMNS`: the pooled and mean S_max, the mean
@@ -53,10 +55,10 @@ def kmax_sweep(
     fixed: dict[int, float] = {}
     for km in ks:
         sub = arrays.with_kmax(km)
-        res = solve(sub, cost_model, lookahead=lookahead)
+        res = solve(sub, cost_model, lookahead=lookahead, drafting=drafting)
         for k in range(km + 1):
             if k not in fixed:
-                fixed[k] = evaluate_policy(sub, cost_model, k, lookahead=lookahead).speedup_pooled
+                fixed[k] = evaluate_policy(sub, cost_model, k, lookahead=lookahead, drafting=drafting).speedup_pooled
         best = max(range(km + 1), key=lambda k: fixed[k])
         rows.append(
             {

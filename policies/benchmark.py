@@ -18,9 +18,15 @@ with a 95% percentile-bootstrap interval over generations (:func:`specenv.stats.
 S_max), mean k and mean accepted per round, the pooled speedup per category, and whether the
 policy's budgets were constant over every test state it visited (a learned policy that is constant
 is named so, not "learned"). The bound is the exact SSP oracle on the same generations
-(lookahead 0, the true optimum). Policies that need the draft's confidences run in an environment
-with a lookahead h (``kmax`` for the confidence thresholds, the training lookahead for learned
-policies), which charges drafting max(k, h) tokens every round.
+(drafting mode ``"none"``, whose bound is also the bound of ``"sequential"``: the true optimum).
+
+**Each policy is charged by the drafting mode it really uses** (``Entry.drafting``, the table's
+``drafting`` column; :data:`specenv.costmodel.DRAFTING_MODES`): the confidence thresholds stop
+drafting at the first low-confidence token, verifying what they drafted, so they run in
+``"sequential"`` (they see q_{t,1..kmax}, stop at the first j with q_{t,j} below the threshold, and
+pay T_D(k) for the k tokens drafted); the delta-space rule with confidences and the learned policies
+that read h confidences run in ``"block"`` (the drafter proposes h tokens at once: T_D(max(k, h)),
+as they were fitted and trained); every other policy chooses k before drafting (``"none"``, T_D(k)).
 
 Everything that needs fitting uses the **train** split only: the cost model (``cost_model=
 "fit-train"``, the default: the per-K fit on the train generations' rounds,
@@ -51,7 +57,7 @@ from policies.heuristics import (
     TransformersHeuristic,
     UCBBandit,
 )
-from specenv.costmodel import CostModel
+from specenv.costmodel import CostModel, drafting_mode
 from specenv.observation import ObservationSpec
 from specenv.policy.base import Policy
 from specenv.policy.mlp import MLPPolicy
@@ -67,14 +73,30 @@ N_BOOT = 2000
 
 @dataclass
 class Entry:
-    """A policy in the benchmark: how to build it and which environment it needs."""
+    """A policy in the benchmark: how to build it and which environment it needs.
+
+    Attributes:
+        name: Row name.
+        make: Builds the policy for an observation layout.
+        lookahead: Draft confidences h the policy reads.
+        note: Free text.
+        exact_k: A fixed budget: evaluated exactly by the oracle, not by Monte Carlo.
+        learned: A trained policy.
+        drafting: The drafting mode that charges its rounds (None: ``"block"`` for h > 0, else ``"none"``).
+    """
 
     name: str
     make: Callable[[ObservationSpec], Policy]
     lookahead: int = 0
     note: str = ""
-    exact_k: int | None = None  # a fixed budget: evaluated exactly by the oracle, not by Monte Carlo
+    exact_k: int | None = None
     learned: bool = False
+    drafting: str | None = None
+
+    @property
+    def mode(self) -> str:
+        """The drafting mode of the row (``drafting``, or the one the lookahead implies)."""
+        return drafting_mode(self.lookahead) if self.drafting is None else self.drafting
 
 
 @dataclass
@@ -134,7 +156,7 @@ def build_context(dataset: str, kmax: int | None, cost_model: str, policy_dir: P
     speed = [evaluate_policy(train, model, k).speedup_pooled for k in range(kmax + 1)]
     best = int(np.argmax(speed))
     lam = boundary_slope(train, model)
-    lam_h3 = boundary_slope(train, model, lookahead=min(3, kmax))
+    lam_h3 = boundary_slope(train, model, lookahead=min(3, kmax), drafting="block")
     u_prior, rho_prior = train_priors(train)
     spec = ObservationSpec(kmax, 0, int(ts.manifest.max_new_tokens), int(ts.facts.n_experts))
     return Context(
@@ -153,8 +175,14 @@ def default_entries(ctx: Context) -> list[Entry]:
         Entry(f"fixed k={ctx.kmax}", lambda s: FixedK(s, ctx.kmax), exact_k=ctx.kmax),
         Entry(f"best fixed k={best} (train)", lambda s: FixedK(s, best), exact_k=best),
         Entry("transformers heuristic", lambda s: TransformersHeuristic(s)),
-        Entry("confidence 0.4", lambda s: ConfidenceThreshold(s, 0.4), lookahead=ctx.kmax),
-        Entry("confidence ROC", lambda s: ConfidenceThreshold(s, 0.4, adaptive=True), lookahead=ctx.kmax),
+        # the confidence rules stop after the first low-confidence draft and verify what they drafted
+        Entry("confidence 0.4", lambda s: ConfidenceThreshold(s, 0.4), lookahead=ctx.kmax, drafting="sequential"),
+        Entry(
+            "confidence ROC",
+            lambda s: ConfidenceThreshold(s, 0.4, adaptive=True),
+            lookahead=ctx.kmax,
+            drafting="sequential",
+        ),
         Entry("goodput (SmartSpec)", lambda s: GoodputRule(s, m, up, rp)),
         Entry("cascade utility", lambda s: CascadeUtility(s)),
         Entry("UCB bandit", lambda s: UCBBandit(s)),
@@ -166,6 +194,7 @@ def default_entries(ctx: Context) -> list[Entry]:
             f"delta-space + confidences (h={min(3, ctx.kmax)})",
             lambda s: DeltaSpaceRule(s, m, lam_ms=ctx.lam_ms_h3, u_prior=up, rho_prior=rp),
             lookahead=min(3, ctx.kmax),
+            drafting="block",
         ),
     ]
     if ctx.policy_dir is not None and ctx.policy_dir.is_dir():
@@ -180,7 +209,10 @@ def default_entries(ctx: Context) -> list[Entry]:
             except ValueError as exc:  # listed with the reason, never dropped silently
                 _skip(ctx, name, folder, str(exc))
                 continue
-            entries.append(Entry(f"{name} (learned)", _learned(pol), lookahead=pol.spec.lookahead, learned=True))
+            h = pol.spec.lookahead  # trained in the replay env with lookahead h: block drafting
+            entries.append(
+                Entry(f"{name} (learned)", _learned(pol), lookahead=h, learned=True, drafting=drafting_mode(h))
+            )
     return entries
 
 
@@ -227,7 +259,7 @@ def run_policy(entry: Entry, ctx: Context, episodes: int, seed: int) -> tuple[pd
     from specenv.replay import replay_data
     from specenv.rollout import episode_seeds, rollout_vector
 
-    data = replay_data(ctx.dataset, ctx.kmax, "test", ctx.cost_model_arg, entry.lookahead)
+    data = replay_data(ctx.dataset, ctx.kmax, "test", ctx.cost_model_arg, entry.lookahead, entry.mode)
     gids = np.asarray(data.generation_ids, dtype=np.int64)
     ep_gid = np.repeat(gids, episodes)
     ep_r = np.tile(np.arange(episodes, dtype=np.int64), len(gids))
@@ -241,6 +273,7 @@ def run_policy(entry: Entry, ctx: Context, episodes: int, seed: int) -> tuple[pd
         split="test",
         cost_model=ctx.cost_model_arg,
         lookahead=entry.lookahead,
+        drafting=entry.mode,
     )
     try:
         policy = entry.make(data.spec)
@@ -276,7 +309,7 @@ def exact_generations(entry: Entry, ctx: Context) -> pd.DataFrame:
 
     if entry.exact_k is None:
         raise ValueError(f"policy '{entry.name}': no fixed budget to evaluate exactly")
-    ev = evaluate_policy(ctx.test, ctx.cost_model, int(entry.exact_k), lookahead=entry.lookahead)
+    ev = evaluate_policy(ctx.test, ctx.cost_model, int(entry.exact_k), lookahead=entry.lookahead, drafting=entry.mode)
     return pd.DataFrame(
         {
             "policy": entry.name,
@@ -470,12 +503,16 @@ def run_benchmark(
     )
     frames, gens = [], []
     learned_names = set()
+    modes: dict[str, str] = {}
+    shown: dict[str, int] = {}  # confidences each row reads
     for entry in default_entries(ctx):
         if only and not any(o in entry.name for o in only):
             continue
         if progress:
             progress(entry.name)
-        if entry.exact_k is not None and entry.lookahead == 0:
+        modes[entry.name] = entry.mode
+        shown[entry.name] = entry.lookahead
+        if entry.exact_k is not None:
             gens.append(exact_generations(entry, ctx))
             continue
         try:
@@ -494,6 +531,8 @@ def run_benchmark(
     episodes_df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     gen_df = pd.concat(gens, ignore_index=True)
     summary, cats = summarise(gen_df, oracle_df, n_boot=n_boot, seed=seed)
+    summary.insert(1, "drafting", summary["policy"].map(modes))
+    summary.insert(2, "lookahead", summary["policy"].map(shown).astype(int))
     # a learned policy whose budget never changed over the test states is a constant policy
     rename = {}
     for r in summary.itertuples():
@@ -508,6 +547,8 @@ def run_benchmark(
             table["policy"] = table["policy"].replace(rename)
     oracle_row = {
         "policy": ORACLE_ROW,
+        "drafting": "none",
+        "lookahead": 0,
         "evaluation": "exact",
         "speedup_mean": float(sol.speedup.mean()),
         "ci95_low": float(sol.speedup.mean()),
@@ -556,6 +597,9 @@ def run_benchmark(
         "delta_lambda_ms": ctx.lam_ms,
         "delta_lambda_ms_h3": ctx.lam_ms_h3,
         "ar_cost_model_extrapolated": bool(ctx.cost_model.ar_extrapolated),
+        "drafting": "each row is charged by the drafting mode it uses (column 'drafting'): none = k chosen "
+        "before drafting, T_D(k); sequential = stops after any draft, T_D(tokens drafted); block = h drafts "
+        "proposed at once, T_D(max(k, h)). The oracle bound is the bound of none, equal to the bound of sequential",
     }
     return BenchResult(summary, cats, episodes_df, sol.summary(), context, ctx.notes, ctx.skipped, gen_df)
 
@@ -563,8 +607,8 @@ def run_benchmark(
 def markdown_table(res: BenchResult) -> str:
     """The summary as a Markdown table (exact rows marked "exact", the others with bootstrap 95% CIs)."""
     lines = [
-        "| policy | speedup (mean, 95% CI) | pooled (95% CI) | % of oracle | mean k | mean accepted |",
-        "|---|---|---|---|---|---|",
+        "| policy | drafting | speedup (mean, 95% CI) | pooled (95% CI) | % of oracle | mean k | mean accepted |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in res.summary.itertuples():
         if r.evaluation == "exact":
@@ -572,11 +616,11 @@ def markdown_table(res: BenchResult) -> str:
         else:
             mean = f"{r.speedup_mean:.3f} [{r.ci95_low:.3f}, {r.ci95_high:.3f}]"
             pooled = f"{r.speedup_pooled:.3f} [{r.pooled_ci95_low:.3f}, {r.pooled_ci95_high:.3f}]"
-        lines.append(
-            f"| {r.policy} | {mean} | {pooled} | {r.oracle_pct:.1f}% | {r.mean_k:.2f} | {r.mean_accepted:.2f} |"
-        )
+        mode = f"{r.drafting} (h={r.lookahead})" if r.drafting == "block" else r.drafting
+        pct = f"{r.oracle_pct:.1f}%"
+        lines.append(f"| {r.policy} | {mode} | {mean} | {pooled} | {pct} | {r.mean_k:.2f} | {r.mean_accepted:.2f} |")
     for sk in res.skipped:
-        lines.append(f"| {sk['policy']} (not run: {sk['reason'].replace('|', '/')}) | | | | | |")
+        lines.append(f"| {sk['policy']} (not run: {sk['reason'].replace('|', '/')}) | | | | | | |")
     return "\n".join(lines)
 
 

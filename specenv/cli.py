@@ -416,7 +416,16 @@ def oracle_cmd(
     plot: Annotated[Path | None, typer.Option("--plot", help="Write the figures of --sweep/--delta here.")] = None,
     cost_model: Annotated[str, typer.Option("--cost-model", help="'fit', 'profile' or a cost-model JSON.")] = "fit",
     split: Annotated[str, typer.Option(help="Generations: all, train or test (specenv.splits).")] = "all",
-    lookahead: Annotated[int, typer.Option(help="Draft lookahead h (0..Kmax) charged as T_D(max(k, h)).")] = 0,
+    lookahead: Annotated[
+        int, typer.Option(help="Draft confidences h (0..Kmax); in drafting mode block charged as T_D(max(k, h)).")
+    ] = 0,
+    drafting: Annotated[
+        str | None,
+        typer.Option(
+            help="Drafting mode: none (T_D(k)), block (T_D(max(k, h)), needs --lookahead >= 1) or sequential "
+            "(T_D(k): its bound is none's). Default: block if --lookahead > 0, else none."
+        ),
+    ] = None,
     episodes: Annotated[int, typer.Option(max=MAX_EPISODES, help="Monte-Carlo episodes per generation (0: none).")] = 4,
     seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed of the Monte-Carlo episodes.")] = 0,
     as_json: JsonOpt = False,
@@ -432,6 +441,7 @@ def oracle_cmd(
     except ValueError as exc:
         fail(f"--split: {exc}")
     _check_oracle_options(lookahead, episodes, plot, sweep=sweep, delta=delta)
+    mode = _check_oracle_drafting(drafting, lookahead)
     ts = _load(traces)
     if not ts.has_positions:
         fail(f"{traces}: trace set has no positions table")
@@ -446,8 +456,9 @@ def oracle_cmd(
         model = cost_model_for(ts, cost_model)
     except ValueError as exc:
         fail(f"--cost-model: {exc}")
-    res = oracle.solve(arrays, model, lookahead=lookahead, mc_episodes=episodes, seed=seed)
+    res = oracle.solve(arrays, model, lookahead=lookahead, mc_episodes=episodes, seed=seed, drafting=mode)
     setting = {"dataset": ts.manifest.name, "split": split, "cost_model": cost_model, "kmax": k, "lookahead": lookahead}
+    setting |= {"drafting": mode, "drafting_note": _drafting_note(mode, lookahead)}
     report = _oracle_report(res, setting, greedy=bool(arrays.greedy))
     table, an = _oracle_analyses(report, arrays, model, res, sweep=sweep, delta=delta, plot=plot)
     if as_json:
@@ -468,12 +479,43 @@ def _check_oracle_options(lookahead: int, episodes: int, plot: Path | None, *, s
         _check_out_folder("--plot", plot)
 
 
+def _check_oracle_drafting(drafting: str | None, lookahead: int) -> str:
+    """``--drafting`` of ``specenv oracle`` with ``--lookahead``; returns the mode (exit 2 when invalid)."""
+    from specenv.costmodel import DRAFTING_MODES, drafting_mode
+
+    if drafting is None:
+        return drafting_mode(lookahead)
+    if drafting not in DRAFTING_MODES:
+        fail(f"--drafting: {drafting!r} is not one of {', '.join(DRAFTING_MODES)}")
+    if drafting == "none" and lookahead:
+        fail(f"--lookahead: {lookahead} with --drafting none (k is chosen before drafting: no confidence is seen)")
+    if drafting == "block" and not lookahead:
+        fail("--lookahead: --drafting block needs the block size h in 1..Kmax (e.g. --lookahead 3)")
+    return drafting
+
+
+def _drafting_note(mode: str, lookahead: int) -> str:
+    """One sentence on what the bound charges in this drafting mode."""
+    if mode == "block":
+        return (
+            f"block: the drafter proposes h={lookahead} tokens at once, so every round pays T_D(max(k, {lookahead})), "
+            "also at k = 0; the bound is below the bound of none/sequential"
+        )
+    if mode == "sequential":
+        return (
+            "sequential: the drafter stops after any token and the round pays T_D(tokens drafted); an oracle that "
+            "knows where to stop drafts exactly k, so this bound is the bound of none"
+        )
+    return "none: k is chosen before drafting and the round pays T_D(k)"
+
+
 def _oracle_report(res: Any, setting: dict[str, Any], greedy: bool) -> dict[str, Any]:
     """The JSON report of ``specenv oracle``: its setting and the oracle's summary (keys in output order).
 
     Args:
         res: The oracle's solution (:func:`oracle.solve`).
-        setting: ``dataset``, ``split``, ``cost_model``, ``kmax`` and ``lookahead`` of the run.
+        setting: ``dataset``, ``split``, ``cost_model``, ``kmax``, ``lookahead``, ``drafting`` and
+            ``drafting_note`` of the run.
         greedy: Whether the trace set is greedy (rho in {0, 1}).
     """
     s = res.summary()
@@ -505,13 +547,13 @@ def _oracle_analyses(
     """
     import oracle
 
-    lookahead = report["lookahead"]
+    lookahead, mode = report["lookahead"], report["drafting"]
     plots: list[str] = []
     if plot is not None:
         plot.mkdir(parents=True, exist_ok=True)
     table = None
     if sweep:
-        table = oracle.kmax_sweep(arrays, model, lookahead=lookahead)
+        table = oracle.kmax_sweep(arrays, model, lookahead=lookahead, drafting=mode)
         report["sweep"] = [
             {c: (v.item() if hasattr(v, "item") else v) for c, v in r.items()} for r in table.to_dict(orient="records")
         ]
@@ -520,7 +562,7 @@ def _oracle_analyses(
             plots.append(oracle.plot_kmax_sweep(table, str(plot / "oracle_sweep.png"), title))
     an = None
     if delta:
-        an = oracle.delta_analysis(arrays, model, lookahead=lookahead, result=res)
+        an = oracle.delta_analysis(arrays, model, lookahead=lookahead, result=res, drafting=mode)
         report["delta"] = an.to_json()
         if plot is not None:
             plots.append(oracle.plot_delta(an, str(plot / "oracle_delta.png")))
@@ -536,6 +578,7 @@ def _print_oracle(report: dict[str, Any], table: Any, an: Any) -> None:
         f"{report['tokens']} tokens), Kmax={report['kmax']}, lookahead={report['lookahead']}, "
         f"cost model {report['cost_model']}"
     )
+    out.print(f"drafting mode {report['drafting_note']}")
     out.print(
         f"S_max = {report['s_max_pooled']:.4f} (pooled: sum AR / sum V(0)); "
         f"mean over generations {report['s_max_mean']:.4f}"
@@ -720,7 +763,8 @@ def bench(
         f"# specenv bench: {ctx['dataset']}, held-out split ({ctx['test_generations']} generations, "
         f"{ctx['episodes']} episodes each), Kmax={ctx['kmax']}; cost model {ctx['cost_model']} "
         f"(fitted on: {ctx['cost_model_fitted_on']}); fixed-k rows exact, the others Monte Carlo with bootstrap "
-        f"95% CIs over generations\n",
+        f"95% CIs over generations; each row charged by its drafting mode (none: T_D(k); sequential: T_D(drafted) "
+        f"= T_D(k); block: T_D(max(k, h))), the bound is none's (= sequential's)\n",
         markup=False,
     )
     out.print(markdown_table(res), markup=False)

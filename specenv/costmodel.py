@@ -12,8 +12,11 @@ with the number of drafted tokens given by the drafting mode (:data:`DRAFTING_MO
 * ``"none"``: k is chosen before drafting, the round drafts (and pays for) k tokens;
 * ``"block"``: the drafter proposes h tokens at once (the lookahead), the controller trims to
   ``k <= h`` after seeing their confidences; the round pays ``T_D(max(k, h))``, also at k = 0;
-* ``"sequential"``: the drafter stops after any token; the round pays ``T_D(tokens drafted)``,
-  which the caller passes as ``drafted``.
+* ``"sequential"``: the drafter produces one token at a time and the controller stops after any of
+  them, verifying every token drafted; the round pays ``T_D(tokens drafted) = T_D(k)``.
+
+:func:`check_drafting` validates a (mode, lookahead) pair, :func:`drafted_tokens` gives the drafted
+tokens of a budget in each mode.
 
 Environments, the oracle and the benchmark all charge rounds through these two methods.
 """
@@ -38,15 +41,77 @@ NONE, BLOCK, SEQUENTIAL = DRAFTING_MODES
 
 
 def drafting_mode(lookahead: int) -> str:
-    """The drafting mode of a replay with this lookahead: ``"block"`` for h > 0, else ``"none"``."""
+    """The drafting mode of a replay with this lookahead when none is named: ``"block"`` for h > 0, else ``"none"``."""
     return BLOCK if lookahead > 0 else NONE
 
 
-def drafted_tokens(k: np.ndarray | int, lookahead: int = 0) -> np.ndarray:
-    """Tokens drafted by a round with budget ``k``: ``max(k, h)`` (``k`` when h = 0, mode ``"none"``)."""
+def check_drafting(drafting: str | None, lookahead: int | None, kmax: int) -> tuple[str, int]:
+    """The drafting mode and the number h of confidences shown, checked against ``kmax``.
+
+    ``drafting=None`` keeps the meaning the lookahead always had: ``"block"`` for h > 0, ``"none"``
+    for h = 0 (or None). A named mode takes its own default h: 0 for ``"none"`` (k is chosen before
+    drafting: no confidence can be shown), ``kmax`` for ``"block"`` (the drafter proposes kmax tokens,
+    as vLLM's ``num_speculative_tokens``) and ``"sequential"`` (the confidences of every draft the
+    controller may reach).
+
+    Args:
+        drafting: ``"none"``, ``"block"``, ``"sequential"`` or None.
+        lookahead: Confidences shown, h (None: the mode's default).
+        kmax: Largest budget.
+
+    Returns:
+        ``(mode, h)``.
+
+    Raises:
+        ValueError: Naming ``drafting`` or ``lookahead`` when one is invalid (h outside 0..kmax, a
+            lookahead with ``"none"``, h = 0 with ``"block"`` or ``"sequential"``).
+    """
+    if drafting is not None and drafting not in DRAFTING_MODES:
+        raise ValueError(f"drafting={drafting!r}: expected one of {DRAFTING_MODES}")
+    if lookahead is not None and (isinstance(lookahead, bool) or not isinstance(lookahead, (int, np.integer))):
+        raise ValueError(f"lookahead={lookahead!r}: must be an integer")
+    if drafting is None:
+        h = 0 if lookahead is None else int(lookahead)
+        drafting = drafting_mode(h)
+    elif lookahead is None:
+        h = 0 if drafting == NONE else int(kmax)
+    else:
+        h = int(lookahead)
+    if not 0 <= h <= kmax:
+        raise ValueError(f"lookahead={h}: must be in 0..kmax={kmax}")
+    if drafting == NONE and h:
+        raise ValueError(
+            f"lookahead={h}: drafting='none' chooses k before drafting and shows no confidence "
+            "(use drafting='block' or 'sequential')"
+        )
+    if drafting != NONE and not h:
+        raise ValueError(f"lookahead=0: drafting={drafting!r} shows the confidences of 1..kmax={kmax} drafts")
+    return drafting, h
+
+
+def charged_lookahead(lookahead: int, drafting: str | None = None) -> int:
+    """The h of the charge ``T_D(max(k, h))`` of a round: h in mode ``"block"``, else 0.
+
+    In mode ``"none"`` the round drafts k tokens; in mode ``"sequential"`` it drafts the k tokens it
+    verifies (the controller stops after the draft whose confidence ended the round, and that draft is
+    verified: DESIGN.md section 1, drafting modes), so both pay ``T_D(k)``.
+    ``drafting=None`` reads the lookahead as before (block for h > 0).
+    """
     if lookahead < 0:
         raise ValueError(f"lookahead={lookahead}: must be >= 0")
-    return np.maximum(np.asarray(k, dtype=np.int64), lookahead)
+    mode = drafting_mode(lookahead) if drafting is None else drafting
+    if mode not in DRAFTING_MODES:
+        raise ValueError(f"drafting={mode!r}: expected one of {DRAFTING_MODES}")
+    return lookahead if mode == BLOCK else 0
+
+
+def drafted_tokens(k: np.ndarray | int, lookahead: int = 0, drafting: str | None = None) -> np.ndarray:
+    """Tokens drafted by a round with budget ``k``.
+
+    ``max(k, h)`` in mode ``"block"`` (the default for h > 0), ``k`` in modes ``"none"`` and
+    ``"sequential"`` (:func:`charged_lookahead`).
+    """
+    return np.maximum(np.asarray(k, dtype=np.int64), charged_lookahead(lookahead, drafting))
 
 
 @dataclass
@@ -120,26 +185,36 @@ class CostModel:
             k: Budget (verified drafts).
             U: Unique experts of the round.
             L: Context length.
-            drafted: Tokens the drafter produced (default ``k``, mode ``"none"``); ``max(k, h)`` in
-                mode ``"block"`` (:func:`drafted_tokens`), the tokens drafted in mode ``"sequential"``.
+            drafted: Tokens the drafter produced (default ``k``: modes ``"none"`` and ``"sequential"``);
+                ``max(k, h)`` in mode ``"block"`` (:func:`drafted_tokens`).
 
         Returns:
             The cost (broadcast over array arguments).
         """
         return self.target_ms(k, U, L) + self.draft_ms(k if drafted is None else drafted)
 
-    def charged_table(self, U: np.ndarray, L: np.ndarray, kmax: int | None = None, lookahead: int = 0) -> np.ndarray:
-        """Charged cost C(t, k) = T_T(k, U_{t,k}, L_t) + T_D(max(k, h)) for every row and k = 0..kmax.
+    def charged_table(
+        self,
+        U: np.ndarray,
+        L: np.ndarray,
+        kmax: int | None = None,
+        lookahead: int = 0,
+        drafting: str | None = None,
+    ) -> np.ndarray:
+        """Charged cost C(t, k) = T_T(k, U_{t,k}, L_t) + T_D(drafted) for every row and k = 0..kmax.
 
-        ``lookahead = h = 0`` is drafting mode ``"none"`` (the round drafts k tokens), ``h > 0`` mode
-        ``"block"`` (every round drafts max(k, h) tokens, also at k = 0). Computed by
-        :meth:`charged_by_budget`, with the arithmetic of :meth:`charged_ms` (bit-identical).
+        The drafted tokens follow :func:`drafted_tokens`: with ``drafting=None``, ``lookahead = h = 0``
+        is drafting mode ``"none"`` (the round drafts k tokens) and ``h > 0`` mode ``"block"`` (every
+        round drafts max(k, h) tokens, also at k = 0); ``drafting="sequential"`` drafts k tokens
+        whatever h. Computed by :meth:`charged_by_budget`, with the arithmetic of :meth:`charged_ms`
+        (bit-identical).
 
         Args:
             U: (n, >=kmax+1) unique experts per chain prefix.
             L: (n,) context lengths.
             kmax: Budgets to cover (default: U's width - 1).
-            lookahead: Draft tokens h every round drafts at least.
+            lookahead: Draft confidences h shown (in mode ``"block"``: tokens every round drafts at least).
+            drafting: The drafting mode (None: ``"block"`` for h > 0, else ``"none"``).
 
         Returns:
             (n, kmax+1) C-contiguous float64 costs in ms.
@@ -149,21 +224,27 @@ class CostModel:
         """
         kmax = U.shape[1] - 1 if kmax is None else kmax
         by_budget = np.array(U[:, : kmax + 1].T, dtype=np.float64, order="C")  # always a copy
-        return np.ascontiguousarray(self.charged_by_budget(by_budget, L, lookahead, out=by_budget).T)
+        return np.ascontiguousarray(self.charged_by_budget(by_budget, L, lookahead, out=by_budget, drafting=drafting).T)
 
     def charged_by_budget(
-        self, U: np.ndarray, L: np.ndarray, lookahead: int = 0, out: np.ndarray | None = None
+        self,
+        U: np.ndarray,
+        L: np.ndarray,
+        lookahead: int = 0,
+        out: np.ndarray | None = None,
+        drafting: str | None = None,
     ) -> np.ndarray:
         """:meth:`charged_table` in budget-major layout: row k holds C(., k) for every position.
 
         The one implementation of the charged table (the oracle calls it on its step-ordered tables).
-        Per element: ``((beta0[k] + alpha[k] * U) + c[k] * L) + T_D(max(k, h))``, as in :meth:`charged_ms`.
+        Per element: ``((beta0[k] + alpha[k] * U) + c[k] * L) + T_D(drafted(k))``, as in :meth:`charged_ms`.
 
         Args:
             U: (kmax+1, n) unique experts, row k = budget k.
             L: (n,) context lengths.
-            lookahead: Draft tokens h every round drafts at least.
+            lookahead: Draft confidences h shown (in mode ``"block"``: tokens every round drafts at least).
             out: Where to write (may be ``U`` itself, for in-place use); default a new array.
+            drafting: The drafting mode (None: ``"block"`` for h > 0, else ``"none"``).
 
         Returns:
             (kmax+1, n) float64 costs in ms.
@@ -175,7 +256,7 @@ class CostModel:
         if kmax > self.kmax:
             raise ValueError(f"kmax={kmax} exceeds the cost model's Kmax={self.kmax}")
         ks = np.arange(kmax + 1)
-        draft = self.draft_ms(drafted_tokens(ks, lookahead))
+        draft = self.draft_ms(drafted_tokens(ks, lookahead, drafting))
         out = np.multiply(U, self.alpha[ks, None], out=out)
         out += self.beta0[ks, None]
         for k in range(kmax + 1):

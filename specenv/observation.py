@@ -27,8 +27,19 @@ acc_depth_1..kmax       EMA of the conditional acceptance at draft depth j, upda
                         on rounds that reached depth j (k >= j, accepted >= j-1);
                         prior 0.5
 conf_1..h               the draft's confidence q_{t,j} of its next h tokens (only when   [0, 1]
-                        lookahead h > 0; drafting max(k, h) tokens is then charged)
+                        lookahead h > 0; in drafting mode block, drafting max(k, h)
+                        tokens is then charged)
+draft_conf              per-token environment only (``per_token``): the confidence q of  [0, 1]
+                        the draft just drafted in this round (0 before the first)
+drafted                 per-token only: drafts drafted so far in this round / kmax       [0, 1]
+draft_conf_prod         per-token only: product of this round's drafted confidences      [0, 1]
+                        (1 before the first; an estimate of P(all accepted))
 ======================  ===============================================================  =========
+
+The three per-token features (:data:`TOKEN_FEATURES`) extend version 1 without changing it: a spec
+with ``per_token=False`` (every round-level environment) has exactly the version-1 names and JSON,
+and ``per_token`` appears in the JSON only when set. They are the observation of
+``specenv/MoESpecSeq-v0`` (:mod:`specenv.envs.sequential`), where each step is one draft decision.
 
 Every EMA keeps weight 0.8 on its old value. The "mean-AR-step units" of ``prev_cost`` and
 ``cost_per_token`` are the round's cost divided by the mean autoregressive step cost of the replayed
@@ -78,6 +89,8 @@ BASE_FEATURES = (
     "cost_per_token",
     "first_round",
 )
+#: Per-token features (``ObservationSpec.per_token``): the draft just drafted, the count, the product.
+TOKEN_FEATURES = ("draft_conf", "drafted", "draft_conf_prod")
 _PREV_BLOCK = ("prev_k", "prev_accepted", "prev_U", "prev_cost")
 _RATE_BLOCK = ("acc_rate", "acc_len")
 
@@ -105,15 +118,17 @@ _JSON_KEYS = (
     "prev_cost_norm",
     "low",
     "high",
+    "per_token",
 )
 
 
-def feature_names(kmax: int, lookahead: int) -> list[str]:
-    """The version-1 feature names for budgets up to kmax and h = lookahead draft confidences."""
+def feature_names(kmax: int, lookahead: int, per_token: bool = False) -> list[str]:
+    """The version-1 feature names for budgets up to kmax, h = lookahead confidences, and the per-token ones."""
     return (
         list(BASE_FEATURES)
         + [f"acc_depth_{j}" for j in range(1, kmax + 1)]
         + [f"conf_{j}" for j in range(1, lookahead + 1)]
+        + (list(TOKEN_FEATURES) if per_token else [])
     )
 
 
@@ -137,6 +152,8 @@ class ObservationSpec:
         cost_high: Box upper bound of ``prev_cost`` and ``cost_per_token``.
         prev_cost_norm: What the round cost is divided by before it enters the vector (one of
             :data:`PREV_COST_NORMS`).
+        per_token: Append the per-token features :data:`TOKEN_FEATURES` (the observation of the
+            per-token environment ``specenv/MoESpecSeq-v0``).
     """
 
     kmax: int
@@ -150,6 +167,7 @@ class ObservationSpec:
     context_high: float = CONTEXT_HIGH
     cost_high: float = COST_HIGH
     prev_cost_norm: str = PREV_COST_NORM
+    per_token: bool = False
 
     def __post_init__(self) -> None:
         if self.version != OBSERVATION_VERSION:
@@ -160,12 +178,12 @@ class ObservationSpec:
     @property
     def names(self) -> list[str]:
         """Feature names in vector order."""
-        return feature_names(self.kmax, self.lookahead)
+        return feature_names(self.kmax, self.lookahead, self.per_token)
 
     @property
     def dim(self) -> int:
         """Length of the vector."""
-        return len(BASE_FEATURES) + self.kmax + self.lookahead
+        return len(BASE_FEATURES) + self.kmax + self.lookahead + (len(TOKEN_FEATURES) if self.per_token else 0)
 
     def index(self, name: str) -> int:
         """Position of a named feature.
@@ -194,7 +212,11 @@ class ObservationSpec:
 
     # ------------------------------------------------------------------ serialisation
     def to_json(self) -> dict[str, Any]:
-        """The full contract as plain JSON: version, sizes, feature names and every scaling constant."""
+        """The full contract as plain JSON: version, sizes, feature names and every scaling constant.
+
+        ``"per_token": true`` is added only for a per-token spec (a round-level contract is unchanged).
+        """
+        extra = {"per_token": True} if self.per_token else {}
         return {
             "version": self.version,
             "kmax": self.kmax,
@@ -209,7 +231,7 @@ class ObservationSpec:
             "prev_cost_norm": self.prev_cost_norm,
             "low": 0.0,
             "high": [float(x) for x in self.high()],
-        }
+        } | extra
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ObservationSpec:
@@ -224,12 +246,18 @@ class ObservationSpec:
                 missing size, names or bounds that do not follow from the other fields).
         """
         d = upgrade_contract(data)
+        if d.get("per_token", True) is False:  # written out explicitly: the same as absent
+            del d["per_token"]
         if d.get("version") != OBSERVATION_VERSION:
             raise ValueError(f"version {d.get('version')!r} != {OBSERVATION_VERSION} (this code reads version 1)")
         try:
             kw: dict[str, Any] = {k: int(d[k]) for k in ("kmax", "lookahead", "max_new_tokens", "n_experts")}
             kw |= {k: float(d[k]) for k in ("context_scale", "ema", "prior_rate")}
             kw["prev_cost_norm"] = str(d["prev_cost_norm"])
+            if d.get("per_token", False) is not False:
+                if d["per_token"] is not True:
+                    raise ValueError(f"per_token={d['per_token']!r}: must be true or false")
+                kw["per_token"] = True
         except KeyError as exc:
             raise ValueError(f"{exc.args[0]} missing") from None
         except (TypeError, ValueError) as exc:
@@ -405,6 +433,7 @@ class ObservationState:
         self._c_first = idx("first_round")
         self._c_depth = _block(spec, tuple(f"acc_depth_{j}" for j in range(1, km + 1)))
         self._c_conf = _block(spec, tuple(f"conf_{j}" for j in range(1, spec.lookahead + 1)))
+        self._c_token = _block(spec, TOKEN_FEATURES if spec.per_token else ())
 
     def _set_tables(self, k_top: int) -> None:
         self._K = k_top + 1
@@ -477,13 +506,18 @@ class ObservationState:
         P[:, 3] = cost_units
         self.first[:] = 0.0
 
-    def build(self, L: np.ndarray, t: np.ndarray, conf: np.ndarray | None = None) -> np.ndarray:
+    def build(
+        self, L: np.ndarray, t: np.ndarray, conf: np.ndarray | None = None, token: np.ndarray | None = None
+    ) -> np.ndarray:
         """The (n, dim) float32 observations at context ``L`` after ``t`` generated tokens.
 
         Args:
             L: Context lengths L_t.
             t: Tokens generated so far.
             conf: (n, lookahead) draft confidences of the next drafts (required iff lookahead > 0).
+            token: (n, 3) per-token features ``[q of the draft just drafted, drafted so far, product of
+                the round's drafted q]``, unscaled (required iff ``spec.per_token``); ``drafted`` is
+                divided by kmax here.
         """
         s = self.spec
         E = self._E
@@ -499,6 +533,11 @@ class ObservationState:
             if conf is None:
                 raise ValueError("conf is required when lookahead > 0")
             obs[:, self._c_conf] = conf
+        if s.per_token:
+            if token is None:
+                raise ValueError("token is required when spec.per_token")
+            token = np.asarray(token, dtype=np.float64)
+            obs[:, self._c_token] = token / np.array([1.0, s.kmax, 1.0])
         np.minimum(obs, self._hi_row, out=obs)  # == np.clip(obs, 0, hi): no NaN can occur
         np.maximum(obs, 0.0, out=obs)
         return obs
@@ -608,8 +647,14 @@ class ScalarObservation:
         for j in range(min(k, a + 1)):  # depth j+1 reached: k >= j+1 and a >= j; success: a >= j+1
             depth[j] = ema * depth[j] + w * (1.0 if a > j else 0.0)
 
-    def build(self, L: float, t: int, conf: list[float] | None) -> np.ndarray:
-        """The float32 observation at context ``L`` after ``t`` generated tokens (conf iff lookahead)."""
+    def build(
+        self, L: float, t: int, conf: list[float] | None, token: tuple[float, int, float] | None = None
+    ) -> np.ndarray:
+        """The float32 observation at context ``L`` after ``t`` generated tokens.
+
+        ``conf`` iff lookahead; ``token = (q of the draft just drafted, drafted so far, product of the
+        round's drafted q)`` iff ``spec.per_token`` (see :meth:`ObservationState.build`).
+        """
         s = self.spec
         kmax = self.kmax
         # Clipping to the Box in float64 before the float32 cast equals ObservationState's cast-then-clip
@@ -631,6 +676,8 @@ class ScalarObservation:
         ]
         if conf is not None:
             vals.extend(conf)
+        if token is not None:
+            vals.extend((token[0], token[1] / kmax, token[2]))
         return np.array(vals, dtype=np.float32)
 
 
@@ -660,6 +707,7 @@ class ObsView:
         self.i_first_round = idx("first_round")
         self.depth_slice = _block(spec, tuple(f"acc_depth_{j}" for j in range(1, spec.kmax + 1)))
         self.conf_slice = _block(spec, tuple(f"conf_{j}" for j in range(1, spec.lookahead + 1)))
+        self.token_slice = _block(spec, TOKEN_FEATURES if spec.per_token else ())
 
     def raw(self, obs: np.ndarray, name: str) -> float:
         """The scaled value of a named feature, as stored in the vector."""
@@ -712,3 +760,15 @@ class ObsView:
     def conf(self, obs: np.ndarray) -> np.ndarray:
         """Draft confidences of the next ``lookahead`` drafts (empty without lookahead)."""
         return np.asarray(obs[self.conf_slice], dtype=np.float64)
+
+    def draft_conf(self, obs: np.ndarray) -> float:
+        """Per-token observation: confidence of the draft just drafted (0 before the first)."""
+        return float(obs[self.spec.index("draft_conf")])
+
+    def drafted(self, obs: np.ndarray) -> int:
+        """Per-token observation: drafts drafted so far in this round."""
+        return int(round(float(obs[self.spec.index("drafted")]) * self.spec.kmax))
+
+    def draft_conf_prod(self, obs: np.ndarray) -> float:
+        """Per-token observation: product of this round's drafted confidences (1 before the first)."""
+        return float(obs[self.spec.index("draft_conf_prod")])

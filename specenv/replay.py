@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from specenv.costmodel import CostModel
+from specenv.costmodel import CostModel, charged_lookahead, check_drafting
 from specenv.costsource import cost_model_for
 from specenv.datasets import DEFAULT_DATASET, load_dataset
 from specenv.io import json_digest, sha256_file
@@ -114,6 +114,8 @@ class ReplayData:
         split: ``"train"``, ``"test"`` or ``"all"``.
         kmax: Largest budget (actions are 0..kmax).
         lookahead: Draft confidences exposed per observation (h).
+        drafting: The drafting mode that charges the rounds (``"none"``, ``"block"`` or ``"sequential"``;
+            :data:`specenv.costmodel.DRAFTING_MODES`).
         spec: Observation layout.
         cost_model: The cost model C(t, k).
         generation_ids: (G,) ids of the split's generations.
@@ -124,8 +126,9 @@ class ReplayData:
         survival: (n, kmax+1) float64; column j-1 holds P(a >= j | t) = prod_{i<=j} rho_{t,i} for
             j = 1..kmax (:meth:`~specenv.traceset.PositionArrays.survival`), and column kmax holds
             P(a >= kmax+1) = 0 (a sentinel that ends every count of the leading ``u < P(a >= j)``).
-        cost: (n, kmax+1) charged round cost in ms, ``CostModel.charged_table(U, L, kmax, h)``:
-            C(t, k) with the draft term T_D(max(k, h)).
+        cost: (n, kmax+1) charged round cost in ms, ``CostModel.charged_table(U, L, kmax, h, drafting)``:
+            C(t, k) with the draft term T_D(max(k, h)) in mode ``"block"``, T_D(k) in modes ``"none"``
+            and ``"sequential"``.
         U: (n, kmax+1) unique experts U_{t,k}.
         conf: (n, h) draft confidences q_{t,1..h}.
         ar_ms: (n,) plain autoregressive step cost C(t, 0) (no lookahead charge).
@@ -154,6 +157,7 @@ class ReplayData:
     ar_unit_ms: float
     ar_total_ms: np.ndarray
     max_len: int
+    drafting: str = "none"
 
     @property
     def n_generations(self) -> int:
@@ -203,23 +207,26 @@ def replay_data(
     kmax: int | None = None,
     split: str = "train",
     cost_model: str = "fit",
-    lookahead: int = 0,
+    lookahead: int | None = None,
+    drafting: str | None = None,
 ) -> ReplayData:
     """Build (or fetch from the per-process cache) the replay tables for these arguments.
 
-    Args: see :class:`specenv.envs.replay.MoESpecEnv`.
+    Args: see :class:`specenv.envs.replay.MoESpecEnv` (``lookahead`` and ``drafting`` are checked by
+    :func:`specenv.costmodel.check_drafting`: None and None is mode ``"none"``, h = 0).
 
     Raises:
         ValueError: Naming the bad argument (``dataset``, ``kmax``, ``split``, ``cost_model``,
-            ``lookahead``).
+            ``lookahead``, ``drafting``).
     """
-    ts, kmax, cost_model, lookahead = _checked_arguments(dataset, kmax, split, cost_model, lookahead)
-    key = _cache_key(ts, kmax, split, cost_model, lookahead)
+    checked = _checked_arguments(dataset, kmax, split, cost_model, lookahead, drafting)
+    ts, kmax, cost_model, lookahead, drafting = checked
+    key = _cache_key(ts, kmax, split, cost_model, lookahead, drafting)
     hit = _REPLAY_CACHE.get(key)
     if hit is not None:
         _REPLAY_CACHE.move_to_end(key)
         return hit
-    data = _build(ts, os.fspath(dataset), kmax, split, cost_model, lookahead)
+    data = _build(ts, os.fspath(dataset), kmax, split, cost_model, lookahead, drafting)
     for name in _READ_ONLY:
         getattr(data, name).flags.writeable = False
     _REPLAY_CACHE[key] = data
@@ -229,9 +236,9 @@ def replay_data(
 
 
 def _checked_arguments(
-    dataset: Any, kmax: Any, split: Any, cost_model: Any, lookahead: Any
-) -> tuple[TraceSet, int, str, int]:
-    """Validate the arguments of :func:`replay_data`; returns the trace set, kmax, cost model and h."""
+    dataset: Any, kmax: Any, split: Any, cost_model: Any, lookahead: Any, drafting: Any = None
+) -> tuple[TraceSet, int, str, int, str]:
+    """Validate the arguments of :func:`replay_data`; returns the trace set, kmax, cost model, h and mode."""
     check_split(split)
     if not isinstance(dataset, (str, os.PathLike)):
         raise ValueError(f"dataset={dataset!r}: expected a registry name or a folder path")
@@ -241,40 +248,47 @@ def _checked_arguments(
     if not ts.has_positions:
         raise ValueError(f"dataset={os.fspath(dataset)!r}: trace set '{ts.manifest.name}' has no positions table")
     kmax = check_kmax(kmax, ts.kmax)
-    lookahead = _check_int("lookahead", lookahead)
-    if not 0 <= lookahead <= kmax:
-        raise ValueError(f"lookahead={lookahead}: must be in 0..kmax={kmax}")
-    return ts, kmax, os.fspath(cost_model), lookahead
+    if lookahead is not None:
+        lookahead = _check_int("lookahead", lookahead)
+    if drafting is not None and not isinstance(drafting, str):
+        raise ValueError(f"drafting={drafting!r}: expected 'none', 'block' or 'sequential'")
+    drafting, lookahead = check_drafting(drafting, lookahead, kmax)
+    return ts, kmax, os.fspath(cost_model), lookahead, drafting
 
 
-def _cache_key(ts: TraceSet, kmax: int, split: str, cost_model: str, lookahead: int) -> tuple[Any, ...]:
+def _cache_key(
+    ts: TraceSet, kmax: int, split: str, cost_model: str, lookahead: int, drafting: str = "none"
+) -> tuple[Any, ...]:
     """Cache key of the tables; a cost-model JSON file is keyed by its content."""
     cm_key: tuple[str, str] = (cost_model, "")
     if cost_model not in ("fit", "profile") and os.path.isfile(cost_model):
         cm_key = (os.path.abspath(cost_model), sha256_file(cost_model))
-    return (str(ts.root), ts.manifest.name, json_digest(ts.manifest.files), kmax, split, cm_key, lookahead)
+    return (str(ts.root), ts.manifest.name, json_digest(ts.manifest.files), kmax, split, cm_key, lookahead, drafting)
 
 
 def _charged_tables(
-    model: CostModel, arr: PositionArrays, kmax: int, lookahead: int, cost_model: str
+    model: CostModel, arr: PositionArrays, kmax: int, lookahead: int, cost_model: str, drafting: str = "none"
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """Charged cost table (n, kmax+1), AR step cost (n,) and its mean (the reward unit)."""
     try:
-        cost = model.charged_table(arr.U, arr.L, kmax, lookahead)
+        cost = model.charged_table(arr.U, arr.L, kmax, lookahead, drafting)
     except ValueError as exc:
         raise ValueError(f"cost_model={cost_model!r}: {exc}") from None
-    ar_ms = cost[:, 0].copy() if lookahead == 0 else model.charged_table(arr.U, arr.L, 0)[:, 0]
+    uncharged = charged_lookahead(lookahead, drafting) == 0  # column 0 is then the AR step itself
+    ar_ms = cost[:, 0].copy() if uncharged else model.charged_table(arr.U, arr.L, 0)[:, 0]
     ar_unit = float(np.mean(ar_ms))
     if not np.isfinite(ar_unit) or ar_unit <= 0:
         raise ValueError(f"cost_model={cost_model!r}: mean AR step cost {ar_unit} ms is not positive")
     return cost, ar_ms, ar_unit
 
 
-def _build(ts: TraceSet, dataset: str, kmax: int, split: str, cost_model: str, lookahead: int) -> ReplayData:
+def _build(
+    ts: TraceSet, dataset: str, kmax: int, split: str, cost_model: str, lookahead: int, drafting: str = "none"
+) -> ReplayData:
     """Compute the tables of :class:`ReplayData` (no caching)."""
     model = cost_model_for(ts, cost_model)
     arr = select_positions(ts, kmax, split)
-    cost, ar_ms, ar_unit = _charged_tables(model, arr, kmax, lookahead, cost_model)
+    cost, ar_ms, ar_unit = _charged_tables(model, arr, kmax, lookahead, cost_model, drafting)
     offsets = arr.offsets.astype(np.int64)
     spec = ObservationSpec(
         kmax=kmax,
@@ -303,4 +317,5 @@ def _build(ts: TraceSet, dataset: str, kmax: int, split: str, cost_model: str, l
         ar_unit_ms=ar_unit,
         ar_total_ms=np.add.reduceat(ar_ms, offsets[:-1]),
         max_len=int(np.diff(offsets).max()),
+        drafting=drafting,
     )

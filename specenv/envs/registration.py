@@ -2,7 +2,9 @@
 
 Gymnasium 1.x has no plugin entry points for environments: importing :mod:`specenv` calls
 :func:`register_envs`, after which ``gymnasium.make("specenv/MoESpec-v0", ...)`` and
-``gymnasium.make_vec("specenv/MoESpec-v0", num_envs=..., ...)`` work. Users may also write
+``gymnasium.make_vec("specenv/MoESpec-v0", num_envs=..., ...)`` work, and so does
+``gymnasium.make("specenv/MoESpecSeq-v0", ...)`` (the per-token environment of the sequential
+drafting mode). Users may also write
 ``gymnasium.register_envs(specenv)`` (keeps linters quiet about the import) or
 ``gymnasium.make("specenv:specenv/MoESpec-v0")``.
 
@@ -21,6 +23,8 @@ from typing import Any
 
 #: The replay environment (positions tables, cost model); deterministic given the seed.
 REPLAY_ID = "specenv/MoESpec-v0"
+#: The per-token environment of the sequential drafting mode (one draft decision per step); deterministic.
+SEQ_ID = "specenv/MoESpecSeq-v0"
 #: The live environment (real rounds on the CPU engine; needs the ``live`` extra); measured times vary.
 LIVE_ID = "specenv/MoESpecLive-v0"
 
@@ -44,6 +48,15 @@ def register_envs() -> list[str]:
             max_episode_steps=None,
         )
         added.append(REPLAY_ID)
+    if SEQ_ID not in gymnasium.registry:
+        gymnasium.register(
+            id=SEQ_ID,
+            entry_point="specenv.envs.sequential:MoESpecSeqEnv",
+            kwargs={},
+            nondeterministic=False,
+            max_episode_steps=None,
+        )
+        added.append(SEQ_ID)
     if LIVE_ID not in gymnasium.registry:
         gymnasium.register(
             id=LIVE_ID,

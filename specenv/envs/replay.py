@@ -52,9 +52,16 @@ class MoESpecEnv(RoundEnv):
       ``accepted`` is capped to ``t' - t - 1`` (nothing is accepted past the generation's end);
     * the round costs ``C(t, k) = T_D(k) + T_T(k, U_{t,k}, L_t)`` ms from the cost model
       (:meth:`specenv.costmodel.CostModel.charged_table`): draft time plus the target's verification
-      time at ``U_{t,k}`` unique experts and context length ``L_t``. With ``lookahead = h > 0``
-      the draft proposes ``max(k, h)`` tokens (so the observation can show h confidences) and the
-      draft term becomes ``T_D(max(k, h))``, also for k = 0; the target term is unchanged.
+      time at ``U_{t,k}`` unique experts and context length ``L_t``. The draft term follows the
+      drafting mode (:mod:`specenv.costmodel`): ``drafting="none"`` (k chosen before drafting, no
+      confidence shown) pays ``T_D(k)``; ``"block"`` (the draft proposes h tokens at once, the
+      observation shows their h confidences and the agent trims to k) pays ``T_D(max(k, h))``, also
+      for k = 0; ``"sequential"`` (the drafter produces one token at a time and the agent stops after
+      any of them) shows the confidences q_{t,1..h} and pays ``T_D(k)``: the agent is a stopping rule
+      that verifies every token it drafted, so its choice of k may depend on q_{t,1..k} only (a rule
+      that reads q_{t,k+1} to stop at k drafted k+1 tokens: use ``specenv/MoESpecSeq-v0``, where
+      each step is one draft decision and nothing beyond the drafted tokens is shown). The target
+      term is the same in every mode.
 
     Generation ids are split 80/20 into train/test by :mod:`specenv.splits` (sha256 rank of the
     id; the same rule the oracle and the benchmark use). :mod:`specenv.envs.vector` steps many
@@ -122,7 +129,7 @@ class MoESpecEnv(RoundEnv):
 
     ```python
     gymnasium.make("specenv/MoESpec-v0", dataset="paper-default", kmax=None, split="train",
-                   cost_model="fit", lookahead=0, render_mode=None, reward="cost")
+                   cost_model="fit", lookahead=None, render_mode=None, reward="cost", drafting=None)
     ```
 
     Args:
@@ -132,22 +139,26 @@ class MoESpecEnv(RoundEnv):
         cost_model: ``"fit"`` (per-K fit on the set's rounds table, the default), ``"profile"``
             (the paper's coefficients) or a path to a cost-model JSON; see
             :func:`specenv.costsource.cost_model_for`.
-        lookahead: Number h of draft confidences in the observation (0..kmax, default 0).
+        lookahead: Number h of draft confidences in the observation (0..kmax). Default: 0 without a
+            drafting mode or with ``"none"``, kmax with ``"block"`` or ``"sequential"``.
         render_mode: None, ``"ansi"`` (:meth:`render` returns the last round as one line) or
             ``"rgb_array"`` (a ``(64, 128, 3)`` uint8 bar strip of the last 32 rounds' k and
             accepted, :mod:`specenv.envs.render`). ``gymnasium.make(..., render_mode="human")``
             shows that image through gymnasium's ``HumanRendering`` (needs pygame).
         reward: ``"cost"`` (default) or ``"savings"`` (see Rewards).
+        drafting: ``"none"``, ``"block"`` or ``"sequential"`` (:data:`specenv.costmodel.DRAFTING_MODES`;
+            see Description). Default None: ``"block"`` when ``lookahead > 0``, else ``"none"``.
 
     Raises:
         ValueError: Naming the argument, for an unknown dataset or split, kmax outside 1..Kmax,
-            lookahead outside 0..kmax, a bad cost model, reward or render mode.
+            lookahead outside 0..kmax (or given with ``drafting="none"``, or 0 with another mode),
+            a bad cost model, reward, render mode or drafting mode.
 
     ## Version History
 
     * v0: initial version (replay of schema-v1 trace sets; observation contract of
-      :mod:`specenv.observation`; ``reward`` and ``render_mode="rgb_array"`` added without a
-      version bump: the defaults behave as before).
+      :mod:`specenv.observation`; ``reward``, ``render_mode="rgb_array"`` and ``drafting`` added
+      without a version bump: the defaults behave as before).
 
     Examples:
         >>> import gymnasium as gym
@@ -189,16 +200,18 @@ class MoESpecEnv(RoundEnv):
         kmax: int | None = None,
         split: str = "train",
         cost_model: str = "fit",
-        lookahead: int = 0,
+        lookahead: int | None = None,
         render_mode: str | None = None,
         reward: str = "cost",
+        drafting: str | None = None,
     ):
         self.render_mode = check_render_mode(render_mode)
         self._savings = check_reward(reward)
         self.reward = reward
-        self.data = replay_data(dataset, kmax, split, cost_model, lookahead)
+        self.data = replay_data(dataset, kmax, split, cost_model, lookahead, drafting)
         self.kmax = self.data.kmax
         self.lookahead = self.data.lookahead
+        self.drafting = self.data.drafting
         self.ar_unit_ms = self.data.ar_unit_ms
         self.action_space = spaces.Discrete(self.kmax + 1)
         self.observation_space = self.data.spec.space()

@@ -92,7 +92,8 @@ class MoESpecVectorEnv(VectorEnv):
 
     ```python
     gymnasium.make_vec("specenv/MoESpec-v0", num_envs=256, dataset="paper-default", kmax=None,
-                       split="train", cost_model="fit", lookahead=0, render_mode=None, reward="cost")
+                       split="train", cost_model="fit", lookahead=None, render_mode=None, reward="cost",
+                       drafting=None)
     ```
 
     Args:
@@ -105,14 +106,15 @@ class MoESpecVectorEnv(VectorEnv):
         render_mode: None, ``"ansi"`` (:meth:`render` returns one line per sub-environment, its
             last round) or ``"rgb_array"`` (one ``(64, 128, 3)`` uint8 image per sub-environment).
         reward: ``"cost"`` (default) or ``"savings"``.
+        drafting: As for the single environment (``"none"``, ``"block"`` or ``"sequential"``).
 
     Raises:
         ValueError: Naming the argument, as for the single environment, or ``num_envs`` < 1.
 
     ## Version History
 
-    * v0: initial version (bit-identical to ``num_envs`` single environments; ``reward`` and
-      ``render_mode="rgb_array"`` added with unchanged defaults).
+    * v0: initial version (bit-identical to ``num_envs`` single environments; ``reward``,
+      ``render_mode="rgb_array"`` and ``drafting`` added with unchanged defaults).
 
     Examples:
         >>> import gymnasium as gym
@@ -139,9 +141,10 @@ class MoESpecVectorEnv(VectorEnv):
         kmax: int | None = None,
         split: str = "train",
         cost_model: str = "fit",
-        lookahead: int = 0,
+        lookahead: int | None = None,
         render_mode: str | None = None,
         reward: str = "cost",
+        drafting: str | None = None,
     ):
         if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
             raise ValueError(f"num_envs={num_envs!r}: must be an integer >= 1")
@@ -149,9 +152,10 @@ class MoESpecVectorEnv(VectorEnv):
         self._savings = check_reward(reward)
         self.reward = reward
         self.num_envs = n = int(num_envs)
-        self.data = d = replay_data(dataset, kmax, split, cost_model, lookahead)
+        self.data = d = replay_data(dataset, kmax, split, cost_model, lookahead, drafting)
         self.kmax = d.kmax
         self.lookahead = d.lookahead
+        self.drafting = d.drafting
         self.ar_unit_ms = d.ar_unit_ms
         self.single_action_space = spaces.Discrete(d.kmax + 1)
         self.action_space = batch_space(self.single_action_space, n)

@@ -57,6 +57,13 @@ ARGUMENT_CASES: list[tuple[str, list[str], list[str]]] = [
     ("oracle-lookahead-over-kmax", ["oracle", "{T}", "--lookahead", "7"], ["--lookahead"]),
     ("oracle-lookahead-over-chosen-kmax", ["oracle", "{T}", "--kmax", "2", "--lookahead", "3"], ["--lookahead"]),
     ("oracle-lookahead-negative", ["oracle", "{T}", "--lookahead", "-1"], ["--lookahead"]),
+    ("oracle-drafting-unknown", ["oracle", "{T}", "--drafting", "speculative"], ["--drafting"]),
+    (
+        "oracle-drafting-none-with-lookahead",
+        ["oracle", "{T}", "--drafting", "none", "--lookahead", "2"],
+        ["--lookahead"],
+    ),
+    ("oracle-drafting-block-without-lookahead", ["oracle", "{T}", "--drafting", "block"], ["--lookahead"]),
     ("oracle-episodes-negative", ["oracle", "{T}", "--episodes", "-1"], ["--episodes"]),
     ("oracle-episodes-huge", ["oracle", "{T}", "--episodes", HUGE], ["--episodes"]),
     ("oracle-seed-negative", ["oracle", "{T}", "--seed", "-1"], ["--seed"]),
