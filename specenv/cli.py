@@ -892,7 +892,8 @@ def serve(
     """Start vLLM's OpenAI-compatible server with the speculation-length controller (and recorder).
 
     `--models small-moe-v1` serves a shipped model set; everything after `--` is passed to vLLM
-    (--port, --dtype, ...; or your own model and --speculative-config without --models). On CPU it sets
+    (--port, --dtype, ...; or your own model and --speculative-config without --models), so specenv's
+    own options go before `--`. On CPU it sets
     VLLM_CPU_KVCACHE_SPACE (GiB of KV cache: 20% of the available memory, at most 4) and
     VLLM_CPU_OMP_THREADS_BIND=nobind unless they are set. Needs the vllm extra; see the README. The
     policy, the models, the cost model and the record folder are checked before vLLM is imported.

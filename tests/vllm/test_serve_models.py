@@ -111,6 +111,7 @@ def test_serve_models_answers_completion_and_chat_then_exits_on_sigterm(tmp_path
         assert chat.usage.prompt_tokens > len("Write a Python function that adds two numbers.") // 8
         assert _drafts(port) > 0  # the draft model ran: --speculative-config was built by --models
         print(f"\nengine start {start_s:.1f} s; completion of {comp.usage.completion_tokens} tokens {comp_s:.2f} s")
+        print(f"completion {comp.choices[0].text!r}\nchat {chat.choices[0].message.content!r}")
 
         t2 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
