@@ -10,13 +10,17 @@ from pathlib import Path
 
 from specenv.datasets import install_dataset_files
 from specenv.generator import generate_paper
+from specenv.progress import Progress
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--generations", type=int, default=128)
 ap.add_argument("--seed", type=int, default=0)
 ap.add_argument("--folder", default="paper-default-v1")
 args = ap.parse_args()
-ts = generate_paper(args.generations, 10, seed=args.seed, name="paper-default")
+with Progress("generate", total=args.generations, unit="generations") as prog:
+    ts = generate_paper(
+        args.generations, 10, seed=args.seed, name="paper-default", progress=lambda d, t: prog.update(d, t)
+    )
 ts.manifest.version = 1
 dest = Path(__file__).resolve().parents[1] / "specenv" / "data" / args.folder
 sha = install_dataset_files(ts, dest)
