@@ -109,6 +109,7 @@ class Progress:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lines = 0
+        self._t_done = 0.0  # elapsed seconds when ``done`` last changed (the rate behind the ETA)
         self._bar: Any = None
         self._task: Any = None
 
@@ -117,8 +118,9 @@ class Progress:
     def update(self, done: int | None = None, total: int | None = None, what: str | None = None) -> None:
         """Set the items done, the total and/or what runs now (``None`` keeps a value)."""
         with self._lock:
-            if done is not None:
+            if done is not None and int(done) != self.done:
                 self.done = int(done)
+                self._t_done = self.elapsed
             if total is not None:
                 self.total = int(total)
             if what is not None:
@@ -146,16 +148,17 @@ class Progress:
     def line(self, final: bool = False) -> str:
         """The plain progress line of the current state (``final``: the closing ``done in`` line)."""
         with self._lock:
-            done, total, what = self.done, self.total, self.what
+            done, total, what, t_done = self.done, self.total, self.what, self._t_done
         unit = f" {self.unit}" if self.unit else ""
         count = f"{done}/{total}{unit}" if total is not None else (f"{done}{unit}" if done else "")
         parts = [p for p in (count, f"({what})" if what and not final else "") if p]
         head = f"{self.label}: {' '.join(parts)}" if parts else f"{self.label}:"
         if final:
             return f"{head}{',' if parts else ''} done in {format_duration(self.elapsed)}"
-        tail = f"{format_duration(self.elapsed)} elapsed"
-        if total and 0 < done < total:
-            tail += f", ETA {format_duration(self.elapsed * (total - done) / done)}"
+        elapsed = self.elapsed
+        tail = f"{format_duration(elapsed)} elapsed"
+        if total and 0 < done < total:  # the rate up to the last item done, counted down since then
+            tail += f", ETA {format_duration(max(t_done * (total - done) / done - (elapsed - t_done), 0.0))}"
         return f"{head}, {tail}" if parts else f"{head} {tail}"
 
     # ---------------------------------------------------------------- context

@@ -65,6 +65,8 @@ def test_progress_line_counts_eta_and_final_line() -> None:
         assert prog.line() == "bench: 1/4 policies (cascade), 30 s elapsed, ETA 1 min 30 s"
         prog.advance(2)
         assert prog.line().endswith("3/4 policies (cascade), 30 s elapsed, ETA 10 s")
+        prog._start -= 5  # 5 s later, no item done: the ETA counts down, it does not grow
+        assert prog.line().endswith("35 s elapsed, ETA 5 s")
     assert stream.getvalue() == ""  # no timer line was due: no closing line either
 
 
