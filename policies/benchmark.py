@@ -472,7 +472,7 @@ def run_benchmark(
     seed: int = 0,
     policy_dir: Path | None = None,
     only: list[str] | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
     n_boot: int = N_BOOT,
 ) -> BenchResult:
     """Run the benchmark on the test split of ``dataset``.
@@ -487,7 +487,8 @@ def run_benchmark(
         policy_dir: Folder with trained policies (``<name>/policy.json`` or ``<run>/policy/policy.json``);
             default the shipped ones.
         only: Run only policies whose name contains one of these strings (the oracle always runs).
-        progress: Called with the name of each policy as it starts.
+        progress: Called as ``progress(done, total, name)`` as each policy starts, with the number of
+            policies done before it and the number that run.
         n_boot: Bootstrap resamples of the generations.
     """
     from oracle.dp import solve
@@ -505,11 +506,10 @@ def run_benchmark(
     learned_names = set()
     modes: dict[str, str] = {}
     shown: dict[str, int] = {}  # confidences each row reads
-    for entry in default_entries(ctx):
-        if only and not any(o in entry.name for o in only):
-            continue
+    entries = [e for e in default_entries(ctx) if not only or any(o in e.name for o in only)]
+    for i, entry in enumerate(entries):
         if progress:
-            progress(entry.name)
+            progress(i, len(entries), entry.name)
         modes[entry.name] = entry.mode
         shown[entry.name] = entry.lookahead
         if entry.exact_k is not None:

@@ -53,6 +53,7 @@ def train_sb3(
     reward: str = "savings",
     gamma: float = 0.99,
     log: Callable[[str], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> TrainResult:
     """Train PPO or DQN on the train split and export it.
 
@@ -71,6 +72,7 @@ def train_sb3(
             the module docstring) or ``"cost"``. VecMonitor logs the return of this reward.
         gamma: Discount factor.
         log: Progress lines.
+        progress: Called as ``progress(steps_done, timesteps)`` after every step of the vector env.
 
     Raises:
         ValueError: For an unknown algorithm or bad environment arguments.
@@ -95,7 +97,8 @@ def train_sb3(
     )
     env = _sb3_env(venv, gamma, seed)
     model = _make_model(algo, env, n_envs, gamma, seed, str(run_dir / "tb") if tensorboard else None)
-    model.learn(total_timesteps=timesteps, tb_log_name=algo, progress_bar=False)
+    callback = None if progress is None else _progress_callback(progress, timesteps)
+    model.learn(total_timesteps=timesteps, tb_log_name=algo, progress_bar=False, callback=callback)
     model.save(run_dir / "model.zip")
     meta = {
         "algo": algo,
@@ -113,6 +116,18 @@ def train_sb3(
         log(f"{algo}: trained {timesteps} steps, exported to {run_dir / 'policy'}")
     env.close()
     return TrainResult(policy, run_dir, model)
+
+
+def _progress_callback(progress: Callable[[int, int], None], total: int) -> Any:
+    """An SB3 callback reporting ``progress(steps_done, total)`` after every step."""
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class _Report(BaseCallback):
+        def _on_step(self) -> bool:
+            progress(min(self.num_timesteps, total), total)
+            return True
+
+    return _Report()
 
 
 def _sb3_env(venv: Any, gamma: float, seed: int) -> Any:

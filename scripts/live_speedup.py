@@ -28,6 +28,7 @@ import numpy as np
 import specenv  # noqa: F401  (registers the environments)
 from specenv.datasets import load_dataset
 from specenv.engines.hf import LiveEngine, load_models, load_prompts
+from specenv.progress import Progress
 
 
 def replay_speedups(gids: list[int], kmax: int) -> dict[int, float]:
@@ -70,18 +71,21 @@ def main() -> None:
         for _ in range(3):
             if not eng.done:
                 eng.step(k)
-    for rep in range(a.repeats):
-        for i, p in enumerate(prompts):
-            ids = models.encode(p.text)
-            order = np.roll(np.arange(kmax + 1), i + rep)
-            for k in order:
-                eng.start(ids)
-                t0, c0 = time.perf_counter(), time.thread_time()
-                while not eng.done:
-                    eng.step(int(k))
-                wall[k] += time.perf_counter() - t0
-                cpu[k] += time.thread_time() - c0
-                toks[k] += len(eng.generated)
+    runs = a.repeats * len(prompts) * (kmax + 1)
+    with Progress("live_speedup", total=runs, unit="generations (prompt x k)") as prog:
+        for rep in range(a.repeats):
+            for i, p in enumerate(prompts):
+                ids = models.encode(p.text)
+                order = np.roll(np.arange(kmax + 1), i + rep)
+                for k in order:
+                    eng.start(ids)
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    while not eng.done:
+                        eng.step(int(k))
+                    wall[k] += time.perf_counter() - t0
+                    cpu[k] += time.thread_time() - c0
+                    toks[k] += len(eng.generated)
+                    prog.advance()
     live = {k: float(wall[0] / wall[k]) for k in range(kmax + 1)}
     live_cpu = {k: float(cpu[0] / cpu[k]) for k in range(kmax + 1)}
     r = ts.rounds[ts.rounds["generation_id"].isin(gids)]

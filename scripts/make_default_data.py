@@ -23,6 +23,7 @@ from pathlib import Path
 
 from specenv.datasets import install_dataset_files, load_dataset
 from specenv.generator import generate_paper
+from specenv.progress import Progress
 
 DATA = Path(__file__).resolve().parents[1] / "specenv" / "data"
 
@@ -45,7 +46,10 @@ if args.live:
     print(f"cpu seconds: {time.process_time() - c0:.1f}")
     name = "live-cpu"
 else:
-    ts = generate_paper(args.generations, 10, seed=args.seed, name="paper-default")
+    with Progress("generate", total=args.generations, unit="generations") as prog:
+        ts = generate_paper(
+            args.generations, 10, seed=args.seed, name="paper-default", progress=lambda d, t: prog.update(d, t)
+        )
     name = "paper-default"
 ts.manifest.version = args.version
 dest = DATA / (args.folder or f"{name}-v{args.version}")

@@ -21,9 +21,10 @@ import gymnasium as gym
 
 import specenv  # noqa: F401
 from policies.benchmark import build_context, default_entries
+from specenv.progress import Progress
 
 
-def run(env: gym.Env, policy, gids) -> tuple[float, float, float]:
+def run(env: gym.Env, policy, gids, on_generation=None) -> tuple[float, float, float]:
     cost = ar = rounds = 0.0
     for g in gids:
         obs, _ = env.reset(seed=0, options={"generation_id": int(g)})
@@ -34,6 +35,8 @@ def run(env: gym.Env, policy, gids) -> tuple[float, float, float]:
             cost += info["cost_ms"]
             rounds += 1
         ar += info["ar_cost_ms"]
+        if on_generation:
+            on_generation()
     return cost, ar, rounds
 
 
@@ -42,18 +45,25 @@ def main() -> None:
     ap.add_argument("--split", default="test")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    ctx = build_context("live-cpu", None, "fit", None)
-    wanted = ("autoregressive", "best fixed", "delta-space (oracle", "delta-space (adaptive")
-    entries = [e for e in default_entries(ctx) if e.name.startswith(wanted)]
-    replay = gym.make("specenv/MoESpec-v0", dataset="live-cpu", split=a.split)
-    live = gym.make("specenv/MoESpecLive-v0", dataset="live-cpu", split=a.split, cost_source="measured", clock="cpu")
-    gids = replay.unwrapped.data.generation_ids
-    rows = []
-    for e in entries:
-        pol = e.make(replay.unwrapped.data.spec)
-        r_cost, r_ar, _ = run(replay, pol, gids)
-        l_cost, _, _ = run(live, pol, gids)
-        rows.append({"policy": e.name, "replay_cost_ms": r_cost, "replay_ar_ms": r_ar, "live_cost_ms": l_cost})
+    # minutes of work (the live runs are real rounds on the CPU engine): a bar in a terminal, else a line every 5 s
+    with Progress("sim_to_real", unit="live generations") as prog:
+        prog.update(what="setting up: cost model, live engine")
+        ctx = build_context("live-cpu", None, "fit", None)
+        wanted = ("autoregressive", "best fixed", "delta-space (oracle", "delta-space (adaptive")
+        entries = [e for e in default_entries(ctx) if e.name.startswith(wanted)]
+        replay = gym.make("specenv/MoESpec-v0", dataset="live-cpu", split=a.split)
+        live = gym.make(
+            "specenv/MoESpecLive-v0", dataset="live-cpu", split=a.split, cost_source="measured", clock="cpu"
+        )
+        gids = replay.unwrapped.data.generation_ids
+        prog.update(total=len(entries) * len(gids))
+        rows = []
+        for e in entries:
+            prog.update(what=e.name)
+            pol = e.make(replay.unwrapped.data.spec)
+            r_cost, r_ar, _ = run(replay, pol, gids)
+            l_cost, _, _ = run(live, pol, gids, on_generation=prog.advance)
+            rows.append({"policy": e.name, "replay_cost_ms": r_cost, "replay_ar_ms": r_ar, "live_cost_ms": l_cost})
     live_ar = rows[0]["live_cost_ms"]
     print(f"live-cpu, {a.split} split, {len(gids)} generations (live: measured thread CPU time)")
     print("| policy | replay speedup | live speedup | live / replay |")

@@ -21,20 +21,27 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 try:  # typer >= 0.20 vendors click as typer._click
     from typer._click import exceptions as _cx
 except ImportError:  # pragma: no cover - older typer runs on click
     from click import exceptions as _cx
-from typer.core import TyperGroup
+from typer.core import TyperArgument, TyperGroup
+
+from specenv.progress import Progress, set_quiet
 
 #: Upper bounds of count options: far above any sensible run, low enough that nothing allocates unbounded memory.
 MAX_GENERATIONS = 100_000
 MAX_EPISODES = 10_000
 MAX_SEED = 2**32 - 1  # numpy's legacy seeding (Stable-Baselines3) takes 32-bit seeds
 MAX_NAME = 200
+#: Help output is wrapped at the terminal's width, at most this many columns (option names are never cut).
+HELP_WIDTH = 100
+#: Metavars of option values by type (typer's default, ``<int>``, reads like markup): click's plain names.
+_METAVARS = {int: "INT", float: "FLOAT", str: "TEXT", Path: "PATH"}
+#: Commands without the per-command ``--quiet`` (they show no progress: serve hands over to vLLM).
+_NO_QUIET = frozenset({"serve"})
 
 
 def _one_line(msg: str) -> str:
@@ -68,6 +75,18 @@ def _os_message(exc: OSError) -> str:
     return f"{exc.filename}: {exc.strerror or exc}"
 
 
+class _PlainArgument(TyperArgument):
+    """A positional argument shown the way click shows one: ``TRACES`` or ``[TRACES]``, no type marker."""
+
+    def _usage_display_name(self) -> str:
+        name = self.display_name_raw
+        return name if self.required else f"[{name}]"
+
+    def display_type_rich(self, ctx: Any) -> str | None:
+        """No ``<str>`` after the argument's name in the help."""
+        return None
+
+
 class _Group(TyperGroup):
     """The ``specenv`` command group, with one-line usage errors.
 
@@ -78,6 +97,8 @@ class _Group(TyperGroup):
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, *a: Any, **kw: Any) -> Any:
         """Run the command line; format errors as one line (exit 2)."""
         standalone = kw.pop("standalone_mode", True)
+        set_quiet(False)  # --quiet of an earlier in-process run must not leak into this one
+        self._polish()
         try:
             rv = super().main(args, prog_name, *a, standalone_mode=False, **kw)
         except _cx.NoArgsIsHelpError as exc:
@@ -104,6 +125,40 @@ class _Group(TyperGroup):
             return rv
         sys.exit(rv if isinstance(rv, int) else 0)
 
+    def _polish(self) -> None:
+        """Plain metavars (``TRACES``, ``INT``) for every parameter, and ``--quiet`` on every command.
+
+        The group's own ``--quiet`` option (:func:`_root`) is shared by the subcommands, so both
+        ``specenv --quiet bench`` and ``specenv bench --quiet`` work.
+        """
+        quiet = next((p for p in self.params if p.name == "quiet"), None)
+        for cmd in [self, *self.commands.values()]:
+            for param in cmd.params:
+                if param.metavar is not None or getattr(param, "is_flag", False):
+                    continue
+                if isinstance(param, TyperArgument):
+                    param.metavar = str(param.name).upper()
+                    param.__class__ = _PlainArgument
+                    continue
+                annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+                annotation = (getattr(annotation, "__args__", None) or [annotation])[0]  # list[str]: repeatable
+                if annotation in _METAVARS:
+                    param.metavar = _METAVARS[annotation]
+            if quiet is not None and cmd is not self and cmd.name not in _NO_QUIET:
+                if not any(p.name == "quiet" for p in cmd.params):
+                    cmd.params.append(quiet)
+
+    def format_commands(self, ctx: Any, formatter: Any) -> None:
+        """The command list with each command's whole first sentence (wrapped, never cut with ``...``)."""
+        rows = []
+        for name in self.list_commands(ctx):
+            cmd = self.get_command(ctx, name)
+            if cmd is not None and not cmd.hidden:
+                rows.append((name, cmd.get_short_help_str(limit=10_000)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
 
 app = typer.Typer(
     name="specenv",
@@ -112,12 +167,62 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # plain click help: no <bool>/<int> type markers, option names never cut in a narrow terminal
+    rich_markup_mode=None,
+    context_settings={"max_content_width": HELP_WIDTH},
 )
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, soft_wrap=True)
 
 Traces = Annotated[str, typer.Argument(help="Trace set: a registered name (e.g. paper-default) or a folder.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+
+
+def _version_callback(value: bool) -> None:
+    if not value:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ver = version("specenv")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        from specenv import __version__ as ver
+    out.print(f"specenv {ver}", markup=False, highlight=False)
+    raise typer.Exit(0)
+
+
+def _quiet_callback(value: bool) -> None:
+    if value:  # only ever turns progress off: the group's --quiet holds for the subcommand
+        set_quiet(True)
+
+
+QuietOpt = Annotated[
+    bool,
+    typer.Option(
+        "--quiet",
+        "-q",
+        help="No progress output (a bar in a terminal, else a line every few seconds on stderr).",
+        expose_value=False,
+        callback=_quiet_callback,
+    ),
+]
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            help="Print the version and exit.",
+            is_eager=True,
+            expose_value=False,
+            callback=_version_callback,
+        ),
+    ] = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Speculation-length control on MoE models: traces, cost model, environment, oracle, policies."""
 
 
 def _error_line(msg: str) -> None:
@@ -195,18 +300,6 @@ def _check_budget(ts: Any, kmax: int | None, lookahead: int | None = None) -> in
     return k
 
 
-def _progress(transient: bool = True) -> Progress:
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=transient,
-        disable=not err.is_terminal,
-    )
-
-
 def _load(traces: str) -> Any:
     from specenv.datasets import load_dataset
     from specenv.schema import TraceError
@@ -266,8 +359,7 @@ def generate(
         fail(f"--profile: unknown profile '{profile}' (known: paper)")
     _check_name("--name", name)
     _check_traceset_out(out_dir, overwrite)
-    with _progress() as prog:
-        task = prog.add_task("generating", total=generations)
+    with Progress("generate", total=generations, unit="generations") as prog:
         ts = generate_paper(
             generations,
             kmax,
@@ -275,7 +367,7 @@ def generate(
             greedy=greedy,
             with_rounds=rounds,
             name=name,
-            progress=lambda done, total: prog.update(task, completed=done),
+            progress=lambda done, total: prog.update(done, total),
         )
     ts.save(out_dir, overwrite=overwrite)
     summary = {"path": str(out_dir), **ts.manifest.counts, "kmax": kmax, "greedy": greedy, "seed": seed}
@@ -331,7 +423,15 @@ def fit(
     if folds > n_gen:
         fail(f"--folds: {folds} folds need at least {folds} generations, the rounds table has {n_gen}")
     try:
-        rep = fit_cost_model(ts.rounds, ts.kmax, ts.facts.top_k, folds, source={"traces": ts.manifest.name})
+        with Progress("fit", unit="fits") as prog:
+            rep = fit_cost_model(
+                ts.rounds,
+                ts.kmax,
+                ts.facts.top_k,
+                folds,
+                source={"traces": ts.manifest.name},
+                progress=lambda done, total, what: prog.update(done, total, what),
+            )
     except ValueError as exc:
         fail(f"{traces}: {exc}")
     rep.model.n_experts, rep.model.n_layers = ts.facts.n_experts, ts.facts.n_layers  # recorded in the JSON
@@ -340,20 +440,33 @@ def fit(
     if as_json:
         _print_json(rep.to_json())
         return
-    _print_fit(rep, ts.manifest.name)
+    _print_fit(rep, ts.manifest.name, paper_profile=_is_paper_profile(ts.manifest))
     if save is not None:
         out.print(f"cost model written to {save}")
 
 
-def _print_fit(rep: Any, name: str) -> None:
-    """Human-readable ``specenv fit`` output: the per-K table, the pooled forms, T_D and the AR step."""
+def _is_paper_profile(manifest: Any) -> bool:
+    """Whether a trace set comes from the paper-profile generator (its figures compare with the paper's)."""
+    return manifest.source == "generator" and manifest.profile == "paper"
+
+
+def _print_fit(rep: Any, name: str, paper_profile: bool = True) -> None:
+    """Human-readable ``specenv fit`` output: the per-K table, the pooled forms, T_D and the AR step.
+
+    Args:
+        rep: The fit (:class:`specenv.fit.FitReport`).
+        name: The trace set's name (the tables' titles).
+        paper_profile: Show the paper's figures (Tables A4, A6, its T_D) in brackets: only for a
+            paper-profile set, since any other set measures another model.
+    """
     from specenv import paper
 
-    tab = Table(title=f"Per-K cost model on {name} (paper's Table A4 in brackets)")
+    brackets = " (paper's Table A{} in brackets)" if paper_profile else ""
+    tab = Table(title=f"Per-K cost model on {name}" + brackets.format(4))
     for col in ("K", "alpha ms/expert", "c 1e-3 ms/tok", "beta0 ms", "N", "R2", "OOS MAPE %", "alpha p"):
         tab.add_column(col, justify="right")
     for r in rep.per_k.itertuples():
-        ref = paper.TABLE_A4.get(r.K)
+        ref = paper.TABLE_A4.get(r.K) if paper_profile else None
 
         def cell(v: float, idx: int, scale: float = 1.0, fmt: str = "{:.4f}", ref: Any = ref) -> str:
             s = fmt.format(v * scale)
@@ -372,26 +485,31 @@ def _print_fit(rep: Any, name: str) -> None:
             f"{r.alpha_p:.1e}",
         )
     out.print(tab)
-    t6 = Table(title="Pooled forms (paper's Table A6 in brackets)")
+    t6 = Table(title="Pooled forms" + brackets.format(6))
     for col in ("model", "R2", "CV RMSE ms", "CV MAPE %"):
         t6.add_column(col, justify="right")
     for r in rep.forms.itertuples():
-        ref6 = paper.TABLE_A6[r.model]
+        ref6 = paper.TABLE_A6[r.model] if paper_profile else None
+
+        def cell6(v: float, idx: int, fmt: str, ref6: Any = ref6) -> str:
+            return fmt.format(v) + (" [" + fmt.format(ref6[idx]) + "]" if ref6 is not None else "")
+
         t6.add_row(
-            r.model,
-            f"{r.R2:.3f} [{ref6[0]:.3f}]",
-            f"{r.cv_rmse_ms:.3f} [{ref6[1]:.3f}]",
-            f"{r.cv_mape_pct:.2f} [{ref6[2]:.2f}]",
+            r.model, cell6(r.R2, 0, "{:.3f}"), cell6(r.cv_rmse_ms, 1, "{:.3f}"), cell6(r.cv_mape_pct, 2, "{:.2f}")
         )
     out.print(t6)
     d = rep.draft
+    ref_d = "  [paper 0.459*K + 0.073]  " if paper_profile else "  "
     out.print(
-        f"draft: T_D = {d['d1']:.3f}*K + {d['d0']:.3f} ms  [paper 0.459*K + 0.073]  "
-        f"(R2={d['R2']:.3f}, {d['missing_timings']} missing timings)"
+        f"draft: T_D = {d['d1']:.3f}*K + {d['d0']:.3f} ms{ref_d}"
+        f"(R2={d['R2']:.3f}, {d['missing_timings']} missing timings)",
+        markup=False,
     )
     m = rep.model
     flag = "EXTRAPOLATED (no K=0 rounds)" if rep.ar["extrapolated"] else "fitted on K=0 rounds"
     out.print(f"AR step (K=0): T = {m.beta0[0]:.3f} + {m.alpha[0]:.4f}*U + {m.c[0] * 1e3:.3f}e-3*L ms, {flag}")
+    if not paper_profile:
+        out.print(f"(no paper figures in brackets: {name} is not a paper-profile set, it measures another model)")
 
 
 @app.command("datasets")
@@ -404,7 +522,12 @@ def datasets_cmd(as_json: JsonOpt = False) -> None:
         _print_json(rows)
     else:
         for r in rows:
-            out.print(f"{r['id']}: {r['description']}")
+            out.print(f"{r['id']}: {r['description']}", markup=False)
+        out.print(
+            "A name without its version (e.g. paper-default) loads the newest version; "
+            "the id with -vN (e.g. paper-default-v1) pins that version.",
+            markup=False,
+        )
 
 
 @app.command("oracle")
@@ -456,11 +579,19 @@ def oracle_cmd(
         model = cost_model_for(ts, cost_model)
     except ValueError as exc:
         fail(f"--cost-model: {exc}")
-    res = oracle.solve(arrays, model, lookahead=lookahead, mc_episodes=episodes, seed=seed, drafting=mode)
-    setting = {"dataset": ts.manifest.name, "split": split, "cost_model": cost_model, "kmax": k, "lookahead": lookahead}
-    setting |= {"drafting": mode, "drafting_note": _drafting_note(mode, lookahead)}
-    report = _oracle_report(res, setting, greedy=bool(arrays.greedy))
-    table, an = _oracle_analyses(report, arrays, model, res, sweep=sweep, delta=delta, plot=plot)
+    with Progress("oracle", total=1 + sweep + delta, unit="steps") as prog:
+        prog.update(what="exact bound" + (" and Monte Carlo" if episodes else ""))
+        res = oracle.solve(arrays, model, lookahead=lookahead, mc_episodes=episodes, seed=seed, drafting=mode)
+        setting = {
+            "dataset": ts.manifest.name,
+            "split": split,
+            "cost_model": cost_model,
+            "kmax": k,
+            "lookahead": lookahead,
+        }
+        setting |= {"drafting": mode, "drafting_note": _drafting_note(mode, lookahead)}
+        report = _oracle_report(res, setting, greedy=bool(arrays.greedy))
+        table, an = _oracle_analyses(report, arrays, model, res, sweep=sweep, delta=delta, plot=plot, prog=prog)
     if as_json:
         _print_json(report)
         return
@@ -538,9 +669,19 @@ def _oracle_report(res: Any, setting: dict[str, Any], greedy: bool) -> dict[str,
 
 
 def _oracle_analyses(
-    report: dict[str, Any], arrays: Any, model: Any, res: Any, *, sweep: bool, delta: bool, plot: Path | None
+    report: dict[str, Any],
+    arrays: Any,
+    model: Any,
+    res: Any,
+    *,
+    sweep: bool,
+    delta: bool,
+    plot: Path | None,
+    prog: Progress | None = None,
 ) -> tuple[Any, Any]:
     """Run the optional Kmax sweep and delta-space analysis, add them (and their figures) to ``report``.
+
+    ``prog``, if given, advances by one step as each analysis starts.
 
     Returns:
         The sweep table (or None) and the :class:`oracle.DeltaAnalysis` (or None).
@@ -553,6 +694,8 @@ def _oracle_analyses(
         plot.mkdir(parents=True, exist_ok=True)
     table = None
     if sweep:
+        if prog is not None:
+            prog.advance(what="Kmax sweep")
         table = oracle.kmax_sweep(arrays, model, lookahead=lookahead, drafting=mode)
         report["sweep"] = [
             {c: (v.item() if hasattr(v, "item") else v) for c, v in r.items()} for r in table.to_dict(orient="records")
@@ -562,6 +705,8 @@ def _oracle_analyses(
             plots.append(oracle.plot_kmax_sweep(table, str(plot / "oracle_sweep.png"), title))
     an = None
     if delta:
+        if prog is not None:
+            prog.advance(what="delta space")
         an = oracle.delta_analysis(arrays, model, lookahead=lookahead, result=res, drafting=mode)
         report["delta"] = an.to_json()
         if plot is not None:
@@ -622,19 +767,51 @@ def _print_kmax_sweep(table: Any) -> None:
     out.print(tab)
 
 
+#: The quadrants of the delta space in words: a rejected budget k against the oracle's choice k*.
+_QUADRANT_WORDS = {
+    "I": ("more accepted drafts, costlier", "the extra tokens were not worth their cost"),
+    "II": ("more accepted drafts, cheaper", "better on both: an optimal choice leaves none here"),
+    "III": ("fewer accepted drafts, cheaper", "the saving was not worth the tokens lost"),
+    "IV": ("fewer accepted drafts, costlier", "worse on both (the cost is not monotone in k)"),
+    "axis": ("same accepted drafts or same cost", "e.g. extra drafts that are surely rejected"),
+}
+
+
 def _print_delta(an: Any) -> None:
-    """The delta-space analysis in two lines (paper Figure 3)."""
+    """The delta-space analysis in words (paper Figure 3): the quadrants and the boundary slope."""
     q = an.quadrants
-    out.print(
-        f"delta space ({an.points} rejected candidates at {an.decisions} decision states, "
-        f"{an.states}): I={q['I']} II={q['II']} III={q['III']} IV={q['IV']} axis={q['axis']}"
+    total = max(sum(q.values()), 1)
+    where = (
+        "the states the optimal policy visits, weighted by how often"
+        if an.states == "occupancy"
+        else "the states Monte-Carlo episodes of the optimal policy visit"
     )
-    lo, hi = an.lambda_interval
     out.print(
-        f"boundary lambda = {an.lambda_sep:.4f} ms/token ({an.sep_error:.1%} of weight on the wrong "
-        f"side; hard envelope [{lo:.3f}, {hi:.3f}]); least squares lambda = {an.lambda_ls:.4f} "
-        f"(R2 through origin {an.r2_origin:.3f}, residual SD {an.resid_sd:.3f} ms); "
-        f"V(0)/N = {an.v0_per_token:.4f}, mean marginal V(t)-V(t+1) = {an.marginal_dv:.4f} ms"
+        f"Delta space (paper Figure 3): the {an.points} budgets k the oracle rejected at {an.decisions} "
+        f"decision states ({where}), each against its choice k* (x: extra expected accepted drafts, "
+        "y: extra round cost):",
+        markup=False,
+    )
+    for name, (where, why) in _QUADRANT_WORDS.items():
+        out.print(f"  {name:>4}  {where:<34} {q[name]:>9} ({q[name] / total:6.1%})  {why}", markup=False)
+    lo, hi = an.lambda_interval
+    envelope = (
+        f"every slope in [{lo:.3f}, {hi:.3f}] separates all points"
+        if lo <= hi
+        else "no line separates all points (the slopes of I and III overlap)"
+    )
+    out.print(
+        f"Boundary slope lambda = {an.lambda_sep:.4f} ms per accepted token: the oracle acts as if an accepted "
+        f"draft saves lambda ms, taking a longer draft when (extra accepted drafts) x lambda exceeds the extra "
+        f"cost; {an.sep_error:.1%} of the weight lies on the wrong side of that line, {envelope}.",
+        markup=False,
+    )
+    out.print(
+        f"For comparison: the least-squares line through the cloud has slope {an.lambda_ls:.4f} ms/token "
+        f"(R2 through the origin {an.r2_origin:.3f}, residual SD {an.resid_sd:.3f} ms; the centre of the cloud, "
+        f"not the boundary); the optimal cost per token V(0)/N = {an.v0_per_token:.4f} ms and the mean marginal "
+        f"V(t)-V(t+1) = {an.marginal_dv:.4f} ms.",
+        markup=False,
     )
 
 
@@ -675,33 +852,40 @@ def train(
         if algo == "imitation":
             from policies.imitation import train_dagger
 
-            res = train_dagger(
-                traces,
-                kmax=kmax,
-                cost_model=cost_model,
-                lookahead=lookahead,
-                iterations=iterations,
-                seed=seed,
-                log=lambda m: err.print(m, markup=False),
-            )
+            with Progress("train imitation", total=iterations, unit="DAgger iterations") as prog:
+
+                def iteration_done(line: str) -> None:
+                    prog.echo(line)
+                    prog.advance()
+
+                res = train_dagger(
+                    traces,
+                    kmax=kmax,
+                    cost_model=cost_model,
+                    lookahead=lookahead,
+                    iterations=iterations,
+                    seed=seed,
+                    log=iteration_done,
+                )
             res.policy.save(run / "policy")
             meta = res.policy.meta
         else:
             from policies.rl import train_sb3
 
-            tr = train_sb3(
-                algo,
-                traces,
-                run,
-                timesteps=timesteps,
-                seed=seed,
-                n_envs=n_envs,
-                kmax=kmax,
-                cost_model=cost_model,
-                lookahead=lookahead,
-                gamma=gamma,
-                log=lambda m: err.print(m, markup=False),
-            )
+            with Progress(f"train {algo}", total=timesteps, unit="steps") as prog:
+                tr = train_sb3(
+                    algo,
+                    traces,
+                    run,
+                    timesteps=timesteps,
+                    seed=seed,
+                    n_envs=n_envs,
+                    kmax=kmax,
+                    cost_model=cost_model,
+                    lookahead=lookahead,
+                    gamma=gamma,
+                    progress=lambda done, total: prog.update(done, total),
+                )
             meta = tr.policy.meta
     except ValueError as exc:
         fail(str(exc))
@@ -740,8 +924,7 @@ def bench(
         fail(f"--policies: {policies} is not a folder")
     _check_budget(_load(traces), kmax)
     try:
-        with _progress() as prog:
-            task = prog.add_task("benchmark", total=None)
+        with Progress("bench", unit="policies") as prog:
             res = run_benchmark(
                 traces,
                 kmax=kmax,
@@ -750,7 +933,7 @@ def bench(
                 seed=seed,
                 policy_dir=policies,
                 only=only,
-                progress=lambda name: prog.update(task, description=name),
+                progress=lambda done, total, name: prog.update(done, total, name),
             )
     except ValueError as exc:
         fail(str(exc))
@@ -826,8 +1009,7 @@ def collect(
         fail(f"--engine hf needs the live extra (pip install 'specenv[live]'): {exc}")
     try:
         mdl = load_models(models)
-        with _progress() as prog:
-            task = prog.add_task("collecting", total=len(plist))
+        with Progress("collect", total=len(plist), unit="prompts") as prog:
             ts = collect_live(
                 mdl,
                 plist,
@@ -836,7 +1018,7 @@ def collect(
                 threads=threads,
                 name=name,
                 prompt_set=prompts,
-                progress=lambda done, total: prog.update(task, completed=done),
+                progress=lambda done, total: prog.update(done, total),
                 clock=clock,
             )
     except ValueError as exc:

@@ -16,6 +16,7 @@ any other specenv module. Which model an environment uses (and the caching of it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,12 +96,17 @@ def _ols_cv(X: np.ndarray, y: np.ndarray, groups: np.ndarray, n_splits: int) -> 
     }
 
 
-def fit_per_k(rounds: pd.DataFrame, n_splits: int = 5) -> pd.DataFrame:
-    """Per-K OLS with clustered SEs and GroupKFold out-of-sample errors (K >= 1 only)."""
+def fit_per_k(rounds: pd.DataFrame, n_splits: int = 5, progress: Callable[[str], None] | None = None) -> pd.DataFrame:
+    """Per-K OLS with clustered SEs and GroupKFold out-of-sample errors (K >= 1 only).
+
+    ``progress``, if given, is called with ``"K=<k>"`` as each budget's fit starts.
+    """
     import statsmodels.api as sm
 
     rows = []
     for K, grp in rounds[rounds["K"] >= 1].groupby("K", sort=True):
+        if progress:
+            progress(f"K={K}")
         y = grp["T_T_ms"].to_numpy(np.float64)
         X = np.column_stack([np.ones(len(grp)), grp["U_r"].to_numpy(np.float64), grp["L"].to_numpy(np.float64)])
         groups = grp["generation_id"].to_numpy()
@@ -143,8 +149,13 @@ def _form_design(rounds: pd.DataFrame, form: str) -> np.ndarray:
     raise ValueError(f"unknown form {form!r}")
 
 
-def compare_forms(rounds: pd.DataFrame, n_splits: int = 5) -> pd.DataFrame:
-    """Table A6: pooled model forms on all K >= 1 rounds."""
+def compare_forms(
+    rounds: pd.DataFrame, n_splits: int = 5, progress: Callable[[str], None] | None = None
+) -> pd.DataFrame:
+    """Table A6: pooled model forms on all K >= 1 rounds.
+
+    ``progress``, if given, is called with the name of each form as its fit starts.
+    """
     import statsmodels.api as sm
 
     data = rounds[rounds["K"] >= 1]
@@ -152,6 +163,8 @@ def compare_forms(rounds: pd.DataFrame, n_splits: int = 5) -> pd.DataFrame:
     groups = data["generation_id"].to_numpy()
     rows = []
     for form in FORMS:
+        if progress:
+            progress(form)
         X = _form_design(data, form)
         res = sm.OLS(y, X).fit()
         cv = _ols_cv(X, y, groups, n_splits)
@@ -192,7 +205,12 @@ def fit_draft(rounds: pd.DataFrame) -> dict[str, Any]:
 
 
 def fit_cost_model(
-    rounds: pd.DataFrame, kmax: int, top_k: int, n_splits: int = 5, source: dict[str, Any] | None = None
+    rounds: pd.DataFrame,
+    kmax: int,
+    top_k: int,
+    n_splits: int = 5,
+    source: dict[str, Any] | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> FitReport:
     """Fit the full cost model K = 0..kmax from a rounds table.
 
@@ -202,6 +220,8 @@ def fit_cost_model(
         top_k: Experts per token (U of a single position).
         n_splits: GroupKFold folds.
         source: Provenance stored in the model.
+        progress: Called as ``progress(done, total, what)`` as each step starts (the per-K fits,
+            ``"K=<k>"``, then the pooled forms), with the number of steps done before it.
 
     Returns:
         The :class:`FitReport`.
@@ -209,10 +229,19 @@ def fit_cost_model(
     Raises:
         ValueError: If fewer than two budgets K >= 1 can be fitted.
     """
-    per_k = fit_per_k(rounds, n_splits)
+    step: Callable[[str], None] | None = None
+    if progress is not None:
+        report, total = progress, int(rounds.loc[rounds["K"] >= 1, "K"].nunique()) + len(FORMS)
+        done = iter(range(total))
+
+        def step(what: str) -> None:
+            report(next(done, total), total, what)
+
+    per_k = fit_per_k(rounds, n_splits, step)
     model = _assemble(per_k, rounds, kmax, top_k, source)
     d = model.diagnostics
-    return FitReport(model=model, per_k=per_k, forms=compare_forms(rounds, n_splits), draft=d["draft"], ar=d["ar"])
+    forms = compare_forms(rounds, n_splits, step)
+    return FitReport(model=model, per_k=per_k, forms=forms, draft=d["draft"], ar=d["ar"])
 
 
 def _assemble(
