@@ -525,7 +525,7 @@ def datasets_cmd(as_json: JsonOpt = False) -> None:
             out.print(f"{r['id']}: {r['description']}", markup=False)
         out.print(
             "A name without its version (e.g. paper-default) loads the newest version; "
-            "the id with -vN (e.g. paper-default-v1) pins that version.",
+            "the id with -vN (e.g. paper-default-v2) pins that version.",
             markup=False,
         )
 

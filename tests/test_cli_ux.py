@@ -198,5 +198,5 @@ def test_oracle_delta_space_in_words(small_traces: Path) -> None:
 def test_datasets_explains_versions() -> None:
     res = _invoke(["datasets"])
     assert res.exit_code == 0
-    assert "paper-default-v1:" in res.stdout
+    assert "paper-default-v2:" in res.stdout
     assert "newest version" in res.stdout and "-vN" in res.stdout
