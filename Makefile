@@ -10,6 +10,11 @@ STAMP_VLLM := $(VENV_VLLM)/.specenv-installed
 
 .PHONY: venv venv-vllm demo test test-fast test-vllm lint format clean
 
+# The checkout itself goes on the venv's sys.path (a .pth file): setuptools' editable finder runs after
+# Python's path finder, so a folder named `specenv` next to a user's script (e.g. the clone's own folder,
+# `git clone` names it specenv) would otherwise shadow the package as an empty namespace package.
+export CHECKOUT_PTH := import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], "specenv-checkout.pth").write_text("$(CURDIR)\n")
+
 # torch is pinned and installed first: `torch==2.13.0` is the local CPU wheel, an unpinned torch
 # would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -17,6 +22,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[rl,live,dev]"
+	$(BIN)/python -c "$$CHECKOUT_PTH"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -30,6 +36,7 @@ $(STAMP_VLLM): pyproject.toml
 	$(BIN_VLLM)/python -m pip install -q --upgrade pip
 	$(BIN_VLLM)/python -m pip install -q torch==2.13.0
 	$(BIN_VLLM)/python -m pip install -q -e ".[vllm,dev]"
+	$(BIN_VLLM)/python -c "$$CHECKOUT_PTH"
 	$(BIN_VLLM)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN_VLLM)/python -c "import vllm, specenv.engines.vllm as v; v.check_vllm_version(strict=True)"
 	touch $(STAMP_VLLM)
