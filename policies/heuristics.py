@@ -71,6 +71,41 @@ class TransformersHeuristic(Policy):
         return int(min(self.n, self.spec.kmax))
 
 
+def roc_threshold(labels: np.ndarray | list[int], scores: np.ndarray | list[float], fn_weight: float = 3.0) -> float:
+    """The ROC threshold minimising ``fpr + fn_weight * fnr``, as scikit-learn's ``roc_curve`` finds it.
+
+    The same computation as ``fpr, tpr, thr = sklearn.metrics.roc_curve(labels, scores)`` followed by
+    ``thr[argmin(fpr + fn_weight * (1 - tpr))]`` (transformers' ``update_candidate_strategy``),
+    in numpy without scikit-learn's validation, bit for bit: the ROC points at the distinct scores
+    in decreasing order, the collinear points dropped as ``drop_intermediate=True`` does, the
+    point (0, 0) with threshold +inf in front, and the first minimum wins ties.
+
+    Args:
+        labels: 0/1 labels (1 = the drafted token was accepted); both values must occur.
+        scores: The scores (draft confidences), one per label.
+        fn_weight: Weight of the false-negative rate.
+
+    Returns:
+        The chosen threshold (``inf`` when the best point is (0, 0)).
+    """
+    y = np.asarray(labels, dtype=np.float64)
+    x = np.asarray(scores, dtype=np.float64)
+    order = np.argsort(x, kind="stable")[::-1]
+    x, y = x[order], y[order]
+    # the last index of each run of equal scores, and of the array
+    idx = np.append(np.flatnonzero(np.diff(x)), x.size - 1)
+    tps = np.cumsum(y)[idx]
+    fps = 1.0 + idx.astype(np.float64) - tps
+    thr = x[idx]
+    if len(fps) > 2:
+        keep = np.flatnonzero(np.r_[True, np.logical_or(np.diff(fps, 2), np.diff(tps, 2)), True])
+        fps, tps, thr = fps[keep], tps[keep], thr[keep]
+    fpr = np.append(0.0, fps) / fps[-1]
+    tpr = np.append(0.0, tps) / tps[-1]
+    i = int(np.argmin(fpr + fn_weight * (1.0 - tpr)))
+    return math.inf if i == 0 else float(thr[i - 1])
+
+
 class ConfidenceThreshold(Policy):
     """Stop drafting when the draft's probability of its token falls below a threshold.
 
@@ -79,7 +114,8 @@ class ConfidenceThreshold(Policy):
     below the threshold (that token is still proposed). With ``adaptive=True`` the threshold is refit
     after every round as in ``update_candidate_strategy``: the drafted tokens' probabilities and
     match labels are kept, and once there are more than 5 samples with both labels present, the ROC
-    curve (scikit-learn ``roc_curve``) gives the threshold minimising ``fpr + 3*fnr``.
+    curve gives the threshold minimising ``fpr + 3*fnr`` (:func:`roc_threshold`: scikit-learn's
+    ``roc_curve`` choice, computed in numpy).
 
     Needs an environment with ``lookahead >= 1`` (the confidences are in the observation).
 
@@ -112,11 +148,7 @@ class ConfidenceThreshold(Policy):
                 self.matches.append(0)
             del self.probs[len(self.matches) :]
             if len(self.probs) > 5 and {0, 1} <= set(self.matches):
-                from sklearn.metrics import roc_curve
-
-                fpr, tpr, thr = roc_curve(self.matches, self.probs)
-                costs = fpr + 3.0 * (1.0 - tpr)
-                self.threshold = float(min(thr[int(np.argmin(costs))], 1.0))
+                self.threshold = min(roc_threshold(self.matches, self.probs), 1.0)
         conf = self.view.conf(obs)
         k = len(conf)
         for j, q in enumerate(conf, start=1):

@@ -4,7 +4,8 @@ Training runs on the train split; the result is exported to the numpy form of
 :mod:`specenv.policy.mlp` (what the benchmark and vLLM load). The SB3 model itself (``model.zip``) and
 TensorBoard logs are written to the run folder for inspection; they are not the deployment format.
 
-Reward used for training: the environment's ``reward="savings"`` option by default (see
+Reward used for training: the environment's ``reward="savings"`` option by default (passed
+explicitly; also the environments' own default since ``specenv/MoESpec-v1``, see
 :class:`specenv.envs.replay.MoESpecEnv`): minus the round cost in AR-step units **plus the tokens
 the round committed**, i.e. the AR-equivalent cost the round saved. Over an episode the added terms
 sum to N, the generation's length, whatever the policy does, so the undiscounted optimum is

@@ -1,7 +1,7 @@
 """specenv: speculation-length control on Mixture-of-Experts models as a Gymnasium environment.
 
 Importing the package registers its environments with Gymnasium (idempotently), so
-``gymnasium.make("specenv/MoESpec-v0")`` works after ``import specenv``; Gymnasium itself is
+``gymnasium.make("specenv/MoESpec-v1")`` works after ``import specenv``; Gymnasium itself is
 imported only by whoever uses it (registration waits for it, see :mod:`specenv.envs.registration`).
 """
 

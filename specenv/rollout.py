@@ -26,11 +26,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from specenv.envs.registration import REPLAY_ID
 from specenv.stats import mean_ci, ratio_ci
 
 __all__ = ["EnvEvaluation", "OnlinePolicy", "Rollouts", "episode_seeds", "evaluate_in_env", "rollout", "rollout_vector"]
 
-ENV_ID = "specenv/MoESpec-v0"
+ENV_ID = REPLAY_ID
 
 
 @runtime_checkable

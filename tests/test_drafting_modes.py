@@ -323,7 +323,7 @@ def test_per_token_env_optimum_is_the_sequential_bound():
 
 
 def test_per_token_env_observation_and_info():
-    env = gym.make(SEQ_ID, split="test", kmax=4)
+    env = gym.make(SEQ_ID, split="test", kmax=4, reward="cost")
     spec = env.unwrapped.obs_spec
     assert spec == ObservationSpec(4, 0, spec.max_new_tokens, spec.n_experts, per_token=True)
     assert spec.names[-3:] == ["draft_conf", "drafted", "draft_conf_prod"]

@@ -17,7 +17,7 @@ from gymnasium.utils.env_match import check_environments_match
 
 import specenv
 from specenv.costmodel import CostModel
-from specenv.envs.registration import REPLAY_ID, register_envs
+from specenv.envs.registration import LIVE_V0_ID, REPLAY_ID, REPLAY_V0_ID, register_envs
 from specenv.envs.replay import MoESpecEnv
 from specenv.observation import ObservationSpec, ObservationState, ScalarObservation
 from specenv.replay import replay_data
@@ -82,7 +82,11 @@ def test_checkers_no_warnings(env_id):
         gym_check_env(env.unwrapped)
         sb3_check_env(env)
         env.close()
-    assert [str(w.message) for w in caught] == []
+    messages = [str(w.message) for w in caught]
+    if env_id in (REPLAY_V0_ID, LIVE_V0_ID):  # kept for old code: Gymnasium's one notice names the newer version
+        assert sum("is out of date" in m and "`v1`" in m for m in messages) == 1, messages
+        messages = [m for m in messages if "is out of date" not in m]
+    assert messages == []
 
 
 @pytest.mark.parametrize(
@@ -167,7 +171,7 @@ def test_fixed_k_total_cost_by_hand(small_greedy_traces):
     model = CostModel.paper_profile(ts.kmax)
     pos = ts.positions
     for kmax, k in [(6, 6), (6, 3), (4, 4), (6, 0)]:
-        env = MoESpecEnv(dataset=str(small_greedy_traces), split="all", cost_model="profile", kmax=kmax)
+        env = MoESpecEnv(dataset=str(small_greedy_traces), split="all", cost_model="profile", kmax=kmax, reward="cost")
         for gid in pos["generation_id"].unique()[:3].tolist():
             g = pos[pos["generation_id"] == gid].reset_index(drop=True)
             N = len(g)
@@ -201,7 +205,7 @@ def test_reward_unit_is_mean_ar_cost_of_split(small_traces):
     ts = TraceSet.load(small_traces)
     model = CostModel.paper_profile(ts.kmax)
     for split in SPLITS:
-        env = MoESpecEnv(dataset=str(small_traces), split=split, cost_model="profile")
+        env = MoESpecEnv(dataset=str(small_traces), split=split, cost_model="profile", reward="cost")
         arr = select_split(ts.arrays(), split)
         assert env.ar_unit_ms == pytest.approx(float(np.mean(model.ar_ms(arr.L))), rel=1e-12)
         res = run_episode(env, 0, seed=1)  # plain AR: the return is minus N in units of this generation

@@ -10,6 +10,9 @@ import pytest
 from gymnasium.utils.env_checker import check_env as gym_check_env
 
 import specenv  # noqa: F401  (registers the ids)
+from specenv.envs.common import DEFAULT_REWARD
+from specenv.envs.live import MoESpecLiveEnv
+from specenv.envs.registration import LIVE_ID, LIVE_V0_ID, REPLAY_ID, REPLAY_V0_ID
 from specenv.envs.render import FRAME_ROUNDS, FRAME_SHAPE, RoundStrip
 from specenv.envs.replay import ENV_ID, MoESpecEnv
 from specenv.envs.vector import MoESpecVectorEnv
@@ -22,12 +25,16 @@ def test_sb3_make_vec_env_works_unchanged():
     """SB3's make_vec_env passes render_mode="rgb_array" by default; it must build and step."""
     from stable_baselines3.common.env_util import make_vec_env
 
-    venv = make_vec_env("specenv/MoESpec-v0", n_envs=4, seed=0)
+    venv = make_vec_env("specenv/MoESpec-v1", n_envs=4, seed=0)
     obs = venv.reset()
     assert obs.shape == (4, *venv.observation_space.shape)
     for _ in range(10):
         obs, rewards, dones, infos = venv.step(np.full(4, 3))
-    assert rewards.shape == (4,) and np.all(rewards[~dones] < 0) and len(infos) == 4
+    assert rewards.shape == (4,) and len(infos) == 4
+    # the v1 default: the savings reward, committed tokens minus the cost in AR units
+    units = np.array([i["cost_ms"] for i in infos]) / np.array(venv.get_attr("ar_unit_ms"))
+    committed = np.array([i["committed"] for i in infos])
+    np.testing.assert_allclose(rewards[~dones], (committed - units)[~dones], rtol=1e-6)
     assert venv.get_attr("render_mode") == ["rgb_array"] * 4
     frames = venv.get_images()
     assert len(frames) == 4
@@ -155,8 +162,8 @@ def _episode(env, seed, ks):
 
 
 def test_savings_reward_is_cost_reward_plus_committed(small_traces):
-    cost = MoESpecEnv(dataset=str(small_traces), split="all")
-    sav = MoESpecEnv(dataset=str(small_traces), split="all", reward="savings")
+    cost = MoESpecEnv(dataset=str(small_traces), split="all", reward="cost")
+    sav = MoESpecEnv(dataset=str(small_traces), split="all")  # the default
     assert cost.reward == "cost" and sav.reward == "savings"
     ks = [3, 0, 5, 1, 2]
     for seed in range(4):
@@ -171,14 +178,14 @@ def test_savings_reward_is_cost_reward_plus_committed(small_traces):
         n = is_[-1]["t"]
         assert sum(cs) == n
         assert sum(rs) == pytest.approx(n + sum(rc), rel=1e-12)
-    # the default stays the cost reward: every reward is negative
+    # the cost reward: every reward is negative
     assert all(r < 0 for r in _episode(cost, 0, ks)[0])
 
 
 def test_vector_savings_reward_matches_single(small_traces):
     n, seed = 4, 5
     venv = MoESpecVectorEnv(num_envs=n, dataset=str(small_traces), split="all", reward="savings")
-    vcost = MoESpecVectorEnv(num_envs=n, dataset=str(small_traces), split="all")
+    vcost = MoESpecVectorEnv(num_envs=n, dataset=str(small_traces), split="all", reward="cost")
     envs = [MoESpecEnv(dataset=str(small_traces), split="all", reward="savings") for _ in range(n)]
     venv.reset(seed=seed)
     vcost.reset(seed=seed)
@@ -201,6 +208,54 @@ def test_vector_savings_reward_matches_single(small_traces):
                 _, r, _, _, _ = e.step(int(ks[i]))
                 assert r == rew[i]  # bit-identical to the single env
         ended = term
+
+
+@pytest.mark.parametrize("cls", [MoESpecEnv, MoESpecVectorEnv, MoESpecLiveEnv])
+def test_default_reward_is_savings(cls):
+    import inspect
+
+    assert DEFAULT_REWARD == "savings"
+    assert inspect.signature(cls).parameters["reward"].default == "savings"
+
+
+def _make_quietly(env_id, **kwargs):
+    """gym.make of an id; the v0 ids give Gymnasium's one "out of date" notice, checked here."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        env = gym.make(env_id, **kwargs)
+    notices = [str(w.message) for w in caught if "is out of date" in str(w.message)]
+    assert len(notices) == (1 if env_id.endswith("-v0") else 0), notices
+    return env
+
+
+def test_v1_ids_default_to_savings_and_v0_ids_keep_the_cost_reward(small_traces):
+    assert (REPLAY_ID, LIVE_ID) == ("specenv/MoESpec-v1", "specenv/MoESpecLive-v1")
+    assert ENV_ID == REPLAY_ID
+    # same classes; only the v0 ids pass the old default
+    for new, old in ((REPLAY_ID, REPLAY_V0_ID), (LIVE_ID, LIVE_V0_ID)):
+        assert gym.spec(new).entry_point == gym.spec(old).entry_point
+        assert gym.spec(new).vector_entry_point == gym.spec(old).vector_entry_point
+        assert gym.spec(new).kwargs == {} and gym.spec(old).kwargs == {"reward": "cost"}
+    kw = {"dataset": str(small_traces), "split": "all"}
+    v1, v0 = _make_quietly(REPLAY_ID, **kw), _make_quietly(REPLAY_V0_ID, **kw)
+    assert v1.unwrapped.reward == "savings" and v0.unwrapped.reward == "cost"
+    assert _make_quietly(REPLAY_V0_ID, reward="savings", **kw).unwrapped.reward == "savings"  # an argument wins
+    ks = [4, 1, 0, 6, 2]
+    for seed in range(3):
+        r1, c1, i1 = _episode(v1, seed, ks)
+        r0, c0, i0 = _episode(v0, seed, ks)
+        assert i1 == i0  # same episode, same info
+        n = i1[-1]["t"]
+        # the returns differ by N, whatever the policy: the same optimum
+        assert sum(r1) == pytest.approx(sum(r0) + n, rel=1e-12)
+        assert sum(r0) == pytest.approx(-i0[-1]["episode_cost_ms"] / v0.unwrapped.ar_unit_ms, rel=1e-12)
+    # make_vec passes the id's kwargs to the native vector env too
+    for env_id, reward in ((REPLAY_ID, "savings"), (REPLAY_V0_ID, "cost")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            venv = gym.make_vec(env_id, num_envs=2, vectorization_mode="vector_entry_point", **kw)
+        assert isinstance(venv, MoESpecVectorEnv) and venv.reward == reward
+        venv.close()
 
 
 @pytest.mark.parametrize("cls", [MoESpecEnv, MoESpecVectorEnv])

@@ -221,7 +221,7 @@ def test_live_env_checkers_no_warnings():
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        env = gym.make("specenv/MoESpecLive-v0", max_new_tokens=16)
+        env = gym.make("specenv/MoESpecLive-v1", max_new_tokens=16)
         assert env.spec.nondeterministic is True
         check_env(env.unwrapped)
         try:

@@ -195,3 +195,62 @@ def test_batched_policies_keep_separate_memory() -> None:
     a.round(5, 5)
     b.round(5, 1)
     assert list(p.act_batch(np.stack([a.obs(), b.obs()]))) == [7, 4]
+
+
+def _sklearn_roc_choice(labels, scores, fn_weight: float = 3.0) -> float:
+    """The threshold transformers' ``update_candidate_strategy`` picks with scikit-learn's roc_curve."""
+    from sklearn.metrics import roc_curve
+
+    fpr, tpr, thr = roc_curve(labels, scores)
+    return float(thr[int(np.argmin(fpr + fn_weight * (1.0 - tpr)))])
+
+
+def _random_roc_case(rng: np.random.Generator) -> tuple[list[int], list[float]]:
+    """Labels with both classes and scores: continuous, float32, or a few levels (many ties)."""
+    n = int(rng.integers(2, 400))
+    labels = (rng.random(n) < rng.uniform(0.05, 0.95)).astype(int)
+    labels[rng.choice(n, 2, replace=False)] = [0, 1]
+    kind = rng.integers(3)
+    if kind == 0:
+        scores = rng.random(n)
+    elif kind == 1:  # what the observation carries, with higher scores for accepted drafts
+        scores = np.clip(rng.normal(0.4 + 0.3 * labels, 0.2), 0, 1).astype(np.float32).astype(np.float64)
+    else:
+        scores = rng.integers(0, int(rng.integers(1, 6)), n) / 4.0
+    return labels.tolist(), scores.tolist()
+
+
+def test_roc_threshold_equals_sklearn_roc_curve_choice_bit_for_bit() -> None:
+    pytest.importorskip("sklearn")
+    from policies.heuristics import roc_threshold
+
+    rng = np.random.default_rng(2024)
+    chosen = set()
+    for _ in range(600):
+        labels, scores = _random_roc_case(rng)
+        for w in (3.0, 1.0, 0.25):
+            got, want = roc_threshold(labels, scores, w), _sklearn_roc_choice(labels, scores, w)
+            assert got == want or (np.isinf(got) and np.isinf(want)), (labels, scores, w, got, want)
+            chosen.add(np.isinf(want))
+    assert chosen == {True, False}  # both the (0, 0) point and a data threshold were chosen
+    # hand-made: perfectly separated classes pick the lowest accepted score
+    assert roc_threshold([0, 0, 1, 1, 1], [0.1, 0.3, 0.5, 0.7, 0.9]) == 0.5
+    # one class at a single score with the other: ties merge into one ROC point
+    assert roc_threshold([1, 0, 1, 0], [0.5, 0.5, 0.5, 0.2]) == _sklearn_roc_choice([1, 0, 1, 0], [0.5, 0.5, 0.5, 0.2])
+
+
+def test_confidence_roc_refit_equals_the_sklearn_refit() -> None:
+    """Over a long stream, the adaptive policy's threshold is the scikit-learn choice after every round."""
+    pytest.importorskip("sklearn")
+    rng = np.random.default_rng(7)
+    p = ConfidenceThreshold(SPEC_H, adaptive=True)
+    s = Stream(SPEC_H)
+    refits = set()
+    for _ in range(150):
+        conf = np.clip(rng.normal(0.6, 0.25, SPEC_H.lookahead), 0.0, 1.0).round(2).tolist()
+        k = p.act(s.obs(conf))
+        if len(p.probs) > 5 and {0, 1} <= set(p.matches):
+            assert p.threshold == min(_sklearn_roc_choice(p.matches, p.probs), 1.0)
+            refits.add(p.threshold)
+        s.round(k, int(rng.integers(0, k + 1)))
+    assert len(refits) > 3  # the threshold moved

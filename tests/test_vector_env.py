@@ -141,7 +141,9 @@ def test_render_ansi(small_traces):
 
 def test_episode_returns_match_costs(small_greedy_traces):
     """Return of each finished episode = -episode_cost_ms / ar_unit_ms."""
-    venv = MoESpecVectorEnv(num_envs=4, dataset=str(small_greedy_traces), split="all", cost_model="profile")
+    venv = MoESpecVectorEnv(
+        num_envs=4, dataset=str(small_greedy_traces), split="all", cost_model="profile", reward="cost"
+    )
     venv.reset(seed=3)
     ret = np.zeros(4)
     finished = 0

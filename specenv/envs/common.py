@@ -2,8 +2,8 @@
 
 :class:`RoundEnv` is the base of :class:`specenv.envs.replay.MoESpecEnv` and
 :class:`specenv.envs.live.MoESpecLiveEnv`: the action check of ``step``, the ``options`` of
-``reset`` and ``render``. :data:`REWARDS` / :func:`check_reward` are the reward options of every
-environment, the vector one included.
+``reset`` and ``render``. :data:`REWARDS` / :data:`DEFAULT_REWARD` / :func:`check_reward` are the
+reward options of every environment, the vector one included.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from specenv.envs.render import RoundStrip
 
 #: Reward options: ``"cost"`` = -cost / ar_unit_ms; ``"savings"`` = that + the tokens the round committed.
 REWARDS = ("cost", "savings")
+#: The environments' default reward (the v1 ids; the v0 ids pass ``reward="cost"``). The savings
+#: return is N minus the episode cost in AR units, the cost return minus that cost: they differ by
+#: the generation's length N, a constant whatever the policy does, so both have the same optimum.
+DEFAULT_REWARD = "savings"
 
 
 def check_reward(reward: str) -> bool:

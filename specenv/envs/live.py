@@ -1,7 +1,7 @@
 """The live environment: every step executes a real speculative-decoding round on an engine.
 
-``gymnasium.make("specenv/MoESpecLive-v0", ...)`` mirrors the replay environment
-(:class:`specenv.envs.replay.MoESpecEnv`, ``specenv/MoESpec-v0``) exactly in its spaces, observation, reward
+``gymnasium.make("specenv/MoESpecLive-v1", ...)`` mirrors the replay environment
+(:class:`specenv.envs.replay.MoESpecEnv`, ``specenv/MoESpec-v1``) exactly in its spaces, observation, reward
 unit and info keys, but instead of replaying a recorded generation it runs an engine (by default the
 shipped small Qwen3-MoE target and dense draft on transformers) on a prompt: the budget k
 chosen by the agent is drafted, verified in one target pass and committed, and the round's accepted
@@ -22,12 +22,13 @@ from gymnasium import spaces
 
 from specenv.costmodel import drafted_tokens
 from specenv.datasets import load_dataset
-from specenv.envs.common import RoundEnv, check_reward, reset_generation_id
+from specenv.envs.common import DEFAULT_REWARD, RoundEnv, check_reward, reset_generation_id
+from specenv.envs.registration import LIVE_ID
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
 from specenv.observation import ScalarObservation
 from specenv.replay import replay_data
 
-LIVE_ENV_ID = "specenv/MoESpecLive-v0"
+LIVE_ENV_ID = LIVE_ID
 #: Where the round cost comes from: the measured times, or the cost model at the measured routing.
 COST_SOURCES = ("measured", "model")
 CLOCKS = ("cpu", "wall")
@@ -108,8 +109,10 @@ class MoESpecLiveEnv(RoundEnv):
 
     ## Rewards
 
-    As in the replay environment, in the same AR-step units: ``reward="cost"`` (default) gives
-    ``-cost / ar_unit_ms``, ``reward="savings"`` gives ``-cost / ar_unit_ms + committed``.
+    As in the replay environment, in the same AR-step units: ``reward="savings"`` (default) gives
+    ``committed - cost / ar_unit_ms``, ``reward="cost"`` (the default of ``specenv/MoESpecLive-v0``)
+    gives ``-cost / ar_unit_ms``. The two episode returns differ by the generated length, which the
+    budgets do not change under greedy decoding (lossless), so they have the same optimal policy.
     ``ar_unit_ms`` is the replay environment's unit for the same ``dataset``/``split``/
     ``cost_model`` (mean model AR step cost). The round's ``cost`` comes from ``cost_source``:
 
@@ -140,10 +143,10 @@ class MoESpecLiveEnv(RoundEnv):
     ## Arguments
 
     ```python
-    gymnasium.make("specenv/MoESpecLive-v0", dataset="live-cpu", kmax=None, split="train",
+    gymnasium.make("specenv/MoESpecLive-v1", dataset="live-cpu", kmax=None, split="train",
                    cost_model="fit", lookahead=0, cost_source="measured", clock="cpu",
                    prompts="stdlib-code-v1", models="small-moe-v1", max_new_tokens=None,
-                   temperature=0.0, threads=1, render_mode=None, backend="hf", reward="cost")
+                   temperature=0.0, threads=1, render_mode=None, backend="hf", reward="savings")
     ```
 
     Args:
@@ -167,7 +170,7 @@ class MoESpecLiveEnv(RoundEnv):
             ``"vllm"``: an in-process vLLM engine stepped one round at a time
             (:class:`specenv.engines.vllm.live.VLLMBackend`, ``vllm`` extra; no lookahead; vLLM's
             prefill samples the first token; the drafter proposes ``kmax`` tokens ahead of each round).
-        reward: ``"cost"`` (default) or ``"savings"`` (see Rewards).
+        reward: ``"savings"`` (default) or ``"cost"`` (see Rewards).
 
     Raises:
         ValueError: Naming the argument, for a bad dataset, kmax, split, cost model, lookahead,
@@ -176,6 +179,8 @@ class MoESpecLiveEnv(RoundEnv):
 
     ## Version History
 
+    * v1: the default reward is ``"savings"`` (was ``"cost"``), as in the replay environment's v1.
+      ``specenv/MoESpecLive-v0`` stays registered: the same class with ``reward="cost"``.
     * v0: initial version. The measured/model switch, first named ``reward``, is now
       ``cost_source``; ``reward`` is the cost|savings option of the replay environment;
       ``render_mode="rgb_array"`` added.
@@ -183,14 +188,15 @@ class MoESpecLiveEnv(RoundEnv):
     Examples:
         >>> import gymnasium as gym
         >>> import specenv
-        >>> env = gym.make("specenv/MoESpecLive-v0", max_new_tokens=8, split="all")
+        >>> env = gym.make("specenv/MoESpecLive-v1", max_new_tokens=8, split="all")
         >>> env.action_space
         Discrete(9)
         >>> obs, info = env.reset(seed=0)
         >>> obs.shape
         (18,)
         >>> obs, reward, terminated, truncated, info = env.step(3)
-        >>> reward < 0, info["committed"] == info["accepted"] + 1, info["T_T_ms"] > 0
+        >>> units = info["cost_ms"] / env.unwrapped.ar_unit_ms
+        >>> reward == info["committed"] - units, info["committed"] == info["accepted"] + 1, info["T_T_ms"] > 0
         (True, True, True)
         >>> env.close()
     """
@@ -214,7 +220,7 @@ class MoESpecLiveEnv(RoundEnv):
         threads: int | None = 1,
         render_mode: str | None = None,
         backend: str = "hf",
-        reward: str = "cost",
+        reward: str = DEFAULT_REWARD,
     ):
         from specenv.engines import BackendConfig, make_backend
 

@@ -1,12 +1,18 @@
 """Registration of specenv's environments with Gymnasium (run on ``import specenv``).
 
 Gymnasium 1.x has no plugin entry points for environments: importing :mod:`specenv` calls
-:func:`register_envs`, after which ``gymnasium.make("specenv/MoESpec-v0", ...)`` and
-``gymnasium.make_vec("specenv/MoESpec-v0", num_envs=..., ...)`` work, and so does
+:func:`register_envs`, after which ``gymnasium.make("specenv/MoESpec-v1", ...)`` and
+``gymnasium.make_vec("specenv/MoESpec-v1", num_envs=..., ...)`` work, and so does
 ``gymnasium.make("specenv/MoESpecSeq-v0", ...)`` (the per-token environment of the sequential
 drafting mode). Users may also write
 ``gymnasium.register_envs(specenv)`` (keeps linters quiet about the import) or
-``gymnasium.make("specenv:specenv/MoESpec-v0")``.
+``gymnasium.make("specenv:specenv/MoESpec-v1")``.
+
+Versions (Gymnasium's convention: a change of the reward is a new version, the old one stays
+registered): ``v1`` ids make the environment classes with their defaults (``reward="savings"``);
+the ``v0`` ids remain, registered with ``reward="cost"`` (their default until v1), so code written
+for v0 gets the same rewards as before. Both versions share the classes; an explicit ``reward=``
+argument overrides either default.
 
 ``import specenv`` does not import Gymnasium itself (the cost model, trace sets and the oracle need
 only numpy): :func:`register_when_imported` registers at once when Gymnasium is already loaded,
@@ -22,11 +28,17 @@ from collections.abc import Callable
 from typing import Any
 
 #: The replay environment (positions tables, cost model); deterministic given the seed.
-REPLAY_ID = "specenv/MoESpec-v0"
+REPLAY_ID = "specenv/MoESpec-v1"
 #: The per-token environment of the sequential drafting mode (one draft decision per step); deterministic.
 SEQ_ID = "specenv/MoESpecSeq-v0"
 #: The live environment (real rounds on the CPU engine; needs the ``live`` extra); measured times vary.
-LIVE_ID = "specenv/MoESpecLive-v0"
+LIVE_ID = "specenv/MoESpecLive-v1"
+#: The previous version of :data:`REPLAY_ID`: the same class with ``reward="cost"`` by default.
+REPLAY_V0_ID = "specenv/MoESpec-v0"
+#: The previous version of :data:`LIVE_ID`: the same class with ``reward="cost"`` by default.
+LIVE_V0_ID = "specenv/MoESpecLive-v0"
+#: The keyword arguments the v0 ids add (their default reward).
+V0_KWARGS: dict[str, Any] = {"reward": "cost"}
 
 
 def register_envs() -> list[str]:
@@ -38,16 +50,27 @@ def register_envs() -> list[str]:
     import gymnasium
 
     added = []
-    if REPLAY_ID not in gymnasium.registry:
-        gymnasium.register(
-            id=REPLAY_ID,
-            entry_point="specenv.envs.replay:MoESpecEnv",
-            vector_entry_point="specenv.envs.vector:MoESpecVectorEnv",
-            kwargs={},
-            nondeterministic=False,
-            max_episode_steps=None,
-        )
-        added.append(REPLAY_ID)
+    for env_id, kwargs in ((REPLAY_ID, {}), (REPLAY_V0_ID, V0_KWARGS)):
+        if env_id not in gymnasium.registry:
+            gymnasium.register(
+                id=env_id,
+                entry_point="specenv.envs.replay:MoESpecEnv",
+                vector_entry_point="specenv.envs.vector:MoESpecVectorEnv",
+                kwargs=dict(kwargs),
+                nondeterministic=False,
+                max_episode_steps=None,
+            )
+            added.append(env_id)
+    for env_id, kwargs in ((LIVE_ID, {}), (LIVE_V0_ID, V0_KWARGS)):
+        if env_id not in gymnasium.registry:
+            gymnasium.register(
+                id=env_id,
+                entry_point="specenv.envs.live:MoESpecLiveEnv",
+                kwargs=dict(kwargs),
+                nondeterministic=True,
+                max_episode_steps=None,
+            )
+            added.append(env_id)
     if SEQ_ID not in gymnasium.registry:
         gymnasium.register(
             id=SEQ_ID,
@@ -57,15 +80,6 @@ def register_envs() -> list[str]:
             max_episode_steps=None,
         )
         added.append(SEQ_ID)
-    if LIVE_ID not in gymnasium.registry:
-        gymnasium.register(
-            id=LIVE_ID,
-            entry_point="specenv.envs.live:MoESpecLiveEnv",
-            kwargs={},
-            nondeterministic=True,
-            max_episode_steps=None,
-        )
-        added.append(LIVE_ID)
     return added
 
 

@@ -1,6 +1,6 @@
 """The replay environment: choose the speculation length k of every round of one generation.
 
-``gymnasium.make("specenv/MoESpec-v0", dataset=..., kmax=..., split=..., cost_model=..., lookahead=...)``
+``gymnasium.make("specenv/MoESpec-v1", dataset=..., kmax=..., split=..., cost_model=..., lookahead=...)``
 replays recorded generations (the positions table of a trace set) under the round model described
 in :class:`MoESpecEnv`. :class:`MoESpecEnv` steps one generation; :mod:`specenv.envs.vector` steps
 many at once in numpy and produces exactly the same trajectories for the same seeds and actions.
@@ -18,14 +18,15 @@ import numpy as np
 from gymnasium import spaces
 
 from specenv.datasets import DEFAULT_DATASET
-from specenv.envs.common import RoundEnv, check_reward, reset_generation_id
+from specenv.envs.common import DEFAULT_REWARD, RoundEnv, check_reward, reset_generation_id
+from specenv.envs.registration import REPLAY_ID
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
 from specenv.observation import ScalarObservation
 from specenv.replay import ReplayData, replay_data
 
 __all__ = ["ENV_ID", "RENDER_MODES", "MoESpecEnv", "ReplayData", "replay_data"]
 
-ENV_ID = "specenv/MoESpec-v0"
+ENV_ID = REPLAY_ID
 
 
 # --------------------------------------------------------------------------------------------------
@@ -95,16 +96,23 @@ class MoESpecEnv(RoundEnv):
 
     ## Rewards
 
-    ``reward="cost"`` (default): ``-cost / ar_unit_ms``, minus the round's cost in AR-step units.
-    ``ar_unit_ms`` (attribute) is the mean plain AR step cost ``C(t, 0)`` over all positions of the
-    loaded split, a constant per environment, so the episode return is minus the episode's cost in
-    AR-token equivalents.
+    ``reward="savings"`` (default): ``committed - cost / ar_unit_ms``, the tokens the round
+    committed minus the round's cost in AR-step units: the AR-equivalent cost the round saved (a
+    plain AR step earns about 0, a good speculative round a few tokens). ``ar_unit_ms``
+    (attribute) is the mean plain AR step cost ``C(t, 0)`` over all positions of the loaded
+    split, a constant per environment. The episode return is ``N - episode cost / ar_unit_ms``.
 
-    ``reward="savings"``: ``-cost / ar_unit_ms + committed``, the AR-equivalent cost the round
-    saved. Over an episode the added terms sum to N whatever the policy does, so the optimal
-    policy is the same, but each round's reward measures its own progress (with the cost reward a
-    plain AR step, -1, looks better than a good speculative round until the credit for the
-    shorter episode propagates): the reward standard learners train on out of the box.
+    ``reward="cost"`` (the default of ``specenv/MoESpec-v0``): ``-cost / ar_unit_ms``, minus the
+    round's cost in AR-step units; the episode return is minus the episode's cost in AR-token
+    equivalents.
+
+    The two are equivalent for the objective: over an episode the committed tokens sum to the
+    generation's length N whatever the policy does, so the two (undiscounted) returns differ by
+    that constant and have the same optimal policy and the same ranking of policies. The savings
+    reward is the default because each round's reward measures its own progress: with the cost
+    reward a plain AR step (-1) looks better than a good speculative round (about -1.9 for 3.8
+    tokens) until the credit for the shorter episode propagates, and standard learners with their
+    default settings then settle on k = 0.
 
     ## Starting State
 
@@ -129,7 +137,7 @@ class MoESpecEnv(RoundEnv):
 
     ```python
     gymnasium.make("specenv/MoESpec-v0", dataset="paper-default", kmax=None, split="train",
-                   cost_model="fit", lookahead=None, render_mode=None, reward="cost", drafting=None)
+                   cost_model="fit", lookahead=None, render_mode=None, reward="savings", drafting=None)
     ```
 
     Args:
@@ -145,7 +153,7 @@ class MoESpecEnv(RoundEnv):
             ``"rgb_array"`` (a ``(64, 128, 3)`` uint8 bar strip of the last 32 rounds' k and
             accepted, :mod:`specenv.envs.render`). ``gymnasium.make(..., render_mode="human")``
             shows that image through gymnasium's ``HumanRendering`` (needs pygame).
-        reward: ``"cost"`` (default) or ``"savings"`` (see Rewards).
+        reward: ``"savings"`` (default) or ``"cost"`` (see Rewards).
         drafting: ``"none"``, ``"block"`` or ``"sequential"`` (:data:`specenv.costmodel.DRAFTING_MODES`;
             see Description). Default None: ``"block"`` when ``lookahead > 0``, else ``"none"``.
 
@@ -156,6 +164,9 @@ class MoESpecEnv(RoundEnv):
 
     ## Version History
 
+    * v1: the default reward is ``"savings"`` (was ``"cost"``; the optimum is unchanged, see
+      Rewards). Spaces, dynamics, ``info`` and the other arguments are those of v0.
+      ``specenv/MoESpec-v0`` stays registered: the same class with ``reward="cost"``.
     * v0: initial version (replay of schema-v1 trace sets; observation contract of
       :mod:`specenv.observation`; ``reward``, ``render_mode="rgb_array"`` and ``drafting`` added
       without a version bump: the defaults behave as before).
@@ -163,7 +174,7 @@ class MoESpecEnv(RoundEnv):
     Examples:
         >>> import gymnasium as gym
         >>> import specenv
-        >>> env = gym.make("specenv/MoESpec-v0", dataset="paper-default", split="test")
+        >>> env = gym.make("specenv/MoESpec-v1", dataset="paper-default", split="test")
         >>> env.action_space
         Discrete(11)
         >>> obs, info = env.reset(seed=0)
@@ -172,19 +183,23 @@ class MoESpecEnv(RoundEnv):
         >>> sorted(info)
         ['category', 'generation_id']
         >>> obs, reward, terminated, truncated, info = env.step(4)
-        >>> reward < 0, truncated, info["committed"] == info["accepted"] + 1
-        (True, False, True)
+        >>> reward == info["committed"] - info["cost_ms"] / env.unwrapped.ar_unit_ms, truncated
+        (True, False)
+        >>> info["committed"] == info["accepted"] + 1
+        True
         >>> while not terminated:
         ...     obs, reward, terminated, truncated, info = env.step(4)
         >>> info["speedup"] > 1
         True
 
-        The savings reward and an image of the recent rounds:
+        The cost reward (v0's default, or ``reward="cost"``) and an image of the recent rounds:
 
-        >>> env = gym.make("specenv/MoESpec-v0", reward="savings", render_mode="rgb_array")
+        >>> env = gym.make("specenv/MoESpec-v0", render_mode="rgb_array")
+        >>> env.unwrapped.reward
+        'cost'
         >>> obs, info = env.reset(seed=0)
         >>> obs, reward, terminated, truncated, info = env.step(0)
-        >>> reward == info["committed"] - info["cost_ms"] / env.unwrapped.ar_unit_ms
+        >>> reward == -info["cost_ms"] / env.unwrapped.ar_unit_ms
         True
         >>> frame = env.render()
         >>> frame.shape, frame.dtype
@@ -202,7 +217,7 @@ class MoESpecEnv(RoundEnv):
         cost_model: str = "fit",
         lookahead: int | None = None,
         render_mode: str | None = None,
-        reward: str = "cost",
+        reward: str = DEFAULT_REWARD,
         drafting: str | None = None,
     ):
         self.render_mode = check_render_mode(render_mode)

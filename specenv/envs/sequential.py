@@ -17,7 +17,7 @@ import numpy as np
 from gymnasium import spaces
 
 from specenv.datasets import DEFAULT_DATASET
-from specenv.envs.common import RoundEnv, check_reward, reset_generation_id
+from specenv.envs.common import DEFAULT_REWARD, RoundEnv, check_reward, reset_generation_id
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
 from specenv.observation import ScalarObservation
 from specenv.replay import replay_data
@@ -70,9 +70,10 @@ class MoESpecSeqEnv(RoundEnv):
 
     ## Rewards
 
-    Paid on the verification step, as in the replay environment: ``reward="cost"`` (default) gives
-    ``-cost / ar_unit_ms``, ``reward="savings"`` gives ``committed - cost / ar_unit_ms``; a drafting
-    step that does not verify gives 0. The episode return is the replay environment's.
+    Paid on the verification step, as in the replay environment: ``reward="savings"`` (default, as
+    in ``specenv/MoESpec-v1``) gives ``committed - cost / ar_unit_ms``, ``reward="cost"`` gives
+    ``-cost / ar_unit_ms``; a drafting step that does not verify gives 0. The episode return is the replay
+    environment's.
 
     ## Starting State
 
@@ -94,7 +95,7 @@ class MoESpecSeqEnv(RoundEnv):
 
     ```python
     gymnasium.make("specenv/MoESpecSeq-v0", dataset="paper-default", kmax=None, split="train",
-                   cost_model="fit", render_mode=None, reward="cost")
+                   cost_model="fit", render_mode=None, reward="savings")
     ```
 
     Args:
@@ -104,7 +105,7 @@ class MoESpecSeqEnv(RoundEnv):
         cost_model: ``"fit"``, ``"profile"`` or a cost-model JSON path.
         render_mode: None, ``"ansi"`` (the last step as one line) or ``"rgb_array"`` (a bar strip of
             the recent rounds' k and accepted).
-        reward: ``"cost"`` (default) or ``"savings"``.
+        reward: ``"savings"`` (default) or ``"cost"``.
 
     Raises:
         ValueError: Naming the argument, as for the replay environment.
@@ -118,7 +119,7 @@ class MoESpecSeqEnv(RoundEnv):
     Examples:
         >>> import gymnasium as gym
         >>> import specenv
-        >>> env = gym.make("specenv/MoESpecSeq-v0", split="test")
+        >>> env = gym.make("specenv/MoESpecSeq-v0", split="test", reward="cost")
         >>> env.action_space
         Discrete(2)
         >>> obs, info = env.reset(seed=0)
@@ -142,7 +143,7 @@ class MoESpecSeqEnv(RoundEnv):
         split: str = "train",
         cost_model: str = "fit",
         render_mode: str | None = None,
-        reward: str = "cost",
+        reward: str = DEFAULT_REWARD,
     ):
         self.render_mode = check_render_mode(render_mode)
         self._savings = check_reward(reward)

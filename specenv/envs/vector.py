@@ -1,6 +1,6 @@
 """Native vector form of the replay environment: many generations stepped at once in numpy.
 
-``gymnasium.make_vec("specenv/MoESpec-v0", num_envs=256, ...)`` returns :class:`MoESpecVectorEnv`
+``gymnasium.make_vec("specenv/MoESpec-v1", num_envs=256, ...)`` returns :class:`MoESpecVectorEnv`
 (registered as the id's ``vector_entry_point``). Sub-environment i behaves exactly like a
 :class:`specenv.envs.replay.MoESpecEnv` reset with ``seed + i``: each sub-environment owns a
 ``numpy.random.Generator`` created the way ``gymnasium.Env.reset(seed=seed + i)`` creates one, and
@@ -27,7 +27,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
 from specenv.datasets import DEFAULT_DATASET
-from specenv.envs.common import check_reward
+from specenv.envs.common import DEFAULT_REWARD, check_reward
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
 from specenv.envs.replay import ENV_ID
 from specenv.observation import ObservationState
@@ -64,9 +64,11 @@ class MoESpecVectorEnv(VectorEnv):
 
     ## Rewards
 
-    ``(num_envs,)`` float64, per sub-environment as in the single environment: ``reward="cost"``
-    (default) gives ``-cost / ar_unit_ms``, ``reward="savings"`` gives
-    ``-cost / ar_unit_ms + committed``. A step that autoresets a sub-environment gives it 0.
+    ``(num_envs,)`` float64, per sub-environment as in the single environment:
+    ``reward="savings"`` (default) gives ``committed - cost / ar_unit_ms``, ``reward="cost"`` (the
+    default of ``specenv/MoESpec-v0``) gives ``-cost / ar_unit_ms``. The two episode returns differ
+    by the generation's length N, a constant, so they have the same optimal policy (see Rewards in
+    :class:`specenv.envs.replay.MoESpecEnv`). A step that autoresets a sub-environment gives it 0.
 
     ## Starting State
 
@@ -91,8 +93,8 @@ class MoESpecVectorEnv(VectorEnv):
     ## Arguments
 
     ```python
-    gymnasium.make_vec("specenv/MoESpec-v0", num_envs=256, dataset="paper-default", kmax=None,
-                       split="train", cost_model="fit", lookahead=None, render_mode=None, reward="cost",
+    gymnasium.make_vec("specenv/MoESpec-v1", num_envs=256, dataset="paper-default", kmax=None,
+                       split="train", cost_model="fit", lookahead=None, render_mode=None, reward="savings",
                        drafting=None)
     ```
 
@@ -105,7 +107,7 @@ class MoESpecVectorEnv(VectorEnv):
         lookahead: As for the single environment.
         render_mode: None, ``"ansi"`` (:meth:`render` returns one line per sub-environment, its
             last round) or ``"rgb_array"`` (one ``(64, 128, 3)`` uint8 image per sub-environment).
-        reward: ``"cost"`` (default) or ``"savings"``.
+        reward: ``"savings"`` (default) or ``"cost"``.
         drafting: As for the single environment (``"none"``, ``"block"`` or ``"sequential"``).
 
     Raises:
@@ -113,19 +115,22 @@ class MoESpecVectorEnv(VectorEnv):
 
     ## Version History
 
-    * v0: initial version (bit-identical to ``num_envs`` single environments; ``reward``,
+    * v1: the default reward is ``"savings"`` (was ``"cost"``; same optimum). ``specenv/MoESpec-v0``
+      stays registered with ``reward="cost"``, for ``make_vec`` too.
+    * v0: initial version (bit-identical to ``num_envs`` single environments; ``reward`` and
       ``render_mode="rgb_array"`` and ``drafting`` added with unchanged defaults).
 
     Examples:
         >>> import gymnasium as gym
         >>> import numpy as np
         >>> import specenv
-        >>> envs = gym.make_vec("specenv/MoESpec-v0", num_envs=8, dataset="paper-default", split="test")
+        >>> envs = gym.make_vec("specenv/MoESpec-v1", num_envs=8, dataset="paper-default", split="test")
         >>> envs.single_action_space, envs.observation_space.shape
         (Discrete(11), (8, 20))
         >>> obs, info = envs.reset(seed=0)
         >>> obs, rewards, terminated, truncated, info = envs.step(np.full(8, 4))
-        >>> rewards.shape, bool((rewards < 0).all()), bool(truncated.any())
+        >>> units = info["cost_ms"] / envs.unwrapped.ar_unit_ms
+        >>> rewards.shape, bool((rewards == info["committed"] - units).all()), bool(truncated.any())
         ((8,), True, False)
         >>> sorted(k for k in info if not k.startswith("_"))
         ['L', 'U_r', 'accepted', 'category', 'committed', 'cost_ms', 'generation_id', 'k', 't']
@@ -143,7 +148,7 @@ class MoESpecVectorEnv(VectorEnv):
         cost_model: str = "fit",
         lookahead: int | None = None,
         render_mode: str | None = None,
-        reward: str = "cost",
+        reward: str = DEFAULT_REWARD,
         drafting: str | None = None,
     ):
         if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
