@@ -496,8 +496,8 @@ def _oracle_section(inputs: ReportInputs) -> str:
             lo, hi = dl["lambda_interval_ms"]
             if lo > hi:
                 envelope = (
-                    f"No line separates every point: the steepest rejected point of III ({_num(lo)} ms/token) is "
-                    f"steeper than the flattest of I ({_num(hi)})."
+                    "No line separates every point: the largest ratio dE[Cost]/dE[a] in quadrant III "
+                    f"({_num(lo)} ms/token) exceeds the smallest in quadrant I ({_num(hi)})."
                 )
             else:
                 envelope = f"Every line with a slope in [{_num(lo)}, {_num(hi)}] ms/token separates every point."
