@@ -293,6 +293,7 @@ table { border-collapse: collapse; margin: 0.6em 0 1em; font-size: 0.86em; }
 th, td { border: 1px solid #d8dde6; padding: 3px 8px; text-align: right; white-space: nowrap; }
 th { background: #eef1f6; }
 td.name, th.name { text-align: left; }
+th, td.name { white-space: normal; }
 tr.oracle td { background: #fdecec; font-weight: 600; }
 span.ref { color: #7a8497; }
 span.ci { font-size: 0.85em; }
