@@ -43,11 +43,18 @@ $(STAMP_VLLM): pyproject.toml
 
 venv-vllm: $(STAMP_VLLM)
 
+# The tables go to the terminal; the JSON twins of fit and oracle (written through a temporary file,
+# so a failed run leaves no half-written input), the figures and bench's outputs go into $(OUT), and
+# `specenv report` puts them on one page, $(OUT)/report.html.
 demo: venv
 	$(BIN)/specenv validate paper-default
 	$(BIN)/specenv fit paper-default
 	$(BIN)/specenv oracle paper-default --sweep --delta --plot $(OUT)
 	$(BIN)/specenv bench paper-default --out $(OUT)
+	$(BIN)/specenv fit paper-default --json > $(OUT)/fit.json.part && mv $(OUT)/fit.json.part $(OUT)/fit.json
+	$(BIN)/specenv oracle paper-default --sweep --delta --json > $(OUT)/oracle.json.part && \
+		mv $(OUT)/oracle.json.part $(OUT)/oracle.json
+	$(BIN)/specenv report $(OUT)
 
 LINT_PATHS := specenv oracle policies scripts tests
 

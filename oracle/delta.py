@@ -438,7 +438,13 @@ def boundary_slope(
 def plot_delta(analysis: DeltaAnalysis, path: str, max_points: int = 20000, seed: int = 0) -> str:
     """Scatter of dE[Cost] against dE[a] with both fitted lines (paper Figure 3); writes ``path``.
 
-    Points are subsampled (seeded, with probability proportional to their weight) to ``max_points``.
+    Every point is one budget k the oracle rejected at a decision state, placed relative to the
+    budget k* it chose there. The legend names each quadrant with its meaning and full count (I:
+    costlier and accepts more, II: cheaper and accepts more, III: cheaper and accepts fewer, IV:
+    costlier and accepts fewer), the boundary line with the share of the weight on its wrong side
+    (below it: where the linear rule lambda*E[a] - Cost would prefer the rejected k to k*), and the
+    least-squares line. Points are subsampled (seeded, with probability proportional to their
+    weight) to ``max_points``.
 
     Returns:
         The path written.
@@ -449,23 +455,66 @@ def plot_delta(analysis: DeltaAnalysis, path: str, max_points: int = 20000, seed
     import matplotlib.pyplot as plt
 
     idx = _subsample(analysis.weight, max_points, seed)
-    fig, ax = plt.subplots(figsize=(7, 5.5))
+    fig, ax = plt.subplots(figsize=(10, 8.4))
     _scatter_quadrants(ax, analysis, idx)
     _plot_slopes(ax, analysis)
     ax.axhline(0, color="0.3", lw=0.6)
     ax.axvline(0, color="0.3", lw=0.6)
-    ax.set_xlabel("dE[a]  (accepted drafts, rejected k minus k*)")
-    ax.set_ylabel("dE[Cost]  (ms, rejected k minus k*)")
+    _label_quadrants(ax)
+    ax.set_xlabel("dE[a]: expected accepted drafts of the rejected k minus those of k*  (tokens per round)")
+    ax.set_ylabel("dE[Cost]: round cost of the rejected k minus that of k*  (ms)")
     ax.set_title(
-        f"Delta space of the oracle's rejected candidates ({analysis.points:,} points, "
-        f"V(0)/N = {analysis.v0_per_token:.3f} ms)",
-        fontsize=10,
+        f"Delta space of the oracle's decisions: each point is a budget k the oracle rejected, relative to its k*\n"
+        f"({analysis.points:,} points at {analysis.decisions:,} decision states; optimal cost per token "
+        f"V(0)/N = {analysis.v0_per_token:.3f} ms, AR {analysis.ar_per_token:.3f} ms)",
+        fontsize=9,
     )
-    ax.legend(fontsize=8, markerscale=4, loc="upper left")
-    fig.tight_layout()
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(
+        handles,
+        labels,
+        fontsize=8,
+        markerscale=4,
+        loc="lower center",
+        ncol=2,
+        framealpha=0.95,
+        title="wrong side: k* maximises lambda*E[a] - Cost, so every rejected point should lie above the boundary "
+        f"line;\n{analysis.sep_error:.1%} of the weight of the points off the dE[a] = 0 axis lies below it",
+        title_fontsize=8,
+    )
+    fig.tight_layout(rect=(0, 1.45 / fig.get_figheight(), 1, 1))
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return str(path)
+
+
+#: What each quadrant means (x = dE[a], y = dE[Cost], both relative to the oracle's k*).
+QUADRANT_MEANING = {
+    "I": "costlier, accepts more",
+    "II": "cheaper, accepts more (empty when V(t) falls with t)",
+    "III": "cheaper, accepts fewer",
+    "IV": "costlier, accepts fewer",
+    "axis": "on an axis (e.g. drafts surely rejected)",
+}
+
+
+def _label_quadrants(ax: Any) -> None:
+    """The quadrant numerals, half-way out along dE[a] and near the dE[Cost] edge of each quadrant."""
+    (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+    spots = {"I": (x1, y1), "II": (x1, y0), "III": (x0, y0), "IV": (x0, y1)}
+    for q, (x, y) in spots.items():
+        if x * (1 if q in ("I", "II") else -1) <= 0 or y * (1 if q in ("I", "IV") else -1) <= 0:
+            continue  # the axes do not reach into this quadrant
+        ax.text(
+            0.5 * x,
+            0.95 * y,
+            q,
+            ha="center",
+            va="top" if y > 0 else "bottom",
+            fontsize=16,
+            fontweight="bold",
+            color="0.4",
+        )
 
 
 def _subsample(w: np.ndarray, max_points: int, seed: int) -> np.ndarray:
@@ -485,10 +534,10 @@ def _scatter_quadrants(ax: Any, analysis: DeltaAnalysis, idx: np.ndarray) -> Non
     masks = _quadrant_masks(xs, ys, analysis.tol_a, analysis.tol_cost)
     for q in QUADRANTS:
         m = masks[q]
-        if m.any():
-            ax.scatter(
-                xs[m], ys[m], s=3, alpha=0.35, color=colors[q], label=f"{q}: {analysis.quadrants[q]:,}", rasterized=True
-            )
+        name = "" if q == "axis" else f"{q}: "
+        label = f"{name}{QUADRANT_MEANING[q]}: {analysis.quadrants[q]:,} points"
+        # an empty quadrant still gets its legend entry (its count, 0, is a finding)
+        ax.scatter(xs[m], ys[m], s=3, alpha=0.35, color=colors[q], label=label, rasterized=True)
 
 
 def _plot_slopes(ax: Any, analysis: DeltaAnalysis) -> None:
@@ -500,7 +549,8 @@ def _plot_slopes(ax: Any, analysis: DeltaAnalysis) -> None:
         analysis.lambda_sep * lim,
         color="k",
         lw=1.5,
-        label=f"boundary  lambda={analysis.lambda_sep:.3f} ms/token (err {analysis.sep_error:.1%})",
+        label=f"boundary line: lambda = {analysis.lambda_sep:.3f} ms/token ({analysis.sep_error:.1%} of the "
+        "weight on its wrong side)",
     )
     ax.plot(
         lim,
@@ -508,5 +558,6 @@ def _plot_slopes(ax: Any, analysis: DeltaAnalysis) -> None:
         color="k",
         lw=1,
         ls="--",
-        label=f"least squares  lambda={analysis.lambda_ls:.3f} (R2 {analysis.r2_origin:.3f})",
+        label=f"least-squares line: lambda = {analysis.lambda_ls:.3f} ms/token "
+        f"(R2 through 0: {analysis.r2_origin:.3f})",
     )

@@ -78,7 +78,12 @@ def kmax_sweep(
 
 
 def plot_kmax_sweep(table: pd.DataFrame, path: str, title: str = "") -> str:
-    """Three panels against Kmax: S_max (with the best fixed k), mean k*, mean accepted; writes ``path``.
+    """Three titled panels against Kmax; writes ``path``.
+
+    Left: the oracle's speedup bound S_max over autoregressive (AR, k = 0) decoding, pooled and mean
+    over generations, beside the best fixed budget k <= Kmax. Middle: the mean budget k* the oracle
+    picks per round. Right: the mean drafts it gets accepted per round. Kmax, the largest budget
+    allowed, is a number of draft tokens.
 
     Returns:
         The path written.
@@ -89,25 +94,31 @@ def plot_kmax_sweep(table: pd.DataFrame, path: str, title: str = "") -> str:
     import matplotlib.pyplot as plt
 
     x = table["kmax"].to_numpy()
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    xlabel = "Kmax: largest budget allowed (draft tokens per round)"
+    fig, axes = plt.subplots(1, 3, figsize=(13.5, 4.4))
     ax = axes[0]
     ax.plot(x, table["s_max_pooled"], "o-", label="oracle S_max (pooled)")
     ax.plot(x, table["s_max_mean"], "s--", ms=4, label="oracle S_max (mean over generations)")
-    ax.plot(x, table["best_fixed_speedup"], "^:", label="best fixed k <= Kmax")
-    ax.set_ylabel("speedup over AR")
-    ax.legend(fontsize=8)
-    axes[1].plot(x, table["mean_k"], "o-", color="tab:green")
-    axes[1].plot(x, x, ":", color="0.6", label="k = Kmax")
-    axes[1].set_ylabel("mean k* per round")
-    axes[1].legend(fontsize=8)
+    ax.plot(x, table["best_fixed_speedup"], "^:", label="best fixed k <= Kmax (pooled)")
+    ax.set_ylabel("speedup over autoregressive decoding (x)\npooled: sum of AR cost / sum of policy cost", fontsize=9)
+    ax.set_title("Speedup bound vs the speculation budget", fontsize=10)
+    ax.legend(fontsize=7.5, loc="lower right")
+    axes[1].plot(x, table["mean_k"], "o-", color="tab:green", label="oracle's mean k* per round")
+    axes[1].plot(x, x, ":", color="0.6", label="k = Kmax (always the largest budget)")
+    axes[1].set_ylabel("mean budget k* per round (draft tokens)")
+    axes[1].set_title("Budget the oracle picks (mean k*)", fontsize=10)
+    axes[1].legend(fontsize=7.5)
     axes[2].plot(x, table["mean_accepted"], "o-", color="tab:purple")
-    axes[2].set_ylabel("mean accepted drafts per round")
+    axes[2].set_ylabel("mean accepted drafts per round (tokens)")
+    axes[2].set_title("Drafts accepted on the optimal path", fontsize=10)
     for a in axes:
-        a.set_xlabel("Kmax")
+        a.set_xlabel(xlabel, fontsize=9)
         a.set_xticks(np.asarray(x))
         a.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title, fontsize=10)
+    fig.suptitle(
+        "Exact SSP oracle against Kmax (AR = autoregressive decoding, k = 0)" + (f": {title}" if title else ""),
+        fontsize=11,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)

@@ -636,12 +636,13 @@ def category_table(res: BenchResult) -> str:
 
 
 def write_outputs(res: BenchResult, out: Path) -> list[Path]:
-    """CSV, JSON, Markdown and a matplotlib figure into ``out``."""
-    import matplotlib
+    """CSV, JSON, Markdown and two matplotlib figures into ``out``.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    The figures: ``speedup.png`` (every policy's mean speedup with its bootstrap 95% interval, one
+    colour per policy family, the oracle bound as a labelled line; :func:`plot_speedup`) and
+    ``speedup_by_category.png`` (pooled speedup per category of the best policy of each family;
+    :func:`plot_categories`).
+    """
     out.mkdir(parents=True, exist_ok=True)
     paths = [
         out / "summary.csv",
@@ -650,6 +651,7 @@ def write_outputs(res: BenchResult, out: Path) -> list[Path]:
         out / "bench.json",
         out / "bench.md",
         out / "speedup.png",
+        out / "speedup_by_category.png",
         out / "generations.csv",
     ]
     res.summary.to_csv(paths[0], index=False)
@@ -657,32 +659,201 @@ def write_outputs(res: BenchResult, out: Path) -> list[Path]:
     res.episodes.to_csv(paths[2], index=False)
     paths[3].write_text(json.dumps(res.to_json(), indent=2, default=_json_default) + "\n")
     paths[4].write_text(markdown_table(res) + "\n\n" + category_table(res) + "\n")
+    plot_speedup(res, paths[5])
+    plot_categories(res, paths[6])
     if res.generations is not None:
-        res.generations.to_csv(paths[6], index=False)
+        res.generations.to_csv(paths[7], index=False)
     else:
         paths.pop()
-    s = res.summary
-    fig, ax = plt.subplots(figsize=(9, 0.35 * len(s) + 1.5))
-    y = np.arange(len(s))[::-1]
-    err = np.vstack([s["speedup_mean"] - s["ci95_low"], s["ci95_high"] - s["speedup_mean"]]).clip(min=0)
-    err = np.nan_to_num(err)
-    colors = [
-        "tab:red"
-        if p == ORACLE_ROW
-        else ("tab:green" if "(learned)" in p else ("tab:purple" if "delta" in p else "tab:blue"))
-        for p in s["policy"]
-    ]
-    ax.barh(y, s["speedup_mean"], xerr=err, color=colors, alpha=0.8)
-    ax.set_yticks(y, s["policy"])
-    ax.axvline(1.0, color="k", lw=0.8)
-    bound = float(s.loc[s["policy"] == ORACLE_ROW, "speedup_mean"].iloc[0])
-    ax.axvline(bound, color="tab:red", ls="--", lw=1)
-    ax.set_xlabel("speedup over autoregressive decoding (mean over held-out generations, bootstrap 95% CI)")
-    ax.set_title(f"{res.context['dataset']}: policies vs the SSP oracle bound (Kmax={res.context['kmax']})")
-    fig.tight_layout()
-    fig.savefig(paths[5], dpi=120)
-    plt.close(fig)
     return paths
+
+
+#: Policy families of the figures, in legend order: (label, colour, hatch).
+FAMILIES: dict[str, tuple[str, str, str]] = {
+    "exact": ("fixed k (exact evaluation, no sampling noise)", "0.55", ""),
+    "heuristic": ("published heuristic (Monte Carlo)", "tab:blue", ""),
+    "delta": ("delta-space rule (Monte Carlo)", "tab:purple", ""),
+    "learned": ("learned policy (Monte Carlo)", "tab:green", ""),
+    "constant": ("learned, but chose one k everywhere", "tab:green", "//"),
+    "oracle": ("oracle bound (exact SSP optimum)", "tab:red", ""),
+}
+
+
+def policy_family(row: Any) -> str:
+    """The family of a summary row (a key of :data:`FAMILIES`): oracle, exact, learned, constant, delta, heuristic."""
+    name = str(row["policy"])
+    if name == ORACLE_ROW:
+        return "oracle"
+    if row["evaluation"] == "exact":
+        return "exact"
+    if bool(row.get("learned", False)):
+        return "constant" if bool(row.get("constant", False)) else "learned"
+    return "delta" if name.startswith("delta-space") else "heuristic"
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _legend_handles(families: list[str]) -> list[Any]:
+    from matplotlib.patches import Patch
+
+    return [
+        Patch(facecolor=FAMILIES[f][1], hatch=FAMILIES[f][2], edgecolor="white", alpha=0.85, label=FAMILIES[f][0])
+        for f in FAMILIES
+        if f in families
+    ]
+
+
+def plot_speedup(res: BenchResult, path: Path) -> Path:
+    """Every policy's mean speedup over autoregressive decoding, beside the oracle bound; writes ``path``.
+
+    One horizontal bar per policy, coloured by family (legend), with its percentile-bootstrap 95%
+    interval over the held-out generations as a whisker (Monte-Carlo rows; exact rows have none),
+    its value and its share of the bound. The x axis is zoomed to the data (it starts at
+    ``min(0.9, lowest whisker)``, not at 0). A dashed line marks the bound, labelled with its value.
+    """
+    plt = _pyplot()
+    from matplotlib.transforms import blended_transform_factory
+
+    s = res.summary.reset_index(drop=True)
+    fam = [policy_family(r) for _, r in s.iterrows()]
+    mean = s["speedup_mean"].to_numpy(dtype=float)
+    lo = np.where(s["ci95_low"].isna(), mean, s["ci95_low"]).astype(float)
+    hi = np.where(s["ci95_high"].isna(), mean, s["ci95_high"]).astype(float)
+    mc = np.array([f not in ("exact", "oracle") for f in fam])
+    bound = float(s.loc[s["policy"] == ORACLE_ROW, "speedup_mean"].iloc[0])
+    x0 = min(0.9, float(np.nanmin(lo)) - 0.05)
+    x1 = max(bound, float(np.nanmax(hi))) + 0.04 * (max(bound, float(np.nanmax(hi))) - x0)
+    fig, ax = plt.subplots(figsize=(11, 0.36 * len(s) + 3.4))
+    y = np.arange(len(s))[::-1]
+    ax.barh(
+        y,
+        mean,
+        color=[FAMILIES[f][1] for f in fam],
+        hatch=[FAMILIES[f][2] for f in fam],
+        edgecolor="white",
+        alpha=0.85,
+    )
+    whisk = ax.errorbar(
+        mean[mc],
+        y[mc],
+        xerr=np.vstack([mean[mc] - lo[mc], hi[mc] - mean[mc]]).clip(min=0),
+        fmt="none",
+        ecolor="black",
+        capsize=3,
+        lw=1.2,
+        label="95% bootstrap interval (Monte-Carlo rows)",
+    )
+    # the value column, right of the axes: the mean speedup, and the pooled speedup's share of the pooled bound
+    tr = blended_transform_factory(ax.transAxes, ax.transData)
+    ax.text(
+        1.02, y[0] + 0.9, "mean speedup\n(pooled % of bound)", transform=tr, fontsize=8, fontweight="bold", va="center"
+    )
+    for yi, m, pct in zip(y, mean, s["oracle_pct"], strict=True):
+        ax.text(1.02, yi, f"{m:.3f}  ({pct:.0f}%)", transform=tr, va="center", fontsize=8)
+    ax.set_yticks(y, s["policy"])
+    ax.set_ylim(-0.7, len(s) - 0.3)
+    ax.set_xlim(x0, x1)
+    ax.axvline(1.0, color="k", lw=0.8)
+    line = ax.axvline(bound, color="tab:red", ls="--", lw=1.2, label=f"oracle bound (SSP) = {bound:.3f}")
+    fig.legend(
+        handles=[*_legend_handles(fam), whisk, line],
+        loc="lower center",
+        ncol=3,
+        fontsize=8,
+        framealpha=0.95,
+        title="bar colour = policy family",
+        title_fontsize=8,
+    )
+    ctx = res.context
+    ax.set_xlabel(
+        "speedup over autoregressive decoding (AR cost / policy cost; 1.0 = no gain; x axis zoomed, not from 0)\n"
+        f"bar: mean over the {ctx.get('test_generations', '?')} held-out generations; whisker: its 95% "
+        "percentile-bootstrap interval over generations (Monte-Carlo rows; exact rows have no noise)",
+        fontsize=9,
+    )
+    ax.set_title(
+        f"{ctx['dataset']}: every policy against the exact oracle bound (Kmax={ctx['kmax']}, "
+        f"cost model {ctx.get('cost_model', '?')})",
+        fontsize=10,
+    )
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout(rect=(0, 1.15 / fig.get_figheight(), 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def family_representatives(res: BenchResult) -> list[tuple[str, str]]:
+    """(family, policy) pairs for the category figure: the best policy (pooled speedup) of every family.
+
+    A learned policy that chose one k everywhere represents the learned family only when no adaptive
+    learned policy ran.
+    """
+    s = res.summary.reset_index(drop=True)
+    fam = pd.Series([policy_family(r) for _, r in s.iterrows()])
+    out = []
+    for f in FAMILIES:
+        members = s[fam == f]
+        if f == "constant" and (fam == "learned").any():
+            continue
+        if len(members):
+            out.append((f, str(members.loc[members["speedup_pooled"].idxmax(), "policy"])))
+    return out
+
+
+def plot_categories(res: BenchResult, path: Path) -> Path:
+    """Pooled speedup per category: the best policy of each family side by side; writes ``path``.
+
+    Best is the family member with the highest pooled speedup over all held-out generations (so a
+    family is shown by one bar per category). The y axis is zoomed to the data.
+    """
+    plt = _pyplot()
+    reps = family_representatives(res)
+    piv = res.categories.pivot(index="policy", columns="category", values="speedup_pooled")
+    cats = [str(c) for c in piv.columns]
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.3 * len(cats) + 3), 5.2))
+    width = 0.8 / max(len(reps), 1)
+    x = np.arange(len(cats))
+    vals = []
+    for i, (f, name) in enumerate(reps):
+        v = piv.loc[name, cats].to_numpy(dtype=float) if name in piv.index else np.full(len(cats), np.nan)
+        vals.append(v)
+        label = "oracle bound (SSP)" if f == "oracle" else f"{FAMILIES[f][0].split(' (')[0]}: {name}"
+        ax.bar(
+            x - 0.4 + width * (i + 0.5),
+            v,
+            width,
+            color=FAMILIES[f][1],
+            hatch=FAMILIES[f][2],
+            edgecolor="white",
+            alpha=0.85,
+            label=label,
+        )
+    allv = np.concatenate(vals) if vals else np.array([1.0])
+    lo, hi = float(np.nanmin(allv)), float(np.nanmax(allv))
+    ax.set_ylim(min(0.9, lo - 0.05), hi + 0.08 * (hi - min(0.9, lo)) + 0.02)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(x, cats, rotation=20, ha="right")
+    ax.set_xlabel("prompt category of the held-out generations")
+    ax.set_ylabel("pooled speedup over autoregressive decoding\n(sum of AR cost / sum of policy cost)")
+    ax.set_title(
+        f"{res.context['dataset']}: pooled speedup per prompt category, the best policy of each family\n"
+        "(best = highest pooled speedup over all held-out generations; y axis zoomed, not from 0)",
+        fontsize=10,
+    )
+    ax.legend(fontsize=8, loc="upper right", framealpha=0.95, ncol=1)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def _json_default(obj: Any) -> Any:

@@ -964,6 +964,46 @@ def bench(
 
 
 @app.command()
+def report(
+    folder: Annotated[
+        Path, typer.Argument(metavar="DIR", help="Folder holding what fit, oracle and bench wrote (see below).")
+    ],
+    as_json: JsonOpt = False,
+) -> None:
+    """Write DIR/report.html: the fit, the oracle and the benchmark on one self-contained page.
+
+    It runs nothing: it reads what the other commands wrote into DIR, namely DIR/fit.json
+    (specenv fit TRACES --json > DIR/fit.json), DIR/oracle.json (specenv oracle TRACES --sweep
+    --delta --json > DIR/oracle.json), the oracle's figures (specenv oracle TRACES --sweep --delta
+    --plot DIR) and DIR/bench.json with its figures (specenv bench TRACES --out DIR). The page has
+    inline CSS and the figures embedded (no script, no network), so it opens anywhere. A missing
+    input is named on the page with the command that writes it; none of the three JSON files, or a
+    garbled one, is an error.
+    """
+    from policies.report import REPORT_FILE, read_inputs, render_html
+    from specenv.io import atomic_write_text
+
+    if os.path.lexists(folder) and not folder.is_dir():
+        fail(f"DIR: {folder} is not a folder")
+    if not folder.exists():
+        fail(f"DIR: {folder}: no such folder")
+    _check_out_file("DIR", folder / REPORT_FILE)
+    try:
+        inputs = read_inputs(folder)
+    except ValueError as exc:
+        fail(str(exc))
+    path = folder / REPORT_FILE
+    atomic_write_text(path, render_html(inputs))
+    summary = {"report": str(path), "missing": inputs.missing}
+    if as_json:
+        _print_json(summary)
+        return
+    out.print(f"wrote {path}", markup=False)
+    if inputs.missing:
+        out.print(f"not found in {folder} (named on the page): {', '.join(inputs.missing)}", markup=False)
+
+
+@app.command()
 def collect(
     out_dir: Annotated[Path, typer.Option("--out", "-o", help="Folder to write the trace set to.")],
     engine: Annotated[str, typer.Option(help="Engine: hf (live CPU engine on the shipped small models).")] = "hf",
