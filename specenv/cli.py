@@ -134,11 +134,11 @@ class _Group(TyperGroup):
         quiet = next((p for p in self.params if p.name == "quiet"), None)
         for cmd in [self, *self.commands.values()]:
             for param in cmd.params:
-                if param.metavar is not None or getattr(param, "is_flag", False):
-                    continue
                 if isinstance(param, TyperArgument):
-                    param.metavar = str(param.name).upper()
+                    param.metavar = param.metavar or str(param.name).upper()
                     param.__class__ = _PlainArgument
+                    continue
+                if param.metavar is not None or getattr(param, "is_flag", False):
                     continue
                 annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
                 annotation = (getattr(annotation, "__args__", None) or [annotation])[0]  # list[str]: repeatable
