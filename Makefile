@@ -64,14 +64,14 @@ test: venv venv-vllm
 	$(BIN)/ruff format --check $(LINT_PATHS)
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
-	$(BIN_VLLM)/python -m pytest -q tests/vllm
+	$(BIN_VLLM)/python -m pytest -q -n 0 tests/vllm
 
 # The fast lane: everything not marked slow (training, live engines, long benchmark runs); < 1 minute.
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow"
 
 test-vllm: venv-vllm
-	$(BIN_VLLM)/python -m pytest -q tests/vllm
+	$(BIN_VLLM)/python -m pytest -q -n 0 tests/vllm
 
 # ruff (lint and format) and the import-linter layer contracts of DESIGN.md section 7.
 lint: venv

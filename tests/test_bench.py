@@ -110,6 +110,7 @@ def test_bench_json_emits_every_policy_with_oracle_pct(bench_set: Path, tmp_path
     assert "(exact)" in (tmp_path / "out" / "bench.md").read_text()
 
 
+@pytest.mark.slow  # seconds of work; the full suite runs it
 def test_no_policy_beats_the_oracle_bound(bench_set: Path) -> None:
     res = run_benchmark(str(bench_set), episodes=3, policy_dir=None)
     assert list(res.summary["policy"]) == EXPECTED_POLICIES

@@ -205,6 +205,7 @@ def _mlp(spec, first_k: int, later_k: int) -> MLPPolicy:  # noqa: ANN001
     return MLPPolicy(spec, [(W, b)], name="t")
 
 
+@pytest.mark.slow  # seconds of work; the full suite runs it
 def test_policies_found_in_both_layouts_constant_flagged_and_unrunnable_listed(bench_set: Path, tmp_path: Path) -> None:
     ctx = build_context(str(bench_set), None, "fit-train", None)
     runs = tmp_path / "runs"
@@ -228,6 +229,7 @@ def test_policies_found_in_both_layouts_constant_flagged_and_unrunnable_listed(b
     assert "ppo-k10 (not run:" in table and "broken (not run:" in table
 
 
+@pytest.mark.slow  # seconds of work; the full suite runs it
 def test_shipped_policies_constant_ones_are_flagged() -> None:
     """Which shipped policies are constant on paper-default's test states (today's PPO is k=6 everywhere)."""
     res = run_benchmark("paper-default", episodes=1, only=["(learned)"])

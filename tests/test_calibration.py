@@ -112,6 +112,7 @@ def test_transitions_couple_rejection_and_new_experts(default_set) -> None:
     assert low > high + 0.3
 
 
+@pytest.mark.slow  # seconds of work; the full suite runs it
 def test_generator_is_deterministic_given_seed() -> None:
     a = generate_paper(3, kmax=4, seed=11)
     b = generate_paper(3, kmax=4, seed=11)

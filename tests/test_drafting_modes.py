@@ -392,6 +392,7 @@ def test_per_token_env_doctest():
 
 
 # ------------------------------------------------------------------------------ the benchmark
+@pytest.mark.slow  # seconds of work; the full suite runs it
 def test_benchmark_charges_each_row_by_its_mode():
     from policies.benchmark import ORACLE_ROW, build_context, default_entries, markdown_table, run_benchmark
 

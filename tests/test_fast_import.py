@@ -76,6 +76,7 @@ def _subprocess_env(cache_folder: Path) -> dict[str, str]:
 MAKE = "import specenv, gymnasium; env = gymnasium.make('specenv/MoESpec-v0'); env.reset(seed=0)"
 
 
+@pytest.mark.slow  # seconds of work; the full suite runs it
 def test_make_loads_no_heavy_module(tmp_path: Path) -> None:
     env = _subprocess_env(tmp_path / "cache")
     subprocess.run([sys.executable, "-c", MAKE], env=env, cwd=ROOT, check=True, timeout=600)  # warms the disk cache

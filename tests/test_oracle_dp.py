@@ -155,7 +155,8 @@ def test_value_finite_nonnegative_and_path_identities(inst) -> None:
     np.testing.assert_allclose(along, res.cost, rtol=1e-9, atol=1e-9)
     np.testing.assert_allclose(res.rounds + res.accepted_sum, res.lengths)
     assert np.all(res.rounds >= 1 - 1e-12) and np.all(res.rounds <= res.lengths + 1e-9)
-    assert 0 <= res.mean_k <= arrays.kmax
+    # a weighted mean of budgets in 0..kmax (k* may be kmax everywhere: allow the division's last-bit rounding)
+    assert 0 <= res.mean_k <= arrays.kmax * (1 + 1e-12)
     # action values: min over k is V, argmin is k*
     Q = oracle.action_values(arrays, model, res.value, lookahead=h)
     np.testing.assert_allclose(Q.min(axis=1), res.value, rtol=1e-12, atol=1e-9)

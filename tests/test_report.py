@@ -56,6 +56,7 @@ def _report(folder: Path) -> tuple[dict, str]:
     return json.loads(res.stdout), (folder / "report.html").read_text()
 
 
+@pytest.mark.slow  # seconds of work; the full suite runs it
 def test_page_holds_fit_oracle_and_bench_with_embedded_figures(outputs: Path) -> None:
     summary, page = _report(outputs)
     assert summary == {"report": str(outputs / "report.html"), "missing": []}
@@ -134,6 +135,7 @@ def _chromium() -> str | None:
     return None
 
 
+@pytest.mark.slow  # seconds of work; the full suite runs it
 def test_browser_renders_the_page(outputs: Path, tmp_path: Path) -> None:
     """Headless Chromium renders the page into a 1280x2000 screenshot that is not blank."""
     browser = _chromium()

@@ -189,6 +189,7 @@ def test_signal_stream_leaves_every_other_draw_unchanged() -> None:
             np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
 
 
+@pytest.mark.slow  # seconds of work; the full suite runs it
 @pytest.mark.parametrize("greedy", [False, True])
 def test_generator_signals_are_a_distribution(greedy: bool) -> None:
     ts = generate_paper(6, kmax=5, seed=11, greedy=greedy, with_rounds=False)

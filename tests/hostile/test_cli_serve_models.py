@@ -216,6 +216,7 @@ def test_serve_without_models_keeps_the_old_form():
     assert "--served-model-name" not in line and line.count("--speculative-config") == 1
 
 
+@pytest.mark.slow  # seconds of work; the full suite runs it
 def test_view_carries_a_chat_template_and_a_new_key():
     dirs = vllm_model_dirs("small-moe-v1")
     for part in (dirs.target, dirs.draft):
