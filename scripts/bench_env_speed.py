@@ -2,7 +2,7 @@
 
 Prints four throughputs and two ratios:
 
-* single env: ``gymnasium.make("specenv/MoESpec-v0")`` vs ``gymnasium.make("CartPole-v1")``
+* single env: ``gymnasium.make("specenv/MoESpec-v1")`` vs ``gymnasium.make("CartPole-v1")``
   (both with gymnasium's default wrappers), measured with
   :func:`gymnasium.utils.performance.benchmark_step` (random actions, resets included);
   target ratio >= 0.7;
@@ -43,7 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     kw = {"dataset": args.dataset, "cost_model": args.cost_model, "lookahead": args.lookahead}
 
-    ours = gym.make("specenv/MoESpec-v0", **kw)
+    ours = gym.make("specenv/MoESpec-v1", **kw)
     cart = gym.make("CartPole-v1")
     vours = MoESpecVectorEnv(num_envs=args.num_envs, **kw)
     vcart = CartPoleVectorEnv(num_envs=args.num_envs)

@@ -287,49 +287,13 @@ class MoESpecEnv(RoundEnv):
             RuntimeError: If called before :meth:`reset` or after the episode ended.
         """
         k = self._check_action(action)
-        t = self._t
-        row = self._row0 + t
-        u = self._u(self._round)
-        surv = self._surv
-        j = row * self._width
-        a = 0
-        while a < k and u < surv(j + a):
-            a += 1
-        n_left = self._N - t
-        committed = a + 1 if a < n_left else n_left
-        a = committed - 1
-        j = row * self._width + k
-        cost = self._cost(j)
-        U_r = self._Ur(j)
-        units = cost / self.ar_unit_ms
-        t_new = t + committed
-        self._t = t_new
-        self._round += 1
-        self._ep_cost += cost
+        info, t, a, committed, cost, U_r, units, terminated = play_round(self, k)
         obs_state = self._obs
-        obs_state.update(k, a, U_r, units, committed)
-        terminated = t_new >= self._N
-        info = {
-            "k": k,
-            "accepted": a,
-            "committed": committed,
-            "cost_ms": cost,
-            "U_r": U_r,
-            "L": self._L0 + t,
-            "t": t_new,
-            "generation_id": self._gid,
-            "category": self._cat,
-        }
+        t_new = self._t
         if terminated:
-            self._done = True
-            ar = float(self.data.ar_total_ms[self._gen])
-            info["speedup"] = ar / self._ep_cost
-            info["episode_cost_ms"] = self._ep_cost
-            info["ar_cost_ms"] = ar
-            info["rounds"] = self._round
             conf = [0.0] * self.lookahead if self.lookahead else None
         else:
-            conf = self.data.conf[row + committed].tolist() if self.lookahead else None
+            conf = self.data.conf[self._row0 + t_new].tolist() if self.lookahead else None
         if self.render_mode is not None:
             self._record(t, k, a, committed, cost, U_r, terminated)
         reward = committed - units if self._savings else -units
@@ -344,3 +308,58 @@ class MoESpecEnv(RoundEnv):
             f"gen {self._gid} [{self._cat}] round {self._round - 1}: t={t} k={k} accepted={a} "
             f"+{committed} cost={cost:.3f}ms U_r={U_r:.2f}" + (" (done)" if terminated else "")
         )
+
+
+def play_round(env: Any, k: int) -> tuple[dict[str, Any], int, int, int, float, float, float, bool]:
+    """One verification round of budget ``k`` at the current position of a replay episode.
+
+    The round model of :class:`MoESpecEnv` (its docstring), written once for the round-level env and
+    the per-token env (:class:`specenv.envs.sequential.MoESpecSeqEnv`), which hold the same episode
+    state (``_t``, ``_row0``, ``_N``, ``_u``, ``_round``, ``_ep_cost``, the scalar table accessors and
+    the observation state ``_obs``). Advances that state and folds the round into ``_obs``.
+
+    Returns:
+        ``(info, t, accepted, committed, cost_ms, U_r, cost_units, terminated)``: the step's info
+        (with the episode totals when it terminates) and the round's figures; ``t`` is the position
+        the round verified at.
+    """
+    t = env._t
+    row = env._row0 + t
+    u = env._u(env._round)
+    surv = env._surv
+    j = row * env._width
+    a = 0
+    while a < k and u < surv(j + a):
+        a += 1
+    n_left = env._N - t
+    committed = a + 1 if a < n_left else n_left
+    a = committed - 1
+    j = row * env._width + k
+    cost = env._cost(j)
+    U_r = env._Ur(j)
+    units = cost / env.ar_unit_ms
+    t_new = t + committed
+    env._t = t_new
+    env._round += 1
+    env._ep_cost += cost
+    env._obs.update(k, a, U_r, units, committed)
+    terminated = t_new >= env._N
+    info = {
+        "k": k,
+        "accepted": a,
+        "committed": committed,
+        "cost_ms": cost,
+        "U_r": U_r,
+        "L": env._L0 + t,
+        "t": t_new,
+        "generation_id": env._gid,
+        "category": env._cat,
+    }
+    if terminated:
+        env._done = True
+        ar = float(env.data.ar_total_ms[env._gen])
+        info["speedup"] = ar / env._ep_cost
+        info["episode_cost_ms"] = env._ep_cost
+        info["ar_cost_ms"] = ar
+        info["rounds"] = env._round
+    return info, t, a, committed, cost, U_r, units, terminated

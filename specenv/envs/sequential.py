@@ -19,6 +19,7 @@ from gymnasium import spaces
 from specenv.datasets import DEFAULT_DATASET
 from specenv.envs.common import DEFAULT_REWARD, RoundEnv, check_reward, reset_generation_id
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
+from specenv.envs.replay import play_round
 from specenv.observation import ScalarObservation
 from specenv.replay import replay_data
 
@@ -247,47 +248,9 @@ class MoESpecSeqEnv(RoundEnv):
 
     def _verify(self, k: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         """Verify k drafts: :meth:`specenv.envs.replay.MoESpecEnv.step`'s round, same arithmetic."""
-        t = self._t
-        row = self._row0 + t
-        u = self._u(self._round)
-        surv = self._surv
-        j = row * self._width
-        a = 0
-        while a < k and u < surv(j + a):
-            a += 1
-        n_left = self._N - t
-        committed = a + 1 if a < n_left else n_left
-        a = committed - 1
-        j = row * self._width + k
-        cost = self._cost(j)
-        U_r = self._Ur(j)
-        units = cost / self.ar_unit_ms
-        t_new = t + committed
-        self._t = t_new
-        self._round += 1
-        self._ep_cost += cost
-        self._obs.update(k, a, U_r, units, committed)
-        terminated = t_new >= self._N
-        info: dict[str, Any] = {
-            "k": k,
-            "accepted": a,
-            "committed": committed,
-            "cost_ms": cost,
-            "U_r": U_r,
-            "L": self._L0 + t,
-            "t": t_new,
-            "generation_id": self._gid,
-            "category": self._cat,
-            "drafted": k,
-            "verified": True,
-        }
-        if terminated:
-            self._done = True
-            ar = float(self.data.ar_total_ms[self._gen])
-            info["speedup"] = ar / self._ep_cost
-            info["episode_cost_ms"] = self._ep_cost
-            info["ar_cost_ms"] = ar
-            info["rounds"] = self._round
+        info, t, a, committed, cost, U_r, units, terminated = play_round(self, k)
+        info["drafted"] = k
+        info["verified"] = True
         if self._strip is not None:
             self._strip.push(k, a)
         elif self.render_mode == "ansi":
