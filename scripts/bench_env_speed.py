@@ -27,7 +27,7 @@ import gymnasium as gym
 from gymnasium.envs.classic_control.cartpole import CartPoleVectorEnv
 from gymnasium.utils.performance import benchmark_step, benchmark_vector_step
 
-import specenv  # noqa: F401  (registers specenv/MoESpec-v0)
+import specenv  # noqa: F401  (registers specenv/MoESpec-v1)
 from specenv.envs.vector import MoESpecVectorEnv
 
 
@@ -65,7 +65,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(res))
         return
-    print(f"single  specenv/MoESpec-v0   {best['single']:>12,.0f} steps/s")
+    print(f"single  specenv/MoESpec-v1   {best['single']:>12,.0f} steps/s")
     print(f"single  CartPole-v1          {best['cartpole']:>12,.0f} steps/s")
     print(f"        ratio                {res['single_ratio']:>12.2f}x   (target >= 0.7x)")
     print(f"vector  MoESpecVectorEnv     {best['vector']:>12,.0f} steps/s  (N={args.num_envs})")
