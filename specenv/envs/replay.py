@@ -257,26 +257,8 @@ class MoESpecEnv(RoundEnv):
             ValueError: If ``options`` has an unknown key or names a generation not in the split.
         """
         super().reset(seed=seed)
-        d = self.data
-        gid = reset_generation_id(options)
-        rng = self.np_random
-        g = int(rng.integers(d.n_generations)) if gid is None else d.index_of(gid)
-        self._gen = g
-        self._gid = int(d.generation_ids[g])
-        self._cat = str(d.categories[g])
-        self._row0 = int(d.offsets[g])
-        self._N = n = int(d.lengths[g])
-        self._t = 0
-        self._round = 0
-        self._ep_cost = 0.0
-        self._L0 = int(d.L0[g])
-        self._u = rng.random(n).item  # the episode's acceptance uniforms, one per round
-        self._done = False
-        self._obs.reset()
-        self._line = f"gen {self._gid} [{self._cat}] t=0"
-        if self._strip is not None:
-            self._strip.clear()
-        conf = d.conf[self._row0].tolist() if self.lookahead else None
+        start_episode(self, reset_generation_id(options))
+        conf = self.data.conf[self._row0].tolist() if self.lookahead else None
         return self._obs.build(self._L0, 0, conf), {"generation_id": self._gid, "category": self._cat}
 
     def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
@@ -363,3 +345,33 @@ def play_round(env: Any, k: int) -> tuple[dict[str, Any], int, int, int, float, 
         info["ar_cost_ms"] = ar
         info["rounds"] = env._round
     return info, t, a, committed, cost, U_r, units, terminated
+
+
+def start_episode(env: Any, generation_id: Any = None) -> None:
+    """Begin a replay episode: pick the generation, draw its acceptance uniforms, clear the state.
+
+    Shared by the round-level and the per-token envs (same draws from ``env.np_random``: the
+    generation with ``integers(G)`` unless ``generation_id`` names one, then the episode's ``N``
+    uniforms with ``random(N)``), after ``gymnasium.Env.reset`` has (re)seeded ``np_random``.
+
+    Raises:
+        ValueError: If ``generation_id`` is not in the split.
+    """
+    d = env.data
+    rng = env.np_random
+    g = int(rng.integers(d.n_generations)) if generation_id is None else d.index_of(generation_id)
+    env._gen = g
+    env._gid = int(d.generation_ids[g])
+    env._cat = str(d.categories[g])
+    env._row0 = int(d.offsets[g])
+    env._N = n = int(d.lengths[g])
+    env._t = 0
+    env._round = 0
+    env._ep_cost = 0.0
+    env._L0 = int(d.L0[g])
+    env._u = rng.random(n).item  # the episode's acceptance uniforms, one per round
+    env._done = False
+    env._obs.reset()
+    env._line = f"gen {env._gid} [{env._cat}] t=0"
+    if env._strip is not None:
+        env._strip.clear()

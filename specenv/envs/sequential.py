@@ -19,7 +19,7 @@ from gymnasium import spaces
 from specenv.datasets import DEFAULT_DATASET
 from specenv.envs.common import DEFAULT_REWARD, RoundEnv, check_reward, reset_generation_id
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
-from specenv.envs.replay import play_round
+from specenv.envs.replay import play_round, start_episode
 from specenv.observation import ScalarObservation
 from specenv.replay import replay_data
 
@@ -180,26 +180,8 @@ class MoESpecSeqEnv(RoundEnv):
             ValueError: If ``options`` has an unknown key or names a generation not in the split.
         """
         super().reset(seed=seed)
-        d = self.data
-        gid = reset_generation_id(options)
-        rng = self.np_random
-        g = int(rng.integers(d.n_generations)) if gid is None else d.index_of(gid)
-        self._gen = g
-        self._gid = int(d.generation_ids[g])
-        self._cat = str(d.categories[g])
-        self._row0 = int(d.offsets[g])
-        self._N = n = int(d.lengths[g])
-        self._t = 0
-        self._round = 0
-        self._ep_cost = 0.0
-        self._L0 = int(d.L0[g])
-        self._u = rng.random(n).item  # one acceptance uniform per round, as in the replay environment
-        self._done = False
+        start_episode(self, reset_generation_id(options))
         self._new_round()
-        self._obs.reset()
-        self._line = f"gen {self._gid} [{self._cat}] t=0"
-        if self._strip is not None:
-            self._strip.clear()
         return self._build(), {"generation_id": self._gid, "category": self._cat}
 
     def _new_round(self) -> None:
