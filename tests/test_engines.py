@@ -10,40 +10,14 @@ import pytest
 
 from specenv.engines.recorder import PartRecorder, load_recording
 from specenv.schema import ModelFacts, TraceError
+from tests.rows import recorder_row
 
 FACTS = ModelFacts(n_layers=2, n_experts=16, top_k=2)
 ENGINES = pathlib.Path(__file__).resolve().parents[1] / "specenv" / "engines"
 
 
 def _row(gid: int, rnd: int, K: int = 3) -> dict:
-    return {
-        "generation_id": gid,
-        "category": "code",
-        "round": rnd,
-        "K": K,
-        "m": K + 1,
-        "accepted": 1,
-        "L": 20 + rnd,
-        "U_r": 4.5,
-        "E_max": 2.0,
-        "T_T_ms": 3.0,
-        "T_D_ms": 1.5,
-        "request_id": f"r{gid}",
-        "t": rnd,
-        "step": rnd,
-        "batch_size": 1,
-        "batch_tokens": K + 1,
-        "drafted": K,
-        "policy_k": K,
-        "fallback": False,
-        "capped": False,
-        "greedy": True,
-        "step_ms": 5.0,
-        "T_T_cpu_ms": 2.9,
-        "T_D_cpu_ms": 1.4,
-        "timing": "hooks",
-        "run": "",
-    }
+    return recorder_row(gid, rnd, K, drafted=K)
 
 
 def _record(folder, source: str, n: int = 3) -> None:

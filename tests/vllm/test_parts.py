@@ -9,39 +9,12 @@ import pytest
 
 from specenv.engines.recorder import PartRecorder, load_recording, recording_status
 from specenv.schema import ModelFacts, TraceError
+from tests.rows import recorder_row
 
 FACTS = ModelFacts(n_layers=2, n_experts=16, top_k=2)
 
 
-def row(gid: int, rnd: int, K: int = 3, acc: int = 1, run: str = "") -> dict:
-    return {
-        "generation_id": gid,
-        "category": "code",
-        "round": rnd,
-        "K": K,
-        "m": K + 1,
-        "accepted": acc,
-        "L": 20 + rnd,
-        "U_r": 4.5,
-        "E_max": 2.0,
-        "T_T_ms": 3.0,
-        "T_D_ms": 1.5,
-        "request_id": f"r{gid}",
-        "t": rnd,
-        "step": rnd,
-        "batch_size": 1,
-        "batch_tokens": K + 1,
-        "drafted": 4,
-        "policy_k": K,
-        "fallback": False,
-        "capped": False,
-        "greedy": True,
-        "step_ms": 5.0,
-        "T_T_cpu_ms": 2.9,
-        "T_D_cpu_ms": 1.4,
-        "timing": "hooks",
-        "run": run,
-    }
+row = recorder_row
 
 
 def test_parts_are_complete_and_indexed(tmp_path):
