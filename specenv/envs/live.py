@@ -312,7 +312,7 @@ class MoESpecLiveEnv(RoundEnv):
         units = cost / self.ar_unit_ms
         self._ep_cost += cost
         self._round += 1
-        self._obs.update(k, r.accepted, r.U_r, units, committed)
+        self._obs.update(k, r.accepted, r.U_r, cost / float(cm.ar_ms(float(r.L))), committed)
         terminated = bool(r.done)
         info: dict[str, Any] = {
             "k": k,
