@@ -346,6 +346,7 @@ class SpecControlScheduler(Scheduler):
         if policy is None:
             self.policy, self.spec, self._stateless = None, self._default_spec(), True
             self._signal_cols = None
+            self._want_signals(False)
             self._reset_slots()
             return
         if not hasattr(policy, "act"):
@@ -380,7 +381,13 @@ class SpecControlScheduler(Scheduler):
         self.spec = spec
         self._stateless = isinstance(policy, MLPPolicy) or bool(getattr(policy, "stateless", False))
         self._signal_cols = [SIGNAL_FIELDS.index(sig) for sig in policy_signals(policy)] if spec.lookahead else None
+        self._want_signals(bool(spec.lookahead))
         self._reset_slots()
+
+    def _want_signals(self, on: bool) -> None:
+        """Ask the tap to capture the draft signals (only a lookahead policy needs them: they cost a softmax)."""
+        if self.tap is not None and self.tap.has_signals:
+            self.tap.want_signals(on)
 
     def _no_signals(self) -> str | None:
         """Why the draft signals are not available to a policy (None when they are)."""

@@ -20,11 +20,12 @@ entry point :func:`register`) loads the weights exactly as the default loader do
   graph) that writes, per request and draft step, the softmax probability of the top-1 token (the
   drafted token q under vLLM's default greedy drafting, ``draft_sample_method="greedy"``), the
   entropy in nats, the top-1 minus top-2 probability and the top-1 token id into a preallocated
-  ``(num_speculative_tokens, max_num_seqs, 4)`` float32 buffer (:data:`SIGNAL_FIELDS`). The
-  scheduler reads it after the step (:meth:`RoutingTap.draft_signals`) and checks the token ids
-  against the drafts it receives. This is how draft confidences reach the controller: in vLLM 0.32
-  the draft's probabilities otherwise stay inside the worker (and exist only for probabilistic
-  drafting).
+  ``(num_speculative_tokens, max_num_seqs, 4)`` float32 buffer (:data:`SIGNAL_FIELDS`), while the
+  scheduler asks for them (a policy with a lookahead block: about 0.1 ms per draft step on this CPU
+  with the shipped models, so it is off otherwise). The scheduler reads it after the step
+  (:meth:`RoutingTap.draft_signals`) and checks the token ids against the drafts it receives.
+  This is how draft confidences reach the controller: in vLLM 0.32 the draft's probabilities
+  otherwise stay inside the worker (and exist only for probabilistic drafting).
 
 Where the scheduler finds the tap (:func:`current_tap`):
 
@@ -62,6 +63,7 @@ _H_SIG_N = 19  # rows of the last captured draft step
 _H_HAS_SIG = 20  # 1 once the draft's compute_logits is wrapped
 _H_SIG_MS = 21  # total wall ms spent in the capture (all steps; on an accelerator: launch time)
 _H_SIG_TOTAL = 22  # total draft steps captured
+_H_SIG_WANT = 23  # 1 while a consumer (the controller's lookahead policy) wants the signals captured
 #: Per drafted token: q (softmax probability of the top-1 token, the drafted one under greedy drafting),
 #: entropy (nats), top-1 minus top-2 probability, top-1 token id.
 SIGNAL_FIELDS = ("q", "ent", "margin", "token")
@@ -183,6 +185,10 @@ class RoutingTap:
     def captured_steps(self) -> int:
         """Draft steps captured so far."""
         return int(self.header[_H_SIG_TOTAL])
+
+    def want_signals(self, on: bool) -> None:
+        """Switch the capture on or off (off by default: it costs a softmax over the vocabulary per draft step)."""
+        self.header[_H_SIG_WANT] = 1.0 if on else 0.0
 
     def reset_step(self) -> None:
         """Clear both clocks and the step's draft signals (called by the controller when a step is scheduled)."""
@@ -345,7 +351,9 @@ def bind_signals(model: Any, tap: RoutingTap) -> bool:
     model's device, the softmax's top-1 probability, entropy (nats), top-1 minus top-2 probability and
     top-1 id, and copies them into row ``calls`` of the buffer (no allocation in the buffer, no host
     sync on accelerators); a call beyond the buffer (more draft steps or requests than it holds, e.g.
-    a warm-up pass) is not captured. Its wall time is summed in the header (:attr:`RoutingTap.capture_ms`).
+    a warm-up pass) is not captured, nor is any while no consumer wants the signals
+    (:meth:`RoutingTap.want_signals`, set by the controller for a lookahead policy). Its wall time is
+    summed in the header (:attr:`RoutingTap.capture_ms`).
 
     Returns:
         Whether the capture is bound (False when the model has no ``compute_logits`` or the engine
@@ -361,6 +369,8 @@ def bind_signals(model: Any, tap: RoutingTap) -> bool:
 
     def compute_logits(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
         logits = orig(hidden_states, *args, **kwargs)
+        if not header[_H_SIG_WANT]:
+            return logits
         j = int(header[_H_SIG_CALLS])
         if logits is None or logits.dim() != 2 or j >= steps or logits.shape[0] > rows:
             return logits
