@@ -142,3 +142,23 @@ def test_refusals_are_one_line(ctl):
         msg = str(info.value)
         assert "\n" not in msg and word in msg, msg
     assert ctl.policy is None
+
+
+def test_live_backend_shows_the_confidences_of_the_next_round(backend, plain_reference):
+    ids = backend.models.encode(PROMPTS[0])
+    before = backend.lookahead
+    backend.lookahead = KMAX
+    try:
+        backend.start(ids)
+        rounds = 0
+        while not backend.done:
+            q = backend.propose(KMAX)
+            assert len(q) == KMAX and all(0 < x <= 1 for x in q)
+            assert len(backend.draft_entropy) == len(backend.draft_margin) == KMAX
+            k = next((j for j, x in enumerate(q, 1) if x < 0.4), KMAX)  # a confidence stop in block mode
+            assert backend.step(k).k == k
+            rounds += 1
+        assert backend.generated == plain_reference[PROMPTS[0]]["token_ids"] and rounds > 1
+    finally:
+        backend.lookahead = before
+        backend.abort()
