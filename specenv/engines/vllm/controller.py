@@ -68,6 +68,7 @@ from typing import Any
 
 import numpy as np
 
+from specenv.costmodel import drafted_tokens
 from specenv.engines.base import span_expert_stats, u_prior
 from specenv.engines.vllm.settings import SpecenvSettings, resolve_policy
 from specenv.engines.vllm.tap import SIGNAL_FIELDS
@@ -800,7 +801,9 @@ class SpecControlScheduler(Scheduler):
         cm = self.cost_model
         if cm is not None:
             k = min(K, cm.kmax)
-            return float(cm.round_ms(k, U, L) / cm.ar_ms(L))
+            # block drafting (a lookahead policy) drafts max(k, h): charged as the replay env charges it
+            drafted = drafted_tokens(k, min(self.spec.lookahead, cm.kmax))
+            return float(cm.charged_ms(k, U, L, drafted=drafted) / cm.ar_ms(L))
         if K == 0:
             self._ar_ema = t_ms if self._ar_ema is None else 0.8 * self._ar_ema + 0.2 * t_ms
         self._min_tt = t_ms if self._min_tt is None else min(self._min_tt, t_ms)
