@@ -1063,7 +1063,7 @@ def collect(
 
             mdl: Any = load_models(models)
         else:
-            import vllm  # noqa: F401 - fail early with the install hint
+            import vllm.v1.engine  # noqa: F401 - fail early with the install hint (a bare "vllm" may be a folder)
 
             from specenv.engines.vllm.collect import collect_vllm as run
 
