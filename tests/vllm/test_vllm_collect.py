@@ -137,6 +137,7 @@ def test_recorded_accepted_never_exceeds_max_tokens(collected, tmp_path):
     rec = load_recording(tmp_path / "rec").rounds
     assert len(out) == 13
     assert int((rec["accepted"] + 1).sum()) + 1 == 13
+    assert (rec["accepted_raw"] >= rec["accepted"]).all()
 
 
 def test_set_validates_and_backs_env_oracle_and_fit(collected):

@@ -734,7 +734,8 @@ class SpecControlScheduler(Scheduler):
     def _outcome(self, rnd: _Round, U: float, E: float, clock: _StepClock) -> dict[str, Any]:
         """The round's outcome as the live backend sees it (``request_state()["last"]``)."""
         request, st, K = rnd.request, rnd.st, rnd.K
-        acc = min(_committed_len(request, rnd.gen, self.max_model_len) - 1, K)
+        raw = min(len(rnd.gen) - 1, K)
+        acc = min(_committed_len(request, rnd.gen, self.max_model_len) - 1, raw)
         L = request.num_tokens
         hooked = clock.timing == "hooks"
         td = st.td_ms if hooked else 0.0
@@ -743,6 +744,7 @@ class SpecControlScheduler(Scheduler):
             "K": K,
             "m": rnd.n,
             "accepted": acc,
+            "accepted_raw": raw,
             "L": L,
             "t": request.num_output_tokens,
             "U_r": U,
@@ -780,6 +782,7 @@ class SpecControlScheduler(Scheduler):
             "T_D_cpu_ms": out["T_D_cpu_ms"],
             "timing": clock.timing,
             "run": self.settings.run,
+            "accepted_raw": out["accepted_raw"],
         }
         if self.settings.record_tokens:
             row["verified_tokens"] = [int(request.all_token_ids[-1]), *map(int, rnd.drafts)]
