@@ -301,10 +301,17 @@ def _check_budget(ts: Any, kmax: int | None, lookahead: int | None = None) -> in
 
 
 def _load(traces: str) -> Any:
+    """A trace set by name or folder; a recording folder (``recording.json`` + ``parts/``) is assembled."""
     from specenv.datasets import load_dataset
     from specenv.schema import TraceError
+    from specenv.traceset import MANIFEST
 
     try:
+        path = Path(traces)
+        if path.is_dir() and not (path / MANIFEST).is_file() and (path / "recording.json").is_file():
+            from specenv.engines.recorder import load_recording
+
+            return load_recording(path)
         return load_dataset(traces)
     except (TraceError, ValueError) as exc:
         fail(str(exc))
@@ -1006,27 +1013,33 @@ def report(
 @app.command()
 def collect(
     out_dir: Annotated[Path, typer.Option("--out", "-o", help="Folder to write the trace set to.")],
-    engine: Annotated[str, typer.Option(help="Engine: hf (live CPU engine on the shipped small models).")] = "hf",
+    engine: Annotated[
+        str,
+        typer.Option(help="Engine: hf (transformers, CPU) or vllm (vLLM in process; needs the vllm extra)."),
+    ] = "hf",
     prompts: Annotated[str, typer.Option(help="Prompt set: shipped name or JSON file.")] = "stdlib-code-v1",
     n_prompts: Annotated[
         int, typer.Option("--n-prompts", "-n", min=1, max=MAX_GENERATIONS, help="First N prompts of the set.")
     ] = 64,
     kmax: Annotated[int, typer.Option(min=1, max=16, help="Fixed-K runs K=0..Kmax; sweep chain length.")] = 8,
-    max_new_tokens: Annotated[int, typer.Option(min=1, max=32768, help="Tokens generated per prompt.")] = 128,
+    max_new_tokens: Annotated[int, typer.Option(min=2, max=32768, help="Tokens generated per prompt.")] = 128,
     threads: Annotated[int, typer.Option(min=1, max=1024, help="Torch threads of the engine.")] = 1,
     clock: Annotated[str, typer.Option(help="T_T/T_D clock: cpu (thread CPU time, needs 1 thread) or wall.")] = "cpu",
     models: Annotated[str, typer.Option(help="Model set: shipped name or folder.")] = "small-moe-v1",
-    name: Annotated[str, typer.Option(help="Name written to the manifest.")] = "live-cpu",
+    name: Annotated[
+        str | None, typer.Option(help="Name written to the manifest (default: live-cpu for hf, live-vllm for vllm).")
+    ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Record a trace set with a live engine: fixed-K rounds (K=0..Kmax) and the counterfactual sweep."""
-    if engine != "hf":
-        fail(f"--engine: unknown engine '{engine}' (known: hf)")
+    if engine not in ("hf", "vllm"):
+        fail(f"--engine: unknown engine '{engine}' (known: hf, vllm)")
     if clock not in ("cpu", "wall"):
         fail(f"--clock: unknown clock '{clock}' (known: cpu, wall)")
     if clock == "cpu" and threads != 1:
         fail("--clock cpu measures the calling thread only: use --threads 1 or --clock wall")
+    name = name or ("live-cpu" if engine == "hf" else "live-vllm")
     _check_name("--name", name)
     _check_traceset_out(out_dir, overwrite)
     from specenv.engines.hf.models import load_prompts, model_dir
@@ -1042,30 +1055,31 @@ def collect(
     if n_prompts > len(plist):
         fail(f"--n-prompts: {n_prompts} exceeds the {len(plist)} prompts of {prompts}")
     plist = plist[:n_prompts]
+    common = dict(kmax=kmax, max_new_tokens=max_new_tokens, threads=threads, name=name, prompt_set=prompts, clock=clock)
     try:
-        from specenv.engines.hf.collect import collect_live
-        from specenv.engines.hf.models import load_models
+        if engine == "hf":
+            from specenv.engines.hf.collect import collect_live as run
+            from specenv.engines.hf.models import load_models
+
+            mdl: Any = load_models(models)
+        else:
+            import vllm.v1.engine  # noqa: F401 - fail early with the install hint (a bare "vllm" may be a folder)
+
+            from specenv.engines.vllm.collect import collect_vllm as run
+
+            mdl = models
     except ImportError as exc:
-        fail(f"--engine hf needs the live extra (pip install 'specenv[live]'): {exc}")
+        extra = "live" if engine == "hf" else "vllm"
+        fail(f"--engine {engine} needs the {extra} extra (pip install 'specenv[{extra}]'): {exc}")
     try:
-        mdl = load_models(models)
         with Progress("collect", total=len(plist), unit="prompts") as prog:
-            ts = collect_live(
-                mdl,
-                plist,
-                kmax=kmax,
-                max_new_tokens=max_new_tokens,
-                threads=threads,
-                name=name,
-                prompt_set=prompts,
-                progress=lambda done, total: prog.update(done, total),
-                clock=clock,
-            )
+            ts = run(mdl, plist, progress=lambda done, total: prog.update(done, total), **common)
     except ValueError as exc:
         fail(str(exc))
     ts.save(out_dir, overwrite=overwrite)
     summary = {
         "path": str(out_dir),
+        "engine": engine,
         **ts.manifest.counts,
         "kmax": kmax,
         "lossless_mismatches": ts.manifest.extra["lossless"]["mismatched_runs"],

@@ -229,6 +229,27 @@ class _Round:
     K: int
 
 
+def _committed_len(request: Any, gen: list[int], max_model_len: int) -> int:
+    """How many of a round's sampled tokens ``gen`` the request keeps (vLLM's ``check_stop``, read only).
+
+    vLLM's sampler returns every accepted draft plus the bonus token; the scheduler then appends them
+    one by one and cuts the request after an end-of-text or stop token, at ``max_tokens`` and at the
+    model's length. The controller sees the step before that cut, so it applies the same rule here:
+    the recorded ``accepted`` never makes a request commit more tokens than it returns.
+    """
+    sp = request.sampling_params
+    stops = set(getattr(sp, "stop_token_ids", None) or ())
+    eos = getattr(sp, "eos_token_id", None)
+    if eos is not None:
+        stops.add(eos)
+    out, total = int(request.num_output_tokens), int(request.num_tokens)
+    max_tokens = getattr(request, "max_tokens", None)
+    for i, tok in enumerate(gen, 1):
+        if tok in stops or total + i >= max_model_len or (max_tokens is not None and out + i >= int(max_tokens)):
+            return i
+    return len(gen)
+
+
 def _batch_offsets(sched: dict[str, int], index: dict[str, int]) -> tuple[dict[str, int], int]:
     """Each request's first token in the step's flattened batch (in the runner's order), and the total."""
     offsets, off = {}, 0
@@ -283,6 +304,17 @@ class SpecControlScheduler(Scheduler):
         self._reqs: dict[str, _Req] = {}
         #: Called as ``round_callback(request_id, outcome)`` after every round (the live backend uses it).
         self.round_callback: Any = None
+        #: Called as ``forward_callback(spans, routing)`` after every engine step that ran the target:
+        #: ``spans`` maps each scheduled request to ``(offset, first, n)`` (its tokens' offset in the
+        #: step's flattened batch, the position of its first scheduled token in the request, their
+        #: number), ``routing`` is the tap's ``(n_layers, batch_tokens, top_k)`` expert ids of the step
+        #: (None without the tap). The counterfactual collection (:mod:`specenv.engines.vllm.collect`)
+        #: reads the routing of teacher-forced prompt passes through it.
+        self.forward_callback: Any = None
+        #: When set, the drafter proposes this many tokens every step (vLLM's dynamic speculative-decoding
+        #: field ``num_spec_tokens_to_schedule``, capped at ``num_speculative_tokens``) instead of
+        #: ``num_speculative_tokens``; 0 still runs one draft forward (the draft's KV cache is kept in sync).
+        self.draft_tokens: int | None = None
         self._next_gid = 0
         self._step = 0
         self._t_sched = 0.0
@@ -568,7 +600,9 @@ class SpecControlScheduler(Scheduler):
         out = super().schedule(*args, **kwargs)
         t2 = time.perf_counter()
         self._step += 1
-        if self.settings.draft_horizon == "policy" and self.policy is not None and out.num_scheduled_tokens:
+        if self.draft_tokens is not None:
+            out.num_spec_tokens_to_schedule = int(min(max(self.draft_tokens, 0), self.num_spec_tokens))
+        elif self.settings.draft_horizon == "policy" and self.policy is not None and out.num_scheduled_tokens:
             try:
                 out.num_spec_tokens_to_schedule = self._horizon(out)
             except Exception as exc:  # never fail a step: draft the maximum
@@ -649,6 +683,8 @@ class SpecControlScheduler(Scheduler):
             self._observe(scheduler_output, model_runner_output)
         except Exception as exc:  # bookkeeping must never take the server down
             self._error(exc)
+        if self.forward_callback is not None:
+            self._forward(scheduler_output, model_runner_output)
         t1 = time.perf_counter()
         out = super().update_from_output(scheduler_output, model_runner_output)
         t2 = time.perf_counter()
@@ -690,6 +726,21 @@ class SpecControlScheduler(Scheduler):
             st.td_ms, st.td_cpu_ms = clock.d_ms, clock.d_cpu
         if upd[0]:
             self._slots.update(*upd)
+
+    def _forward(self, so: Any, mro: Any) -> None:
+        """Hand the step's spans and routing to :attr:`forward_callback`."""
+        sched = so.num_scheduled_tokens
+        if not sched:
+            return
+        offsets, batch_tokens = _batch_offsets(sched, mro.req_id_to_index)
+        spans = {}
+        for req_id, n in sched.items():
+            request = self.requests.get(req_id)
+            if request is not None:
+                spans[req_id] = (offsets[req_id], request.num_computed_tokens - n, n)
+        tap = self.tap
+        routing = tap.routing(batch_tokens) if tap is not None and batch_tokens <= tap.capacity else None
+        self.forward_callback(spans, routing)
 
     def _step_clock(self) -> _StepClock:
         """The step's wall time and, from the tap's forward hooks when they ran, target/draft times."""
@@ -746,7 +797,8 @@ class SpecControlScheduler(Scheduler):
     def _outcome(self, rnd: _Round, U: float, E: float, clock: _StepClock) -> dict[str, Any]:
         """The round's outcome as the live backend sees it (``request_state()["last"]``)."""
         request, st, K = rnd.request, rnd.st, rnd.K
-        acc = min(len(rnd.gen) - 1, K)
+        raw = min(len(rnd.gen) - 1, K)
+        acc = min(_committed_len(request, rnd.gen, self.max_model_len) - 1, raw)
         L = request.num_tokens
         hooked = clock.timing == "hooks"
         td = st.td_ms if hooked else 0.0
@@ -755,6 +807,7 @@ class SpecControlScheduler(Scheduler):
             "K": K,
             "m": rnd.n,
             "accepted": acc,
+            "accepted_raw": raw,
             "L": L,
             "t": request.num_output_tokens,
             "U_r": U,
@@ -792,6 +845,7 @@ class SpecControlScheduler(Scheduler):
             "T_D_cpu_ms": out["T_D_cpu_ms"],
             "timing": clock.timing,
             "run": self.settings.run,
+            "accepted_raw": out["accepted_raw"],
         }
         if self.settings.record_tokens:
             row["verified_tokens"] = [int(request.all_token_ids[-1]), *map(int, rnd.drafts)]
