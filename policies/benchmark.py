@@ -57,6 +57,17 @@ from policies.heuristics import (
     TransformersHeuristic,
     UCBBandit,
 )
+from policies.peers import (
+    DISCO,
+    SIGNALS,
+    SVIP,
+    AdaEDL,
+    PeerFit,
+    SpecDecPP,
+    VLLMAdaptiveVerification,
+    VLLMDSDTable,
+    fit_peers,
+)
 from specenv.costmodel import CostModel, drafting_mode
 from specenv.observation import ObservationSpec
 from specenv.policy.base import Policy
@@ -83,6 +94,9 @@ class Entry:
         exact_k: A fixed budget: evaluated exactly by the oracle, not by Monte Carlo.
         learned: A trained policy.
         drafting: The drafting mode that charges its rounds (None: ``"block"`` for h > 0, else ``"none"``).
+        signals: The draft signals its environment shows for the h lookahead tokens (an ordered subset of
+            ``("q", "ent", "margin")``: confidence, entropy, top-1/top-2 margin), so each row's
+            environment exposes what its rule reads.
     """
 
     name: str
@@ -92,6 +106,7 @@ class Entry:
     exact_k: int | None = None
     learned: bool = False
     drafting: str | None = None
+    signals: tuple[str, ...] = ("q",)
 
     @property
     def mode(self) -> str:
@@ -118,6 +133,15 @@ class Context:
     policy_dir: Path | None
     notes: list[str] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)  # policy folders not run, with the reason
+    _peers: PeerFit | None = None
+
+    @property
+    def peers(self) -> PeerFit:
+        """The peers' fitted quantities (:func:`policies.peers.fit_peers`, train split only), fitted once."""
+        if self._peers is None:
+            sig = observation_signals()
+            self._peers = fit_peers(self.train, self.cost_model, signals=sig, best_fixed_k=self.best_fixed_k)
+        return self._peers
 
 
 def shipped_policy_dir() -> Path:
@@ -197,6 +221,7 @@ def default_entries(ctx: Context) -> list[Entry]:
             drafting="block",
         ),
     ]
+    entries += peer_entries(ctx)
     if ctx.policy_dir is not None and ctx.policy_dir.is_dir():
         found = find_policies(ctx.policy_dir)
         for name in LEARNED:
@@ -214,6 +239,75 @@ def default_entries(ctx: Context) -> list[Entry]:
                 Entry(f"{name} (learned)", _learned(pol), lookahead=h, learned=True, drafting=drafting_mode(h))
             )
     return entries
+
+
+def observation_signals() -> tuple[str, ...]:
+    """The draft signals the observation contract can show (``ObservationSpec.signals``; q only before v2)."""
+    from dataclasses import fields
+
+    return SIGNALS if "signals" in {f.name for f in fields(ObservationSpec)} else ("q",)
+
+
+def peer_entries(ctx: Context) -> list[Entry]:
+    """The peers' controllers (:mod:`policies.peers`), each charged by the drafting mode it really uses.
+
+    The stop rules (AdaEDL, SVIP, SpecDec++, DISCO) see the signals of all kmax drafts and stop at the
+    first failing token: ``sequential``, T_D(k). vLLM's adaptive verification needs every proposed draft's
+    confidence before it trims: ``block`` with h = kmax. vLLM's DSD table is a constant at batch 1, chosen
+    before drafting: ``none``, evaluated exactly. Their thresholds and classifiers are fitted on the
+    train split (:attr:`Context.peers`), built only when one of these rows runs.
+    """
+    h = ctx.kmax
+    ent = ctx.train.has_signals and "ent" in observation_signals()
+    all_sig = ("q", "ent", "margin") if ent else ("q",)
+    m, up = ctx.cost_model, ctx.u_prior
+    rows = []
+    if ent:
+        rows += [
+            Entry(
+                "AdaEDL (entropy bound)",
+                lambda s: AdaEDL(s, lam=ctx.peers.adaedl_lam, gamma=ctx.peers.adaedl_gamma),  # type: ignore[arg-type]
+                lookahead=h,
+                drafting="sequential",
+                signals=("q", "ent"),
+            ),
+            Entry(
+                "SVIP (entropy)",
+                lambda s: SVIP(s, h=ctx.peers.svip_h),  # type: ignore[arg-type]
+                lookahead=h,
+                drafting="sequential",
+                signals=("q", "ent"),
+            ),
+        ]
+    rows += [
+        Entry(
+            "SpecDec++ (acceptance head)",
+            lambda s: SpecDecPP(s, ctx.peers.specdecpp, ctx.peers.specdecpp_threshold),
+            lookahead=h,
+            drafting="sequential",
+            signals=all_sig,
+        ),
+        Entry(
+            "DISCO (stop classifier)",
+            lambda s: DISCO(s, ctx.peers.disco, ctx.peers.disco_threshold),
+            lookahead=h,
+            drafting="sequential",
+            signals=all_sig,
+        ),
+        Entry(
+            "vLLM adaptive verification",
+            lambda s: VLLMAdaptiveVerification(s, m, u_prior=up),
+            lookahead=h,
+            drafting="block",
+        ),
+        Entry(
+            "vLLM DSD table (batch 1)",
+            lambda s: VLLMDSDTable(s, k=ctx.best_fixed_k),
+            exact_k=ctx.best_fixed_k,
+            note="num_speculative_tokens_per_batch_size at batch 1: the best fixed k on train",
+        ),
+    ]
+    return rows
 
 
 def find_policies(policy_dir: Path) -> dict[str, Path]:
@@ -259,7 +353,8 @@ def run_policy(entry: Entry, ctx: Context, episodes: int, seed: int) -> tuple[pd
     from specenv.replay import replay_data
     from specenv.rollout import episode_seeds, rollout_vector
 
-    data = replay_data(ctx.dataset, ctx.kmax, "test", ctx.cost_model_arg, entry.lookahead, entry.mode)
+    sig = {"signals": entry.signals} if observation_signals() != ("q",) else {}
+    data = replay_data(ctx.dataset, ctx.kmax, "test", ctx.cost_model_arg, entry.lookahead, entry.mode, **sig)
     gids = np.asarray(data.generation_ids, dtype=np.int64)
     ep_gid = np.repeat(gids, episodes)
     ep_r = np.tile(np.arange(episodes, dtype=np.int64), len(gids))
@@ -274,6 +369,7 @@ def run_policy(entry: Entry, ctx: Context, episodes: int, seed: int) -> tuple[pd
         cost_model=ctx.cost_model_arg,
         lookahead=entry.lookahead,
         drafting=entry.mode,
+        **sig,
     )
     try:
         policy = entry.make(data.spec)

@@ -562,9 +562,9 @@ class VLLMDSDTable(Policy):
         super().__init__(spec)
 
     def lookup(self, batch_size: int) -> int:
-        """k for a batch size, as vLLM's dense lookup fills it (gaps and the tail carry the last k)."""
+        """K for a batch size, as vLLM's dense lookup fills it (gaps and the tail carry the last k)."""
         k = self.schedule[0][2]
-        for lo, hi, kk in self.schedule:
+        for lo, _hi, kk in self.schedule:
             if lo > batch_size:
                 break
             k = kk
@@ -680,9 +680,7 @@ def fit_peers(
     )
     disco = DISCO.fit(train, sig_names)
     prob_d = disco.prob(sig)
-    fit["disco_threshold"], speed["disco"] = best_threshold(
-        train, cost_model, lambda x: first_stop(prob_d < x), p_grid
-    )
+    fit["disco_threshold"], speed["disco"] = best_threshold(train, cost_model, lambda x: first_stop(prob_d < x), p_grid)
     if best_fixed_k is None:
         fixed = [evaluate_policy(train, cost_model, k).speedup_pooled for k in range(kmax + 1)]
         best_fixed_k = int(np.argmax(fixed))
