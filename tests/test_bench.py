@@ -10,10 +10,11 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from policies.benchmark import build_context, default_entries, run_benchmark, run_policy
+from policies.benchmark import build_context, default_entries, observation_signals, run_benchmark, run_policy
 from specenv.cli import app
 
 ORACLE = "oracle bound (SSP)"
+PEER_ENTROPY_ROWS = ["AdaEDL (entropy bound)", "SVIP (entropy)"] if "ent" in observation_signals() else []
 # Every policy of the benchmark on the bench set below (Kmax = 6; best fixed k on its train split = 5),
 # in display order, then the oracle row. Written out here: a policy that disappears fails this test.
 EXPECTED_POLICIES = [
@@ -31,6 +32,12 @@ EXPECTED_POLICIES = [
     "delta-space (oracle lambda)",
     "delta-space (adaptive lambda)",
     "delta-space + confidences (h=3)",
+    # the peers (policies/peers.py); AdaEDL and SVIP read the draft's entropy (observation contract v2)
+    *PEER_ENTROPY_ROWS,
+    "SpecDec++ (acceptance head)",
+    "DISCO (stop classifier)",
+    "vLLM adaptive verification",
+    "vLLM DSD table (batch 1)",
     ORACLE,
 ]
 # Outer cap on a pooled speedup over the bound (the test's tolerance before the per-policy margin
@@ -105,7 +112,7 @@ def test_bench_json_emits_every_policy_with_oracle_pct(bench_set: Path, tmp_path
     assert obj["context"]["test_generations"] == 3
     # fixed budgets are evaluated exactly, the adaptive policies by Monte Carlo; fitted on train only
     exact = {p["policy"] for p in obj["policies"] if p["evaluation"] == "exact"}
-    assert exact == set(EXPECTED_POLICIES[:5]) | {ORACLE}
+    assert exact == set(EXPECTED_POLICIES[:5]) | {"vLLM DSD table (batch 1)", ORACLE}
     assert obj["context"]["cost_model"] == "fit-train" and obj["context"]["cost_model_fitted_on"] == "train split"
     assert "(exact)" in (tmp_path / "out" / "bench.md").read_text()
 
