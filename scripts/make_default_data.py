@@ -3,12 +3,16 @@
 Usage:
     python scripts/make_default_data.py [--generations 128] [--seed 0]     # paper-default
     python scripts/make_default_data.py --live [--live-from live-cpu]       # live-cpu's positions
+    python scripts/make_default_data.py --vllm --version 1 [--prompts 16]   # live-vllm (in .venv-vllm)
 
 ``paper-default`` is generated from scratch (trace schema v2: the generator's entropy and margin
 come from their own random stream, so every other column is the same as in v1 for the same seed).
 ``--live`` re-collects the positions table of the live set with the live CPU engine
 (:func:`specenv.engines.hf.collect.recollect_positions`): its rounds stay, rho/q/U are kept bit for
 bit after the sweep has reproduced them, and the schema-v2 columns are added.
+``--vllm`` collects ``live-vllm`` with vLLM itself (:func:`specenv.engines.vllm.collect.collect_vllm`:
+fixed-K rounds K=0..8 and the counterfactual positions; the first ``--prompts`` prompts of the shipped
+prompt set x 128 tokens); it needs the vLLM extra.
 
 After running, put the printed manifest sha256 into specenv/datasets.py (REGISTRY), with the new
 version and folder when the content changed, remove the old folder and update traces/README.md.
@@ -34,9 +38,28 @@ ap.add_argument("--version", type=int, default=2, help="version written to the m
 ap.add_argument("--folder", default=None, help="folder under specenv/data (default: <name>-v<version>)")
 ap.add_argument("--live", action="store_true", help="re-collect live-cpu's positions instead of paper-default")
 ap.add_argument("--live-from", default="live-cpu", help="the live set whose positions are re-collected")
+ap.add_argument("--vllm", action="store_true", help="collect live-vllm with vLLM (needs the vllm extra)")
+ap.add_argument("--prompts", type=int, default=16, help="prompts of live-vllm")
 args = ap.parse_args()
 
-if args.live:
+if args.vllm:
+    import os
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from specenv.engines.vllm.collect import collect_vllm
+
+    with Progress("collect", unit="stages") as prog:
+        ts = collect_vllm(
+            n_prompts=args.prompts,
+            kmax=8,
+            max_new_tokens=128,
+            name="live-vllm",
+            progress=lambda d, t: prog.update(d, t),
+        )
+    print(json.dumps({k: ts.manifest.extra[k] for k in ("wall_seconds", "lossless", "near_ties")}))
+    name = "live-vllm"
+elif args.live:
     from specenv.engines.hf.collect import recollect_positions
 
     old = load_dataset(args.live_from, cache=False)

@@ -60,6 +60,15 @@ REGISTRY: tuple[Dataset, ...] = (
         folder="live-cpu-v2",
         manifest_sha256="0a2b8989f7ebf98e1eafbaf938934d3e2499932bfc0dc0dd2d3b6ee545e2c750",
     ),
+    Dataset(
+        name="live-vllm",
+        version=1,
+        description="16 stdlib code prompts x 128 greedy tokens collected with vLLM 0.32 on CPU (the shipped small "
+        "Qwen3-MoE + dense draft as vLLM's draft_model), Kmax=8, measured rounds K=0..8 and the counterfactual "
+        "positions from vLLM (trace schema v2)",
+        folder="live-vllm-v1",
+        manifest_sha256="2adeb0b98c2531666133d4e439a8ff12c6dc4156229649aefee049547a6b37dc",
+    ),
 )
 
 DEFAULT_DATASET = "paper-default"

@@ -32,4 +32,5 @@ def recorder_row(gid: int, rnd: int, K: int = 3, acc: int = 1, run: str = "", dr
         "T_D_cpu_ms": 1.4,
         "timing": "hooks",
         "run": run,
+        "accepted_raw": acc,
     }

@@ -65,3 +65,36 @@ def test_engines_do_not_import_the_environments_and_recorder_not_vllm():
         assert not pattern.search(path.read_text()), f"{path} imports specenv.envs"
     recorder = (ENGINES / "recorder.py").read_text()
     assert not re.search(r"^\s*(from|import)\s+(vllm|specenv\.engines\.vllm)\b", recorder, re.M)
+
+
+def test_cli_takes_a_recording_folder(tmp_path):
+    """``specenv validate|fit|oracle`` read a recording folder (parts) directly, no manual assembly."""
+    from typer.testing import CliRunner
+
+    from specenv.cli import app
+
+    rec = PartRecorder(tmp_path / "rec", FACTS, kmax=4, meta={"engine": "test"}, source="vllm", part_rounds=64)
+    for gid in range(6):
+        for rnd in range(12):
+            K = rnd % 5
+            row = recorder_row(gid, rnd, K, acc=min(K, 1), drafted=K)
+            row |= {
+                "L": 20 + 3 * rnd + gid,
+                "T_T_ms": 3.0 + 0.4 * K + 0.01 * (rnd + gid),
+                "T_D_ms": 1.0 + 0.5 * K + 0.02 * (rnd % 4),
+                "U_r": 2.0 + K * 0.5 + 0.1 * ((rnd + gid) % 3),
+            }
+            if K == 0:
+                row |= {"U_r": 2.0, "E_max": 1.0}
+            rec.add(row)
+    rec.close()
+    folder = str(tmp_path / "rec")
+    res = CliRunner().invoke(app, ["validate", folder, "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["counts"]["rounds"] == 72
+    res = CliRunner().invoke(app, ["fit", folder, "--json", "--folds", "3"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["ar"]["extrapolated"] is False  # the K = 0 rounds measure the AR step
+    res = CliRunner().invoke(app, ["oracle", folder])
+    assert res.exit_code == 2 and "no positions table" in res.output  # loads; rounds alone cannot back the oracle
+    assert "missing manifest" not in res.output

@@ -179,9 +179,34 @@ def test_collect_cli_writes_valid_set(tmp_path):
 
 
 def test_collect_cli_errors(tmp_path):
+    res = CliRunner().invoke(app, ["collect", "--engine", "sglang", "--out", str(tmp_path / "x")])
+    assert res.exit_code == 2
+    assert res.stderr.strip().count("\n") == 0 and "--engine" in res.stderr and "hf, vllm" in res.stderr
+
+
+def test_collect_cli_vllm_needs_the_extra(tmp_path):
+    try:
+        import vllm.v1.engine  # noqa: F401 - tests/vllm is also importable as "vllm" here
+    except ImportError:
+        pass
+    else:
+        pytest.skip("vLLM is installed here (tests/vllm/test_vllm_collect.py runs the collection)")
     res = CliRunner().invoke(app, ["collect", "--engine", "vllm", "--out", str(tmp_path / "x")])
     assert res.exit_code == 2
-    assert res.stderr.strip().count("\n") == 0 and "--engine" in res.stderr
+    assert res.stderr.strip().count("\n") == 0 and "vllm extra" in res.stderr
+
+
+def test_live_vllm_set_validates_and_measures_the_ar_step():
+    from specenv.costsource import cost_model_for
+    from specenv.datasets import load_dataset
+
+    ts = load_dataset("live-vllm")
+    m = ts.manifest
+    assert m.source == "vllm" and m.greedy and m.kmax == 8 and m.schema_version == 2 and ts.has_positions
+    assert (m.model.n_layers, m.model.n_experts, m.model.top_k) == (6, 64, 4)
+    assert sorted(ts.rounds["K"].unique().tolist()) == list(range(9))  # K = 0 rounds: the AR step measured
+    assert m.extra["lossless"]["mismatched_runs"] == 0
+    assert cost_model_for(ts, "fit").ar_extrapolated is False
 
 
 def test_live_cpu_set_validates():

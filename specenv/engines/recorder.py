@@ -41,7 +41,9 @@ failed), ``capped`` (the policy's k exceeded the drafts available), ``greedy`` (
 ``step_ms`` (wall time of the engine step), ``T_T_cpu_ms``/``T_D_cpu_ms`` (CPU time of the
 forwards' thread: robust to other processes on a shared machine; 0 without hooks), ``timing``
 (``hooks``: T_T/T_D from forward hooks; ``step``: T_T is the step's wall time and T_D missing),
-``run``; with ``record_tokens`` also
+``run``, ``accepted_raw`` (the drafts the verifier accepted, as vLLM's spec-decode counters count
+them; ``accepted`` is capped where the engine cuts the request: ``max_tokens``, end-of-text or a stop
+token, so a request's rounds never commit more tokens than it returned); with ``record_tokens`` also
 ``verified_tokens`` (the m token ids of the verification pass: last committed token + drafts).
 
 ``T_D_ms`` is the measured time of the drafting that produced the round's drafts (in vLLM it runs in
@@ -97,6 +99,7 @@ EXTRA_COLUMNS: dict[str, pa.DataType] = {
     "T_D_cpu_ms": pa.float32(),
     "timing": pa.string(),
     "run": pa.string(),
+    "accepted_raw": pa.int32(),
 }
 COLUMNS: dict[str, pa.DataType] = {**ROUNDS_COLUMNS, **EXTRA_COLUMNS}
 TOKENS_COLUMN = "verified_tokens"

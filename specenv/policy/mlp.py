@@ -7,7 +7,8 @@ and every scaling constant) and provenance. This is what runs inside vLLM's sche
 
 A ``policy.json`` written before the contract was versioned records only kmax, lookahead,
 max_new_tokens and n_experts; it is read as observation version 1 with the constants of that
-release (:func:`specenv.observation.upgrade_contract`).
+release (:func:`specenv.observation.upgrade_contract`) and, like every version-1 policy, refused
+with one line: version 2 changed what ``prev_cost`` means (retrain it).
 
 The network maps an observation to one score per budget k = 0..kmax (PPO: action logits; DQN:
 Q-values; imitation: logits); the policy plays ``argmax`` (deterministic).
@@ -151,6 +152,8 @@ class MLPPolicy(Policy):
         if expect is not None:
             bad = mismatch_json(stored, expect.to_json())
             if bad is not None:
+                if stored.get("version") == 1:
+                    bad += " (version 1 divided prev_cost by the split's mean AR step; retrain the policy)"
                 raise ValueError(f"{pj}: observation contract differs: {bad}")
         try:
             spec = ObservationSpec.from_json(stored)

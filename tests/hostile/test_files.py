@@ -496,6 +496,7 @@ def _row(gid: int, rnd: int) -> dict[str, Any]:
         "U_r": 4.5, "E_max": 2.0, "T_T_ms": 3.0, "T_D_ms": 1.5, "request_id": f"r{gid}", "t": rnd, "step": rnd,
         "batch_size": 1, "batch_tokens": 4, "drafted": 4, "policy_k": 3, "fallback": False, "capped": False,
         "greedy": True, "step_ms": 5.0, "T_T_cpu_ms": 2.9, "T_D_cpu_ms": 1.4, "timing": "hooks", "run": "",
+        "accepted_raw": 1,
     }  # fmt: skip
 
 

@@ -39,12 +39,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from specenv.engines.counterfactual import CLOCKS, first_difference, positions_frame, rounds_frame
 from specenv.engines.hf.engine import LiveEngine
 from specenv.engines.hf.models import PROMPT_SET, Prompt, SmallModels, load_models, load_prompts
-from specenv.schema import ModelFacts, ent_columns, margin_columns, q_columns, rho_columns, u_columns
+from specenv.schema import ModelFacts, ent_columns, margin_columns
 from specenv.traceset import Manifest, PositionArrays, TraceSet
-
-CLOCKS = ("cpu", "wall")
 
 
 def collect_live(
@@ -148,36 +147,15 @@ def _collect_prompt(
         out, rounds = eng.generate(ids, K)
         if K == 0:
             reference = out
-        elif out != reference:
-            first = next(
-                (j for j, (x, y) in enumerate(zip(out, reference, strict=False)) if x != y),
-                min(len(out), len(reference)),
-            )
+        elif (first := first_difference(out, reference)) is not None:
             mismatches.append({"generation_id": p.id, "K": K, "first_diff": int(first)})
-        frames.append(_rounds_frame(p, K, rounds, clock))
-    return frames, _positions_frame(p, reference, eng.sweep(ids, reference, kmax), kmax)
+        frames.append(rounds_frame(p.id, p.category, K, rounds, clock))
+    return frames, _positions_frame(p, eng.sweep(ids, reference, kmax), kmax)
 
 
-def _positions_frame(p: Prompt, reference: list[int], sw: dict[str, np.ndarray], kmax: int) -> pd.DataFrame:
-    """Rows of the positions table of one prompt from its counterfactual sweep."""
-    cols: dict[str, Any] = {
-        "generation_id": np.full(len(reference), p.id, dtype=np.int64),
-        "category": p.category,
-        "t": np.arange(len(reference), dtype=np.int32),
-        "L": sw["L"],
-    }
-    for j, c in enumerate(rho_columns(kmax)):
-        cols[c] = sw["rho"][:, j]
-    for j, c in enumerate(q_columns(kmax)):
-        cols[c] = np.clip(sw["q"][:, j], 0.0, 1.0)
-    for j, c in enumerate(u_columns(kmax)):
-        cols[c] = sw["U"][:, j]
-    for j, c in enumerate(ent_columns(kmax)):
-        cols[c] = np.maximum(sw["ent"][:, j], 0.0)
-    for j, c in enumerate(margin_columns(kmax)):
-        cols[c] = np.clip(sw["margin"][:, j], 0.0, 1.0)
-    cols["T_T_sweep_ms"] = sw["T_T_ms"]
-    return pd.DataFrame(cols)
+def _positions_frame(p: Prompt, sw: dict[str, np.ndarray], kmax: int) -> pd.DataFrame:
+    """Rows of the positions table of one prompt from its counterfactual sweep (with the sweep's timing)."""
+    return positions_frame(p.id, p.category, sw, kmax, extra={"T_T_sweep_ms": sw["T_T_ms"]})
 
 
 def _manifest(
@@ -259,33 +237,6 @@ def _manifest(
     )
 
 
-def _rounds_frame(p: Prompt, K: int, rounds: list[Any], clock: str) -> pd.DataFrame:
-    wall_t = np.array([r.T_T_ms for r in rounds], dtype=np.float32)
-    wall_d = np.array([r.T_D_ms for r in rounds], dtype=np.float32)
-    cpu_t = np.array([r.T_T_cpu_ms for r in rounds], dtype=np.float32)
-    cpu_d = np.array([r.T_D_cpu_ms for r in rounds], dtype=np.float32)
-    return pd.DataFrame(
-        {
-            "generation_id": np.full(len(rounds), p.id, dtype=np.int64),
-            "category": p.category,
-            "round": np.arange(len(rounds), dtype=np.int32),
-            "K": np.full(len(rounds), K, dtype=np.int32),
-            "m": np.array([r.m for r in rounds], dtype=np.int32),
-            "accepted": np.array([r.accepted for r in rounds], dtype=np.int32),
-            "L": np.array([r.L for r in rounds], dtype=np.int32),
-            "U_r": np.array([r.U_r for r in rounds], dtype=np.float32),
-            "E_max": np.array([r.E_max for r in rounds], dtype=np.float32),
-            "T_T_ms": cpu_t if clock == "cpu" else wall_t,
-            "T_D_ms": cpu_d if clock == "cpu" else wall_d,
-            "run": f"fixed-K{K}",
-            "T_T_wall_ms": wall_t,
-            "T_D_wall_ms": wall_d,
-            "T_T_cpu_ms": cpu_t,
-            "T_D_cpu_ms": cpu_d,
-        }
-    )
-
-
 def recollect_positions(
     ts: TraceSet,
     models: SmallModels | None = None,
@@ -340,7 +291,7 @@ def recollect_positions(
             n_old = int(old.lengths[g])
             if len(reference) != n_old:
                 raise ValueError(f"generation {int(gid)}: reference has {len(reference)} tokens, the set has {n_old}")
-            frames.append(_positions_frame(p, reference, eng.sweep(ids, reference, m.kmax), m.kmax))
+            frames.append(_positions_frame(p, eng.sweep(ids, reference, m.kmax), m.kmax))
             if progress:
                 progress(g + 1, len(old.generation_ids))
     finally:

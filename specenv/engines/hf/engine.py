@@ -240,7 +240,7 @@ class LiveEngine:
 
     def close(self) -> None:
         """Detach the routing hooks and restore the torch thread count (the engine is unusable afterwards)."""
-        if self.recorder._handles:
+        if self.recorder._handles and self._torch.get_num_threads() != self._prev_threads:
             self._torch.set_num_threads(self._prev_threads)
         self.recorder.remove()
         self._t_cache = self._d_cache = None

@@ -115,13 +115,16 @@ def vllm_model_dirs(name_or_path: str | os.PathLike[str] = "small-moe-v1") -> VL
     max_len = _max_len(src / "target")
     if _is_ready(src):
         return VLLMModelDirs(src / "target", src / "draft", max_len, src)
-    key = f"specenv.vllm-view/{VIEW_FORMAT}\n".encode() + (src / "manifest.json").read_bytes()
+    # the source folder is part of the key: the view links into it, and another checkout (or a removed
+    # one) of the same set must not share, or break, this view
+    key = f"specenv.vllm-view/{VIEW_FORMAT}\n{src.resolve()}\n".encode() + (src / "manifest.json").read_bytes()
     digest = hashlib.sha256(key).hexdigest()[:16]
     base = cache_dir()
     if base is None:  # disk cache disabled: a private temporary folder for this process
         base = Path(tempfile.mkdtemp(prefix="specenv-"))
     view = base / "vllm-models" / f"{src.name}-{digest}"
-    if not (view / "draft" / "tokenizer_config.json").is_file():
+    parts = ("target/config.json", "target/tokenizer.json", "draft/config.json", "draft/tokenizer_config.json")
+    if not all((view / part).is_file() for part in parts):  # absent, or a link whose file is gone
         view.parent.mkdir(parents=True, exist_ok=True)
         with atomic_dir(view, replace=True) as tmp:
             cfg = {

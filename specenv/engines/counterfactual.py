@@ -1,0 +1,111 @@
+"""The tables of a collected trace set, built the same way for every engine (trace schema v2).
+
+A collection (``specenv collect --engine hf|vllm``) produces, per prompt, the fixed-K rounds an
+engine executed (:class:`specenv.engines.base.RoundResult` objects) and a counterfactual sweep over
+the greedy reference output (at every position t the draft's chain of Kmax tokens, its
+teacher-forced verdicts rho, the draft's q / entropy / margin and U_{t,0..Kmax}). This module turns
+both into rows of the ``rounds`` and ``positions`` tables (:func:`rounds_frame`,
+:func:`positions_frame`) and checks the lossless property of greedy speculative decoding
+(:func:`first_difference`); the engines' collectors (:mod:`specenv.engines.hf.collect`,
+:mod:`specenv.engines.vllm.collect`) only run the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from specenv.schema import ent_columns, margin_columns, q_columns, rho_columns, u_columns
+
+__all__ = ["CLOCKS", "SWEEP_KEYS", "first_difference", "positions_frame", "rounds_frame"]
+
+#: Which measurement goes into ``T_T_ms``/``T_D_ms``: thread CPU time or wall clock.
+CLOCKS = ("cpu", "wall")
+#: The arrays a counterfactual sweep of one generation provides (N positions, chains of Kmax tokens):
+#: ``rho``, ``q``, ``ent``, ``margin`` (N, Kmax); ``U`` (N, Kmax+1); ``L`` (N,).
+SWEEP_KEYS = ("rho", "q", "ent", "margin", "U", "L")
+
+
+def first_difference(out: Sequence[int], reference: Sequence[int]) -> int | None:
+    """The first index where two token lists differ (the shorter length if one is a prefix), or None if equal."""
+    if list(out) == list(reference):
+        return None
+    return next(
+        (j for j, (x, y) in enumerate(zip(out, reference, strict=False)) if x != y), min(len(out), len(reference))
+    )
+
+
+def positions_frame(
+    generation_id: int,
+    category: str,
+    sweep: Mapping[str, np.ndarray],
+    kmax: int,
+    extra: Mapping[str, np.ndarray] | None = None,
+) -> pd.DataFrame:
+    """Rows of the positions table of one generation from its counterfactual sweep.
+
+    Args:
+        generation_id: The generation's id (the prompt's).
+        category: Its category.
+        sweep: The arrays of :data:`SWEEP_KEYS` (one row per position t = 0..N-1).
+        kmax: Chain length.
+        extra: More columns (one value per position), appended after the schema's.
+    """
+    n = len(sweep["L"])
+    cols: dict[str, Any] = {
+        "generation_id": np.full(n, generation_id, dtype=np.int64),
+        "category": category,
+        "t": np.arange(n, dtype=np.int32),
+        "L": np.asarray(sweep["L"], dtype=np.int32),
+    }
+    for j, c in enumerate(rho_columns(kmax)):
+        cols[c] = sweep["rho"][:, j]
+    for j, c in enumerate(q_columns(kmax)):
+        cols[c] = np.clip(sweep["q"][:, j], 0.0, 1.0)
+    for j, c in enumerate(u_columns(kmax)):
+        cols[c] = sweep["U"][:, j]
+    for j, c in enumerate(ent_columns(kmax)):
+        cols[c] = np.maximum(sweep["ent"][:, j], 0.0)
+    for j, c in enumerate(margin_columns(kmax)):
+        cols[c] = np.clip(sweep["margin"][:, j], 0.0, 1.0)
+    for c, v in (extra or {}).items():
+        cols[c] = v
+    return pd.DataFrame(cols)
+
+
+def rounds_frame(generation_id: int, category: str, K: int, rounds: Sequence[Any], clock: str) -> pd.DataFrame:
+    """Rows of the rounds table of one fixed-K run (:class:`specenv.engines.base.RoundResult` objects).
+
+    ``T_T_ms``/``T_D_ms`` hold the ``clock`` measurement (``"cpu"``: thread CPU time, ``"wall"``:
+    wall clock); both are kept as extra columns ``T_T_wall_ms``, ``T_D_wall_ms``, ``T_T_cpu_ms``,
+    ``T_D_cpu_ms``; ``run`` is ``fixed-K<K>``.
+    """
+    if clock not in CLOCKS:
+        raise ValueError(f"clock={clock!r}: expected one of {CLOCKS}")
+    wall_t = np.array([r.T_T_ms for r in rounds], dtype=np.float32)
+    wall_d = np.array([r.T_D_ms for r in rounds], dtype=np.float32)
+    cpu_t = np.array([r.T_T_cpu_ms for r in rounds], dtype=np.float32)
+    cpu_d = np.array([r.T_D_cpu_ms for r in rounds], dtype=np.float32)
+    return pd.DataFrame(
+        {
+            "generation_id": np.full(len(rounds), generation_id, dtype=np.int64),
+            "category": category,
+            "round": np.arange(len(rounds), dtype=np.int32),
+            "K": np.full(len(rounds), K, dtype=np.int32),
+            "m": np.array([r.m for r in rounds], dtype=np.int32),
+            "accepted": np.array([r.accepted for r in rounds], dtype=np.int32),
+            "L": np.array([r.L for r in rounds], dtype=np.int32),
+            "U_r": np.array([r.U_r for r in rounds], dtype=np.float32),
+            "E_max": np.array([r.E_max for r in rounds], dtype=np.float32),
+            "T_T_ms": cpu_t if clock == "cpu" else wall_t,
+            "T_D_ms": cpu_d if clock == "cpu" else wall_d,
+            "run": f"fixed-K{K}",
+            "T_T_wall_ms": wall_t,
+            "T_D_wall_ms": wall_d,
+            "T_T_cpu_ms": cpu_t,
+            "T_D_cpu_ms": cpu_d,
+        }
+    )
