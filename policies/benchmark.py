@@ -139,8 +139,7 @@ class Context:
     def peers(self) -> PeerFit:
         """The peers' fitted quantities (:func:`policies.peers.fit_peers`, train split only), fitted once."""
         if self._peers is None:
-            sig = observation_signals()
-            self._peers = fit_peers(self.train, self.cost_model, signals=sig, best_fixed_k=self.best_fixed_k)
+            self._peers = fit_peers(self.train, self.cost_model, best_fixed_k=self.best_fixed_k)
         return self._peers
 
 
@@ -241,13 +240,6 @@ def default_entries(ctx: Context) -> list[Entry]:
     return entries
 
 
-def observation_signals() -> tuple[str, ...]:
-    """The draft signals the observation contract can show (``ObservationSpec.signals``; q only before v2)."""
-    from dataclasses import fields
-
-    return SIGNALS if "signals" in {f.name for f in fields(ObservationSpec)} else ("q",)
-
-
 def peer_entries(ctx: Context) -> list[Entry]:
     """The peers' controllers (:mod:`policies.peers`), each charged by the drafting mode it really uses.
 
@@ -258,8 +250,8 @@ def peer_entries(ctx: Context) -> list[Entry]:
     train split (:attr:`Context.peers`), built only when one of these rows runs.
     """
     h = ctx.kmax
-    ent = ctx.train.has_signals and "ent" in observation_signals()
-    all_sig = ("q", "ent", "margin") if ent else ("q",)
+    ent = ctx.train.has_signals  # entropy and margin: trace schema v2
+    all_sig = SIGNALS if ent else ("q",)
     m, up = ctx.cost_model, ctx.u_prior
     rows = []
     if ent:
@@ -353,8 +345,9 @@ def run_policy(entry: Entry, ctx: Context, episodes: int, seed: int) -> tuple[pd
     from specenv.replay import replay_data
     from specenv.rollout import episode_seeds, rollout_vector
 
-    sig = {"signals": entry.signals} if observation_signals() != ("q",) else {}
-    data = replay_data(ctx.dataset, ctx.kmax, "test", ctx.cost_model_arg, entry.lookahead, entry.mode, **sig)
+    data = replay_data(
+        ctx.dataset, ctx.kmax, "test", ctx.cost_model_arg, entry.lookahead, entry.mode, signals=entry.signals
+    )
     gids = np.asarray(data.generation_ids, dtype=np.int64)
     ep_gid = np.repeat(gids, episodes)
     ep_r = np.tile(np.arange(episodes, dtype=np.int64), len(gids))
@@ -369,7 +362,7 @@ def run_policy(entry: Entry, ctx: Context, episodes: int, seed: int) -> tuple[pd
         cost_model=ctx.cost_model_arg,
         lookahead=entry.lookahead,
         drafting=entry.mode,
-        **sig,
+        signals=entry.signals,
     )
     try:
         policy = entry.make(data.spec)

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from specenv.costmodel import CostModel
+from specenv.observation import SIGNALS as OBS_SIGNALS
 from specenv.observation import ObservationSpec
 from specenv.policy.base import Policy
 from specenv.traceset import PositionArrays
@@ -60,7 +61,7 @@ __all__ = [
 ]
 
 #: The draft signals a rule may read, in the observation's order; each has (n, h) values per state.
-SIGNALS = ("q", "ent", "margin")
+SIGNALS = OBS_SIGNALS
 #: Observation feature prefix of each signal (``conf_1..h``, ``ent_1..h``, ``margin_1..h``).
 _PREFIX = {"q": "conf", "ent": "ent", "margin": "margin"}
 #: Default paper-profile data set the registry factories fit on when given no fitted values.
@@ -705,11 +706,8 @@ def spec_for(kmax: int, signals: Sequence[str]) -> ObservationSpec:
 
 
 def _spec(kmax: int, lookahead: int, signals: tuple[str, ...]) -> ObservationSpec:
-    sig = tuple(s for s in SIGNALS if s in signals) or ("q",)
-    try:
-        return ObservationSpec(kmax, lookahead, signals=sig)  # type: ignore[call-arg]
-    except TypeError:  # an observation contract without signals: q only
-        return ObservationSpec(kmax, lookahead)
+    sig = tuple(s for s in SIGNALS if s in signals or s == "q")
+    return ObservationSpec(kmax, lookahead, signals=sig)
 
 
 # --------------------------------------------------------------------------------------------------

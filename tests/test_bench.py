@@ -10,11 +10,10 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from policies.benchmark import build_context, default_entries, observation_signals, run_benchmark, run_policy
+from policies.benchmark import build_context, default_entries, run_benchmark, run_policy
 from specenv.cli import app
 
 ORACLE = "oracle bound (SSP)"
-PEER_ENTROPY_ROWS = ["AdaEDL (entropy bound)", "SVIP (entropy)"] if "ent" in observation_signals() else []
 # Every policy of the benchmark on the bench set below (Kmax = 6; best fixed k on its train split = 5),
 # in display order, then the oracle row. Written out here: a policy that disappears fails this test.
 EXPECTED_POLICIES = [
@@ -32,8 +31,9 @@ EXPECTED_POLICIES = [
     "delta-space (oracle lambda)",
     "delta-space (adaptive lambda)",
     "delta-space + confidences (h=3)",
-    # the peers (policies/peers.py); AdaEDL and SVIP read the draft's entropy (observation contract v2)
-    *PEER_ENTROPY_ROWS,
+    # the peers (policies/peers.py)
+    "AdaEDL (entropy bound)",
+    "SVIP (entropy)",
     "SpecDec++ (acceptance head)",
     "DISCO (stop classifier)",
     "vLLM adaptive verification",

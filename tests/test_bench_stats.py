@@ -18,7 +18,6 @@ from policies.benchmark import (
     default_entries,
     find_policies,
     markdown_table,
-    observation_signals,
     run_benchmark,
     shipped_policy_dir,
     train_priors,
@@ -91,7 +90,7 @@ def test_vector_rollout_equals_the_single_env_rollout_for_every_policy(small_tra
     gids = [int(g) for g in gym.make(ENV_ID, **kw).unwrapped.data.generation_ids]
     pairs = [(g, int(episode_seeds(3, [g], [r])[0])) for g in gids for r in range(2)]
     for entry in default_entries(ctx):
-        sig = {"signals": entry.signals} if observation_signals() != ("q",) else {}  # what the row's rule reads
+        sig = {"signals": entry.signals}  # what the row's rule reads
         env = gym.make(ENV_ID, lookahead=entry.lookahead, **kw, **sig)
         envs = gym.make_vec(
             ENV_ID,

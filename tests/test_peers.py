@@ -53,6 +53,10 @@ def test_adaedl_stops_where_the_entropy_bound_falls_below_lambda() -> None:
     sig = {"q": np.ones_like(ent), "ent": ent}
     assert rule.bound(np.array([1.25]))[0] == pytest.approx(0.5)
     assert rule.budgets(sig).tolist() == [4, 6, 1]
+    # the same decisions from observations showing q then the entropies (observation contract v2)
+    obs = np.stack([obs_with([0.5] * KMAX + e.tolist(), spec=rule.spec) for e in ent])
+    assert rule.act_batch(obs).tolist() == [4, 6, 1]
+    assert [rule.act(o) for o in obs] == [4, 6, 1]
 
 
 def test_svip_stops_where_sqrt_entropy_exceeds_h_and_matches_static_adaedl() -> None:
@@ -93,8 +97,6 @@ def test_disco_stops_at_the_first_token_whose_continue_probability_is_below_thre
 def test_stop_rules_refuse_an_observation_without_their_signals() -> None:
     with pytest.raises(ValueError, match="lookahead"):
         SpecDecPP(ObservationSpec(KMAX, 0), LinearHead(("q",), (1.0,), 0.0, 0.0))
-    if "ent_1" not in spec_for(KMAX, ("q", "ent")).names:
-        pytest.skip("observation contract without entropy")
     with pytest.raises(ValueError, match="ent"):
         AdaEDL(SPEC_Q, lam=0.5)
 
@@ -203,10 +205,9 @@ def declared(monkeypatch: pytest.MonkeyPatch) -> dict[str, EntryPoint]:
 def test_peers_round_trip_through_the_registry(declared: dict[str, EntryPoint]) -> None:
     assert {"adaedl", "svip", "specdec-pp", "disco", "vllm-adaptive-verification", "vllm-dsd-table"} <= set(declared)
     spec_e = spec_for(KMAX, ("q", "ent", "margin"))
-    if "ent_1" in spec_e.names:
-        ada = registry.resolve("adaedl:lam=0.4,gamma=0.3", spec_e)
-        assert isinstance(ada, AdaEDL) and (ada.lam, ada.gamma) == (0.4, 0.3)
-        assert registry.resolve("svip:h=1.5", spec_e).h == 1.5
+    ada = registry.resolve("adaedl:lam=0.4,gamma=0.3", spec_e)
+    assert isinstance(ada, AdaEDL) and (ada.lam, ada.gamma) == (0.4, 0.3)
+    assert registry.resolve("svip:h=1.5", spec_e).h == 1.5
     pp = registry.resolve("specdec-pp:w_q=2.0,w_depth=-0.1,bias=0.5,threshold=0.7", SPEC_Q)
     assert isinstance(pp, SpecDecPP) and pp.threshold == 0.7
     assert pp.head == LinearHead(("q",), (2.0,), -0.1, 0.5)
