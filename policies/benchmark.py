@@ -31,7 +31,8 @@ as they were fitted and trained); every other policy chooses k before drafting (
 Everything that needs fitting uses the **train** split only: the cost model (``cost_model=
 "fit-train"``, the default: the per-K fit on the train generations' rounds,
 :func:`specenv.costsource.cost_model_for`), the best fixed k (exact evaluation), the delta-space
-lambda (oracle boundary slope), the U(k) and acceptance priors (train means) and the learned
+lambda (oracle boundary slope), the U(k) and acceptance priors (train means), the peers' thresholds
+and classifiers (:func:`policies.peers.fit_peers`; their rows: :func:`peer_entries`) and the learned
 policies (shipped, trained on the train split by ``specenv train``).
 """
 
@@ -672,7 +673,8 @@ def run_benchmark(
         "kmax": ctx.kmax,
         "cost_model": cost_model,
         "cost_model_fitted_on": fitted.get(cost_model, "n/a (not fitted by the benchmark)"),
-        "fitted_on": "train split (best fixed k, delta-space lambda, U and acceptance priors, learned policies)",
+        "fitted_on": "train split (best fixed k, delta-space lambda, U and acceptance priors, the peers' "
+        "thresholds and classifiers, learned policies)",
         "episodes": episodes,
         "seed": seed,
         "seeds": "episode_seeds(seed, generation_id, episode): independent per (generation, episode), "
