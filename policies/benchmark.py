@@ -31,7 +31,8 @@ as they were fitted and trained); every other policy chooses k before drafting (
 Everything that needs fitting uses the **train** split only: the cost model (``cost_model=
 "fit-train"``, the default: the per-K fit on the train generations' rounds,
 :func:`specenv.costsource.cost_model_for`), the best fixed k (exact evaluation), the delta-space
-lambda (oracle boundary slope), the U(k) and acceptance priors (train means) and the learned
+lambda (oracle boundary slope), the U(k) and acceptance priors (train means), the peers' thresholds
+and classifiers (:func:`policies.peers.fit_peers`; their rows: :func:`peer_entries`) and the learned
 policies (shipped, trained on the train split by ``specenv train``).
 """
 
@@ -56,6 +57,17 @@ from policies.heuristics import (
     GoodputRule,
     TransformersHeuristic,
     UCBBandit,
+)
+from policies.peers import (
+    DISCO,
+    SIGNALS,
+    SVIP,
+    AdaEDL,
+    PeerFit,
+    SpecDecPP,
+    VLLMAdaptiveVerification,
+    VLLMDSDTable,
+    fit_peers,
 )
 from specenv.costmodel import CostModel, drafting_mode
 from specenv.observation import ObservationSpec
@@ -83,6 +95,9 @@ class Entry:
         exact_k: A fixed budget: evaluated exactly by the oracle, not by Monte Carlo.
         learned: A trained policy.
         drafting: The drafting mode that charges its rounds (None: ``"block"`` for h > 0, else ``"none"``).
+        signals: The draft signals its environment shows for the h lookahead tokens (an ordered subset of
+            ``("q", "ent", "margin")``: confidence, entropy, top-1/top-2 margin), so each row's
+            environment exposes what its rule reads.
     """
 
     name: str
@@ -92,6 +107,7 @@ class Entry:
     exact_k: int | None = None
     learned: bool = False
     drafting: str | None = None
+    signals: tuple[str, ...] = ("q",)
 
     @property
     def mode(self) -> str:
@@ -118,6 +134,14 @@ class Context:
     policy_dir: Path | None
     notes: list[str] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)  # policy folders not run, with the reason
+    _peers: PeerFit | None = None
+
+    @property
+    def peers(self) -> PeerFit:
+        """The peers' fitted quantities (:func:`policies.peers.fit_peers`, train split only), fitted once."""
+        if self._peers is None:
+            self._peers = fit_peers(self.train, self.cost_model, best_fixed_k=self.best_fixed_k)
+        return self._peers
 
 
 def shipped_policy_dir() -> Path:
@@ -197,6 +221,7 @@ def default_entries(ctx: Context) -> list[Entry]:
             drafting="block",
         ),
     ]
+    entries += peer_entries(ctx)
     if ctx.policy_dir is not None and ctx.policy_dir.is_dir():
         found = find_policies(ctx.policy_dir)
         for name in LEARNED:
@@ -214,6 +239,68 @@ def default_entries(ctx: Context) -> list[Entry]:
                 Entry(f"{name} (learned)", _learned(pol), lookahead=h, learned=True, drafting=drafting_mode(h))
             )
     return entries
+
+
+def peer_entries(ctx: Context) -> list[Entry]:
+    """The peers' controllers (:mod:`policies.peers`), each charged by the drafting mode it really uses.
+
+    The stop rules (AdaEDL, SVIP, SpecDec++, DISCO) see the signals of all kmax drafts and stop at the
+    first failing token: ``sequential``, T_D(k). vLLM's adaptive verification needs every proposed draft's
+    confidence before it trims: ``block`` with h = kmax. vLLM's DSD table is a constant at batch 1, chosen
+    before drafting: ``none``, evaluated exactly. Their thresholds and classifiers are fitted on the
+    train split (:attr:`Context.peers`), built only when one of these rows runs.
+    """
+    h = ctx.kmax
+    ent = ctx.train.has_signals  # entropy and margin: trace schema v2
+    all_sig = SIGNALS if ent else ("q",)
+    m, up = ctx.cost_model, ctx.u_prior
+    rows = []
+    if ent:
+        rows += [
+            Entry(
+                "AdaEDL (entropy bound)",
+                lambda s: AdaEDL(s, lam=ctx.peers.adaedl_lam, gamma=ctx.peers.adaedl_gamma),  # type: ignore[arg-type]
+                lookahead=h,
+                drafting="sequential",
+                signals=("q", "ent"),
+            ),
+            Entry(
+                "SVIP (entropy)",
+                lambda s: SVIP(s, h=ctx.peers.svip_h),  # type: ignore[arg-type]
+                lookahead=h,
+                drafting="sequential",
+                signals=("q", "ent"),
+            ),
+        ]
+    rows += [
+        Entry(
+            "SpecDec++ (acceptance head)",
+            lambda s: SpecDecPP(s, ctx.peers.specdecpp, ctx.peers.specdecpp_threshold),
+            lookahead=h,
+            drafting="sequential",
+            signals=all_sig,
+        ),
+        Entry(
+            "DISCO (stop classifier)",
+            lambda s: DISCO(s, ctx.peers.disco, ctx.peers.disco_threshold),
+            lookahead=h,
+            drafting="sequential",
+            signals=all_sig,
+        ),
+        Entry(
+            "vLLM adaptive verification",
+            lambda s: VLLMAdaptiveVerification(s, m, u_prior=up),
+            lookahead=h,
+            drafting="block",
+        ),
+        Entry(
+            "vLLM DSD table (batch 1)",
+            lambda s: VLLMDSDTable(s, k=ctx.best_fixed_k),
+            exact_k=ctx.best_fixed_k,
+            note="num_speculative_tokens_per_batch_size at batch 1: the best fixed k on train",
+        ),
+    ]
+    return rows
 
 
 def find_policies(policy_dir: Path) -> dict[str, Path]:
@@ -259,7 +346,9 @@ def run_policy(entry: Entry, ctx: Context, episodes: int, seed: int) -> tuple[pd
     from specenv.replay import replay_data
     from specenv.rollout import episode_seeds, rollout_vector
 
-    data = replay_data(ctx.dataset, ctx.kmax, "test", ctx.cost_model_arg, entry.lookahead, entry.mode)
+    data = replay_data(
+        ctx.dataset, ctx.kmax, "test", ctx.cost_model_arg, entry.lookahead, entry.mode, signals=entry.signals
+    )
     gids = np.asarray(data.generation_ids, dtype=np.int64)
     ep_gid = np.repeat(gids, episodes)
     ep_r = np.tile(np.arange(episodes, dtype=np.int64), len(gids))
@@ -274,6 +363,7 @@ def run_policy(entry: Entry, ctx: Context, episodes: int, seed: int) -> tuple[pd
         cost_model=ctx.cost_model_arg,
         lookahead=entry.lookahead,
         drafting=entry.mode,
+        signals=entry.signals,
     )
     try:
         policy = entry.make(data.spec)
@@ -583,7 +673,8 @@ def run_benchmark(
         "kmax": ctx.kmax,
         "cost_model": cost_model,
         "cost_model_fitted_on": fitted.get(cost_model, "n/a (not fitted by the benchmark)"),
-        "fitted_on": "train split (best fixed k, delta-space lambda, U and acceptance priors, learned policies)",
+        "fitted_on": "train split (best fixed k, delta-space lambda, U and acceptance priors, the peers' "
+        "thresholds and classifiers, learned policies)",
         "episodes": episodes,
         "seed": seed,
         "seeds": "episode_seeds(seed, generation_id, episode): independent per (generation, episode), "

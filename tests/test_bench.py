@@ -31,6 +31,13 @@ EXPECTED_POLICIES = [
     "delta-space (oracle lambda)",
     "delta-space (adaptive lambda)",
     "delta-space + confidences (h=3)",
+    # the peers (policies/peers.py)
+    "AdaEDL (entropy bound)",
+    "SVIP (entropy)",
+    "SpecDec++ (acceptance head)",
+    "DISCO (stop classifier)",
+    "vLLM adaptive verification",
+    "vLLM DSD table (batch 1)",
     ORACLE,
 ]
 # Outer cap on a pooled speedup over the bound (the test's tolerance before the per-policy margin
@@ -105,7 +112,7 @@ def test_bench_json_emits_every_policy_with_oracle_pct(bench_set: Path, tmp_path
     assert obj["context"]["test_generations"] == 3
     # fixed budgets are evaluated exactly, the adaptive policies by Monte Carlo; fitted on train only
     exact = {p["policy"] for p in obj["policies"] if p["evaluation"] == "exact"}
-    assert exact == set(EXPECTED_POLICIES[:5]) | {ORACLE}
+    assert exact == set(EXPECTED_POLICIES[:5]) | {"vLLM DSD table (batch 1)", ORACLE}
     assert obj["context"]["cost_model"] == "fit-train" and obj["context"]["cost_model_fitted_on"] == "train split"
     assert "(exact)" in (tmp_path / "out" / "bench.md").read_text()
 

@@ -90,9 +90,15 @@ def test_vector_rollout_equals_the_single_env_rollout_for_every_policy(small_tra
     gids = [int(g) for g in gym.make(ENV_ID, **kw).unwrapped.data.generation_ids]
     pairs = [(g, int(episode_seeds(3, [g], [r])[0])) for g in gids for r in range(2)]
     for entry in default_entries(ctx):
-        env = gym.make(ENV_ID, lookahead=entry.lookahead, **kw)
+        sig = {"signals": entry.signals}  # what the row's rule reads
+        env = gym.make(ENV_ID, lookahead=entry.lookahead, **kw, **sig)
         envs = gym.make_vec(
-            ENV_ID, num_envs=len(pairs), vectorization_mode="vector_entry_point", lookahead=entry.lookahead, **kw
+            ENV_ID,
+            num_envs=len(pairs),
+            vectorization_mode="vector_entry_point",
+            lookahead=entry.lookahead,
+            **kw,
+            **sig,
         )
         spec = env.unwrapped.data.spec
         one = rollout(env, entry.make(spec), pairs)

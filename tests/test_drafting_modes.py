@@ -401,7 +401,11 @@ def test_benchmark_charges_each_row_by_its_mode():
     assert modes["confidence 0.4"] == ("sequential", ctx.kmax)
     assert modes["confidence ROC"] == ("sequential", ctx.kmax)
     assert modes["delta-space + confidences (h=3)"] == ("block", 3)
-    others = {n: m for n, m in modes.items() if "confidence" not in n}
+    # the peers' stop rules are sequential, vLLM's adaptive verification trims a kmax block (tests/test_peers.py)
+    peers = {"AdaEDL (entropy bound)", "SVIP (entropy)", "SpecDec++ (acceptance head)", "DISCO (stop classifier)"}
+    assert {modes[n] for n in peers if n in modes} == {("sequential", ctx.kmax)}
+    assert modes["vLLM adaptive verification"] == ("block", ctx.kmax)
+    others = {n: m for n, m in modes.items() if "confidence" not in n and n not in peers and "adaptive verif" not in n}
     assert set(others.values()) == {("none", 0)}
     res = run_benchmark("paper-default", episodes=1, only=["confidence 0.4", "fixed k=4"], n_boot=50)
     s = res.summary.set_index("policy")

@@ -26,7 +26,20 @@ name                        policy                                      paramete
 ``cascade``                 Cascade's test/set-phase utility control    ``test_rounds``,
                                                                         ``set_rounds``
 ``ucb``                     UCB1 bandit over the budget (BanditSpec)    ``c`` (0.5)
+``adaedl``                  AdaEDL's entropy-bound stop                 ``lam``, ``gamma`` (0.2)
+``svip``                    SVIP's entropy stop                         ``h``
+``specdec-pp``              SpecDec++'s acceptance head and stop        ``threshold``, ``w_q``,
+                                                                        ``w_ent``, ``w_margin``,
+                                                                        ``w_depth``, ``bias``
+``disco``                   DISCO's continue/stop classifier            as ``specdec-pp``
+``vllm-adaptive-``          vLLM's adaptive verification (batch 1)      ``stale`` (true)
+``verification``
+``vllm-dsd-table``          vLLM's batch-size table of k                ``k``, ``schedule``
+                                                                        (``1-4:5;5-64:3``)
 ==========================  ==========================================  ==========================
+
+The peers (:mod:`policies.peers`) fit what is not given on the train split of ``dataset`` (a
+registered set or a folder; default ``paper-default``) with ``cost_model`` (default ``fit-train``).
 
 Policies that need more than a spec (a fitted cost model, an oracle's lambda: ``goodput``,
 ``delta-space``) are built in Python, not by name. A string is never imported: a dotted path or
