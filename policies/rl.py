@@ -24,6 +24,14 @@ environment; ``"sequential"`` trains a stop rule on the per-token environment
 ``specenv/MoESpecSeq-v0`` (SB3's ``DummyVecEnv`` over ``n_envs`` copies) and exports it with the
 per-token contract (two actions; :mod:`policies.stopping` runs it in the round-level benchmark).
 
+Rate shaping (``rate=S``, the default for the shipped recipe: S = the best fixed k's exact speedup on
+the train split): the reward of a round is ``committed - S * cost / ar_unit_ms``. Its episode sum,
+``N - S * cost``, is a positive multiple of minus the cost plus the constant N, so the optimum is still
+the oracle's; but with S near the attainable speedup a round's own reward measures its tokens per
+cost against the going rate (Dinkelbach's form of a ratio objective), so a discounted learner is not
+pushed to larger budgets the way the plain savings reward (S = 1) pushes it: there a longer round
+always pays more *per round*. Built from the environment's ``reward="cost"`` and ``info["committed"]``.
+
 Discounting: with the savings reward each round's own reward already measures its progress, so a
 moderate ``gamma`` (0.99 by default) suffices and lowers the variance of the returns; with the cost
 reward, gamma must be close to 1.
@@ -36,6 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from specenv.policy.mlp import MLPPolicy
 
@@ -112,6 +122,7 @@ def train_sb3(
     progress: Callable[[int, int], None] | None = None,
     drafting: str | None = None,
     overrides: dict[str, Any] | None = None,
+    rate: float | None = None,
 ) -> TrainResult:
     """Train PPO or DQN on the train split and export it.
 
@@ -133,6 +144,9 @@ def train_sb3(
         progress: Called as ``progress(steps_done, timesteps)`` after every step of the vector env.
         drafting: ``"none"``, ``"block"`` or ``"sequential"`` (None: block for lookahead > 0, else none).
         overrides: Hyper-parameters replacing the recipe's (:func:`hyperparameters`).
+        rate: Train on the rate-shaped reward ``committed - rate * cost units`` (module docstring);
+            None: the environment's ``reward`` as given; a float S > 0: that rate
+            (:func:`best_fixed_rate` gives the shipped recipe's).
 
     Raises:
         ValueError: For an unknown algorithm or bad environment arguments.
@@ -155,7 +169,12 @@ def train_sb3(
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     hp = hyperparameters(algo, n_envs, gamma, mode, **(overrides or {}))
-    venv, spec, base = _make_env(mode, dataset, kmax, cost_model, lookahead, reward, n_envs, seed)
+    if rate is not None and not rate > 0:
+        raise ValueError(f"rate={rate!r}: must be > 0")
+    env_reward = "cost" if rate is not None else reward
+    venv, spec, base = _make_env(mode, dataset, kmax, cost_model, lookahead, env_reward, n_envs, seed)
+    if rate is not None:
+        base = _RateReward(base, float(rate))
     env = _sb3_env(base, hp, seed)
     model = _make_model(algo, env, hp, seed, str(run_dir / "tb") if tensorboard else None)
     callback = None if progress is None else _progress_callback(progress, timesteps)
@@ -165,7 +184,7 @@ def train_sb3(
         "algo": algo,
         "drafting": mode,
         "lookahead": lookahead,
-        "reward": reward,
+        "reward": reward if rate is None else f"committed - {rate:.6g} * cost (rate-shaped, same optimum)",
         "timesteps": timesteps,
         "n_envs": n_envs,
         "env": "specenv/MoESpecSeq-v0" if mode == "sequential" else "specenv/MoESpec-v1 (native vector env)",
@@ -207,6 +226,41 @@ def _make_env(
         drafting=mode,
     )
     return venv, venv.data.spec, SB3VecEnv(venv)
+
+
+def _rate_wrapper_base() -> Any:
+    from stable_baselines3.common.vec_env import VecEnvWrapper
+
+    return VecEnvWrapper
+
+
+class _RateReward(_rate_wrapper_base()):  # type: ignore[misc]
+    """SB3 VecEnv wrapper: ``reward = committed + rate * r_cost`` over an env with ``reward="cost"``."""
+
+    def __init__(self, venv: Any, rate: float):
+        super().__init__(venv)
+        self.rate = rate
+
+    def reset(self) -> Any:
+        return self.venv.reset()
+
+    def step_wait(self) -> Any:
+        obs, reward, dones, infos = self.venv.step_wait()
+        committed = np.array([float(i.get("committed", 0.0)) for i in infos], dtype=np.float32)
+        return obs, committed + self.rate * reward, dones, infos
+
+
+def best_fixed_rate(dataset: str, kmax: int | None, cost_model: str) -> float:
+    """The best fixed k's exact pooled speedup on the train split (the default rate of the shaping)."""
+    from oracle.dp import evaluate_policy
+    from specenv.costsource import cost_model_for
+    from specenv.datasets import load_dataset
+    from specenv.replay import select_positions
+
+    ts = load_dataset(dataset)
+    arr = select_positions(ts, kmax, "train")
+    model = cost_model_for(ts, cost_model)
+    return max(evaluate_policy(arr, model, k).speedup_pooled for k in range(arr.kmax + 1))
 
 
 def _progress_callback(progress: Callable[[int, int], None], total: int) -> Any:
