@@ -1289,29 +1289,32 @@ def _vllm_args(args: list[str], have_models: bool) -> list[str]:
 
 
 def _serve_model_args(models: str | None, kmax: int | None, policy: str | None, user_args: list[str]) -> list[str]:
-    """``--model``/``--speculative-config`` of ``--models`` (checked here, before vLLM starts)."""
+    """``--model``/``--speculative-config`` of ``--models``, and the policy checked against the served model.
+
+    Both are checked here, before vLLM starts: the model set, and the policy's contract against what the
+    model folders and the speculative config say (:func:`specenv.engines.vllm.settings.policy_refusal`:
+    drafting mode, kmax = num_speculative_tokens, experts, top-k, draft signals).
+    """
     from specenv.engines.vllm import settings as vs
 
     own_spec = vs.has_flag(user_args, "--speculative-config", "-sc")
     if models is None:
         if kmax is not None:
             fail("--kmax: only with --models (without it, set num_speculative_tokens in --speculative-config)")
+        _check_served_policy(policy, _user_spec_tokens(user_args), None, None)
         return []
     if kmax is not None and own_spec:
         fail("--kmax: the --speculative-config given after -- sets num_speculative_tokens; give one of them")
     from specenv.engines.vllm.models import check_model_set, vllm_model_dirs
 
     try:
-        n_experts = _target_experts(check_model_set(models))  # nothing written before every check passed
+        n_experts, top_k = _target_routing(check_model_set(models))  # nothing written before every check passed
     except (ValueError, OSError) as exc:
         fail(f"--models: {_os_message(exc) if isinstance(exc, OSError) else exc}")
-    spec = _policy_spec(policy)
-    if spec is not None and n_experts is not None and spec.n_experts != n_experts:
-        fail(
-            f"--policy: trained for {spec.n_experts} experts, the target of --models {models} has {n_experts} "
-            "(the controller would refuse it; use a named policy such as ucb or fixed-k:k=4, or train one)"
-        )
+    folder = _policy_folder(policy)
+    spec = getattr(folder, "spec", None)
     k = kmax if kmax is not None else (spec.kmax if spec is not None else vs.DEFAULT_SPEC_TOKENS)
+    _check_served_policy(policy, _user_spec_tokens(user_args) if own_spec else k, n_experts, top_k, folder)
     try:
         dirs = vllm_model_dirs(models)
     except (ValueError, OSError) as exc:
@@ -1319,22 +1322,69 @@ def _serve_model_args(models: str | None, kmax: int | None, policy: str | None, 
     return vs.model_args(str(dirs.target), str(dirs.draft), k, user_args, dirs.name)
 
 
-def _target_experts(target: Path) -> int | None:
-    """Routed experts per MoE layer of a target folder's ``config.json`` (None for a dense model)."""
+def _target_routing(target: Path) -> tuple[int | None, int | None]:
+    """Routed experts per MoE layer and experts per token of a target folder's ``config.json`` (None: dense)."""
     from specenv.validation import read_json
 
     cfg = read_json(target / "config.json", what="model config")
-    n = cfg.get("num_experts", cfg.get("num_local_experts")) if isinstance(cfg, dict) else None
-    return n if isinstance(n, int) else None
+    if not isinstance(cfg, dict):
+        return None, None
+    n, k = cfg.get("num_experts", cfg.get("num_local_experts")), cfg.get("num_experts_per_tok")
+    return (n if isinstance(n, int) else None), (k if isinstance(k, int) else None)
 
 
-def _policy_spec(policy: str | None) -> Any:
-    """The observation spec of a policy folder (None for a registered name or no policy)."""
+def _user_spec_tokens(user_args: list[str]) -> int | None:
+    """``num_speculative_tokens`` of a ``--speculative-config`` JSON among the vLLM arguments (None if absent)."""
+    for i, a in enumerate(user_args):
+        for flag in ("--speculative-config", "-sc"):
+            if a == flag and i + 1 < len(user_args):
+                text = user_args[i + 1]
+            elif a.startswith(flag + "="):
+                text = a[len(flag) + 1 :]
+            else:
+                continue
+            try:
+                n = json.loads(text).get("num_speculative_tokens")
+            except (ValueError, AttributeError):
+                return None
+            return n if isinstance(n, int) and not isinstance(n, bool) else None
+    return None
+
+
+def _policy_folder(policy: str | None) -> Any:
+    """The policy of a policy folder (None for a registered name or no policy)."""
     from specenv.policy import registry
 
     if policy is None or not registry.is_folder(policy):
         return None
-    return getattr(registry.resolve(policy), "spec", None)
+    return registry.resolve(policy)
+
+
+def _check_served_policy(
+    policy: str | None, n_spec: int | None, n_experts: int | None, top_k: int | None, folder: Any = None
+) -> None:
+    """Exit 2 with one ``--policy`` line when the served model cannot serve the policy (before vLLM starts).
+
+    A folder's policy is checked as trained (kmax must equal ``num_speculative_tokens``); a registered
+    name is built for the served model's observation spec, as the controller will build it.
+    """
+    from specenv.engines.vllm import settings as vs
+    from specenv.observation import ObservationSpec
+    from specenv.policy import registry
+
+    if policy is None:
+        return
+    pol = folder if folder is not None else _policy_folder(policy)
+    if pol is None:
+        if n_spec is None:
+            return
+        try:
+            pol = registry.resolve(policy, ObservationSpec(kmax=max(n_spec, 1), n_experts=n_experts or 128))
+        except ValueError as exc:
+            fail(f"--policy: {exc}")
+    why = vs.policy_refusal(pol, num_spec_tokens=n_spec, n_experts=n_experts, top_k=top_k, exact_kmax=True)
+    if why is not None:
+        fail(f"--policy: {why}")
 
 
 def _serve_settings(

@@ -8,7 +8,7 @@ for one stream in Python floats), and the decoder policies read it with (:class:
 environment, its native vector form, the live environment and the vLLM controller all build their
 observations here, so a policy sees the same features everywhere.
 
-Layout of the float32 vector, version 1 (``ObservationSpec.names`` gives the names in order):
+Layout of the float32 vector, version 2 (``ObservationSpec.names`` gives the names in order):
 
 ======================  ===============================================================  =========
 name                    meaning and scaling                                              range
@@ -18,10 +18,10 @@ progress                t / max_new_tokens (tokens generated so far, clipped)   
 prev_k                  previous round's budget k / kmax (0 before the first round)      [0, 1]
 prev_accepted           previous round's accepted drafts / kmax                          [0, 1]
 prev_U                  previous round's observed U_r / n_experts                        [0, 1]
-prev_cost               previous round's cost in mean-AR-step units / (kmax + 1)         [0, 16]
+prev_cost               previous round's cost / C_AR(L) at its context, / (kmax + 1)     [0, 16]
 acc_rate                EMA of accepted/k over rounds with k >= 1 (prior 0.5)            [0, 1]
 acc_len                 EMA of accepted/kmax over rounds with k >= 1 (prior 0)           [0, 1]
-cost_per_token          EMA of round cost per committed token, AR units (prior 1)        [0, 16]
+cost_per_token          EMA of round cost / C_AR(L) per committed token (prior 1)        [0, 16]
 first_round             1 on a generation's first round, else 0                          [0, 1]
 acc_depth_1..kmax       EMA of the conditional acceptance at draft depth j, updated      [0, 1]
                         on rounds that reached depth j (k >= j, accepted >= j-1);
@@ -29,22 +29,33 @@ acc_depth_1..kmax       EMA of the conditional acceptance at draft depth j, upda
 conf_1..h               the draft's confidence q_{t,j} of its next h tokens (only when   [0, 1]
                         lookahead h > 0; in drafting mode block, drafting max(k, h)
                         tokens is then charged)
+ent_1..h                only with signal "ent": entropy (nats) of the draft's            [0, 16]
+                        distribution at each of those tokens
+margin_1..h             only with signal "margin": top-1 minus top-2 probability of      [0, 1]
+                        that distribution
 draft_conf              per-token environment only (``per_token``): the confidence q of  [0, 1]
                         the draft just drafted in this round (0 before the first)
 drafted                 per-token only: drafts drafted so far in this round / kmax       [0, 1]
 draft_conf_prod         per-token only: product of this round's drafted confidences      [0, 1]
                         (1 before the first; an estimate of P(all accepted))
+draft_ent               per-token with signal "ent": entropy of the draft just drafted   [0, 16]
+draft_margin            per-token with signal "margin": its top-1/top-2 margin           [0, 1]
 ======================  ===============================================================  =========
 
-The three per-token features (:data:`TOKEN_FEATURES`) extend version 1 without changing it: a spec
-with ``per_token=False`` (every round-level environment) has exactly the version-1 names and JSON,
-and ``per_token`` appears in the JSON only when set. They are the observation of
-``specenv/MoESpecSeq-v0`` (:mod:`specenv.envs.sequential`), where each step is one draft decision.
+The per-token features (:data:`TOKEN_FEATURES`, plus ``draft_ent``/``draft_margin`` for those
+signals) appear only with ``per_token=True`` (and ``per_token`` in the JSON only when set): the
+observation of ``specenv/MoESpecSeq-v0`` (:mod:`specenv.envs.sequential`), where each step is one
+draft decision. The draft signals (``signals``, an ordered subset of :data:`SIGNALS`; default
+``("q",)``) say which per-token draft statistics the lookahead and per-token blocks carry; the trace
+schema v2 columns ``q_j``, ``ent_j``, ``margin_j`` fill them.
 
-Every EMA keeps weight 0.8 on its old value. The "mean-AR-step units" of ``prev_cost`` and
-``cost_per_token`` are the round's cost divided by the mean autoregressive step cost of the replayed
-split (``prev_cost_norm = "mean_ar_step_of_split"`` in the contract); the caller of
-:meth:`ObservationState.update` does that division.
+Every EMA keeps weight 0.8 on its old value. ``prev_cost`` and ``cost_per_token`` are in units of the
+plain autoregressive step at the round's own context, ``C(k, U_r, L) / C_AR(L)``
+(``prev_cost_norm = "ar_step_at_context"``): what a server knows at that moment, computed the same
+way by the replay environments (from the cost model), the live environment and the vLLM controller.
+Version 1 divided by the mean AR step of the replayed split, which a server cannot know; a version-1
+policy is refused with one line (retrain it). The caller of :meth:`ObservationState.update` does the
+division.
 
 Nothing of the current round's acceptance or routing, nor the generation's length N, nor any
 future position enters the vector.
@@ -65,7 +76,7 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-OBSERVATION_VERSION = 1
+OBSERVATION_VERSION = 2
 """Version of the observation contract (features and their meaning); bumped on any change."""
 
 CONTEXT_SCALE = 4096.0
@@ -73,8 +84,12 @@ EMA = 0.8  # weight of the old value in every running statistic
 PRIOR_RATE = 0.5
 CONTEXT_HIGH = 64.0  # Box bound of ``context``
 COST_HIGH = 16.0  # Box bound of ``prev_cost`` and ``cost_per_token``
-PREV_COST_NORM = "mean_ar_step_of_split"
+ENT_HIGH = 16.0  # Box bound of the entropy features (nats)
+PREV_COST_NORM = "ar_step_at_context"
 PREV_COST_NORMS = (PREV_COST_NORM,)
+SIGNALS = ("q", "ent", "margin")
+"""Per-token draft signals the lookahead and per-token blocks can carry, in layout order."""
+_SIGNAL_PREFIX = {"q": "conf", "ent": "ent", "margin": "margin"}
 """Known normalisations of the round cost (``prev_cost``, ``cost_per_token``)."""
 
 BASE_FEATURES = (
@@ -116,20 +131,47 @@ _JSON_KEYS = (
     "ema",
     "prior_rate",
     "prev_cost_norm",
+    "signals",
     "low",
     "high",
     "per_token",
 )
 
 
-def feature_names(kmax: int, lookahead: int, per_token: bool = False) -> list[str]:
-    """The version-1 feature names for budgets up to kmax, h = lookahead confidences, and the per-token ones."""
+def feature_names(kmax: int, lookahead: int, per_token: bool = False, signals: tuple[str, ...] = ("q",)) -> list[str]:
+    """The feature names for budgets up to kmax, h = lookahead draft signals, and the per-token ones."""
     return (
         list(BASE_FEATURES)
         + [f"acc_depth_{j}" for j in range(1, kmax + 1)]
-        + [f"conf_{j}" for j in range(1, lookahead + 1)]
-        + (list(TOKEN_FEATURES) if per_token else [])
+        + [f"{_SIGNAL_PREFIX[sig]}_{j}" for sig in signals for j in range(1, lookahead + 1)]
+        + (token_feature_names(signals) if per_token else [])
     )
+
+
+def token_feature_names(signals: tuple[str, ...] = ("q",)) -> list[str]:
+    """The per-token features: :data:`TOKEN_FEATURES`, then ``draft_ent``/``draft_margin`` for those signals."""
+    return list(TOKEN_FEATURES) + [f"draft_{sig}" for sig in signals if sig != "q"]
+
+
+def check_signals(signals: Any) -> tuple[str, ...]:
+    """The draft signals as a tuple in layout order.
+
+    Args:
+        signals: A sequence of names from :data:`SIGNALS` (or one name), which must include ``"q"``.
+
+    Raises:
+        ValueError: One line naming the bad value.
+    """
+    if isinstance(signals, str):
+        signals = (signals,)
+    try:
+        names = tuple(signals)
+    except TypeError:
+        raise ValueError(f"signals={signals!r}: expected names from {SIGNALS}") from None
+    bad = [s for s in names if s not in SIGNALS]
+    if bad or len(set(names)) != len(names) or "q" not in names:
+        raise ValueError(f"signals={signals!r}: expected distinct names from {SIGNALS}, including 'q'")
+    return tuple(s for s in SIGNALS if s in names)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -154,6 +196,8 @@ class ObservationSpec:
             :data:`PREV_COST_NORMS`).
         per_token: Append the per-token features :data:`TOKEN_FEATURES` (the observation of the
             per-token environment ``specenv/MoESpecSeq-v0``).
+        signals: Draft signals of the lookahead and per-token blocks (ordered subset of
+            :data:`SIGNALS` with ``"q"``).
     """
 
     kmax: int
@@ -168,22 +212,32 @@ class ObservationSpec:
     cost_high: float = COST_HIGH
     prev_cost_norm: str = PREV_COST_NORM
     per_token: bool = False
+    signals: tuple[str, ...] = ("q",)
 
     def __post_init__(self) -> None:
         if self.version != OBSERVATION_VERSION:
-            raise ValueError(f"version {self.version} != {OBSERVATION_VERSION} (this code builds version 1 only)")
+            raise ValueError(
+                f"observation contract version {self.version} != {OBSERVATION_VERSION} "
+                f"(this code builds version {OBSERVATION_VERSION} only)"
+            )
         if self.prev_cost_norm not in PREV_COST_NORMS:
             raise ValueError(f"prev_cost_norm={self.prev_cost_norm!r}: expected one of {PREV_COST_NORMS}")
+        object.__setattr__(self, "signals", check_signals(self.signals))
 
     @property
     def names(self) -> list[str]:
         """Feature names in vector order."""
-        return feature_names(self.kmax, self.lookahead, self.per_token)
+        return feature_names(self.kmax, self.lookahead, self.per_token, self.signals)
+
+    @property
+    def n_token_features(self) -> int:
+        """Number of per-token features (0 unless ``per_token``)."""
+        return len(token_feature_names(self.signals)) if self.per_token else 0
 
     @property
     def dim(self) -> int:
         """Length of the vector."""
-        return len(BASE_FEATURES) + self.kmax + self.lookahead + (len(TOKEN_FEATURES) if self.per_token else 0)
+        return len(BASE_FEATURES) + self.kmax + self.lookahead * len(self.signals) + self.n_token_features
 
     def index(self, name: str) -> int:
         """Position of a named feature.
@@ -204,6 +258,9 @@ class ObservationSpec:
         hi[self.index("context")] = self.context_high
         hi[self.index("prev_cost")] = self.cost_high
         hi[self.index("cost_per_token")] = self.cost_high
+        for name in self.names:
+            if name.startswith("ent_") or name == "draft_ent":
+                hi[self.index(name)] = ENT_HIGH
         return hi
 
     def space(self) -> spaces.Box:
@@ -229,6 +286,7 @@ class ObservationSpec:
             "ema": self.ema,
             "prior_rate": self.prior_rate,
             "prev_cost_norm": self.prev_cost_norm,
+            "signals": list(self.signals),
             "low": 0.0,
             "high": [float(x) for x in self.high()],
         } | extra
@@ -249,11 +307,18 @@ class ObservationSpec:
         if d.get("per_token", True) is False:  # written out explicitly: the same as absent
             del d["per_token"]
         if d.get("version") != OBSERVATION_VERSION:
-            raise ValueError(f"version {d.get('version')!r} != {OBSERVATION_VERSION} (this code reads version 1)")
+            old = " (version 1 divided prev_cost by the split's mean AR step; retrain the policy)"
+            raise ValueError(
+                f"version {d.get('version')!r} != {OBSERVATION_VERSION}" + (old if d.get("version") == 1 else "")
+            )
         try:
             kw: dict[str, Any] = {k: int(d[k]) for k in ("kmax", "lookahead", "max_new_tokens", "n_experts")}
             kw |= {k: float(d[k]) for k in ("context_scale", "ema", "prior_rate")}
             kw["prev_cost_norm"] = str(d["prev_cost_norm"])
+            sig = d["signals"]
+            if not isinstance(sig, list) or not all(isinstance(x, str) for x in sig):
+                raise ValueError(f"signals={sig!r}: expected a list of names")
+            kw["signals"] = check_signals(sig)
             if d.get("per_token", False) is not False:
                 if d["per_token"] is not True:
                     raise ValueError(f"per_token={d['per_token']!r}: must be true or false")
@@ -432,8 +497,9 @@ class ObservationState:
         self._c_cpt = idx("cost_per_token")
         self._c_first = idx("first_round")
         self._c_depth = _block(spec, tuple(f"acc_depth_{j}" for j in range(1, km + 1)))
-        self._c_conf = _block(spec, tuple(f"conf_{j}" for j in range(1, spec.lookahead + 1)))
-        self._c_token = _block(spec, TOKEN_FEATURES if spec.per_token else ())
+        self._c_conf = _lookahead_block(spec)
+        self._c_token = _block(spec, tuple(token_feature_names(spec.signals)) if spec.per_token else ())
+        self._token_scale = np.array([1.0, km, 1.0] + [1.0] * (spec.n_token_features - 3 if spec.per_token else 0))
 
     def _set_tables(self, k_top: int) -> None:
         self._K = k_top + 1
@@ -514,10 +580,11 @@ class ObservationState:
         Args:
             L: Context lengths L_t.
             t: Tokens generated so far.
-            conf: (n, lookahead) draft confidences of the next drafts (required iff lookahead > 0).
-            token: (n, 3) per-token features ``[q of the draft just drafted, drafted so far, product of
-                the round's drafted q]``, unscaled (required iff ``spec.per_token``); ``drafted`` is
-                divided by kmax here.
+            conf: (n, lookahead * len(signals)) draft signals of the next drafts, one block of h
+                columns per signal in ``spec.signals`` order (required iff lookahead > 0).
+            token: (n, 3 + extra) per-token features ``[q of the draft just drafted, drafted so far,
+                product of the round's drafted q, then its entropy / margin for those signals]``,
+                unscaled (required iff ``spec.per_token``); ``drafted`` is divided by kmax here.
         """
         s = self.spec
         E = self._E
@@ -537,7 +604,7 @@ class ObservationState:
             if token is None:
                 raise ValueError("token is required when spec.per_token")
             token = np.asarray(token, dtype=np.float64)
-            obs[:, self._c_token] = token / np.array([1.0, s.kmax, 1.0])
+            obs[:, self._c_token] = token / self._token_scale
         np.minimum(obs, self._hi_row, out=obs)  # == np.clip(obs, 0, hi): no NaN can occur
         np.maximum(obs, 0.0, out=obs)
         return obs
@@ -560,6 +627,12 @@ class ObservationState:
         new.cost_per_token[:m] = self.cost_per_token[:m]
         new.first[:m] = self.first[:m]
         return new
+
+
+def _lookahead_block(spec: ObservationSpec) -> slice:
+    """The slice of the whole lookahead block (every signal's h columns)."""
+    h = spec.lookahead
+    return _block(spec, tuple(f"{_SIGNAL_PREFIX[sig]}_{j}" for sig in spec.signals for j in range(1, h + 1)))
 
 
 def _block(spec: ObservationSpec, names: tuple[str, ...]) -> slice:
@@ -652,8 +725,9 @@ class ScalarObservation:
     ) -> np.ndarray:
         """The float32 observation at context ``L`` after ``t`` generated tokens.
 
-        ``conf`` iff lookahead; ``token = (q of the draft just drafted, drafted so far, product of the
-        round's drafted q)`` iff ``spec.per_token`` (see :meth:`ObservationState.build`).
+        ``conf`` (h per signal, in ``spec.signals`` order) iff lookahead; ``token = (q of the draft
+        just drafted, drafted so far, product of the round's drafted q, then its entropy / margin for
+        those signals)`` iff ``spec.per_token`` (see :meth:`ObservationState.build`).
         """
         s = self.spec
         kmax = self.kmax
@@ -677,7 +751,7 @@ class ScalarObservation:
         if conf is not None:
             vals.extend(conf)
         if token is not None:
-            vals.extend((token[0], token[1] / kmax, token[2]))
+            vals.extend((token[0], token[1] / kmax, token[2], *token[3:]))
         return np.array(vals, dtype=np.float32)
 
 
@@ -706,8 +780,14 @@ class ObsView:
         self.i_cost_per_token = idx("cost_per_token")
         self.i_first_round = idx("first_round")
         self.depth_slice = _block(spec, tuple(f"acc_depth_{j}" for j in range(1, spec.kmax + 1)))
-        self.conf_slice = _block(spec, tuple(f"conf_{j}" for j in range(1, spec.lookahead + 1)))
-        self.token_slice = _block(spec, TOKEN_FEATURES if spec.per_token else ())
+        h = spec.lookahead
+        self.lookahead_slice = _lookahead_block(spec)
+        self.conf_slice = _block(spec, tuple(f"conf_{j}" for j in range(1, h + 1)))
+        self.ent_slice = _block(spec, tuple(f"ent_{j}" for j in range(1, h + 1)) if "ent" in spec.signals else ())
+        self.margin_slice = _block(
+            spec, tuple(f"margin_{j}" for j in range(1, h + 1)) if "margin" in spec.signals else ()
+        )
+        self.token_slice = _block(spec, tuple(token_feature_names(spec.signals)) if spec.per_token else ())
 
     def raw(self, obs: np.ndarray, name: str) -> float:
         """The scaled value of a named feature, as stored in the vector."""
@@ -734,7 +814,7 @@ class ObsView:
         return float(obs[self.i_prev_U]) * self.spec.n_experts
 
     def prev_cost(self, obs: np.ndarray) -> float:
-        """Previous round's cost in the units of ``spec.prev_cost_norm`` (mean AR steps)."""
+        """Previous round's cost in the units of ``spec.prev_cost_norm`` (AR steps at its context)."""
         return float(obs[self.i_prev_cost]) * (self.spec.kmax + 1)
 
     def acc_rate(self, obs: np.ndarray) -> float:
@@ -760,6 +840,22 @@ class ObsView:
     def conf(self, obs: np.ndarray) -> np.ndarray:
         """Draft confidences of the next ``lookahead`` drafts (empty without lookahead)."""
         return np.asarray(obs[self.conf_slice], dtype=np.float64)
+
+    def ent(self, obs: np.ndarray) -> np.ndarray:
+        """Draft entropies (nats) of the next ``lookahead`` drafts (empty without signal ``"ent"``)."""
+        return np.asarray(obs[self.ent_slice], dtype=np.float64)
+
+    def margin(self, obs: np.ndarray) -> np.ndarray:
+        """Top-1/top-2 margins of the next ``lookahead`` drafts (empty without signal ``"margin"``)."""
+        return np.asarray(obs[self.margin_slice], dtype=np.float64)
+
+    def draft_ent(self, obs: np.ndarray) -> float:
+        """Per-token observation with signal ``"ent"``: entropy of the draft just drafted (0 before the first)."""
+        return float(obs[self.spec.index("draft_ent")])
+
+    def draft_margin(self, obs: np.ndarray) -> float:
+        """Per-token observation with signal ``"margin"``: margin of the draft just drafted (0 before the first)."""
+        return float(obs[self.spec.index("draft_margin")])
 
     def draft_conf(self, obs: np.ndarray) -> float:
         """Per-token observation: confidence of the draft just drafted (0 before the first)."""

@@ -25,7 +25,7 @@ from specenv.costmodel import CostModel, charged_lookahead, check_drafting
 from specenv.costsource import cost_model_for
 from specenv.datasets import DEFAULT_DATASET, load_dataset
 from specenv.io import json_digest, sha256_file
-from specenv.observation import ObservationSpec
+from specenv.observation import ObservationSpec, check_signals
 from specenv.splits import check_split, select_split
 from specenv.traceset import PositionArrays, TraceSet
 
@@ -130,9 +130,12 @@ class ReplayData:
             C(t, k) with the draft term T_D(max(k, h)) in mode ``"block"``, T_D(k) in modes ``"none"``
             and ``"sequential"``.
         U: (n, kmax+1) unique experts U_{t,k}.
-        conf: (n, h) draft confidences q_{t,1..h}.
+        conf: (n, h * len(signals)) draft signals of the next h drafts, one block of h columns per
+            signal in ``signals`` order (q_{t,1..h}, then entropy, then margin).
         ar_ms: (n,) plain autoregressive step cost C(t, 0) (no lookahead charge).
         ar_unit_ms: Mean of ``ar_ms`` over the split: the reward unit.
+        ar_ctx_ms: (n,) ``CostModel.ar_ms(L_t)``, the AR step at the position's context with U = top_k:
+            the unit of the observation's ``prev_cost`` (what a server can compute at that moment).
         ar_total_ms: (G,) AR cost of each generation, sum_t C(t, 0).
         max_len: Longest generation of the split.
     """
@@ -155,9 +158,11 @@ class ReplayData:
     conf: np.ndarray
     ar_ms: np.ndarray
     ar_unit_ms: float
+    ar_ctx_ms: np.ndarray
     ar_total_ms: np.ndarray
     max_len: int
     drafting: str = "none"
+    signals: tuple[str, ...] = ("q",)
 
     @property
     def n_generations(self) -> int:
@@ -198,6 +203,7 @@ _READ_ONLY = (
     "U",
     "conf",
     "ar_ms",
+    "ar_ctx_ms",
     "ar_total_ms",
 )
 
@@ -209,6 +215,7 @@ def replay_data(
     cost_model: str = "fit",
     lookahead: int | None = None,
     drafting: str | None = None,
+    signals: Any = ("q",),
 ) -> ReplayData:
     """Build (or fetch from the per-process cache) the replay tables for these arguments.
 
@@ -217,16 +224,17 @@ def replay_data(
 
     Raises:
         ValueError: Naming the bad argument (``dataset``, ``kmax``, ``split``, ``cost_model``,
-            ``lookahead``, ``drafting``).
+            ``lookahead``, ``drafting``, ``signals``).
     """
     checked = _checked_arguments(dataset, kmax, split, cost_model, lookahead, drafting)
     ts, kmax, cost_model, lookahead, drafting = checked
-    key = _cache_key(ts, kmax, split, cost_model, lookahead, drafting)
+    signals = check_signals(signals)
+    key = _cache_key(ts, kmax, split, cost_model, lookahead, drafting) + (signals,)
     hit = _REPLAY_CACHE.get(key)
     if hit is not None:
         _REPLAY_CACHE.move_to_end(key)
         return hit
-    data = _build(ts, os.fspath(dataset), kmax, split, cost_model, lookahead, drafting)
+    data = _build(ts, os.fspath(dataset), kmax, split, cost_model, lookahead, drafting, signals)
     for name in _READ_ONLY:
         getattr(data, name).flags.writeable = False
     _REPLAY_CACHE[key] = data
@@ -283,11 +291,25 @@ def _charged_tables(
 
 
 def _build(
-    ts: TraceSet, dataset: str, kmax: int, split: str, cost_model: str, lookahead: int, drafting: str = "none"
+    ts: TraceSet,
+    dataset: str,
+    kmax: int,
+    split: str,
+    cost_model: str,
+    lookahead: int,
+    drafting: str = "none",
+    signals: tuple[str, ...] = ("q",),
 ) -> ReplayData:
     """Compute the tables of :class:`ReplayData` (no caching)."""
     model = cost_model_for(ts, cost_model)
     arr = select_positions(ts, kmax, split)
+    blocks = [arr.q[:, :lookahead]]
+    if signals != ("q",):
+        try:
+            ent, margin = arr.signals(f"signals={list(signals)!r}")
+        except ValueError as exc:
+            raise ValueError(f"dataset={dataset!r}: {exc}") from None
+        blocks += [x[:, :lookahead] for sig, x in (("ent", ent), ("margin", margin)) if sig in signals]
     cost, ar_ms, ar_unit = _charged_tables(model, arr, kmax, lookahead, cost_model, drafting)
     offsets = arr.offsets.astype(np.int64)
     spec = ObservationSpec(
@@ -295,6 +317,7 @@ def _build(
         lookahead=lookahead,
         max_new_tokens=int(ts.manifest.max_new_tokens),
         n_experts=int(ts.facts.n_experts),
+        signals=signals,
     )
     return ReplayData(
         dataset=dataset,
@@ -312,10 +335,12 @@ def _build(
         survival=np.concatenate([arr.survival(), np.zeros((len(arr.L), 1))], axis=1),
         cost=np.ascontiguousarray(cost),
         U=np.ascontiguousarray(arr.U),
-        conf=np.ascontiguousarray(arr.q[:, :lookahead]),
+        conf=np.ascontiguousarray(np.concatenate(blocks, axis=1)),
         ar_ms=ar_ms,
         ar_unit_ms=ar_unit,
+        ar_ctx_ms=np.ascontiguousarray(np.asarray(model.ar_ms(arr.L), dtype=np.float64)),
         ar_total_ms=np.add.reduceat(ar_ms, offsets[:-1]),
         max_len=int(np.diff(offsets).max()),
         drafting=drafting,
+        signals=signals,
     )

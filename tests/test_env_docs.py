@@ -46,12 +46,22 @@ def _table(doc: str) -> list[tuple[str, str, str]]:
     return rows
 
 
-@pytest.mark.parametrize("kmax, lookahead", [(1, 0), (4, 2), (10, 0), (8, 8)])
-def test_observation_table_names_every_feature_in_order(kmax, lookahead):
-    spec = ObservationSpec(kmax=kmax, lookahead=lookahead)
+@pytest.mark.parametrize(
+    "kmax, lookahead, signals",
+    [
+        (1, 0, ("q",)),
+        (4, 2, ("q",)),
+        (10, 0, ("q",)),
+        (8, 8, ("q",)),
+        (4, 3, ("q", "ent", "margin")),
+        (2, 2, ("q", "margin")),
+    ],
+)
+def test_observation_table_names_every_feature_in_order(kmax, lookahead, signals):
+    spec = ObservationSpec(kmax=kmax, lookahead=lookahead, signals=signals)
     rows = _table(MoESpecEnv.__doc__)
     keys = [r[0] for r in rows]
-    assert len(keys) == len(set(keys)) == 12
+    assert len(keys) == len(set(keys)) == 14
     # every feature name maps onto a row: literally, or acc_depth_j / conf_j for the indexed ones
     expanded = [re.sub(r"_\d+$", "_j", name) for name in spec.names]
     missing = [n for n, e in zip(spec.names, expanded, strict=True) if e not in keys]
@@ -59,7 +69,7 @@ def test_observation_table_names_every_feature_in_order(kmax, lookahead):
     # same order as the vector, and no stale row (conf_j only matters with lookahead)
     order = list(dict.fromkeys(expanded))
     assert order == [k for k in keys if k in order]
-    assert set(keys) - set(order) <= {"conf_j"}
+    assert set(keys) - set(order) <= {"conf_j", "ent_j", "margin_j"}
     # the range column is the Box's [0, high]
     hi = spec.high()
     for i, e in enumerate(expanded):

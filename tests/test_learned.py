@@ -64,6 +64,8 @@ def test_mlp_policy_roundtrip_and_single_vs_batch(tmp_path: Path) -> None:
 
 
 def test_mlp_policy_rejects_bad_files_with_one_line(tmp_path: Path) -> None:
+    from specenv.observation import ObservationSpec
+
     (tmp_path / "policy.json").write_text('{"format": "something-else"}')
     with pytest.raises(ValueError, match="policy.json"):
         MLPPolicy.load(tmp_path)
@@ -73,7 +75,7 @@ def test_mlp_policy_rejects_bad_files_with_one_line(tmp_path: Path) -> None:
                 "format": "specenv.policy/1",
                 "kind": "mlp",
                 "layers": 1,
-                "observation": {"kmax": 4, "lookahead": 0, "max_new_tokens": 1000, "n_experts": 128},
+                "observation": ObservationSpec(kmax=4).to_json(),
             }
         )
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import shutil
 from pathlib import Path
 
 import gymnasium as gym
@@ -298,12 +297,13 @@ def test_no_literal_observation_indices_in_the_code() -> None:
 def test_contract_json_records_version_and_every_constant() -> None:
     spec = ObservationSpec(kmax=8, lookahead=2, max_new_tokens=700, n_experts=64)
     d = json.loads(json.dumps(spec.to_json()))
-    assert OBSERVATION_VERSION == 1 and isinstance(OBSERVATION_VERSION, int)
-    assert d["version"] == 1
+    assert OBSERVATION_VERSION == 2 and isinstance(OBSERVATION_VERSION, int)
+    assert d["version"] == 2
     assert (d["kmax"], d["lookahead"], d["max_new_tokens"], d["n_experts"], d["dim"]) == (8, 2, 700, 64, 20)
     assert d["names"] == spec.names
     assert (d["context_scale"], d["ema"], d["prior_rate"]) == (4096.0, 0.8, 0.5)
-    assert d["prev_cost_norm"] == "mean_ar_step_of_split"
+    assert d["prev_cost_norm"] == "ar_step_at_context"
+    assert d["signals"] == ["q"]
     assert d["low"] == 0.0 and d["high"] == [float(x) for x in spec.space().high]
     assert d["high"][spec.index("context")] == 64.0 and d["high"][spec.index("cost_per_token")] == 16.0
     assert ObservationSpec.from_json(d) == spec
@@ -333,11 +333,12 @@ def test_mismatch_names_the_first_differing_field(change: dict, line: str) -> No
 def test_mismatch_on_dictionaries_version_norm_and_names() -> None:
     a = ObservationSpec(kmax=4)
     d = a.to_json()
-    assert a.mismatch(d | {"version": 2}) == "version 1 != 2"
+    assert a.mismatch(d | {"version": 3}) == "version 2 != 3"
     assert (
-        a.mismatch(d | {"prev_cost_norm": "ar_ms_at_context"})
-        == "prev_cost_norm 'mean_ar_step_of_split' != 'ar_ms_at_context'"
+        a.mismatch(d | {"prev_cost_norm": "mean_ar_step_of_split"})
+        == "prev_cost_norm 'ar_step_at_context' != 'mean_ar_step_of_split'"
     )
+    assert a.mismatch(d | {"signals": ["q", "ent"]}) == "signals has 1 entries != 2"
     names = list(d["names"])
     names[12] = "acc_depth_x"
     assert a.mismatch(d | {"names": names}) == "names[12] 'acc_depth_3' != 'acc_depth_x'"
@@ -347,8 +348,14 @@ def test_mismatch_on_dictionaries_version_norm_and_names() -> None:
 
 def test_from_json_rejects_what_it_cannot_build_with_one_line() -> None:
     d = ObservationSpec(kmax=4).to_json()
-    with pytest.raises(ValueError, match=r"^version 2 != 1"):
-        ObservationSpec.from_json(d | {"version": 2})
+    with pytest.raises(ValueError, match=r"^version 3 != 2$"):
+        ObservationSpec.from_json(d | {"version": 3})
+    with pytest.raises(ValueError, match=r"^version 1 != 2 \(version 1 divided .* retrain"):
+        ObservationSpec.from_json(d | {"version": 1})
+    with pytest.raises(ValueError, match=r"signals"):
+        ObservationSpec.from_json(d | {"signals": ["ent"]})
+    with pytest.raises(ValueError, match=r"signals"):
+        ObservationSpec.from_json(d | {"signals": "q"})
     with pytest.raises(ValueError, match=r"prev_cost_norm"):
         ObservationSpec.from_json(d | {"prev_cost_norm": "something"})
     with pytest.raises(ValueError, match=r"names\[3\]"):
@@ -361,13 +368,39 @@ def test_from_json_rejects_what_it_cannot_build_with_one_line() -> None:
         ObservationSpec.from_json({k: v for k, v in d.items() if k != "kmax"})
 
 
-def test_unversioned_contract_is_read_as_version_1_with_todays_constants() -> None:
+def test_unversioned_contract_is_read_as_version_1_and_refused_with_one_line() -> None:
     legacy = {"kmax": 10, "lookahead": 3, "max_new_tokens": 1000, "n_experts": 128}
     up = upgrade_contract(legacy)
-    assert up == ObservationSpec(10, 3).to_json()
-    assert ObservationSpec.from_json(legacy) == ObservationSpec(10, 3)
-    with_names = legacy | {"dim": 23, "names": ObservationSpec(10, 3).names}
-    assert ObservationSpec.from_json(with_names) == ObservationSpec(10, 3)
+    assert up["version"] == 1 and up["prev_cost_norm"] == "mean_ar_step_of_split"
+    assert up["names"] == ObservationSpec(10, 3).names and up["dim"] == 23
+    with pytest.raises(ValueError, match=r"^version 1 != 2 .*retrain the policy\)$"):
+        ObservationSpec.from_json(legacy)
+
+
+@pytest.mark.parametrize("signals", [("q", "ent"), ("q", "margin"), ("q", "ent", "margin")])
+def test_signals_extend_the_lookahead_and_per_token_blocks(signals: tuple[str, ...]) -> None:
+    spec = ObservationSpec(kmax=4, lookahead=2, signals=signals, per_token=True)
+    extra = [s for s in signals if s != "q"]
+    look = ["conf_1", "conf_2"] + [f"{s}_{j}" for s in extra for j in (1, 2)]
+    tok = ["draft_conf", "drafted", "draft_conf_prod"] + [f"draft_{s}" for s in extra]
+    assert spec.names[14:] == look + tok and spec.dim == len(spec.names)
+    assert ObservationSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    st = ObservationState(spec, 2)
+    conf = np.arange(2 * len(look), dtype=np.float64).reshape(2, -1) / 100
+    token = np.tile([0.3, 2.0, 0.2] + [0.5] * len(extra), (2, 1))
+    obs = st.build(np.array([10.0, 20.0]), np.array([0, 1]), conf, token)
+    view = ObsView(spec)
+    np.testing.assert_allclose(view.conf(obs[1]), conf[1, :2], rtol=1e-6)
+    if "ent" in signals:
+        np.testing.assert_allclose(view.ent(obs[1]), conf[1, 2:4], rtol=1e-6)
+        assert spec.high()[spec.index("ent_1")] == 16.0 and view.draft_ent(obs[0]) == 0.5
+    if "margin" in signals:
+        np.testing.assert_allclose(view.margin(obs[1]), conf[1, -2:], rtol=1e-6)
+    assert view.drafted(obs[0]) == 2
+    sc = ScalarObservation(spec)
+    np.testing.assert_array_equal(sc.build(20.0, 1, conf[1].tolist(), tuple(token[1])), obs[1])
+    with pytest.raises(ValueError, match="signals"):
+        ObservationSpec(kmax=4, signals=("ent",))
 
 
 # ------------------------------------------------------------------------------------- policies
@@ -415,81 +448,34 @@ def test_policy_with_another_stored_constant_or_version_fails(tmp_path: Path) ->
     with pytest.raises(ValueError, match=r"policy.json: observation contract differs: context_scale 2048.0 != 4096.0$"):
         MLPPolicy.load(tmp_path, expect=spec)
     meta["observation"]["context_scale"] = 4096.0
-    meta["observation"]["version"] = 2
+    meta["observation"]["version"] = 3
     pj.write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=r"policy.json: observation contract: version 2 != 1"):
+    with pytest.raises(ValueError, match=r"policy.json: observation contract: version 3 != 2"):
         MLPPolicy.load(tmp_path)
-    with pytest.raises(ValueError, match=r"policy.json: observation contract differs: version 2 != 1$"):
+    with pytest.raises(ValueError, match=r"policy.json: observation contract differs: version 3 != 2$"):
         MLPPolicy.load(tmp_path, expect=spec)
 
 
-def test_unversioned_policy_json_loads_and_acts_the_same(tmp_path: Path) -> None:
+def test_unversioned_policy_json_is_refused_with_one_line(tmp_path: Path) -> None:
     spec = ObservationSpec(kmax=5)
-    pol = _tiny_policy(spec, 4)
-    pol.save(tmp_path)
+    _tiny_policy(spec, 4).save(tmp_path)
     pj = tmp_path / "policy.json"
     meta = json.loads(pj.read_text())
     meta["observation"] = {"kmax": 5, "lookahead": 0, "max_new_tokens": 1000, "n_experts": 128}
     pj.write_text(json.dumps(meta))
-    back = MLPPolicy.load(tmp_path, expect=spec)
-    assert back.spec == spec
-    x = np.random.default_rng(5).random((40, spec.dim)).astype(np.float32)
-    np.testing.assert_array_equal(back.act_batch(x), pol.act_batch(x))
-    with pytest.raises(ValueError, match=r"observation contract differs: kmax 5 != 6$"):
-        MLPPolicy.load(tmp_path, expect=ObservationSpec(kmax=6))
-
-
-# actions of the shipped policies computed before the contract was versioned (same weights.npz):
-# act_batch on 8 uniform observations (rng 2024) and the first 40 actions of a test episode (seed 3)
-SHIPPED_ACTIONS = {
-    "imitation": (
-        [1, 6, 1, 8, 1, 1, 0, 1],
-        [4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 4, 4, 5, 4, 5, 4, 4, 5, 5, 4]
-        + [5, 5, 5, 5, 5, 4, 5, 5, 5, 4, 5, 5, 5, 5, 5, 5, 4, 5, 4, 4],
-    ),
-    "imitation-h3": (
-        [0, 1, 0, 0, 0, 0, 4, 0],
-        [4, 4, 5, 7, 1, 4, 7, 7, 4, 0, 6, 7, 7, 7, 4, 6, 7, 6, 4, 5]
-        + [7, 6, 6, 4, 5, 4, 1, 6, 7, 4, 7, 7, 4, 4, 4, 6, 7, 4, 4, 5],
-    ),
-    "ppo": ([6] * 8, [6] * 40),
-    "dqn": (
-        [0, 10, 0, 0, 3, 0, 0, 4],
-        [8, 8, 10, 8, 8, 8, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10]
-        + [8, 1, 1, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 1, 1, 4, 8, 8, 8, 8],
-    ),
-}
-
-
-@pytest.mark.parametrize("name", sorted(SHIPPED_ACTIONS))
-def test_shipped_policy_contract_and_actions_unchanged(name: str) -> None:
-    from policies.benchmark import shipped_policy_dir
-
-    folder = shipped_policy_dir() / name
-    stored = json.loads((folder / "policy.json").read_text())["observation"]
-    env = gym.make(ENV_ID, split="test", lookahead=stored["lookahead"])
-    spec = env.unwrapped.data.spec
-    assert stored == spec.to_json()  # migrated: the full contract is on disk
-    pol = MLPPolicy.load(folder, expect=spec)
-    x = np.random.default_rng(2024).random((8, spec.dim)).astype(np.float32)
-    batch, episode = SHIPPED_ACTIONS[name]
-    assert pol.act_batch(x).tolist() == batch
-    obs, _ = env.reset(seed=3)
-    ks: list[int] = []
-    done = False
-    while not done and len(ks) < 40:
-        ks.append(pol.act(obs))
-        obs, _, done, _, _ = env.step(ks[-1])
-    assert ks == episode
+    with pytest.raises(ValueError, match=r"observation contract differs: version 1 != 2 \(.*retrain the policy\)$"):
+        MLPPolicy.load(tmp_path, expect=spec)
+    with pytest.raises(ValueError, match=r"observation contract: version 1 != 2 \(.*retrain the policy\)$"):
+        MLPPolicy.load(tmp_path)
 
 
 # ------------------------------------------------------------------------------------- benchmark
 def test_benchmark_lists_every_policy_it_could_not_run(tmp_path: Path) -> None:
     import pandas as pd
 
-    from policies.benchmark import BenchResult, build_context, default_entries, markdown_table, shipped_policy_dir
+    from policies.benchmark import BenchResult, build_context, default_entries, markdown_table
 
-    shutil.copytree(shipped_policy_dir() / "ppo", tmp_path / "ppo")
+    _tiny_policy(gym.make(ENV_ID, split="test").unwrapped.data.spec).save(tmp_path / "ppo")
     _tiny_policy(ObservationSpec(kmax=8)).save(tmp_path / "dqn-kmax8")
     (tmp_path / "imitation-broken").mkdir()
     (tmp_path / "imitation-broken" / "policy.json").write_text("{not json")
@@ -528,3 +514,58 @@ def test_learned_entry_refuses_another_environment_with_the_field() -> None:
     assert make(ObservationSpec(kmax=6)) is pol
     with pytest.raises(ValueError, match=r"observation contract differs: max_new_tokens 1000 != 50"):
         make(ObservationSpec(kmax=6, max_new_tokens=50))
+
+
+# ------------------------------------------------------------------------------------- contract 2
+@pytest.mark.parametrize("kind", ["single", "vector", "sequential"])
+def test_prev_cost_is_in_ar_steps_at_the_rounds_own_context(kind: str) -> None:
+    """Offline as online: prev_cost = round cost / C_AR(L) at that round's context (not the split's mean)."""
+    if kind == "vector":
+        env = gym.make_vec(ENV_ID, num_envs=2, split="test", vectorization_mode="vector_entry_point")
+    elif kind == "sequential":
+        env = gym.make("specenv/MoESpecSeq-v0", split="test")
+    else:
+        env = gym.make(ENV_ID, split="test")
+    d = env.unwrapped.data
+    cm, view = d.cost_model, ObsView(env.unwrapped.obs_spec if kind == "sequential" else d.spec)
+    obs, _ = env.reset(seed=5)
+    seen = 0
+    for i in range(30):
+        if kind == "sequential":
+            obs, _, _, _, info = env.step(1 if i % 4 else 0)
+            if not info["verified"]:
+                continue
+        else:
+            action = np.array([3, 5]) if kind == "vector" else 4
+            obs, _, _, _, info = env.step(action)
+        row = obs[0] if kind == "vector" else obs
+        cost = float(np.atleast_1d(info["cost_ms"])[0])
+        L = float(np.atleast_1d(info["L"])[0])
+        expect = cost / float(cm.ar_ms(L))
+        assert view.prev_cost(row) == pytest.approx(expect, rel=1e-5)
+        assert abs(expect - cost / d.ar_unit_ms) > 1e-6  # the split's mean would differ
+        seen += 1
+    assert seen >= 5
+
+
+def test_signals_reach_the_round_and_per_token_envs() -> None:
+    from specenv.datasets import load_dataset
+    from specenv.replay import select_positions
+
+    arr = select_positions(load_dataset("paper-default"), None, "test")
+    sig = ("q", "ent", "margin")
+    env = gym.make(ENV_ID, split="test", lookahead=3, signals=sig)
+    obs, info = env.reset(seed=1, options={"generation_id": int(arr.generation_ids[0])})
+    view = ObsView(env.unwrapped.data.spec)
+    np.testing.assert_allclose(view.conf(obs), arr.q[0, :3], rtol=1e-6)
+    np.testing.assert_allclose(view.ent(obs), np.minimum(arr.ent[0, :3], 16.0), rtol=1e-6)
+    np.testing.assert_allclose(view.margin(obs), arr.margin[0, :3], rtol=1e-6)
+    seq = gym.make("specenv/MoESpecSeq-v0", split="test", signals=["margin", "q"])
+    sv = ObsView(seq.unwrapped.obs_spec)
+    obs, _ = seq.reset(seed=1, options={"generation_id": int(arr.generation_ids[0])})
+    for j in range(2):
+        obs, *_ = seq.step(1)
+        assert sv.draft_conf(obs) == pytest.approx(arr.q[0, j], rel=1e-6)
+        assert sv.draft_margin(obs) == pytest.approx(arr.margin[0, j], rel=1e-6)
+    with pytest.raises(ValueError, match="signals"):
+        gym.make(ENV_ID, signals=("ent",))

@@ -171,8 +171,9 @@ class MoESpecLiveEnv(RoundEnv):
         backend: Engine name, a key of :data:`specenv.engines.BACKENDS`: ``"hf"`` (default): the
             transformers engine (:class:`specenv.engines.hf.engine.LiveEngine`, ``live`` extra);
             ``"vllm"``: an in-process vLLM engine stepped one round at a time
-            (:class:`specenv.engines.vllm.live.VLLMBackend`, ``vllm`` extra; no lookahead; vLLM's
-            prefill samples the first token; the drafter proposes ``kmax`` tokens ahead of each round).
+            (:class:`specenv.engines.vllm.live.VLLMBackend`, ``vllm`` extra; lookahead shows the q of
+            the drafts vLLM proposed, captured from the draft's logits; vLLM's prefill samples the
+            first token; the drafter proposes ``kmax`` tokens ahead of each round).
         reward: ``"savings"`` (default) or ``"cost"`` (see Rewards).
         drafting: ``"none"``, ``"block"`` or ``"sequential"``, checked with ``lookahead`` by
             :func:`specenv.costmodel.check_drafting` as in the replay environment (None: block for
@@ -327,7 +328,7 @@ class MoESpecLiveEnv(RoundEnv):
         units = cost / self.ar_unit_ms
         self._ep_cost += cost
         self._round += 1
-        self._obs.update(k, r.accepted, r.U_r, units, committed)
+        self._obs.update(k, r.accepted, r.U_r, cost / float(cm.ar_ms(float(r.L))), committed)
         terminated = bool(r.done)
         info: dict[str, Any] = {
             "k": k,

@@ -86,13 +86,15 @@ class MoESpecEnv(RoundEnv):
     | prev_k | previous round's budget k / kmax (0 before the first round) | [0, 1] |
     | prev_accepted | previous round's accepted drafts / kmax | [0, 1] |
     | prev_U | previous round's unique experts U_{t,k} / n_experts | [0, 1] |
-    | prev_cost | previous round's cost in AR units (cost / ar_unit_ms) / (kmax + 1) | [0, 16] |
+    | prev_cost | previous round's cost in AR steps at its context, cost / C_AR(L_t), / (kmax + 1) | [0, 16] |
     | acc_rate | EMA (0.8) of accepted / k over rounds with k >= 1; prior 0.5 | [0, 1] |
     | acc_len | EMA of accepted / kmax over rounds with k >= 1; prior 0 | [0, 1] |
-    | cost_per_token | EMA of the round cost per committed token, in AR units; prior 1 | [0, 16] |
+    | cost_per_token | EMA of the round cost / C_AR(L_t) per committed token; prior 1 | [0, 16] |
     | first_round | 1 before a generation's first round, else 0 | [0, 1] |
     | acc_depth_j | j = 1..kmax: EMA of the acceptance at draft depth j over rounds reaching it; prior 0.5 | [0, 1] |
     | conf_j | j = 1..lookahead: the draft's confidence q_{t,j} in its j-th next token | [0, 1] |
+    | ent_j | j = 1..lookahead, only with signal ``"ent"``: the draft's entropy (nats) at its j-th token | [0, 16] |
+    | margin_j | j = 1..lookahead, only with signal ``"margin"``: its top-1 minus top-2 probability there | [0, 1] |
 
     ## Rewards
 
@@ -137,7 +139,8 @@ class MoESpecEnv(RoundEnv):
 
     ```python
     gymnasium.make("specenv/MoESpec-v0", dataset="paper-default", kmax=None, split="train",
-                   cost_model="fit", lookahead=None, render_mode=None, reward="savings", drafting=None)
+                   cost_model="fit", lookahead=None, render_mode=None, reward="savings", drafting=None,
+                   signals=("q",))
     ```
 
     Args:
@@ -156,6 +159,8 @@ class MoESpecEnv(RoundEnv):
         reward: ``"savings"`` (default) or ``"cost"`` (see Rewards).
         drafting: ``"none"``, ``"block"`` or ``"sequential"`` (:data:`specenv.costmodel.DRAFTING_MODES`;
             see Description). Default None: ``"block"`` when ``lookahead > 0``, else ``"none"``.
+        signals: Draft signals of the lookahead block, an ordered subset of ``("q", "ent", "margin")``
+            with ``"q"`` (:data:`specenv.observation.SIGNALS`); ``"ent"``/``"margin"`` need a schema-v2 set.
 
     Raises:
         ValueError: Naming the argument, for an unknown dataset or split, kmax outside 1..Kmax,
@@ -164,6 +169,11 @@ class MoESpecEnv(RoundEnv):
 
     ## Version History
 
+    * observation contract 2 (both ids): ``prev_cost`` and ``cost_per_token`` are divided by the AR
+      step at the round's own context, ``C_AR(L_t)`` (contract 1: the split's mean AR step, which a
+      server cannot know); ``signals`` adds the draft's entropy/margin. The contract carries its own
+      version (:data:`specenv.observation.OBSERVATION_VERSION`), recorded in every exported policy
+      and checked when it loads, so a policy trained on contract 1 is refused with one line.
     * v1: the default reward is ``"savings"`` (was ``"cost"``; the optimum is unchanged, see
       Rewards). Spaces, dynamics, ``info`` and the other arguments are those of v0.
       ``specenv/MoESpec-v0`` stays registered: the same class with ``reward="cost"``.
@@ -219,11 +229,12 @@ class MoESpecEnv(RoundEnv):
         render_mode: str | None = None,
         reward: str = DEFAULT_REWARD,
         drafting: str | None = None,
+        signals: Any = ("q",),
     ):
         self.render_mode = check_render_mode(render_mode)
         self._savings = check_reward(reward)
         self.reward = reward
-        self.data = replay_data(dataset, kmax, split, cost_model, lookahead, drafting)
+        self.data = replay_data(dataset, kmax, split, cost_model, lookahead, drafting, signals)
         self.kmax = self.data.kmax
         self.lookahead = self.data.lookahead
         self.drafting = self.data.drafting
@@ -236,6 +247,7 @@ class MoESpecEnv(RoundEnv):
         self._surv = self.data.survival.item
         self._cost = self.data.cost.item
         self._Ur = self.data.U.item
+        self._ar_ctx = self.data.ar_ctx_ms.item
         self._gen = -1
         self._t = 0
         self._N = 0
@@ -273,7 +285,7 @@ class MoESpecEnv(RoundEnv):
         obs_state = self._obs
         t_new = self._t
         if terminated:
-            conf = [0.0] * self.lookahead if self.lookahead else None
+            conf = [0.0] * self.data.conf.shape[1] if self.lookahead else None
         else:
             conf = self.data.conf[self._row0 + t_new].tolist() if self.lookahead else None
         if self.render_mode is not None:
@@ -324,7 +336,7 @@ def play_round(env: Any, k: int) -> tuple[dict[str, Any], int, int, int, float, 
     env._t = t_new
     env._round += 1
     env._ep_cost += cost
-    env._obs.update(k, a, U_r, units, committed)
+    env._obs.update(k, a, U_r, cost / env._ar_ctx(row), committed)
     terminated = t_new >= env._N
     info = {
         "k": k,

@@ -107,6 +107,8 @@ class MoESpecSeqEnv(RoundEnv):
         render_mode: None, ``"ansi"`` (the last step as one line) or ``"rgb_array"`` (a bar strip of
             the recent rounds' k and accepted).
         reward: ``"savings"`` (default) or ``"cost"``.
+        signals: Draft signals shown per drafted token (``("q",)`` default; ``"ent"``/``"margin"`` add
+            ``draft_ent``/``draft_margin``, from a schema-v2 set).
 
     Raises:
         ValueError: Naming the argument, as for the replay environment.
@@ -145,12 +147,13 @@ class MoESpecSeqEnv(RoundEnv):
         cost_model: str = "fit",
         render_mode: str | None = None,
         reward: str = DEFAULT_REWARD,
+        signals: Any = ("q",),
     ):
         self.render_mode = check_render_mode(render_mode)
         self._savings = check_reward(reward)
         self.reward = reward
         # the replay environment's sequential tables: T_D(k) charged, the confidences of kmax drafts
-        self.data = d = replay_data(dataset, kmax, split, cost_model, None, "sequential")
+        self.data = d = replay_data(dataset, kmax, split, cost_model, None, "sequential", signals)
         self.kmax = d.kmax
         self.drafting = d.drafting
         self.ar_unit_ms = d.ar_unit_ms
@@ -162,13 +165,17 @@ class MoESpecSeqEnv(RoundEnv):
         self._surv = d.survival.item
         self._cost = d.cost.item
         self._Ur = d.U.item
+        self._ar_ctx = d.ar_ctx_ms.item
         self._conf = d.conf.item
+        self._conf_width = d.conf.shape[1]
+        self._extra = len(d.signals) - 1  # entropy / margin columns after q's block
         self._done = True
         self._line = ""
         self._strip = RoundStrip(self.kmax) if render_mode == "rgb_array" else None
         self._n = 0
         self._q = 0.0
         self._prod = 1.0
+        self._sig: tuple[float, ...] = (0.0,) * self._extra
 
     # ------------------------------------------------------------------ episode
     def reset(
@@ -188,9 +195,10 @@ class MoESpecSeqEnv(RoundEnv):
         self._n = 0
         self._q = 0.0
         self._prod = 1.0
+        self._sig = (0.0,) * self._extra
 
     def _build(self) -> np.ndarray:
-        return self._obs.build(self._L0 + self._t, self._t, None, (self._q, self._n, self._prod))
+        return self._obs.build(self._L0 + self._t, self._t, None, (self._q, self._n, self._prod, *self._sig))
 
     def _check_action(self, action: Any) -> int:
         """The action as 0 or 1.
@@ -218,8 +226,11 @@ class MoESpecSeqEnv(RoundEnv):
         """
         if self._check_action(action) == DRAFT:
             n = self._n + 1
-            q = self._conf((self._row0 + self._t) * self.kmax + n - 1)
+            base = (self._row0 + self._t) * self._conf_width + n - 1
+            q = self._conf(base)
             self._n, self._q = n, q
+            if self._extra:
+                self._sig = tuple(self._conf(base + self.kmax * (i + 1)) for i in range(self._extra))
             self._prod *= q
             if n < self.kmax:
                 if self.render_mode == "ansi":

@@ -95,7 +95,7 @@ class MoESpecVectorEnv(VectorEnv):
     ```python
     gymnasium.make_vec("specenv/MoESpec-v1", num_envs=256, dataset="paper-default", kmax=None,
                        split="train", cost_model="fit", lookahead=None, render_mode=None, reward="savings",
-                       drafting=None)
+                       drafting=None, signals=("q",))
     ```
 
     Args:
@@ -109,12 +109,16 @@ class MoESpecVectorEnv(VectorEnv):
             last round) or ``"rgb_array"`` (one ``(64, 128, 3)`` uint8 image per sub-environment).
         reward: ``"savings"`` (default) or ``"cost"``.
         drafting: As for the single environment (``"none"``, ``"block"`` or ``"sequential"``).
+        signals: As for the single environment.
 
     Raises:
         ValueError: Naming the argument, as for the single environment, or ``num_envs`` < 1.
 
     ## Version History
 
+    * observation contract 2 (both ids; :data:`specenv.observation.OBSERVATION_VERSION`): ``prev_cost``
+      and ``cost_per_token`` in AR steps at the round's own context; optional ``signals``. The contract
+      has its own version, recorded in every exported policy and checked when it loads.
     * v1: the default reward is ``"savings"`` (was ``"cost"``; same optimum). ``specenv/MoESpec-v0``
       stays registered with ``reward="cost"``, for ``make_vec`` too.
     * v0: initial version (bit-identical to ``num_envs`` single environments; ``reward`` and
@@ -150,6 +154,7 @@ class MoESpecVectorEnv(VectorEnv):
         render_mode: str | None = None,
         reward: str = DEFAULT_REWARD,
         drafting: str | None = None,
+        signals: Any = ("q",),
     ):
         if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
             raise ValueError(f"num_envs={num_envs!r}: must be an integer >= 1")
@@ -157,7 +162,7 @@ class MoESpecVectorEnv(VectorEnv):
         self._savings = check_reward(reward)
         self.reward = reward
         self.num_envs = n = int(num_envs)
-        self.data = d = replay_data(dataset, kmax, split, cost_model, lookahead, drafting)
+        self.data = d = replay_data(dataset, kmax, split, cost_model, lookahead, drafting, signals)
         self.kmax = d.kmax
         self.lookahead = d.lookahead
         self.drafting = d.drafting
@@ -341,7 +346,7 @@ class MoESpecVectorEnv(VectorEnv):
         self._t = t_new
         self._round += 1
         self._ep_cost += cost
-        self._obs_state.update(k, a, U_r, units, committed)
+        self._obs_state.update(k, a, U_r, cost / self.data.ar_ctx_ms.take(rows), committed)
         reward = -units
         if self._savings:
             reward += committed

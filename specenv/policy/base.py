@@ -16,7 +16,7 @@ import numpy as np
 
 from specenv.observation import ObservationSpec, ObsView
 
-__all__ = ["ObsView", "Policy", "PolicyProtocol"]
+__all__ = ["ObsView", "Policy", "PolicyProtocol", "policy_drafting", "policy_signals"]
 
 
 @runtime_checkable
@@ -82,3 +82,39 @@ class Policy:
             clone._reset_state()
             self._streams.append(clone)
         return np.array([s.act(o) for s, o in zip(self._streams, obs, strict=False)], dtype=np.int64)
+
+
+def policy_signals(policy: object) -> tuple[str, ...]:
+    """The draft signals a policy's lookahead block reads, in layout order (``()`` without lookahead).
+
+    From its spec's ``signals`` (observation contract version 2); a spec without that field reads
+    the confidences q only.
+    """
+    spec = getattr(policy, "spec", None)
+    if not isinstance(spec, ObservationSpec) or not spec.lookahead:
+        return ()
+    return tuple(getattr(spec, "signals", ("q",)))
+
+
+def policy_drafting(policy: object) -> str:
+    """The drafting mode a policy uses (:data:`specenv.costmodel.DRAFTING_MODES`).
+
+    A ``drafting`` attribute of the policy wins, then ``meta["drafting"]`` of an exported policy
+    (``policy.json``); otherwise the lookahead decides as everywhere else: ``"block"`` for h > 0,
+    ``"none"`` for h = 0 (:func:`specenv.costmodel.drafting_mode`).
+
+    Raises:
+        ValueError: If the declared mode is not a drafting mode.
+    """
+    from specenv.costmodel import DRAFTING_MODES, drafting_mode
+
+    mode = getattr(policy, "drafting", None)
+    if mode is None:
+        meta = getattr(policy, "meta", None)
+        mode = meta.get("drafting") if isinstance(meta, dict) else None
+    if mode is None:
+        spec = getattr(policy, "spec", None)
+        return drafting_mode(spec.lookahead if isinstance(spec, ObservationSpec) else 0)
+    if mode not in DRAFTING_MODES:
+        raise ValueError(f"drafting mode {mode!r}: expected one of {', '.join(DRAFTING_MODES)}")
+    return str(mode)

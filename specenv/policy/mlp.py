@@ -159,6 +159,8 @@ class MLPPolicy(Policy):
         if expect is not None:
             bad = mismatch_json(stored, expect.to_json())
             if bad is not None:
+                if stored.get("version") == 1:
+                    bad += " (version 1 divided prev_cost by the split's mean AR step; retrain the policy)"
                 raise ValueError(f"{pj}: observation contract differs: {bad}")
         try:
             spec = ObservationSpec.from_json(stored)

@@ -65,7 +65,8 @@ def test_serve_records_and_sigkill_leaves_only_complete_parts(model_dirs, plain_
     # the served model's experts: the controller refuses a policy trained for another model
     cfg = json.loads((Path(model_dirs.target) / "config.json").read_text())
     n_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-    spec = ObservationSpec(kmax=KMAX, max_new_tokens=MAX_TOKENS, n_experts=n_experts)
+    # a block-mode policy (lookahead 2): the draft signals reach it through the worker's shared memory
+    spec = ObservationSpec(kmax=KMAX, lookahead=2, max_new_tokens=MAX_TOKENS, n_experts=n_experts)
     rng = np.random.default_rng(2)
     pol = MLPPolicy(
         spec,
@@ -177,5 +178,6 @@ def test_serve_records_and_sigkill_leaves_only_complete_parts(model_dirs, plain_
         assert table.num_rows == idx["rows"]
         validate_rounds(table, ts.facts, KMAX, file=part)
     assert len(ts.rounds) == st["rows"] and ts.rounds["K"].nunique() >= 2
+    assert not ts.rounds["fallback"].any()  # every round's policy saw its draft signals
     back = TraceSet.load(ts.save(tmp_path / "traces"))
     assert len(back.rounds) == st["rows"]

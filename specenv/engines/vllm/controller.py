@@ -22,6 +22,15 @@ and ``shutdown`` to close the recording):
   accepted, U_r and cost, running acceptance statistics), asks the policy for k, and trims the
   request's draft list to k before handing it to the base class. The next ``schedule()`` then
   schedules exactly ``1 + k`` tokens for the request (``num_tokens_with_spec`` counts the drafts).
+  A policy with a lookahead block (drafting mode ``block``, h > 0) also sees the draft signals of
+  the first h of these drafts (q, and the entropy / top-1-top-2 margin its spec names), captured by
+  the tap from the draft model's logits (:mod:`specenv.engines.vllm.tap`); the drafter proposes
+  ``num_speculative_tokens >= h`` tokens for the whole batch and each request is trimmed to its own
+  k. A request whose signals are missing gets ``fallback_k`` (``stats["no_signals"]``).
+  Drafting mode ``sequential`` is refused at start: vLLM 0.32's drafter runs a fixed loop of
+  ``num_speculative_tokens`` steps for the batch, with no per-token stop hook. Mode ``none``
+  (lookahead 0) is served at any batch size, per request; its round pays ``T_D(k)`` only at batch 1
+  with ``draft_horizon="policy"`` (otherwise the drafter drafts for the batch, as in block mode).
 * ``schedule`` (only with ``draft_horizon="policy"``): sets the step's
   ``num_spec_tokens_to_schedule`` (vLLM's dynamic speculative-decoding field, which the drafter
   reads) to what the policy would ask for if all drafts in flight were accepted, so the drafter
@@ -59,8 +68,10 @@ from typing import Any
 
 import numpy as np
 
+from specenv.costmodel import drafted_tokens
 from specenv.engines.base import span_expert_stats, u_prior
 from specenv.engines.vllm.settings import SpecenvSettings, resolve_policy
+from specenv.engines.vllm.tap import SIGNAL_FIELDS
 from specenv.observation import ObservationSpec, ObservationState
 
 try:  # the class body needs the base class; importing this module requires vllm
@@ -189,6 +200,7 @@ class _Req:
     td_cpu_ms: float = 0.0
     last_U: dict[int, float] = field(default_factory=dict)
     full_drafts: list[int] = field(default_factory=list)
+    signals: np.ndarray | None = None  # (drafts, 3) q, entropy, margin of full_drafts (when captured)
     last: dict[str, Any] | None = None
 
 
@@ -263,6 +275,7 @@ class SpecControlScheduler(Scheduler):
             "decisions": 0,
             "fallbacks": 0,
             "capped": 0,
+            "no_signals": 0,
             "policy_ms": 0.0,
             "overhead_ms": 0.0,
             "errors": [],
@@ -281,6 +294,7 @@ class SpecControlScheduler(Scheduler):
 
             self.cost_model = CostModel.load(self.settings.cost_model)
         self.policy: Any = None
+        self._signal_cols: list[int] | None = None  # columns of the tap's signals a lookahead policy reads
         self.spec = self._default_spec()
         self._slots = _ObsSlots(self.spec)
         self._stateless = True
@@ -318,24 +332,39 @@ class SpecControlScheduler(Scheduler):
     def set_policy(self, policy: Any) -> None:
         """Install a policy object (or None to stop controlling); per-request copies are dropped.
 
+        A policy with a lookahead block (drafting mode ``block``) gets the draft signals its spec
+        names (``q``, and with observation contract v2 ``ent``/``margin``) of the first h of the
+        drafts vLLM proposed, captured by the tap from the draft's logits; it then trims them to its k.
+
         Raises:
-            ValueError: If the policy needs draft confidences (lookahead > 0), which the scheduler
-                does not see, has no ``act`` method, or is a trained policy whose observation contract
-                counts another number of experts than the served model.
+            ValueError: One line (:func:`specenv.engines.vllm.settings.policy_refusal`): a policy in
+                drafting mode ``sequential``, one that reads draft signals the server cannot supply
+                (no tap, no draft-model logits, non-greedy drafting, an unknown signal) or a block of
+                more than ``num_speculative_tokens`` drafts, a trained policy whose observation
+                contract counts another number of experts (or top-k) than the served model; or a
+                policy without an ``act`` method.
         """
         if policy is None:
             self.policy, self.spec, self._stateless = None, self._default_spec(), True
+            self._signal_cols = None
+            self._want_signals(False)
             self._reset_slots()
             return
         if not hasattr(policy, "act"):
             raise ValueError(f"policy {policy!r} has no act() method")
+        from specenv.engines.vllm.settings import policy_refusal
+
+        why = policy_refusal(
+            policy,
+            num_spec_tokens=int(self.num_spec_tokens),
+            n_experts=self.n_experts or None,
+            top_k=self.top_k or None,
+            no_signals=self._no_signals(),
+        )
+        if why is not None:
+            raise ValueError(why)
         spec = getattr(policy, "spec", None)
         if isinstance(spec, ObservationSpec):
-            if spec.lookahead:
-                raise ValueError(
-                    f"policy {getattr(policy, 'name', policy)!r} reads {spec.lookahead} draft "
-                    "confidences (lookahead); the vLLM controller cannot provide them"
-                )
             if self.settings.max_new_tokens:
                 spec = replace(spec, max_new_tokens=int(self.settings.max_new_tokens))
         else:
@@ -346,17 +375,37 @@ class SpecControlScheduler(Scheduler):
                 spec.kmax,
                 self.num_spec_tokens,
             )
+        from specenv.policy.base import policy_signals
         from specenv.policy.mlp import MLPPolicy
 
-        if isinstance(policy, MLPPolicy) and self.n_experts and spec.n_experts != self.n_experts:
-            raise ValueError(
-                f"policy {policy.name!r}: observation contract differs from the server's: "
-                f"{spec.mismatch(replace(spec, n_experts=self.n_experts))}"
-            )
         self.policy = policy
         self.spec = spec
         self._stateless = isinstance(policy, MLPPolicy) or bool(getattr(policy, "stateless", False))
+        self._signal_cols = [SIGNAL_FIELDS.index(sig) for sig in policy_signals(policy)] if spec.lookahead else None
+        self._want_signals(bool(spec.lookahead))
         self._reset_slots()
+
+    def _want_signals(self, on: bool) -> None:
+        """Ask the tap to capture the draft signals (only a lookahead policy needs them: they cost a softmax)."""
+        if self.tap is not None and self.tap.has_signals:
+            self.tap.want_signals(on)
+
+    def _no_signals(self) -> str | None:
+        """Why the draft signals are not available to a policy (None when they are)."""
+        if self.tap is None:
+            return "the routing tap is not bound (start vLLM with --load-format specenv)"
+        if not self.tap.has_signals:
+            sc = self.vllm_config.speculative_config
+            method = getattr(sc, "method", None) if sc is not None else None
+            return f"the draft model's logits are not captured (speculative method {method}; draft_model captures them)"
+        sc = self.vllm_config.speculative_config
+        sample = getattr(sc, "draft_sample_method", "greedy")
+        if sample != "greedy":
+            return (
+                f"draft_sample_method={sample!r}: the captured q is the top-1 token's, the drafted token only "
+                "under greedy drafting"
+            )
+        return None
 
     def _reset_slots(self) -> None:
         """Fresh observation statistics for the (possibly new) layout; per-request policies dropped."""
@@ -426,8 +475,16 @@ class SpecControlScheduler(Scheduler):
             self.recorder.flush()
 
     def summary(self) -> dict[str, Any]:
-        """Counters as plain JSON."""
-        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.stats.items()}
+        """Counters as plain JSON.
+
+        With the draft-signal capture bound, also its cost: ``capture_ms`` (the worker's time in the
+        tap's ``compute_logits`` wrapper) and ``captured_steps`` (draft steps captured).
+        """
+        out = {k: (list(v) if isinstance(v, list) else v) for k, v in self.stats.items()}
+        if self.tap is not None and self.tap.has_signals:
+            out["capture_ms"] = self.tap.capture_ms
+            out["captured_steps"] = self.tap.captured_steps
+        return out
 
     def _provenance(self) -> dict[str, Any]:
         import vllm
@@ -521,7 +578,13 @@ class SpecControlScheduler(Scheduler):
         return out
 
     def _horizon(self, out: Any) -> int:
-        """Largest k the policy would pick next if every draft now in flight is accepted."""
+        """Largest k the policy would pick next if every draft now in flight is accepted.
+
+        A policy with a lookahead block needs the signals of drafts not made yet: the drafter then
+        proposes ``num_speculative_tokens`` (block drafting, >= h).
+        """
+        if self.spec.lookahead:
+            return int(self.num_spec_tokens)
         first, cont, owners_f, owners_c = [], [], [], []
         for req_id in out.num_scheduled_tokens:
             request = self.requests.get(req_id)
@@ -738,7 +801,9 @@ class SpecControlScheduler(Scheduler):
         cm = self.cost_model
         if cm is not None:
             k = min(K, cm.kmax)
-            return float(cm.round_ms(k, U, L) / cm.ar_ms(L))
+            # block drafting (a lookahead policy) drafts max(k, h): charged as the replay env charges it
+            drafted = drafted_tokens(k, min(self.spec.lookahead, cm.kmax))
+            return float(cm.charged_ms(k, U, L, drafted=drafted) / cm.ar_ms(L))
         if K == 0:
             self._ar_ema = t_ms if self._ar_ema is None else 0.8 * self._ar_ema + 0.2 * t_ms
         self._min_tt = t_ms if self._min_tt is None else min(self._min_tt, t_ms)
@@ -754,6 +819,12 @@ class SpecControlScheduler(Scheduler):
             if st is not None:
                 st.full_drafts = list(drafts)
                 st.drafted = len(drafts)
+                st.signals = None
+        if self.tap is not None and self.tap.has_signals:
+            try:
+                self._capture_signals(list(draft_token_ids.req_ids), [list(d) for d in draft_token_ids.draft_token_ids])
+            except Exception as exc:  # never fail a step: the lookahead then falls back
+                self._error(exc)
         if self.policy is None:
             self.stats["overhead_ms"] += (time.perf_counter() - t0) * 1e3
             super().update_draft_token_ids(draft_token_ids)
@@ -768,22 +839,53 @@ class SpecControlScheduler(Scheduler):
         self.stats["overhead_ms"] += (time.perf_counter() - t0) * 1e3
         super().update_draft_token_ids(trimmed)
 
+    def _capture_signals(self, req_ids: list[str], drafts: list[list[int]]) -> None:
+        """Give every known request the draft signals of its new drafts (``_Req.signals``; None if absent).
+
+        The tap's rows follow the drafter's batch (the order of ``req_ids``); a row is taken only when
+        its captured top-1 ids equal the drafts vLLM handed over (the check that rows and requests
+        line up, and that the drafted token is the one whose q was captured).
+        """
+        sig = self.tap.draft_signals() if self.tap is not None else None
+        steps, rows = (0, 0) if sig is None else sig.shape[:2]
+        for j, (req_id, d) in enumerate(zip(req_ids, drafts, strict=False)):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            n = min(len(d), steps)
+            good = sig is not None and j < rows and bool(np.array_equal(sig[:n, j, 3].astype(np.int64), d[:n]))
+            st.signals = sig[:n, j, :3].copy() if good else None
+
     def _decide(self, dti: Any) -> Any:
         req_ids = list(dti.req_ids)
         drafts = [list(d) for d in dti.draft_token_ids]
+        h = self.spec.lookahead
         live: list[int] = []
-        slots, Ls, ts = [], [], []
+        slots, Ls, ts, confs = [], [], [], []
         for j, req_id in enumerate(req_ids):
             request = self.requests.get(req_id)
             if request is None or request.is_finished() or request.is_prefill_chunk:
                 continue
+            st = self._state(req_id)
+            if h:
+                if st.signals is None or len(st.signals) < h:  # no confidences: fallback k, the policy is not asked
+                    self.stats["no_signals"] += 1
+                    st.fallback, st.policy_k, st.drafted = True, self.fallback_k, len(drafts[j])
+                    st.capped = self.fallback_k > len(drafts[j])
+                    drafts[j] = drafts[j][: self.fallback_k]
+                    continue
+                # one block of h columns per signal, in the spec's order: (h * len(signals),)
+                confs.append(st.signals[:h, self._signal_cols].T.reshape(-1))
             live.append(j)
-            slots.append(self._state(req_id).slot)
+            slots.append(st.slot)
             Ls.append(request.num_tokens)
             ts.append(request.num_output_tokens)
         if not live:
             return DraftTokenIds(req_ids, drafts)
-        obs = self._slots.subset(slots).build(np.asarray(Ls, dtype=np.float64), np.asarray(ts, dtype=np.float64))
+        conf = np.asarray(confs, dtype=np.float64) if h else None
+        obs = self._slots.subset(slots).build(
+            np.asarray(Ls, dtype=np.float64), np.asarray(ts, dtype=np.float64), conf=conf
+        )
         t0 = time.perf_counter()
         ks: list[Any] = [None] * len(live)
         if self._stateless:
@@ -847,7 +949,14 @@ class SpecControlScheduler(Scheduler):
         st = self._reqs.get(req_id)
         if st is None:
             return None
-        return {"generation_id": st.gid, "rounds": st.rounds, "last": st.last, "drafted": st.drafted}
+        return {
+            "generation_id": st.gid,
+            "rounds": st.rounds,
+            "last": st.last,
+            "drafted": st.drafted,
+            "drafts": list(st.full_drafts),
+            "signals": None if st.signals is None else st.signals.copy(),
+        }
 
     def _valid(self, k: Any) -> tuple[int, bool]:
         """An integer k in 0..kmax (numpy integers and integral numpy floats accepted)."""

@@ -21,7 +21,10 @@ Differences to the transformers engine, documented for users of the live environ
 * vLLM's drafter works one step ahead with a fixed length: the drafts of round n+1 are proposed in
   the step of round n, ``num_speculative_tokens = kmax`` of them, before k is known. ``T_D_ms`` of a
   round is the measured time of that drafting (kmax tokens, whatever k is chosen);
-* no lookahead: the draft's confidences are not visible to the scheduler.
+* lookahead (``BackendConfig.lookahead = h``, block drafting): :meth:`propose` returns the q of the
+  drafts already proposed for the next round, captured by the routing tap from the draft model's
+  logits (:mod:`specenv.engines.vllm.tap`; entropies and margins in :attr:`draft_entropy`,
+  :attr:`draft_margin`); proposing costs nothing more, since vLLM drafted ``kmax`` tokens anyway.
 """
 
 from __future__ import annotations
@@ -116,6 +119,9 @@ class VLLMBackend:
             raise RuntimeError("the routing tap was not bound (load_format 'specenv' not registered?)")
         self.controller.round_callback = self._on_round
         self._n = 0
+        #: Confidences shown before each round (0: none; :func:`make` sets it from ``BackendConfig.lookahead``).
+        self.lookahead = 0
+        self._signals: Any = None  # (drafts, 3) q, entropy, margin of the next round's drafts (after propose)
         self._req: str | None = None  # engine-internal request id (the controller's key)
         self._ext: str | None = None  # the id given to add_request
         self._prompt: list[int] = []
@@ -179,12 +185,49 @@ class VLLMBackend:
         self._seed = int(seed)
 
     def propose(self, n: int) -> list[float]:
-        """Not available: the scheduler does not see the draft's confidences.
+        """The draft probabilities q of the first ``n`` drafts vLLM proposed for the next round.
+
+        The drafts exist already (vLLM drafts ``kmax`` tokens in the previous step); their signals come
+        from the tap's capture of the draft's logits, switched on by ``lookahead > 0``.
 
         Raises:
-            NotImplementedError: Always.
+            ValueError: If n is outside 0..kmax.
+            RuntimeError: If no generation is running, or the backend was built without lookahead
+                (the signals of these drafts were not captured).
         """
-        raise NotImplementedError("the vLLM backend has no lookahead (draft confidences are not visible)")
+        if not 0 <= n <= self.kmax:
+            raise ValueError(f"propose({n}): outside 0..kmax={self.kmax}")
+        if self._done:
+            raise RuntimeError("propose() called with no generation running; call start()")
+        st = self.controller.request_state(self._req)
+        sig = None if st is None else st["signals"]
+        if sig is None or len(sig) < n:
+            raise RuntimeError(
+                "no draft signals for the next round: build the backend with lookahead > 0 "
+                "(BackendConfig.lookahead) so that the tap captures them"
+            )
+        self._signals = sig
+        return [float(x) for x in sig[:n, 0]]
+
+    @property
+    def draft_q(self) -> list[float]:
+        """Draft probabilities q of the next round's drafts (after :meth:`propose`)."""
+        return [] if self._signals is None else [float(x) for x in self._signals[:, 0]]
+
+    @property
+    def draft_entropy(self) -> list[float]:
+        """Entropy (nats) of the draft's distribution at each of the next round's drafts (after :meth:`propose`)."""
+        return [] if self._signals is None else [float(x) for x in self._signals[:, 1]]
+
+    @property
+    def draft_margin(self) -> list[float]:
+        """Top-1 minus top-2 probability of the draft's distribution at each draft (after :meth:`propose`)."""
+        return [] if self._signals is None else [float(x) for x in self._signals[:, 2]]
+
+    def _capture(self) -> None:
+        """Keep the tap's signal capture on while this backend shows confidences (the controller may reset it)."""
+        if self.lookahead and self.controller.tap is not None:
+            self.controller.tap.want_signals(True)
 
     def _on_round(self, req_id: str, outcome: dict[str, Any]) -> None:
         if req_id == self._req:
@@ -233,6 +276,8 @@ class VLLMBackend:
             ignore_eos=not self.stop_at_eos,
             seed=self._seed if self.temperature > 0 else None,
         )
+        self._signals = None
+        self._capture()
         self._req = self.engine.add_request(self._ext, {"prompt_token_ids": ids}, sp)
         self._done = False
         while not self._tokens and not self._done:
@@ -251,6 +296,8 @@ class VLLMBackend:
         if not 0 <= k <= self.kmax:
             raise ValueError(f"k={k}: outside 0..{self.kmax}")
         self.controller.apply_k(self._req, k)
+        self._signals = None
+        self._capture()
         n_before = len(self._tokens)
         L, t = self.L, self.t
         self._last = None
@@ -338,10 +385,15 @@ def make(models: str | os.PathLike[str], config: BackendConfig) -> VLLMBackend:
     ``config.threads`` does not apply (vLLM sets its own).
 
     Raises:
-        ValueError: For ``lookahead > 0``: the scheduler never sees the draft's confidences.
+        ValueError: For ``lookahead`` outside 0..kmax, or when the draft's signals are not captured.
     """
-    if config.lookahead:
-        raise ValueError(f"lookahead={config.lookahead}: the vllm backend cannot show draft confidences")
-    return VLLMBackend.shared(
+    if not 0 <= config.lookahead <= config.kmax:
+        raise ValueError(f"lookahead={config.lookahead}: must be in 0..kmax={config.kmax}")
+    be = VLLMBackend.shared(
         models, kmax=config.kmax, max_new_tokens=int(config.max_new_tokens), temperature=config.temperature
     )
+    if config.lookahead:
+        if not be.controller.tap.has_signals:
+            raise ValueError(f"lookahead={config.lookahead}: the draft model's logits are not captured")
+        be.lookahead = max(be.lookahead, int(config.lookahead))
+    return be

@@ -197,6 +197,81 @@ def shutdown_args(settings: SpecenvSettings, vllm_args: list[str]) -> list[str]:
     return ["--shutdown-timeout", str(RECORD_SHUTDOWN_TIMEOUT_S)]
 
 
+#: Draft signals the controller supplies to a policy's lookahead block (captured by the tap from the
+#: draft's logits: :mod:`specenv.engines.vllm.tap`).
+SERVED_SIGNALS = ("q", "ent", "margin")
+
+
+def policy_refusal(
+    policy: Any,
+    *,
+    num_spec_tokens: int | None,
+    n_experts: int | None = None,
+    top_k: int | None = None,
+    no_signals: str | None = None,
+    exact_kmax: bool = False,
+) -> str | None:
+    """Why this vLLM server cannot serve a policy, as one line; None when it can.
+
+    The one check of a policy against a served model, run by the controller at start (with what the
+    engine reports) and by ``specenv serve`` before vLLM starts (with what the model folders say):
+
+    * drafting mode (:func:`specenv.policy.base.policy_drafting`): ``sequential`` is refused: vLLM
+      0.32's drafter runs a fixed loop of ``num_speculative_tokens`` draft steps for the whole batch,
+      with no per-token stop. ``block`` (lookahead h > 0) and ``none`` are served;
+    * a lookahead block needs the captured draft signals (``no_signals`` says why they are absent),
+      only the signals of :data:`SERVED_SIGNALS`, and a drafter that proposes at least h tokens
+      (``num_speculative_tokens >= h``);
+    * a trained policy (numpy export) must count the served model's experts, and its top-k when its
+      metadata records one (``meta["top_k"]`` or ``meta["model"]["top_k"]``);
+    * with ``exact_kmax`` its kmax must equal ``num_speculative_tokens`` (``specenv serve``; the
+      controller itself caps larger k and warns).
+    """
+    from specenv.observation import ObservationSpec
+    from specenv.policy.base import policy_drafting, policy_signals
+    from specenv.policy.mlp import MLPPolicy
+
+    name = repr(getattr(policy, "name", type(policy).__name__))
+    try:
+        mode = policy_drafting(policy)
+    except ValueError as exc:
+        return f"policy {name}: {exc}"
+    if mode == "sequential":
+        return (
+            f"policy {name} drafts sequentially (stops after any draft); vLLM's drafter runs a fixed loop of "
+            "num_speculative_tokens draft steps for the whole batch with no per-token stop, so the vLLM "
+            "controller serves drafting modes block and none only"
+        )
+    spec = getattr(policy, "spec", None)
+    if not isinstance(spec, ObservationSpec):
+        return None
+    meta = getattr(policy, "meta", None)
+    if isinstance(policy, MLPPolicy):
+        if n_experts and spec.n_experts != n_experts:
+            return f"policy {name}: trained for {spec.n_experts} experts, the served target has {n_experts}"
+        rec = meta.get("top_k", (meta.get("model") or {}).get("top_k")) if isinstance(meta, dict) else None
+        if top_k and isinstance(rec, int) and rec != top_k:
+            return f"policy {name}: trained for top-{rec} routing, the served target routes top-{top_k}"
+    if exact_kmax and num_spec_tokens is not None and spec.kmax != num_spec_tokens:
+        return f"policy {name}: kmax {spec.kmax} != the server's num_speculative_tokens {num_spec_tokens}"
+    h = spec.lookahead
+    if h:
+        if no_signals:
+            return f"policy {name} reads {h} draft confidences (lookahead) the server cannot supply: {no_signals}"
+        other = [s for s in policy_signals(policy) if s not in SERVED_SIGNALS]
+        if other:
+            return (
+                f"policy {name} reads draft signal {other[0]!r}, which the server cannot supply "
+                f"(it supplies {', '.join(SERVED_SIGNALS)})"
+            )
+        if num_spec_tokens is not None and h > num_spec_tokens:
+            return (
+                f"policy {name} reads a block of {h} drafts, the drafter proposes num_speculative_tokens="
+                f"{num_spec_tokens} (need >= {h})"
+            )
+    return None
+
+
 def register_policy(name: str, policy: Any) -> str:
     """Make an in-process policy object available under ``name`` (:func:`specenv.policy.registry.register`).
 

@@ -14,15 +14,26 @@ entry point :func:`register`) loads the weights exactly as the default loader do
   that stamp ``time.perf_counter()`` (after a device synchronisation on accelerators), giving the
   target's verification time and the draft's proposal time of each step. Under CUDA graphs the
   top-level module's hooks do not fire on replay; the recorder then reports the step's wall time as
-  ``T_T_ms`` and ``T_D_ms = 0`` (schema v1: "timing missing").
+  ``T_T_ms`` and ``T_D_ms = 0`` (schema v1: "timing missing");
+* on the **draft** model: a wrapper around its ``compute_logits`` (called by vLLM's proposer once per
+  draft step on the ``(batch, vocab)`` logits of the tokens it is about to draft, outside any CUDA
+  graph) that writes, per request and draft step, the softmax probability of the top-1 token (the
+  drafted token q under vLLM's default greedy drafting, ``draft_sample_method="greedy"``), the
+  entropy in nats, the top-1 minus top-2 probability and the top-1 token id into a preallocated
+  ``(num_speculative_tokens, max_num_seqs, 4)`` float32 buffer (:data:`SIGNAL_FIELDS`), while the
+  scheduler asks for them (a policy with a lookahead block: about 0.1 ms per draft step on this CPU
+  with the shipped models, so it is off otherwise). The scheduler reads it after the step
+  (:meth:`RoutingTap.draft_signals`) and checks the token ids against the drafts it receives.
+  This is how draft confidences reach the controller: in vLLM 0.32 the draft's probabilities
+  otherwise stay inside the worker (and exist only for probabilistic drafting).
 
 Where the scheduler finds the tap (:func:`current_tap`):
 
 * same process (vLLM's single-process executor ``distributed_executor_backend="uni"``, e.g. the
   in-process engine with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or one GPU): the tap object itself;
 * worker processes (``"mp"``, which vLLM forces on CPU when the engine core runs in its own process,
-  e.g. ``vllm serve``): on a CPU worker the routing buffer and the clocks live in a POSIX shared-memory
-  segment named after the engine-core process (``specenv-tap-<pid>``), which the scheduler attaches
+  e.g. ``vllm serve``): on a CPU worker the routing buffer, the draft signals and the clocks live in a
+  POSIX shared-memory segment named after the engine-core process (``specenv-tap-<pid>``), which the scheduler attaches
   to. The worker writes it during ``execute_model``; with synchronous scheduling the scheduler reads
   it only after that call has returned. (An accelerator worker in another process is not supported:
   its buffer is device memory; use ``--distributed-executor-backend uni``.)
@@ -41,8 +52,21 @@ import numpy as np
 #: The load format name the recorder uses (``--load-format specenv``).
 LOAD_FORMAT = "specenv"
 _MAGIC = 7101.0
-_HEADER = 16  # float64 slots: magic, n_layers, capacity, top_k, n_experts, target clock x5, draft clock x5, has_draft
+_HEADER = 24  # float64 slots, see _H_* below
 _OFFSET = _HEADER * 8
+# header slots: 0 magic, 1 n_layers, 2 capacity, 3 top_k, 4 n_experts, 5-9 target clock, 10-14 draft clock,
+# 15 has_draft, then the draft-signal capture:
+_H_SIG_STEPS = 16  # draft steps per engine step the signal buffer holds (num_speculative_tokens)
+_H_SIG_ROWS = 17  # requests per draft step it holds (max_num_seqs)
+_H_SIG_CALLS = 18  # draft steps captured in the current engine step
+_H_SIG_N = 19  # rows of the last captured draft step
+_H_HAS_SIG = 20  # 1 once the draft's compute_logits is wrapped
+_H_SIG_MS = 21  # total wall ms spent in the capture (all steps; on an accelerator: launch time)
+_H_SIG_TOTAL = 22  # total draft steps captured
+_H_SIG_WANT = 23  # 1 while a consumer (the controller's lookahead policy) wants the signals captured
+#: Per drafted token: q (softmax probability of the top-1 token, the drafted one under greedy drafting),
+#: entropy (nats), top-1 minus top-2 probability, top-1 token id.
+SIGNAL_FIELDS = ("q", "ent", "margin", "token")
 
 #: Taps of the models loaded in this process, newest last (normally one target per engine).
 TAPS: list[RoutingTap] = []
@@ -120,6 +144,8 @@ class RoutingTap:
         target_clock: Timing of the target's forward passes.
         draft_clock: Timing of the draft model's forward passes.
         header: The float64 header (shared when ``shm`` is set).
+        sig: ``(sig_steps, sig_rows, 4)`` float32 tensor (worker side) or array (attached side): the
+            draft signals (:data:`SIGNAL_FIELDS`) of each draft step of the current engine step.
         shm: The shared-memory segment (None when the tap is process-local only).
     """
 
@@ -131,6 +157,7 @@ class RoutingTap:
     target_clock: PhaseClock
     draft_clock: PhaseClock
     header: np.ndarray
+    sig: Any = None
     shm: Any = None
     handles: list[Any] = field(default_factory=list)
 
@@ -139,10 +166,51 @@ class RoutingTap:
         """Whether a draft model's hooks are bound."""
         return bool(self.header[15])
 
+    @property
+    def has_signals(self) -> bool:
+        """Whether the draft's logits are captured (draft confidences available to the scheduler)."""
+        return bool(self.header[_H_HAS_SIG]) and self.sig is not None
+
+    @property
+    def sig_steps(self) -> int:
+        """Draft steps per engine step the signal buffer holds (the engine's ``num_speculative_tokens``)."""
+        return int(self.header[_H_SIG_STEPS])
+
+    @property
+    def capture_ms(self) -> float:
+        """Wall time spent in the signal capture so far (ms, all steps; on an accelerator the launch time only)."""
+        return float(self.header[_H_SIG_MS])
+
+    @property
+    def captured_steps(self) -> int:
+        """Draft steps captured so far."""
+        return int(self.header[_H_SIG_TOTAL])
+
+    def want_signals(self, on: bool) -> None:
+        """Switch the capture on or off (off by default: it costs a softmax over the vocabulary per draft step)."""
+        self.header[_H_SIG_WANT] = 1.0 if on else 0.0
+
     def reset_step(self) -> None:
-        """Clear both clocks (called by the controller when a step is scheduled)."""
+        """Clear both clocks and the step's draft signals (called by the controller when a step is scheduled)."""
         self.target_clock.reset()
         self.draft_clock.reset()
+        self.header[_H_SIG_CALLS] = 0.0
+        self.header[_H_SIG_N] = 0.0
+
+    def draft_signals(self) -> np.ndarray | None:
+        """``(draft steps, requests, 4)`` float32 copy of the current step's draft signals, or None.
+
+        Row j of axis 1 is the j-th request of the drafter's batch (vLLM's input-batch order, the
+        order of ``DraftTokenIds.req_ids``); the last axis is :data:`SIGNAL_FIELDS`. None when no draft
+        step was captured since :meth:`reset_step`.
+        """
+        if not self.has_signals:
+            return None
+        calls, n = int(self.header[_H_SIG_CALLS]), int(self.header[_H_SIG_N])
+        if calls <= 0 or n <= 0:
+            return None
+        b = self.sig[:calls, :n]
+        return b.cpu().numpy().copy() if hasattr(b, "cpu") else np.array(b)
 
     def routing(self, n_tokens: int) -> np.ndarray:
         """``(n_layers, n_tokens, top_k)`` int32 copy of the last forward's routing."""
@@ -150,14 +218,22 @@ class RoutingTap:
         return b.cpu().numpy().copy() if hasattr(b, "cpu") else np.array(b)
 
 
-def _layout(n_layers: int, capacity: int, top_k: int) -> int:
-    return _OFFSET + 4 * n_layers * capacity * top_k
+def _layout(n_layers: int, capacity: int, top_k: int, sig_steps: int = 0, sig_rows: int = 0) -> int:
+    return _OFFSET + 4 * n_layers * capacity * top_k + 4 * sig_steps * sig_rows * len(SIGNAL_FIELDS)
 
 
-def _views(buffer: Any, n_layers: int, capacity: int, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+def _views(
+    buffer: Any, n_layers: int, capacity: int, top_k: int, sig_steps: int = 0, sig_rows: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     header = np.ndarray((_HEADER,), dtype=np.float64, buffer=buffer)
     routing = np.ndarray((n_layers, capacity, top_k), dtype=np.int32, buffer=buffer, offset=_OFFSET)
-    return header, routing
+    sig = np.ndarray(
+        (sig_steps, sig_rows, len(SIGNAL_FIELDS)),
+        dtype=np.float32,
+        buffer=buffer,
+        offset=_OFFSET + 4 * n_layers * capacity * top_k,
+    )
+    return header, routing, sig
 
 
 def _routers(model: Any) -> list[Any]:
@@ -196,6 +272,9 @@ def bind_target(model: Any, vllm_config: Any) -> RoutingTap | None:
     n_experts = int(routers[0].global_num_experts)
     n_layers = len(routers)
     capacity = int(vllm_config.scheduler_config.max_num_batched_tokens) + 64
+    spec = vllm_config.speculative_config
+    sig_steps = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+    sig_rows = int(vllm_config.scheduler_config.max_num_seqs) if sig_steps else 0
     device = next(model.parameters()).device
     shm = None
     if vllm_config.parallel_config.distributed_executor_backend == "mp" and device.type == "cpu":
@@ -206,14 +285,18 @@ def bind_target(model: Any, vllm_config: Any) -> RoutingTap | None:
             shared_memory.SharedMemory(name=name).unlink()  # left over by a killed run with the same pid
         except FileNotFoundError:
             pass
-        shm = shared_memory.SharedMemory(name=name, create=True, size=_layout(n_layers, capacity, top_k))
-        header, routing = _views(shm.buf, n_layers, capacity, top_k)
+        size = _layout(n_layers, capacity, top_k, sig_steps, sig_rows)
+        shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        header, routing, sig_np = _views(shm.buf, n_layers, capacity, top_k, sig_steps, sig_rows)
         header[:] = 0.0
         buf = torch.from_numpy(routing)
+        sig = torch.from_numpy(sig_np)
     else:
         header = np.zeros(_HEADER)
         buf = torch.zeros((n_layers, capacity, top_k), dtype=torch.int32, device=device)
+        sig = torch.zeros((sig_steps, sig_rows, len(SIGNAL_FIELDS)), dtype=torch.float32, device=device)
     header[:5] = (_MAGIC, n_layers, capacity, top_k, n_experts)
+    header[_H_SIG_STEPS], header[_H_SIG_ROWS] = sig_steps, sig_rows
 
     def make_capture(layer: int):
         row = buf[layer]
@@ -235,6 +318,7 @@ def bind_target(model: Any, vllm_config: Any) -> RoutingTap | None:
         target_clock=PhaseClock(header[5:10], sync),
         draft_clock=PhaseClock(header[10:15], sync),
         header=header,
+        sig=sig,
         shm=shm,
     )
     tap.handles += [
@@ -246,7 +330,7 @@ def bind_target(model: Any, vllm_config: Any) -> RoutingTap | None:
 
 
 def bind_draft(model: Any) -> None:
-    """Attach the draft timing hooks to the newest tap's draft clock."""
+    """Attach the draft timing hooks to the newest tap's draft clock, and the signal capture (:func:`bind_signals`)."""
     if not TAPS:
         return
     tap = TAPS[-1]
@@ -256,6 +340,60 @@ def bind_draft(model: Any) -> None:
         model.register_forward_hook(tap.draft_clock.post),
     ]
     tap.header[15] = 1.0
+    bind_signals(model, tap)
+
+
+def bind_signals(model: Any, tap: RoutingTap) -> bool:
+    """Wrap the draft model's ``compute_logits`` so that each draft step's signals land in ``tap.sig``.
+
+    vLLM's proposer calls ``compute_logits`` once per draft step on the ``(batch, vocab)`` logits of the
+    token each request drafts next (the drafter's batch order). The wrapper computes, in float32 on the
+    model's device, the softmax's top-1 probability, entropy (nats), top-1 minus top-2 probability and
+    top-1 id, and copies them into row ``calls`` of the buffer (no allocation in the buffer, no host
+    sync on accelerators); a call beyond the buffer (more draft steps or requests than it holds, e.g.
+    a warm-up pass) is not captured, nor is any while no consumer wants the signals
+    (:meth:`RoutingTap.want_signals`, set by the controller for a lookahead policy). Its wall time is
+    summed in the header (:attr:`RoutingTap.capture_ms`).
+
+    Returns:
+        Whether the capture is bound (False when the model has no ``compute_logits`` or the engine
+        does not speculate).
+    """
+    import torch
+
+    orig = getattr(model, "compute_logits", None)
+    if orig is None or tap.sig is None or tap.sig_steps == 0:
+        return False
+    header, sig = tap.header, tap.sig
+    steps, rows = int(sig.shape[0]), int(sig.shape[1])
+
+    def compute_logits(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+        logits = orig(hidden_states, *args, **kwargs)
+        if not header[_H_SIG_WANT]:
+            return logits
+        j = int(header[_H_SIG_CALLS])
+        if logits is None or logits.dim() != 2 or j >= steps or logits.shape[0] > rows:
+            return logits
+        t0 = time.perf_counter()
+        n = int(logits.shape[0])
+        with torch.no_grad():
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            p = logp.exp()
+            top = torch.topk(p, 2, dim=-1)
+            out = sig[j, :n]
+            out[:, 0] = top.values[:, 0]
+            out[:, 1] = torch.special.entr(p).sum(dim=-1)
+            out[:, 2] = top.values[:, 0] - top.values[:, 1]
+            out[:, 3] = top.indices[:, 0].float()
+        header[_H_SIG_CALLS] = j + 1
+        header[_H_SIG_N] = n
+        header[_H_SIG_TOTAL] += 1
+        header[_H_SIG_MS] += (time.perf_counter() - t0) * 1e3
+        return logits
+
+    model.compute_logits = compute_logits
+    header[_H_HAS_SIG] = 1.0
+    return True
 
 
 def attach(owner_pid: int | None = None) -> RoutingTap | None:
@@ -277,7 +415,8 @@ def attach(owner_pid: int | None = None) -> RoutingTap | None:
         shm.close()
         return None
     n_layers, capacity, top_k, n_experts = (int(x) for x in head[1:5])
-    header, routing = _views(shm.buf, n_layers, capacity, top_k)
+    sig_steps, sig_rows = int(head[_H_SIG_STEPS]), int(head[_H_SIG_ROWS])
+    header, routing, sig = _views(shm.buf, n_layers, capacity, top_k, sig_steps, sig_rows)
     return RoutingTap(
         buf=routing,
         n_layers=n_layers,
@@ -287,6 +426,7 @@ def attach(owner_pid: int | None = None) -> RoutingTap | None:
         target_clock=PhaseClock(header[5:10]),
         draft_clock=PhaseClock(header[10:15]),
         header=header,
+        sig=sig,
         shm=shm,
     )
 
