@@ -84,6 +84,7 @@ class Entry:
         exact_k: A fixed budget: evaluated exactly by the oracle, not by Monte Carlo.
         learned: A trained policy.
         drafting: The drafting mode that charges its rounds (None: ``"block"`` for h > 0, else ``"none"``).
+        signals: Draft signals of its lookahead block (``("q",)``, or with ``"ent"``/``"margin"``).
     """
 
     name: str
@@ -93,6 +94,7 @@ class Entry:
     exact_k: int | None = None
     learned: bool = False
     drafting: str | None = None
+    signals: tuple[str, ...] = ("q",)
 
     @property
     def mode(self) -> str:
@@ -217,21 +219,36 @@ def default_entries(ctx: Context) -> list[Entry]:
         for name, folder in found.items():
             try:  # the benchmark's contract, with the lookahead the policy reads
                 stored = MLPPolicy.load(folder).spec
+                sig = {"signals": stored.signals}
                 if stored.per_token:  # a stop rule of the per-token env: runs in sequential mode
-                    pol: Policy = load_stop_rule(folder, expect=replace(ctx.spec, lookahead=ctx.kmax))
+                    pol: Policy = load_stop_rule(folder, expect=replace(ctx.spec, lookahead=ctx.kmax, **sig))
                 else:
-                    pol = MLPPolicy.load(folder, expect=replace(ctx.spec, lookahead=stored.lookahead))
+                    pol = MLPPolicy.load(folder, expect=replace(ctx.spec, lookahead=stored.lookahead, **sig))
             except ValueError as exc:  # listed with the reason, never dropped silently
                 _skip(ctx, name, folder, str(exc))
                 continue
             if stored.per_token:
                 entries.append(
-                    Entry(f"{name} (learned)", _learned(pol), lookahead=ctx.kmax, learned=True, drafting="sequential")
+                    Entry(
+                        f"{name} (learned)",
+                        _learned(pol),
+                        lookahead=ctx.kmax,
+                        learned=True,
+                        drafting="sequential",
+                        signals=stored.signals,
+                    )
                 )
                 continue
             h = pol.spec.lookahead  # trained in the replay env with lookahead h: block drafting
             entries.append(
-                Entry(f"{name} (learned)", _learned(pol), lookahead=h, learned=True, drafting=drafting_mode(h))
+                Entry(
+                    f"{name} (learned)",
+                    _learned(pol),
+                    lookahead=h,
+                    learned=True,
+                    drafting=drafting_mode(h),
+                    signals=stored.signals if h else ("q",),
+                )
             )
     return entries
 
@@ -279,7 +296,7 @@ def run_policy(entry: Entry, ctx: Context, episodes: int, seed: int) -> tuple[pd
     from specenv.replay import replay_data
     from specenv.rollout import episode_seeds, rollout_vector
 
-    data = replay_data(ctx.dataset, ctx.kmax, "test", ctx.cost_model_arg, entry.lookahead, entry.mode)
+    data = replay_data(ctx.dataset, ctx.kmax, "test", ctx.cost_model_arg, entry.lookahead, entry.mode, entry.signals)
     gids = np.asarray(data.generation_ids, dtype=np.int64)
     ep_gid = np.repeat(gids, episodes)
     ep_r = np.tile(np.arange(episodes, dtype=np.int64), len(gids))
@@ -294,6 +311,7 @@ def run_policy(entry: Entry, ctx: Context, episodes: int, seed: int) -> tuple[pd
         cost_model=ctx.cost_model_arg,
         lookahead=entry.lookahead,
         drafting=entry.mode,
+        signals=entry.signals,
     )
     try:
         policy = entry.make(data.spec)

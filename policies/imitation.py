@@ -46,6 +46,7 @@ def train_dagger(
     seed: int = 0,
     log: Callable[[str], None] | None = None,
     lr: float = 3e-3,
+    signals: Any = ("q",),
 ) -> DaggerResult:
     """Train an MLP policy by DAgger on the train split of ``dataset``.
 
@@ -61,6 +62,7 @@ def train_dagger(
         seed: Seed of torch, the rollouts and the mixture.
         log: Called with one line per iteration.
         lr: Adam learning rate.
+        signals: Draft signals of the lookahead block (``("q",)``; add ``"ent"``, ``"margin"``).
 
     Returns:
         The exported numpy policy and per-iteration statistics.
@@ -71,9 +73,18 @@ def train_dagger(
     from oracle.dp import action_values, solve
     from specenv.envs.replay import ENV_ID
 
+    torch.set_num_threads(1)
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    env = gym.make(ENV_ID, dataset=dataset, kmax=kmax, split="train", cost_model=cost_model, lookahead=lookahead)
+    env = gym.make(
+        ENV_ID,
+        dataset=dataset,
+        kmax=kmax,
+        split="train",
+        cost_model=cost_model,
+        lookahead=lookahead,
+        signals=signals if lookahead else ("q",),
+    )
     data = env.unwrapped.data
     spec: ObservationSpec = data.spec
     arrays = split_arrays(dataset, data.kmax, "train")

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from specenv.observation import TOKEN_FEATURES, ObservationSpec
+from specenv.observation import TOKEN_FEATURES, ObservationSpec, token_feature_names
 from specenv.policy.base import Policy
 from specenv.policy.mlp import MLPPolicy
 
@@ -77,17 +77,25 @@ class StopRulePolicy(Policy):
         super().__init__(spec)
         names = spec.names
         tnames = rule.spec.names
-        self._base = np.array([names.index(n) for n in tnames if n not in TOKEN_FEATURES], dtype=np.int64)
+        token = set(token_feature_names(rule.spec.signals))
+        self._base = np.array([names.index(n) for n in tnames if n not in token], dtype=np.int64)
+        self._keep = np.array([tnames.index(n) for n in tnames if n not in token], dtype=np.int64)
         self._conf = np.array([names.index(f"conf_{j}") for j in range(1, spec.kmax + 1)], dtype=np.int64)
         self._tok = np.array([tnames.index(n) for n in TOKEN_FEATURES], dtype=np.int64)
-        self._keep = np.array([tnames.index(n) for n in tnames if n not in TOKEN_FEATURES], dtype=np.int64)
+        # the other signals of the draft just drafted: draft_<sig> <- <sig>_n of the round's lookahead block
+        self._sig = [
+            (tnames.index(f"draft_{sig}"), np.array([names.index(f"{sig}_{j}") for j in range(1, spec.kmax + 1)]))
+            for sig in rule.spec.signals
+            if sig != "q"
+        ]
 
     def token_observations(self, obs: np.ndarray) -> np.ndarray:
         """(B, kmax, dim) per-token observations of drafts n = 0..kmax-1 for a batch of round observations.
 
         The per-token features of draft n are the per-token environment's
-        (:class:`specenv.observation.ScalarObservation`): the confidence of draft n (0 at n = 0), n / kmax
-        and the float64 product of q_1..q_n (1 at n = 0), cast to float32.
+        (:class:`specenv.observation.ScalarObservation`): the confidence of draft n (0 at n = 0), n / kmax,
+        the float64 product of the float32 q_1..q_n (1 at n = 0), cast to float32, and the entropy /
+        margin of draft n for those signals (0 at n = 0).
         """
         x = np.atleast_2d(np.asarray(obs, dtype=np.float32))
         B, K = len(x), self.spec.kmax
@@ -102,6 +110,9 @@ class StopRulePolicy(Policy):
         out[:, :, self._tok[0]] = last
         out[:, :, self._tok[1]] = n[None, :]
         out[:, :, self._tok[2]] = prod
+        for col, src in self._sig:
+            out[:, :, col] = 0.0
+            out[:, 1:, col] = x[:, src[: K - 1]]
         return out
 
     def act_batch(self, obs: np.ndarray) -> np.ndarray:
@@ -150,6 +161,7 @@ def train_stop_dagger(
     batch_size: int = 4096,
     seed: int = 0,
     log: Callable[[str], None] | None = None,
+    signals: Any = ("q",),
 ) -> StopDaggerResult:
     """Train a stop rule by DAgger on the oracle's k* (train split of ``dataset``).
 
@@ -164,6 +176,7 @@ def train_stop_dagger(
         batch_size: Minibatch size.
         seed: Seed of torch, the rollouts and the mixture.
         log: Called with one line per iteration.
+        signals: Draft signals the rule sees per drafted token (``("q",)``; add ``"ent"``, ``"margin"``).
 
     Returns:
         The stop rule in numpy form (per-token contract) and per-iteration statistics.
@@ -175,9 +188,18 @@ def train_stop_dagger(
     from policies.imitation import _fit_regret, _make_net, _mixture_rollouts, split_arrays
     from specenv.envs.replay import ENV_ID
 
+    torch.set_num_threads(1)
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    env = gym.make(ENV_ID, dataset=dataset, kmax=kmax, split="train", cost_model=cost_model, drafting="sequential")
+    env = gym.make(
+        ENV_ID,
+        dataset=dataset,
+        kmax=kmax,
+        split="train",
+        cost_model=cost_model,
+        drafting="sequential",
+        signals=signals,
+    )
     data = env.unwrapped.data
     spec = token_spec(data.spec)
     arrays = split_arrays(dataset, data.kmax, "train")

@@ -43,15 +43,15 @@ COST_MODEL = "fit-train"
 
 #: Budgets per set (SB3 steps; DAgger iterations/epochs): the whole script fits ~45 min on 2 cores.
 BUDGET: dict[str, dict[str, Any]] = {
-    "paper-default": {"sb3_steps": 600_000, "seq_steps": 400_000, "iterations": 6, "epochs": 10, "seq_epochs": 8},
-    "live-cpu": {"sb3_steps": 300_000, "seq_steps": 300_000, "iterations": 8, "epochs": 30, "seq_epochs": 30},
+    "paper-default": {"sb3_steps": 1_000_000, "seq_steps": 600_000, "iterations": 8, "epochs": 15, "seq_epochs": 8},
+    "live-cpu": {"sb3_steps": 400_000, "seq_steps": 400_000, "iterations": 8, "epochs": 30, "seq_epochs": 30},
 }
 
 
 def recipes(budget: dict[str, Any]) -> dict[str, Callable[[str, Path], Any]]:
     """name -> function(dataset, run folder) returning the trained MLPPolicy."""
     from policies.imitation import train_dagger
-    from policies.rl import train_sb3
+    from policies.rl import best_fixed_rate, train_sb3
     from policies.stopping import train_stop_dagger
 
     it, ep = budget["iterations"], budget["epochs"]
@@ -71,6 +71,7 @@ def recipes(budget: dict[str, Any]) -> dict[str, Callable[[str, Path], Any]]:
                 lookahead=h,
                 drafting=mode,
                 tensorboard=False,
+                rate=best_fixed_rate(ds, None, COST_MODEL),
             ).policy
 
         return run
