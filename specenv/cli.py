@@ -905,7 +905,7 @@ def train(
                     )
             policy = res.policy
         else:
-            from policies.rl import train_sb3
+            from policies.rl import best_fixed_rate, train_sb3
 
             with Progress(f"train {algo}", total=timesteps, unit="steps") as prog:
                 tr = train_sb3(
@@ -921,6 +921,7 @@ def train(
                     gamma=gamma,
                     drafting=mode,
                     progress=lambda done, total: prog.update(done, total),
+                    rate=best_fixed_rate(traces, kmax, cost_model),
                 )
             policy = tr.policy
     except ValueError as exc:
