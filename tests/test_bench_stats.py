@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from policies.benchmark import (
-    ORACLE_ROW,
     build_context,
     default_entries,
     find_policies,
@@ -211,7 +210,8 @@ def test_policies_found_in_both_layouts_constant_flagged_and_unrunnable_listed(b
     runs = tmp_path / "runs"
     _mlp(ctx.spec, 2, 2).save(runs / "flat" / "policy")  # what `specenv train --out runs` writes
     _mlp(ctx.spec, 1, 3).save(runs / "varied")  # the shipped layout
-    shutil.copytree(shipped_policy_dir("paper-default") / "ppo", runs / "ppo-k10" / "policy")  # Kmax 10: cannot run on Kmax 6
+    # Kmax 10: cannot run on Kmax 6
+    shutil.copytree(shipped_policy_dir("paper-default") / "ppo", runs / "ppo-k10" / "policy")
     (runs / "broken" / "policy").mkdir(parents=True)
     (runs / "broken" / "policy" / "policy.json").write_text("{not json")
     assert set(find_policies(runs)) == {"flat", "varied", "ppo-k10", "broken"}
