@@ -41,6 +41,12 @@ sys.path.insert(0, str(ROOT))
 SETS = ("paper-default", "live-cpu")
 COST_MODEL = "fit-train"
 
+#: Recipes not shipped for a set, with the reason (the shipped-policy test requires every learned row to vary k).
+NOT_SHIPPED = {
+    ("live-cpu", "imitation"): "DAgger with the greedy oracle's one-step labels collapses to k=0 in every state "
+    "(no lookahead: the oracle's continuation hides the cost of AR steps); ppo covers mode none",
+}
+
 #: Budgets per set (SB3 steps; DAgger iterations/epochs): the whole script fits ~45 min on 2 cores.
 BUDGET: dict[str, dict[str, Any]] = {
     "paper-default": {"sb3_steps": 1_000_000, "seq_steps": 600_000, "iterations": 8, "epochs": 15, "seq_epochs": 8},
@@ -119,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         ts = load_dataset(ds)
         for name, fn in recipes(budget).items():
             if args.only and name not in args.only:
+                continue
+            if (ds, name) in NOT_SHIPPED:
+                print(f"{entry.id}/{name}: not shipped ({NOT_SHIPPED[ds, name]})", flush=True)
                 continue
             t0 = time.perf_counter()
             with tempfile.TemporaryDirectory() as tmp:

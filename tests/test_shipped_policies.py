@@ -24,7 +24,9 @@ NAMES = {
     "ppo-h3": ("block", 3),
     "ppo-seq": ("sequential", None),
 }
-CASES = [(s, n) for s in SETS for n in NAMES]
+#: Not shipped (scripts/ship_policies.py NOT_SHIPPED): constant k=0 on live-cpu, so not a learned row.
+MISSING = {("live-cpu", "imitation")}
+CASES = [(s, n) for s in SETS for n in NAMES if (s, n) not in MISSING]
 
 
 def _load(dataset: str, name: str):
@@ -60,13 +62,13 @@ def test_shipped_policies_are_what_the_benchmark_runs(dataset: str) -> None:
     ctx = build_context(dataset, None, "fit-train", shipped_policy_dir(dataset))
     names = [e.name for e in default_entries(ctx)]
     for n in NAMES:
-        assert f"{n} (learned)" in names
+        assert (f"{n} (learned)" in names) == ((dataset, n) not in MISSING)
     assert not ctx.skipped, ctx.skipped
 
 
 def test_shipped_policies_are_numpy_only() -> None:
-    for dataset in SETS:
-        for name in NAMES:
+    for dataset, name in CASES:
+        if True:
             folder = shipped_policy_dir(dataset) / name
             assert sorted(p.name for p in folder.iterdir()) == ["policy.json", "weights.npz"]
             with np.load(folder / "weights.npz", allow_pickle=False) as z:
