@@ -69,6 +69,7 @@ from policies.peers import (
     VLLMDSDTable,
     fit_peers,
 )
+from policies.stopping import load_stop_rule
 from specenv.costmodel import CostModel, drafting_mode
 from specenv.observation import ObservationSpec
 from specenv.policy.base import Policy
@@ -144,10 +145,21 @@ class Context:
         return self._peers
 
 
-def shipped_policy_dir() -> Path:
-    """Folder of the policies shipped with the package (``policies/shipped``)."""
-    trav = resources.files("policies").joinpath("shipped")
-    return Path(str(trav))
+def shipped_policy_dir(dataset: str | None = None) -> Path:
+    """Folder of the policies shipped with the package: ``policies/shipped``, or ``policies/shipped/<set id>``.
+
+    Args:
+        dataset: A registered trace set name (``paper-default``, ``live-cpu-v2``): the folder of the
+            policies trained on its train split, ``policies/shipped/<name>-v<version>``; None: the root.
+            A trace-set folder has no shipped policies (the returned folder does not exist).
+    """
+    root = Path(str(resources.files("policies").joinpath("shipped")))
+    if dataset is None:
+        return root
+    from specenv.datasets import find_dataset
+
+    ds = find_dataset(str(dataset))
+    return root / (ds.id if ds is not None else "(no shipped policies for a trace-set folder)")
 
 
 def train_priors(train: PositionArrays) -> tuple[np.ndarray, np.ndarray]:
@@ -229,14 +241,37 @@ def default_entries(ctx: Context) -> list[Entry]:
                 ctx.notes.append(f"no trained '{name}' policy in {ctx.policy_dir} (run `specenv train --algo {name}`)")
         for name, folder in found.items():
             try:  # the benchmark's contract, with the lookahead the policy reads
-                lookahead = MLPPolicy.load(folder).spec.lookahead
-                pol = MLPPolicy.load(folder, expect=replace(ctx.spec, lookahead=lookahead))
+                stored = MLPPolicy.load(folder).spec
+                sig = {"signals": stored.signals}
+                if stored.per_token:  # a stop rule of the per-token env: runs in sequential mode
+                    pol: Policy = load_stop_rule(folder, expect=replace(ctx.spec, lookahead=ctx.kmax, **sig))
+                else:
+                    pol = MLPPolicy.load(folder, expect=replace(ctx.spec, lookahead=stored.lookahead, **sig))
             except ValueError as exc:  # listed with the reason, never dropped silently
                 _skip(ctx, name, folder, str(exc))
                 continue
+            if stored.per_token:
+                entries.append(
+                    Entry(
+                        f"{name} (learned)",
+                        _learned(pol),
+                        lookahead=ctx.kmax,
+                        learned=True,
+                        drafting="sequential",
+                        signals=stored.signals,
+                    )
+                )
+                continue
             h = pol.spec.lookahead  # trained in the replay env with lookahead h: block drafting
             entries.append(
-                Entry(f"{name} (learned)", _learned(pol), lookahead=h, learned=True, drafting=drafting_mode(h))
+                Entry(
+                    f"{name} (learned)",
+                    _learned(pol),
+                    lookahead=h,
+                    learned=True,
+                    drafting=drafting_mode(h),
+                    signals=stored.signals if h else ("q",),
+                )
             )
     return entries
 
@@ -323,7 +358,7 @@ def _skip(ctx: Context, name: str, folder: Path, reason: str) -> None:
     ctx.notes.append(f"skipped '{name}' in {ctx.policy_dir}: {reason}")
 
 
-def _learned(pol: MLPPolicy) -> Callable[[ObservationSpec], Policy]:
+def _learned(pol: Policy) -> Callable[[ObservationSpec], Policy]:
     def make(spec: ObservationSpec) -> Policy:
         bad = pol.spec.mismatch(spec)
         if bad is not None:
@@ -346,9 +381,7 @@ def run_policy(entry: Entry, ctx: Context, episodes: int, seed: int) -> tuple[pd
     from specenv.replay import replay_data
     from specenv.rollout import episode_seeds, rollout_vector
 
-    data = replay_data(
-        ctx.dataset, ctx.kmax, "test", ctx.cost_model_arg, entry.lookahead, entry.mode, signals=entry.signals
-    )
+    data = replay_data(ctx.dataset, ctx.kmax, "test", ctx.cost_model_arg, entry.lookahead, entry.mode, entry.signals)
     gids = np.asarray(data.generation_ids, dtype=np.int64)
     ep_gid = np.repeat(gids, episodes)
     ep_r = np.tile(np.arange(episodes, dtype=np.int64), len(gids))
@@ -564,6 +597,7 @@ def run_benchmark(
     only: list[str] | None = None,
     progress: Callable[[int, int, str], None] | None = None,
     n_boot: int = N_BOOT,
+    drafting: str | None = None,
 ) -> BenchResult:
     """Run the benchmark on the test split of ``dataset``.
 
@@ -575,19 +609,27 @@ def run_benchmark(
         episodes: Monte-Carlo episodes per test generation and adaptive policy.
         seed: Base seed of the episodes (:func:`specenv.rollout.episode_seeds`) and of the bootstrap.
         policy_dir: Folder with trained policies (``<name>/policy.json`` or ``<run>/policy/policy.json``);
-            default the shipped ones.
+            default the ones shipped for this set (:func:`shipped_policy_dir`).
         only: Run only policies whose name contains one of these strings (the oracle always runs).
         progress: Called as ``progress(done, total, name)`` as each policy starts, with the number of
             policies done before it and the number that run.
         n_boot: Bootstrap resamples of the generations.
+        drafting: Only the rows of this drafting mode (``"none"``, ``"block"``, ``"sequential"``), and the
+            fixed-k rows (exact, mode none: the reference of every mode); None: every row. The bound stays
+            none's; with ``"block"`` the exact bound of block drafting with each row's h is added.
     """
     from oracle.dp import solve
+    from specenv.costmodel import DRAFTING_MODES
 
     if episodes < 1:
         raise ValueError(f"episodes={episodes}: must be >= 1")
     if seed < 0:
         raise ValueError(f"seed={seed}: must be >= 0")
-    ctx = build_context(dataset, kmax, cost_model, policy_dir if policy_dir is not None else shipped_policy_dir())
+    if drafting is not None and drafting not in DRAFTING_MODES:
+        raise ValueError(f"drafting={drafting!r}: expected one of {DRAFTING_MODES}")
+    ctx = build_context(
+        dataset, kmax, cost_model, policy_dir if policy_dir is not None else shipped_policy_dir(dataset)
+    )
     sol = solve(ctx.test, ctx.cost_model)
     oracle_df = pd.DataFrame(
         {"generation_id": ctx.test.generation_ids, "category": ctx.test.categories, "v0_ms": sol.cost, "ar_ms": sol.ar}
@@ -597,6 +639,8 @@ def run_benchmark(
     modes: dict[str, str] = {}
     shown: dict[str, int] = {}  # confidences each row reads
     entries = [e for e in default_entries(ctx) if not only or any(o in e.name for o in only)]
+    if drafting is not None:
+        entries = [e for e in entries if e.exact_k is not None or e.mode == drafting]
     for i, entry in enumerate(entries):
         if progress:
             progress(i, len(entries), entry.name)
@@ -655,7 +699,28 @@ def run_benchmark(
         "constant_k": None,
         "learned": False,
     }
-    summary = pd.concat([summary, pd.DataFrame([oracle_row])], ignore_index=True)
+    extra = [oracle_row]
+    if drafting == "block":  # the lower bound of block drafting, for each h a row reads
+        for h in sorted({shown[n] for n, md in modes.items() if md == "block"}):
+            bsol = solve(ctx.test, ctx.cost_model, lookahead=h, drafting="block")
+            extra.append(
+                oracle_row
+                | {
+                    "policy": f"oracle bound, block h={h} (SSP)",
+                    "drafting": "block",
+                    "lookahead": h,
+                    "speedup_mean": float(bsol.speedup.mean()),
+                    "ci95_low": float(bsol.speedup.mean()),
+                    "ci95_high": float(bsol.speedup.mean()),
+                    "speedup_pooled": bsol.speedup_pooled,
+                    "pooled_ci95_low": bsol.speedup_pooled,
+                    "pooled_ci95_high": bsol.speedup_pooled,
+                    "oracle_pct": 100.0 * bsol.speedup_pooled / sol.speedup_pooled,
+                    "mean_k": bsol.mean_k,
+                    "mean_accepted": bsol.mean_accepted,
+                }
+            )
+    summary = pd.concat([summary, pd.DataFrame(extra)], ignore_index=True)
     summary["constant_k"] = pd.Series(
         [int(k) if c else None for k, c in zip(summary["constant_k"], summary["constant"], strict=True)], dtype=object
     )
@@ -677,6 +742,7 @@ def run_benchmark(
         "thresholds and classifiers, learned policies)",
         "episodes": episodes,
         "seed": seed,
+        "drafting_filter": drafting,
         "seeds": "episode_seeds(seed, generation_id, episode): independent per (generation, episode), "
         "common to every policy",
         "statistics": f"fixed-k rows exact (oracle.dp.evaluate_policy); other rows Monte Carlo with 95% "

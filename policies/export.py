@@ -52,8 +52,34 @@ def from_torch_sequential(seq: Any, spec: ObservationSpec, name: str, meta: dict
     return MLPPolicy(spec, weights, act or "tanh", name, meta)
 
 
-def from_sb3(model: Any, spec: ObservationSpec, name: str, meta: dict[str, Any] | None = None) -> MLPPolicy:
+def fold_normalization(
+    weights: list[tuple[np.ndarray, np.ndarray]], mean: np.ndarray, var: np.ndarray
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Fold an input standardisation ``(x - mean) / sqrt(var)`` into the first layer.
+
+    ``((x - m) / s) @ W + b == x @ (W / s[:, None]) + (b - (m / s) @ W)``: the policy then reads the raw
+    observation of its contract (SB3's ``VecNormalize`` without clipping; pass ``var + epsilon``).
+    """
+    W, b = weights[0]
+    s = np.sqrt(np.asarray(var, dtype=np.float64))
+    m = np.asarray(mean, dtype=np.float64)
+    W64 = W.astype(np.float64)
+    first = ((W64 / s[:, None]).astype(np.float32), (b.astype(np.float64) - (m / s) @ W64).astype(np.float32))
+    return [first, *weights[1:]]
+
+
+def from_sb3(
+    model: Any,
+    spec: ObservationSpec,
+    name: str,
+    meta: dict[str, Any] | None = None,
+    obs_mean: np.ndarray | None = None,
+    obs_var: np.ndarray | None = None,
+) -> MLPPolicy:
     """Export an SB3 PPO (or A2C) or DQN model with an MLP policy and a Discrete action space.
+
+    ``obs_mean``/``obs_var`` (``VecNormalize.obs_rms`` mean and var + epsilon) are folded into the first
+    layer (:func:`fold_normalization`), so the exported policy reads raw observations.
 
     Raises:
         ValueError: If the model's networks are not plain MLPs.
@@ -72,4 +98,33 @@ def from_sb3(model: Any, spec: ObservationSpec, name: str, meta: dict[str, Any] 
     else:
         raise ValueError(f"cannot export SB3 policy {type(policy).__name__}")
     weights, act = _linear_layers(modules)
+    if obs_mean is not None and obs_var is not None:
+        weights = fold_normalization(weights, obs_mean, obs_var)
     return MLPPolicy(spec, weights, act or "tanh", name, (meta or {}) | {"algo": kind})
+
+
+def provenance(
+    meta: dict[str, Any], ts: Any, traces: str, cost_model: str, spec: Any, seconds: float
+) -> dict[str, Any]:
+    """A trained policy's meta with where it came from: trace set, cost model, contract version, train time."""
+    from specenv import __version__
+    from specenv.datasets import find_dataset, resolve
+    from specenv.io import sha256_file
+    from specenv.replay import select_positions
+
+    ds = find_dataset(traces)
+    return dict(meta) | {
+        "dataset": traces,
+        "trace_set": {
+            "name": ts.manifest.name,
+            "version": ds.version if ds else None,
+            "id": ds.id if ds else None,
+            "manifest_sha256": sha256_file(resolve(traces) / "manifest.json"),
+            "split": "train",
+            "train_generations": int(select_positions(ts, None, "train").n_generations),
+        },
+        "cost_model": cost_model,
+        "observation_version": spec.version,
+        "specenv_version": __version__,
+        "train_seconds": round(float(seconds), 1),
+    }

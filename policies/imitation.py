@@ -45,6 +45,8 @@ def train_dagger(
     epochs: int = 30,
     seed: int = 0,
     log: Callable[[str], None] | None = None,
+    lr: float = 3e-3,
+    signals: Any = ("q",),
 ) -> DaggerResult:
     """Train an MLP policy by DAgger on the train split of ``dataset``.
 
@@ -52,12 +54,15 @@ def train_dagger(
         dataset: Registry name or folder.
         kmax: Largest budget (default: the trace set's Kmax).
         cost_model: ``"fit"``, ``"profile"`` or a JSON path (as for the environment).
-        lookahead: Draft confidences in the observation (the oracle is solved with the same charge).
+        lookahead: Draft confidences in the observation: 0 trains for drafting mode ``"none"``, h > 0
+            for ``"block"`` (the oracle is solved with the same charge, T_D(max(k, h))).
         iterations: DAgger iterations (beta = 1 at the first, then 0.5**i).
         hidden: Hidden layer sizes.
         epochs: Passes over the aggregate per iteration.
         seed: Seed of torch, the rollouts and the mixture.
         log: Called with one line per iteration.
+        lr: Adam learning rate.
+        signals: Draft signals of the lookahead block (``("q",)``; add ``"ent"``, ``"margin"``).
 
     Returns:
         The exported numpy policy and per-iteration statistics.
@@ -68,9 +73,18 @@ def train_dagger(
     from oracle.dp import action_values, solve
     from specenv.envs.replay import ENV_ID
 
+    torch.set_num_threads(1)
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    env = gym.make(ENV_ID, dataset=dataset, kmax=kmax, split="train", cost_model=cost_model, lookahead=lookahead)
+    env = gym.make(
+        ENV_ID,
+        dataset=dataset,
+        kmax=kmax,
+        split="train",
+        cost_model=cost_model,
+        lookahead=lookahead,
+        signals=signals if lookahead else ("q",),
+    )
     data = env.unwrapped.data
     spec: ObservationSpec = data.spec
     arrays = split_arrays(dataset, data.kmax, "train")
@@ -78,7 +92,7 @@ def train_dagger(
     sol = solve(arrays, model, lookahead=spec.lookahead)
     unit = env.unwrapped.ar_unit_ms
     net = _make_net(spec, hidden)
-    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
 
     X: list[np.ndarray] = []
     R: list[np.ndarray] = []
@@ -108,10 +122,20 @@ def train_dagger(
     env.close()
     meta = {
         "algo": "dagger",
-        "dataset": dataset,
-        "seed": seed,
-        "iterations": iterations,
+        "drafting": "block" if lookahead else "none",
         "lookahead": lookahead,
+        "hyperparameters": {
+            "iterations": iterations,
+            "epochs": epochs,
+            "hidden": list(hidden),
+            "activation": "tanh",
+            "optimizer": "adam",
+            "learning_rate": lr,
+            "batch_size": 1024,
+            "beta_schedule": "1 then 0.5**i",
+            "loss": "expected regret + 0.05 cross-entropy to the oracle's k*",
+            "seed": seed,
+        },
         "history": history,
     }
     return DaggerResult(_to_numpy(net, spec, name="imitation", meta=meta), history)
@@ -125,13 +149,24 @@ class _Visits:
     rows: np.ndarray  # (n,) position rows of the visited states
     cost: float  # total cost of the episodes in ms
     ar: float  # their total AR cost in ms
+    k: np.ndarray  # (n,) budget the mixture played in each visited state
 
 
 def _mixture_rollouts(
-    env: Any, arrays: PositionArrays, k_star: np.ndarray, learner: MLPPolicy, beta: float, rng: np.random.Generator
+    env: Any,
+    arrays: PositionArrays,
+    k_star: np.ndarray,
+    learner: Any,
+    beta: float,
+    rng: np.random.Generator,
+    record_k: bool = False,
 ) -> _Visits:
-    """Roll out the mixture policy (oracle's k*(t) with probability beta, else the learner) once per generation."""
-    obs_buf, row_buf, ep_cost, ep_ar = [], [], 0.0, 0.0
+    """Roll out the mixture policy (oracle's k*(t) with probability beta, else the learner) once per generation.
+
+    :attr:`_Visits.k` records the budget played, or with ``record_k`` the learner's own budget in
+    every visited state (the learner is then asked also where the oracle acts).
+    """
+    obs_buf, row_buf, k_buf, ep_cost, ep_ar = [], [], [], 0.0, 0.0
     for g, gid in enumerate(env.unwrapped.data.generation_ids):
         obs, _ = env.reset(seed=int(rng.integers(2**31)), options={"generation_id": int(gid)})
         t, done = 0, False
@@ -140,27 +175,35 @@ def _mixture_rollouts(
             row = lo + t
             obs_buf.append(obs)
             row_buf.append(row)
-            k = int(k_star[row]) if rng.random() < beta else learner.act(obs)
+            if record_k:
+                k_own = int(learner.act(obs))
+                k = int(k_star[row]) if rng.random() < beta else k_own
+                k_buf.append(k_own)
+            else:
+                k = int(k_star[row]) if rng.random() < beta else learner.act(obs)
+                k_buf.append(k)
             obs, _, done, _, info = env.step(k)
             t = info["t"]
         ep_cost += info["episode_cost_ms"]
         ep_ar += info["ar_cost_ms"]
-    return _Visits(np.asarray(obs_buf, dtype=np.float32), np.asarray(row_buf), ep_cost, ep_ar)
+    return _Visits(
+        np.asarray(obs_buf, dtype=np.float32), np.asarray(row_buf), ep_cost, ep_ar, np.asarray(k_buf, dtype=np.int64)
+    )
 
 
-def _make_net(spec: ObservationSpec, hidden: tuple[int, ...]) -> Any:
-    """The torch MLP: observation -> one logit per budget, tanh hidden layers."""
+def _make_net(spec: ObservationSpec, hidden: tuple[int, ...], n_out: int | None = None) -> Any:
+    """The torch MLP: observation -> one logit per budget (or ``n_out`` logits), tanh hidden layers."""
     import torch
 
     layers: list[Any] = []
     sizes = (spec.dim, *hidden)
     for a, b in zip(sizes[:-1], sizes[1:], strict=True):
         layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
-    layers.append(torch.nn.Linear(sizes[-1], spec.kmax + 1))
+    layers.append(torch.nn.Linear(sizes[-1], spec.kmax + 1 if n_out is None else n_out))
     return torch.nn.Sequential(*layers)
 
 
-def _fit_regret(net: Any, opt: Any, xs: Any, rs: Any, epochs: int) -> float:
+def _fit_regret(net: Any, opt: Any, xs: Any, rs: Any, epochs: int, batch_size: int = 1024) -> float:
     """Refit ``net`` on the aggregate: expected regret plus 0.05 x cross-entropy towards k*.
 
     Args:
@@ -168,7 +211,8 @@ def _fit_regret(net: Any, opt: Any, xs: Any, rs: Any, epochs: int) -> float:
         opt: Its optimiser.
         xs: (n, dim) observations.
         rs: (n, kmax+1) regrets ``(Q - min Q) / ar_unit`` per budget.
-        epochs: Passes over the aggregate (minibatches of 1024).
+        epochs: Passes over the aggregate.
+        batch_size: Minibatch size.
 
     Returns:
         The train regret per step of the near-greedy policy (softmax of 50 x logits), AR units.
@@ -179,8 +223,8 @@ def _fit_regret(net: Any, opt: Any, xs: Any, rs: Any, epochs: int) -> float:
     n = len(xs)
     for _ in range(epochs):
         perm = torch.randperm(n)
-        for s in range(0, n, 1024):
-            idx = perm[s : s + 1024]
+        for s in range(0, n, batch_size):
+            idx = perm[s : s + batch_size]
             logits = net(xs[idx])
             p = torch.softmax(logits, dim=1)
             loss = (p * rs[idx]).sum(dim=1).mean() + 0.05 * torch.nn.functional.cross_entropy(logits, target[idx])

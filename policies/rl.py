@@ -13,6 +13,25 @@ unchanged; but the per-step signal is now aligned with the goal. With the raw co
 (``reward="cost"``) a plain AR step (-1) looks better than a good speculative round (about -1.9 for
 3.8 tokens) until the credit for the shorter episode propagates through a value function that
 cannot see the remaining length N; in our runs PPO and DQN then collapsed to k = 0.
+Observations are standardised for the networks by SB3's ``VecNormalize`` (running mean and variance
+of the train rollouts, no clipping); the exported policy stays a function of the raw observation of
+the contract, because the final statistics are folded into the first layer
+(:func:`policies.export.from_sb3` with ``obs_mean``/``obs_var``). Without it the features that move
+least (context, progress) barely reach the network and PPO converged to one budget everywhere.
+
+Drafting modes: ``"none"`` (lookahead 0) and ``"block"`` (lookahead h > 0) train on the native vector
+environment; ``"sequential"`` trains a stop rule on the per-token environment
+``specenv/MoESpecSeq-v0`` (SB3's ``DummyVecEnv`` over ``n_envs`` copies) and exports it with the
+per-token contract (two actions; :mod:`policies.stopping` runs it in the round-level benchmark).
+
+Rate shaping (``rate=S``, the default for the shipped recipe: S = the best fixed k's exact speedup on
+the train split): the reward of a round is ``committed - S * cost / ar_unit_ms``. Its episode sum,
+``N - S * cost``, is a positive multiple of minus the cost plus the constant N, so the optimum is still
+the oracle's; but with S near the attainable speedup a round's own reward measures its tokens per
+cost against the going rate (Dinkelbach's form of a ratio objective), so a discounted learner is not
+pushed to larger budgets the way the plain savings reward (S = 1) pushes it: there a longer round
+always pays more *per round*. Built from the environment's ``reward="cost"`` and ``info["committed"]``.
+
 Discounting: with the savings reward each round's own reward already measures its progress, so a
 moderate ``gamma`` (0.99 by default) suffices and lowers the variance of the returns; with the cost
 reward, gamma must be close to 1.
@@ -26,6 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from specenv.policy.mlp import MLPPolicy
 
 ALGOS = ("ppo", "dqn")
@@ -38,6 +59,50 @@ class TrainResult:
     policy: MLPPolicy
     run_dir: Path
     model: Any
+    normalize: Any = None  # the VecNormalize wrapper (its obs statistics are folded into the policy)
+
+
+def hyperparameters(algo: str, n_envs: int, gamma: float, drafting: str = "none", **overrides: Any) -> dict[str, Any]:
+    """Every SB3 hyper-parameter of the shipped recipe (CleanRL-style: all recorded in ``policy.json``).
+
+    Args:
+        algo: ``"ppo"`` or ``"dqn"``.
+        n_envs: Parallel environments.
+        gamma: Discount factor.
+        drafting: Drafting mode (the per-token env of ``"sequential"`` has ~4x more, shorter steps).
+        overrides: Replace any entry (e.g. ``learning_rate``).
+    """
+    if algo == "ppo":
+        n_steps = 128 if drafting == "sequential" else 64
+        hp: dict[str, Any] = {
+            "learning_rate": 1e-3,
+            "n_steps": n_steps,
+            "batch_size": min(1024, n_steps * n_envs),
+            "n_epochs": 10,
+            "gae_lambda": 0.95,
+            "clip_range": 0.2,
+            "ent_coef": 0.01,
+            "vf_coef": 0.5,
+            "max_grad_norm": 0.5,
+            "normalize_advantage": True,
+        }
+    else:
+        hp = {
+            "learning_rate": 5e-4,
+            "buffer_size": 200_000,
+            "learning_starts": 5_000,
+            "batch_size": 256,
+            "train_freq": 4,
+            "gradient_steps": 4,
+            "target_update_interval": 2_000,
+            "exploration_fraction": 0.3,
+            "exploration_initial_eps": 1.0,
+            "exploration_final_eps": 0.02,
+            "tau": 1.0,
+        }
+    hp |= {"gamma": gamma, "net_arch": [64, 64], "activation": "tanh" if algo == "ppo" else "relu"}
+    hp |= {"norm_obs": True, "norm_reward": True, "clip_obs": None}
+    return hp | overrides
 
 
 def train_sb3(
@@ -55,6 +120,9 @@ def train_sb3(
     gamma: float = 0.99,
     log: Callable[[str], None] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    drafting: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    rate: float | None = None,
 ) -> TrainResult:
     """Train PPO or DQN on the train split and export it.
 
@@ -64,16 +132,21 @@ def train_sb3(
         run_dir: Folder for ``model.zip``, TensorBoard logs and the exported policy.
         timesteps: Environment steps.
         seed: Seed of SB3, torch and the environments.
-        n_envs: Parallel streams of the native vector environment.
+        n_envs: Parallel streams of the native vector environment (copies of the per-token env).
         kmax: Largest budget (default: the trace set's Kmax).
         cost_model: ``"fit"``, ``"profile"`` or a JSON path.
-        lookahead: Draft confidences in the observation.
+        lookahead: Draft confidences in the observation (block mode; 0 for none and sequential).
         tensorboard: Write TensorBoard logs under ``run_dir/tb``.
         reward: The environment's reward option used for training: ``"savings"`` (default; see
             the module docstring) or ``"cost"``. VecMonitor logs the return of this reward.
         gamma: Discount factor.
         log: Progress lines.
         progress: Called as ``progress(steps_done, timesteps)`` after every step of the vector env.
+        drafting: ``"none"``, ``"block"`` or ``"sequential"`` (None: block for lookahead > 0, else none).
+        overrides: Hyper-parameters replacing the recipe's (:func:`hyperparameters`).
+        rate: Train on the rate-shaped reward ``committed - rate * cost units`` (module docstring);
+            None: the environment's ``reward`` as given; a float S > 0: that rate
+            (:func:`best_fixed_rate` gives the shipped recipe's).
 
     Raises:
         ValueError: For an unknown algorithm or bad environment arguments.
@@ -82,11 +155,66 @@ def train_sb3(
         raise ValueError(f"algo={algo!r}: expected one of {', '.join(ALGOS)}")
     import torch
 
-    from specenv.envs.vector import MoESpecVectorEnv
+    from specenv.costmodel import check_drafting
 
+    mode = drafting or ("block" if lookahead else "none")
+    if mode == "sequential":
+        if lookahead:
+            raise ValueError(
+                f"lookahead={lookahead}: the per-token env of drafting='sequential' shows each draft's own confidence"
+            )
+    else:
+        mode, lookahead = check_drafting(mode, lookahead, 10**6)
     torch.set_num_threads(1)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    hp = hyperparameters(algo, n_envs, gamma, mode, **(overrides or {}))
+    if rate is not None and not rate > 0:
+        raise ValueError(f"rate={rate!r}: must be > 0")
+    env_reward = "cost" if rate is not None else reward
+    venv, spec, base = _make_env(mode, dataset, kmax, cost_model, lookahead, env_reward, n_envs, seed)
+    if rate is not None:
+        base = _RateReward(base, float(rate))
+    env = _sb3_env(base, hp, seed)
+    model = _make_model(algo, env, hp, seed, str(run_dir / "tb") if tensorboard else None)
+    callback = None if progress is None else _progress_callback(progress, timesteps)
+    model.learn(total_timesteps=timesteps, tb_log_name=algo, progress_bar=False, callback=callback)
+    model.save(run_dir / "model.zip")
+    meta = {
+        "algo": algo,
+        "drafting": mode,
+        "lookahead": lookahead,
+        "reward": reward if rate is None else f"committed - {rate:.6g} * cost (rate-shaped, same optimum)",
+        "timesteps": timesteps,
+        "n_envs": n_envs,
+        "env": "specenv/MoESpecSeq-v0" if mode == "sequential" else "specenv/MoESpec-v1 (native vector env)",
+        "hyperparameters": hp | {"seed": seed, "total_timesteps": timesteps, "n_envs": n_envs},
+    }
+    policy = _export(model, env, spec, run_dir, algo, meta)
+    if log:
+        log(f"{algo}: trained {timesteps} steps, exported to {run_dir / 'policy'}")
+    env.close()
+    return TrainResult(policy, run_dir, model, env)
+
+
+def _make_env(
+    mode: str, dataset: str, kmax: int | None, cost_model: str, lookahead: int, reward: str, n_envs: int, seed: int
+) -> tuple[Any, Any, Any]:
+    """(vector env or None, the policy's observation contract, the SB3 VecEnv) of a drafting mode."""
+    if mode == "sequential":
+        import gymnasium as gym
+        from stable_baselines3.common.vec_env import DummyVecEnv
+
+        from specenv.envs.sequential import SEQ_ID
+
+        def make() -> Any:
+            return gym.make(SEQ_ID, dataset=dataset, kmax=kmax, split="train", cost_model=cost_model, reward=reward)
+
+        base = DummyVecEnv([make] * n_envs)
+        return None, base.envs[0].unwrapped.obs_spec, base
+    from specenv.envs.sb3 import SB3VecEnv
+    from specenv.envs.vector import MoESpecVectorEnv
+
     venv = MoESpecVectorEnv(
         num_envs=n_envs,
         dataset=dataset,
@@ -95,28 +223,44 @@ def train_sb3(
         cost_model=cost_model,
         lookahead=lookahead,
         reward=reward,
+        drafting=mode,
     )
-    env = _sb3_env(venv, gamma, seed)
-    model = _make_model(algo, env, n_envs, gamma, seed, str(run_dir / "tb") if tensorboard else None)
-    callback = None if progress is None else _progress_callback(progress, timesteps)
-    model.learn(total_timesteps=timesteps, tb_log_name=algo, progress_bar=False, callback=callback)
-    model.save(run_dir / "model.zip")
-    meta = {
-        "algo": algo,
-        "dataset": dataset,
-        "seed": seed,
-        "timesteps": timesteps,
-        "n_envs": n_envs,
-        "cost_model": cost_model,
-        "lookahead": lookahead,
-        "reward": reward,
-        "gamma": gamma,
-    }
-    policy = _export(model, venv, run_dir, algo, meta)
-    if log:
-        log(f"{algo}: trained {timesteps} steps, exported to {run_dir / 'policy'}")
-    env.close()
-    return TrainResult(policy, run_dir, model)
+    return venv, venv.data.spec, SB3VecEnv(venv)
+
+
+def _rate_wrapper_base() -> Any:
+    from stable_baselines3.common.vec_env import VecEnvWrapper
+
+    return VecEnvWrapper
+
+
+class _RateReward(_rate_wrapper_base()):  # type: ignore[misc]
+    """SB3 VecEnv wrapper: ``reward = committed + rate * r_cost`` over an env with ``reward="cost"``."""
+
+    def __init__(self, venv: Any, rate: float):
+        super().__init__(venv)
+        self.rate = rate
+
+    def reset(self) -> Any:
+        return self.venv.reset()
+
+    def step_wait(self) -> Any:
+        obs, reward, dones, infos = self.venv.step_wait()
+        committed = np.array([float(i.get("committed", 0.0)) for i in infos], dtype=np.float32)
+        return obs, committed + self.rate * reward, dones, infos
+
+
+def best_fixed_rate(dataset: str, kmax: int | None, cost_model: str) -> float:
+    """The best fixed k's exact pooled speedup on the train split (the default rate of the shaping)."""
+    from oracle.dp import evaluate_policy
+    from specenv.costsource import cost_model_for
+    from specenv.datasets import load_dataset
+    from specenv.replay import select_positions
+
+    ts = load_dataset(dataset)
+    arr = select_positions(ts, kmax, "train")
+    model = cost_model_for(ts, cost_model)
+    return max(evaluate_policy(arr, model, k).speedup_pooled for k in range(arr.kmax + 1))
 
 
 def _progress_callback(progress: Callable[[int, int], None], total: int) -> Any:
@@ -131,65 +275,48 @@ def _progress_callback(progress: Callable[[int, int], None], total: int) -> Any:
     return _Report()
 
 
-def _sb3_env(venv: Any, gamma: float, seed: int) -> Any:
-    """The SB3 view of the vector env: episode statistics and reward scaling for the value function."""
+def _sb3_env(base: Any, hp: dict[str, Any], seed: int) -> Any:
+    """The SB3 view: episode statistics, observation standardisation and reward scaling."""
     from stable_baselines3.common.vec_env import VecMonitor, VecNormalize
 
-    from specenv.envs.sb3 import SB3VecEnv
-
-    env = VecMonitor(SB3VecEnv(venv))
-    # returns are O(N) (hundreds of AR units): scale rewards for the value function (observations are
-    # already scaled by the observation contract and must stay raw for the exported policy)
-    env = VecNormalize(env, norm_obs=False, norm_reward=True, gamma=gamma)
+    env = VecMonitor(base)
+    # returns are O(N) (hundreds of AR units): scale rewards for the value function; observations are
+    # standardised without clipping, and the statistics are folded into the exported first layer
+    env = VecNormalize(
+        env, norm_obs=hp["norm_obs"], norm_reward=hp["norm_reward"], gamma=hp["gamma"], clip_obs=1e12, clip_reward=1e12
+    )
     env.seed(seed)
     return env
 
 
-def _make_model(algo: str, env: Any, n_envs: int, gamma: float, seed: int, tensorboard_log: str | None) -> Any:
-    """PPO or DQN with the hyperparameters used for the shipped policies (a 64x64 MLP, CPU)."""
+def _make_model(algo: str, env: Any, hp: dict[str, Any], seed: int, tensorboard_log: str | None) -> Any:
+    """PPO or DQN with the recipe ``hp`` (:func:`hyperparameters`), CPU."""
+    import torch
     from stable_baselines3 import DQN, PPO
 
+    skip = {"net_arch", "activation", "norm_obs", "norm_reward", "clip_obs"}
+    kw = {k: v for k, v in hp.items() if k not in skip}
+    act = torch.nn.Tanh if hp["activation"] == "tanh" else torch.nn.ReLU
     common = {
-        "gamma": gamma,
-        "policy_kwargs": {"net_arch": [64, 64]},
+        "policy_kwargs": {"net_arch": list(hp["net_arch"]), "activation_fn": act},
         "seed": seed,
         "tensorboard_log": tensorboard_log,
         "verbose": 0,
         "device": "cpu",
     }
-    if algo == "ppo":
-        return PPO(
-            "MlpPolicy",
-            env,
-            n_steps=256,
-            batch_size=min(2048, 256 * n_envs),
-            n_epochs=10,
-            gae_lambda=0.95,
-            learning_rate=3e-4,
-            ent_coef=0.003,
-            **common,
-        )
-    return DQN(
-        "MlpPolicy",
-        env,
-        learning_rate=5e-4,
-        buffer_size=200_000,
-        learning_starts=5_000,
-        batch_size=256,
-        train_freq=4,
-        gradient_steps=4,
-        target_update_interval=2_000,
-        exploration_fraction=0.3,
-        exploration_final_eps=0.02,
-        **common,
-    )
+    cls = PPO if algo == "ppo" else DQN
+    return cls("MlpPolicy", env, **kw, **common)
 
 
-def _export(model: Any, venv: Any, run_dir: Path, algo: str, meta: dict[str, Any]) -> MLPPolicy:
+def _export(model: Any, env: Any, spec: Any, run_dir: Path, algo: str, meta: dict[str, Any]) -> MLPPolicy:
     """Export the trained network to the numpy policy format (``run_dir/policy``) and write ``train.json``."""
     from policies.export import from_sb3
 
-    policy = from_sb3(model, venv.data.spec, name=algo, meta=meta)
+    mean = var = None
+    if getattr(env, "norm_obs", False):
+        mean, var = env.obs_rms.mean, env.obs_rms.var + env.epsilon
+    name = f"{algo}-seq" if spec.per_token else algo
+    policy = from_sb3(model, spec, name=name, meta=meta, obs_mean=mean, obs_var=var)
     policy.save(run_dir / "policy")
     (run_dir / "train.json").write_text(json.dumps(policy.meta, indent=2) + "\n")
     return policy

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -833,16 +834,33 @@ def train(
     ),
     timesteps: Annotated[int, typer.Option(min=1000, max=10**10, help="Environment steps (ppo, dqn).")] = 300_000,
     iterations: Annotated[int, typer.Option(min=1, max=1000, help="DAgger iterations (imitation).")] = 6,
+    epochs: Annotated[
+        int | None, typer.Option(min=1, max=10_000, help="Passes over the DAgger aggregate per iteration (imitation).")
+    ] = None,
     seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed.")] = 0,
     n_envs: Annotated[int, typer.Option(min=1, max=4096, help="Parallel streams of the vector env (ppo, dqn).")] = 32,
     kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
     cost_model: Annotated[str, typer.Option(help="fit, profile or a cost-model JSON.")] = "fit",
-    lookahead: Annotated[int, typer.Option(min=0, help="Draft confidences in the observation (0..Kmax).")] = 0,
-    name: Annotated[str | None, typer.Option(help="Run name (default: ALGO[-hH]-seedS).")] = None,
+    drafting: Annotated[
+        str | None,
+        typer.Option(
+            help="Drafting mode: none (k before drafting), block (--lookahead h drafts proposed at once) or "
+            "sequential (a stop rule on the per-token env specenv/MoESpecSeq-v0). Default: block if --lookahead "
+            "> 0, else none."
+        ),
+    ] = None,
+    lookahead: Annotated[
+        int | None, typer.Option(min=0, help="Draft confidences in the observation (block: h in 1..Kmax).")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="Run name (default: ALGO[-hH|-seq]-seedS).")] = None,
     gamma: Annotated[float, typer.Option(min=0.0, max=1.0, help="Discount factor (ppo, dqn).")] = 0.99,
     as_json: JsonOpt = False,
 ) -> None:
-    """Train a budget controller on the train split and export it (numpy form, no pickle)."""
+    """Train a budget controller on the train split and export it (numpy form, no pickle).
+
+    policy.json records the drafting mode, every hyper-parameter, the trace set (name, version,
+    manifest sha256), the cost model and the observation contract (its version included).
+    """
     algos = ("ppo", "dqn", "imitation")
     if algo not in algos:
         fail(f"--algo: unknown learner '{algo}' (known: {', '.join(algos)})")
@@ -851,33 +869,50 @@ def train(
         _check_name("--name", name)
         if name in (".", "..") or "/" in name or os.sep in name:
             fail(f"--name: {name!r} must be a plain folder name (no '/', not '.' or '..')")
-    run = out_dir / (name or f"{algo}{f'-h{lookahead}' if lookahead else ''}-seed{seed}")
+    ts = _load(traces)
+    mode, h = _check_train_drafting(drafting, lookahead, ts)
+    suffix = {"none": "", "block": f"-h{h}", "sequential": "-seq"}[mode]
+    run = out_dir / (name or f"{algo}{suffix}-seed{seed}")
     _check_out_folder("--out", out_dir)
     _check_out_folder("--out", run)
-    _check_budget(_load(traces), kmax, lookahead)
+    _check_budget(ts, kmax, h)
+    t0 = time.perf_counter()
     try:
         if algo == "imitation":
-            from policies.imitation import train_dagger
-
             with Progress("train imitation", total=iterations, unit="DAgger iterations") as prog:
 
                 def iteration_done(line: str) -> None:
                     prog.echo(line)
                     prog.advance()
 
-                res = train_dagger(
-                    traces,
-                    kmax=kmax,
-                    cost_model=cost_model,
-                    lookahead=lookahead,
-                    iterations=iterations,
-                    seed=seed,
-                    log=iteration_done,
-                )
-            res.policy.save(run / "policy")
-            meta = res.policy.meta
+                if mode == "sequential":
+                    from policies.stopping import train_stop_dagger
+
+                    res: Any = train_stop_dagger(
+                        traces,
+                        kmax=kmax,
+                        cost_model=cost_model,
+                        iterations=iterations,
+                        seed=seed,
+                        log=iteration_done,
+                        **({"epochs": epochs} if epochs else {}),
+                    )
+                else:
+                    from policies.imitation import train_dagger
+
+                    res = train_dagger(
+                        traces,
+                        kmax=kmax,
+                        cost_model=cost_model,
+                        lookahead=h,
+                        iterations=iterations,
+                        seed=seed,
+                        log=iteration_done,
+                        **({"epochs": epochs} if epochs else {}),
+                    )
+            policy = res.policy
         else:
-            from policies.rl import train_sb3
+            from policies.rl import best_fixed_rate, train_sb3
 
             with Progress(f"train {algo}", total=timesteps, unit="steps") as prog:
                 tr = train_sb3(
@@ -889,18 +924,53 @@ def train(
                     n_envs=n_envs,
                     kmax=kmax,
                     cost_model=cost_model,
-                    lookahead=lookahead,
+                    lookahead=h,
                     gamma=gamma,
+                    drafting=mode,
                     progress=lambda done, total: prog.update(done, total),
+                    rate=best_fixed_rate(traces, kmax, cost_model),
                 )
-            meta = tr.policy.meta
+            policy = tr.policy
     except ValueError as exc:
         fail(str(exc))
-    summary = {"algo": algo, "policy": str(run / "policy"), "meta": meta}
+    from policies.export import provenance
+
+    policy.meta = provenance(policy.meta, ts, traces, cost_model, policy.spec, time.perf_counter() - t0)
+    policy.save(run / "policy")
+    meta = policy.meta
+    summary = {"algo": algo, "drafting": mode, "policy": str(run / "policy"), "meta": meta}
     if as_json:
         _print_json(summary)
     else:
-        out.print(f"exported {algo} policy to {run / 'policy'} (policy.json + weights.npz)")
+        out.print(
+            f"exported {algo} policy ({mode}{f', h={h}' if mode == 'block' else ''}) to {run / 'policy'} "
+            f"(policy.json + weights.npz) in {meta['train_seconds']:.0f} s"
+        )
+
+
+def _check_train_drafting(drafting: str | None, lookahead: int | None, ts: Any) -> tuple[str, int]:
+    """``--drafting`` and ``--lookahead`` of ``specenv train``: (mode, h); exit 2 when invalid.
+
+    ``sequential`` trains a stop rule on the per-token environment, which shows each draft's own
+    confidence as it is drafted: it takes no ``--lookahead``.
+    """
+    from specenv.costmodel import DRAFTING_MODES, check_drafting
+
+    if drafting is not None and drafting not in DRAFTING_MODES:
+        fail(f"--drafting: {drafting!r} is not one of {', '.join(DRAFTING_MODES)}")
+    if drafting == "sequential":
+        if lookahead:
+            fail(
+                f"--lookahead: {lookahead} with --drafting sequential (the stop rule sees each draft's confidence "
+                "as it is drafted; no lookahead)"
+            )
+        return "sequential", 0
+    if drafting == "block" and not lookahead:
+        fail("--lookahead: --drafting block needs the block size h in 1..Kmax (e.g. --lookahead 3)")
+    try:
+        return check_drafting(drafting, lookahead, int(ts.kmax))
+    except ValueError as exc:
+        fail(f"--lookahead: {exc}" if "lookahead" in str(exc) else f"--drafting: {exc}")
 
 
 @app.command()
@@ -921,14 +991,27 @@ def bench(
         Path | None, typer.Option(help="Folder of trained policies: <name>/policy.json or <run>/policy/policy.json.")
     ] = None,
     only: Annotated[list[str] | None, typer.Option(help="Only policies whose name contains this (repeatable).")] = None,
+    drafting: Annotated[
+        str | None,
+        typer.Option(
+            help="Only the rows of this drafting mode (none, block, sequential) and the exact fixed-k rows; "
+            "block adds its own bound per h."
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Benchmark every policy on the held-out split against the exact oracle bound."""
+    """Benchmark every policy on the held-out split against the exact oracle bound.
+
+    Without --policies it runs the policies shipped for the trace set (policies/shipped/<set>-v<N>/).
+    """
     from policies.benchmark import category_table, markdown_table, run_benchmark, write_outputs
+    from specenv.costmodel import DRAFTING_MODES
 
     _check_out_folder("--out", out_dir)
     if policies is not None and not policies.is_dir():
         fail(f"--policies: {policies} is not a folder")
+    if drafting is not None and drafting not in DRAFTING_MODES:
+        fail(f"--drafting: {drafting!r} is not one of {', '.join(DRAFTING_MODES)}")
     _check_budget(_load(traces), kmax)
     try:
         with Progress("bench", unit="policies") as prog:
@@ -941,6 +1024,7 @@ def bench(
                 policy_dir=policies,
                 only=only,
                 progress=lambda done, total, name: prog.update(done, total, name),
+                drafting=drafting,
             )
     except ValueError as exc:
         fail(str(exc))

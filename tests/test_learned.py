@@ -38,7 +38,8 @@ def test_exported_numpy_policy_matches_sb3_on_1000_observations(algo: str, small
     res = train_sb3(algo, str(small_traces), tmp_path / algo, timesteps=1500, n_envs=4, seed=1, tensorboard=False)
     obs = _observations(small_traces)
     assert obs.shape[0] == 1000
-    sb3_actions, _ = res.model.predict(obs, deterministic=True)
+    # SB3 reads standardised observations; the export folded the statistics into its first layer
+    sb3_actions, _ = res.model.predict(res.normalize.normalize_obs(obs), deterministic=True)
     ours = res.policy.act_batch(obs)
     np.testing.assert_array_equal(ours, sb3_actions)
     # and the copy on disk (policy.json + weights.npz, no pickle) gives the same actions

@@ -120,7 +120,8 @@ class MoESpecLiveEnv(RoundEnv):
       ``"cpu"`` (default; thread CPU time, as in the shipped ``live-cpu`` rounds, unaffected by
       other processes on the machine) or ``"wall"`` (``time.perf_counter``);
     * ``"model"``: the cost model at the round's measured U_r and context,
-      ``T_T(k, U_r, L) + T_D(max(k, h))``.
+      ``T_T(k, U_r, L) + T_D(n)`` with n the drafted tokens of the drafting mode (``max(k, h)`` in
+      ``"block"``, k in ``"none"`` and ``"sequential"``).
 
     ## Starting State
 
@@ -144,9 +145,10 @@ class MoESpecLiveEnv(RoundEnv):
 
     ```python
     gymnasium.make("specenv/MoESpecLive-v1", dataset="live-cpu", kmax=None, split="train",
-                   cost_model="fit", lookahead=0, cost_source="measured", clock="cpu",
+                   cost_model="fit", lookahead=None, cost_source="measured", clock="cpu",
                    prompts="stdlib-code-v1", models="small-moe-v1", max_new_tokens=None,
-                   temperature=0.0, threads=1, render_mode=None, backend="hf", reward="savings")
+                   temperature=0.0, threads=1, render_mode=None, backend="hf", reward="savings",
+                   drafting=None)
     ```
 
     Args:
@@ -154,7 +156,8 @@ class MoESpecLiveEnv(RoundEnv):
         kmax: Largest budget; default the trace set's Kmax (at most that).
         split: ``"train"`` (default), ``"test"`` or ``"all"``.
         cost_model: ``"fit"`` (fitted on the set's rounds), ``"profile"`` or a cost-model JSON path.
-        lookahead: Draft confidences exposed before each decision (0..kmax).
+        lookahead: Draft confidences exposed before each decision (0..kmax; None: the default of the
+            drafting mode, 0 for none, kmax for block and sequential).
         cost_source: ``"measured"`` (default) or ``"model"`` (see Rewards).
         clock: Clock of the measured cost: ``"cpu"`` (default; needs ``threads=1``) or ``"wall"``.
         prompts: Prompt set (shipped name or JSON path) holding the dataset's generation ids.
@@ -172,10 +175,15 @@ class MoESpecLiveEnv(RoundEnv):
             the drafts vLLM proposed, captured from the draft's logits; vLLM's prefill samples the
             first token; the drafter proposes ``kmax`` tokens ahead of each round).
         reward: ``"savings"`` (default) or ``"cost"`` (see Rewards).
+        drafting: ``"none"``, ``"block"`` or ``"sequential"``, checked with ``lookahead`` by
+            :func:`specenv.costmodel.check_drafting` as in the replay environment (None: block for
+            lookahead > 0, else none). ``"sequential"`` shows ``conf_1..h`` (the engine drafts them
+            before the decision) for a stop rule that reads ``conf_1..k`` only, and needs
+            ``cost_source="model"``: it charges ``T_D(k)``, the drafts a sequential drafter makes.
 
     Raises:
         ValueError: Naming the argument, for a bad dataset, kmax, split, cost model, lookahead,
-            reward, cost source, clock, backend or render mode, or a prompt set without the
+            drafting, reward, cost source, clock, backend or render mode, or a prompt set without the
             dataset's generations.
 
     ## Version History
@@ -211,7 +219,7 @@ class MoESpecLiveEnv(RoundEnv):
         kmax: int | None = None,
         split: str = "train",
         cost_model: str = "fit",
-        lookahead: int = 0,
+        lookahead: int | None = None,
         cost_source: str = "measured",
         clock: str = "cpu",
         prompts: str = "stdlib-code-v1",
@@ -222,17 +230,24 @@ class MoESpecLiveEnv(RoundEnv):
         render_mode: str | None = None,
         backend: str = "hf",
         reward: str = DEFAULT_REWARD,
+        drafting: str | None = None,
     ):
         from specenv.engines import BackendConfig, make_backend
 
         self._savings = _check_options(backend, render_mode, reward, cost_source, clock, threads)
+        if drafting == "sequential" and cost_source == "measured":
+            raise ValueError(
+                "drafting='sequential': the engine drafts the shown tokens before the decision, so its measured "
+                "draft time would charge drafts a stop rule never made; use cost_source='model' (T_D(k) charged)"
+            )
         self.render_mode = render_mode
         self.reward = reward
         self.cost_source = cost_source
         self.clock = clock
-        self.data = replay_data(dataset, kmax, split, cost_model, lookahead)
+        self.data = replay_data(dataset, kmax, split, cost_model, lookahead, drafting)
         self.kmax = self.data.kmax
         self.lookahead = self.data.lookahead
+        self.drafting = self.data.drafting
         self.ar_unit_ms = self.data.ar_unit_ms
         self.cost_model = self.data.cost_model
         if max_new_tokens is None:
@@ -305,7 +320,7 @@ class MoESpecLiveEnv(RoundEnv):
         if self.cost_source == "measured":
             cost = float(r.T_T_cpu_ms + r.T_D_cpu_ms) if self.clock == "cpu" else float(r.T_T_ms + r.T_D_ms)
         else:
-            cost = float(cm.charged_ms(k, r.U_r, r.L, drafted=drafted_tokens(k, self.lookahead)))
+            cost = float(cm.charged_ms(k, r.U_r, r.L, drafted=drafted_tokens(k, self.lookahead, self.drafting)))
         committed = len(r.committed)
         t_new = r.t + committed
         Ls = np.arange(r.L, r.L + committed, dtype=np.float64)

@@ -227,7 +227,9 @@ class MoESpecSeqEnv(RoundEnv):
         if self._check_action(action) == DRAFT:
             n = self._n + 1
             base = (self._row0 + self._t) * self._conf_width + n - 1
-            q = self._conf(base)
+            # as float32, the precision every policy sees it with (the round-level observation's conf_n):
+            # the product below is then the one a round-level stop rule recomputes (policies.stopping)
+            q = float(np.float32(self._conf(base)))
             self._n, self._q = n, q
             if self._extra:
                 self._sig = tuple(self._conf(base + self.kmax * (i + 1)) for i in range(self._extra))

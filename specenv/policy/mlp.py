@@ -11,7 +11,10 @@ release (:func:`specenv.observation.upgrade_contract`) and, like every version-1
 with one line: version 2 changed what ``prev_cost`` means (retrain it).
 
 The network maps an observation to one score per budget k = 0..kmax (PPO: action logits; DQN:
-Q-values; imitation: logits); the policy plays ``argmax`` (deterministic).
+Q-values; imitation: logits); the policy plays ``argmax`` (deterministic). A policy of the per-token
+environment ``specenv/MoESpecSeq-v0`` (a contract with ``per_token``) is a stop rule: two scores,
+0 = stop and verify, 1 = draft one more token (:func:`n_actions`); :mod:`policies.stopping` runs it
+in the round-level environments.
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ ACTIVATIONS = {
     "tanh": np.tanh,
     "relu": lambda x: np.maximum(x, 0.0),
 }
+
+
+def n_actions(spec: ObservationSpec) -> int:
+    """Scores of a policy for this contract: ``kmax + 1`` budgets, or 2 (stop, draft) for a per-token contract."""
+    return 2 if spec.per_token else spec.kmax + 1
 
 
 class MLPPolicy(Policy):
@@ -60,8 +68,8 @@ class MLPPolicy(Policy):
             _check_layer(i, np.asarray(W), np.asarray(b))
         if weights[0][0].shape[0] != spec.dim:
             raise ValueError(f"weights: first layer takes {weights[0][0].shape[0]} inputs, observation has {spec.dim}")
-        if weights[-1][0].shape[1] != spec.kmax + 1:
-            raise ValueError(f"weights: last layer gives {weights[-1][0].shape[1]} scores, need kmax+1={spec.kmax + 1}")
+        if weights[-1][0].shape[1] != n_actions(spec):
+            raise ValueError(f"weights: last layer gives {weights[-1][0].shape[1]} scores, need {_need(spec)}")
         for i in range(1, len(weights)):
             if weights[i][0].shape[0] != weights[i - 1][0].shape[1]:
                 raise ValueError(f"weights: layer {i} input size does not match layer {i - 1} output size")
@@ -72,7 +80,7 @@ class MLPPolicy(Policy):
         super().__init__(spec)
 
     def scores(self, obs: np.ndarray) -> np.ndarray:
-        """(n, kmax+1) scores of a batch of observations."""
+        """(n, kmax+1) scores of a batch of observations ((n, 2) for a per-token stop rule)."""
         x = np.atleast_2d(np.asarray(obs, dtype=np.float32))
         act = ACTIVATIONS[self.activation]
         for i, (W, b) in enumerate(self.weights):
@@ -163,6 +171,10 @@ class MLPPolicy(Policy):
         return cls(spec, weights, doc.activation, doc.name if "name" in meta else folder.name, dict(doc.meta))
 
 
+def _need(spec: ObservationSpec) -> str:
+    return "2 (stop, draft) for a per-token contract" if spec.per_token else f"kmax+1={spec.kmax + 1}"
+
+
 def _check_layer(i: int, W: np.ndarray, b: np.ndarray, file: str = "weights") -> None:
     """Layer i: W 2-D, b 1-D of W's output size, floating point, finite."""
     if W.ndim != 2:
@@ -215,8 +227,8 @@ def _load_weights(pw: Path, layers: int, spec: ObservationSpec) -> list[tuple[np
         if total > POLICY_ELEMENTS_MAX:
             raise ValueError(f"{pw}: arrays declare more than {POLICY_ELEMENTS_MAX} elements (W{i} {ws})")
         width = ws[1]
-    if width != spec.kmax + 1:
-        raise ValueError(f"{pw}: last layer gives {width} scores, need kmax+1={spec.kmax + 1}")
+    if width != n_actions(spec):
+        raise ValueError(f"{pw}: last layer gives {width} scores, need {_need(spec)}")
     try:
         with np.load(pw, allow_pickle=False) as z:
             weights = [(z[f"W{i}"], z[f"b{i}"]) for i in range(layers)]

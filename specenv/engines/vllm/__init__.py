@@ -26,7 +26,7 @@ Python::
     from specenv.engines.vllm import engine_kwargs
 
     llm = LLM(model=..., speculative_config={"method": "draft_model", "model": ..., "num_speculative_tokens": 8},
-              **engine_kwargs(policy="policies/shipped/imitation", record="rec/"))
+              **engine_kwargs(policy="policies/shipped/paper-default-v2/imitation", record="rec/"))
 
 Command line: ``specenv serve --policy PATH [--record DIR] -- <vllm serve args>``, or the equivalent
 ``vllm serve MODEL --scheduler-cls specenv.engines.vllm.controller.SpecControlScheduler --no-async-scheduling
