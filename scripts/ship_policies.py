@@ -5,7 +5,7 @@ Usage::
     python scripts/ship_policies.py                      # every set, every recipe (about 45 min on 2 cores)
     python scripts/ship_policies.py --sets live-cpu --only ppo --out /tmp/shipped
 
-For each shipped trace set (``paper-default``, ``live-cpu``) it trains, on the set's **train split**
+For each shipped trace set (``paper-default``, ``live-cpu``, ``live-vllm``) it trains, on the set's **train split**
 only and with the cost model fitted on the train split's rounds (``fit-train``, as the benchmark
 charges), one policy per learner and drafting mode:
 
@@ -38,19 +38,21 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SETS = ("paper-default", "live-cpu")
+SETS = ("paper-default", "live-cpu", "live-vllm")
 COST_MODEL = "fit-train"
 
 #: Recipes not shipped for a set, with the reason (the shipped-policy test requires every learned row to vary k).
 NOT_SHIPPED = {
     ("live-cpu", "imitation"): "DAgger with the greedy oracle's one-step labels collapses to k=0 in every state "
     "(no lookahead: the oracle's continuation hides the cost of AR steps); ppo covers mode none",
+    ("live-vllm", "imitation"): "the same collapse to k=0 as on live-cpu (13 train generations); ppo covers mode none",
 }
 
 #: Budgets per set (SB3 steps; DAgger iterations/epochs): the whole script fits ~45 min on 2 cores.
 BUDGET: dict[str, dict[str, Any]] = {
     "paper-default": {"sb3_steps": 1_000_000, "seq_steps": 600_000, "iterations": 8, "epochs": 15, "seq_epochs": 8},
     "live-cpu": {"sb3_steps": 400_000, "seq_steps": 400_000, "iterations": 8, "epochs": 30, "seq_epochs": 30},
+    "live-vllm": {"sb3_steps": 300_000, "seq_steps": 300_000, "iterations": 8, "epochs": 30, "seq_epochs": 30},
 }
 
 

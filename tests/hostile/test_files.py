@@ -30,7 +30,7 @@ from specenv.schema import ModelFacts, TraceError
 from specenv.traceset import sha256_file
 from tests.hostile.harness import assert_rejected, assert_unchanged, reject_cleanly, run_cli, run_limited, snapshot
 
-SHIPPED_POLICY = Path(__file__).resolve().parents[2] / "policies" / "shipped" / "ppo"
+SHIPPED_POLICY = Path(__file__).resolve().parents[2] / "policies" / "shipped" / "paper-default-v2" / "ppo"
 
 
 # ====================================================================== trace-set manifest
