@@ -176,6 +176,55 @@ class _ObsSlots:
         self.state.update(*cols, mask=mask)
 
 
+class _StepLog:
+    """Per engine step: specenv's own wall and CPU time, and the step's wall time (a ring of the last steps).
+
+    A step runs from the controller's ``schedule`` to the end of its last hook of the step
+    (``update_from_output`` or ``update_draft_token_ids``); the idle time between steps is not part of it.
+    Each hook calls :meth:`add` with its own (wall, thread-CPU) start stamps; the row of a step is written
+    when the next step is scheduled (or by :meth:`close`).
+    """
+
+    CAP = 1 << 16
+
+    def __init__(self) -> None:
+        self.rows = np.zeros((self.CAP, 3))
+        self.n = 0
+        self.t0: float | None = None  # the open step's start
+        self.t_end = 0.0
+        self.over = 0.0
+        self.cpu = 0.0
+
+    def open(self, t: float) -> None:
+        """A step starts at ``t`` (closing the previous one)."""
+        self.close()
+        self.t0, self.t_end = t, t
+
+    def add(self, t0: float, c0: float) -> float:
+        """Charge specenv's code from ``(t0, c0)`` (``perf_counter``, ``thread_time``) to now; returns the ms."""
+        t, c = time.perf_counter(), time.thread_time()
+        ms = (t - t0) * 1e3
+        self.over += ms
+        self.cpu += (c - c0) * 1e3
+        self.t_end = t
+        return ms
+
+    def close(self) -> None:
+        """Write the open step's row."""
+        if self.t0 is None:
+            return
+        self.rows[self.n % self.CAP] = (self.over, self.cpu, (self.t_end - self.t0) * 1e3)
+        self.n += 1
+        self.t0, self.over, self.cpu = None, 0.0, 0.0
+
+    def since(self, start: int) -> np.ndarray:
+        """``(steps, 3)`` rows (specenv ms, specenv CPU ms, step ms) of the steps numbered ``start..`` (last CAP)."""
+        self.close()
+        start = max(start, self.n - self.CAP)
+        idx = np.arange(start, self.n) % self.CAP
+        return self.rows[idx].copy()
+
+
 def _clone(policy: Any) -> Any:
     """``copy.deepcopy`` of a policy that shares its cost model(s) (read-only, and costly to copy)."""
     from specenv.costmodel import CostModel
@@ -286,6 +335,7 @@ class SpecControlScheduler(Scheduler):
         self._next_gid = 0
         self._step = 0
         self._t_sched = 0.0
+        self._steplog = _StepLog()
         self._ar_ema: float | None = None
         self._min_tt: float | None = None
         self.cost_model = None
@@ -474,6 +524,21 @@ class SpecControlScheduler(Scheduler):
         if self.recorder is not None:
             self.recorder.flush()
 
+    @property
+    def steps_logged(self) -> int:
+        """Engine steps logged so far (see :meth:`step_log`)."""
+        return self._steplog.n + (self._steplog.t0 is not None)
+
+    def step_log(self, since: int = 0) -> np.ndarray:
+        """Per engine step from step number ``since`` on (the last 65536 kept): ``(steps, 3)`` float array.
+
+        Columns: wall ms spent in specenv's code (policy, observations, routing statistics, recorder
+        rows: what ``stats["overhead_ms"]`` sums), the thread CPU ms of the same code, and the step's
+        wall ms (from ``schedule`` to the end of the step's last controller hook). The open step is
+        closed first (call it between steps, e.g. after ``LLM.generate`` returned).
+        """
+        return self._steplog.since(since)
+
     def summary(self) -> dict[str, Any]:
         """Counters as plain JSON.
 
@@ -561,20 +626,23 @@ class SpecControlScheduler(Scheduler):
     # ------------------------------------------------------------------ scheduling
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         """Base schedule; resets the step clocks and, with ``draft_horizon="policy"``, the draft length."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        log = self._steplog
+        log.open(t0)
         if self.tap is not None:
             self.tap.reset_step()
-        t1 = time.perf_counter()
+        ms = log.add(t0, c0)
         out = super().schedule(*args, **kwargs)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.thread_time()
         self._step += 1
         if self.settings.draft_horizon == "policy" and self.policy is not None and out.num_scheduled_tokens:
             try:
                 out.num_spec_tokens_to_schedule = self._horizon(out)
             except Exception as exc:  # never fail a step: draft the maximum
                 self._error(exc)
-        self._t_sched = time.perf_counter()
-        self.stats["overhead_ms"] += (t1 - t0 + self._t_sched - t2) * 1e3
+        ms += log.add(t2, c2)
+        self._t_sched = log.t_end
+        self.stats["overhead_ms"] += ms
         return out
 
     def _horizon(self, out: Any) -> int:
@@ -644,21 +712,21 @@ class SpecControlScheduler(Scheduler):
     # ------------------------------------------------------------------ outcomes
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         """Learn every request's round outcome (and record it), then the base behaviour."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             self._observe(scheduler_output, model_runner_output)
         except Exception as exc:  # bookkeeping must never take the server down
             self._error(exc)
-        t1 = time.perf_counter()
+        ms = self._steplog.add(t0, c0)
         out = super().update_from_output(scheduler_output, model_runner_output)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.thread_time()
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 self._drop(req_id)
         if self.recorder is not None:
             self.recorder.maybe_flush()
-        self.stats["overhead_ms"] += (t1 - t0 + time.perf_counter() - t2) * 1e3
+        self.stats["overhead_ms"] += ms + self._steplog.add(t2, c2)
         return out
 
     def _observe(self, so: Any, mro: Any) -> None:
@@ -813,7 +881,7 @@ class SpecControlScheduler(Scheduler):
     # ------------------------------------------------------------------ decisions
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
         """Trim each request's new drafts to the policy's k, then the base behaviour."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids, strict=False):
             st = self._reqs.get(req_id)
             if st is not None:
@@ -826,7 +894,7 @@ class SpecControlScheduler(Scheduler):
             except Exception as exc:  # never fail a step: the lookahead then falls back
                 self._error(exc)
         if self.policy is None:
-            self.stats["overhead_ms"] += (time.perf_counter() - t0) * 1e3
+            self.stats["overhead_ms"] += self._steplog.add(t0, c0)
             super().update_draft_token_ids(draft_token_ids)
             return
         try:
@@ -836,7 +904,7 @@ class SpecControlScheduler(Scheduler):
             trimmed = DraftTokenIds(
                 list(draft_token_ids.req_ids), [list(d)[: self.fallback_k] for d in draft_token_ids.draft_token_ids]
             )
-        self.stats["overhead_ms"] += (time.perf_counter() - t0) * 1e3
+        self.stats["overhead_ms"] += self._steplog.add(t0, c0)
         super().update_draft_token_ids(trimmed)
 
     def _capture_signals(self, req_ids: list[str], drafts: list[list[int]]) -> None:
