@@ -114,8 +114,8 @@ def step_overhead(ctl: Any, since: int) -> dict[str, Any]:
 
     Returns:
         ``steps``, ``specenv_ms`` and ``specenv_cpu_ms`` (sums), ``step_ms`` (sum of the steps' wall
-        times) and ``frac`` / ``cpu_frac`` (controller time / step time) with a 95% bootstrap interval
-        over the steps (``frac_ci``, ``cpu_frac_ci``: [low, high]).
+        times), ``rows`` (the per-step log) and ``frac`` / ``cpu_frac`` (controller time / step time)
+        with a 95% bootstrap interval over the steps (``frac_ci``, ``cpu_frac_ci``: [low, high]).
     """
     log = ctl.step_log(since)
     n = len(log)
@@ -130,6 +130,7 @@ def step_overhead(ctl: Any, since: int) -> dict[str, Any]:
         out[key] = float(num.sum() / max(wall.sum(), 1e-12))
         boot = num[idx].sum(axis=1) / np.maximum(wall[idx].sum(axis=1), 1e-12)
         out[key + "_ci"] = [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))]
+    out["rows"] = log.round(5).tolist()
     return out
 
 
