@@ -138,7 +138,7 @@ def predicted_speedup(dataset: str, cost_model: str, kmax: int, gids: list[int],
 
     import specenv  # noqa: F401  (registers the environments)
 
-    env = gym.make("specenv/MoESpec-v0", dataset=dataset, kmax=kmax, split="test", cost_model=cost_model)
+    env = gym.make("specenv/MoESpec-v1", dataset=dataset, kmax=kmax, split="test", cost_model=cost_model)
     cost = ar = 0.0
     for g in gids:
         obs, _ = env.reset(seed=0, options={"generation_id": int(g)})

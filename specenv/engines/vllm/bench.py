@@ -35,7 +35,6 @@ import numpy as np
 
 #: Environment of an engine process on CPU (each set only when the caller has not set it).
 ENGINE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_LOGGING_LEVEL": "WARNING",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # pinned threads crawl on a shared machine
     "OMP_NUM_THREADS": "1",
@@ -62,6 +61,8 @@ def engine_options(cfg: dict[str, Any]) -> dict[str, Any]:
         seed=0,
         max_num_seqs=int(cfg.get("max_num_seqs", 1)),
         enable_prefix_caching=False,  # every arm prefills every prompt: the same work, run after run
+        # a small explicit KV cache (the CPU default, 1 GiB and more, makes a dozen engines not fit in memory)
+        kv_cache_memory_bytes=int(cfg.get("kv_cache_mb", 256)) << 20,
     )
     if int(cfg.get("k", 0)) > 0:
         sc: dict[str, Any] = {
@@ -207,6 +208,7 @@ def engine_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of an engine process: in-process engine core, the CPU settings of :data:`ENGINE_ENV`."""
     env = dict(os.environ if environ is None else environ)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override engine_options' kv_cache_memory_bytes
     for k, v in ENGINE_ENV.items():
         env.setdefault(k, v)
     return env
