@@ -74,7 +74,7 @@ def engine_options(cfg: dict[str, Any]) -> dict[str, Any]:
             sc["num_speculative_tokens_per_batch_size"] = [tuple(int(x) for x in e) for e in cfg["dynamic_sd"]]
         kw["speculative_config"] = sc
     if cfg.get("controller", True):
-        kw.update(engine_kwargs(SpecenvSettings(**cfg.get("settings", {})), tap=True))
+        kw.update(engine_kwargs(SpecenvSettings(**cfg.get("settings", {})), tap=bool(cfg.get("tap", True))))
     else:
         kw["async_scheduling"] = False  # what the controller runs with: the comparison is the scheduler
     return kw
