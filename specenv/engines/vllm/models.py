@@ -123,8 +123,9 @@ def vllm_model_dirs(name_or_path: str | os.PathLike[str] = "small-moe-v1") -> VL
     if base is None:  # disk cache disabled: a private temporary folder for this process
         base = Path(tempfile.mkdtemp(prefix="specenv-"))
     view = base / "vllm-models" / f"{src.name}-{digest}"
-    parts = ("target/config.json", "target/tokenizer.json", "draft/config.json", "draft/tokenizer_config.json")
-    if not all((view / part).is_file() for part in parts):  # absent, or a link whose file is gone
+    # a view whose links dangle (its source folder moved or was deleted, e.g. another checkout) is rebuilt
+    intact = all((view / sub / f).exists() for sub in ("target", "draft") for f in ("config.json", "tokenizer.json"))
+    if not (view / "draft" / "tokenizer_config.json").is_file() or not intact:
         view.parent.mkdir(parents=True, exist_ok=True)
         with atomic_dir(view, replace=True) as tmp:
             cfg = {

@@ -1,0 +1,541 @@
+"""``specenv abtest``: a live A/B of speculation-length controllers through vLLM against what users run today.
+
+A command module (the top layer, like :mod:`specenv.cli`: it may import the oracle and the policies).
+The engines are measured with :mod:`specenv.engines.vllm.bench`: every engine is started once in its
+own process (:class:`~specenv.engines.vllm.bench.EngineProcess`) and kept alive, so the arms can be
+run interleaved (every repeat runs every arm once, the order rotated per repeat) at every batch size.
+
+Arms (``--arms``; one engine each unless said otherwise):
+
+* ``plain``: no speculation (stock scheduler);
+* ``fixed``: stock vLLM with ``num_speculative_tokens = k`` for every k in 1..kmax;
+* ``best``: the fixed k chosen on the *train* prompts, per batch size (``--fit measured``: one pass of
+  the train prompts through every fixed-k engine; ``--fit replay``: the replay oracle's best fixed k,
+  the same for every batch size). Its row is the matching fixed-k engine's measurement;
+* ``dynamic``: vLLM's dynamic speculative decoding (``speculative_config.num_speculative_tokens_per_batch_size``,
+  one k per step for the whole batch, looked up by batch size), the table fitted on train like ``best``;
+* ``adaptive``: vLLM's adaptive verification (``enable_adaptive_verification``): not run where it cannot
+  (the row says why);
+* ``heuristic``, ``delta`` (oracle lambda and adaptive lambda), ``learned`` (every policy folder under
+  ``policies/shipped`` and ``--policy-dir`` that the served model's contract accepts; the others are listed
+  with the one-line refusal): through specenv's controller, all on one engine with
+  ``num_speculative_tokens = kmax`` and ``draft_horizon="policy"``;
+* ``overhead``: the specenv path (controller + routing tap + recorder, a numpy MLP policy that always
+  answers the best fixed k) against stock vLLM with the same speculative config (the ``best`` k engine):
+  throughput ratio per repeat, stock's own run-to-run spread, and the controller's CPU time per step as a
+  fraction of the step time with a 95% bootstrap interval over the steps.
+
+Columns: tokens/s (median over repeats), live speedup over plain at the same batch size, the replay
+environment's predicted speedup on the same prompts (``specenv/MoESpec-v0`` on the trace set, the
+policy run as the controller runs it; a batch-1 model, shown for every batch size), live / predicted,
+whether every repeat's outputs equal plain greedy's at the same batch size, and the controller's CPU
+per step (% of step time).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: Arm groups of ``--arms`` (all by default).
+ARM_GROUPS = ("plain", "fixed", "best", "dynamic", "adaptive", "heuristic", "delta", "learned", "overhead")
+FIT_MODES = ("measured", "replay")
+#: Why vLLM's adaptive verification does not run on a CPU build of vLLM 0.32.
+ADAPTIVE_WHY = (
+    "not run: vLLM 0.32 implements enable_adaptive_verification only in the GPU (V2) model runner with "
+    "full CUDA graphs and CUDA attention backends (vllm/v1/worker/gpu/model_runner.py); the CPU build runs "
+    "the V1 CPU runner (the GPU script covers it)"
+)
+
+
+@dataclass
+class AbtestOptions:
+    """What ``specenv abtest`` runs (see the module docstring)."""
+
+    models: str = "small-moe-v1"
+    dataset: str = "live-cpu"
+    prompts: int = 8
+    train_prompts: int = 8
+    max_tokens: int = 64
+    repeats: int = 3
+    batches: list[int] = field(default_factory=lambda: [1, 8])
+    arms: list[str] = field(default_factory=lambda: list(ARM_GROUPS))
+    kmax: int | None = None
+    fit: str = "measured"
+    cost_model: str = "fit-train"
+    policy_dirs: list[str] = field(default_factory=list)
+    out: str | None = None
+    ignore_eos: bool = False
+
+
+# ---------------------------------------------------------------------------------------------- policies
+def make_policy(desc: dict[str, Any], ctl: Any) -> Any:
+    """A policy object from its JSON description, for a controller (runs in the engine process)."""
+    from specenv.observation import ObservationSpec
+
+    kind = desc["kind"]
+    spec = ObservationSpec(int(desc["kmax"]), 0, int(desc["max_new_tokens"]), int(ctl.n_experts or 128))
+    if kind == "fixed":
+        from policies.heuristics import FixedK
+
+        return FixedK(spec, int(desc["k"]))
+    if kind == "heuristic":
+        from policies.heuristics import TransformersHeuristic
+
+        return TransformersHeuristic(spec)
+    if kind == "delta":
+        from policies.delta import DeltaSpaceRule
+        from specenv.costmodel import CostModel
+
+        return DeltaSpaceRule(
+            spec,
+            CostModel.load(desc["cost_model"]),
+            lam_ms=desc.get("lam_ms"),
+            adaptive=bool(desc.get("adaptive", False)),
+            u_prior=np.asarray(desc["u_prior"]),
+            rho_prior=np.asarray(desc["rho_prior"]),
+        )
+    if kind == "mlp":
+        from specenv.policy.mlp import MLPPolicy
+
+        return MLPPolicy.load(desc["folder"])
+    if kind == "constant-mlp":  # a real MLP call (obs build + 3 layers) whose answer is always k
+        from specenv.policy.mlp import MLPPolicy
+
+        k, kmax = int(desc["k"]), int(desc["kmax"])
+        rng = np.random.default_rng(0)
+        b = np.full(kmax + 1, -10.0)
+        b[k] = 10.0
+        layers = [
+            (rng.normal(size=(spec.dim, 64)) * 0.01, np.zeros(64)),
+            (rng.normal(size=(64, 64)) * 0.01, np.zeros(64)),
+            (rng.normal(size=(64, kmax + 1)) * 0.01, b),
+        ]
+        return MLPPolicy(spec, layers, name=f"constant-mlp-k{k}")
+    raise ValueError(f"unknown policy kind {kind!r}")
+
+
+def replay_policy(desc: dict[str, Any], spec: Any) -> Any:
+    """The same policy as :func:`make_policy`, built for the replay environment's observation spec."""
+
+    class _Ctl:
+        n_experts = spec.n_experts
+
+    return make_policy({**desc, "kmax": spec.kmax, "max_new_tokens": spec.max_new_tokens}, _Ctl())
+
+
+# ---------------------------------------------------------------------------------------------- replay
+def predicted_speedup(dataset: str, cost_model: str, kmax: int, gids: list[int], policy: Any) -> float:
+    """Replay-predicted speedup (model AR cost / model cost) of a policy on some generations."""
+    import gymnasium as gym
+
+    import specenv  # noqa: F401  (registers the environments)
+
+    env = gym.make("specenv/MoESpec-v1", dataset=dataset, kmax=kmax, split="test", cost_model=cost_model)
+    cost = ar = 0.0
+    for g in gids:
+        obs, _ = env.reset(seed=0, options={"generation_id": int(g)})
+        policy.reset()
+        done = False
+        while not done:
+            obs, _, done, _, info = env.step(int(policy.act(obs)))
+            cost += info["cost_ms"]
+        ar += info["ar_cost_ms"]
+    env.close()
+    return ar / cost
+
+
+# ---------------------------------------------------------------------------------------------- the run
+@dataclass
+class _Arm:
+    name: str
+    engine: str
+    group: str
+    policy: dict[str, Any] | None = None  # controller engines: the policy description
+    predict: dict[str, Any] | None = None  # what the replay runs (a policy description), None: 1.0
+    k_by_batch: dict[int, int] | None = None  # fixed-k-per-batch arms (best, dynamic)
+
+
+def _log(msg: str, quiet: bool) -> None:
+    if not quiet:
+        import sys
+
+        print(f"[abtest {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run_abtest(opts: AbtestOptions, quiet: bool = False) -> dict[str, Any]:
+    """Run the A/B (see the module docstring); returns the JSON document behind the table."""
+    from policies.benchmark import build_context, find_policies, shipped_policy_dir
+    from specenv.engines.vllm.bench import EngineProcess
+    from specenv.engines.vllm.settings import policy_refusal
+    from specenv.policy.mlp import MLPPolicy
+
+    t_start = time.time()
+    out = Path(opts.out) if opts.out else Path(tempfile.mkdtemp(prefix="specenv-abtest-"))
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = build_context(opts.dataset, opts.kmax, opts.cost_model, None)
+    kmax = ctx.kmax
+    test_ids = [int(g) for g in ctx.test.generation_ids][: opts.prompts]
+    train_ids = [int(g) for g in ctx.train.generation_ids][: opts.train_prompts]
+    cm_path = out / "cost-model.json"
+    ctx.cost_model.save(cm_path)
+    mnt = int(ctx.spec.max_new_tokens)
+    max_b = max(opts.batches)
+    groups = set(opts.arms)
+    base = {"models": opts.models, "max_num_seqs": max_b, "max_model_len": 1024}
+    engines: dict[str, EngineProcess] = {}
+    notes: list[str] = []
+    pdesc = {"kmax": kmax, "max_new_tokens": mnt}
+
+    def start(name: str, cfg: dict[str, Any]) -> EngineProcess:
+        if name not in engines:
+            _log(f"starting engine {name}", quiet)
+            eng = EngineProcess("specenv.abtest", {**base, **cfg}, out / f"engine-{name}.log")
+            info = eng.ready()
+            engines[name] = eng
+            _log(f"  {name} up in {info['startup_s']:.0f} s (rss {info['rss_mb']:.0f} MB)", quiet)
+            eng.call(op="run", prompt_ids=test_ids[:1], max_tokens=8, batch=1)  # warm-up
+        return engines[name]
+
+    def run(eng: EngineProcess, ids: list[int], batch: int, max_tokens: int) -> dict[str, Any]:
+        return eng.call(op="run", prompt_ids=ids, max_tokens=max_tokens, batch=batch, ignore_eos=opts.ignore_eos)
+
+    try:
+        # ---- engines that need no fit
+        need_fixed = "fixed" in groups or (opts.fit == "measured" and groups & {"best", "dynamic", "overhead"})
+        start("plain", {"k": 0, "controller": False})
+        if need_fixed:
+            for k in range(1, kmax + 1):
+                start(f"k={k}", {"k": k, "controller": False})
+        # ---- fit on train: best fixed k and the dynamic-SD table per batch size
+        best_k: dict[int, int] = {}
+        fit_detail: dict[str, Any] = {"mode": opts.fit, "replay_best_k": ctx.best_fixed_k}
+        if groups & {"best", "dynamic", "overhead"}:
+            if opts.fit == "measured":
+                tps: dict[int, dict[int, float]] = {}
+                for b in opts.batches:
+                    for k in range(0, kmax + 1):
+                        eng = engines["plain" if k == 0 else f"k={k}"]
+                        tps.setdefault(b, {})[k] = run(eng, train_ids, b, opts.max_tokens)["tok_per_s"]
+                    best_k[b] = max(range(1, kmax + 1), key=lambda k, b=b: tps[b][k])
+                    _log(f"train fit, batch {b}: best fixed k={best_k[b]}", quiet)
+                fit_detail["train_tok_per_s"] = {str(b): {str(k): v for k, v in d.items()} for b, d in tps.items()}
+            else:
+                best_k = {b: max(ctx.best_fixed_k, 1) for b in opts.batches}
+            fit_detail["best_k"] = {str(b): k for b, k in best_k.items()}
+        arms: list[_Arm] = []
+        arms.append(_Arm("plain (no speculation)", "plain", "plain"))  # the reference: always run
+        if "fixed" in groups:
+            for k in range(1, kmax + 1):
+                arms.append(_Arm(f"fixed k={k}", f"k={k}", "fixed", predict={"kind": "fixed", "k": k}))
+        if "best" in groups:
+            for k in set(best_k.values()):
+                start(f"k={k}", {"k": k, "controller": False})
+            arms.append(_Arm("best fixed k (train)", "", "best", k_by_batch=dict(best_k)))
+        if "dynamic" in groups:
+            lo_hi = sorted(best_k.items())
+            table = []
+            for i, (b, k) in enumerate(lo_hi):
+                lo = 1 if i == 0 else table[-1][1] + 1
+                hi = max_b if i == len(lo_hi) - 1 else (b + lo_hi[i + 1][0]) // 2
+                table.append((lo, hi, k))
+            fit_detail["dynamic_sd_table"] = table
+            start("dynamic", {"k": max(best_k.values()), "controller": False, "dynamic_sd": table})
+            arms.append(_Arm(f"vLLM dynamic SD {table}", "dynamic", "dynamic", k_by_batch=dict(best_k)))
+        ctl_cfg = {
+            "k": kmax,
+            "settings": {"draft_horizon": "policy", "cost_model": str(cm_path)},
+        }
+        if "heuristic" in groups:
+            arms.append(_Arm("transformers heuristic", "ctl", "heuristic", {"kind": "heuristic", **pdesc}))
+        if "delta" in groups:
+            d = {
+                "kind": "delta",
+                "cost_model": str(cm_path),
+                "u_prior": ctx.u_prior.tolist(),
+                "rho_prior": ctx.rho_prior.tolist(),
+                **pdesc,
+            }
+            arms.append(_Arm("delta rule (oracle lambda)", "ctl", "delta", {**d, "lam_ms": float(ctx.lam_ms)}))
+            arms.append(_Arm("delta rule (adaptive lambda)", "ctl", "delta", {**d, "adaptive": True}))
+        refused: list[dict[str, str]] = []
+        if "learned" in groups:
+            folders: dict[str, Path] = {}
+            # the shipped policies trained on this set's train split and on the vLLM-collected set (same
+            # models: "train on what you serve"), then the user's folders
+            for ds in dict.fromkeys([opts.dataset, "live-vllm"]):
+                set_dir = shipped_policy_dir(ds)
+                if set_dir.is_dir():
+                    folders.update({f"{set_dir.name}/{n}": f for n, f in find_policies(set_dir).items()})
+            for d in opts.policy_dirs:
+                folders.update(find_policies(Path(d)))
+            # the served model's routing facts: the trace set's (collected on the same models)
+            n_exp, top_k = int(ctx.spec.n_experts), _top_k(opts.dataset)
+            for name, folder in folders.items():
+                try:
+                    pol = MLPPolicy.load(folder)
+                    why = policy_refusal(pol, num_spec_tokens=kmax, n_experts=n_exp, top_k=top_k)
+                    if why is None and pol.spec.kmax != kmax:
+                        why = f"policy '{name}': kmax {pol.spec.kmax} != the served kmax {kmax}"
+                except ValueError as exc:
+                    why = str(exc)
+                if why is not None:
+                    refused.append({"policy": name, "folder": str(folder), "reason": why})
+                    continue
+                arms.append(_Arm(f"{name} (learned)", "ctl", "learned", {"kind": "mlp", "folder": str(folder)}))
+        if any(a.engine == "ctl" for a in arms):
+            start("ctl", ctl_cfg)
+        if "overhead" in groups:
+            kb = best_k[min(opts.batches)]
+            start(f"k={kb}", {"k": kb, "controller": False})
+            rec = out / "overhead-recording"
+            start(
+                "specenv",
+                {"k": kb, "settings": {"record": str(rec), "run": "abtest-overhead", "max_new_tokens": mnt}},
+            )
+            engines["specenv"].call(op="policy", policy={"kind": "constant-mlp", "k": kb, **pdesc})
+            arms.append(_Arm(f"stock vLLM k={kb} (overhead reference)", f"k={kb}", "overhead-stock"))
+            arms.append(
+                _Arm(
+                    f"specenv path k={kb} (controller+tap+recorder)",
+                    "specenv",
+                    "overhead",
+                    predict={"kind": "fixed", "k": kb},
+                )
+            )
+        # ---- interleaved repeats on the test prompts
+        runs = [a for a in arms if a.engine]  # best: measured by its fixed-k engine
+        results: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        cur_policy: dict[str, Any] = {}
+        for rep in range(opts.repeats):
+            order = runs[rep % len(runs) :] + runs[: rep % len(runs)]
+            _log(f"repeat {rep + 1}/{opts.repeats}: {len(order)} arms x batches {opts.batches}", quiet)
+            for arm in order:
+                eng = engines[arm.engine]
+                if arm.engine == "ctl" and cur_policy.get("ctl") != arm.name:
+                    ans = eng.call(op="policy", policy=arm.policy, draft_horizon="policy")
+                    if "refused" in ans:
+                        refused.append({"policy": arm.name, "folder": "", "reason": ans["refused"]})
+                        arm.engine = ""
+                        continue
+                    cur_policy["ctl"] = arm.name
+                for b in opts.batches:
+                    results.setdefault((arm.name, b), []).append(run(eng, test_ids, b, opts.max_tokens))
+        # ---- predictions
+        preds: dict[str, float] = {}
+        for arm in arms:
+            desc = arm.predict or arm.policy
+            if arm.group in ("plain", "overhead-stock") or desc is None:
+                continue
+            if desc.get("kind") == "mlp":
+                pol = MLPPolicy.load(desc["folder"])
+            else:
+                pol = replay_policy(desc, ctx.spec)
+            preds[arm.name] = predicted_speedup(opts.dataset, opts.cost_model, kmax, test_ids, pol)
+        kpred = {
+            k: predicted_speedup(
+                opts.dataset, opts.cost_model, kmax, test_ids, replay_policy({"kind": "fixed", "k": k}, ctx.spec)
+            )
+            for k in set(best_k.values())
+        }
+    finally:
+        for eng in engines.values():
+            eng.close()
+    rows = _rows(arms, results, preds, kpred, opts.batches)
+    doc = {
+        "options": asdict(opts),
+        "out": str(out),
+        "test_prompts": test_ids,
+        "train_prompts": train_ids,
+        "kmax": kmax,
+        "fit": fit_detail,
+        "rows": rows,
+        "adaptive_verification": ADAPTIVE_WHY if "adaptive" in groups else None,
+        "refused": refused,
+        "overhead": _overhead(arms, results, opts.batches) if "overhead" in groups else None,
+        "cost_model": opts.cost_model,
+        "notes": notes
+        + [
+            "predicted: replay env on the full recorded generations of the same prompts, a batch-1 cost model "
+            f"({opts.cost_model} of {opts.dataset}); the same value is shown at every batch size",
+        ],
+        "engines": {n: e.info for n, e in engines.items()},
+        "duration_s": time.time() - t_start,
+    }
+    (out / "abtest.json").write_text(json.dumps(doc, indent=2, default=float))
+    return doc
+
+
+def _top_k(dataset: str) -> int | None:
+    from specenv.datasets import load_dataset
+
+    return int(load_dataset(dataset).facts.top_k)
+
+
+def _rows(
+    arms: list[_Arm],
+    results: dict[tuple[str, int], list[dict[str, Any]]],
+    preds: dict[str, float],
+    kpred: dict[int, float],
+    batches: list[int],
+) -> list[dict[str, Any]]:
+    fixed_of = {a.engine: a.name for a in arms if a.engine.startswith("k=")}
+    rows = []
+    for b in batches:
+        plain = results.get(("plain (no speculation)", b), [])
+        plain_tps = statistics.median(r["tok_per_s"] for r in plain) if plain else float("nan")
+        ref = plain[0]["outputs"] if plain else None
+        for arm in arms:
+            rs = results.get((arm.name, b))
+            pred = preds.get(arm.name, 1.0 if arm.group == "plain" else None)
+            if arm.k_by_batch is not None and arm.group == "best":
+                src = fixed_of.get(f"k={arm.k_by_batch[b]}")
+                rs = results.get((src, b)) if src else None
+                pred = kpred.get(arm.k_by_batch[b])
+            elif arm.group == "dynamic":
+                pred = kpred.get(arm.k_by_batch[b]) if arm.k_by_batch else None
+            if arm.group == "overhead-stock":
+                pred = None
+            row: dict[str, Any] = {"arm": arm.name, "batch": b, "group": arm.group}
+            if arm.k_by_batch is not None:
+                row["k"] = arm.k_by_batch[b]
+            if not rs:
+                row["status"] = "not run"
+                rows.append(row)
+                continue
+            tps = statistics.median(r["tok_per_s"] for r in rs)
+            live = tps / plain_tps
+            row.update(
+                tok_per_s=tps,
+                tok_per_s_all=[r["tok_per_s"] for r in rs],
+                live_speedup=live,
+                predicted=pred,
+                live_over_pred=None if pred is None else live / pred,
+                identical=None if ref is None else all(r["outputs"] == ref for r in rs),
+            )
+            ovh = _pooled([r for r in rs if r.get("overhead", {}).get("steps")])
+            if ovh:
+                row["ctl_cpu_frac"] = ovh
+            row["fallbacks"] = sum(r.get("fallbacks", 0) for r in rs)
+            rows.append(row)
+    return rows
+
+
+def _pooled(rs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Controller CPU / step time pooled over passes, with a 95% bootstrap interval over the steps."""
+    rows = [np.asarray(r["overhead"]["rows"]) for r in rs if r["overhead"].get("rows")]
+    if not rows:
+        return None
+    log = np.concatenate(rows)
+    cpu, wall, over = log[:, 1], log[:, 2], log[:, 0]
+    idx = np.random.default_rng(0).integers(0, len(log), size=(1000, len(log)))
+    boot = cpu[idx].sum(axis=1) / wall[idx].sum(axis=1)
+    return {
+        "value": float(cpu.sum() / wall.sum()),
+        "ci95": [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))],
+        "wall_frac": float(over.sum() / wall.sum()),
+        "cpu_ms_per_step": float(cpu.mean()),
+        "step_ms": float(wall.mean()),
+        "steps": len(log),
+    }
+
+
+def _overhead(arms: list[_Arm], results: dict[tuple[str, int], list[dict[str, Any]]], batches: list[int]) -> dict:
+    """The specenv path vs stock with the same speculative config: paired ratios per repeat, stock's own spread."""
+    stock = next(a for a in arms if a.group == "overhead-stock").name
+    spec = next(a for a in arms if a.group == "overhead").name
+    out = {}
+    for b in batches:
+        s = [r["tok_per_s"] for r in results.get((stock, b), [])]
+        p = [r["tok_per_s"] for r in results.get((spec, b), [])]
+        if not s or not p:
+            continue
+        med = statistics.median(s)
+        out[str(b)] = {
+            "stock_tok_per_s": s,
+            "specenv_tok_per_s": p,
+            "ratio_median": statistics.median(p) / med,
+            "ratio_per_repeat": [x / y for x, y in zip(p, s, strict=False)],
+            "stock_spread": (max(s) - min(s)) / med,
+            "ctl_cpu_frac": _pooled([r for r in results[(spec, b)] if r.get("overhead", {}).get("steps")]),
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- output
+def _f(x: Any, fmt: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and not np.isfinite(x)) else format(x, fmt)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The A/B table (and its notes) as Markdown."""
+    lines = [
+        f"specenv abtest: {len(doc['test_prompts'])} test prompts x {doc['options']['max_tokens']} tokens, "
+        f"{doc['options']['repeats']} repeats (median), kmax {doc['kmax']}, models {doc['options']['models']}, "
+        f"{doc['duration_s']:.0f} s",
+        "",
+        "| arm | batch | tokens/s | live speedup | predicted | live/pred | identical to plain | controller CPU/step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        name = r["arm"] + (f" (k={r['k']})" if "k" in r and r["group"] == "best" else "")
+        if r.get("status"):
+            lines.append(f"| {name} | {r['batch']} | {r['status']} | | | | | |")
+            continue
+        c = r.get("ctl_cpu_frac")
+        cpu = f"{c['value']:.2%} [{c['ci95'][0]:.2%}, {c['ci95'][1]:.2%}]" if c else "-"
+        ident = "-" if r["identical"] is None else ("yes" if r["identical"] else "NO")
+        lines.append(
+            f"| {name} | {r['batch']} | {r['tok_per_s']:.1f} | {r['live_speedup']:.3f} | {_f(r['predicted'], '.3f')} | "
+            f"{_f(r['live_over_pred'], '.3f')} | {ident} | {cpu} |"
+        )
+    if doc.get("adaptive_verification"):
+        lines.append(f"| vLLM adaptive verification | - | {doc['adaptive_verification']} | | | | | |")
+    for r in doc["refused"]:
+        lines.append(f"| {r['policy']} (learned) | - | refused: {r['reason']} | | | | | |")
+    ov = doc.get("overhead") or {}
+    if ov:
+        lines += ["", "Overhead (specenv path vs stock vLLM, same speculative config, paired per repeat):"]
+        for b, o in ov.items():
+            c = o.get("ctl_cpu_frac") or {}
+            lines.append(
+                f"- batch {b}: specenv/stock throughput {o['ratio_median']:.3f} (per repeat "
+                f"{', '.join(f'{x:.3f}' for x in o['ratio_per_repeat'])}); stock's own spread "
+                f"{o['stock_spread']:.1%}; controller CPU {c.get('value', float('nan')):.2%} of step time "
+                f"(95% CI {c.get('ci95', [float('nan')] * 2)[0]:.2%}..{c.get('ci95', [float('nan')] * 2)[1]:.2%}, "
+                f"{c.get('cpu_ms_per_step', float('nan')):.3f} ms of {c.get('step_ms', float('nan')):.1f} ms per step)"
+            )
+    fit = doc["fit"]
+    if fit.get("best_k"):
+        lines.append("")
+        lines.append(
+            f"Fit on train ({fit['mode']}): best fixed k per batch {fit['best_k']}; replay's best fixed k "
+            f"{fit['replay_best_k']}"
+            + (f"; dynamic SD table {fit['dynamic_sd_table']}" if "dynamic_sd_table" in fit else "")
+        )
+    lines += [f"Note: {n}" for n in doc["notes"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m specenv.abtest _engine CFG``: an engine process (:func:`specenv.engines.vllm.bench.worker_main`)."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) == 2 and args[0] == "_engine":
+        from specenv.engines.vllm.bench import worker_main
+
+        worker_main(args[1], make_policy)
+        return
+    raise SystemExit("usage: specenv abtest (this module's entry is for its engine processes)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""``specenv abtest``: bad arguments end with one line and exit code 2 before any engine starts; the table."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from specenv.cli import app
+
+
+def _invoke(args: list[str]):  # noqa: ANN202
+    return CliRunner().invoke(app, ["abtest", *args])
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--batch", "1,x"], "--batch"),
+        (["--batch", "0"], "--batch"),
+        (["--arms", "plain,nope"], "--arms: unknown arm group 'nope'"),
+        (["--fit", "guess"], "--fit: unknown mode 'guess'"),
+        (["--prompts", "100000"], "--prompts"),
+        (["--train-prompts", "100000"], "--train-prompts"),
+        (["--kmax", "99"], "--kmax"),
+        (["--cost-model", "nowhere.json"], "--cost-model"),
+        (["--models", "no-such-models"], "--models"),
+        (["--traces", "no-such-set"], "no-such-set"),
+        (["--repeats", "0"], "--repeats"),
+        (["--policy-dir", "/no/such/dir"], "--policy-dir"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(args: list[str], needle: str) -> None:
+    res = _invoke(args)
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], res.stderr
+
+
+def test_markdown_table_rows_and_refusals() -> None:
+    from specenv.abtest import ADAPTIVE_WHY, markdown
+
+    ovh = {"value": 0.004, "ci95": [0.003, 0.005], "cpu_ms_per_step": 0.05, "step_ms": 12.0}
+    doc = {
+        "test_prompts": [1, 2],
+        "options": {"max_tokens": 16, "repeats": 3, "models": "small-moe-v1"},
+        "kmax": 2,
+        "duration_s": 12.0,
+        "rows": [
+            {
+                "arm": "plain (no speculation)",
+                "batch": 1,
+                "group": "plain",
+                "tok_per_s": 100.0,
+                "live_speedup": 1.0,
+                "predicted": 1.0,
+                "live_over_pred": 1.0,
+                "identical": True,
+            },
+            {
+                "arm": "delta rule (oracle lambda)",
+                "batch": 1,
+                "group": "delta",
+                "tok_per_s": 120.0,
+                "live_speedup": 1.2,
+                "predicted": 1.25,
+                "live_over_pred": 0.96,
+                "identical": False,
+                "ctl_cpu_frac": ovh,
+            },
+        ],
+        "adaptive_verification": ADAPTIVE_WHY,
+        "refused": [{"policy": "ppo", "folder": "x", "reason": "trained for 128 experts"}],
+        "overhead": {},
+        "fit": {"mode": "replay", "replay_best_k": 2, "best_k": {"1": 2}},
+        "notes": ["n"],
+    }
+    text = markdown(doc)
+    assert "| delta rule (oracle lambda) | 1 | 120.0 | 1.200 | 1.250 | 0.960 | NO | 0.40% [0.30%, 0.50%] |" in text
+    assert "refused: trained for 128 experts" in text
+    assert "GPU (V2) model runner" in text
