@@ -81,6 +81,10 @@ def make_policy(desc: dict[str, Any], ctl: Any) -> Any:
     from specenv.observation import ObservationSpec
 
     kind = desc["kind"]
+    if kind == "mlp":  # carries its own contract (checked by the controller against the served model)
+        from specenv.policy.mlp import MLPPolicy
+
+        return MLPPolicy.load(desc["folder"])
     spec = ObservationSpec(int(desc["kmax"]), 0, int(desc["max_new_tokens"]), int(ctl.n_experts or 128))
     if kind == "fixed":
         from policies.heuristics import FixedK
@@ -102,10 +106,6 @@ def make_policy(desc: dict[str, Any], ctl: Any) -> Any:
             u_prior=np.asarray(desc["u_prior"]),
             rho_prior=np.asarray(desc["rho_prior"]),
         )
-    if kind == "mlp":
-        from specenv.policy.mlp import MLPPolicy
-
-        return MLPPolicy.load(desc["folder"])
     if kind == "constant-mlp":  # a real MLP call (obs build + 3 layers) whose answer is always k
         from specenv.policy.mlp import MLPPolicy
 
@@ -138,7 +138,18 @@ def predicted_speedup(dataset: str, cost_model: str, kmax: int, gids: list[int],
 
     import specenv  # noqa: F401  (registers the environments)
 
-    env = gym.make("specenv/MoESpec-v1", dataset=dataset, kmax=kmax, split="test", cost_model=cost_model)
+    spec = getattr(policy, "spec", None)
+    h = int(getattr(spec, "lookahead", 0))  # a block policy reads h draft signals and pays T_D(max(k, h))
+    env = gym.make(
+        "specenv/MoESpec-v1",
+        dataset=dataset,
+        kmax=kmax,
+        split="test",
+        cost_model=cost_model,
+        lookahead=h or None,
+        drafting="block" if h else None,
+        signals=tuple(getattr(spec, "signals", ("q",))),
+    )
     cost = ar = 0.0
     for g in gids:
         obs, _ = env.reset(seed=0, options={"generation_id": int(g)})
