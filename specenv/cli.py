@@ -513,6 +513,12 @@ def _print_fit(rep: Any, name: str, paper_profile: bool = True) -> None:
         f"(R2={d['R2']:.3f}, {d['missing_timings']} missing timings)",
         markup=False,
     )
+    if d.get("floor"):
+        out.print(
+            f"draft floor at k=0: {d['floor']:.3f} ms (measured on {d['floor_rows']} K=0 rounds: the engine drafts "
+            "every step; charged to k=0 rounds, not to plain decoding)",
+            markup=False,
+        )
     m = rep.model
     flag = "EXTRAPOLATED (no K=0 rounds)" if rep.ar["extrapolated"] else "fitted on K=0 rounds"
     out.print(f"AR step (K=0): T = {m.beta0[0]:.3f} + {m.alpha[0]:.4f}*U + {m.c[0] * 1e3:.3f}e-3*L ms, {flag}")

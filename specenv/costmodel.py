@@ -124,6 +124,11 @@ class CostModel:
         c: (Kmax+1,) ms per context token, index K.
         d1: Draft ms per drafted token.
         d0: Draft ms fixed cost of a round with K >= 1.
+        d_floor: Draft ms a K = 0 round pays in an engine that keeps its draft in step at every
+            decoding step (vLLM 0.32 runs one draft forward for each request even at k = 0, to keep
+            the draft's KV cache in sync): measured on the K = 0 rounds of a recording, 0 where the
+            engine drafts nothing at k = 0 (the transformers engine, the paper profile). Plain
+            decoding without speculation, the speedup reference (:meth:`ar_ms`), never pays it.
         top_k: Experts per token (U of a single position).
         n_experts: Experts per MoE layer of the model it was fitted for (None: not recorded).
         n_layers: MoE layers of that model (None: not recorded).
@@ -143,6 +148,7 @@ class CostModel:
     diagnostics: dict[str, Any] = field(default_factory=dict)
     n_experts: int | None = None
     n_layers: int | None = None
+    d_floor: float = 0.0
 
     def __post_init__(self) -> None:
         self.beta0 = np.asarray(self.beta0, dtype=np.float64)
@@ -152,6 +158,9 @@ class CostModel:
             raise ValueError("beta0, alpha and c must be 1-D arrays of the same length (Kmax+1)")
         if not np.all(np.isfinite(np.concatenate([self.beta0, self.alpha, self.c]))):
             raise ValueError("cost model coefficients must be finite")
+        self.d_floor = float(self.d_floor)
+        if not (np.isfinite(self.d_floor) and self.d_floor >= 0):
+            raise ValueError(f"d_floor={self.d_floor!r}: must be a finite number >= 0")
 
     @property
     def kmax(self) -> int:
@@ -165,9 +174,9 @@ class CostModel:
         return self.beta0[K] + self.alpha[K] * U + self.c[K] * L
 
     def draft_ms(self, K: np.ndarray | int) -> np.ndarray:
-        """Predicted draft time T_D in ms (0 for K = 0)."""
+        """Predicted draft time T_D in ms (``d_floor`` for K = 0: 0 unless the engine drafts at k = 0)."""
         K = np.asarray(K, dtype=np.float64)
-        return np.where(K > 0, self.d1 * K + self.d0, 0.0)
+        return np.where(K > 0, self.d1 * K + self.d0, self.d_floor)
 
     def round_ms(self, K: np.ndarray | int, U: np.ndarray | float, L: np.ndarray | float) -> np.ndarray:
         """Cost of one round that drafts K tokens (mode ``"none"``), C = T_D(K) + T_T(K, U, L), in ms.
@@ -265,8 +274,12 @@ class CostModel:
         return out
 
     def ar_ms(self, L: np.ndarray | float) -> np.ndarray:
-        """Cost of one autoregressive step (K = 0, U = top_k) at context L."""
-        return self.round_ms(0, float(self.top_k), L)
+        """Cost of one step of plain autoregressive decoding (K = 0, U = top_k, no draft) at context L.
+
+        The speedup reference. A k = 0 round of a speculating engine may pay ``d_floor`` on top
+        (:meth:`charged_ms`).
+        """
+        return self.target_ms(0, float(self.top_k), L)
 
     # ------------------------------------------------------------- construction
     @classmethod
@@ -300,7 +313,7 @@ class CostModel:
                 str(k): {"beta0": float(self.beta0[k]), "alpha": float(self.alpha[k]), "c": float(self.c[k])}
                 for k in range(self.kmax + 1)
             },
-            "draft": {"d1": float(self.d1), "d0": float(self.d0)},
+            "draft": {"d1": float(self.d1), "d0": float(self.d0)} | ({"floor": self.d_floor} if self.d_floor else {}),
             "ar_extrapolated": bool(self.ar_extrapolated),
             "source": self.source,
             "diagnostics": self.diagnostics,
@@ -325,6 +338,7 @@ class CostModel:
             c=np.array([r.c for r in rows], dtype=np.float64),
             d1=float(m.draft.d1),
             d0=float(m.draft.d0),
+            d_floor=float(m.draft.floor),
             top_k=m.top_k,
             ar_extrapolated=m.ar_extrapolated,
             source=dict(m.source),

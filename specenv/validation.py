@@ -370,6 +370,7 @@ def _models() -> dict[str, Any]:
     class DraftJSON(Strict):
         d1: Finite
         d0: Finite
+        floor: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0  # draft ms of a k = 0 round (vLLM)
 
     class CostModelJSON(Strict):
         """A cost model (``specenv fit --out``); see the module docstring for the cost rules."""

@@ -212,3 +212,36 @@ def test_oracle_does_not_import_gymnasium_or_the_envs() -> None:
         "import gymnasium, specenv; gymnasium.make('specenv/MoESpec-v0', cost_model='profile')",
     ):
         subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_draft_floor_of_k0_is_measured_priced_and_kept_out_of_the_ar_reference(tmp_path) -> None:
+    """vLLM drafts at every step (one draft forward per request even at k=0): the fit measures that floor
+    on the K=0 rounds and charges it to k=0 rounds; plain decoding (ar_ms, the speedup reference) never pays it."""
+    import numpy as np
+
+    from specenv.costmodel import CostModel
+    from specenv.costsource import cost_model_for
+    from specenv.datasets import load_dataset
+
+    ts = load_dataset("live-vllm")
+    m = cost_model_for(ts, "fit-train")
+    r = ts.rounds
+    k0 = r.loc[r["K"] == 0, "T_D_ms"].to_numpy()
+    assert (k0 > 0).all()
+    assert m.d_floor > 0.5 and abs(m.d_floor - k0.mean()) < 0.2 * k0.mean()  # train rounds only: near, not equal
+    L = np.array([100.0, 900.0])
+    np.testing.assert_allclose(m.charged_ms(0, m.top_k, L), m.ar_ms(L) + m.d_floor)
+    np.testing.assert_array_equal(m.ar_ms(L), m.target_ms(0, float(m.top_k), L))
+    back = CostModel.from_json(m.to_json())
+    assert back.d_floor == m.d_floor
+    m.save(tmp_path / "cm.json")
+    assert CostModel.load(tmp_path / "cm.json").d_floor == m.d_floor
+    for name in ("live-cpu", "paper-default"):  # engines that draft nothing at k=0
+        assert cost_model_for(load_dataset(name), "fit-train").d_floor == 0.0
+    # priced in replay: k=0 rounds are slower than plain decoding, the bound does not start from k=0 for free
+    from specenv.replay import replay_data
+
+    d = replay_data("live-vllm", None, "test", "fit-train")
+    np.testing.assert_allclose(d.cost[:, 0], d.ar_ms + m.d_floor)
+    with pytest.raises(ValueError, match="d_floor"):
+        CostModel(m.beta0, m.alpha, m.c, m.d1, m.d0, m.top_k, d_floor=float("nan"))
