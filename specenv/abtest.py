@@ -34,6 +34,7 @@ per step (% of step time).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -69,7 +70,7 @@ class AbtestOptions:
     arms: list[str] = field(default_factory=lambda: list(ARM_GROUPS))
     kmax: int | None = None
     fit: str = "measured"
-    cost_model: str = "fit-train"
+    cost_model: str = "vllm"
     policy_dirs: list[str] = field(default_factory=list)
     out: str | None = None
     ignore_eos: bool = False
@@ -191,6 +192,18 @@ def run_abtest(opts: AbtestOptions, quiet: bool = False) -> dict[str, Any]:
     t_start = time.time()
     out = Path(opts.out) if opts.out else Path(tempfile.mkdtemp(prefix="specenv-abtest-"))
     out.mkdir(parents=True, exist_ok=True)
+    if opts.cost_model == "vllm":  # the cost model fitted on vLLM's own rounds (train split of live-vllm)
+        from specenv.costsource import cost_model_for
+        from specenv.datasets import load_dataset
+
+        if opts.models != "small-moe-v1":
+            raise ValueError(
+                f"--cost-model vllm: the vLLM-fitted model is for the shipped small-moe-v1 models, not "
+                f"{opts.models!r}; pass fit-train or a cost-model JSON"
+            )
+        vllm_cm = out / "cost-model-vllm.json"
+        cost_model_for(load_dataset("live-vllm"), "fit-train").save(vllm_cm)
+        opts = dataclasses.replace(opts, cost_model=str(vllm_cm))
     ctx = build_context(opts.dataset, opts.kmax, opts.cost_model, None)
     kmax = ctx.kmax
     test_ids = [int(g) for g in ctx.test.generation_ids][: opts.prompts]

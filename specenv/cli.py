@@ -1211,8 +1211,12 @@ def abtest(
         str, typer.Option(help="How best fixed k and vLLM's dynamic-SD table are chosen: measured (train) or replay.")
     ] = "measured",
     cost_model: Annotated[
-        str, typer.Option(help="Replay cost model: fit, fit-train or a cost-model JSON.")
-    ] = "fit-train",
+        str,
+        typer.Option(
+            help="Replay cost model: vllm (fitted on vLLM's own rounds, live-vllm's train split), fit, "
+            "fit-train or a cost-model JSON."
+        ),
+    ] = "vllm",
     policy_dir: Annotated[
         list[Path] | None, typer.Option(help="Another folder of trained policies (repeatable).")
     ] = None,
@@ -1263,8 +1267,8 @@ def abtest(
         fail(f"--prompts: {prompts} exceeds the {n_test} test-split prompts of {traces}")
     if train_prompts > n_train:
         fail(f"--train-prompts: {train_prompts} exceeds the {n_train} train-split prompts of {traces}")
-    if cost_model not in ("fit", "fit-train", "profile") and not Path(cost_model).is_file():
-        fail(f"--cost-model: {cost_model!r} is not fit, fit-train, profile or a cost-model JSON file")
+    if cost_model not in ("vllm", "fit", "fit-train", "profile") and not Path(cost_model).is_file():
+        fail(f"--cost-model: {cost_model!r} is not vllm, fit, fit-train, profile or a cost-model JSON file")
     from specenv.engines.vllm.models import check_model_set
 
     try:
