@@ -740,11 +740,14 @@ class SpecControlScheduler(Scheduler):
     def _horizon(self, out: Any) -> int:
         """Largest k the policy would pick next if every draft now in flight is accepted.
 
-        A policy with a lookahead block needs the signals of drafts not made yet: the drafter then
-        proposes ``num_speculative_tokens`` (block drafting, >= h).
+        A policy with a lookahead block (block drafting) reads the signals of the h drafts the drafter
+        proposes at once: the drafter proposes exactly h (``min(h, num_speculative_tokens)``), as the
+        replay charges T_D(h), and the policy trims to k <= h (a larger k is capped, ``stats["capped"]``).
+        Proposing ``num_speculative_tokens`` instead would pay T_D(kmax) every step (measured: 0.63-0.77x
+        of plain decoding for the h = 3 policies with 8 drafts, against 1.17x for fixed k = 3).
         """
         if self.spec.lookahead:
-            return int(self.num_spec_tokens)
+            return int(min(self.spec.lookahead, self.num_spec_tokens))
         first, cont, owners_f, owners_c = [], [], [], []
         for req_id in out.num_scheduled_tokens:
             request = self.requests.get(req_id)
