@@ -42,40 +42,13 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _make_policy(spec: dict[str, Any], ctl: Any) -> Any:
-    import numpy as np
+    """The policy a JSON description names: :func:`specenv.abtest.make_policy` (one owner), n_experts as given."""
+    from specenv.abtest import make_policy
 
-    from specenv.observation import ObservationSpec
-    from specenv.policy.mlp import MLPPolicy
+    class _Ctl:
+        n_experts = int(spec.get("n_experts") or getattr(ctl, "n_experts", None) or 128)
 
-    if spec["kind"] == "constant-mlp":  # an MLP whose last layer always prefers k: the cost of a real MLP call
-        k, kmax = int(spec["k"]), int(spec["kmax"])
-        obs = ObservationSpec(kmax, 0, int(spec["max_new_tokens"]), ctl.n_experts or 128)
-        rng = np.random.default_rng(0)
-        b1 = np.full(kmax + 1, -10.0)
-        b1[k] = 10.0
-        return MLPPolicy(
-            obs,
-            [
-                (rng.normal(size=(obs.dim, 64)) * 0.01, np.zeros(64)),
-                (rng.normal(size=(64, 64)) * 0.01, np.zeros(64)),
-                (rng.normal(size=(64, kmax + 1)) * 0.01, b1),
-            ],
-            name=f"constant-{k}",
-        )
-    if spec["kind"] == "delta":
-        from policies.delta import DeltaSpaceRule
-        from specenv.costmodel import CostModel
-
-        obs = ObservationSpec(int(spec["kmax"]), 0, int(spec["max_new_tokens"]), int(spec["n_experts"]))
-        return DeltaSpaceRule(
-            obs,
-            CostModel.load(spec["cost_model"]),
-            lam_ms=spec.get("lam_ms"),
-            adaptive=bool(spec.get("adaptive", False)),
-            u_prior=np.asarray(spec["u_prior"]),
-            rho_prior=np.asarray(spec["rho_prior"]),
-        )
-    raise ValueError(f"unknown policy kind {spec['kind']!r}")
+    return make_policy(spec, _Ctl())
 
 
 def _spawn(cfg: dict[str, Any], out: Path, name: str) -> dict[str, Any]:
