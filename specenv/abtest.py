@@ -70,7 +70,7 @@ class AbtestOptions:
     arms: list[str] = field(default_factory=lambda: list(ARM_GROUPS))
     kmax: int | None = None
     fit: str = "measured"
-    cost_model: str = "vllm"
+    cost_model: str = "fit-train"
     policy_dirs: list[str] = field(default_factory=list)
     out: str | None = None
     ignore_eos: bool = False

@@ -1213,10 +1213,10 @@ def abtest(
     cost_model: Annotated[
         str,
         typer.Option(
-            help="Replay cost model: vllm (fitted on vLLM's own rounds, live-vllm's train split), fit, "
-            "fit-train or a cost-model JSON."
+            help="Replay cost model: fit-train (of the prompt set's traces), vllm (fitted on vLLM's own "
+            "recorded rounds: target forward time only, it misses vLLM's per-step overhead), fit or a JSON."
         ),
-    ] = "vllm",
+    ] = "fit-train",
     policy_dir: Annotated[
         list[Path] | None, typer.Option(help="Another folder of trained policies (repeatable).")
     ] = None,
