@@ -92,8 +92,10 @@ def test_captured_q_equals_the_draft_models_softmax_recomputed_with_transformers
 def test_block_policies_are_lossless_and_see_the_signals(engine, ctl, plain_reference):
     # a confidence rule in block mode (stateful, per-request copies)
     ctl.set_policy(ConfidenceThreshold(_spec(ctl, KMAX), threshold=0.4))
+    before = {key: ctl.stats[key] for key in ("decisions", "no_signals", "fallbacks")}  # the engine is shared
     _assert_plain(_generate(engine), plain_reference)
-    assert ctl.stats["decisions"] > 0 and ctl.stats["no_signals"] == 0 and ctl.stats["fallbacks"] == 0
+    delta = {key: ctl.stats[key] - before[key] for key in before}
+    assert delta["decisions"] > 0 and delta["no_signals"] == 0 and delta["fallbacks"] == 0, (delta, ctl.stats)
 
     # an exported MLP with lookahead h = 2 (batched act_batch), reading every signal the contract has
     spec = _spec(ctl, 2, ("q", "ent", "margin"))
