@@ -1267,8 +1267,15 @@ def abtest(
         fail(f"--prompts: {prompts} exceeds the {n_test} test-split prompts of {traces}")
     if train_prompts > n_train:
         fail(f"--train-prompts: {train_prompts} exceeds the {n_train} train-split prompts of {traces}")
-    if cost_model not in ("vllm", "fit", "fit-train", "profile") and not Path(cost_model).is_file():
-        fail(f"--cost-model: {cost_model!r} is not vllm, fit, fit-train, profile or a cost-model JSON file")
+    if cost_model not in ("vllm", "fit", "fit-train", "profile"):
+        if not Path(cost_model).is_file():
+            fail(f"--cost-model: {cost_model!r} is not vllm, fit, fit-train, profile or a cost-model JSON file")
+        from specenv.costmodel import CostModel
+
+        try:
+            CostModel.load(cost_model)
+        except (OSError, ValueError) as exc:
+            fail(f"--cost-model: {exc}")
     from specenv.engines.vllm.models import check_model_set
 
     try:
@@ -1301,7 +1308,7 @@ def abtest(
     )
     try:
         doc = run_abtest(opts, quiet=is_quiet())
-    except EngineError as exc:
+    except (EngineError, ValueError) as exc:  # a bad trace set, cost model or policy folder: one line
         fail(str(exc))
     if as_json:
         _print_json(doc)

@@ -78,3 +78,14 @@ def test_markdown_table_rows_and_refusals() -> None:
     assert "| delta rule (oracle lambda) | 1 | 120.0 | 1.200 | 1.250 | 0.960 | NO | 0.40% [0.30%, 0.50%] |" in text
     assert "refused: trained for 128 experts" in text
     assert "GPU (V2) model runner" in text
+
+
+def test_a_cost_model_file_that_is_not_one_is_refused_with_one_line(tmp_path) -> None:
+    bad = tmp_path / "cm.json"
+    bad.write_text("not json")
+    res = _invoke(["--cost-model", str(bad)])
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specenv: error: --cost-model:") and "cm.json" in lines[0], (
+        res.stderr
+    )
