@@ -197,6 +197,8 @@ class BackendConfig:
         threads: Torch threads (process-wide; None = unchanged; vLLM sets its own).
         lookahead: Draft confidences the caller will ask for before each round
             (:meth:`RoundBackend.propose`); an engine that cannot show them raises ValueError.
+        expert_cap: Verification-time expert cap B per MoE layer (None = off, the only lossless
+            setting); the transformers engine only, vLLM refuses it.
     """
 
     kmax: int
@@ -204,6 +206,7 @@ class BackendConfig:
     temperature: float = 0.0
     threads: int | None = 1
     lookahead: int = 0
+    expert_cap: int | None = None
 
 
 def make_backend(name: str, models: str | os.PathLike[str], config: BackendConfig) -> RoundBackend:

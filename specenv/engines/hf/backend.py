@@ -20,4 +20,5 @@ def make(models: str | os.PathLike[str], config: BackendConfig) -> LiveEngine:
         max_new_tokens=config.max_new_tokens,
         temperature=config.temperature,
         threads=config.threads,
+        expert_cap=config.expert_cap,
     )

@@ -27,6 +27,21 @@ verified positions into a preallocated ``(n_layers, kmax+1, top_k)`` buffer; hoo
 during prefill. ``U_r`` = mean over layers of the number of unique experts across the m positions,
 ``E_max`` = mean over layers of the largest number of the m positions routed to one expert.
 
+Expert cap (``expert_cap=B``, off by default; MoE-Spec's verification-time budget). In a
+verification pass with k >= 1 drafts, the same router hook rewrites each MoE layer's routing before
+the experts run: over the m = k+1 verified positions, every expert is scored by its summed routing
+weight (the top-k weights of the positions that selected it), the B best are kept (ties: the lower
+expert id), and each position keeps those of its own top-k experts that survive, their weights
+rescaled to the row's original total (1 with ``norm_topk_prob``). A position whose top-k experts are
+all dropped uses the kept experts instead: its router logits restricted to the kept set, the top
+``min(top_k, B)`` of them by probability, rescaled the same way. Freed slots point at one of the
+position's kept experts with weight 0 (no extra expert is loaded, the output is unchanged by them).
+When the union already has at most B experts, the routing is left untouched bit for bit. Plain
+decoding (k = 0), prefill and the counterfactual :meth:`LiveEngine.sweep` are never capped. The
+recorded routing, hence ``U_r`` and ``E_max``, is the capped one: the experts actually loaded, so
+``U_r <= B``. A capped pass changes the target's logits: **capped engines are not lossless** (the
+output may differ from plain greedy), and every lossless test runs with the cap off.
+
 Timing: ``time.perf_counter`` around each phase, including the model's Python overhead and the
 cache crop of that model (what a real server pays); ``T_T_ms``/``T_D_ms`` are these wall-clock
 times. The CPU time of the calling thread (``time.thread_time``) is recorded alongside
@@ -70,17 +85,67 @@ def draft_signals(probs: Any) -> tuple[float, float]:
     return max(ent, 0.0), min(max(top[0] - top[1], 0.0), 1.0)
 
 
+def cap_routing(logits: Any, weights: Any, idx: Any, cap: int) -> tuple[Any, Any] | None:
+    """The routing of one MoE layer under a verification-time expert cap (module docstring).
+
+    Args:
+        logits: ``(m, n_experts)`` router logits of the verified positions.
+        weights: ``(m, top_k)`` routing weights the router chose.
+        idx: ``(m, top_k)`` expert ids the router chose.
+        cap: Experts kept, B >= 1.
+
+    Returns:
+        ``(weights, idx)`` of the same shapes and dtypes, or None when the union of ``idx`` has at
+        most ``cap`` experts (nothing to drop).
+    """
+    import torch
+
+    n_experts = logits.shape[-1]
+    score = torch.zeros(n_experts, dtype=torch.float64)
+    score.index_add_(0, idx.reshape(-1), weights.reshape(-1).double())
+    if int(torch.unique(idx).numel()) <= cap:
+        return None
+    # stable sort on -score: ties go to the lower expert id
+    kept = torch.sort(-score, stable=True).indices[:cap]
+    keep = torch.zeros(n_experts, dtype=torch.bool)
+    keep[kept] = True
+    w = torch.where(keep[idx], weights, torch.zeros_like(weights))
+    empty = w.sum(-1) == 0
+    if bool(empty.any()):  # all of a position's experts dropped: its logits restricted to the kept set
+        probs = torch.softmax(logits[empty].float().masked_fill(~keep, float("-inf")), -1)
+        top_v, top_i = torch.topk(probs, min(idx.shape[1], cap), dim=-1)
+        fill_w = torch.zeros((top_v.shape[0], idx.shape[1]), dtype=weights.dtype)
+        fill_i = idx[empty].clone()
+        fill_w[:, : top_v.shape[1]] = top_v.to(weights.dtype)
+        fill_i[:, : top_i.shape[1]] = top_i
+        w = w.clone()
+        idx = idx.clone()
+        w[empty] = fill_w
+        idx[empty] = fill_i
+    order = torch.sort(-w, dim=-1, stable=True).indices  # kept experts first
+    w = torch.gather(w, 1, order)
+    idx = torch.gather(idx, 1, order)
+    idx = torch.where(w > 0, idx, idx[:, :1])  # freed slots: the position's first kept expert, weight 0
+    w = w * (weights.sum(-1, keepdim=True) / w.sum(-1, keepdim=True))
+    return w.to(weights.dtype), idx
+
+
 class RoutingRecorder:
     """Forward hooks on the target's MoE routers, writing top-k ids into a preallocated buffer.
 
+    The same hooks apply the verification-time expert cap (:func:`cap_routing`) while ``capping``.
+
     Attributes:
         buf: ``(n_layers, capacity, top_k)`` int64 tensor; row ``[l, i]`` = experts of position i
-            of the last recorded forward in MoE layer l.
+            of the last recorded forward in MoE layer l (after the cap, when one applied).
         n: Positions of the last recorded forward.
         active: Record only while True.
+        cap: Expert cap B per layer (None = off).
+        capping: Apply ``cap`` to the routing of the current forward (only while also ``active``).
+        uncapped: ``(n_layers,)`` union size per layer before the cap, of the last capped forward.
     """
 
-    def __init__(self, target: Any, capacity: int):
+    def __init__(self, target: Any, capacity: int, cap: int | None = None):
         import torch
 
         self.gates = [layer.mlp.gate for layer in target.model.layers if hasattr(layer.mlp, "gate")]
@@ -88,18 +153,33 @@ class RoutingRecorder:
             raise ValueError("target has no MoE router modules (layer.mlp.gate)")
         self.top_k = int(self.gates[0].top_k)
         self.n_experts = int(self.gates[0].num_experts)
+        if cap is not None and not 1 <= int(cap) <= self.n_experts:
+            raise ValueError(f"expert_cap={cap}: must be None or in 1..{self.n_experts}")
+        self.cap = None if cap is None else int(cap)
+        self.capping = False
+        self.uncapped = np.zeros(len(self.gates), dtype=np.float64)
         self.buf = torch.zeros((len(self.gates), capacity, self.top_k), dtype=torch.int64)
         self.n = 0
         self.active = False
         self._handles = [g.register_forward_hook(self._hook(i)) for i, g in enumerate(self.gates)]
 
     def _hook(self, layer: int):
-        def hook(module: Any, args: Any, output: Any) -> None:
-            if self.active:
-                idx = output[2]  # (tokens, top_k) expert ids
-                n = idx.shape[0]
-                self.buf[layer, :n].copy_(idx)
-                self.n = n
+        def hook(module: Any, args: Any, output: Any) -> Any:
+            if not self.active:
+                return None
+            idx = output[2]  # (tokens, top_k) expert ids
+            if self.capping and self.cap is not None:
+                import torch
+
+                self.uncapped[layer] = float(torch.unique(idx).numel())
+                capped = cap_routing(output[0], output[1], idx, self.cap)
+                if capped is not None:
+                    output = (output[0], capped[0], capped[1])
+                    idx = capped[1]
+            n = idx.shape[0]
+            self.buf[layer, :n].copy_(idx)
+            self.n = n
+            return output
 
         return hook
 
@@ -143,6 +223,8 @@ class LiveEngine:
         threads: ``torch.set_num_threads`` (process-wide; :meth:`close` restores the previous value).
             None leaves it unchanged.
         stop_at_eos: End a generation after the end-of-text token.
+        expert_cap: Verification-time expert cap B per MoE layer (module docstring); None = off,
+            the only lossless setting.
 
     Example:
         >>> eng = LiveEngine(kmax=8)
@@ -160,6 +242,7 @@ class LiveEngine:
         seed: int = 0,
         threads: int | None = 1,
         stop_at_eos: bool = True,
+        expert_cap: int | None = None,
     ):
         import torch
 
@@ -183,7 +266,8 @@ class LiveEngine:
         self.draft = self.models.draft
         max_pos = int(self.target.config.max_position_embeddings)
         self.max_prompt = max_pos - self.max_new_tokens - self.kmax - 2
-        self.recorder = RoutingRecorder(self.target, self.kmax + 1)
+        self.recorder = RoutingRecorder(self.target, self.kmax + 1, cap=expert_cap)
+        self.expert_cap = self.recorder.cap
         self.n_layers = len(self.recorder.gates)
         self.n_experts = self.recorder.n_experts
         self.top_k = self.recorder.top_k
@@ -192,6 +276,8 @@ class LiveEngine:
         self._t_cache: Any = None
         self._d_cache: Any = None
         self.last_routing: np.ndarray | None = None
+        #: U_r the last round would have had without the cap (equals its ``U_r`` when uncapped).
+        self.last_uncapped_U: float | None = None
 
     # ------------------------------------------------------------------ state
     @property
@@ -341,6 +427,9 @@ class LiveEngine:
         routing = self.recorder.buf[:, : k + 1].numpy()
         U, E = prefix_expert_stats(routing, self.n_experts)
         self.last_routing = routing.copy()
+        self.last_uncapped_U = (
+            float(self.recorder.uncapped.mean()) if k and self.expert_cap is not None else float(U[-1])
+        )
         q, drafted, ent, margin = tuple(s.q), tuple(s.drafts), tuple(s.ent), tuple(s.margin)
         new = self._commit(new, t_before, n0 + a)
         return RoundResult(
@@ -375,10 +464,14 @@ class LiveEngine:
         k = len(drafts)
         t0, c0 = time.perf_counter(), time.thread_time()
         self.recorder.active = True
+        self.recorder.capping = k > 0  # plain decoding is never capped
+        try:
+            with torch.inference_mode():
+                x = torch.tensor([[s.ids[-1], *drafts]], dtype=torch.long)
+                logits = self.target(input_ids=x, past_key_values=self._t_cache, use_cache=True).logits[0]
+        finally:
+            self.recorder.active = self.recorder.capping = False
         with torch.inference_mode():
-            x = torch.tensor([[s.ids[-1], *drafts]], dtype=torch.long)
-            logits = self.target(input_ids=x, past_key_values=self._t_cache, use_cache=True).logits[0]
-            self.recorder.active = False
             if self.temperature == 0.0:
                 g = logits.argmax(-1).tolist()
                 a = 0

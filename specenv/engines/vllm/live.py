@@ -385,8 +385,11 @@ def make(models: str | os.PathLike[str], config: BackendConfig) -> VLLMBackend:
     ``config.threads`` does not apply (vLLM sets its own).
 
     Raises:
-        ValueError: For ``lookahead`` outside 0..kmax, or when the draft's signals are not captured.
+        ValueError: For ``lookahead`` outside 0..kmax, when the draft's signals are not captured, or
+            for an ``expert_cap`` (vLLM's router does not know which tokens are verified positions).
     """
+    if config.expert_cap is not None:
+        raise ValueError(f"expert_cap={config.expert_cap}: not supported by the vLLM engine (transformers engine only)")
     if not 0 <= config.lookahead <= config.kmax:
         raise ValueError(f"lookahead={config.lookahead}: must be in 0..kmax={config.kmax}")
     be = VLLMBackend.shared(
