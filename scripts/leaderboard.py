@@ -1,0 +1,179 @@
+"""The validated leaderboard: one entry per (trace set, drafting mode), re-runnable and checked.
+
+Usage::
+
+    python scripts/leaderboard.py --write            # bench every (set, mode), record the leader of each
+    python scripts/leaderboard.py --check            # re-run every entry's command, check its figure
+    python scripts/leaderboard.py --check --only live-cpu/sequential
+
+``--write`` runs ``specenv bench SET --drafting MODE --json`` for every shipped trace set and drafting
+mode, takes the row with the highest pooled speedup in that mode (every policy the benchmark runs:
+fixed k, heuristics, the peers' controllers, the set's shipped learned policies; never the oracle
+row), and writes ``leaderboard/entries.json`` (per entry: the policy, its file, the exact command that
+reproduces it, its pooled speedup with the bootstrap 95% CI and the bound) with the full bench JSON of
+the run beside it (``leaderboard/<set>-<mode>.json``), and the table ``leaderboard/README.md``.
+
+``--check`` re-runs each entry's command and passes when the new pooled figure lies within the
+recorded 95% CI (exact rows: equal to 1e-9). The figures are the leaderboard's record, not a copy of
+the tests' golden figures; ``tests/test_leaderboard.py`` re-runs one entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BOARD = ROOT / "leaderboard"
+SETS = ("paper-default", "live-cpu", "live-vllm")
+MODES = ("none", "block", "sequential")
+SEED, EPISODES = 0, 4
+ORACLE = "oracle bound"
+
+
+def bench_command(dataset: str, mode: str, only: str | None = None) -> list[str]:
+    """The ``specenv bench`` command line of an entry (``--only`` the leader's row name)."""
+    cmd = ["specenv", "bench", dataset, "--drafting", mode, "--seed", str(SEED), "--episodes", str(EPISODES)]
+    if only is not None:
+        cmd += ["--only", only]
+    return cmd + ["--json", "--quiet", "--out", "{out}"]
+
+
+def run_bench(cmd: list[str], out: Path) -> dict[str, Any]:
+    """Run a bench command (``specenv`` of this interpreter's environment) and return its JSON."""
+    exe = str(Path(sys.executable).with_name("specenv"))
+    argv = [exe, *[a.replace("{out}", str(out)) for a in cmd[1:]]]
+    res = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)}: exit {res.returncode}: {res.stderr.strip()[-500:]}")
+    return json.loads(res.stdout)
+
+
+def _row(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    for row in doc["policies"]:
+        if row["policy"] == name:
+            return row
+    raise KeyError(f"row {name!r} not in the bench output")
+
+
+def leader(doc: dict[str, Any], mode: str) -> dict[str, Any]:
+    """The row of the highest pooled speedup among the mode's rows (the oracle row excluded)."""
+    rows = [r for r in doc["policies"] if not r["policy"].startswith(ORACLE) and r["drafting"] == mode]
+    if not rows:
+        raise ValueError(f"no row in drafting mode {mode!r}")
+    return max(rows, key=lambda r: r["speedup_pooled"])
+
+
+def _policy_file(dataset: str, row: dict[str, Any]) -> str:
+    """Where the leader's policy lives: its shipped folder (learned) or the module of the built-in rule."""
+    from policies.benchmark import shipped_policy_dir
+
+    if row.get("learned"):
+        name = row["policy"].split(" (")[0]
+        return str((shipped_policy_dir(dataset) / name / "policy.json").relative_to(ROOT))
+    return "policies/benchmark.py (default rows: policies/heuristics.py, policies/delta.py, policies/peers.py)"
+
+
+def write(sets: tuple[str, ...] = SETS, modes: tuple[str, ...] = MODES) -> list[dict[str, Any]]:
+    """Bench every (set, mode), record the leaders, write entries.json, the bench JSONs and README.md."""
+    import tempfile
+
+    BOARD.mkdir(exist_ok=True)
+    entries = []
+    for ds in sets:
+        for mode in modes:
+            with tempfile.TemporaryDirectory() as tmp:
+                doc = run_bench(bench_command(ds, mode), Path(tmp))
+            top = leader(doc, mode)
+            bound = next(r for r in doc["policies"] if r["policy"].startswith(ORACLE))
+            entry = {
+                "id": f"{ds}/{mode}",
+                "dataset": ds,
+                "drafting": mode,
+                "policy": top["policy"],
+                "policy_file": _policy_file(ds, top),
+                "command": shlex.join(bench_command(ds, mode, top["policy"])).replace("'{out}'", "OUT"),
+                "evaluation": top["evaluation"],
+                "speedup_pooled": top["speedup_pooled"],
+                "pooled_ci95": [top["pooled_ci95_low"], top["pooled_ci95_high"]],
+                "oracle_pct": top["oracle_pct"],
+                "bound": bound["speedup_pooled"],
+                "bench_json": f"{ds}-{mode}.json",
+            }
+            (BOARD / entry["bench_json"]).write_text(json.dumps(doc, indent=1, default=float) + "\n")
+            entries.append(entry)
+            print(f"{entry['id']}: {entry['policy']} {entry['speedup_pooled']:.3f}", flush=True)
+    (BOARD / "entries.json").write_text(json.dumps(entries, indent=1) + "\n")
+    (BOARD / "README.md").write_text(table(entries))
+    return entries
+
+
+def table(entries: list[dict[str, Any]]) -> str:
+    """The leaderboard as Markdown."""
+    lines = [
+        "# Leaderboard",
+        "",
+        "The best controller per (trace set, drafting mode) on the held-out generations, written by",
+        "`python scripts/leaderboard.py --write` and re-checked by `python scripts/leaderboard.py --check`",
+        "(each entry's command must reproduce its pooled figure within the recorded 95% CI; exact rows",
+        "exactly). Each entry's full bench output is `<set>-<mode>.json` here; `entries.json` holds the",
+        "records. Pooled speedup over plain decoding; the bound is the exact SSP oracle's.",
+        "",
+        "| set | drafting | leader | pooled speedup [95% CI] | % of bound | bound | policy file |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for e in entries:
+        lo, hi = e["pooled_ci95"]
+        ci = "(exact)" if e["evaluation"] == "exact" else f"[{lo:.3f}, {hi:.3f}]"
+        lines.append(
+            f"| {e['dataset']} | {e['drafting']} | {e['policy']} | {e['speedup_pooled']:.3f} {ci} | "
+            f"{e['oracle_pct']:.1f}% | {e['bound']:.3f} | `{e['policy_file']}` |"
+        )
+    lines += ["", "Reproduce one entry: its `command` in `entries.json` (OUT = any output folder).", ""]
+    return "\n".join(lines)
+
+
+def check(entry: dict[str, Any], out: Path) -> tuple[bool, float]:
+    """Re-run an entry's command; (reproduced, new pooled figure)."""
+    cmd = shlex.split(entry["command"].replace("OUT", "{out}"))
+    new = _row(run_bench(cmd, out), entry["policy"])["speedup_pooled"]
+    if entry["evaluation"] == "exact":
+        return abs(new - entry["speedup_pooled"]) <= 1e-9, new
+    lo, hi = entry["pooled_ci95"]
+    return lo <= new <= hi, new
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", action="store_true", help="bench every (set, mode) and record the leaders")
+    ap.add_argument("--check", action="store_true", help="re-run every entry and check its figure")
+    ap.add_argument("--only", action="append", help="entry id, e.g. live-cpu/sequential (repeatable)")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    if args.write:
+        write()
+    if args.check:
+        import tempfile
+
+        entries = json.loads((BOARD / "entries.json").read_text())
+        bad = 0
+        for e in entries:
+            if args.only and e["id"] not in args.only:
+                continue
+            with tempfile.TemporaryDirectory() as tmp:
+                ok, new = check(e, Path(tmp))
+            bad += not ok
+            print(
+                f"{e['id']}: {e['policy']} recorded {e['speedup_pooled']:.4f}, now {new:.4f}: {'ok' if ok else 'FAIL'}"
+            )
+        return 1 if bad else 0
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
