@@ -2,12 +2,12 @@
 
 `Minari <https://minari.farama.org>`_ is the Farama standard for offline-RL datasets. specenv's traces
 stay its own format (traces/README.md); what goes to Minari are *rollouts*: the episodes a policy
-plays in the replay environment ``specenv/MoESpec-v1`` on one split of a trace set, recorded by
-Minari's own :func:`minari.create_dataset_from_buffers` from one :class:`minari.data_collector.EpisodeBuffer` per
-episode played in the registered environment (the observations, the budgets k as actions, the
-rewards, terminations, each episode's reset seed and ``generation_id`` option). Minari's
-``DataCollector`` wrapper would do the same but needs jax (``minari[create]``) to append steps. Any policy can be exported (:func:`build_policy`): the oracle's k*(t) as
-expert data (:class:`policies.expert.OracleExpert`), a registered heuristic or peer by name
+plays in the replay environment ``specenv/MoESpec-v1`` on one split of a trace set, written by
+Minari's own :func:`minari.create_dataset_from_buffers` from one ``EpisodeBuffer`` per episode (the
+observations, the budgets k as actions, the rewards, terminations, each episode's reset seed and
+``generation_id`` option). Minari's ``DataCollector`` wrapper would record the same but needs jax
+(``minari[create]``) to append steps. Any policy can be exported (:func:`build_policy`): the oracle's
+k*(t) as expert data (:class:`policies.expert.OracleExpert`), a registered heuristic or peer by name
 (:mod:`specenv.policy.registry`), a policy shipped for the set by its folder name (``imitation``,
 ``ppo-h3``, ``imitation-seq``...) or any policy folder.
 
@@ -88,16 +88,16 @@ def resolve_root(root: str | os.PathLike[str] | None = None) -> Path:
         ValueError: When no root is given, ``MINARI_DATASETS_PATH`` is unset and the cache is disabled.
     """
     if root is not None:
-        return Path(root).expanduser()
+        return Path(os.path.abspath(Path(root).expanduser()))  # Minari joins relative paths twice
     env = os.environ.get(ROOT_ENV)
     if env:
-        return Path(env).expanduser()
+        return Path(os.path.abspath(Path(env).expanduser()))
     from specenv.io import cache_dir
 
     cache = cache_dir()
     if cache is None:
         raise ValueError(f"--root: no Minari folder (the specenv cache is disabled and {ROOT_ENV} is unset)")
-    return cache / "minari"
+    return Path(os.path.abspath(cache / "minari"))
 
 
 @contextmanager
@@ -225,17 +225,23 @@ class ExportPolicy:
 
 
 def plan_policy(
-    policy: str, traces: str, kmax: int, drafting: str | None = None, lookahead: int | None = None
+    policy: str,
+    traces: str,
+    kmax: int,
+    drafting: str | None = None,
+    lookahead: int | None = None,
+    signals: tuple[str, ...] | None = None,
 ) -> ExportPolicy:
     """Resolve ``--policy`` and the drafting settings of the environment it runs in.
 
     A policy folder (or a policy shipped for ``traces``, by its folder name) brings its own lookahead,
     signals and mode (a stop rule runs in ``sequential``, h = kmax); a ``--drafting`` or
     ``--lookahead`` that contradicts it is refused. The oracle and registered names take the
-    settings given (:func:`specenv.costmodel.check_drafting`; default mode ``none``).
+    settings given (:func:`specenv.costmodel.check_drafting`; default mode ``none``) and ``signals``
+    (default ``("q",)``; the entropy-based peers need ``("q", "ent")``).
 
     Raises:
-        ValueError: One line naming ``--policy``, ``--drafting`` or ``--lookahead``.
+        ValueError: One line naming ``--policy``, ``--drafting``, ``--lookahead`` or ``--signals``.
     """
     from policies.benchmark import shipped_policy_dir
     from specenv.costmodel import check_drafting, drafting_mode
@@ -259,6 +265,8 @@ def plan_policy(
             raise ValueError(f"--drafting: {drafting} but the policy {folder} runs in mode {mode}")
         if lookahead is not None and lookahead != h:
             raise ValueError(f"--lookahead: {lookahead} but the policy {folder} reads h={h}")
+        if signals is not None and h and tuple(signals) != tuple(spec.signals):
+            raise ValueError(f"--signals: {','.join(signals)} but the policy {folder} reads {','.join(spec.signals)}")
         return ExportPolicy(policy, "folder", mode, h, tuple(spec.signals) if h else ("q",), folder, spec.per_token)
     if policy != ORACLE_POLICY:
         try:
@@ -272,7 +280,17 @@ def plan_policy(
         mode, h = check_drafting(drafting, lookahead, kmax)
     except ValueError as exc:
         raise ValueError(f"--lookahead: {exc}" if "lookahead" in str(exc) else f"--drafting: {exc}") from None
-    return ExportPolicy(policy, ORACLE_POLICY if policy == ORACLE_POLICY else "registered", mode, h)
+    sig: tuple[str, ...] = ("q",)
+    if signals is not None:
+        from specenv.observation import check_signals
+
+        if not h:
+            raise ValueError("--signals: the draft signals need a lookahead (--drafting block or sequential)")
+        try:
+            sig = check_signals(tuple(signals))
+        except ValueError as exc:
+            raise ValueError(f"--signals: {exc}") from None
+    return ExportPolicy(policy, ORACLE_POLICY if policy == ORACLE_POLICY else "registered", mode, h, sig)
 
 
 def build_policy(plan: ExportPolicy, env: Any) -> Any:
@@ -320,9 +338,7 @@ class ExportResult:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def env_kwargs(
-    traces: str, split: str, kmax: int | None, cost_model: str, plan: ExportPolicy
-) -> dict[str, Any]:
+def env_kwargs(traces: str, split: str, kmax: int | None, cost_model: str, plan: ExportPolicy) -> dict[str, Any]:
     """The replay environment's constructor arguments (JSON values: Minari stores them in the EnvSpec).
 
     A trace-set folder is stored as an absolute path, so ``recover_environment()`` works from anywhere.
@@ -495,7 +511,7 @@ def export_minari(
 
 
 def _mark_namespaces(root: Path, ident: str) -> None:
-    """Minari's namespace markers (``namespace_metadata.json``) for every level of ``ident``'s namespace, where missing."""
+    """Minari's namespace markers (``namespace_metadata.json``) at every level of ``ident``'s namespace, if missing."""
     from minari.namespace import NAMESPACE_METADATA_FILENAME
 
     from specenv.io import atomic_write_json
@@ -544,7 +560,10 @@ def open_dataset(ident: str, root: Path) -> OfflineData:
     from specenv.observation import mismatch_json
 
     minari = _minari()
-    check_id(ident)
+    try:
+        check_id(ident)
+    except ValueError as exc:
+        raise ValueError(f"--dataset: {exc}") from None
     folder = dataset_path(root, ident)
     if not (folder / "data" / "metadata.json").is_file():
         raise ValueError(f"--dataset: no Minari dataset {ident} in {root} (write one with `specenv export minari`)")
@@ -565,7 +584,9 @@ def open_dataset(ident: str, root: Path) -> OfflineData:
             warnings.simplefilter("ignore", UserWarning)  # Minari's note on the requirements' version
             env = ds.recover_environment()
     except Exception as exc:
-        raise ValueError(f"--dataset: {ident}: its environment cannot be rebuilt ({type(exc).__name__}: {exc})") from None
+        raise ValueError(
+            f"--dataset: {ident}: its environment cannot be rebuilt ({type(exc).__name__}: {exc})"
+        ) from None
     spec = env.unwrapped.data.spec
     stored = meta.get("observation")
     bad = "no contract recorded" if not isinstance(stored, dict) else mismatch_json(stored, spec.to_json())
