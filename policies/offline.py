@@ -12,7 +12,8 @@ k*(t) as expert data (:class:`policies.expert.OracleExpert`), a registered heuri
 ``ppo-h3``, ``imitation-seq``...) or any policy folder.
 
 Dataset ids are versioned, ``specenv/<set>/<policy>-v0`` (:func:`dataset_id`; a Minari namespace per
-trace set). Each dataset records:
+trace set; the oracle and registered names in mode block or sequential get ``-hH`` / ``-seq`` after the
+name). Each dataset records:
 
 * the environment's ``EnvSpec`` (id and every constructor argument, JSON), so
   ``dataset.recover_environment()`` rebuilds the very environment the episodes came from;
@@ -132,9 +133,17 @@ def set_name(traces: str) -> str:
     return safe_name(str(load_dataset(traces).manifest.name))
 
 
-def dataset_id(traces: str, policy: str, version: int = ID_VERSION) -> str:
-    """``specenv/<set>/<policy>-v<version>``: a policy folder is named by its folder name."""
+def dataset_id(traces: str, policy: str, version: int = ID_VERSION, plan: ExportPolicy | None = None) -> str:
+    """``specenv/<set>/<policy>[-hH|-seq]-v<version>``.
+
+    A policy folder is named by its folder name (which says its mode, as the shipped ``imitation-h3``
+    does). The oracle and registered names take the suffix of their drafting mode when ``plan``
+    gives one other than ``none`` (``-hH`` for block with h, ``-seq`` for sequential; the suffixes of
+    ``specenv train``'s run names), so the same policy in two modes gets two ids.
+    """
     name = Path(policy).name if (Path(policy) / "policy.json").is_file() else policy
+    if plan is not None and plan.kind != "folder":
+        name += {"none": "", "block": f"-h{plan.lookahead}", "sequential": "-seq"}[plan.drafting]
     return f"specenv/{set_name(traces)}/{safe_name(name)}-v{int(version)}"
 
 

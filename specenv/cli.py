@@ -1078,6 +1078,8 @@ def export_cmd(
 ) -> None:
     """Write a policy's episodes on a trace set as a Minari dataset specenv/SET/POLICY-v0 (offline RL).
 
+    The oracle and registered names in mode block or sequential get -hH / -seq after POLICY.
+
     The dataset records the environment (recover_environment() rebuilds it), its spaces, the trace
     set's manifest sha256, the split, the policy's file sha256 (or the oracle's table) and the
     observation contract. It goes to --root, else $MINARI_DATASETS_PATH, else specenv's cache
@@ -1100,7 +1102,7 @@ def export_cmd(
             fail(f"--root: {base} exists and is not a folder")
         sig = None if signals is None else tuple(x.strip() for x in signals.split(","))
         plan = plan_policy(policy, dataset, k, drafting, lookahead, sig)
-        ident = dataset_id(dataset, policy)
+        ident = dataset_id(dataset, policy, plan=plan)
         check_destination(base, ident, overwrite)
     except FileExistsError as exc:
         fail(str(exc))

@@ -121,6 +121,17 @@ def test_export_of_a_policy_folder_records_its_files_and_mode(tmp_path: Path) ->
     assert ds.total_steps == out["steps"] and ds.observation_space.shape == (10 + 10 + 3,)
 
 
+def test_dataset_ids_name_the_mode_of_the_oracle_and_registered_policies(small_traces: Path) -> None:
+    from policies.offline import dataset_id, plan_policy
+
+    s = str(small_traces)
+    assert dataset_id(s, "oracle", plan=plan_policy("oracle", s, 6)) == "specenv/small/oracle-v0"
+    assert dataset_id(s, "oracle", plan=plan_policy("oracle", s, 6, "block", 3)) == "specenv/small/oracle-h3-v0"
+    seq = plan_policy("confidence-threshold:threshold=0.5", s, 6, "sequential")
+    assert (seq.drafting, seq.lookahead) == ("sequential", 6)
+    assert dataset_id(s, seq.name, plan=seq) == "specenv/small/confidence-threshold-threshold-0-5-seq-v0"
+
+
 # ---------------------------------------------------------------- behaviour cloning
 
 
