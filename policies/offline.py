@@ -31,8 +31,9 @@ asked to: the root is ``--root`` when given, else ``$MINARI_DATASETS_PATH`` when
 dataset is built by Minari in a hidden staging folder inside the root and moved into place only when
 complete (nothing half-written); an existing dataset is replaced only with ``overwrite`` and only if
 specenv exported it (its metadata has the ``"specenv"`` block); the staging folder, the only other
-thing written, is removed. Minari's remote functions (download, upload, the hub) are never called:
-no network.
+thing written, is removed (and one that a killed export left is removed by the next export, once its
+process is gone: :func:`specenv.io.remove_stale_temporaries`). Minari's remote functions (download,
+upload, the hub) are never called: no network.
 
 Reading back (:func:`open_dataset`) checks, with one line naming the problem, that the id is well
 formed and present under the root, that specenv wrote it, that its environment is specenv's replay
@@ -67,6 +68,8 @@ ROOT_ENV = "MINARI_DATASETS_PATH"
 METADATA_KEY = "specenv"
 #: Version of that block's layout.
 FORMAT = "specenv.minari/1"
+#: Name of the staging folder in the root (hidden: ``.specenv-staging.<pid>.<8 hex>``, Minari lists no hidden folder).
+STAGING = "specenv-staging"
 #: The version of every id :func:`dataset_id` makes.
 ID_VERSION = 0
 _SAFE = re.compile(r"[^-\w]+")
@@ -406,7 +409,7 @@ def export_minari(
     import specenv  # noqa: F401  (registers the environments)
     from specenv import __version__
     from specenv.datasets import find_dataset, resolve
-    from specenv.io import atomic_dir, sha256_file
+    from specenv.io import atomic_dir, remove_stale_temporaries, sha256_file, temp_sibling
     from specenv.rollout import episode_seeds
 
     minari = _minari()
@@ -423,7 +426,8 @@ def export_minari(
     ep_r = np.tile(np.arange(episodes, dtype=np.int64), len(gids))
     seeds = episode_seeds(seed, ep_gid, ep_r)
     root.mkdir(parents=True, exist_ok=True)
-    staging = Path(os.fspath(root)) / f".specenv-staging.{os.getpid()}.{os.urandom(4).hex()}"
+    remove_stale_temporaries(root / STAGING)  # what a killed export left (its process is gone)
+    staging = temp_sibling(root / STAGING)  # .specenv-staging.<pid>.<8 hex>
     staging.mkdir()
     buffers, total_cost, total_ar = [], 0.0, 0.0
     try:

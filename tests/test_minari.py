@@ -266,6 +266,19 @@ def test_export_refuses_to_overwrite_and_replaces_only_its_own(small_traces: Pat
     assert (theirs / "notes.txt").read_text() == "mine" and sorted(p.name for p in theirs.iterdir()) == ["notes.txt"]
 
 
+def test_a_killed_exports_staging_folder_is_removed_by_the_next(small_traces: Path, tmp_path: Path) -> None:
+    root = tmp_path / "m"
+    dead = root / ".specenv-staging.999999999.0123abcd"  # no process has this pid
+    (dead / "specenv").mkdir(parents=True)
+    alive = root / f".specenv-staging.{os.getpid()}.0123abcd"  # a running export's (this process)
+    alive.mkdir()
+    other = root / ".my-notes"
+    other.mkdir()
+    args = ("export", "minari", "--dataset", str(small_traces), "--policy", "fixed-k:k=1", "--root", str(root))
+    assert _cli(*args).exit_code == 0
+    assert not dead.exists() and alive.is_dir() and other.is_dir()
+
+
 def test_bad_policy_or_settings_write_nothing(small_traces: Path, tmp_path: Path) -> None:
     root = tmp_path / "m"
     base = ("export", "minari", "--dataset", str(small_traces), "--root", str(root))
