@@ -419,7 +419,11 @@ def export_minari(
     dest = check_destination(root, ident, overwrite)
     kwargs = env_kwargs(traces, split, kmax, cost_model, plan)
     env = gym.make(ENV_ID, **kwargs)
-    policy = build_policy(plan, env)
+    try:
+        policy = build_policy(plan, env)
+    except BaseException:
+        env.close()
+        raise
     data = env.unwrapped.data
     gids = np.asarray(data.generation_ids, dtype=np.int64)
     ep_gid = np.repeat(gids, episodes)
