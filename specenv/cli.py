@@ -831,7 +831,9 @@ def _print_delta(an: Any) -> None:
 
 @app.command()
 def train(
-    algo: Annotated[str, typer.Option(help="Learner: ppo, dqn or imitation (DAgger on the oracle).")] = "ppo",
+    algo: Annotated[
+        str, typer.Option(help="Learner: ppo, dqn, imitation (DAgger on the oracle) or bc (from a Minari --dataset).")
+    ] = "ppo",
     traces: Annotated[
         str, typer.Option("--traces", help="Trace set (name or folder); trains on its train split.")
     ] = "paper-default",
@@ -860,16 +862,31 @@ def train(
     ] = None,
     name: Annotated[str | None, typer.Option(help="Run name (default: ALGO[-hH|-seq]-seedS).")] = None,
     gamma: Annotated[float, typer.Option(min=0.0, max=1.0, help="Discount factor (ppo, dqn).")] = 0.99,
+    dataset: Annotated[
+        str | None,
+        typer.Option(
+            help="bc: Minari dataset id (specenv/SET/POLICY-v0, written by `specenv export minari`); its "
+            "environment replaces --traces, --kmax, --cost-model and --drafting."
+        ),
+    ] = None,
+    root: Annotated[
+        Path | None,
+        typer.Option(help="bc: Minari datasets folder (default $MINARI_DATASETS_PATH, else specenv's cache/minari)."),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Train a budget controller on the train split and export it (numpy form, no pickle).
 
     policy.json records the drafting mode, every hyper-parameter, the trace set (name, version,
-    manifest sha256), the cost model and the observation contract (its version included).
+    manifest sha256), the cost model and the observation contract (its version included). bc fits
+    the budgets of a Minari dataset's episodes (exported from the train split) by cross-entropy.
     """
-    algos = ("ppo", "dqn", "imitation")
+    algos = ("ppo", "dqn", "imitation", "bc")
     if algo not in algos:
         fail(f"--algo: unknown learner '{algo}' (known: {', '.join(algos)})")
+    if algo == "bc" or dataset is not None or root is not None:
+        _train_bc(algo, dataset, root, out_dir, name, epochs, seed, as_json)
+        return
     _check_finite("--gamma", gamma)
     if name is not None:
         _check_name("--name", name)
@@ -951,6 +968,185 @@ def train(
         out.print(
             f"exported {algo} policy ({mode}{f', h={h}' if mode == 'block' else ''}) to {run / 'policy'} "
             f"(policy.json + weights.npz) in {meta['train_seconds']:.0f} s"
+        )
+
+
+def _train_bc(
+    algo: str,
+    dataset: str | None,
+    root: Path | None,
+    out_dir: Path,
+    name: str | None,
+    epochs: int | None,
+    seed: int,
+    as_json: bool,
+) -> None:
+    """``specenv train --algo bc --dataset ID``: behaviour cloning from a Minari dataset (policies/bc.py)."""
+    if algo != "bc":
+        fail(f"--dataset: only --algo bc trains from a Minari dataset (got --algo {algo})")
+    if dataset is None:
+        fail("--dataset: missing (--algo bc trains from a Minari dataset id, e.g. specenv/paper-default/oracle-v0)")
+    if name is not None:
+        _check_name("--name", name)
+        if name in (".", "..") or "/" in name or os.sep in name:
+            fail(f"--name: {name!r} must be a plain folder name (no '/', not '.' or '..')")
+    run = out_dir / (name or f"bc-seed{seed}")
+    _check_out_folder("--out", out_dir)
+    _check_out_folder("--out", run)
+    from policies.offline import open_dataset, resolve_root
+
+    try:
+        data = open_dataset(dataset, resolve_root(root))
+    except ValueError as exc:
+        fail(str(exc))
+    try:
+        if data.meta.get("split") != "train":
+            fail(
+                f"--dataset: {dataset} holds {data.meta.get('split')}-split episodes; bc trains on the train "
+                "split only (export with --split train)"
+            )
+        from policies.bc import train_bc
+        from policies.export import provenance
+
+        t0 = time.perf_counter()
+        n_epochs = epochs or 30
+        with Progress("train bc", total=n_epochs, unit="epochs") as prog:
+
+            def epoch_done(line: str) -> None:
+                prog.echo(line)
+                prog.advance()
+
+            res = train_bc(data, epochs=n_epochs, seed=seed, log=epoch_done)
+        kw = data.env.spec.kwargs
+        policy = res.policy
+        policy.meta = provenance(
+            policy.meta, _load(kw["dataset"]), kw["dataset"], kw["cost_model"], policy.spec, time.perf_counter() - t0
+        )
+    except ValueError as exc:
+        fail(str(exc))
+    finally:
+        data.env.close()
+    policy.save(run / "policy")
+    mode = policy.meta["drafting"]
+    summary = {"algo": "bc", "drafting": mode, "policy": str(run / "policy"), "meta": policy.meta}
+    if as_json:
+        _print_json(summary)
+    else:
+        acc = res.history[-1]["accuracy"]
+        out.print(
+            f"exported bc policy ({mode}) from {dataset} ({len(data.actions)} steps, accuracy {acc:.3f}) to "
+            f"{run / 'policy'} (policy.json + weights.npz) in {policy.meta['train_seconds']:.0f} s"
+        )
+
+
+@app.command("export")
+def export_cmd(
+    fmt: Annotated[str, typer.Argument(metavar="FORMAT", help="Dataset format: minari.")],
+    policy: Annotated[
+        str,
+        typer.Option(
+            help="oracle (its k*, expert data), a registered name (fixed-k:k=4, adaedl...), a policy shipped "
+            "for the set (imitation, ppo-h3...) or a policy folder."
+        ),
+    ],
+    dataset: Annotated[str, typer.Option("--dataset", help="Trace set: a registered name or a folder.")] = (
+        "paper-default"
+    ),
+    split: Annotated[str, typer.Option(help="Generations replayed: train, test or all.")] = "train",
+    episodes: Annotated[int, typer.Option(min=1, max=MAX_EPISODES, help="Episodes per generation.")] = 1,
+    seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Base seed of the episodes.")] = 0,
+    kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
+    cost_model: Annotated[
+        str, typer.Option(help="fit-train (the benchmark's), fit, profile or a cost-model JSON.")
+    ] = "fit-train",
+    drafting: Annotated[
+        str | None, typer.Option(help="Drafting mode: none, block or sequential (a policy folder brings its own).")
+    ] = None,
+    lookahead: Annotated[int | None, typer.Option(min=0, help="Draft confidences h shown (block, sequential).")] = None,
+    signals: Annotated[
+        str | None,
+        typer.Option(help="Draft signals of the lookahead, comma-separated: q (default), q,ent, q,ent,margin."),
+    ] = None,
+    root: Annotated[
+        Path | None,
+        typer.Option(help="Minari datasets folder (default $MINARI_DATASETS_PATH, else specenv's cache/minari)."),
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace a dataset of the same id that specenv exported.")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write a policy's episodes on a trace set as a Minari dataset specenv/SET/POLICY-v0 (offline RL).
+
+    The oracle and registered names in mode block or sequential get -hH / -seq after POLICY.
+
+    The dataset records the environment (recover_environment() rebuilds it), its spaces, the trace
+    set's manifest sha256, the split, the policy's file sha256 (or the oracle's table) and the
+    observation contract. It goes to --root, else $MINARI_DATASETS_PATH, else specenv's cache
+    folder (never ~/.minari unless asked); it is written completely or not at all.
+    """
+    if fmt != "minari":
+        fail(f"FORMAT: unknown dataset format {fmt!r} (known: minari)")
+    from policies.offline import check_destination, dataset_id, export_minari, plan_policy, resolve_root
+    from specenv.splits import check_split
+
+    try:
+        check_split(split)
+    except ValueError as exc:
+        fail(f"--split: {exc}")
+    ts = _load(dataset)
+    k = _check_budget(ts, kmax)
+    try:
+        base = resolve_root(root)
+        if os.path.lexists(base) and not base.is_dir():
+            fail(f"--root: {base} exists and is not a folder")
+        sig = None if signals is None else tuple(x.strip() for x in signals.split(","))
+        plan = plan_policy(policy, dataset, k, drafting, lookahead, sig)
+        ident = dataset_id(dataset, policy, plan=plan)
+        check_destination(base, ident, overwrite)
+    except FileExistsError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(f"--root: {_os_message(exc)}")
+    except ValueError as exc:
+        fail(str(exc))
+    try:
+        with Progress("export minari", unit="episodes") as prog:
+            res = export_minari(
+                dataset,
+                plan,
+                base,
+                ident,
+                split=split,
+                kmax=kmax,
+                cost_model=cost_model,
+                episodes=episodes,
+                seed=seed,
+                overwrite=overwrite,
+                progress=lambda done, total: prog.update(done, total),
+            )
+    except FileExistsError as exc:
+        fail(str(exc))
+    except ValueError as exc:
+        fail(str(exc))
+    summary = {
+        "dataset_id": res.dataset_id,
+        "root": str(base),
+        "path": str(res.path),
+        "episodes": res.episodes,
+        "steps": res.steps,
+        "size_mb": res.size_mb,
+        "speedup_pooled": res.speedup_pooled,
+        "metadata": res.metadata,
+    }
+    if as_json:
+        _print_json(summary)
+    else:
+        out.print(
+            f"wrote Minari dataset {res.dataset_id} to {res.path}: {res.episodes} episodes, {res.steps} steps, "
+            f"{res.size_mb:.1f} MB; policy {policy} ({plan.drafting}, h={plan.lookahead}) on the {split} split, "
+            f"pooled speedup {res.speedup_pooled:.3f}",
+            markup=False,
         )
 
 

@@ -1,0 +1,96 @@
+"""The oracle as a policy: the exact SSP oracle's optimal budget k*(t), played in the replay environment.
+
+The oracle (:func:`oracle.dp.solve`) gives an optimal budget for every position t of every
+generation of a split. Its decision depends on the state (which generation, how many tokens are
+committed), not on the observation vector: the observation hides N, rho and the generation's
+identity, so an observation-only policy cannot reproduce it. :class:`OracleExpert` is therefore a
+*privileged* expert: :meth:`OracleExpert.act_state` takes the generation id and position the replay
+environment reports (``reset`` info ``generation_id``, step info ``t``). It is what the Minari export
+(:mod:`policies.offline`) records as expert data for offline RL and behaviour cloning
+(:mod:`policies.bc`), and DAgger's beta = 1 iteration (:mod:`policies.imitation`) plays the same
+k*(t).
+
+The oracle is solved on the environment's own positions table (the split, kmax) with the
+environment's own cost model and drafting charge, so its budgets are optimal for exactly the episodes
+the environment plays: drafting ``"none"`` and ``"sequential"`` share the bound of ``"none"``,
+``"block"`` with h > 0 pays T_D(max(k, h)) (DESIGN.md section 1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+
+from specenv.costmodel import CostModel
+from specenv.traceset import PositionArrays
+
+#: The policy name of the oracle expert (``specenv export minari --policy oracle``).
+ORACLE_POLICY = "oracle"
+
+
+class OracleExpert:
+    """The oracle's optimal budget k*(t) for a replay environment's split (a privileged policy).
+
+    Args:
+        arrays: The split's positions in the environment's order (row = ``offsets[g] + t``;
+            :func:`policies.imitation.split_arrays`).
+        cost_model: The environment's cost model (``env.unwrapped.data.cost_model``).
+        lookahead: The environment's lookahead h.
+        drafting: The environment's drafting mode.
+    """
+
+    name = ORACLE_POLICY
+    privileged = True
+
+    def __init__(self, arrays: PositionArrays, cost_model: CostModel, lookahead: int = 0, drafting: str = "none"):
+        from oracle.dp import solve
+
+        self.arrays = arrays
+        self.drafting = drafting
+        self.lookahead = int(lookahead)
+        self.solution = solve(arrays, cost_model, lookahead=self.lookahead, drafting=drafting)
+        self.k_star = np.asarray(self.solution.k, dtype=np.int64)
+        self._index = {int(g): i for i, g in enumerate(arrays.generation_ids)}
+
+    @classmethod
+    def for_env(cls, env: Any) -> OracleExpert:
+        """The oracle of a replay environment built with ``gymnasium.make`` (its split, kmax, cost model, drafting).
+
+        Args:
+            env: The replay environment (``specenv/MoESpec-v1``), wrapped or not; its trace set is read
+                again for the positions table.
+        """
+        from policies.imitation import split_arrays
+
+        data = env.unwrapped.data
+        arrays = split_arrays(data.dataset, data.kmax, data.split)
+        return cls(arrays, data.cost_model, lookahead=data.lookahead, drafting=data.drafting)
+
+    @property
+    def table_sha256(self) -> str:
+        """sha256 of the k*(t) table (int64 bytes, row order): the fingerprint of this expert."""
+        return hashlib.sha256(np.ascontiguousarray(self.k_star).tobytes()).hexdigest()
+
+    @property
+    def speedup_pooled(self) -> float:
+        """The split's S_max (pooled AR cost / optimal expected cost)."""
+        return float(self.solution.speedup_pooled)
+
+    def reset(self) -> None:
+        """Nothing to forget: k*(t) depends on the state only."""
+
+    def act_state(self, generation_id: int, t: int) -> int:
+        """k*(t) of a generation at position t (the tokens already committed).
+
+        Raises:
+            ValueError: For a generation outside the split or a position outside 0..N-1.
+        """
+        g = self._index.get(int(generation_id))
+        if g is None:
+            raise ValueError(f"oracle expert: generation {generation_id} is not in the solved split")
+        lo, hi = int(self.arrays.offsets[g]), int(self.arrays.offsets[g + 1])
+        if not 0 <= t < hi - lo:
+            raise ValueError(f"oracle expert: position t={t} outside 0..{hi - lo - 1} of generation {generation_id}")
+        return int(self.k_star[lo + int(t)])
