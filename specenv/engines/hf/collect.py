@@ -12,6 +12,10 @@ For every prompt:
    distribution at every drafted token, and the unique experts U_{t,0..Kmax}; one row of the
    ``positions`` table per (prompt, t).
 
+With expert caps (``caps=``, ``specenv collect --caps``; trace extension caps-v1) the fixed-K runs
+are repeated under every cap and the sweep adds one capped verification pass per (position, k, cap);
+see :func:`collect_live`.
+
 :func:`recollect_positions` redoes step 2 alone for an existing set (its rounds stay): the migration
 of a schema-v1 live set to v2.
 
