@@ -229,7 +229,7 @@ class JointEvaluation:
 
     @property
     def speedup_pooled(self) -> float:
-        """sum AR / sum cost."""
+        """Pooled speedup: sum AR / sum cost."""
         return float(self.ar.sum() / self.cost.sum())
 
     @property

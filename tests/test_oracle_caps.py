@@ -44,7 +44,7 @@ def _brute(arrays, caps, model, lam_units: float):
     for g in range(arrays.n_generations):
         lo, N = int(arrays.offsets[g]), int(arrays.lengths[g])
 
-        def value(policy, t=0):
+        def value(policy, t=0, lo=lo, N=N):
             if t >= N:
                 return 0.0
             k, c = policy[t]
@@ -52,11 +52,11 @@ def _brute(arrays, caps, model, lam_units: float):
             if c == 0:
                 cost = float(model.charged_ms(k, arrays.U[r, k], arrays.L[r]))
                 probs = [1.0] + [S[r, i - 1] for i in range(1, k + 1)] + [0.0]
-                return cost + sum((probs[a] - probs[a + 1]) * value(policy, t + a + 1) for a in range(k + 1))
+                return cost + sum((probs[a] - probs[a + 1]) * value(policy, t + a + 1, lo, N) for a in range(k + 1))
             a = int(caps.acc[c - 1, k, r])
             committed = min(a + 1, N - t)
             cost = float(model.charged_ms(k, caps.U[c - 1, k, r], arrays.L[r]))
-            return cost + lam * min(caps.mis[c - 1, k, r], committed) + value(policy, t + a + 1)
+            return cost + lam * min(caps.mis[c - 1, k, r], committed) + value(policy, t + a + 1, lo, N)
 
         best.append(min(value(p) for p in itertools.product(acts, repeat=N)))
     return np.array(best)
@@ -156,8 +156,8 @@ def test_action_values_and_frontier_are_monotone():
     pts = frontier(arrays, caps, model, weights=(0.0, 0.1, 1.0, 10.0, float("inf")))
     speed = [p.speedup_pooled for p in pts]
     rate = [p.mismatch_rate for p in pts]
-    assert all(a >= b - 1e-12 for a, b in zip(speed, speed[1:]))  # more weight, less speed
-    assert all(a >= b - 1e-12 for a, b in zip(rate, rate[1:]))  # ... and fewer mismatches
+    assert all(a >= b - 1e-12 for a, b in zip(speed, speed[1:], strict=False))  # more weight, less speed
+    assert all(a >= b - 1e-12 for a, b in zip(rate, rate[1:], strict=False))  # ... and fewer mismatches
     assert rate[-1] == 0.0 and rate[0] > 0.0
 
 
