@@ -33,9 +33,10 @@ smallest budget.
 position-indexed joint policy (a capped choice is a k-only round whose survival is 1 up to its
 accepted drafts and 0 beyond, so :mod:`oracle.dp`'s sweeps evaluate it unchanged).
 
-Inputs: ``caps`` is the positions table's caps extension read by
-:meth:`specenv.traceset.TraceSet.caps` (any object with ``levels`` and the (C, Kmax'+1, n) arrays
-``acc``, ``U``, ``mis``, ``lpgap`` over the same rows as ``arrays``, Kmax' >= ``arrays.kmax``).
+Inputs: the positions table's caps columns, ``arrays.caps`` (:class:`specenv.traceset.CapArrays`,
+extension ``caps-v1``), charged and clipped by :func:`specenv.capreplay.joint_tables`; ``caps=``
+passes them separately (any object with ``caps`` and the (C, Kmax'+1, n) arrays ``acc``, ``U``,
+``mis``, ``lpgap`` over the same rows).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from oracle.dp import _backward, _forward, _Layout, _step_tables, ar_costs
+from specenv.capreplay import JointTables, joint_tables
 from specenv.costmodel import CostModel
 from specenv.traceset import PositionArrays
 
@@ -63,101 +65,6 @@ __all__ = [
 
 #: Quality weights (AR steps per mismatched token) of the default frontier sweep; inf = no token may change.
 DEFAULT_WEIGHTS: tuple[float, ...] = (0.0, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, float("inf"))
-
-
-# --------------------------------------------------------------------------- tables
-@dataclass(frozen=True)
-class JointTables:
-    """The capped rounds of every position row, clipped at the generation's end (row order).
-
-    Attributes:
-        levels: (C,) the caps B_1..B_C (experts per layer), level c = index c-1.
-        kmax: Largest budget.
-        acc: (C, Kmax+1, n) int64 accepted drafts under cap c at budget k (column k = 0 is 0).
-        committed: (C, Kmax+1, n) tokens the capped round commits, ``min(acc + 1, N - t)``.
-        cost: (C, Kmax+1, n) charged cost in ms at the capped unique experts.
-        U: (C, Kmax+1, n) capped unique experts.
-        mis: (C, Kmax+1, n) mismatched committed tokens, clipped to ``committed``.
-        lpgap: (C, Kmax+1, n) mean log-prob gap of the capped round (as recorded).
-        unit_ms: Mean plain AR step C(t, 0) of the rows (the unit of the quality weight).
-    """
-
-    levels: tuple[int, ...]
-    kmax: int
-    acc: np.ndarray
-    committed: np.ndarray
-    cost: np.ndarray
-    U: np.ndarray
-    mis: np.ndarray
-    lpgap: np.ndarray
-    unit_ms: float
-
-    @property
-    def n_levels(self) -> int:
-        """Number C of cap levels (excluding the uncapped level 0)."""
-        return len(self.levels)
-
-    @property
-    def n_actions(self) -> int:
-        """Joint actions ``(C+1) * (Kmax+1)``, index ``c * (Kmax+1) + k``."""
-        return (self.n_levels + 1) * (self.kmax + 1)
-
-
-def _distance(arrays: PositionArrays) -> np.ndarray:
-    """(n,) tokens left N - t at every row."""
-    lengths = arrays.lengths.astype(np.int64)
-    starts = arrays.offsets[:-1].astype(np.int64)
-    t = np.arange(len(arrays.L)) - np.repeat(starts, lengths)
-    return np.repeat(lengths, lengths) - t
-
-
-def joint_tables(
-    arrays: PositionArrays,
-    caps: Any,
-    cost_model: CostModel,
-    lookahead: int = 0,
-    drafting: str | None = None,
-) -> JointTables:
-    """The capped rounds of ``caps`` on the rows of ``arrays``, charged by ``cost_model``.
-
-    Args:
-        arrays: The positions table (budgets 0..``arrays.kmax``).
-        caps: The caps extension over the same rows (``levels``, ``acc``, ``U``, ``mis``, ``lpgap``).
-        cost_model: The per-K cost model (it takes the capped U as it is).
-        lookahead: Draft lookahead h (charged as in :func:`oracle.dp.cost_table`).
-        drafting: The drafting mode (as in :func:`oracle.dp.solve`).
-
-    Raises:
-        ValueError: Naming the array whose shape or values do not fit the rows.
-    """
-    K, n = arrays.kmax, len(arrays.L)
-    levels = tuple(int(x) for x in getattr(caps, "levels", ()))
-    C = len(levels)
-    out: dict[str, np.ndarray] = {}
-    for name in ("acc", "U", "mis", "lpgap"):
-        x = np.asarray(getattr(caps, name))
-        if x.ndim != 3 or x.shape[0] != C or x.shape[1] < K + 1 or x.shape[2] != n:
-            raise ValueError(f"caps.{name}: shape {x.shape}, need ({C}, >={K + 1}, {n}) for {C} cap levels")
-        x = x[:, : K + 1, :]
-        if not np.all(np.isfinite(x)):
-            raise ValueError(f"caps.{name}: holds NaN or infinite values")
-        out[name] = x
-    acc = out["acc"].astype(np.int64)
-    ks = np.arange(K + 1)[None, :, None]
-    if np.any(acc < 0) or np.any(acc > ks):
-        c, k, r = np.argwhere((acc < 0) | (acc > ks))[0]
-        raise ValueError(f"caps.acc[{c}, {k}, {r}] = {acc[c, k, r]}: accepted drafts must lie in 0..k")
-    if np.any(out["mis"] < 0):
-        raise ValueError("caps.mis: mismatched tokens must be >= 0")
-    dist = _distance(arrays)[None, None, :]
-    committed = np.minimum(acc + 1, dist)
-    mis = np.minimum(out["mis"].astype(np.float64), committed)
-    U = out["U"].astype(np.float64)
-    cost = np.empty((C, K + 1, n))
-    for c in range(C):
-        cost[c] = cost_model.charged_by_budget(U[c], arrays.L, lookahead, drafting=drafting)
-    unit = float(np.mean(cost_model.target_ms(0, arrays.U[:, 0], arrays.L)))
-    return JointTables(levels, K, acc, committed, cost, U, mis, out["lpgap"].astype(np.float64), unit)
 
 
 def _lam(quality_weight: float, unit_ms: float) -> float:
@@ -341,29 +248,29 @@ def _result(
 
 def solve_joint(
     arrays: PositionArrays,
-    caps: Any,
     cost_model: CostModel,
     quality_weight: float = 0.0,
     lookahead: int = 0,
     drafting: str | None = None,
+    caps: Any = None,
     tables: JointTables | None = None,
 ) -> JointEvaluation:
     """Exact joint oracle: the optimal (k, cap) at every position for a quality weight.
 
     Args:
         arrays: Positions table (budgets 0..``arrays.kmax``).
-        caps: Its caps extension (see the module docstring); ignored when ``tables`` is given.
         cost_model: Per-K cost model.
         quality_weight: AR steps charged per mismatched token (0: the speed bound; inf: no token may change).
         lookahead: Draft lookahead h (as in :func:`oracle.dp.solve`).
         drafting: The drafting mode (as in :func:`oracle.dp.solve`).
-        tables: Precomputed :func:`joint_tables` (reused across a sweep).
+        caps: The caps columns (default ``arrays.caps``); ignored when ``tables`` is given.
+        tables: Precomputed :func:`~specenv.capreplay.joint_tables` (reused across a sweep).
 
     Returns:
         The :class:`JointEvaluation` of the optimal policy; ``value`` is the penalised V(t),
         ``cost`` the expected cost without the penalty.
     """
-    tab = tables if tables is not None else joint_tables(arrays, caps, cost_model, lookahead, drafting)
+    tab = tables if tables is not None else joint_tables(arrays, cost_model, lookahead, drafting, caps)
     lam = _lam(quality_weight, tab.unit_ms)
     lay = _Layout.of(arrays)
     Ct, St = _step_tables(arrays, cost_model, lookahead, lay, drafting)
@@ -408,19 +315,18 @@ def _policy_arrays(policy: Any, n: int, K: int, C: int) -> tuple[np.ndarray, np.
 
 def evaluate_joint(
     arrays: PositionArrays,
-    caps: Any,
     cost_model: CostModel,
     policy: tuple[Any, Any],
     label: str = "position-indexed",
     lookahead: int = 0,
     drafting: str | None = None,
+    caps: Any = None,
     tables: JointTables | None = None,
 ) -> JointEvaluation:
     """Exact expected cost, mismatches and log-prob gap of a position-indexed joint policy.
 
     Args:
         arrays: Positions table.
-        caps: Its caps extension (ignored when ``tables`` is given).
         cost_model: Per-K cost model.
         policy: ``(k, cap)``: ints (a fixed budget and cap level, MoE-Spec's fixed budget with fixed
             k) or (n,) integer arrays per row (e.g. ``(res.k, res.cap)`` of :func:`solve_joint`). A
@@ -428,12 +334,13 @@ def evaluate_joint(
         label: Label of the result.
         lookahead: Draft lookahead h.
         drafting: The drafting mode.
-        tables: Precomputed :func:`joint_tables`.
+        caps: The caps columns (default ``arrays.caps``); ignored when ``tables`` is given.
+        tables: Precomputed :func:`~specenv.capreplay.joint_tables`.
 
     Returns:
         The :class:`JointEvaluation` (``value`` = expected cost-to-go, no penalty).
     """
-    tab = tables if tables is not None else joint_tables(arrays, caps, cost_model, lookahead, drafting)
+    tab = tables if tables is not None else joint_tables(arrays, cost_model, lookahead, drafting, caps)
     n = len(arrays.L)
     k, c = _policy_arrays(policy, n, tab.kmax, tab.n_levels)
     lay = _Layout.of(arrays)
@@ -457,7 +364,7 @@ def joint_action_values(
 
     Args:
         arrays: Positions table.
-        tab: Its :func:`joint_tables`.
+        tab: Its :func:`~specenv.capreplay.joint_tables`.
         cost_model: Cost model.
         value: (n,) cost-to-go, e.g. ``solve_joint(...).value`` at the same weight (then ``min Q = V``).
         rows: Rows to compute (default all).
@@ -486,16 +393,16 @@ def joint_action_values(
 
 def frontier(
     arrays: PositionArrays,
-    caps: Any,
     cost_model: CostModel,
     weights: Sequence[float] = DEFAULT_WEIGHTS,
     lookahead: int = 0,
     drafting: str | None = None,
+    caps: Any = None,
 ) -> list[JointEvaluation]:
     """The joint oracle at every quality weight: the speed / quality frontier.
 
     Returns:
         One :class:`JointEvaluation` per weight, in the order given.
     """
-    tab = joint_tables(arrays, caps, cost_model, lookahead, drafting)
-    return [solve_joint(arrays, None, cost_model, w, lookahead, drafting, tables=tab) for w in weights]
+    tab = joint_tables(arrays, cost_model, lookahead, drafting, caps)
+    return [solve_joint(arrays, cost_model, w, lookahead, drafting, tables=tab) for w in weights]
