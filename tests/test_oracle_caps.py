@@ -118,7 +118,11 @@ def test_caps_that_change_nothing_give_the_k_only_value():
     for k in range(1, K + 1):
         acc[0, k] = (surv[:, :k] > 0.5).sum(axis=1)
     same = SimpleNamespace(
-        caps=np.array([4]), acc=acc, U=arrays.U.T[None].copy(), mis=np.zeros((1, K + 1, n)), lpgap=np.zeros((1, K + 1, n))
+        caps=np.array([4]),
+        acc=acc,
+        U=arrays.U.T[None].copy(),
+        mis=np.zeros((1, K + 1, n)),
+        lpgap=np.zeros((1, K + 1, n)),
     )
     joint = solve_joint(arrays, model, float("inf"), caps=same)
     np.testing.assert_allclose(joint.value, oracle.solve(arrays, model).value, rtol=1e-12)
