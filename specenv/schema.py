@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from specenv.validation import KMAX_MAX, one_line
+from specenv.validation import CAP_LEVELS_MAX, KMAX_MAX, one_line
 
 #: The version this specenv writes.
 SCHEMA_VERSION = 2
@@ -42,6 +42,10 @@ ROUNDS_COLUMNS: dict[str, pa.DataType] = {
     "T_T_ms": pa.float32(),
     "T_D_ms": pa.float32(),
 }
+
+#: Optional column of the rounds table: the verification-time expert cap B the round ran with (0 = none;
+#: k = 0 rounds are never capped, whatever it says). The round's ``U_r`` is then the capped one.
+ROUNDS_CAP_COLUMN = "cap"
 
 #: Fixed (non-indexed) columns of the positions table; rho_j, q_j, U_j (and from v2 ent_j, margin_j) follow.
 POSITIONS_FIXED: dict[str, pa.DataType] = {
@@ -94,12 +98,14 @@ def signal_columns(kmax: int) -> list[str]:
     return ent_columns(kmax) + margin_columns(kmax)
 
 
-def positions_columns(kmax: int, signals: bool = True) -> dict[str, pa.DataType]:
+def positions_columns(kmax: int, signals: bool = True, n_caps: int = 0) -> dict[str, pa.DataType]:
     """The columns of the positions table for a given Kmax, in canonical order.
 
     Args:
         kmax: Number of draft positions.
         signals: Include the schema-v2 signal columns (ent_j, margin_j); False gives the v1 columns.
+        n_caps: Number of expert-cap levels of the ``caps-v1`` extension (0: none); their columns
+            (:func:`cap_columns`) come last.
     """
     cols = dict(POSITIONS_FIXED)
     names = rho_columns(kmax) + q_columns(kmax) + u_columns(kmax)
@@ -107,6 +113,38 @@ def positions_columns(kmax: int, signals: bool = True) -> dict[str, pa.DataType]
         names += signal_columns(kmax)
     for name in names:
         cols[name] = pa.float32()
+    if n_caps:
+        cols.update(cap_columns(n_caps, kmax))
+    return cols
+
+
+#: The versioned schema extension of the expert-cap columns (manifest ``extensions``, traces/README.md).
+CAPS_EXTENSION = "caps-v1"
+#: The per-(cap level, k) quantities of the caps extension, in column order.
+CAP_QUANTITIES = ("acc", "U", "mis", "lpgap")
+
+
+def cap_column(quantity: str, level: int, k: int) -> str:
+    """Name of one caps-extension column: ``{quantity}_c{level}_k{k}`` (level 1..C, k 1..Kmax)."""
+    if quantity not in CAP_QUANTITIES:
+        raise ValueError(f"quantity={quantity!r}: expected one of {CAP_QUANTITIES}")
+    return f"{quantity}_c{int(level)}_k{int(k)}"
+
+
+def cap_columns(n_caps: int, kmax: int) -> dict[str, pa.DataType]:
+    """The caps-extension columns of the positions table (level-major, then k, then quantity) and their types.
+
+    ``acc_c{c}_k{k}`` and ``mis_c{c}_k{k}`` are int32 (readers also take float32 holding integers),
+    ``U_c{c}_k{k}`` and ``lpgap_c{c}_k{k}`` float32.
+    """
+    kmax = _bounded(kmax)
+    if isinstance(n_caps, bool) or not isinstance(n_caps, (int, np.integer)) or not 0 <= n_caps <= CAP_LEVELS_MAX:
+        raise ValueError(f"n_caps={n_caps!r}: must be an integer in 0..{CAP_LEVELS_MAX}")
+    cols: dict[str, pa.DataType] = {}
+    for c in range(1, int(n_caps) + 1):
+        for k in range(1, kmax + 1):
+            for q in CAP_QUANTITIES:
+                cols[cap_column(q, c, k)] = pa.int32() if q in ("acc", "mis") else pa.float32()
     return cols
 
 
@@ -228,7 +266,7 @@ def _finite(arr: np.ndarray, file: str, column: str) -> None:
 
 
 def validate_rounds(table: pa.Table, facts: ModelFacts, kmax: int, file: str = "rounds.parquet") -> None:
-    """Validate a rounds table against schema v1.
+    """Validate a rounds table against schema v1 (with the optional ``cap`` column: 0..n_experts, U_r <= cap).
 
     Args:
         table: The table as read from Parquet.
@@ -269,14 +307,40 @@ def validate_rounds(table: pa.Table, facts: ModelFacts, kmax: int, file: str = "
     _, first, inverse = np.unique(gid, return_index=True, return_inverse=True)
     cats = column_strings(table, "category")
     _require(cats != cats[first][inverse], file, "category", "category changes inside a generation")
+    if ROUNDS_CAP_COLUMN in table.column_names:
+        _check_columns(table, {ROUNDS_CAP_COLUMN: pa.int32()}, file)
+        cap = _num(table, ROUNDS_CAP_COLUMN, np.int64)
+        _require(
+            (cap < 0) | (cap > facts.n_experts), file, ROUNDS_CAP_COLUMN, f"cap outside 0..{facts.n_experts} (0 = none)"
+        )
+        _require(
+            (cap > 0) & (K >= 1) & (U > cap + eps),
+            file,
+            "U_r",
+            f"above the round's expert cap (column '{ROUNDS_CAP_COLUMN}')",
+        )
 
 
-def _beyond_kmax(table: pa.Table, kmax: int, file: str) -> None:
-    """Refuse indexed columns past ``kmax`` (a manifest kmax lower than the table would drop them silently)."""
+def _beyond_kmax(table: pa.Table, kmax: int, file: str, n_caps: int = 0) -> None:
+    """Refuse indexed columns past ``kmax`` (a manifest kmax lower than the table would drop them silently).
+
+    Caps-extension columns must have a level in 1..``n_caps`` (the manifest's ``caps``) and k in 1..kmax.
+    """
     for name in table.column_names:
         hit = re.fullmatch(r"(rho|q|U|ent|margin)_(\d+)", name)
         if hit and int(hit.group(2)) > kmax:
             raise TraceError(file, f"column beyond the manifest's kmax={kmax}", column=name)
+        hit = re.fullmatch(r"(acc|U|mis|lpgap)_c(\d+)_k(\d+)", name)
+        if hit:
+            c, k = int(hit.group(2)), int(hit.group(3))
+            if not n_caps:
+                raise TraceError(
+                    file, "expert-cap column, but the manifest declares no caps (extension caps-v1)", column=name
+                )
+            if not 1 <= c <= n_caps:
+                raise TraceError(file, f"cap level outside 1..{n_caps} (the manifest's caps)", column=name)
+            if not 1 <= k <= kmax:
+                raise TraceError(file, f"budget outside 1..{kmax} (k = 0 rounds are never capped)", column=name)
 
 
 def generation_categories(table: pa.Table) -> dict[int, str]:
@@ -320,8 +384,9 @@ def validate_positions(
     file: str = "positions.parquet",
     schema_version: int = SCHEMA_VERSION,
     vocab_size: int | None = None,
+    caps: list[int] | tuple[int, ...] | None = None,
 ) -> None:
-    """Validate a positions table against schema v1 or v2.
+    """Validate a positions table against schema v1 or v2 (and the ``caps-v1`` extension when ``caps``).
 
     Checks types, NaN, 0<=rho<=1 (and rho in {0,1} for greedy traces), 0<=q<=1, U_0 == top_k,
     U non-decreasing in k, each extra position adding at most top_k experts, U <= n_experts,
@@ -336,6 +401,8 @@ def validate_positions(
         file: Name used in error messages.
         schema_version: The set's schema version (from its manifest).
         vocab_size: The draft's vocabulary size, when known (bounds the entropy by its log).
+        caps: The manifest's expert caps B_1 < ... < B_C (extension ``caps-v1``; None: no cap
+            columns allowed); their columns are checked by :func:`validate_caps`.
 
     Raises:
         TraceError: On the first violation, naming file, column and row.
@@ -344,7 +411,7 @@ def validate_positions(
         raise TraceError(file, "table has no rows")
     signals = schema_version >= 2 or has_signals(table.column_names, kmax)
     _check_columns(table, positions_columns(kmax, signals=signals), file)
-    _beyond_kmax(table, kmax, file)
+    _beyond_kmax(table, kmax, file, n_caps=len(caps) if caps else 0)
     gid = _num(table, "generation_id", np.int64)
     t = _num(table, "t", np.int64)
     L = _num(table, "L", np.int64)
@@ -395,6 +462,67 @@ def validate_positions(
         prev = u
     if signals:
         _check_signals(table, kmax, file, vocab_size)
+    if caps:
+        validate_caps(table, facts, kmax, caps, file)
+
+
+def _integral(arr: np.ndarray, file: str, column: str) -> None:
+    _require(arr != np.round(arr), file, column, "must be a whole number")
+
+
+def validate_caps(
+    table: pa.Table, facts: ModelFacts, kmax: int, caps: list[int] | tuple[int, ...], file: str = "positions.parquet"
+) -> None:
+    """Validate the ``caps-v1`` columns of a positions table (traces/README.md, "Expert caps").
+
+    For every cap level c (cap B_c) and budget k = 1..kmax: ``acc`` a whole number in 0..k; ``mis`` a
+    whole number in 0..acc+1 (it counts committed tokens, at most acc + 1); ``U`` finite, at least
+    min(top_k, B_c), at most B_c (the cap bounds every layer's union, hence their mean), n_experts and
+    (k+1)*top_k; ``lpgap`` finite. ``lpgap`` has no sign constraint: the capped target may give the
+    uncapped argmax a *higher* log-probability than the uncapped target does (it is 0 exactly where
+    the cap binds in no layer).
+
+    Args:
+        table: The positions table.
+        facts: Routing facts of the target model.
+        kmax: Largest budget.
+        caps: The caps B_1 < ... < B_C, each in 1..n_experts-1.
+        file: Name used in error messages.
+
+    Raises:
+        TraceError: On the first violation, naming file, column and row.
+    """
+    caps = [int(b) for b in caps]
+    if any(b < 1 or b >= facts.n_experts for b in caps) or any(
+        b >= a for a, b in zip(caps[1:], caps[:-1], strict=False)
+    ):
+        raise TraceError(file, f"caps {caps}: must be strictly ascending, each in 1..n_experts-1={facts.n_experts - 1}")
+    # the counts may be stored as int32 or float32 holding whole numbers (checked below)
+    _check_columns(table, dict.fromkeys(cap_columns(len(caps), kmax), pa.float32()), file)
+    eps = 1e-4
+    for c, B in enumerate(caps, start=1):
+        for k in range(1, kmax + 1):
+            col = cap_column("acc", c, k)
+            acc = _num(table, col, np.float64)
+            _finite(acc, file, col)
+            _integral(acc, file, col)
+            _require((acc < 0) | (acc > k), file, col, f"accepted drafts outside 0..{k}")
+            col = cap_column("mis", c, k)
+            mis = _num(table, col, np.float64)
+            _finite(mis, file, col)
+            _integral(mis, file, col)
+            _require(mis < 0, file, col, "negative mismatch count")
+            _require(mis > acc + 1, file, col, f"more mismatches than committed tokens ({cap_column('acc', c, k)} + 1)")
+            col = cap_column("U", c, k)
+            u = _num(table, col, np.float64)
+            _finite(u, file, col)
+            low = min(facts.top_k, B)
+            _require(u < low - eps, file, col, f"below min(top_k, cap) = {low}")
+            _require(u > B + eps, file, col, f"above the cap B={B}")
+            _require(u > facts.n_experts + eps, file, col, f"above n_experts={facts.n_experts}")
+            _require(u > (k + 1) * facts.top_k + eps, file, col, "above (k+1)*top_k (more experts than routed slots)")
+            col = cap_column("lpgap", c, k)
+            _finite(_num(table, col, np.float64), file, col)
 
 
 #: Tolerance of the signal checks (the generator stores them as multiples of 1/1024, engines in float32).

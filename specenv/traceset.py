@@ -24,11 +24,13 @@ import pyarrow.parquet as pq
 
 from specenv.io import ReplaceRefused, atomic_dir, atomic_write_json, check_new_path, check_replaceable, sha256_file
 from specenv.schema import (
+    CAPS_EXTENSION,
     ROUNDS_COLUMNS,
     SCHEMA_VERSION,
     SUPPORTED_SCHEMA_VERSIONS,
     ModelFacts,
     TraceError,
+    cap_column,
     column_strings,
     column_values,
     ent_columns,
@@ -46,7 +48,7 @@ from specenv.schema import (
 if TYPE_CHECKING:  # pandas is imported only where a DataFrame is really needed (it costs ~0.7 s)
     import pandas as pd
 
-__all__ = ["MANIFEST", "TABLES", "Manifest", "PositionArrays", "TraceSet", "sha256_file"]
+__all__ = ["MANIFEST", "TABLES", "CapArrays", "Manifest", "PositionArrays", "TraceSet", "sha256_file"]
 
 MANIFEST = "manifest.json"
 TABLES = ("positions", "rounds")
@@ -73,6 +75,10 @@ class Manifest:
             (:meth:`TraceSet.save` writes 2 when the positions carry the signal columns or the set has
             no positions, else 1).
         vocab_size: The draft's vocabulary size, when known (the entropy columns are <= its log).
+        caps: The expert caps B_1 < ... < B_C of the ``caps-v1`` extension (each < n_experts; cap
+            level 0, uncapped, is implicit), or None for a set without cap columns.
+        extensions: Versioned schema extensions the set uses (``["caps-v1"]`` when ``caps``);
+            :meth:`TraceSet.save` sets it from ``caps``.
     """
 
     name: str
@@ -89,6 +95,8 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     vocab_size: int | None = None
+    caps: list[int] | None = None
+    extensions: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """Plain-JSON form, as written to ``manifest.json``."""
@@ -109,6 +117,8 @@ class Manifest:
             "kmax": self.kmax,
             "max_new_tokens": self.max_new_tokens,
             **({"vocab_size": self.vocab_size} if self.vocab_size is not None else {}),
+            **({"caps": [int(b) for b in self.caps]} if self.caps is not None else {}),
+            **({"extensions": list(self.extensions)} if self.extensions else {}),
             "counts": self.counts,
             "files": self.files,
             "extra": self.extra,
@@ -121,7 +131,9 @@ class Manifest:
         Raises:
             TraceError: One line naming the file and the field: missing, mistyped, out of range
                 (kmax 1..64, 1 <= top_k <= n_experts <= 4096, n_layers 1..1024, max_new_tokens >= 1,
-                counts >= 0), a name with control characters, or an unsupported schema version.
+                counts >= 0), a name with control characters, an unsupported schema version, an
+                unknown extension, or ``caps`` that are not 1..16 strictly ascending ints below
+                n_experts (``caps`` and the extension ``caps-v1`` go together).
         """
         from specenv.validation import check
 
@@ -146,6 +158,8 @@ class Manifest:
             extra=dict(m.extra),
             schema_version=m.schema_version,
             vocab_size=m.vocab_size,
+            caps=None if m.caps is None else list(m.caps),
+            extensions=list(m.extensions),
         )
 
 
@@ -186,6 +200,79 @@ def expected_accepted_table(rho: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class CapArrays:
+    """The ``caps-v1`` columns of a positions table, packed (traces/README.md, "Expert caps").
+
+    For cap level c (0-based here; column level c+1, cap ``caps[c]`` experts per MoE layer), budget
+    k and position row i, the capped target verifies the same draft chain as the uncapped one, with
+    the cap applied over the k+1 verified positions. Index k = 0 is filled with the uncapped round
+    (k = 0 is never capped): acc 0, U = top_k (the positions' ``U_0``), mis 0, lpgap 0.
+
+    Attributes:
+        caps: (C,) int64 the caps B_1 < ... < B_C (experts per layer).
+        acc: (C, kmax+1, n) int64 drafts the capped target accepts (0..k).
+        U: (C, kmax+1, n) float64 capped unique experts (mean over layers of the capped union, <= B_c).
+        mis: (C, kmax+1, n) int64 committed tokens of that round (the acc + 1 tokens, those within the
+            reference output) that differ from the uncapped greedy reference at the same positions.
+        lpgap: (C, kmax+1, n) float64 mean over the k+1 verified positions of the uncapped
+            log-probability of the uncapped argmax minus the capped log-probability of that token.
+    """
+
+    caps: np.ndarray
+    acc: np.ndarray
+    U: np.ndarray
+    mis: np.ndarray
+    lpgap: np.ndarray
+
+    @property
+    def n_levels(self) -> int:
+        """Number of cap levels C (the uncapped level is not counted)."""
+        return int(len(self.caps))
+
+    @property
+    def kmax(self) -> int:
+        """Largest budget carried."""
+        return int(self.acc.shape[1] - 1)
+
+    def rows(self, index: np.ndarray) -> CapArrays:
+        """The same levels and budgets for the position rows ``index`` (in that order)."""
+        return CapArrays(
+            self.caps, self.acc[..., index], self.U[..., index], self.mis[..., index], self.lpgap[..., index]
+        )
+
+    def with_kmax(self, kmax: int) -> CapArrays:
+        """Budgets 0..kmax only."""
+        sl = slice(0, kmax + 1)
+        return CapArrays(self.caps, self.acc[:, sl], self.U[:, sl], self.mis[:, sl], self.lpgap[:, sl])
+
+    @classmethod
+    def from_columns(cls, get: Any, caps: list[int], kmax: int, U0: np.ndarray) -> CapArrays:
+        """Pack from a column getter ``get(name) -> (n,) array`` (Arrow table or DataFrame).
+
+        Args:
+            get: Returns one column as a numpy array.
+            caps: The manifest's caps.
+            kmax: Largest budget.
+            U0: (n,) the positions' ``U_0`` (top_k), the k = 0 entry of ``U``.
+        """
+        C, n = len(caps), len(U0)
+        acc = np.zeros((C, kmax + 1, n), dtype=np.int64)
+        mis = np.zeros((C, kmax + 1, n), dtype=np.int64)
+        U = np.empty((C, kmax + 1, n), dtype=np.float64)
+        lp = np.zeros((C, kmax + 1, n), dtype=np.float64)
+        U[:, 0] = U0
+        for c in range(C):
+            for k in range(1, kmax + 1):
+                acc[c, k] = np.rint(get(cap_column("acc", c + 1, k)))
+                mis[c, k] = np.rint(get(cap_column("mis", c + 1, k)))
+                U[c, k] = get(cap_column("U", c + 1, k))
+                lp[c, k] = get(cap_column("lpgap", c + 1, k))
+        for a in (acc, mis, U, lp):
+            a.flags.writeable = False
+        return cls(np.asarray(caps, dtype=np.int64), acc, U, mis, lp)
+
+
+@dataclass(frozen=True)
 class PositionArrays:
     """The positions table packed into numpy arrays, sorted by generation then t.
 
@@ -204,6 +291,8 @@ class PositionArrays:
         ent: (n, kmax) float64 entropy (nats) of the draft's distribution at each drafted token, or
             None for a schema-v1 set (see :meth:`signals`).
         margin: (n, kmax) float64 top-1 minus top-2 probability of that distribution, or None.
+        caps: The expert-cap columns (:class:`CapArrays`, extension ``caps-v1``), or None for a set
+            without them (see :meth:`cap_arrays`).
     """
 
     generation_ids: np.ndarray
@@ -216,6 +305,7 @@ class PositionArrays:
     greedy: bool
     ent: np.ndarray | None = None
     margin: np.ndarray | None = None
+    caps: CapArrays | None = None
 
     @property
     def kmax(self) -> int:
@@ -253,7 +343,60 @@ class PositionArrays:
             greedy=self.greedy,
             ent=None if self.ent is None else self.ent[rows],
             margin=None if self.margin is None else self.margin[rows],
+            caps=None if self.caps is None else self.caps.rows(rows),
         )
+
+    @property
+    def has_caps(self) -> bool:
+        """Whether the expert-cap columns are present (extension ``caps-v1``)."""
+        return self.caps is not None
+
+    def cap_arrays(self, what: str = "this reader") -> CapArrays:
+        """The expert-cap columns (:class:`CapArrays`).
+
+        Args:
+            what: Who needs them, named in the error.
+
+        Raises:
+            ValueError: One line, when the set has no cap columns.
+        """
+        if self.caps is None:
+            raise ValueError(
+                f"{what} needs the expert-cap columns (acc_c*_k*, U_c*_k*, mis_c*_k*, lpgap_c*_k*; trace extension "
+                "caps-v1); this trace set has none: use a set collected with caps (e.g. live-cpu-caps)"
+            )
+        return self.caps
+
+    def remaining(self) -> np.ndarray:
+        """(n,) int64 tokens left to generate at each position row, N - t (at least 1)."""
+        lens = self.lengths
+        start = np.repeat(self.offsets[:-1], lens)
+        return np.repeat(lens, lens) - (np.arange(int(self.offsets[-1])) - start)
+
+    def cap_quality(self) -> dict[str, np.ndarray]:
+        """The quality cost of each cap level at each budget, over every position row.
+
+        A round at (c, k) from position t commits ``min(acc + 1, N - t)`` tokens, ``mis`` of which
+        differ from the reference. The rates are pooled ratios (sum of mismatches over sum of committed
+        tokens), each position weighted once, as if every position started a round.
+
+        Returns:
+            ``mismatch_rate`` (C, kmax+1): mismatched / committed tokens; ``lpgap`` (C, kmax+1): mean
+            log-prob gap; ``U`` (C, kmax+1): mean capped U; ``committed`` (C, kmax+1): committed
+            tokens counted. Index k = 0 is the uncapped AR round (rate 0).
+
+        Raises:
+            ValueError: If the set has no cap columns.
+        """
+        ca = self.cap_arrays("cap_quality")
+        committed = np.minimum(ca.acc + 1, self.remaining()[None, None, :])
+        tot = committed.sum(axis=2)
+        return {
+            "mismatch_rate": ca.mis.sum(axis=2) / np.maximum(tot, 1),
+            "lpgap": ca.lpgap.mean(axis=2),
+            "U": ca.U.mean(axis=2),
+            "committed": tot,
+        }
 
     @property
     def has_signals(self) -> bool:
@@ -301,19 +444,22 @@ class PositionArrays:
             self.greedy,
             None if self.ent is None else self.ent[:, :kmax],
             None if self.margin is None else self.margin[:, :kmax],
+            None if self.caps is None else self.caps.with_kmax(kmax),
         )
 
     @classmethod
-    def from_table(cls, table: pa.Table, kmax: int, greedy: bool) -> PositionArrays:
+    def from_table(cls, table: pa.Table, kmax: int, greedy: bool, caps: list[int] | None = None) -> PositionArrays:
         """Pack a (validated) positions Arrow table; the same arrays as :meth:`from_frame`, without pandas.
 
         The (n, kmax) blocks are Fortran-ordered and read-only, as pandas' ``DataFrame.to_numpy``
-        returns them, so every downstream reduction sees the same memory layout.
+        returns them, so every downstream reduction sees the same memory layout. ``caps`` (the
+        manifest's) packs the cap columns into :attr:`caps`.
         """
         gid = column_values(table, "generation_id", np.int64)
         starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
         offsets = np.append(starts, len(gid)).astype(np.int64)
         signals = has_signals(table.column_names, kmax)
+        U = _float_block(table, u_columns(kmax))
         return cls(
             generation_ids=gid[starts],
             categories=column_strings(table, "category")[starts],
@@ -321,19 +467,23 @@ class PositionArrays:
             L=column_values(table, "L", np.float64).copy(),
             rho=_float_block(table, rho_columns(kmax)),
             q=_float_block(table, q_columns(kmax)),
-            U=_float_block(table, u_columns(kmax)),
+            U=U,
             greedy=greedy,
             ent=_float_block(table, ent_columns(kmax)) if signals else None,
             margin=_float_block(table, margin_columns(kmax)) if signals else None,
+            caps=CapArrays.from_columns(lambda c: column_values(table, c, np.float64), caps, kmax, U[:, 0])
+            if caps
+            else None,
         )
 
     @classmethod
-    def from_frame(cls, df: pd.DataFrame, kmax: int, greedy: bool) -> PositionArrays:
-        """Pack a (validated) positions DataFrame."""
+    def from_frame(cls, df: pd.DataFrame, kmax: int, greedy: bool, caps: list[int] | None = None) -> PositionArrays:
+        """Pack a (validated) positions DataFrame (``caps``: the manifest's, packs the cap columns)."""
         gid = df["generation_id"].to_numpy(np.int64)
         starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
         offsets = np.append(starts, len(gid)).astype(np.int64)
         signals = has_signals(list(df.columns), kmax)
+        U = df[u_columns(kmax)].to_numpy(np.float64)
         return cls(
             generation_ids=gid[starts],
             categories=df["category"].astype(str).to_numpy(object)[starts],
@@ -341,10 +491,11 @@ class PositionArrays:
             L=df["L"].to_numpy(np.float64),
             rho=df[rho_columns(kmax)].to_numpy(np.float64),
             q=df[q_columns(kmax)].to_numpy(np.float64),
-            U=df[u_columns(kmax)].to_numpy(np.float64),
+            U=U,
             greedy=greedy,
             ent=df[ent_columns(kmax)].to_numpy(np.float64) if signals else None,
             margin=df[margin_columns(kmax)].to_numpy(np.float64) if signals else None,
+            caps=CapArrays.from_columns(lambda c: df[c].to_numpy(np.float64), caps, kmax, U[:, 0]) if caps else None,
         )
 
 
@@ -467,9 +618,11 @@ class TraceSet:
         if self._arrays is None:
             table = self._tables["positions"]
             if table is not None:
-                self._arrays = PositionArrays.from_table(table, self.kmax, self.manifest.greedy)
+                self._arrays = PositionArrays.from_table(table, self.kmax, self.manifest.greedy, self.manifest.caps)
             else:
-                self._arrays = PositionArrays.from_frame(self._frames["positions"], self.kmax, self.manifest.greedy)
+                self._arrays = PositionArrays.from_frame(
+                    self._frames["positions"], self.kmax, self.manifest.greedy, self.manifest.caps
+                )
         return self._arrays
 
     # ------------------------------------------------------------------ I/O
@@ -539,10 +692,15 @@ class TraceSet:
             m = self.manifest
             files: dict[str, dict[str, Any]] = {}
             m.schema_version = SCHEMA_VERSION
+            m.extensions = [e for e in m.extensions if e != CAPS_EXTENSION]
+            if m.caps is not None:
+                m.caps = [int(b) for b in m.caps]
+                m.extensions.append(CAPS_EXTENSION)
             if self.positions is not None:
                 signals = has_signals(list(self.positions.columns), m.kmax)
                 m.schema_version = SCHEMA_VERSION if signals else 1
-                table = _positions_table(self.positions, m.kmax, signals, m.schema_version)
+                n_caps = len(m.caps) if m.caps else 0
+                table = _positions_table(self.positions, m.kmax, signals, m.schema_version, n_caps)
                 validate_positions(
                     table,
                     m.model,
@@ -551,6 +709,7 @@ class TraceSet:
                     file="positions (in memory)",
                     schema_version=m.schema_version,
                     vocab_size=m.vocab_size,
+                    caps=m.caps,
                 )
                 files["positions"] = _write_table(table, tmp / "positions.parquet")
                 m.counts["positions"] = table.num_rows
@@ -564,6 +723,7 @@ class TraceSet:
             if not files:
                 raise ValueError("a trace set needs a positions or a rounds table")
             m.files = files
+            Manifest.from_json(m.to_json(), "manifest (in memory)")  # refuse what load would refuse (caps...)
             atomic_write_json(tmp / MANIFEST, m.to_json())
         self.root = root
         return root
@@ -604,6 +764,7 @@ def _load_table(
             file=str(path),
             schema_version=manifest.schema_version,
             vocab_size=manifest.vocab_size,
+            caps=manifest.caps,
         )
     else:
         validate_rounds(table, manifest.model, manifest.kmax, file=str(path))
@@ -660,7 +821,12 @@ def _to_table(df: pd.DataFrame, columns: dict[str, pa.DataType], version: int = 
             arrays.append(pa.array(df[name].astype(str).to_numpy(object), type=pa.string()).dictionary_encode())
             fields.append(pa.field(name, pa.dictionary(pa.int32(), pa.string())))
         else:
-            arrays.append(pa.array(df[name].to_numpy(), type=typ, from_pandas=True))
+            values = df[name].to_numpy()
+            if pa.types.is_integer(typ) and values.dtype.kind == "f" and _is_cap_count(name):
+                # a float count column is kept as float32 (the extension allows it) so that the
+                # validator names the row of a fractional or missing value instead of pyarrow failing
+                typ = pa.float32()
+            arrays.append(pa.array(values, type=typ, from_pandas=True))
             fields.append(pa.field(name, typ))
     for name in extra:
         arr = pa.array(df[name], from_pandas=True)
@@ -669,8 +835,13 @@ def _to_table(df: pd.DataFrame, columns: dict[str, pa.DataType], version: int = 
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=_schema_meta(version)))
 
 
-def _positions_table(df: pd.DataFrame, kmax: int, signals: bool, version: int) -> pa.Table:
-    return _to_table(df, positions_columns(kmax, signals=signals), version)
+def _is_cap_count(name: str) -> bool:
+    """Whether ``name`` is a count column of the caps extension (``acc_c*_k*``, ``mis_c*_k*``)."""
+    return name.startswith(("acc_c", "mis_c"))
+
+
+def _positions_table(df: pd.DataFrame, kmax: int, signals: bool, version: int, n_caps: int = 0) -> pa.Table:
+    return _to_table(df, positions_columns(kmax, signals=signals, n_caps=n_caps), version)
 
 
 def _rounds_table(df: pd.DataFrame, version: int) -> pa.Table:

@@ -48,6 +48,10 @@ KMAX_MAX = 64
 N_EXPERTS_MAX = 4096
 #: Largest number of MoE layers.
 N_LAYERS_MAX = 1024
+#: Versioned extensions of the trace schema this specenv reads (manifest field ``extensions``).
+TRACE_EXTENSIONS = ("caps-v1",)
+#: Largest number of expert-cap levels a trace set may declare (the positions table has 4*Kmax columns per level).
+CAP_LEVELS_MAX = 16
 #: Largest generation cap a file may declare.
 MAX_NEW_TOKENS_MAX = 1 << 24
 #: Largest draft vocabulary a trace manifest may declare (bounds the entropy columns by its log).
@@ -352,6 +356,33 @@ def _models() -> dict[str, Any]:
         counts: CountsJSON = CountsJSON()
         files: dict[str, TraceFileJSON]
         extra: dict[str, Any] = {}
+        caps: list[Annotated[int, Field(ge=1, le=N_EXPERTS_MAX)]] | None = None
+        extensions: list[str] = []
+
+        @model_validator(mode="after")
+        def _caps(self) -> ManifestJSON:
+            unknown = [e for e in self.extensions if e not in TRACE_EXTENSIONS]
+            if unknown:
+                raise ValueError(
+                    f"field 'extensions': unknown extension {unknown[0]!r} "
+                    f"(this specenv reads {', '.join(TRACE_EXTENSIONS)})"
+                )
+            if len(set(self.extensions)) != len(self.extensions):
+                raise ValueError("field 'extensions': an extension is listed twice")
+            has_ext = "caps-v1" in self.extensions
+            if has_ext != (self.caps is not None):
+                raise ValueError("field 'caps' and extension 'caps-v1' go together (one is missing)")
+            if self.caps is not None:
+                caps = self.caps
+                if not 1 <= len(caps) <= CAP_LEVELS_MAX:
+                    raise ValueError(f"field 'caps': needs 1..{CAP_LEVELS_MAX} levels (got {len(caps)})")
+                if any(b >= a for a, b in zip(caps[1:], caps[:-1], strict=False)):
+                    raise ValueError(f"field 'caps': must be strictly ascending (got {caps})")
+                if caps[-1] >= self.model.n_experts:
+                    raise ValueError(
+                        f"field 'caps': every cap must be < n_experts={self.model.n_experts} (got {caps[-1]})"
+                    )
+            return self
 
         @field_validator("files")
         @classmethod
