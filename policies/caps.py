@@ -180,9 +180,7 @@ def train_joint_dagger(
         stats = {"iteration": it, "beta": beta, "states": int(sum(len(x) for x in X)), "train_regret_ar_units": regret}
         history.append(stats)
         if log:
-            log(
-                f"joint dagger w={quality_weight:g} it={it} beta={beta:.3f} states={stats['states']} regret/step={regret:.4f}"
-            )
+            log(f"joint dagger w={quality_weight:g} it={it} beta={beta:.3f} n={stats['states']} regret={regret:.4f}")
     env.close()
     meta = {
         "algo": "joint-dagger",

@@ -44,7 +44,7 @@ def _episode(env, gid, act):
     obs, _ = env.reset(seed=1, options={"generation_id": gid})
     infos, rewards, done = [], [], False
     while not done:
-        obs, r, done, _, info = env.step(act(info["t"] if infos else 0))
+        obs, r, done, _, info = env.step(act(infos[-1]["t"] if infos else 0))
         infos.append(info)
         rewards.append(r)
     return infos, rewards
