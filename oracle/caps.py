@@ -398,11 +398,12 @@ def frontier(
     lookahead: int = 0,
     drafting: str | None = None,
     caps: Any = None,
+    tables: JointTables | None = None,
 ) -> list[JointEvaluation]:
     """The joint oracle at every quality weight: the speed / quality frontier.
 
     Returns:
         One :class:`JointEvaluation` per weight, in the order given.
     """
-    tab = joint_tables(arrays, cost_model, lookahead, drafting, caps)
+    tab = tables if tables is not None else joint_tables(arrays, cost_model, lookahead, drafting, caps)
     return [solve_joint(arrays, cost_model, w, lookahead, drafting, tables=tab) for w in weights]
