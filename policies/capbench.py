@@ -42,7 +42,15 @@ from policies.benchmark import Entry, build_context, default_entries, shipped_po
 from policies.caps import FixedCap, JointMLP, train_joint_dagger
 from specenv.stats import bootstrap_indices, bootstrap_ratio_ci
 
-__all__ = ["CapBenchResult", "frontier_table", "markdown_table", "plot_frontier", "run_cap_bench", "write_outputs"]
+__all__ = [
+    "DEFAULT_WEIGHTS",
+    "CapBenchResult",
+    "frontier_table",
+    "markdown_table",
+    "plot_frontier",
+    "run_cap_bench",
+    "write_outputs",
+]
 
 K_ORACLE = "k-only oracle (SSP)"
 

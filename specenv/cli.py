@@ -1655,8 +1655,7 @@ def bench_caps(
     """
     import math
 
-    from oracle.caps import DEFAULT_WEIGHTS
-    from policies.capbench import frontier_table, markdown_table, run_cap_bench, write_outputs
+    from policies.capbench import DEFAULT_WEIGHTS, frontier_table, markdown_table, run_cap_bench, write_outputs
 
     _check_out_folder("--out", out_dir)
     if policies is not None and not policies.is_dir():

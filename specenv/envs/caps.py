@@ -3,9 +3,9 @@
 ``gymnasium.make("specenv/MoESpecCap-v0", dataset=..., quality_weight=...)`` replays a trace set with
 the ``caps-v1`` extension (:class:`specenv.traceset.CapArrays`). Each step is one round with the
 action ``(k, c)``: the budget k and the cap level c (0 = uncapped, 1..C = the set's caps B_1..B_C
-experts per MoE layer). The round model is DESIGN.md section 1 ("A verification-time expert cap"):
-an uncapped round is :class:`specenv.envs.replay.MoESpecEnv`'s round; a capped one accepts the capped
-target's drafts deterministically, commits that many tokens plus one *of the reference text*, costs
+experts per MoE layer). The round model (:class:`MoESpecCapEnv`'s Description): an uncapped round
+is :class:`specenv.envs.replay.MoESpecEnv`'s round; a capped one accepts the capped target's drafts
+deterministically, commits that many tokens plus one *of the reference text*, costs
 the cost model at the capped unique experts and reports the committed tokens that differ from the
 uncapped reference as quality loss. Both run through the one replayed round,
 :func:`specenv.envs.replay.play_round`, on the capped tables of :func:`specenv.capreplay.joint_tables`.
@@ -94,6 +94,12 @@ class MoESpecCapEnv(MoESpecEnv):
     ``quality_weight * mismatches``: each mismatched token costs ``quality_weight`` AR steps (default
     0: speed only). The joint oracle's Lagrangian weight (:func:`oracle.caps.solve_joint`) is in the
     same unit, so its optimum is the optimum of this reward.
+
+    ## Starting State
+
+    As in :class:`~specenv.envs.replay.MoESpecEnv`: a generation of the split picked with
+    ``np_random`` (or ``options["generation_id"]``), t = 0, no round played yet; the episode's quality
+    totals start at 0.
 
     ## Episode End
 
