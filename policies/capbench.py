@@ -183,6 +183,7 @@ def run_cap_bench(
     n_boot: int = 2000,
     max_mismatch: float = 0.01,
     train_kwargs: dict[str, Any] | None = None,
+    only: Sequence[str] | None = None,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> CapBenchResult:
     """Every joint baseline, the joint learners and the frontier on the held-out split of a caps set.
@@ -200,6 +201,8 @@ def run_cap_bench(
         n_boot: Bootstrap resamples.
         max_mismatch: The quality constraint of the headline comparison (mismatched-token rate).
         train_kwargs: Extra arguments of :func:`policies.caps.train_joint_dagger`.
+        only: Keep only the k-policies whose name contains one of these (the oracles and the fixed
+            cap x fixed k grid always run).
         progress: Called with (done, total, row name).
 
     Raises:
@@ -217,6 +220,8 @@ def run_cap_bench(
         raise ValueError(f"dataset={dataset!r}: {exc}") from None
     C = tab.n_levels
     entries = default_entries(ctx)
+    if only:
+        entries = [e for e in entries if any(o in e.name for o in only)]
     total = 1 + len(weights) + ctx.kmax * C + len(entries) * (C + 1) + len(train_weights) + len(joint_policies)
     done = 0
     parts: list[pd.DataFrame] = []

@@ -1645,6 +1645,9 @@ def bench_caps(
     max_mismatch: Annotated[
         float, typer.Option(min=0.0, max=1.0, help="Quality constraint of the headline comparison (token rate).")
     ] = 0.01,
+    only: Annotated[
+        list[str] | None, typer.Option(help="Only the k-policies whose name contains this (repeatable).")
+    ] = None,
     seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Base seed of the episodes, bootstrap, training.")] = 0,
     as_json: JsonOpt = False,
 ) -> None:
@@ -1686,6 +1689,7 @@ def bench_caps(
                 episodes=episodes,
                 seed=seed,
                 max_mismatch=max_mismatch,
+                only=only,
                 progress=lambda done, total, name: prog.update(done, total, name),
             )
     except ValueError as exc:
