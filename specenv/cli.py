@@ -1615,7 +1615,7 @@ def _run_vllm(argv: list[str], env: dict[str, str], dist: tuple[str, str] | None
 def bench_caps(
     traces: Annotated[
         str, typer.Argument(help="Trace set with expert caps (extension caps-v1): a registered name or a folder.")
-    ] = "live-cpu-caps-v1",
+    ] = "live-cpu-caps",
     out_dir: Annotated[
         Path, typer.Option("--out", "-o", help="Folder for bench_caps.json/.md, the CSV, frontier.png, the policies.")
     ] = Path("bench-caps-out"),

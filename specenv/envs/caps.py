@@ -30,7 +30,7 @@ from specenv.replay import ReplayData, select_positions
 __all__ = ["CAP_ID", "DEFAULT_CAPS_DATASET", "MoESpecCapEnv", "cap_tables"]
 
 #: The shipped trace set with the ``caps-v1`` extension (the live CPU engine, greedy).
-DEFAULT_CAPS_DATASET = "live-cpu-caps-v1"
+DEFAULT_CAPS_DATASET = "live-cpu-caps"
 
 _TABLES: weakref.WeakKeyDictionary[ReplayData, JointTables] = weakref.WeakKeyDictionary()
 
@@ -116,7 +116,7 @@ class MoESpecCapEnv(MoESpecEnv):
     ## Arguments
 
     ```python
-    gymnasium.make("specenv/MoESpecCap-v0", dataset="live-cpu-caps-v1", kmax=None, split="train",
+    gymnasium.make("specenv/MoESpecCap-v0", dataset="live-cpu-caps", kmax=None, split="train",
                    cost_model="fit", lookahead=None, render_mode=None, reward="savings", drafting=None,
                    signals=("q",), quality_weight=0.0)
     ```
