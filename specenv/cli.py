@@ -1120,11 +1120,20 @@ def collect(
         str | None, typer.Option(help="Name written to the manifest (default: live-cpu for hf, live-vllm for vllm).")
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+    caps: Annotated[
+        str | None,
+        typer.Option(
+            help="Expert caps (hf only; trace extension caps-v1): 'auto' (quartiles of the train split's "
+            "per-layer expert union at K=Kmax) or ascending caps 'B1,B2,...'; adds capped runs and a capped "
+            "verification pass per (position, k, cap)."
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Record a trace set with a live engine: fixed-K rounds (K=0..Kmax) and the counterfactual sweep."""
     if engine not in ("hf", "vllm"):
         fail(f"--engine: unknown engine '{engine}' (known: hf, vllm)")
+    cap_grid = _parse_caps(caps, engine)
     if clock not in ("cpu", "wall"):
         fail(f"--clock: unknown clock '{clock}' (known: cpu, wall)")
     if clock == "cpu" and threads != 1:
@@ -1146,6 +1155,8 @@ def collect(
         fail(f"--n-prompts: {n_prompts} exceeds the {len(plist)} prompts of {prompts}")
     plist = plist[:n_prompts]
     common = dict(kmax=kmax, max_new_tokens=max_new_tokens, threads=threads, name=name, prompt_set=prompts, clock=clock)
+    if cap_grid is not None:
+        common["caps"] = cap_grid
     try:
         if engine == "hf":
             from specenv.engines.hf.collect import collect_live as run
@@ -1174,11 +1185,29 @@ def collect(
         "kmax": kmax,
         "lossless_mismatches": ts.manifest.extra["lossless"]["mismatched_runs"],
         "wall_seconds": ts.manifest.extra["wall_seconds"],
+        **({"caps": ts.manifest.caps} if ts.manifest.caps else {}),
     }
     if as_json:
         _print_json(summary)
     else:
         out.print(f"wrote {out_dir}: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k != "path"))
+
+
+def _parse_caps(caps: str | None, engine: str) -> list[int] | str | None:
+    """The ``--caps`` option of ``collect``: None, ``"auto"`` or ascending positive caps (exits 2 otherwise)."""
+    if caps is None:
+        return None
+    if engine != "hf":
+        fail(f"--caps: the expert cap runs in the hf engine only (vLLM's router cannot cap; got --engine {engine})")
+    if caps == "auto":
+        return "auto"
+    try:
+        grid = [int(x) for x in caps.split(",")]
+    except ValueError:
+        fail(f"--caps: expected 'auto' or comma-separated whole numbers like 9,12,16 (got {caps!r})")
+    if any(b < 1 for b in grid) or any(b >= a for a, b in zip(grid[1:], grid[:-1], strict=False)):
+        fail(f"--caps: caps must be positive and strictly ascending (got {caps!r})")
+    return grid
 
 
 @app.command()

@@ -5,6 +5,10 @@
 * Pooled forms of Table A6: ``U_r + L``, ``U_r + L + gamma*K`` and ``U_r x C(K) + L``, each with
   in-sample R2 and GroupKFold(5) RMSE and MAPE.
 * Draft time ``T_D = d1*K + d0`` on rounds with K >= 1 (zero timings are treated as missing).
+* Rounds run with a verification-time expert cap (optional column ``cap`` > 0, trace extension
+  caps-v1) carry the *capped* union as ``U_r``, and every fit here takes them as they are: the same
+  per-K form with U the capped U. :func:`capped_transfer` measures whether a model fitted on uncapped
+  rounds predicts capped ones.
 * The AR step (K = 0): fitted on K = 0 rounds when present (U is always top_k there, so alpha is not
   identifiable and is set to 0 with beta0 absorbing it); otherwise extrapolated from the three lowest
   fitted budgets exactly as :func:`specenv.paper.profile_coefficients` does, and flagged.
@@ -28,6 +32,7 @@ from specenv.costmodel import CostModel
 __all__ = [
     "FORMS",
     "FitReport",
+    "capped_transfer",
     "compare_forms",
     "fit_cost_model",
     "fit_draft",
@@ -323,3 +328,68 @@ def fit_replay_model(rounds: pd.DataFrame, kmax: int, top_k: int, source: dict[s
         ValueError: If fewer than two budgets K >= 1 can be fitted.
     """
     return _assemble(fit_per_k(rounds, n_splits=0), rounds, kmax, top_k, source)
+
+
+def _mape(model: CostModel, rounds: pd.DataFrame) -> float | None:
+    """MAPE (%) of ``model``'s target time on ``rounds`` (None when there are none)."""
+    if not len(rounds):
+        return None
+    y = rounds["T_T_ms"].to_numpy(np.float64)
+    pred = model.target_ms(
+        rounds["K"].to_numpy(np.int64), rounds["U_r"].to_numpy(np.float64), rounds["L"].to_numpy(np.float64)
+    )
+    return float(100.0 * np.mean(np.abs(y - pred) / y))
+
+
+def capped_transfer(rounds: pd.DataFrame, kmax: int, top_k: int, train_ids: Any, test_ids: Any) -> dict[str, Any]:
+    """Does the per-K cost model fitted on uncapped rounds price rounds run with an expert cap?
+
+    Two models are fitted on the train generations' rounds (:func:`fit_replay_model`): ``uncapped``
+    on the rounds with ``cap`` == 0 only, ``pooled`` on every round (capped rounds with their capped
+    ``U_r``). Both are scored out of sample on the test generations' rounds with K >= 1 (the target
+    time T_T; k = 0 rounds are never capped): MAPE on the uncapped rounds, on the capped rounds, per
+    cap, and per K on the capped rounds. The mean signed error of the uncapped model on capped rounds
+    (``bias_pct``, prediction minus measurement over measurement) says whether a cap costs more than
+    its lower U predicts (e.g. the overhead of applying it).
+
+    Args:
+        rounds: A validated rounds table with the ``cap`` column.
+        kmax: Largest budget.
+        top_k: Experts per token.
+        train_ids: Generation ids that fit the models.
+        test_ids: Generation ids that score them.
+
+    Returns:
+        A plain-JSON dict.
+
+    Raises:
+        ValueError: If the table has no ``cap`` column or no capped rounds.
+    """
+    if "cap" not in rounds.columns or not (rounds["cap"] > 0).any():
+        raise ValueError("capped_transfer: the rounds table has no capped rounds (column 'cap' > 0)")
+    train = rounds[rounds["generation_id"].isin(list(train_ids))]
+    test = rounds[rounds["generation_id"].isin(list(test_ids)) & (rounds["K"] >= 1)]
+    uncapped = fit_replay_model(train[train["cap"] == 0], kmax, top_k, {"fit": "uncapped train rounds"})
+    pooled = fit_replay_model(train, kmax, top_k, {"fit": "all train rounds (capped U)"})
+    capped_test, plain_test = test[test["cap"] > 0], test[test["cap"] == 0]
+    out: dict[str, Any] = {
+        "train_rounds": {"uncapped": int((train["cap"] == 0).sum()), "capped": int((train["cap"] > 0).sum())},
+        "test_rounds_K_ge_1": {"uncapped": len(plain_test), "capped": len(capped_test)},
+    }
+    for name, model in (("uncapped_fit", uncapped), ("pooled_fit", pooled)):
+        pred = model.target_ms(
+            capped_test["K"].to_numpy(np.int64),
+            capped_test["U_r"].to_numpy(np.float64),
+            capped_test["L"].to_numpy(np.float64),
+        )
+        y = capped_test["T_T_ms"].to_numpy(np.float64)
+        out[name] = {
+            "mape_uncapped_pct": _mape(model, plain_test),
+            "mape_capped_pct": _mape(model, capped_test),
+            "bias_capped_pct": float(100.0 * np.mean((pred - y) / y)),
+            "mape_by_cap_pct": {str(int(B)): _mape(model, g) for B, g in capped_test.groupby("cap")},
+            "mape_capped_by_K_pct": {str(int(K)): _mape(model, g) for K, g in capped_test.groupby("K")},
+            "alpha": [float(a) for a in model.alpha],
+            "beta0": [float(b) for b in model.beta0],
+        }
+    return out

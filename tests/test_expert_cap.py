@@ -118,3 +118,90 @@ def test_backend_config_option(models):
         be.close()
     with pytest.raises(ValueError, match="expert_cap"):
         LiveEngine(models, kmax=2, expert_cap=0)
+
+
+# ---------------------------------------------------------------------- counterfactual data (issue 17 item 2)
+SWEEP_NEW, SWEEP_KMAX, SWEEP_CAPS = 12, 3, (5, 8)
+
+
+@pytest.fixture(scope="module")
+def cap_sweep(models, ids):
+    """The reference of prompt 0 and its sweep with caps (plus the cap that drops nothing, n_experts)."""
+    eng = LiveEngine(models, kmax=SWEEP_KMAX, max_new_tokens=SWEEP_NEW)
+    try:
+        ref, _ = eng.generate(ids[0], 0)
+        plain = eng.sweep(ids[0], ref, SWEEP_KMAX)
+        sw = eng.sweep(ids[0], ref, SWEEP_KMAX, caps=(*SWEEP_CAPS, models.n_experts))
+    finally:
+        eng.close()
+    return ref, plain, sw
+
+
+def direct_logits(models, seq, m, cap):
+    """Target logits of the last m positions of ``seq`` in one forward without a cache, the cap over those m."""
+
+    def hook(module, args, output):
+        if cap is None:
+            return None
+        logits, w, idx = output
+        capped = cap_routing(logits[-m:], w[-m:], idx[-m:], cap)
+        if capped is None:
+            return None
+        return logits, torch.cat([w[:-m], capped[0]]), torch.cat([idx[:-m], capped[1]])
+
+    gates = [layer.mlp.gate for layer in models.target.model.layers if hasattr(layer.mlp, "gate")]
+    handles = [g.register_forward_hook(hook) for g in gates]
+    try:
+        with torch.inference_mode():
+            return models.target(input_ids=torch.tensor([seq])).logits[0, -m:].double()
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_sweep_with_caps_keeps_the_uncapped_columns(cap_sweep, models):
+    ref, plain, sw = cap_sweep
+    for key in ("rho", "q", "U", "E", "ent", "margin"):
+        assert np.array_equal(plain[key], sw[key]), key
+    assert sw["acc_cap"].shape == (len(SWEEP_CAPS) + 1, SWEEP_KMAX + 1, len(ref))
+    # the cap of every expert drops nothing: the uncapped verdicts, U and no quality loss
+    lead = np.cumprod(plain["rho"] > 0.5, axis=1)
+    for k in range(1, SWEEP_KMAX + 1):
+        assert np.array_equal(sw["acc_cap"][-1, k], lead[:, :k].sum(axis=1))
+        assert np.array_equal(sw["U_cap"][-1, k], plain["U"][:, k])
+        assert (sw["mis_cap"][-1, k] == 0).all()
+        assert np.abs(sw["lpgap_cap"][-1, k]).max() < 1e-4
+    # U never exceeds the cap; tighter caps never load more experts
+    for c, B in enumerate(SWEEP_CAPS):
+        assert sw["U_cap"][c, 1:].max() <= B
+    assert (sw["U_cap"][0] <= sw["U_cap"][1] + 1e-6).all()
+    assert sw["mis_cap"][0].sum() > 0  # the tight cap changes tokens on this prompt: the check below has teeth
+
+
+@pytest.mark.parametrize("t", [0, 5, 9])
+def test_recorded_cap_metrics_match_a_direct_comparison(cap_sweep, models, ids, t):
+    """acc, U, mis from an independent capped engine round; lpgap and tokens from cache-free forwards."""
+    ref, _, sw = cap_sweep
+    P, N = len(ids[0]), len(ref)
+    ctx = [*ids[0], *ref[:t]]
+    for c, B in enumerate(SWEEP_CAPS):
+        eng = LiveEngine(models, kmax=SWEEP_KMAX, max_new_tokens=SWEEP_KMAX + 2, expert_cap=B, stop_at_eos=False)
+        try:
+            for k in range(1, SWEEP_KMAX + 1):
+                eng.start(ctx)
+                r = eng.step(k)
+                assert sw["acc_cap"][c, k, t] == r.accepted
+                assert sw["U_cap"][c, k, t] == pytest.approx(r.U_r, abs=1e-6)
+                mis = sum(tok != ref[t + j] for j, tok in enumerate(r.committed) if t + j < N)
+                assert sw["mis_cap"][c, k, t] == mis
+                seq = [*ctx, *r.drafted]
+                lu = torch.log_softmax(direct_logits(models, seq, k + 1, None), -1)
+                lc = torch.log_softmax(direct_logits(models, seq, k + 1, B), -1)
+                g = lu.argmax(-1)
+                gap = float((lu[torch.arange(k + 1), g] - lc[torch.arange(k + 1), g]).mean())
+                assert sw["lpgap_cap"][c, k, t] == pytest.approx(gap, abs=2e-4)
+                gc = lc.argmax(-1).tolist()  # the capped verdict, recomputed without a cache
+                assert list(r.committed) == [*r.drafted[: r.accepted], gc[r.accepted]]
+        finally:
+            eng.close()
+    assert P + t == len(ctx)

@@ -18,15 +18,69 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from specenv.schema import ent_columns, margin_columns, q_columns, rho_columns, u_columns
+from specenv.schema import (
+    ROUNDS_CAP_COLUMN,
+    cap_column,
+    ent_columns,
+    margin_columns,
+    q_columns,
+    rho_columns,
+    u_columns,
+)
 
-__all__ = ["CLOCKS", "SWEEP_KEYS", "first_difference", "positions_frame", "rounds_frame"]
+__all__ = [
+    "CAP_QUANTILES",
+    "CAP_SWEEP_KEYS",
+    "CLOCKS",
+    "SWEEP_KEYS",
+    "choose_caps",
+    "first_difference",
+    "positions_frame",
+    "rounds_frame",
+]
 
 #: Which measurement goes into ``T_T_ms``/``T_D_ms``: thread CPU time or wall clock.
 CLOCKS = ("cpu", "wall")
 #: The arrays a counterfactual sweep of one generation provides (N positions, chains of Kmax tokens):
 #: ``rho``, ``q``, ``ent``, ``margin`` (N, Kmax); ``U`` (N, Kmax+1); ``L`` (N,).
 SWEEP_KEYS = ("rho", "q", "ent", "margin", "U", "L")
+#: The arrays a sweep with expert caps adds (trace extension caps-v1): ``acc_cap``, ``U_cap``,
+#: ``mis_cap``, ``lpgap_cap``, each (C, Kmax+1, N) (index k = 0 unused: k = 0 is never capped).
+CAP_SWEEP_KEYS = ("acc_cap", "U_cap", "mis_cap", "lpgap_cap")
+#: Quantiles of the per-layer expert union of executed K = Kmax verification passes that ``--caps auto``
+#: takes as the cap grid (:func:`choose_caps`).
+CAP_QUANTILES = (0.25, 0.5, 0.75)
+
+
+def choose_caps(layer_unions: np.ndarray, n_experts: int, quantiles: Sequence[float] = CAP_QUANTILES) -> list[int]:
+    """The cap grid of ``--caps auto``: quantiles of the live per-layer expert union at k = Kmax.
+
+    The rule: pool the union size of every MoE layer of every executed K = Kmax verification pass
+    (m = Kmax+1 positions) of the train split's generations, take the ``quantiles`` (numpy's default
+    linear interpolation), round each to the nearest whole number, and keep the distinct values in
+    1..n_experts-1, ascending. With the quartiles, the tightest cap binds in about three quarters of
+    the layer passes at k = Kmax, the loosest in about a quarter, and shorter chains (smaller unions)
+    are capped less often.
+
+    Args:
+        layer_unions: Union sizes, any shape (flattened).
+        n_experts: Experts per MoE layer (a cap must drop something: B < n_experts).
+        quantiles: Quantiles in (0, 1).
+
+    Returns:
+        The caps B_1 < ... < B_C.
+
+    Raises:
+        ValueError: If there are no unions or no cap in 1..n_experts-1 results.
+    """
+    u = np.asarray(layer_unions, dtype=np.float64).ravel()
+    if u.size == 0:
+        raise ValueError("choose_caps: no verification passes to choose the caps from")
+    caps = sorted({int(np.rint(v)) for v in np.quantile(u, list(quantiles))})
+    caps = [b for b in caps if 1 <= b < n_experts]
+    if not caps:
+        raise ValueError(f"choose_caps: no quantile of the unions lies in 1..{n_experts - 1}")
+    return caps
 
 
 def first_difference(out: Sequence[int], reference: Sequence[int]) -> int | None:
@@ -50,7 +104,8 @@ def positions_frame(
     Args:
         generation_id: The generation's id (the prompt's).
         category: Its category.
-        sweep: The arrays of :data:`SWEEP_KEYS` (one row per position t = 0..N-1).
+        sweep: The arrays of :data:`SWEEP_KEYS` (one row per position t = 0..N-1), and those of
+            :data:`CAP_SWEEP_KEYS` for a sweep with caps (their columns ``acc_c{c}_k{k}``... follow).
         kmax: Chain length.
         extra: More columns (one value per position), appended after the schema's.
     """
@@ -71,17 +126,35 @@ def positions_frame(
         cols[c] = np.maximum(sweep["ent"][:, j], 0.0)
     for j, c in enumerate(margin_columns(kmax)):
         cols[c] = np.clip(sweep["margin"][:, j], 0.0, 1.0)
+    if "acc_cap" in sweep:
+        for c in range(sweep["acc_cap"].shape[0]):
+            for k in range(1, kmax + 1):
+                cols[cap_column("acc", c + 1, k)] = np.asarray(sweep["acc_cap"][c, k], dtype=np.int32)
+                cols[cap_column("U", c + 1, k)] = np.asarray(sweep["U_cap"][c, k], dtype=np.float32)
+                cols[cap_column("mis", c + 1, k)] = np.asarray(sweep["mis_cap"][c, k], dtype=np.int32)
+                cols[cap_column("lpgap", c + 1, k)] = np.asarray(sweep["lpgap_cap"][c, k], dtype=np.float32)
     for c, v in (extra or {}).items():
         cols[c] = v
     return pd.DataFrame(cols)
 
 
-def rounds_frame(generation_id: int, category: str, K: int, rounds: Sequence[Any], clock: str) -> pd.DataFrame:
+def rounds_frame(
+    generation_id: int, category: str, K: int, rounds: Sequence[Any], clock: str, cap: int | None = None
+) -> pd.DataFrame:
     """Rows of the rounds table of one fixed-K run (:class:`specenv.engines.base.RoundResult` objects).
 
     ``T_T_ms``/``T_D_ms`` hold the ``clock`` measurement (``"cpu"``: thread CPU time, ``"wall"``:
     wall clock); both are kept as extra columns ``T_T_wall_ms``, ``T_D_wall_ms``, ``T_T_cpu_ms``,
-    ``T_D_cpu_ms``; ``run`` is ``fixed-K<K>``.
+    ``T_D_cpu_ms``; ``run`` is ``fixed-K<K>``, or ``fixed-K<K>-cap<B>`` for a capped run.
+
+    Args:
+        generation_id: The generation's id.
+        category: Its category.
+        K: The run's budget.
+        rounds: The run's rounds.
+        clock: ``"cpu"`` or ``"wall"``.
+        cap: The expert cap the run used, written to the optional ``cap`` column (0 = none); None
+            writes no such column (a set collected without caps).
     """
     if clock not in CLOCKS:
         raise ValueError(f"clock={clock!r}: expected one of {CLOCKS}")
@@ -89,7 +162,7 @@ def rounds_frame(generation_id: int, category: str, K: int, rounds: Sequence[Any
     wall_d = np.array([r.T_D_ms for r in rounds], dtype=np.float32)
     cpu_t = np.array([r.T_T_cpu_ms for r in rounds], dtype=np.float32)
     cpu_d = np.array([r.T_D_cpu_ms for r in rounds], dtype=np.float32)
-    return pd.DataFrame(
+    df = pd.DataFrame(
         {
             "generation_id": np.full(len(rounds), generation_id, dtype=np.int64),
             "category": category,
@@ -102,10 +175,13 @@ def rounds_frame(generation_id: int, category: str, K: int, rounds: Sequence[Any
             "E_max": np.array([r.E_max for r in rounds], dtype=np.float32),
             "T_T_ms": cpu_t if clock == "cpu" else wall_t,
             "T_D_ms": cpu_d if clock == "cpu" else wall_d,
-            "run": f"fixed-K{K}",
+            "run": f"fixed-K{K}" + (f"-cap{cap}" if cap else ""),
             "T_T_wall_ms": wall_t,
             "T_D_wall_ms": wall_d,
             "T_T_cpu_ms": cpu_t,
             "T_D_cpu_ms": cpu_d,
         }
     )
+    if cap is not None:
+        df[ROUNDS_CAP_COLUMN] = np.full(len(rounds), int(cap), dtype=np.int32)
+    return df

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from specenv.engines.counterfactual import CLOCKS, first_difference, positions_frame, rounds_frame
+from specenv.engines.counterfactual import CLOCKS, choose_caps, first_difference, positions_frame, rounds_frame
 from specenv.engines.hf.engine import LiveEngine
 from specenv.engines.hf.models import PROMPT_SET, Prompt, SmallModels, load_models, load_prompts
 from specenv.schema import ModelFacts, ent_columns, margin_columns
@@ -57,8 +57,18 @@ def collect_live(
     prompt_set: str = PROMPT_SET,
     progress: Callable[[int, int], None] | None = None,
     clock: str = "cpu",
+    caps: Sequence[int] | str | None = None,
 ) -> TraceSet:
     """Run the live engine over a prompt set and build an in-memory trace set.
+
+    With ``caps`` (trace extension ``caps-v1``, traces/README.md "Expert caps") the collection runs
+    in two passes. Pass 1, per prompt: the uncapped fixed-K runs K = 0..kmax (the reference, the
+    lossless check, and the per-layer expert unions of the executed K = kmax passes). The cap grid is
+    then ``caps`` itself, or for ``"auto"`` :func:`specenv.engines.counterfactual.choose_caps` on the
+    unions of the train split's generations (:mod:`specenv.splits`). Pass 2, per prompt: the capped
+    fixed-K runs (every cap, K = 1..kmax; rounds column ``cap`` = B, 0 on the uncapped runs; their
+    outputs may leave the reference, counted in ``extra.caps.capped_runs``) and the sweep with caps
+    (:meth:`specenv.engines.hf.engine.LiveEngine.sweep`).
 
     Args:
         models: Loaded models (default: the shipped ``small-moe-v1``).
@@ -74,10 +84,24 @@ def collect_live(
             ``time.thread_time``; needs ``threads=1``; unaffected by other processes on the machine)
             or ``"wall"`` (``time.perf_counter``). Both are always kept as extra columns
             ``T_T_wall_ms``, ``T_D_wall_ms``, ``T_T_cpu_ms``, ``T_D_cpu_ms``.
+        caps: None (no caps), ``"auto"``, or the caps B_1 < ... < B_C (each in 1..n_experts-1).
 
     Returns:
         A :class:`TraceSet` with both tables (``source="hf"``, ``greedy=True``).
+
+    Raises:
+        ValueError: Bad ``clock``/``threads``/``caps`` or no prompts.
     """
+    if caps is not None and caps != "auto":
+        if isinstance(caps, str):
+            raise ValueError(f"caps={caps!r}: expected 'auto' or a list of caps")
+        caps = [int(b) for b in caps]
+        if not caps or any(b >= a for a, b in zip(caps[1:], caps[:-1], strict=False)):
+            raise ValueError(f"caps={caps}: expected a non-empty, strictly ascending list")
+    if caps is not None:
+        return _collect_with_caps(
+            models, prompts, n_prompts, kmax, max_new_tokens, threads, name, prompt_set, progress, clock, caps
+        )
     if clock not in CLOCKS:
         raise ValueError(f"clock={clock!r}: expected one of {CLOCKS}")
     if clock == "cpu" and threads != 1:
@@ -123,6 +147,172 @@ def collect_live(
     rounds_df = pd.concat(round_frames, ignore_index=True)
     positions = pd.concat(pos_frames, ignore_index=True)
     return TraceSet(manifest, positions, rounds_df)
+
+
+def _collect_with_caps(
+    models: SmallModels | None,
+    prompts: Sequence[Prompt] | None,
+    n_prompts: int,
+    kmax: int,
+    max_new_tokens: int,
+    threads: int,
+    name: str,
+    prompt_set: str,
+    progress: Callable[[int, int], None] | None,
+    clock: str,
+    caps: list[int] | str,
+) -> TraceSet:
+    """:func:`collect_live` with expert caps: the two passes of its docstring."""
+    from specenv.splits import split_mask
+
+    if clock not in CLOCKS:
+        raise ValueError(f"clock={clock!r}: expected one of {CLOCKS}")
+    if clock == "cpu" and threads != 1:
+        raise ValueError(f"clock='cpu' measures the calling thread only: it needs threads=1 (got {threads})")
+    models = models or load_models()
+    if prompts is None:
+        prompts = load_prompts(prompt_set)[:n_prompts]
+    if not prompts:
+        raise ValueError("no prompts to run")
+    if caps != "auto" and caps[-1] >= models.n_experts:
+        raise ValueError(f"caps={caps}: every cap must be below n_experts={models.n_experts}")
+    eng = LiveEngine(models, kmax=kmax, max_new_tokens=max_new_tokens, threads=threads)
+    load_before = os.getloadavg()
+    wall0 = time.perf_counter()
+    gc_was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    total = 2 * len(prompts)
+    try:
+        _warm_up(eng, models.encode(prompts[0].text), kmax)
+        rounds_by_prompt: list[list[pd.DataFrame]] = []
+        references: list[list[int]] = []
+        unions: list[np.ndarray] = []
+        mismatches: list[dict[str, int]] = []
+        for i, p in enumerate(prompts):
+            frames, reference, union = _uncapped_runs(eng, models.encode(p.text), p, kmax, clock, mismatches, cap=0)
+            rounds_by_prompt.append(frames)
+            references.append(reference)
+            unions.append(union)
+            if progress:
+                progress(i + 1, total)
+        train = split_mask([p.id for p in prompts], "train")
+        if caps == "auto":
+            pooled = [u for u, keep in zip(unions, train, strict=True) if keep] or unions
+            chosen = choose_caps(np.concatenate(pooled), models.n_experts)
+        else:
+            chosen = list(caps)
+        pos_frames = []
+        capped_runs: list[dict[str, Any]] = []
+        for i, p in enumerate(prompts):
+            ids = models.encode(p.text)
+            for B in chosen:
+                eng.set_expert_cap(B)
+                try:
+                    for K in range(1, kmax + 1):
+                        out, rounds = eng.generate(ids, K)
+                        first = first_difference(out, references[i])
+                        capped_runs.append({"generation_id": p.id, "cap": B, "K": K, "first_diff": first})
+                        rounds_by_prompt[i].append(rounds_frame(p.id, p.category, K, rounds, clock, cap=B))
+                finally:
+                    eng.set_expert_cap(None)
+            sw = eng.sweep(ids, references[i], kmax, caps=tuple(chosen))
+            pos_frames.append(
+                positions_frame(
+                    p.id, p.category, sw, kmax, extra={"T_T_sweep_ms": sw["T_T_ms"], "T_T_cap_ms": sw["T_T_cap_ms"]}
+                )
+            )
+            if progress:
+                progress(len(prompts) + i + 1, total)
+    finally:
+        eng.close()
+        if gc_was:
+            gc.enable()
+    manifest = _manifest(
+        models,
+        prompts,
+        name=name,
+        kmax=kmax,
+        max_new_tokens=max_new_tokens,
+        threads=threads,
+        prompt_set=prompt_set,
+        clock=clock,
+        mismatches=mismatches,
+        load_before=load_before,
+        wall=time.perf_counter() - wall0,
+    )
+    manifest.caps = chosen
+    manifest.extensions = ["caps-v1"]
+    train_unions = np.concatenate([u for u, keep in zip(unions, train, strict=True) if keep] or unions)
+    manifest.extra["caps"] = _caps_note(caps, chosen, train_unions, capped_runs, kmax)
+    manifest.extra["extra_columns"]["rounds.cap"] = "expert cap B of the run (0 = none); U_r is the capped union"
+    manifest.extra["extra_columns"]["positions.T_T_cap_ms"] = "time of all capped verification passes at t"
+    manifest.description += (
+        f" Expert caps {chosen} (extension caps-v1): one capped verification pass per (position, k, cap) and "
+        f"capped fixed-K runs K=1..{kmax} per cap."
+    )
+    rounds_df = pd.concat([f for frames in rounds_by_prompt for f in frames], ignore_index=True)
+    return TraceSet(manifest, pd.concat(pos_frames, ignore_index=True), rounds_df)
+
+
+def _caps_note(
+    requested: list[int] | str, chosen: list[int], unions: np.ndarray, capped_runs: list[dict[str, Any]], kmax: int
+) -> dict[str, Any]:
+    """The manifest's ``extra.caps``: how the grid was chosen and how often the capped runs left the reference."""
+    from specenv.engines.counterfactual import CAP_QUANTILES
+
+    qs = [0.1, *CAP_QUANTILES, 0.9]
+    per_cap = {}
+    for B in chosen:
+        runs = [r for r in capped_runs if r["cap"] == B]
+        diverged = [r for r in runs if r["first_diff"] is not None]
+        per_cap[str(B)] = {
+            "runs": len(runs),
+            "runs_leaving_reference": len(diverged),
+            "median_first_difference": float(np.median([r["first_diff"] for r in diverged])) if diverged else None,
+        }
+    return {
+        "rule": "auto: quantiles "
+        + ", ".join(map(str, CAP_QUANTILES))
+        + f" of the per-layer expert union of the executed K={kmax} uncapped verification passes of the train "
+        "split, rounded (specenv.engines.counterfactual.choose_caps)"
+        if requested == "auto"
+        else "given",
+        "caps": chosen,
+        "layer_union_quantiles": {str(q): float(np.quantile(unions, q)) for q in qs},
+        "layer_union_passes": int(unions.size),
+        "capped_runs": per_cap,
+        "lossless": "capped runs are not lossless and are not in the lossless check",
+    }
+
+
+def _uncapped_runs(
+    eng: LiveEngine, ids: list[int], p: Prompt, kmax: int, clock: str, mismatches: list[dict[str, int]], cap: int
+) -> tuple[list[pd.DataFrame], list[int], np.ndarray]:
+    """The uncapped fixed-K runs K = 0..kmax of one prompt, with the per-layer unions of its K = kmax passes.
+
+    Returns:
+        ``(frames, reference, unions)``: the rounds frames (column ``cap`` = ``cap``), the K = 0
+        output, and the union size of every MoE layer of every K = kmax pass (flat int array).
+    """
+    frames = []
+    reference: list[int] = []
+    unions: list[np.ndarray] = []
+    for K in range(kmax + 1):
+        eng.start(ids)
+        rounds = []
+        while not eng.done:
+            rounds.append(eng.step(K))
+            if K == kmax:
+                r = eng.last_routing
+                unions.append(np.array([len(np.unique(r[layer])) for layer in range(r.shape[0])]))
+        out = eng.generated
+        if K == 0:
+            reference = out
+        elif (first := first_difference(out, reference)) is not None:
+            mismatches.append({"generation_id": p.id, "K": K, "first_diff": int(first)})
+        frames.append(rounds_frame(p.id, p.category, K, rounds, clock, cap=cap))
+    return frames, reference, np.concatenate(unions) if unions else np.zeros(0, dtype=np.int64)
 
 
 def _warm_up(eng: LiveEngine, ids: list[int], kmax: int) -> None:

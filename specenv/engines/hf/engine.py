@@ -320,6 +320,17 @@ class LiveEngine:
         """Top-1 minus top-2 probability of the draft's distribution at each token proposed so far."""
         return list(self._s.margin)
 
+    def set_expert_cap(self, cap: int | None) -> None:
+        """Change the verification-time expert cap B for the following rounds (None = off; module docstring).
+
+        Raises:
+            ValueError: If ``cap`` is not None and outside 1..n_experts.
+        """
+        if cap is not None and (isinstance(cap, bool) or not 1 <= int(cap) <= self.n_experts):
+            raise ValueError(f"expert_cap={cap}: must be None or in 1..{self.n_experts}")
+        self.recorder.cap = None if cap is None else int(cap)
+        self.expert_cap = self.recorder.cap
+
     def seed(self, seed: int) -> None:
         """Reseed the sampling generator."""
         self._gen.manual_seed(int(seed))
@@ -542,12 +553,24 @@ class LiveEngine:
         return run_fixed_k(self, prompt_ids, k)
 
     # ------------------------------------------------------------------ counterfactual sweep
-    def sweep(self, prompt_ids: list[int], reference: list[int], kmax: int | None = None) -> dict[str, np.ndarray]:
+    def sweep(
+        self, prompt_ids: list[int], reference: list[int], kmax: int | None = None, caps: tuple[int, ...] = ()
+    ) -> dict[str, np.ndarray]:
         """The counterfactual positions table of one generation (greedy).
 
         At every position t of the reference output y (the target's greedy output), the draft's
         greedy chain of ``kmax`` tokens from context ``prompt + y_<t`` is verified teacher-forced by
         one target pass over ``[last, d_1..d_kmax]``.
+
+        With ``caps`` (B_1 < ... < B_C), the same chain is also verified by the capped target, one
+        pass over ``[last, d_1..d_k]`` per (cap, k = 1..kmax), each with the cap applied over its own
+        k+1 verified positions (:func:`cap_routing`), before the uncapped pass and from the same
+        cache, so the uncapped outputs are those of a sweep without caps. Per pass: ``acc`` (the
+        leading drafts equal to the capped argmax), ``U`` (capped unique experts, mean over layers),
+        ``mis`` (of the committed tokens ``d_1..d_acc`` and the capped target's own next token, those at
+        reference positions <= N, how many differ from y there) and ``lpgap`` (mean over the k+1
+        positions of the uncapped log-probability of the uncapped argmax minus the capped
+        log-probability of the same token; log-softmax of the float32 logits, taken in float64).
 
         Returns:
             ``rho`` (N, kmax) in {0, 1}: d_j equals the target's argmax after ``d_1..d_{j-1}``;
@@ -555,12 +578,18 @@ class LiveEngine:
             (nats) and top-1 minus top-2 probability of the draft's distribution at d_j; ``U``
             (N, kmax+1): unique experts of the chain prefix of every length (U[:, 0] = top_k); ``E``
             (N, kmax+1): largest expert load; ``L`` (N,): context length P + t; ``T_T_ms`` (N,): time of
-            the verification pass.
+            the verification pass; ``layer_union`` (N, n_layers): the uncapped union of every MoE
+            layer over the kmax+1 positions. With ``caps``: ``acc_cap``, ``mis_cap`` (C, kmax+1, N)
+            int32, ``U_cap``, ``lpgap_cap`` (C, kmax+1, N) float32, index k = 0 the uncapped AR round
+            (0, top_k, 0, 0), and ``T_T_cap_ms`` (N,) the time of all capped passes at t.
         """
         torch = self._torch
         kmax = self.kmax if kmax is None else int(kmax)
         if not 1 <= kmax <= self.kmax:
             raise ValueError(f"kmax={kmax}: outside 1..{self.kmax}")
+        caps = tuple(int(b) for b in caps)
+        if any(not 1 <= b <= self.n_experts for b in caps):
+            raise ValueError(f"caps={caps}: every cap must be in 1..{self.n_experts}")
         self.start(prompt_ids)
         P = len(prompt_ids)
         seq = [*map(int, prompt_ids), *map(int, reference)]
@@ -572,6 +601,13 @@ class LiveEngine:
         U = np.zeros((N, kmax + 1), dtype=np.float32)
         E = np.zeros((N, kmax + 1), dtype=np.float32)
         tt = np.zeros(N, dtype=np.float32)
+        layer_union = np.zeros((N, self.n_layers), dtype=np.int32)
+        C = len(caps)
+        acc_c = np.zeros((C, kmax + 1, N), dtype=np.int32)
+        mis_c = np.zeros((C, kmax + 1, N), dtype=np.int32)
+        U_c = np.full((C, kmax + 1, N), float(self.top_k), dtype=np.float32)
+        lp_c = np.zeros((C, kmax + 1, N), dtype=np.float32)
+        tt_c = np.zeros(N, dtype=np.float32)
         with torch.inference_mode():
             for t in range(N):
                 n = P + t  # committed tokens; both caches hold n - 1
@@ -592,6 +628,9 @@ class LiveEngine:
                     feed = [d]
                 self._d_cache.crop(-(kmax - 1))  # keep context + seq[n-1]
                 t0 = time.perf_counter()
+                capped = self._capped_passes(seq[n - 1], chain, caps) if caps else []
+                tt_c[t] = (time.perf_counter() - t0) * 1e3
+                t0 = time.perf_counter()
                 self.recorder.active = True
                 logits = self.target(
                     input_ids=torch.tensor([[seq[n - 1], *chain]], dtype=torch.long),
@@ -603,10 +642,25 @@ class LiveEngine:
                 self._t_cache.crop(-kmax)
                 tt[t] = (time.perf_counter() - t0) * 1e3
                 rho[t] = np.asarray([chain[j] == g[j] for j in range(kmax)], dtype=np.float32)
-                u, e = prefix_expert_stats(self.recorder.buf[:, : kmax + 1].numpy(), self.n_experts)
+                routing = self.recorder.buf[:, : kmax + 1].numpy()
+                u, e = prefix_expert_stats(routing, self.n_experts)
                 U[t], E[t] = u, e
+                layer_union[t] = [len(np.unique(routing[layer])) for layer in range(self.n_layers)]
+                if caps:
+                    lp_ref = torch.log_softmax(logits.double(), -1)
+                    g_t = torch.tensor(g)
+                    ref_lp = lp_ref[torch.arange(kmax + 1), g_t]
+                    for c, k, cap_lp, cap_g, cap_u in capped:
+                        a = 0
+                        while a < k and chain[a] == cap_g[a]:
+                            a += 1
+                        committed = [*chain[:a], cap_g[a]]
+                        acc_c[c, k, t] = a
+                        mis_c[c, k, t] = sum(tok != reference[t + j] for j, tok in enumerate(committed) if t + j < N)
+                        U_c[c, k, t] = cap_u
+                        lp_c[c, k, t] = float((ref_lp[: k + 1] - cap_lp[torch.arange(k + 1), g_t[: k + 1]]).mean())
         self._s.done = True
-        return {
+        out = {
             "rho": rho,
             "q": qs,
             "ent": ents,
@@ -615,4 +669,42 @@ class LiveEngine:
             "E": E,
             "L": np.arange(P, P + N, dtype=np.int32),
             "T_T_ms": tt,
+            "layer_union": layer_union,
         }
+        if caps:
+            out.update(acc_cap=acc_c, mis_cap=mis_c, U_cap=U_c, lpgap_cap=lp_c, T_T_cap_ms=tt_c)
+        return out
+
+    def _capped_passes(self, last: int, chain: list[int], caps: tuple[int, ...]) -> list[tuple[Any, ...]]:
+        """The capped verification passes of one sweep position: one per (cap, k = 1..len(chain)).
+
+        Each pass feeds ``[last, d_1..d_k]`` with the cap over those k+1 positions and crops the
+        target cache back (it holds the context before ``last`` on entry and on return).
+
+        Returns:
+            ``(c, k, log_softmax (k+1, vocab) float64, argmax list, capped U)`` per pass.
+        """
+        torch = self._torch
+        rec = self.recorder
+        saved = rec.cap
+        out = []
+        try:
+            for c, B in enumerate(caps):
+                rec.cap = B
+                for k in range(1, len(chain) + 1):
+                    rec.active = rec.capping = True
+                    try:
+                        logits = self.target(
+                            input_ids=torch.tensor([[last, *chain[:k]]], dtype=torch.long),
+                            past_key_values=self._t_cache,
+                            use_cache=True,
+                        ).logits[0]
+                    finally:
+                        rec.active = rec.capping = False
+                    self._t_cache.crop(-(k + 1))
+                    routing = rec.buf[:, : k + 1].numpy()
+                    u = float(np.mean([len(np.unique(routing[layer])) for layer in range(routing.shape[0])]))
+                    out.append((c, k, torch.log_softmax(logits.double(), -1), logits.argmax(-1).tolist(), u))
+        finally:
+            rec.cap = saved
+        return out
