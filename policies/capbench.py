@@ -110,6 +110,14 @@ def _exact(name: str, family: str, ev: JointEvaluation) -> pd.DataFrame:
     return _per_gen(name, family, ev.cost, ev.ar, ev.mismatches, ev.lpgap, ev.lengths, ev.generation_ids)
 
 
+def _env_kwargs(entry: Entry | None, policy: Any) -> dict[str, Any]:
+    """The drafting mode, lookahead and signals of a row: the entry's, or a joint policy's contract."""
+    if entry is not None:
+        return {"lookahead": entry.lookahead, "drafting": entry.mode, "signals": entry.signals}
+    h = policy.spec.lookahead
+    return {"lookahead": h, "drafting": "block" if h else "none", "signals": policy.spec.signals if h else ("q",)}
+
+
 def _rollouts(
     ctx: Any, entry: Entry | None, policy: Any, episodes: int, seed: int, name: str, family: str
 ) -> tuple[pd.DataFrame, float]:
@@ -119,7 +127,7 @@ def _rollouts(
     from specenv.envs.caps import CAP_ID
     from specenv.rollout import episode_seeds, rollout
 
-    kw = {} if entry is None else {"lookahead": entry.lookahead, "drafting": entry.mode, "signals": entry.signals}
+    kw = _env_kwargs(entry, policy)
     env = gym.make(CAP_ID, dataset=ctx.dataset, kmax=ctx.kmax, split="test", cost_model=ctx.cost_model_arg, **kw)
     gids = np.asarray(env.unwrapped.data.generation_ids, dtype=np.int64)
     ep_gid = np.repeat(gids, episodes)
@@ -292,17 +300,18 @@ def run_cap_bench(
     trained: dict[str, Any] = {}
     for w in train_weights:
         r = train_joint_dagger(dataset, w, ctx.kmax, cost_model, seed=seed, **(train_kwargs or {}))
-        name = f"joint imitation (w={w:g})"
+        name = f"{r.policy.name} (joint learned)"
         trained[name] = r.policy
         ctx.notes.append(f"'{name}' trained on the train split in {r.seconds:.1f} s")
         df, share = _rollouts(ctx, None, JointMLP(r.policy), episodes, seed, name, "joint learned")
         add(df, name, family="joint learned", cap="joint", evaluation="rollout", capped_share=share)
     for folder in joint_policies:
-        from specenv.replay import replay_data
-
-        spec = replay_data(ctx.dataset, ctx.kmax, "test", ctx.cost_model_arg).spec
         try:
-            pol = JointMLP.load(folder, expect=dataclasses.replace(spec, cap_levels=C))
+            stored = JointMLP.load(folder).spec
+            h = stored.lookahead
+            sig = stored.signals if h else ("q",)
+            expect = dataclasses.replace(ctx.spec, lookahead=h, signals=sig, cap_levels=C)
+            pol = JointMLP.load(folder, expect=expect)
         except ValueError as exc:
             raise ValueError(f"--joint-policy: {exc}") from None
         name = f"{pol.name} (joint, loaded)"

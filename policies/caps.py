@@ -113,6 +113,8 @@ def train_joint_dagger(
     seed: int = 0,
     lr: float = 3e-3,
     log: Callable[[str], None] | None = None,
+    lookahead: int = 0,
+    signals: Any = ("q",),
 ) -> JointDaggerResult:
     """Imitate the joint oracle at ``quality_weight`` by DAgger on the train split of a caps set.
 
@@ -133,6 +135,9 @@ def train_joint_dagger(
         seed: Seed of torch, the rollouts and the mixture.
         lr: Adam learning rate.
         log: Called with one line per iteration.
+        lookahead: Draft signals of the next h drafts in the observation: 0 trains for drafting mode
+            ``"none"``, h > 0 for ``"block"`` (every round drafts max(k, h) tokens, in the oracle too).
+        signals: Draft signals of that block (``("q",)``; add ``"ent"``, ``"margin"``).
 
     Returns:
         The exported numpy policy (contract with ``cap_levels``), per-iteration statistics and the
@@ -149,14 +154,23 @@ def train_joint_dagger(
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
+    drafting = "block" if lookahead else "none"
     env = gym.make(
-        CAP_ID, dataset=dataset, kmax=kmax, split="train", cost_model=cost_model, quality_weight=quality_weight
+        CAP_ID,
+        dataset=dataset,
+        kmax=kmax,
+        split="train",
+        cost_model=cost_model,
+        quality_weight=quality_weight,
+        lookahead=lookahead,
+        drafting=drafting,
+        signals=signals if lookahead else ("q",),
     )
     u = env.unwrapped
     spec = u.obs_spec
     arrays = split_arrays(dataset, u.kmax, "train")
     model = u.data.cost_model
-    sol = solve_joint(arrays, model, quality_weight, tables=u.tables)
+    sol = solve_joint(arrays, model, quality_weight, lookahead, drafting, tables=u.tables)
     k1 = u.kmax + 1
     star = sol.cap * k1 + sol.k
     net = _make_net(spec, hidden, n_out=n_actions(spec))
@@ -172,7 +186,7 @@ def train_joint_dagger(
         beta = 1.0 if it == 0 else 0.5**it
         learner = _to_numpy(net, spec)
         roll = _mixture_rollouts(env, arrays, star, learner, beta, rng, to_action=decode)
-        Q = joint_action_values(arrays, u.tables, model, sol.value, roll.rows, quality_weight)
+        Q = joint_action_values(arrays, u.tables, model, sol.value, roll.rows, quality_weight, lookahead, drafting)
         reg = (Q - Q.min(axis=1, keepdims=True)) / u.ar_unit_ms
         X.append(roll.obs)
         R.append(np.minimum(np.nan_to_num(reg, posinf=UNAVAILABLE_REGRET), UNAVAILABLE_REGRET).astype(np.float32))
@@ -189,6 +203,8 @@ def train_joint_dagger(
         "quality_weight": float(quality_weight),
         "dataset": str(dataset),
         "cost_model": cost_model,
+        "drafting": drafting,
+        "lookahead": lookahead,
         "hyperparameters": {
             "iterations": iterations,
             "epochs": epochs,
@@ -202,5 +218,6 @@ def train_joint_dagger(
         },
         "history": history,
     }
-    pol = _to_numpy(net, spec, name=f"joint-imitation-w{quality_weight:g}", meta=meta)
+    name = f"joint-imitation-w{quality_weight:g}" + (f"-h{lookahead}" if lookahead else "")
+    pol = _to_numpy(net, spec, name=name, meta=meta)
     return JointDaggerResult(pol, history, time.perf_counter() - t0)

@@ -1668,6 +1668,12 @@ def bench_caps(
     joint_policy: Annotated[
         list[Path] | None, typer.Option(help="Folder of a trained joint (k, cap) policy to evaluate (repeatable).")
     ] = None,
+    joint_lookahead: Annotated[
+        int,
+        typer.Option(
+            min=0, max=64, help="Draft confidences h the --train-joint learners see (block drafting; 0: none)."
+        ),
+    ] = 0,
     episodes: Annotated[
         int, typer.Option(min=1, max=MAX_EPISODES, help="Rollout episodes per held-out generation (1 on greedy sets).")
     ] = 1,
@@ -1702,7 +1708,9 @@ def bench_caps(
         if not folder.is_dir():
             fail(f"--joint-policy: {folder} is not a folder")
     ts = _load(traces)
-    _check_budget(ts, kmax)
+    k_eff = _check_budget(ts, kmax)
+    if joint_lookahead > k_eff:
+        fail(f"--joint-lookahead: {joint_lookahead} outside 0..{k_eff} (the largest budget, Kmax)")
     if not ts.manifest.caps:
         fail(f"{traces}: trace set '{ts.manifest.name}' has no expert-cap columns (extension caps-v1)")
     try:
@@ -1719,6 +1727,7 @@ def bench_caps(
                 seed=seed,
                 max_mismatch=max_mismatch,
                 only=only,
+                train_kwargs={"lookahead": joint_lookahead} if joint_lookahead else None,
                 progress=lambda done, total, name: prog.update(done, total, name),
             )
     except ValueError as exc:
