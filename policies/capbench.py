@@ -437,6 +437,7 @@ def plot_frontier(res: CapBenchResult, path: Path) -> Path:
         ax.axhline(float(ko["speedup"].iloc[0]), color="tab:red", ls="--", lw=1, label="k-only oracle")
     ax.axvline(100 * res.comparison["max_mismatch_rate"], color="0.3", ls=":", lw=1)
     ax.set_xscale("symlog", linthresh=0.1)
+    ax.set_xlim(left=0.0)
     ax.set_xlabel("mismatched tokens (% of tokens, symlog)")
     ax.set_ylabel("speedup over autoregressive (pooled)")
     ax.set_title(f"speed / quality: {res.context['dataset']}, caps {res.context['caps']}, held-out split")
