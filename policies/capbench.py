@@ -16,6 +16,8 @@ gap weighted by its committed tokens; uncapped rounds count 0). Rows:
   ``specenv/MoESpecCap-v0`` (each charged by its drafting mode, as in the k-only benchmark);
 * joint learned controllers: trained here by imitation of the joint oracle at the given weights
   (:func:`policies.caps.train_joint_dagger`, on the train split) or loaded from folders; rollouts.
+  With training, the k-only imitation learner of the same recipe (:func:`policies.imitation.train_dagger`,
+  same cost model, lookahead, iterations, epochs and seed) is trained too and runs as a k-policy.
 
 Rollouts: ``episodes`` per held-out generation with the seeds of :func:`specenv.rollout.episode_seeds`;
 on a greedy set every episode is the same (the capped rounds are deterministic too), so one suffices.
@@ -38,7 +40,7 @@ import numpy as np
 import pandas as pd
 
 from oracle.caps import DEFAULT_WEIGHTS, JointEvaluation, evaluate_joint, frontier
-from policies.benchmark import Entry, build_context, default_entries, shipped_policy_dir
+from policies.benchmark import Entry, _learned, build_context, default_entries, shipped_policy_dir
 from policies.caps import FixedCap, JointMLP, train_joint_dagger
 from specenv.stats import bootstrap_indices, bootstrap_ratio_ci
 
@@ -230,7 +232,31 @@ def run_cap_bench(
     entries = default_entries(ctx)
     if only:
         entries = [e for e in entries if any(o in e.name for o in only)]
-    total = 1 + len(weights) + ctx.kmax * C + len(entries) * (C + 1) + len(train_weights) + len(joint_policies)
+    if train_weights:  # the k-only learner of the same recipe, for an apples-to-apples learned row
+        from policies.imitation import train_dagger
+
+        kw = dict(train_kwargs or {})
+        h = int(kw.get("lookahead", 0))
+        kpol = train_dagger(
+            dataset,
+            ctx.kmax,
+            cost_model,
+            lookahead=h,
+            iterations=int(kw.get("iterations", 4)),
+            epochs=int(kw.get("epochs", 30)),
+            seed=seed,
+        ).policy
+        entries.append(
+            Entry(
+                "k-only imitation (trained here)",
+                _learned(kpol),
+                lookahead=h,
+                learned=True,
+                drafting="block" if h else "none",
+            )
+        )
+    n_rows = sum(1 if e.exact_k == 0 else C + 1 for e in entries)
+    total = 1 + len(weights) + ctx.kmax * C + n_rows + len(train_weights) + len(joint_policies)
     done = 0
     parts: list[pd.DataFrame] = []
     meta: dict[str, dict[str, Any]] = {}
@@ -273,7 +299,7 @@ def run_cap_bench(
             add(_exact(name, "fixed cap, fixed k", ev), name, family="fixed cap, fixed k", cap=cap_name(c),
                 evaluation="exact", capped_share=ev.capped_share)  # fmt: skip
     for entry in entries:
-        for c in range(C + 1):
+        for c in range(C + 1 if entry.exact_k != 0 else 1):  # k = 0 is never capped: no capped copies
             name = entry.name if c == 0 else f"{entry.name} @ cap B={cap_name(c)}"
             family = "k-only" if c == 0 else "fixed cap + k-policy"
             if entry.exact_k is not None:
