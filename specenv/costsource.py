@@ -1,8 +1,11 @@
 """Which cost model an environment, the oracle or the benchmark uses for a trace set: :func:`cost_model_for`.
 
 ``cost_model="fit"`` means the per-K OLS of :mod:`specenv.fit` on the set's rounds table (every
-round); ``cost_model="fit-train"`` is the same fit on the rounds of the *train* split's generations
-only (:mod:`specenv.splits`, the rule the environments, the oracle and the benchmark use), so that
+round; in a set collected with expert caps, the capped rounds too, priced by their capped ``U_r``:
+on ``live-cpu-caps`` a fit on the uncapped train rounds alone predicts the capped test rounds with
+about the MAPE it has on uncapped ones, :func:`specenv.fit.capped_transfer`);
+``cost_model="fit-train"`` is the same fit on the rounds of the *train* split's generations only
+(:mod:`specenv.splits`, the rule the environments, the oracle and the benchmark use), so that
 nothing fitted sees a held-out generation (the benchmark's default). A fit needs statsmodels
 (seconds to import), so it is done once and remembered twice:
 

@@ -69,6 +69,17 @@ REGISTRY: tuple[Dataset, ...] = (
         folder="live-vllm-v1",
         manifest_sha256="2adeb0b98c2531666133d4e439a8ff12c6dc4156229649aefee049547a6b37dc",
     ),
+    Dataset(
+        name="live-cpu-caps",
+        version=1,
+        description="32 stdlib code prompts x 64 greedy tokens on the live CPU engine with verification-time expert "
+        "caps 11, 15, 18 (quartiles of the train split's per-layer union at K=8; trace extension caps-v1): capped "
+        "verdict, U, token mismatches and log-prob gap per (position, k, cap); rounds K=0..8 uncapped and K=1..8 "
+        "per cap. "
+        "Made by: specenv collect --engine hf --caps auto -n 32 --max-new-tokens 64 --kmax 8 --name live-cpu-caps",
+        folder="live-cpu-caps-v1",
+        manifest_sha256="3724a1da058aa6ba4a315f82e5ac37a128226b06fffe9a6a83e26024d710cd86",
+    ),
 )
 
 DEFAULT_DATASET = "paper-default"

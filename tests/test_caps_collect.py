@@ -98,3 +98,28 @@ def test_capped_transfer_detects_an_overhead_of_the_cap():
     assert over["pooled_fit"]["mape_capped_pct"] < over["uncapped_fit"]["mape_capped_pct"]
     with pytest.raises(ValueError, match="no capped rounds"):
         capped_transfer(r[r["cap"] == 0], 4, ts.facts.top_k, train, test)
+
+
+def test_shipped_caps_set():
+    """live-cpu-caps: the grid follows its rule, the test split has several generations, the fit uses capped U."""
+    from specenv.costsource import cost_model_for
+    from specenv.datasets import load_dataset
+    from specenv.splits import select_split
+
+    ts = load_dataset("live-cpu-caps")
+    m = ts.manifest
+    note = m.extra["caps"]
+    assert m.caps == note["caps"] and m.extensions == ["caps-v1"] and len(m.caps) == 3
+    q = note["layer_union_quantiles"]
+    assert m.caps == sorted({int(np.rint(q[str(x)])) for x in (0.25, 0.5, 0.75)})
+    assert m.extra["lossless"]["mismatched_runs"] == 0
+    arrays = ts.arrays()
+    test = select_split(arrays, "test")
+    assert test.n_generations >= 5
+    qual = test.cap_quality()
+    assert (qual["mismatch_rate"][:, 0] == 0).all() and qual["mismatch_rate"][0, -1] > 0
+    r = ts.rounds
+    assert set(r["cap"].unique()) == {0, *m.caps}
+    model = cost_model_for(ts, "fit")
+    n_k1 = {rec["K"]: rec["N"] for rec in model.diagnostics["per_k"]}
+    assert n_k1[1] == int((r["K"] == 1).sum()) > int(((r["K"] == 1) & (r["cap"] == 0)).sum())
