@@ -81,8 +81,10 @@ def test_bench_caps_cli(cap_set, tmp_path):
     from specenv.cli import app
 
     out = tmp_path / "out"
+    env = gym.make(CAP_ID, dataset=cap_set, split="test")
+    _mlp(env.unwrapped.obs_spec, seed=2).save(tmp_path / "joint")
     args = ["bench-caps", cap_set, "--out", str(out), "--weight", "0", "--weight", "inf", "--only", "transformers"]
-    res = CliRunner().invoke(app, [*args, "--json"])
+    res = CliRunner().invoke(app, [*args, "--joint-policy", str(tmp_path / "joint"), "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads((out / "bench_caps.json").read_text())
     names = [r["policy"] for r in doc["summary"]]
@@ -90,6 +92,7 @@ def test_bench_caps_cli(cap_set, tmp_path):
     assert f"MoE-Spec fixed cap B={SYNTHETIC_CAPS[0]}, k=4" in names
     assert f"transformers heuristic @ cap B={SYNTHETIC_CAPS[0]}" in names
     assert not any(n.startswith("UCB") for n in names)  # --only keeps the k-policies named
+    assert "joint-test (joint, loaded)" in names
     rows = {r["policy"]: r for r in doc["summary"]}
     # the joint speed bound is never below the k-only bound; its infinite-weight point changes no token
     assert rows["joint oracle (w=0)"]["speedup"] >= rows["k-only oracle (SSP)"]["speedup"]
@@ -128,3 +131,7 @@ def test_joint_imitation_trains_fast_and_round_trips(cap_set, tmp_path):
     bound = solve_joint(train, env.unwrapped.data.cost_model)
     speed = ro.ar.sum() / ro.cost.sum()
     assert 1.0 < speed <= bound.speedup_pooled * (1 + 1e-9)  # a working controller, never above the bound
+    # with draft confidences (block drafting, h = 2): the contract records them and the env charges T_D(max(k, h))
+    res = train_joint_dagger(cap_set, 0.5, iterations=2, epochs=10, seed=1, lookahead=2)
+    assert res.policy.spec.lookahead == 2 and res.policy.spec.cap_levels == len(SYNTHETIC_CAPS)
+    assert res.policy.meta["drafting"] == "block" and res.policy.name.endswith("-h2")
