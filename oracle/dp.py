@@ -188,12 +188,20 @@ def _step_tables(
     return Ct, St
 
 
-def _backward(Ct: np.ndarray, St: np.ndarray, lay: _Layout, policy: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+def _backward(
+    Ct: np.ndarray, St: np.ndarray, lay: _Layout, policy: np.ndarray | None, extra: Any = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Backward sweep in step order: value and chosen k per state (optimal if policy is None).
 
     ``Ct`` (K+1, n) and ``St`` (K, n) are the cost and survival tables in step order
     (:meth:`_Layout.to_steps`); ``policy`` (n,) budgets in step order or None. ``W[nmax - x]``
     holds V at distance x (rows for x <= 0 stay zero).
+
+    ``extra`` (optimal sweep only) widens the action set: ``extra(p, na, b, q, W) -> (choice, qv)``
+    receives the step's block offset ``p``, its active generations ``na``, the row ``b = nmax - s``
+    of ``W`` and the budgets' values ``q`` (K+1, na) *without* the value after 0 accepted drafts
+    ``W[b+1]``, and returns each state's chosen action index and its value on the same footing
+    (:mod:`oracle.caps`, the joint (k, expert cap) action).
     """
     K1, n = Ct.shape
     K = K1 - 1
@@ -219,8 +227,11 @@ def _backward(Ct: np.ndarray, St: np.ndarray, lay: _Layout, policy: np.ndarray |
             np.multiply(d, St[:, p : p + na], out=d)
             np.cumsum(d, axis=0, out=q[1:])
             q[1:] += Cs[1:]
-        k = q.argmin(axis=0) if policy is None else policy[p : p + na]
-        v = q[k, cols[:na]]
+        if extra is not None:
+            k, v = extra(p, na, b, q, W)
+        else:
+            k = q.argmin(axis=0) if policy is None else policy[p : p + na]
+            v = q[k, cols[:na]]
         v += W[b + 1, :na]
         W[b, :na] = v
         Vp[p : p + na] = v

@@ -160,11 +160,14 @@ def _mixture_rollouts(
     beta: float,
     rng: np.random.Generator,
     record_k: bool = False,
+    to_action: Callable[[int], Any] | None = None,
 ) -> _Visits:
     """Roll out the mixture policy (oracle's k*(t) with probability beta, else the learner) once per generation.
 
     :attr:`_Visits.k` records the budget played, or with ``record_k`` the learner's own budget in
-    every visited state (the learner is then asked also where the oracle acts).
+    every visited state (the learner is then asked also where the oracle acts). ``to_action`` maps a
+    chosen index to the environment's action (the joint (k, cap) learner of :mod:`policies.caps`
+    plays joint indices); None steps with the index itself.
     """
     obs_buf, row_buf, k_buf, ep_cost, ep_ar = [], [], [], 0.0, 0.0
     for g, gid in enumerate(env.unwrapped.data.generation_ids):
@@ -182,7 +185,7 @@ def _mixture_rollouts(
             else:
                 k = int(k_star[row]) if rng.random() < beta else learner.act(obs)
                 k_buf.append(k)
-            obs, _, done, _, info = env.step(k)
+            obs, _, done, _, info = env.step(k if to_action is None else to_action(k))
             t = info["t"]
         ep_cost += info["episode_cost_ms"]
         ep_ar += info["ar_cost_ms"]

@@ -42,6 +42,13 @@ draft_ent               per-token with signal "ent": entropy of the draft just d
 draft_margin            per-token with signal "margin": its top-1/top-2 margin           [0, 1]
 ======================  ===============================================================  =========
 
+**Joint (k, expert cap) policies.** ``cap_levels = C > 0`` marks the contract of the joint
+environment ``specenv/MoESpecCap-v0`` (:mod:`specenv.envs.caps`): a policy then scores the
+``(C + 1) * (kmax + 1)`` joint actions ``c * (kmax + 1) + k`` (cap level c = 0 uncapped, 1..C the
+set's caps). The observation vector is the one above, unchanged: ``prev_U`` and ``prev_cost`` are the
+capped round's when it ran capped, and the round model is Markov in the position, so no cap feature is
+needed. ``cap_levels`` is in the JSON only when set (a k-only contract is unchanged).
+
 The per-token features (:data:`TOKEN_FEATURES`, plus ``draft_ent``/``draft_margin`` for those
 signals) appear only with ``per_token=True`` (and ``per_token`` in the JSON only when set): the
 observation of ``specenv/MoESpecSeq-v0`` (:mod:`specenv.envs.sequential`), where each step is one
@@ -135,6 +142,7 @@ _JSON_KEYS = (
     "low",
     "high",
     "per_token",
+    "cap_levels",
 )
 
 
@@ -198,6 +206,8 @@ class ObservationSpec:
             per-token environment ``specenv/MoESpecSeq-v0``).
         signals: Draft signals of the lookahead and per-token blocks (ordered subset of
             :data:`SIGNALS` with ``"q"``).
+        cap_levels: Expert-cap levels C of a joint (k, cap) policy (0: a k-only policy); the vector
+            does not change, the policy scores ``(C + 1) * (kmax + 1)`` joint actions.
     """
 
     kmax: int
@@ -213,6 +223,7 @@ class ObservationSpec:
     prev_cost_norm: str = PREV_COST_NORM
     per_token: bool = False
     signals: tuple[str, ...] = ("q",)
+    cap_levels: int = 0
 
     def __post_init__(self) -> None:
         if self.version != OBSERVATION_VERSION:
@@ -223,6 +234,10 @@ class ObservationSpec:
         if self.prev_cost_norm not in PREV_COST_NORMS:
             raise ValueError(f"prev_cost_norm={self.prev_cost_norm!r}: expected one of {PREV_COST_NORMS}")
         object.__setattr__(self, "signals", check_signals(self.signals))
+        if isinstance(self.cap_levels, bool) or not isinstance(self.cap_levels, int) or not 0 <= self.cap_levels <= 64:
+            raise ValueError(f"cap_levels={self.cap_levels!r}: must be an integer in 0..64")
+        if self.cap_levels and self.per_token:
+            raise ValueError("cap_levels: a per-token (stop rule) contract has no cap action")
 
     @property
     def names(self) -> list[str]:
@@ -273,7 +288,9 @@ class ObservationSpec:
 
         ``"per_token": true`` is added only for a per-token spec (a round-level contract is unchanged).
         """
-        extra = {"per_token": True} if self.per_token else {}
+        extra = ({"per_token": True} if self.per_token else {}) | (
+            {"cap_levels": self.cap_levels} if self.cap_levels else {}
+        )
         return {
             "version": self.version,
             "kmax": self.kmax,
@@ -323,6 +340,11 @@ class ObservationSpec:
                 if d["per_token"] is not True:
                     raise ValueError(f"per_token={d['per_token']!r}: must be true or false")
                 kw["per_token"] = True
+            if d.get("cap_levels", 0):
+                cl = d["cap_levels"]
+                if isinstance(cl, bool) or not isinstance(cl, int):
+                    raise ValueError(f"cap_levels={cl!r}: must be an integer")
+                kw["cap_levels"] = cl
         except KeyError as exc:
             raise ValueError(f"{exc.args[0]} missing") from None
         except (TypeError, ValueError) as exc:

@@ -21,7 +21,7 @@ mean accepted per round).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -61,6 +61,10 @@ class Rollouts:
         returns: (E,) episode returns (sum of rewards).
         k_min: (E,) smallest budget the policy chose in the episode.
         k_max: (E,) largest budget the policy chose in the episode.
+        quality: Episode totals of the joint (k, expert cap) environment
+            (:class:`specenv.envs.caps.MoESpecCapEnv`), filled by :func:`rollout` from the last
+            ``info``: ``"mismatches"``, ``"lpgap"`` (sum of lpgap x committed) and ``"capped_rounds"``,
+            each (E,); zeros for an environment that reports none.
     """
 
     generation_ids: np.ndarray
@@ -74,6 +78,11 @@ class Rollouts:
     returns: np.ndarray
     k_min: np.ndarray
     k_max: np.ndarray
+    quality: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+#: The last ``info``'s episode totals :func:`rollout` keeps in :attr:`Rollouts.quality`.
+_QUALITY = {"mismatches": "episode_mismatches", "lpgap": "episode_lpgap", "capped_rounds": "capped_rounds"}
 
 
 def _empty(episodes: Sequence[tuple[int, int]]) -> Rollouts:
@@ -90,6 +99,7 @@ def _empty(episodes: Sequence[tuple[int, int]]) -> Rollouts:
         returns=np.zeros(E),
         k_min=np.full(E, np.iinfo(np.int64).max, dtype=np.int64),
         k_max=np.full(E, -1, dtype=np.int64),
+        quality={name: np.zeros(E) for name in _QUALITY},
     )
 
 
@@ -166,6 +176,8 @@ def rollout(env: Any, policy: OnlinePolicy, episodes: Sequence[tuple[int, int]])
         out.cost[e], out.returns[e], out.rounds[e], out.k_sum[e], out.accepted_sum[e] = cost, ret, n, k_sum, a_sum
         out.k_min[e], out.k_max[e] = k_lo, k_hi
         out.ar[e] = float(info.get("ar_cost_ms", np.nan))  # absent only if an env truncates
+        for name, key in _QUALITY.items():
+            out.quality[name][e] = float(info.get(key, 0.0))
     return out
 
 

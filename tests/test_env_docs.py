@@ -9,6 +9,7 @@ import re
 import numpy as np
 import pytest
 
+from specenv.envs.caps import MoESpecCapEnv
 from specenv.envs.live import MoESpecLiveEnv
 from specenv.envs.replay import MoESpecEnv
 from specenv.envs.vector import MoESpecVectorEnv
@@ -26,7 +27,7 @@ SECTIONS = (
 )
 
 
-@pytest.mark.parametrize("cls", [MoESpecEnv, MoESpecVectorEnv, MoESpecLiveEnv])
+@pytest.mark.parametrize("cls", [MoESpecEnv, MoESpecVectorEnv, MoESpecLiveEnv, MoESpecCapEnv])
 def test_cartpole_sections_in_order(cls):
     doc = cls.__doc__
     pos = [doc.find(s) for s in SECTIONS]
@@ -87,10 +88,17 @@ def test_vector_and_live_refer_to_the_table():
 
 
 def test_docstrings_do_not_cite_files_outside_the_package():
-    for name in ("specenv.envs.replay", "specenv.envs.vector", "specenv.envs.live", "specenv.envs.render"):
+    modules = (
+        "specenv.envs.replay",
+        "specenv.envs.vector",
+        "specenv.envs.live",
+        "specenv.envs.render",
+        "specenv.envs.caps",
+    )
+    for name in modules:
         src = importlib.import_module(name).__doc__ or ""
         assert "DESIGN section" not in src and "DESIGN.md" not in src
-    for cls in (MoESpecEnv, MoESpecVectorEnv, MoESpecLiveEnv):
+    for cls in (MoESpecEnv, MoESpecVectorEnv, MoESpecLiveEnv, MoESpecCapEnv):
         assert "DESIGN" not in cls.__doc__
 
 
@@ -100,6 +108,7 @@ def test_docstrings_do_not_cite_files_outside_the_package():
         "specenv.envs.replay",
         "specenv.envs.vector",
         "specenv.envs.render",
+        "specenv.envs.caps",
         pytest.param("specenv.envs.live", marks=pytest.mark.slow),
     ],
 )
@@ -114,4 +123,4 @@ def test_examples_run_as_doctests(module):
     finally:
         np.set_printoptions(**printopts)
     assert res.failed == 0
-    assert res.attempted >= (3 if module == "specenv.envs.render" else 5)
+    assert res.attempted >= (3 if module in ("specenv.envs.render", "specenv.envs.caps") else 5)

@@ -4,7 +4,8 @@ Gymnasium 1.x has no plugin entry points for environments: importing :mod:`spece
 :func:`register_envs`, after which ``gymnasium.make("specenv/MoESpec-v1", ...)`` and
 ``gymnasium.make_vec("specenv/MoESpec-v1", num_envs=..., ...)`` work, and so does
 ``gymnasium.make("specenv/MoESpecSeq-v0", ...)`` (the per-token environment of the sequential
-drafting mode). Users may also write
+drafting mode) and ``gymnasium.make("specenv/MoESpecCap-v0", ...)`` (the joint (k, expert cap)
+action). Users may also write
 ``gymnasium.register_envs(specenv)`` (keeps linters quiet about the import) or
 ``gymnasium.make("specenv:specenv/MoESpec-v1")``.
 
@@ -33,6 +34,8 @@ REPLAY_ID = "specenv/MoESpec-v1"
 SEQ_ID = "specenv/MoESpecSeq-v0"
 #: The live environment (real rounds on the CPU engine; needs the ``live`` extra); measured times vary.
 LIVE_ID = "specenv/MoESpecLive-v1"
+#: The joint (k, expert cap) replay environment (trace sets with the caps-v1 extension); deterministic.
+CAP_ID = "specenv/MoESpecCap-v0"
 #: The previous version of :data:`REPLAY_ID`: the same class with ``reward="cost"`` by default.
 REPLAY_V0_ID = "specenv/MoESpec-v0"
 #: The previous version of :data:`LIVE_ID`: the same class with ``reward="cost"`` by default.
@@ -80,6 +83,15 @@ def register_envs() -> list[str]:
             max_episode_steps=None,
         )
         added.append(SEQ_ID)
+    if CAP_ID not in gymnasium.registry:
+        gymnasium.register(
+            id=CAP_ID,
+            entry_point="specenv.envs.caps:MoESpecCapEnv",
+            kwargs={},
+            nondeterministic=False,
+            max_episode_steps=None,
+        )
+        added.append(CAP_ID)
     return added
 
 

@@ -37,8 +37,12 @@ ACTIVATIONS = {
 
 
 def n_actions(spec: ObservationSpec) -> int:
-    """Scores of a policy for this contract: ``kmax + 1`` budgets, or 2 (stop, draft) for a per-token contract."""
-    return 2 if spec.per_token else spec.kmax + 1
+    """Scores of a policy for this contract.
+
+    ``kmax + 1`` budgets, 2 (stop, draft) for a per-token contract, ``(cap_levels + 1) * (kmax + 1)``
+    joint (k, cap) actions for a contract with cap levels.
+    """
+    return 2 if spec.per_token else (spec.cap_levels + 1) * (spec.kmax + 1)
 
 
 class MLPPolicy(Policy):
@@ -172,6 +176,8 @@ class MLPPolicy(Policy):
 
 
 def _need(spec: ObservationSpec) -> str:
+    if spec.cap_levels:
+        return f"(cap_levels+1)*(kmax+1)={n_actions(spec)} joint (k, cap) actions"
     return "2 (stop, draft) for a per-token contract" if spec.per_token else f"kmax+1={spec.kmax + 1}"
 
 
