@@ -529,10 +529,41 @@ class BatchShape:
         )
 
 
-#: Used by :func:`default_shape` while no vLLM batch recording ships (replaced by the measured factors).
-PROVISIONAL_SHAPE = BatchShape(pos_rel=0.05, req_rel=0.05, tok_share=0.5, source="provisional")
+#: The shipped vLLM batch recording whose fit prices batches by default (package data).
+SHIPPED = "live-vllm-batch-v1"
+#: File name of the fitted model inside a steps recording.
+MODEL_FILE = "batchcost.json"
+
+
+def load_batch_cost_model(name_or_path: str | os.PathLike[str] = SHIPPED) -> BatchCostModel:
+    """A batch cost model by name or path.
+
+    Args:
+        name_or_path: A batch-cost JSON file, a steps recording folder (its ``batchcost.json``), or the
+            name of a shipped recording (``live-vllm-batch-v1``, the default: fitted on vLLM CPU steps
+            of the shipped small models, B = 1..8).
+
+    Raises:
+        ValueError: One line naming the file (missing, not a batch cost model, bad field).
+    """
+    from specenv.io import package_data
+
+    path = Path(name_or_path)
+    if not path.exists() and "/" not in str(name_or_path) and os.sep not in str(name_or_path):
+        try:
+            path = package_data(str(name_or_path))
+        except (FileNotFoundError, OSError):
+            pass
+    if path.is_dir():
+        path = path / MODEL_FILE
+    return BatchCostModel.load(path)
+
+
+_SHAPE: list[BatchShape] = []
 
 
 def default_shape() -> BatchShape:
-    """The batch-shape factors of the shipped vLLM batch fit (:data:`PROVISIONAL_SHAPE` until it ships)."""
-    return PROVISIONAL_SHAPE
+    """The batch-shape factors of the shipped vLLM batch fit (:data:`SHIPPED`), at its mean context."""
+    if not _SHAPE:
+        _SHAPE.append(BatchShape.of_model(load_batch_cost_model(SHIPPED)))
+    return _SHAPE[0]
