@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from specenv.batchcost import PREDICTORS, BatchCostModel, BatchShape, union_independent
+from specenv.batchcost import PREDICTORS, BatchCostModel, BatchShape, load_batch_cost_model, union_independent
 from specenv.costmodel import CostModel
 from specenv.schema import ModelFacts
 
@@ -66,9 +66,15 @@ def test_monotone_in_union_positions_context_and_requests(scaled):
 
 def test_bigger_batch_costs_more_but_less_than_separate_steps(scaled):
     L = np.full(8, 500)
-    ar = [scaled.ar_ms(L[:b]) for b in range(1, 9)]
+    measured = load_batch_cost_model()
+    ar = [measured.ar_ms(L[:b]) for b in range(1, 9)]
     assert np.all(np.diff(ar) > 0)
     assert ar[-1] < 8 * ar[0]  # the point of batching: shared weights, shared experts
+    # the scaled paper profile inherits Table A4's per-K shape (beta0 drops and alpha triples at m = 5, so
+    # a step of 5 positions can cost less than one of 4): not monotone in B below kmax+1, but still cheaper
+    # than separate steps
+    ar = [scaled.ar_ms(L[:b]) for b in range(1, 9)]
+    assert all(ar[b - 1] < b * ar[0] for b in range(2, 9))
 
 
 @pytest.mark.parametrize("predictor", PREDICTORS)
