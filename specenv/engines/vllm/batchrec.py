@@ -214,7 +214,9 @@ def record_batch_steps(
     rng = np.random.default_rng(seed)
     rec = _StepRecorder(ctl, kmax, rng)
     # the policy runs in update_draft_token_ids, after forward_callback has drawn the next step's n:
-    # it trims the drafts proposed in the step just run (rec.proposed)
+    # it trims the drafts proposed in the step just run (rec.proposed). Whatever the engine had installed
+    # (a live backend's callbacks, a policy, a draft length) is put back afterwards.
+    saved = (ctl.round_callback, ctl.forward_callback, ctl.draft_tokens, ctl.policy)
     ctl.set_policy(RandomK(kmax, seed, drafted=rec.drafts_proposed))
     ctl.round_callback, ctl.forward_callback = rec.on_round, rec.on_forward
     ctl.draft_tokens = rec.n_now
@@ -232,9 +234,8 @@ def record_batch_steps(
                 group += 1
                 done += 1
     finally:
-        ctl.round_callback = ctl.forward_callback = None
-        ctl.draft_tokens = None
-        ctl.set_policy(None)
+        ctl.round_callback, ctl.forward_callback, ctl.draft_tokens = saved[:3]
+        ctl.set_policy(saved[3])
     if progress:
         progress(total, total, "done")
     steps = pd.DataFrame(rec.rows, columns=list(STEP_COLUMNS))
