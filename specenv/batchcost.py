@@ -377,7 +377,9 @@ class BatchCostModel:
         * ``b_req = shape.req_rel * AR``;
         * the draft: ``d0 = cm.d0`` and ``cm.d1`` split into ``d_step = (1 - shape.tok_share) * d1``
           per draft forward step and ``d_tok = shape.tok_share * d1`` per drafted token, so a single
-          request drafting n tokens pays ``cm.draft_ms(n)``;
+          request drafting n tokens pays ``cm.draft_ms(n)``. ``cm.d_floor`` (the draft forward a vLLM
+          round pays at k = 0) is not carried: the batch form charges the drafted tokens it is given,
+          so a vLLM batch in block mode passes ``drafted = h`` for every request, k = 0 ones included;
         * the U_batch predictor and its exponent ``u_theta`` are the measured ones (theta discounts
           each further request's draw relative to independence: dimensionless, it carries over to a
           model with another number of experts).
