@@ -116,10 +116,13 @@ def make_policy(desc: dict[str, Any], ctl: Any) -> Any:
         from specenv.batchcost import load_batch_cost_model
 
         u_prior = desc.get("u_prior")
+        bm = load_batch_cost_model(desc.get("batch_cost_model", "live-vllm-batch-v1"))
         return BatchGoodput(
             spec,
-            load_batch_cost_model(desc.get("batch_cost_model", "live-vllm-batch-v1")),
+            bm,
             u_prior=None if u_prior is None else np.asarray(u_prior),
+            # the recording's median wall time per step outside the forwards (0 when it has none)
+            step_overhead_ms=float(bm.diagnostics.get("summary", {}).get("overhead_ms", 0.0)),
         )
     if kind == "constant-mlp":  # a real MLP call (obs build + 3 layers) whose answer is always k
         from specenv.policy.mlp import MLPPolicy

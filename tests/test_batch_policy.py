@@ -66,3 +66,15 @@ def test_search_finds_the_brute_force_optimum_on_small_batches(policy):
         assert found <= brute + 1e-12
         gaps.append(1 - found / brute)
     assert max(gaps) < 0.01  # coordinate ascent from the best common k: within 1% of the joint optimum
+
+
+def test_union_shortcut_is_the_models_predictor(policy):
+    rng = np.random.default_rng(1)
+    cand = rng.integers(0, KMAX + 1, size=(50, 5))
+    gain = np.ones((5, KMAX + 1))
+    m = policy.model
+    fast = policy._goodput(cand, gain, 1000.0)
+    u_b = m.predict_u_batch_many(policy.u_prior[cand])
+    top = np.maximum(cand.max(axis=1), 1)
+    slow = 5 / (m.verify_from_totals(cand.sum(axis=1) + 5, 5, u_b, 1000.0) + m.d0 + m.d_step * top + m.d_tok * top * 5)
+    np.testing.assert_allclose(fast, slow, rtol=1e-10)
