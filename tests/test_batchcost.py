@@ -179,3 +179,20 @@ def test_shape_round_trip_through_scaling():
     assert scaled.predictor == "shared" and scaled.u_theta == 0.6
     step = scaled.beta0[cm.kmax + 2] - scaled.beta0[cm.kmax + 1]
     assert step / float(cm.ar_ms(300.0)) == pytest.approx(shape.pos_rel)
+
+
+@pytest.mark.parametrize("name", ["paper-default", "live-cpu", "live-vllm"])
+def test_every_shipped_set_can_be_priced(name):
+    from specenv.costsource import cost_model_for
+    from specenv.datasets import load_dataset
+
+    ts = load_dataset(name)
+    cm = cost_model_for(ts, "fit-train")
+    m = BatchCostModel.from_cost_model(cm, ts.facts, max_batch=16)
+    back = BatchCostModel.from_json(m.to_json(), name)  # the validator's positivity check over the whole domain
+    assert back.max_positions == 16 * (cm.kmax + 1)
+    L = np.full(16, 300)
+    assert back.verify_ms([2], [float(ts.facts.top_k) * 2], [300]) == pytest.approx(
+        float(cm.target_ms(2, ts.facts.top_k * 2, 300))
+    )
+    assert back.ar_ms(L[:1]) < back.ar_ms(L) < 16 * back.ar_ms(L[:1])
