@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -44,11 +46,18 @@ def test_batch_policy_gets_the_whole_step(engine, plain_reference):
     pol = Recording()
     ctl.set_policy(pol)
     seen: list[int] = []
-    ctl.round_callback = lambda rid, out: seen.append(out["K"])
+    prev = ctl.round_callback  # the shared backend's own callback: put back afterwards
+
+    def on_round(rid, out):  # noqa: ANN001, ANN202
+        seen.append(out["K"])
+        if prev is not None:
+            prev(rid, out)
+
+    ctl.round_callback = on_round
     try:
         outs = engine.generate(PROMPTS[:4], greedy(24), use_tqdm=False)
     finally:
-        ctl.round_callback = None
+        ctl.round_callback = prev
         ctl.set_policy(None)
     assert pol.calls, "act_step was never called"
     ids = {rid for _, streams in pol.calls for rid in streams}
@@ -67,10 +76,16 @@ def test_batch_policy_gets_the_whole_step(engine, plain_reference):
 
 def test_batch_policy_wrong_shape_falls_back(engine):
     ctl = controller_of(engine)
-    before = ctl.stats["fallbacks"]
+    before, errors = ctl.stats["fallbacks"], list(ctl.stats["errors"])
     ctl.set_policy(Recording(fail=True))
     try:
         engine.generate(PROMPTS[:2], greedy(8), use_tqdm=False)
+        fell_back = ctl.stats["fallbacks"] - before
+        logged = ctl.stats["errors"][len(errors) :]
     finally:
         ctl.set_policy(None)
-    assert ctl.stats["fallbacks"] > before
+        # the session's engine is shared: leave its counters as they were (other tests count from 0)
+        ctl.stats["fallbacks"], ctl.stats["errors"] = before, errors
+    assert fell_back > 0
+    if len(errors) < 5:  # the controller logs its first five errors
+        assert any(re.search(r"act_step returned shape \((\d+),\) for (\d+) observations", e) for e in logged), logged

@@ -1099,7 +1099,8 @@ class SpecControlScheduler(Scheduler):
                 else:
                     out = np.asarray(self.policy.act_batch(obs))
                 if out.shape not in ((len(live),), (len(live), 1)):
-                    raise ValueError(f"act_batch returned shape {out.shape} for {len(live)} observations")
+                    method = "act_step" if self._batch else "act_batch"
+                    raise ValueError(f"{method} returned shape {out.shape} for {len(live)} observations")
                 ks = list(out.reshape(-1))
             except Exception as exc:
                 self._error(exc)
