@@ -16,7 +16,8 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -76,6 +77,21 @@ def _os_message(exc: OSError) -> str:
     return f"{exc.filename}: {exc.strerror or exc}"
 
 
+def _bare_ray(args: list[str]) -> list[str]:
+    """``--ray`` without a value (last, or before another option) means ``--ray local``: a local cluster.
+
+    Click options take a value or none, not an optional one, so the bare form is rewritten here.
+    """
+    out: list[str] = []
+    for i, a in enumerate(args):
+        out.append(a)
+        if a == "--":
+            return out + args[i + 1 :]
+        if a == "--ray" and (i + 1 == len(args) or args[i + 1].startswith("-")):
+            out.append("local")
+    return out
+
+
 class _PlainArgument(TyperArgument):
     """A positional argument shown the way click shows one: ``TRACES`` or ``[TRACES]``, no type marker."""
 
@@ -99,6 +115,7 @@ class _Group(TyperGroup):
         """Run the command line; format errors as one line (exit 2)."""
         standalone = kw.pop("standalone_mode", True)
         set_quiet(False)  # --quiet of an earlier in-process run must not leak into this one
+        args = _bare_ray(list(sys.argv[1:] if args is None else args))
         self._polish()
         try:
             rv = super().main(args, prog_name, *a, standalone_mode=False, **kw)
@@ -177,6 +194,19 @@ err = Console(stderr=True, soft_wrap=True)
 
 Traces = Annotated[str, typer.Argument(help="Trace set: a registered name (e.g. paper-default) or a folder.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+RayOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ray",
+        metavar="[ADDRESS]",
+        help="Fan the independent units out on a Ray cluster (the ray extra): a bare --ray starts a local "
+        "cluster, ADDRESS (auto, HOST:PORT, ray://HOST:PORT) connects to one. Same outputs as without it.",
+    ),
+]
+RayCpusOpt = Annotated[
+    int | None,
+    typer.Option("--ray-cpus", min=1, max=4096, help="CPUs of the local cluster of a bare --ray (default: all)."),
+]
 
 
 def _version_callback(value: bool) -> None:
@@ -566,8 +596,14 @@ def oracle_cmd(
     episodes: Annotated[int, typer.Option(max=MAX_EPISODES, help="Monte-Carlo episodes per generation (0: none).")] = 4,
     seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed of the Monte-Carlo episodes.")] = 0,
     as_json: JsonOpt = False,
+    ray: RayOpt = None,
+    ray_cpus: RayCpusOpt = None,
 ) -> None:
-    """Exact SSP oracle bound: S_max, mean k*, mean accepted (optionally Kmax sweep, delta space)."""
+    """Exact SSP oracle bound: S_max, mean k*, mean accepted (optionally Kmax sweep, delta space).
+
+    With --ray the Kmax sweep's units (one solve per Kmax, one exact evaluation per fixed k) run as Ray
+    tasks (policies.distributed); the output is the same.
+    """
     import oracle
     from specenv.costsource import cost_model_for
     from specenv.replay import SelectionError, select_positions
@@ -593,7 +629,10 @@ def oracle_cmd(
         model = cost_model_for(ts, cost_model)
     except ValueError as exc:
         fail(f"--cost-model: {exc}")
-    with Progress("oracle", total=1 + sweep + delta, unit="steps") as prog:
+    with (
+        _maybe_ray(ray if sweep else None, ray_cpus) as map_calls,
+        Progress("oracle", total=1 + sweep + delta, unit="steps") as prog,
+    ):
         prog.update(what="exact bound" + (" and Monte Carlo" if episodes else ""))
         res = oracle.solve(arrays, model, lookahead=lookahead, mc_episodes=episodes, seed=seed, drafting=mode)
         setting = {
@@ -605,11 +644,28 @@ def oracle_cmd(
         }
         setting |= {"drafting": mode, "drafting_note": _drafting_note(mode, lookahead)}
         report = _oracle_report(res, setting, greedy=bool(arrays.greedy))
-        table, an = _oracle_analyses(report, arrays, model, res, sweep=sweep, delta=delta, plot=plot, prog=prog)
+        table, an = _oracle_analyses(
+            report, arrays, model, res, sweep=sweep, delta=delta, plot=plot, prog=prog, map_calls=map_calls
+        )
     if as_json:
         _print_json(report)
         return
     _print_oracle(report, table, an)
+
+
+@contextmanager
+def _maybe_ray(address: str | None, cpus: int | None) -> Iterator[Any]:
+    """The Ray cluster of ``--ray`` (yields :func:`policies.distributed.ray_map_calls`), or None without it."""
+    if address is None:
+        yield None
+        return
+    from policies.distributed import RayUnavailable, ray_cluster, ray_map_calls
+
+    try:
+        with ray_cluster(address, cpus):
+            yield ray_map_calls
+    except RayUnavailable as exc:
+        fail(str(exc))
 
 
 def _check_oracle_options(lookahead: int, episodes: int, plot: Path | None, *, sweep: bool, delta: bool) -> None:
@@ -692,10 +748,12 @@ def _oracle_analyses(
     delta: bool,
     plot: Path | None,
     prog: Progress | None = None,
+    map_calls: Any = None,
 ) -> tuple[Any, Any]:
     """Run the optional Kmax sweep and delta-space analysis, add them (and their figures) to ``report``.
 
-    ``prog``, if given, advances by one step as each analysis starts.
+    ``prog``, if given, advances by one step as each analysis starts; ``map_calls`` runs the sweep's
+    units (:func:`oracle.kmax_sweep`; None: here).
 
     Returns:
         The sweep table (or None) and the :class:`oracle.DeltaAnalysis` (or None).
@@ -710,7 +768,7 @@ def _oracle_analyses(
     if sweep:
         if prog is not None:
             prog.advance(what="Kmax sweep")
-        table = oracle.kmax_sweep(arrays, model, lookahead=lookahead, drafting=mode)
+        table = oracle.kmax_sweep(arrays, model, lookahead=lookahead, drafting=mode, map_calls=map_calls)
         report["sweep"] = [
             {c: (v.item() if hasattr(v, "item") else v) for c, v in r.items()} for r in table.to_dict(orient="records")
         ]
@@ -1005,10 +1063,20 @@ def bench(
         ),
     ] = None,
     as_json: JsonOpt = False,
+    ray: RayOpt = None,
+    ray_cpus: RayCpusOpt = None,
+    ray_chunk: Annotated[
+        int | None,
+        typer.Option(
+            "--ray-chunk", min=1, max=MAX_GENERATIONS, help="Held-out generations per Ray task (default: auto)."
+        ),
+    ] = None,
 ) -> None:
     """Benchmark every policy on the held-out split against the exact oracle bound.
 
     Without --policies it runs the policies shipped for the trace set (policies/shipped/<set>-v<N>/).
+    With --ray every Monte-Carlo row runs as Ray tasks over chunks of the held-out generations
+    (policies.distributed); the outputs are the same as without it (per-episode seeds).
     """
     from policies.benchmark import category_table, markdown_table, run_benchmark, write_outputs
     from specenv.costmodel import DRAFTING_MODES
@@ -1019,8 +1087,18 @@ def bench(
     if drafting is not None and drafting not in DRAFTING_MODES:
         fail(f"--drafting: {drafting!r} is not one of {', '.join(DRAFTING_MODES)}")
     _check_budget(_load(traces), kmax)
+    if ray_chunk is not None and ray is None:
+        fail("--ray-chunk: needs --ray")
     try:
-        with Progress("bench", unit="policies") as prog:
+        with (
+            _maybe_ray(ray, ray_cpus) as on_ray,
+            Progress("bench", unit="policies" if ray is None else "units") as prog,
+        ):
+            executor = None
+            if on_ray is not None:
+                from policies.distributed import bench_executor
+
+                executor = bench_executor(ray_chunk, lambda done, total, name: prog.update(done, total, name))
             res = run_benchmark(
                 traces,
                 kmax=kmax,
@@ -1031,6 +1109,7 @@ def bench(
                 only=only,
                 progress=lambda done, total, name: prog.update(done, total, name),
                 drafting=drafting,
+                executor=executor,
             )
     except ValueError as exc:
         fail(str(exc))
