@@ -148,6 +148,8 @@ def train_run(
             overrides=over or None,
         )
         policy = tr.policy
-    policy.meta = provenance(policy.meta, ts, run.traces, run.cost_model, policy.spec, time.perf_counter() - t0)
+    policy.meta = provenance(
+        policy.meta, ts, run.traces, run.cost_model, policy.spec, time.perf_counter() - t0, run.split
+    )
     policy.save(folder / "policy")
     return {"algo": run.algo, "drafting": run.mode, "policy": str(folder / "policy"), "meta": policy.meta}

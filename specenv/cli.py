@@ -15,7 +15,6 @@ import json
 import math
 import os
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -889,7 +888,10 @@ def _print_delta(an: Any) -> None:
 
 @app.command()
 def train(
-    algo: Annotated[str, typer.Option(help="Learner: ppo, dqn or imitation (DAgger on the oracle).")] = "ppo",
+    algo: Annotated[
+        list[str] | None,
+        typer.Option(help="Learner: ppo, dqn or imitation (DAgger on the oracle); repeatable (default ppo)."),
+    ] = None,
     traces: Annotated[
         str, typer.Option("--traces", help="Trace set (name or folder); trains on its train split.")
     ] = "paper-default",
@@ -901,7 +903,9 @@ def train(
     epochs: Annotated[
         int | None, typer.Option(min=1, max=10_000, help="Passes over the DAgger aggregate per iteration (imitation).")
     ] = None,
-    seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed.")] = 0,
+    seed: Annotated[
+        list[int] | None, typer.Option(min=0, max=MAX_SEED, help="Seed; repeatable: one run per learner and seed.")
+    ] = None,
     n_envs: Annotated[int, typer.Option(min=1, max=4096, help="Parallel streams of the vector env (ppo, dqn).")] = 32,
     kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
     cost_model: Annotated[str, typer.Option(help="fit, profile or a cost-model JSON.")] = "fit",
@@ -919,97 +923,177 @@ def train(
     name: Annotated[str | None, typer.Option(help="Run name (default: ALGO[-hH|-seq]-seedS).")] = None,
     gamma: Annotated[float, typer.Option(min=0.0, max=1.0, help="Discount factor (ppo, dqn).")] = 0.99,
     as_json: JsonOpt = False,
+    ray: RayOpt = None,
+    ray_cpus: RayCpusOpt = None,
 ) -> None:
     """Train a budget controller on the train split and export it (numpy form, no pickle).
 
     policy.json records the drafting mode, every hyper-parameter, the trace set (name, version,
-    manifest sha256), the cost model and the observation contract (its version included).
+    manifest sha256), the cost model and the observation contract (its version included). Repeated
+    --algo/--seed train one run per (learner, seed), one after another, or as Ray tasks with --ray
+    (policies.distributed; the same run folders, results within seed variance).
     """
-    algos = ("ppo", "dqn", "imitation")
-    if algo not in algos:
-        fail(f"--algo: unknown learner '{algo}' (known: {', '.join(algos)})")
+    from policies.runs import ALGOS, TrainRun
+
+    algos = list(dict.fromkeys(algo or ["ppo"]))
+    seeds = list(dict.fromkeys(seed if seed else [0]))
+    for a in algos:
+        if a not in ALGOS:
+            fail(f"--algo: unknown learner '{a}' (known: {', '.join(ALGOS)})")
     _check_finite("--gamma", gamma)
     if name is not None:
         _check_name("--name", name)
         if name in (".", "..") or "/" in name or os.sep in name:
             fail(f"--name: {name!r} must be a plain folder name (no '/', not '.' or '..')")
+        if len(algos) * len(seeds) > 1:
+            fail(f"--name: one name for {len(algos) * len(seeds)} runs (leave it out: each run gets ALGO-seedS)")
     ts = _load(traces)
     mode, h = _check_train_drafting(drafting, lookahead, ts)
     suffix = {"none": "", "block": f"-h{h}", "sequential": "-seq"}[mode]
-    run = out_dir / (name or f"{algo}{suffix}-seed{seed}")
+    runs = [
+        TrainRun(
+            algo=a,
+            traces=traces,
+            name=name or f"{a}{suffix}-seed{s}",
+            seed=s,
+            mode=mode,
+            h=h,
+            timesteps=timesteps,
+            iterations=iterations,
+            epochs=epochs,
+            n_envs=n_envs,
+            kmax=kmax,
+            cost_model=cost_model,
+            gamma=gamma,
+        )
+        for a in algos
+        for s in seeds
+    ]
     _check_out_folder("--out", out_dir)
-    _check_out_folder("--out", run)
+    for run in runs:
+        _check_out_folder("--out", out_dir / run.name)
     _check_budget(ts, kmax, h)
-    t0 = time.perf_counter()
-    try:
-        if algo == "imitation":
-            with Progress("train imitation", total=iterations, unit="DAgger iterations") as prog:
-
-                def iteration_done(line: str) -> None:
-                    prog.echo(line)
-                    prog.advance()
-
-                if mode == "sequential":
-                    from policies.stopping import train_stop_dagger
-
-                    res: Any = train_stop_dagger(
-                        traces,
-                        kmax=kmax,
-                        cost_model=cost_model,
-                        iterations=iterations,
-                        seed=seed,
-                        log=iteration_done,
-                        **({"epochs": epochs} if epochs else {}),
-                    )
-                else:
-                    from policies.imitation import train_dagger
-
-                    res = train_dagger(
-                        traces,
-                        kmax=kmax,
-                        cost_model=cost_model,
-                        lookahead=h,
-                        iterations=iterations,
-                        seed=seed,
-                        log=iteration_done,
-                        **({"epochs": epochs} if epochs else {}),
-                    )
-            policy = res.policy
-        else:
-            from policies.rl import best_fixed_rate, train_sb3
-
-            with Progress(f"train {algo}", total=timesteps, unit="steps") as prog:
-                tr = train_sb3(
-                    algo,
-                    traces,
-                    run,
-                    timesteps=timesteps,
-                    seed=seed,
-                    n_envs=n_envs,
-                    kmax=kmax,
-                    cost_model=cost_model,
-                    lookahead=h,
-                    gamma=gamma,
-                    drafting=mode,
-                    progress=lambda done, total: prog.update(done, total),
-                    rate=best_fixed_rate(traces, kmax, cost_model),
-                )
-            policy = tr.policy
-    except ValueError as exc:
-        fail(str(exc))
-    from policies.export import provenance
-
-    policy.meta = provenance(policy.meta, ts, traces, cost_model, policy.spec, time.perf_counter() - t0)
-    policy.save(run / "policy")
-    meta = policy.meta
-    summary = {"algo": algo, "drafting": mode, "policy": str(run / "policy"), "meta": meta}
+    summaries = _train_runs(runs, out_dir, ray, ray_cpus)
     if as_json:
-        _print_json(summary)
-    else:
+        _print_json(summaries[0] if len(summaries) == 1 else summaries)
+        return
+    for s in summaries:
+        meta = s["meta"]
         out.print(
-            f"exported {algo} policy ({mode}{f', h={h}' if mode == 'block' else ''}) to {run / 'policy'} "
+            f"exported {s['algo']} policy ({mode}{f', h={h}' if mode == 'block' else ''}) to {s['policy']} "
             f"(policy.json + weights.npz) in {meta['train_seconds']:.0f} s"
         )
+
+
+def _train_runs(runs: list[Any], out_dir: Path, ray: str | None, ray_cpus: int | None) -> list[dict[str, Any]]:
+    """Train ``runs`` here one after another, or as Ray tasks (``--ray``); their summaries in order."""
+    from policies.runs import train_run
+
+    summaries = []
+    try:
+        if ray is not None:
+            from policies.distributed import ray_train
+
+            with _maybe_ray(ray, ray_cpus), Progress("train", total=len(runs), unit="runs") as prog:
+                return ray_train(runs, out_dir, progress=lambda done, total, what: prog.update(done, total, what))
+        for run in runs:
+            unit = "DAgger iterations" if run.algo == "imitation" else "steps"
+            total = run.iterations if run.algo == "imitation" else run.timesteps
+            with Progress(f"train {run.algo}", total=total, unit=unit) as prog:
+                summaries.append(
+                    train_run(
+                        run,
+                        out_dir / run.name,
+                        log=prog.echo,
+                        progress=lambda done, total: prog.update(done, total),
+                    )
+                )
+    except ValueError as exc:
+        fail(str(exc))
+    return summaries
+
+
+@app.command()
+def tune(
+    algo: Annotated[
+        str, typer.Option(help="Learner: ppo, dqn or imitation (with --drafting sequential: the stop rule).")
+    ] = "imitation",
+    traces: Annotated[str, typer.Option("--traces", help="Trace set (name or folder).")] = "paper-default",
+    out_dir: Annotated[
+        Path, typer.Option("--out", "-o", help="Folder: results.csv, results.parquet, best.json.")
+    ] = Path("tune-out"),
+    samples: Annotated[int, typer.Option(min=1, max=10_000, help="Trials (random search).")] = 8,
+    timesteps: Annotated[
+        int, typer.Option(min=1000, max=10**10, help="Environment steps per trial (ppo, dqn).")
+    ] = 50_000,
+    iterations: Annotated[int, typer.Option(min=1, max=1000, help="DAgger iterations per trial (imitation).")] = 3,
+    episodes: Annotated[int, typer.Option(min=1, max=MAX_EPISODES, help="Validation episodes per generation.")] = 2,
+    seed: Annotated[
+        int, typer.Option(min=0, max=MAX_SEED, help="Seed of the search, the learners and validation.")
+    ] = 0,
+    n_envs: Annotated[int, typer.Option(min=1, max=4096, help="Parallel streams of the vector env (ppo, dqn).")] = 16,
+    kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
+    cost_model: Annotated[
+        str, typer.Option(help="fit-train (fitted on the train split), profile or a cost-model JSON (not fit).")
+    ] = "fit-train",
+    drafting: Annotated[
+        str | None, typer.Option(help="Drafting mode: none, block (with --lookahead) or sequential.")
+    ] = None,
+    lookahead: Annotated[int | None, typer.Option(min=0, help="Draft confidences (block: h in 1..Kmax).")] = None,
+    as_json: JsonOpt = False,
+    ray: RayOpt = "local",
+    ray_cpus: RayCpusOpt = None,
+) -> None:
+    """Ray Tune search of a learner's hyper-parameters: fit on train minus validation, choose on validation.
+
+    The validation split is carved from train (specenv.splits); no trial reads a test generation.
+    Writes the ResultGrid as results.csv and results.parquet, and best.json (policies.tune).
+    """
+    from policies.runs import ALGOS, TrainRun
+
+    if algo not in ALGOS:
+        fail(f"--algo: unknown learner '{algo}' (known: {', '.join(ALGOS)})")
+    if cost_model == "fit":
+        fail("--cost-model: 'fit' is fitted on every round, the test generations' included (use fit-train)")
+    ts = _load(traces)
+    mode, h = _check_train_drafting(drafting, lookahead, ts)
+    _check_out_folder("--out", out_dir)
+    _check_budget(ts, kmax, h)
+    # trials run in their own folders: a trace-set folder is passed by absolute path
+    where = str(Path(traces).resolve()) if Path(traces).is_dir() else traces
+    suffix = {"none": "", "block": f"-h{h}", "sequential": "-seq"}[mode]
+    base = TrainRun(
+        algo=algo,
+        traces=where,
+        name=f"tune-{algo}{suffix}",
+        seed=seed,
+        mode=mode,
+        h=h,
+        timesteps=timesteps,
+        iterations=iterations,
+        n_envs=n_envs,
+        kmax=kmax,
+        cost_model=cost_model,
+    )
+    from policies.tune import run_tune
+
+    try:
+        with _maybe_ray(ray or "local", ray_cpus):
+            best = run_tune(base, out_dir, samples, episodes=episodes, seed=seed)
+    except ValueError as exc:
+        fail(str(exc))
+    if as_json:
+        _print_json(best)
+        return
+    b = best["best"]
+    score, pct = b.get("val_speedup_pooled", float("nan")), b.get("val_oracle_pct", float("nan"))
+    out.print(
+        f"tune {algo} ({mode}): {best['trials']} trials fitted on train-fit, chosen on validation "
+        f"({b.get('val_generations')} generations): best pooled speedup {score:.4f} "
+        f"({pct:.1f}% of the bound) with {best['best_config']}; "
+        f"results in {out_dir}/ (results.csv, results.parquet, best.json)",
+        markup=False,
+    )
 
 
 def _check_train_drafting(drafting: str | None, lookahead: int | None, ts: Any) -> tuple[str, int]:
