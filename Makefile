@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[rl,live,dev]"
+	$(BIN)/python -m pip install -q -e ".[rl,live,dev,ray]"
 	$(BIN)/python -c "$$CHECKOUT_PTH"
 	touch $(STAMP)
 

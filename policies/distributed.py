@@ -78,14 +78,14 @@ def ray_cluster(address: str, num_cpus: int | None = None) -> Iterator[Any]:
         RayUnavailable: Ray is missing or the address cannot be reached (one line naming the address).
     """
     ray = ray_module()
+    if address != LOCAL:
+        check_address(address)
     if ray.is_initialized():
         yield ray
         return
     kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
     # the workers import this checkout: the driver's sys.path travels in PYTHONPATH
     env = {"PYTHONPATH": os.pathsep.join(p for p in _code_path() if p)}
-    if address != LOCAL:
-        check_address(address)
     try:
         if address == LOCAL:
             ray.init(num_cpus=num_cpus or os.cpu_count() or 1, runtime_env={"env_vars": env}, **kw)
