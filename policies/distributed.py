@@ -84,16 +84,23 @@ def ray_cluster(address: str, num_cpus: int | None = None) -> Iterator[Any]:
         yield ray
         return
     kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
-    # the workers import this checkout: the driver's sys.path travels in PYTHONPATH
-    env = {"PYTHONPATH": os.pathsep.join(p for p in _code_path() if p)}
+    saved = os.environ.get("PYTHONPATH")
     try:
         if address == LOCAL:
-            ray.init(num_cpus=num_cpus or os.cpu_count() or 1, runtime_env={"env_vars": env}, **kw)
+            # the workers of a local cluster inherit the driver's environment when it starts: with the
+            # folders of this checkout on PYTHONPATH they import the same code (no runtime_env to build)
+            os.environ["PYTHONPATH"] = os.pathsep.join(_code_path())
+            ray.init(num_cpus=num_cpus or os.cpu_count() or 1, **kw)
         else:
             ray.init(address=address, **kw)
     except Exception as exc:  # ConnectionError, ValueError, RuntimeError: Ray raises several for a bad address
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise RayUnavailable(f"--ray: cannot connect to the Ray cluster at {address!r}: {first}") from None
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
     try:
         yield ray
     finally:
@@ -314,3 +321,60 @@ def ray_train(
             atomic_write_bytes(folder / rel, data)
         summaries.append(summary | {"policy": str(folder / "policy")})
     return summaries
+
+
+# --------------------------------------------------------------------------------------------------
+# collection: one engine per actor (per GPU), over a shard each
+# --------------------------------------------------------------------------------------------------
+
+
+def shard(items: list[Any], n: int) -> list[list[Any]]:
+    """``items`` cut into ``n`` consecutive shards of sizes differing by at most one (order kept)."""
+    if n < 1:
+        raise ValueError(f"shards: must be >= 1, got {n}")
+    size, extra = divmod(len(items), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + size + (1 if i < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+def ray_shards(
+    function: Callable[..., Any], shards: list[dict[str, Any]], num_gpus: float = 0.0, num_cpus: float = 1.0
+) -> list[Any]:
+    """Run ``function(**kwargs)`` for every shard in an actor of its own (one engine per GPU); results in order.
+
+    Each actor holds ``num_gpus`` GPUs (Ray sets its ``CUDA_VISIBLE_DEVICES``) and ``num_cpus`` CPUs for
+    the whole shard, so an engine never shares a device; the actors are killed at the end. What
+    ``function`` returns comes back through the object store (a trace set, a recording's files).
+    Ray must be initialised.
+
+    Raises:
+        ValueError: The first shard's error, one line naming the shard.
+    """
+    ray = ray_module()
+
+    class ShardWorker:
+        """One engine's process: runs its shard."""
+
+        def run(self, function: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+            return function(**kwargs)
+
+    actor = ray.remote(ShardWorker)
+    actors = [actor.options(num_gpus=num_gpus, num_cpus=num_cpus).remote() for _ in shards]
+    try:
+        refs = [a.run.remote(function, kw) for a, kw in zip(actors, shards, strict=True)]
+        out = []
+        for i, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref))
+            except Exception as exc:  # a RayTaskError wrapping the shard's own error
+                cause = getattr(exc, "cause", None) or exc
+                line = (str(cause).strip().splitlines() or [type(cause).__name__])[-1]
+                raise ValueError(f"shard {i}: {line}") from None
+        return out
+    finally:
+        for a in actors:
+            ray.kill(a)

@@ -7,7 +7,6 @@ the CLI's ``--ray`` keeps a cluster the process already started.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -30,12 +29,13 @@ BENCH_ONLY = ["UCB", "SpecDec++", "confidence ROC", "delta-space + confidences",
 
 @pytest.fixture(scope="module")
 def cluster():
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    ray.init(
-        num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False, runtime_env={"env_vars": env}
-    )
-    yield ray
-    ray.shutdown()
+    """A local cluster of 2 CPUs for this module (``ray.init(num_cpus=2)``, shut down at the end)."""
+    from policies.distributed import ray_cluster
+
+    with ray_cluster("local", num_cpus=2):
+        assert ray.is_initialized() and ray.cluster_resources()["CPU"] == 2
+        yield ray
+    assert not ray.is_initialized()
 
 
 def _ok(args: list[str]) -> str:
