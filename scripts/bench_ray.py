@@ -196,11 +196,12 @@ def main() -> None:
     print(
         f"\nsweep: {PAPER_GENERATIONS} generations x {len(KMAXES)} Kmax x {pl['rows_monte_carlo'] + pl['rows_exact']} "
         f"rows x {SEEDS} seeds x {EPISODES} episodes: evaluation {pl['eval_cpu_h']:.2f} CPU-h, oracle "
-        f"{pl['oracle_cpu_h'] * 3600:.1f} CPU-s; retraining the learners per Kmax and seed {pl['training_cpu_h']:.1f} CPU-h"
+        f"{pl['oracle_cpu_h'] * 3600:.1f} CPU-s; retraining the learners per Kmax and seed "
+        f"{pl['training_cpu_h']:.1f} CPU-h"
     )
     print(
-        f"\nwall = startup ({pl['startup_s']:.0f} s measured) + max(CPU time / (N x efficiency {pl['efficiency']:.2f}), "
-        "the longest unit)"
+        f"\nwall = startup ({pl['startup_s']:.0f} s measured) + max(CPU time / (N x efficiency "
+        f"{pl['efficiency']:.2f}), the longest unit)"
     )
     print("\n| workers N | evaluation + oracle, wall | with retraining, wall |\n|---|---|---|")
     for r in pl["wall"]:
