@@ -2,7 +2,7 @@
 
 Every trial trains one :class:`policies.runs.TrainRun` on the ``train-fit`` split (the train split minus
 its validation carve, :mod:`specenv.splits`) with the trial's hyper-parameters, then replays its
-exported policy on the ``validation`` split (also carved from train) and reports the pooled speedup
+exported policy on the ``train-val`` split (also carved from train) and reports the pooled speedup
 there; the search keeps the trial with the highest validation speedup. No trial reads a test
 generation: the splits are carved from train, and the cost model must not be fitted on test rounds
 (``--cost-model fit-train``, the default, fits on the train split's rounds; ``fit``, which uses every
@@ -102,7 +102,7 @@ def validation_score(policy_dir: Path, run: TrainRun, episodes: int, seed: int) 
     else:
         h = stored.lookahead
         mode, signals = drafting_mode(h), (stored.signals if h else ("q",))
-    data = replay_data(run.traces, run.kmax, "validation", run.cost_model, h, mode, signals)
+    data = replay_data(run.traces, run.kmax, "train-val", run.cost_model, h, mode, signals)
     if stored.per_token:
         policy: Any = load_stop_rule(policy_dir, expect=data.spec)
     else:
@@ -117,7 +117,7 @@ def validation_score(policy_dir: Path, run: TrainRun, episodes: int, seed: int) 
         vectorization_mode="vector_entry_point",
         dataset=run.traces,
         kmax=run.kmax,
-        split="validation",
+        split="train-val",
         cost_model=run.cost_model,
         lookahead=h,
         drafting=mode,
@@ -134,7 +134,7 @@ def validation_score(policy_dir: Path, run: TrainRun, episodes: int, seed: int) 
     from specenv.replay import select_positions
 
     ts = load_dataset(run.traces)
-    bound = solve(select_positions(ts, run.kmax, "validation"), cost_model_for(ts, run.cost_model))
+    bound = solve(select_positions(ts, run.kmax, "train-val"), cost_model_for(ts, run.cost_model))
     pooled = float(ar.sum() / cost.sum())
     return {
         "val_speedup_pooled": pooled,
@@ -228,7 +228,7 @@ def run_tune(
         "traces": base.traces,
         "cost_model": base.cost_model,
         "trained_on": "train-fit (train minus the validation carve)",
-        "chosen_on": "validation (carved from train; no test generation is read)",
+        "chosen_on": "train-val (the validation split, carved from train; no test generation is read)",
         "metric": METRIC,
         "trials": int(len(table)),
         "best_config": best.config,

@@ -1044,7 +1044,7 @@ def tune(
     ray: RayOpt = "local",
     ray_cpus: RayCpusOpt = None,
 ) -> None:
-    """Ray Tune search of a learner's hyper-parameters: fit on train minus validation, choose on validation.
+    """Ray Tune search of a learner's hyper-parameters: fit on train-fit, choose on train-val (both carved from train).
 
     The validation split is carved from train (specenv.splits); no trial reads a test generation.
     Writes the ResultGrid as results.csv and results.parquet, and best.json (policies.tune).
@@ -1088,7 +1088,7 @@ def tune(
     b = best["best"]
     score, pct = b.get("val_speedup_pooled", float("nan")), b.get("val_oracle_pct", float("nan"))
     out.print(
-        f"tune {algo} ({mode}): {best['trials']} trials fitted on train-fit, chosen on validation "
+        f"tune {algo} ({mode}): {best['trials']} trials fitted on train-fit, chosen on train-val "
         f"({b.get('val_generations')} generations): best pooled speedup {score:.4f} "
         f"({pct:.1f}% of the bound) with {best['best_config']}; "
         f"results in {out_dir}/ (results.csv, results.parquet, best.json)",

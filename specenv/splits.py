@@ -12,10 +12,10 @@ The validation split (rule version 1 of the validation carve, for hyper-paramete
 
 3. each train id gets a second key ``sha256(f"specenv-validation-v1:{generation_id}")``;
 4. the ``n_validation = round(0.2 * G_train)`` train ids with the smallest second keys (at least one
-   when G_train >= 2) form ``"validation"``; the other train ids form ``"train-fit"``.
+   when G_train >= 2) form ``"train-val"``; the other train ids form ``"train-fit"``.
 
-So ``train-fit`` + ``validation`` = ``train`` exactly, ``test`` is untouched, and a search that fits on
-``train-fit`` and chooses on ``validation`` never reads a test generation.
+So ``train-fit`` + ``train-val`` = ``train`` exactly, ``test`` is untouched, and a search that fits on
+``train-fit`` and chooses on ``train-val`` never reads a test generation.
 
 So the split is exactly 80/20 (up to rounding), depends only on the set of ids (not on row order,
 platform, Python hash seed or any random seed) and is the same on every machine. Adding generations
@@ -35,8 +35,8 @@ import numpy as np
 
 from specenv.traceset import PositionArrays
 
-#: Names accepted wherever a split is chosen (``train-fit`` + ``validation`` = ``train``, carved for searches).
-SPLITS: tuple[str, ...] = ("train", "test", "all", "train-fit", "validation")
+#: Names accepted wherever a split is chosen (``train-fit`` + ``train-val`` = ``train``, carved for searches).
+SPLITS: tuple[str, ...] = ("train", "test", "all", "train-fit", "train-val")
 #: Share of generations in the test split.
 TEST_FRACTION = 0.2
 #: Salt of the hash; changing it defines a different split (bump the version).
@@ -100,7 +100,7 @@ def split_mask(generation_ids: Iterable[int] | np.ndarray, split: str) -> np.nda
     Args:
         generation_ids: All integer generation ids of the trace set (the split is a property of
             the whole set; see the module docstring).
-        split: ``"train"``, ``"test"``, ``"all"``, ``"train-fit"`` or ``"validation"``.
+        split: ``"train"``, ``"test"``, ``"all"``, ``"train-fit"`` or ``"train-val"``.
 
     Raises:
         ValueError: If ``split`` is unknown.
@@ -109,10 +109,10 @@ def split_mask(generation_ids: Iterable[int] | np.ndarray, split: str) -> np.nda
     ids = _as_ids(generation_ids)
     if split == "all":
         return np.ones(len(ids), dtype=bool)
-    if split in ("train-fit", "validation"):
+    if split in ("train-fit", "train-val"):
         val = validation_ids(ids)
         in_val = np.fromiter((g in val for g in ids.tolist()), dtype=bool, count=len(ids))
-        return in_val if split == "validation" else split_mask(ids, "train") & ~in_val
+        return in_val if split == "train-val" else split_mask(ids, "train") & ~in_val
     test = held_out_ids(ids)
     in_test = np.fromiter((g in test for g in ids.tolist()), dtype=bool, count=len(ids))
     return in_test if split == "test" else ~in_test

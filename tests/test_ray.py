@@ -111,7 +111,7 @@ def test_train_ray_writes_the_local_runs(cluster, tmp_path: Path) -> None:
 
 
 def test_tune_trial_never_reads_test(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """What a trial runs (train on train-fit, score on validation) asks for no split but train's."""
+    """What a trial runs (train on train-fit, score on train-val) asks for no split but train's."""
     import specenv.splits as splits
     from policies.runs import TrainRun, train_run
     from policies.tune import validation_score
@@ -128,8 +128,8 @@ def test_tune_trial_never_reads_test(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     run = replace(run, split="train-fit", overrides=(("hidden", (16,)), ("lr", 0.01)))
     summary = train_run(run, tmp_path / "t")
     score = validation_score(tmp_path / "t" / "policy", run, episodes=1, seed=0)
-    assert asked and set(asked) <= {"train", "train-fit", "validation"}, sorted(set(asked))
-    assert "validation" in asked and "train-fit" in asked
+    assert asked and set(asked) <= {"train", "train-fit", "train-val"}, sorted(set(asked))
+    assert "train-val" in asked and "train-fit" in asked
     assert summary["meta"]["trace_set"]["split"] == "train-fit"
     assert summary["meta"]["hyperparameters"]["hidden"] == [16]
     assert summary["meta"]["hyperparameters"]["learning_rate"] == 0.01
@@ -152,7 +152,7 @@ def test_tune_writes_result_grid_csv_and_parquet(cluster, tmp_path: Path) -> Non
     assert len(table) == 2 and len(csv) == 3
     assert {"config/lr", "config/epochs", "config/hidden", "val_speedup_pooled", "val_oracle_pct"} <= set(table)
     assert best["best"]["val_speedup_pooled"] == pytest.approx(table["val_speedup_pooled"].max())
-    assert best["chosen_on"].startswith("validation") and best["cost_model"] == "fit-train"
+    assert best["chosen_on"].startswith("train-val") and best["cost_model"] == "fit-train"
     assert json.loads((out / "best.json").read_text()) == best
 
 
@@ -194,10 +194,10 @@ def test_validation_split_is_carved_from_train() -> None:
 
     ids = np.arange(1000, 1128)
     train, test = set(split_ids(ids, "train")), set(split_ids(ids, "test"))
-    fit, val = set(split_ids(ids, "train-fit")), set(split_ids(ids, "validation"))
+    fit, val = set(split_ids(ids, "train-fit")), set(split_ids(ids, "train-val"))
     assert fit | val == train and not fit & val and not (fit | val) & test
     assert len(val) == round(0.2 * len(train))
-    assert set(split_ids(ids[::-1], "validation")) == val  # order does not matter
+    assert set(split_ids(ids[::-1], "train-val")) == val  # order does not matter
 
 
 def test_core_and_cli_import_no_ray() -> None:
