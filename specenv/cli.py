@@ -931,7 +931,7 @@ def train(
     policy.json records the drafting mode, every hyper-parameter, the trace set (name, version,
     manifest sha256), the cost model and the observation contract (its version included). Repeated
     --algo/--seed train one run per (learner, seed), one after another, or as Ray tasks with --ray
-    (policies.distributed; the same run folders, results within seed variance).
+    (policies.distributed; the same run folders and, on one machine, the same networks).
     """
     from policies.runs import ALGOS, TrainRun
 

@@ -110,6 +110,20 @@ def test_train_ray_writes_the_local_runs(cluster, tmp_path: Path) -> None:
     assert any(not np.array_equal(w0[f], w1[f]) for f in w0.files)  # two seeds: two different runs
 
 
+@pytest.mark.slow
+def test_train_ray_sb3_runs_equal_the_local_runs(cluster, tmp_path: Path) -> None:
+    """PPO and DQN set one torch thread: the same seed trains the same network here and in a worker."""
+    args = ["train", "--algo", "ppo", "--algo", "dqn", "--timesteps", "1000", "--n-envs", "4", "--quiet", "--json"]
+    local = json.loads(_ok([*args, "--out", str(tmp_path / "local")]))
+    on_ray = json.loads(_ok([*args, "--out", str(tmp_path / "ray"), "--ray"]))
+    for s_local, s_ray in zip(local, on_ray, strict=True):
+        a, b = Path(s_local["policy"]), Path(s_ray["policy"])
+        assert a.parent.name == b.parent.name and (b.parent / "model.zip").is_file()
+        wa, wb = np.load(a / "weights.npz"), np.load(b / "weights.npz")
+        for f in wa.files:
+            np.testing.assert_array_equal(wa[f], wb[f])
+
+
 def test_tune_trial_never_reads_test(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """What a trial runs (train on train-fit, score on train-val) asks for no split but train's."""
     import specenv.splits as splits
