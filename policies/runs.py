@@ -130,6 +130,7 @@ def train_run(
     else:
         from policies.rl import best_fixed_rate, train_sb3
 
+        gamma = float(over.pop("gamma", run.gamma))  # the discount is train_sb3's own argument
         tr = train_sb3(
             run.algo,
             run.traces,
@@ -140,7 +141,7 @@ def train_run(
             kmax=run.kmax,
             cost_model=run.cost_model,
             lookahead=run.h,
-            gamma=run.gamma,
+            gamma=gamma,
             drafting=run.mode,
             progress=progress,
             rate=best_fixed_rate(run.traces, run.kmax, run.cost_model, run.split),

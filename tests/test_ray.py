@@ -151,6 +151,16 @@ def test_tune_trial_never_reads_test(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert 0 < score["val_oracle_pct"] <= 100.0 + 1e-9
 
 
+def test_sb3_trial_takes_every_hyper_parameter_of_its_space(tmp_path: Path) -> None:
+    """The PPO space's names (gamma included, train_sb3's own argument) reach the recipe."""
+    from policies.runs import TrainRun, train_run
+
+    over = (("ent_coef", 0.003), ("gamma", 0.95), ("learning_rate", 0.0007))
+    run = TrainRun("ppo", "paper-default", "p", timesteps=1000, n_envs=4, split="train-fit", overrides=over)
+    hp = train_run(run, tmp_path / "p")["meta"]["hyperparameters"]
+    assert (hp["ent_coef"], hp["gamma"], hp["learning_rate"]) == (0.003, 0.95, 0.0007)
+
+
 def test_tune_writes_result_grid_csv_and_parquet(cluster, tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
