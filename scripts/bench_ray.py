@@ -11,7 +11,8 @@ Usage (from the repository root; needs the ray extra):
 2. **Per-unit costs** on this machine (one process, warm caches): the CPU seconds of one Monte-Carlo
    (generation, episode) of every bench row at Kmax = the set's, of one exact fixed-k evaluation per
    generation, and of one oracle solve per (generation, Kmax) for Kmax = 1..10.
-3. **Sweep plan**: 641 generations x 10 Kmax x every bench row x 5 seeds (x the bench's 4 episodes per
+3. **Ray Data**: reading the set's Parquet files with pyarrow against ``ray.data.read_parquet``.
+4. **Sweep plan**: 641 generations x 10 Kmax x every bench row x 5 seeds (x the bench's 4 episodes per
    generation), from those costs: CPU-hours and the wall time on N = 8, 64, 512 workers, taken as
    max(CPU time / (N x efficiency), the longest unit), with the efficiency measured in step 1. Training
    the learned rows again at every Kmax and seed is a separate line, from the train times the shipped
@@ -92,6 +93,30 @@ def overhead(cpus: int, repeats: int) -> dict:
         # the share of the ideal N-fold speedup the warm cluster reaches (1.0 = perfect)
         "efficiency": min(1.0, med(warm_local) / (cpus * med(warm_ray))),
     }
+
+
+def ray_data_read(cpus: int, repeats: int) -> dict:
+    """Reading paper-default's Parquet files with pyarrow against Ray Data (``read_parquet`` to Arrow), medians."""
+    import pyarrow.parquet as pq
+
+    from policies.distributed import ray_cluster
+    from specenv.datasets import resolve
+
+    files = sorted(str(f) for f in resolve("paper-default").glob("*.parquet"))
+    arrow, data = [], []
+    with ray_cluster("local", cpus) as ray:
+        import ray.data
+
+        for _ in range(repeats + 1):  # the first Ray Data read starts its executor: dropped
+            t0 = time.perf_counter()
+            for f in files:
+                pq.read_table(f)
+            arrow.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            ray.get([ref for f in files for ref in ray.data.read_parquet(f).to_arrow_refs()])
+            data.append(time.perf_counter() - t0)
+    med = statistics.median
+    return {"pyarrow_s": med(arrow[1:]), "ray_data_s": med(data[1:]), "ratio": med(data[1:]) / med(arrow[1:])}
 
 
 def unit_costs() -> dict:
@@ -183,6 +208,11 @@ def main() -> None:
         f"{ov['warm_ray_s']:.1f} s: ratio {ov['warm_ratio_ray_over_local']:.2f} (efficiency {ov['efficiency']:.2f}); "
         f"outputs equal: {ov['outputs_equal']}"
     )
+    rd = ray_data_read(args.cpus, args.repeats)
+    print(
+        f"reading paper-default's Parquet files: pyarrow {rd['pyarrow_s']:.2f} s, Ray Data {rd['ray_data_s']:.2f} s "
+        f"(ratio {rd['ratio']:.1f}): Ray Data is not used"
+    )
     costs = unit_costs()
     # cluster start, worker processes and their contexts: what the CLI's Ray run spent beyond the warm one
     pl = plan(costs, ov["efficiency"], max(0.0, ov["cli_ray_s"] - ov["warm_ray_s"]))
@@ -207,7 +237,7 @@ def main() -> None:
     for r in pl["wall"]:
         print(f"| {r['workers']} | {r['eval_wall_h'] * 60:.1f} min | {r['with_training_wall_h'] * 60:.1f} min |")
     if args.json:
-        args.json.write_text(json.dumps({"overhead": ov, "costs": costs, "plan": pl}, indent=2) + "\n")
+        args.json.write_text(json.dumps({"overhead": ov, "ray_data": rd, "costs": costs, "plan": pl}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
