@@ -21,8 +21,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[rl,live,dev]"
-	$(BIN)/python -m pip install -q -e ".[minari]"
+	$(BIN)/python -m pip install -q -e ".[rl,live,dev,ray,minari]"
 	$(BIN)/python -c "$$CHECKOUT_PTH"
 	touch $(STAMP)
 
@@ -36,7 +35,7 @@ $(STAMP_VLLM): pyproject.toml
 	$(PY) -m venv $(VENV_VLLM)
 	$(BIN_VLLM)/python -m pip install -q --upgrade pip
 	$(BIN_VLLM)/python -m pip install -q torch==2.13.0
-	$(BIN_VLLM)/python -m pip install -q -e ".[vllm,dev]"
+	$(BIN_VLLM)/python -m pip install -q -e ".[vllm,dev,ray]"
 	$(BIN_VLLM)/python -c "$$CHECKOUT_PTH"
 	$(BIN_VLLM)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN_VLLM)/python -c "import vllm, specenv.engines.vllm as v; v.check_vllm_version(strict=True)"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -14,7 +14,7 @@ from specenv.traceset import PositionArrays
 if TYPE_CHECKING:  # pandas loads only when a sweep table is built (it is off the import path)
     import pandas as pd
 
-__all__ = ["SWEEP_COLUMNS", "kmax_sweep", "plot_kmax_sweep"]
+__all__ = ["SWEEP_COLUMNS", "MapCalls", "kmax_sweep", "plot_kmax_sweep", "sweep_fixed", "sweep_solve"]
 
 #: Columns of :func:`kmax_sweep`'s table.
 SWEEP_COLUMNS = (
@@ -29,14 +29,44 @@ SWEEP_COLUMNS = (
 )
 
 
+#: ``map_calls([(function, args), ...]) -> [function(*args), ...]``: how the sweep's units run (in order).
+MapCalls = Callable[[list[tuple[Callable[..., Any], tuple[Any, ...]]]], list[Any]]
+
+
+def sweep_solve(arrays: PositionArrays, cost_model: CostModel, km: int, lookahead: int, drafting: str | None) -> dict:
+    """One unit of the sweep: the oracle with budgets 0..``km`` (its row without the best fixed k)."""
+    res = solve(arrays.with_kmax(km), cost_model, lookahead=lookahead, drafting=drafting)
+    return {
+        "kmax": km,
+        "s_max_pooled": res.speedup_pooled,
+        "s_max_mean": res.speedup_mean,
+        "mean_k": res.mean_k,
+        "mean_accepted": res.mean_accepted,
+        "expected_rounds": float(res.rounds.sum()),
+    }
+
+
+def sweep_fixed(
+    arrays: PositionArrays, cost_model: CostModel, km: int, k: int, lookahead: int, drafting: str | None
+) -> float:
+    """One unit of the sweep: the exact pooled speedup of fixed budget ``k`` on the positions cut to ``km``."""
+    sub = arrays.with_kmax(km)
+    return evaluate_policy(sub, cost_model, k, lookahead=lookahead, drafting=drafting).speedup_pooled
+
+
 def kmax_sweep(
     arrays: PositionArrays,
     cost_model: CostModel,
     kmaxes: Iterable[int] | None = None,
     lookahead: int = 0,
     drafting: str | None = None,
+    map_calls: MapCalls | None = None,
 ) -> pd.DataFrame:
     """Solve the oracle with budgets restricted to 0..Kmax for every Kmax.
+
+    The sweep is a set of independent units (:func:`sweep_solve` per Kmax, :func:`sweep_fixed` per
+    fixed budget k, evaluated on the positions cut to the first swept Kmax >= k), so ``map_calls`` may
+    run them anywhere (``specenv oracle --ray``, :mod:`policies.distributed`) and the table is the same.
 
     Args:
         arrays: Positions table.
@@ -44,6 +74,7 @@ def kmax_sweep(
         kmaxes: Budgets to sweep (default 1..``arrays.kmax``).
         lookahead: Draft lookahead h (in mode ``"block"`` it is charged even where it exceeds Kmax).
         drafting: The drafting mode (as in :func:`oracle.dp.solve`).
+        map_calls: Runs the units and returns their results in order (default: here, one after another).
 
     Returns:
         One row per Kmax with columns :data:`SWEEP_COLUMNS`: the pooled and mean S_max, the mean
@@ -51,27 +82,20 @@ def kmax_sweep(
         expected number of rounds, and the best fixed budget k <= Kmax with its pooled speedup.
     """
     ks = list(range(1, arrays.kmax + 1)) if kmaxes is None else [int(k) for k in kmaxes]
-    rows = []
-    fixed: dict[int, float] = {}
+    first_km: dict[int, int] = {}  # fixed budget k -> the first swept Kmax that allows it
     for km in ks:
-        sub = arrays.with_kmax(km)
-        res = solve(sub, cost_model, lookahead=lookahead, drafting=drafting)
         for k in range(km + 1):
-            if k not in fixed:
-                fixed[k] = evaluate_policy(sub, cost_model, k, lookahead=lookahead, drafting=drafting).speedup_pooled
+            first_km.setdefault(k, km)
+    calls: list[tuple[Callable[..., Any], tuple[Any, ...]]] = [
+        (sweep_solve, (arrays, cost_model, km, lookahead, drafting)) for km in ks
+    ]
+    calls += [(sweep_fixed, (arrays, cost_model, km, k, lookahead, drafting)) for k, km in first_km.items()]
+    results = map_calls(calls) if map_calls is not None else [f(*a) for f, a in calls]
+    fixed = dict(zip(first_km, results[len(ks) :], strict=True))
+    rows = []
+    for km, row in zip(ks, results[: len(ks)], strict=True):
         best = max(range(km + 1), key=lambda k: fixed[k])
-        rows.append(
-            {
-                "kmax": km,
-                "s_max_pooled": res.speedup_pooled,
-                "s_max_mean": res.speedup_mean,
-                "mean_k": res.mean_k,
-                "mean_accepted": res.mean_accepted,
-                "expected_rounds": float(res.rounds.sum()),
-                "best_fixed_k": best,
-                "best_fixed_speedup": fixed[best],
-            }
-        )
+        rows.append(row | {"best_fixed_k": best, "best_fixed_speedup": fixed[best]})
     import pandas as pd
 
     return pd.DataFrame(rows, columns=list(SWEEP_COLUMNS))

@@ -384,12 +384,80 @@ def _learned(pol: Policy) -> Callable[[ObservationSpec], Policy]:
     return make
 
 
-def run_policy(entry: Entry, ctx: Context, episodes: int, seed: int) -> tuple[pd.DataFrame, Policy]:
+@dataclass(frozen=True)
+class BenchSetup:
+    """The arguments that rebuild a benchmark's context and rows anywhere (plain values only).
+
+    A worker of the distributed benchmark (:mod:`policies.distributed`) gets this instead of the
+    :class:`Context` (whose rows are closures over fitted objects): :func:`setup_entries` refits the
+    same train-split quantities (every fit is deterministic) and lists the same rows in the same order.
+    """
+
+    dataset: str
+    kmax: int | None
+    cost_model: str
+    policy_dir: str | None
+    only: tuple[str, ...] | list[str] | None
+    drafting: str | None
+
+
+#: ``executor(setup, [(entry index, name)], test generation ids, episodes, seed) -> {index: frame or error}``.
+BenchExecutor = Callable[[BenchSetup, list[tuple[int, str]], np.ndarray, int, int], dict[int, "pd.DataFrame | str"]]
+
+
+def select_entries(ctx: Context, only: Any, drafting: str | None) -> list[Entry]:
+    """The rows a run benchmarks, in display order: ``only`` (name substrings) and ``drafting`` applied."""
+    entries = [e for e in default_entries(ctx) if not only or any(o in e.name for o in only)]
+    if drafting is not None:
+        entries = [e for e in entries if e.exact_k is not None or e.mode == drafting]
+    return entries
+
+
+def setup_entries(setup: BenchSetup) -> tuple[Context, list[Entry]]:
+    """The context and rows of a run from its :class:`BenchSetup` (what :func:`run_benchmark` builds)."""
+    pdir = Path(setup.policy_dir) if setup.policy_dir is not None else shipped_policy_dir(setup.dataset)
+    ctx = build_context(setup.dataset, setup.kmax, setup.cost_model, pdir)
+    return ctx, select_entries(ctx, setup.only, setup.drafting)
+
+
+def run_entry(entry: Entry, ctx: Context, episodes: int, seed: int, generation_ids: Any = None) -> pd.DataFrame | str:
+    """:func:`run_policy`'s episode frame, or the one-line error of a row that cannot run (a ValueError)."""
+    try:
+        return run_policy(entry, ctx, episodes, seed, generation_ids)[0]
+    except ValueError as exc:
+        return str(exc)
+
+
+def run_unit(
+    ctx: Context, entries: list[Entry], index: int, generation_ids: Any, episodes: int, seed: int
+) -> pd.DataFrame | str:
+    """One unit of the distributed benchmark: row ``index`` on a chunk of test generations.
+
+    Concatenating the units of a row over chunks that partition the test generations, in their
+    order, gives :func:`run_entry`'s frame for the whole split (see :func:`run_policy`).
+    """
+    return run_entry(entries[index], ctx, episodes, seed, generation_ids)
+
+
+def run_policy(
+    entry: Entry, ctx: Context, episodes: int, seed: int, generation_ids: Any = None
+) -> tuple[pd.DataFrame, Policy]:
     """Replay every test generation ``episodes`` times with one policy; one row per episode.
 
     All ``G * episodes`` episodes run at once as the streams of one native vector environment
     (:func:`specenv.rollout.rollout_vector`); episode r of generation g is reset with seed
-    :func:`specenv.rollout.episode_seeds` ``(seed, g, r)`` (the same for every policy).
+    :func:`specenv.rollout.episode_seeds` ``(seed, g, r)`` (the same for every policy). A stream's
+    episode depends on its own seed and generation only, so running the generations in chunks
+    (``generation_ids``, the unit of the distributed benchmark, :mod:`policies.distributed`) and
+    concatenating the chunks in order gives exactly the frame of one run over all of them.
+
+    Args:
+        entry: The policy's row.
+        ctx: The run's context (train-split fits, test positions).
+        episodes: Episodes per generation.
+        seed: Base seed of :func:`specenv.rollout.episode_seeds`.
+        generation_ids: Only these test generations, in this order (default: every test generation,
+            in the environment's order).
     """
     import gymnasium as gym
 
@@ -398,7 +466,7 @@ def run_policy(entry: Entry, ctx: Context, episodes: int, seed: int) -> tuple[pd
     from specenv.rollout import episode_seeds, rollout_vector
 
     data = replay_data(ctx.dataset, ctx.kmax, "test", ctx.cost_model_arg, entry.lookahead, entry.mode, entry.signals)
-    gids = np.asarray(data.generation_ids, dtype=np.int64)
+    gids = np.asarray(data.generation_ids if generation_ids is None else generation_ids, dtype=np.int64)
     ep_gid = np.repeat(gids, episodes)
     ep_r = np.tile(np.arange(episodes, dtype=np.int64), len(gids))
     seeds = episode_seeds(seed, ep_gid, ep_r)
@@ -614,6 +682,7 @@ def run_benchmark(
     progress: Callable[[int, int, str], None] | None = None,
     n_boot: int = N_BOOT,
     drafting: str | None = None,
+    executor: BenchExecutor | None = None,
 ) -> BenchResult:
     """Run the benchmark on the test split of ``dataset``.
 
@@ -633,6 +702,12 @@ def run_benchmark(
         drafting: Only the rows of this drafting mode (``"none"``, ``"block"``, ``"sequential"``), and the
             fixed-k rows (exact, mode none: the reference of every mode); None: every row. The bound stays
             none's; with ``"block"`` the exact bound of block drafting with each row's h is added.
+        executor: Runs the Monte-Carlo rows elsewhere (:mod:`policies.distributed`, Ray): called once
+            as ``executor(setup, [(entry index, name), ...], test generation ids, episodes, seed)``, it
+            returns for every entry index the frame of :func:`run_entry` (or its error line), built by
+            :func:`run_unit` on chunks of generations from the plain-valued :class:`BenchSetup`. The
+            result is the same as the local run's (:func:`run_policy`). ``progress`` is then the
+            executor's business. None: every row runs here, one after another.
     """
     from oracle.dp import solve
     from specenv.costmodel import DRAFTING_MODES
@@ -654,24 +729,28 @@ def run_benchmark(
     learned_names = set()
     modes: dict[str, str] = {}
     shown: dict[str, int] = {}  # confidences each row reads
-    entries = [e for e in default_entries(ctx) if not only or any(o in e.name for o in only)]
-    if drafting is not None:
-        entries = [e for e in entries if e.exact_k is not None or e.mode == drafting]
+    entries = select_entries(ctx, only, drafting)
+    ran: dict[int, pd.DataFrame | str] = {}
+    if executor is not None:  # every Monte-Carlo row at once, in units of (policy, generation chunk)
+        pdir = None if policy_dir is None else str(policy_dir)
+        setup = BenchSetup(dataset, kmax, cost_model, pdir, tuple(only) if only else None, drafting)
+        mc = [i for i, e in enumerate(entries) if e.exact_k is None]
+        ran = executor(setup, [(i, entries[i].name) for i in mc], ctx.test.generation_ids, episodes, seed)
     for i, entry in enumerate(entries):
-        if progress:
+        if progress and executor is None:
             progress(i, len(entries), entry.name)
         modes[entry.name] = entry.mode
         shown[entry.name] = entry.lookahead
         if entry.exact_k is not None:
             gens.append(exact_generations(entry, ctx))
             continue
-        try:
-            df, _ = run_policy(entry, ctx, episodes, seed)
-        except ValueError as exc:
+        df_or_error = ran[i] if executor is not None else run_entry(entry, ctx, episodes, seed)
+        if isinstance(df_or_error, str):
             if not entry.learned:
-                raise
-            _skip(ctx, entry.name.removesuffix(" (learned)"), ctx.policy_dir or Path(), str(exc))
+                raise ValueError(df_or_error)
+            _skip(ctx, entry.name.removesuffix(" (learned)"), ctx.policy_dir or Path(), df_or_error)
             continue
+        df = df_or_error
         if entry.learned:
             learned_names.add(entry.name)
         frames.append(df)

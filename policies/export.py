@@ -104,9 +104,12 @@ def from_sb3(
 
 
 def provenance(
-    meta: dict[str, Any], ts: Any, traces: str, cost_model: str, spec: Any, seconds: float
+    meta: dict[str, Any], ts: Any, traces: str, cost_model: str, spec: Any, seconds: float, split: str = "train"
 ) -> dict[str, Any]:
-    """A trained policy's meta with where it came from: trace set, cost model, contract version, train time."""
+    """A trained policy's meta with where it came from: trace set, cost model, contract version, train time.
+
+    ``split`` is the split trained on (``"train"``; ``"train-fit"`` in a hyper-parameter search).
+    """
     from specenv import __version__
     from specenv.datasets import find_dataset, resolve
     from specenv.io import sha256_file
@@ -120,8 +123,8 @@ def provenance(
             "version": ds.version if ds else None,
             "id": ds.id if ds else None,
             "manifest_sha256": sha256_file(resolve(traces) / "manifest.json"),
-            "split": "train",
-            "train_generations": int(select_positions(ts, None, "train").n_generations),
+            "split": split,
+            "train_generations": int(select_positions(ts, None, split).n_generations),
         },
         "cost_model": cost_model,
         "observation_version": spec.version,

@@ -47,6 +47,7 @@ def train_dagger(
     log: Callable[[str], None] | None = None,
     lr: float = 3e-3,
     signals: Any = ("q",),
+    split: str = "train",
 ) -> DaggerResult:
     """Train an MLP policy by DAgger on the train split of ``dataset``.
 
@@ -63,6 +64,8 @@ def train_dagger(
         log: Called with one line per iteration.
         lr: Adam learning rate.
         signals: Draft signals of the lookahead block (``("q",)``; add ``"ent"``, ``"margin"``).
+        split: The generations trained on: ``"train"`` (default) or ``"train-fit"`` (train minus the
+            validation carve of :mod:`specenv.splits`, for a hyper-parameter search).
 
     Returns:
         The exported numpy policy and per-iteration statistics.
@@ -80,14 +83,14 @@ def train_dagger(
         ENV_ID,
         dataset=dataset,
         kmax=kmax,
-        split="train",
+        split=split,
         cost_model=cost_model,
         lookahead=lookahead,
         signals=signals if lookahead else ("q",),
     )
     data = env.unwrapped.data
     spec: ObservationSpec = data.spec
-    arrays = split_arrays(dataset, data.kmax, "train")
+    arrays = split_arrays(dataset, data.kmax, split)
     model: CostModel = data.cost_model
     sol = solve(arrays, model, lookahead=spec.lookahead)
     unit = env.unwrapped.ar_unit_ms

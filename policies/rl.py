@@ -123,6 +123,7 @@ def train_sb3(
     drafting: str | None = None,
     overrides: dict[str, Any] | None = None,
     rate: float | None = None,
+    split: str = "train",
 ) -> TrainResult:
     """Train PPO or DQN on the train split and export it.
 
@@ -147,6 +148,8 @@ def train_sb3(
         rate: Train on the rate-shaped reward ``committed - rate * cost units`` (module docstring);
             None: the environment's ``reward`` as given; a float S > 0: that rate
             (:func:`best_fixed_rate` gives the shipped recipe's).
+        split: The generations trained on: ``"train"`` (default), or ``"train-fit"`` (train minus the
+            validation carve, :mod:`specenv.splits`) for a hyper-parameter search.
 
     Raises:
         ValueError: For an unknown algorithm or bad environment arguments.
@@ -172,7 +175,7 @@ def train_sb3(
     if rate is not None and not rate > 0:
         raise ValueError(f"rate={rate!r}: must be > 0")
     env_reward = "cost" if rate is not None else reward
-    venv, spec, base = _make_env(mode, dataset, kmax, cost_model, lookahead, env_reward, n_envs, seed)
+    venv, spec, base = _make_env(mode, dataset, kmax, cost_model, lookahead, env_reward, n_envs, seed, split)
     if rate is not None:
         base = _RateReward(base, float(rate))
     env = _sb3_env(base, hp, seed)
@@ -187,6 +190,7 @@ def train_sb3(
         "reward": reward if rate is None else f"committed - {rate:.6g} * cost (rate-shaped, same optimum)",
         "timesteps": timesteps,
         "n_envs": n_envs,
+        **({} if split == "train" else {"split": split}),
         "env": "specenv/MoESpecSeq-v0" if mode == "sequential" else "specenv/MoESpec-v1 (native vector env)",
         "hyperparameters": hp | {"seed": seed, "total_timesteps": timesteps, "n_envs": n_envs},
     }
@@ -198,7 +202,15 @@ def train_sb3(
 
 
 def _make_env(
-    mode: str, dataset: str, kmax: int | None, cost_model: str, lookahead: int, reward: str, n_envs: int, seed: int
+    mode: str,
+    dataset: str,
+    kmax: int | None,
+    cost_model: str,
+    lookahead: int,
+    reward: str,
+    n_envs: int,
+    seed: int,
+    split: str = "train",
 ) -> tuple[Any, Any, Any]:
     """(vector env or None, the policy's observation contract, the SB3 VecEnv) of a drafting mode."""
     if mode == "sequential":
@@ -208,7 +220,7 @@ def _make_env(
         from specenv.envs.sequential import SEQ_ID
 
         def make() -> Any:
-            return gym.make(SEQ_ID, dataset=dataset, kmax=kmax, split="train", cost_model=cost_model, reward=reward)
+            return gym.make(SEQ_ID, dataset=dataset, kmax=kmax, split=split, cost_model=cost_model, reward=reward)
 
         base = DummyVecEnv([make] * n_envs)
         return None, base.envs[0].unwrapped.obs_spec, base
@@ -219,7 +231,7 @@ def _make_env(
         num_envs=n_envs,
         dataset=dataset,
         kmax=kmax,
-        split="train",
+        split=split,
         cost_model=cost_model,
         lookahead=lookahead,
         reward=reward,
@@ -250,7 +262,7 @@ class _RateReward(_rate_wrapper_base()):  # type: ignore[misc]
         return obs, committed + self.rate * reward, dones, infos
 
 
-def best_fixed_rate(dataset: str, kmax: int | None, cost_model: str) -> float:
+def best_fixed_rate(dataset: str, kmax: int | None, cost_model: str, split: str = "train") -> float:
     """The best fixed k's exact pooled speedup on the train split (the default rate of the shaping)."""
     from oracle.dp import evaluate_policy
     from specenv.costsource import cost_model_for
@@ -258,7 +270,7 @@ def best_fixed_rate(dataset: str, kmax: int | None, cost_model: str) -> float:
     from specenv.replay import select_positions
 
     ts = load_dataset(dataset)
-    arr = select_positions(ts, kmax, "train")
+    arr = select_positions(ts, kmax, split)
     model = cost_model_for(ts, cost_model)
     return max(evaluate_policy(arr, model, k).speedup_pooled for k in range(arr.kmax + 1))
 

@@ -162,6 +162,7 @@ def train_stop_dagger(
     seed: int = 0,
     log: Callable[[str], None] | None = None,
     signals: Any = ("q",),
+    split: str = "train",
 ) -> StopDaggerResult:
     """Train a stop rule by DAgger on the oracle's k* (train split of ``dataset``).
 
@@ -177,6 +178,8 @@ def train_stop_dagger(
         seed: Seed of torch, the rollouts and the mixture.
         log: Called with one line per iteration.
         signals: Draft signals the rule sees per drafted token (``("q",)``; add ``"ent"``, ``"margin"``).
+        split: The generations trained on: ``"train"`` (default) or ``"train-fit"`` (train minus the
+            validation carve of :mod:`specenv.splits`, for a hyper-parameter search).
 
     Returns:
         The stop rule in numpy form (per-token contract) and per-iteration statistics.
@@ -195,14 +198,14 @@ def train_stop_dagger(
         ENV_ID,
         dataset=dataset,
         kmax=kmax,
-        split="train",
+        split=split,
         cost_model=cost_model,
         drafting="sequential",
         signals=signals,
     )
     data = env.unwrapped.data
     spec = token_spec(data.spec)
-    arrays = split_arrays(dataset, data.kmax, "train")
+    arrays = split_arrays(dataset, data.kmax, split)
     sol = solve(arrays, data.cost_model, lookahead=data.lookahead, drafting="sequential")
     unit = env.unwrapped.ar_unit_ms
     K = data.kmax

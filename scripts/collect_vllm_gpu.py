@@ -18,6 +18,19 @@ Not run in CI (needs a GPU with ~80 GB and the two models from the Hugging Face 
 and the EAGLE head separately (``timing = hooks``); with CUDA graphs (default, as served) they do not
 fire, ``T_T_ms`` is the whole step and ``T_D_ms = 0`` ("timing missing", ``timing = step``).
 A run that dies keeps every part written before (``specenv.engines.vllm.recording_status`` tells).
+
+With ``--ray [ADDRESS]`` (the ray extra) the prompts are cut into ``--gpus`` consecutive shards and each
+shard runs in a Ray actor holding one GPU (``num_gpus=1``: Ray sets its ``CUDA_VISIBLE_DEVICES``), which
+starts the engine of every K in a fresh process of its own as above, over its shard only. Each actor
+returns its shard's recordings (the files of ``runs/K=<K>``) through Ray, and the driver writes them
+into ``OUT/runs/shard-<i>/K=<K>/``, so the nodes need no shared filesystem. The shards are merged into one
+set by :func:`specenv.engines.merge.merge_sets`: a recorder numbers its engine's requests 0, 1, ...,
+so shard i's generation ids are shifted by the index of its first prompt (the merged ids are the prompt
+indices, as one engine would have numbered them), and the manifest lists the shards::
+
+    python scripts/collect_vllm_gpu.py --prompts prompts.json --out collection/ --ray --gpus 8
+
+On a multi-node cluster every node needs this checkout at the same path (the actors run this script).
 """
 
 from __future__ import annotations
@@ -52,8 +65,19 @@ def load_prompts(path: str) -> list[dict]:
     return [{"id": int(p["id"]), "category": str(p["category"]), "text": str(p["text"])} for p in doc["prompts"]]
 
 
+def shard_range(args: argparse.Namespace, n_prompts: int) -> tuple[int, int]:
+    """The prompts [start, end) of this process's shard (``--shard I/N``; all without it)."""
+    if not args.shard:
+        return 0, n_prompts
+    i, n = (int(x) for x in args.shard.split("/"))
+    from policies.distributed import shard
+
+    parts = shard(list(range(n_prompts)), n)
+    return (parts[i][0], parts[i][-1] + 1) if parts[i] else (0, 0)
+
+
 def run_one(args: argparse.Namespace, K: int) -> None:
-    """One engine, one K, every prompt at batch size 1 (runs in its own process)."""
+    """One engine, one K, every prompt (of the shard) at batch size 1 (runs in its own process)."""
     from vllm import LLM, SamplingParams
 
     from specenv.engines.vllm import engine_kwargs
@@ -61,6 +85,8 @@ def run_one(args: argparse.Namespace, K: int) -> None:
 
     register()
     prompts = load_prompts(args.prompts)[: args.limit or None]
+    start, end = shard_range(args, len(prompts))
+    prompts = prompts[start:end]
     rec = Path(args.out) / "runs" / f"K={K}"
     llm = LLM(
         model=args.target,
@@ -92,15 +118,23 @@ def run_one(args: argparse.Namespace, K: int) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-def assemble(args: argparse.Namespace, ks: list[int]) -> None:
+def assemble(args: argparse.Namespace, ks: list[int], shards: int = 0) -> None:
+    from specenv.engines.merge import merge_sets
     from specenv.engines.vllm import load_recording, recording_status
 
     prompts = load_prompts(args.prompts)[: args.limit or None]
-    folders = [Path(args.out) / "runs" / f"K={K}" for K in ks]
-    for f in folders:
-        st = recording_status(f)
-        print(f"{f}: {len(st['parts'])} parts, {st['rows']} rounds; ignored: {st['incomplete'] + st['invalid']}")
-    ts = load_recording(folders, name="vllm-qwen3-coder-30b-a3b-eagle3")
+    name = "vllm-qwen3-coder-30b-a3b-eagle3"
+    roots = [Path(args.out) / "runs" / f"shard-{i}" for i in range(shards)] or [Path(args.out) / "runs"]
+    sets, offsets = [], []
+    for i, root in enumerate(roots):
+        folders = [root / f"K={K}" for K in ks if (root / f"K={K}").is_dir()]
+        for f in folders:
+            st = recording_status(f)
+            print(f"{f}: {len(st['parts'])} parts, {st['rows']} rounds; ignored: {st['incomplete'] + st['invalid']}")
+        if folders:
+            sets.append(load_recording(folders, name=name))
+            offsets.append(shard_range(argparse.Namespace(shard=f"{i}/{shards}"), len(prompts))[0] if shards else 0)
+    ts = merge_sets(sets, name=name, offsets=offsets) if shards else sets[0]
     cats = {i: p["category"] for i, p in enumerate(prompts)}
     ts.rounds["category"] = ts.rounds["generation_id"].map(cats).fillna("unknown")
     ts.manifest.greedy = args.temperature == 0
@@ -108,6 +142,63 @@ def assemble(args: argparse.Namespace, ks: list[int]) -> None:
     ts.manifest.extra["temperature"] = args.temperature
     out = ts.save(Path(args.out) / "traces", overwrite=True)
     print(f"wrote {out}: {ts.manifest.counts}; next: specenv fit {out}")
+
+
+def shard_worker(argv: list[str], ks: list[int], index: int, n: int) -> dict[str, bytes]:
+    """Ray actor body: every K of shard ``index``/``n`` in a fresh process each; the recordings' files.
+
+    The runs go to a temporary folder on the actor's node; the files come back as bytes.
+    """
+    import shutil
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"specenv-shard{index}-"))
+    try:
+        base = [a for a in argv if a != "--ray"]
+        out_at = base.index("--out")
+        base[out_at + 1] = str(tmp)
+        for K in ks:
+            cmd = [sys.executable, __file__, *base, "--only-k", str(K), "--shard", f"{index}/{n}"]
+            rc = subprocess.call(cmd, env=os.environ.copy())
+            if rc != 0:
+                print(
+                    f"shard {index}, K={K}: run failed with exit code {rc}; its complete parts are kept",
+                    file=sys.stderr,
+                )
+        runs = tmp / "runs"
+        return {str(f.relative_to(runs)): f.read_bytes() for f in sorted(runs.rglob("*")) if f.is_file()}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the folder this actor created
+
+
+def main_ray(args: argparse.Namespace, ks: list[int]) -> None:
+    """One actor per GPU over a prompt shard each; the shards' recordings written here and merged."""
+    from policies.distributed import ray_cluster, ray_shards
+    from specenv.io import atomic_write_bytes
+
+    argv, skip = [], False  # the command line without --ray [ADDRESS]: what each shard's runs get
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+            if a == args.ray_address:
+                continue
+        if a == "--ray":
+            skip = True
+            continue
+        if not a.startswith("--ray="):
+            argv.append(a)
+    with ray_cluster(args.ray_address or "local", None):
+        files = ray_shards(
+            shard_worker,
+            [{"argv": argv, "ks": ks, "index": i, "n": args.gpus} for i in range(args.gpus)],
+            num_gpus=1.0,
+        )
+    for i, got in enumerate(files):
+        for rel, data in got.items():
+            dest = Path(args.out) / "runs" / f"shard-{i}" / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(dest, data)
+    assemble(args, ks, shards=args.gpus)
 
 
 def main() -> None:
@@ -124,12 +215,26 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs: separate target/draft timings")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--limit", type=int, default=0, help="only the first N prompts (0 = all)")
+    ap.add_argument(
+        "--ray",
+        dest="ray_address",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="one Ray actor per GPU over a prompt shard each (bare: a local cluster)",
+    )
+    ap.add_argument("--gpus", type=int, default=1, help="with --ray: shards, one GPU each")
     ap.add_argument("--only-k", type=int, default=None, help=argparse.SUPPRESS)  # internal: one run
+    ap.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # internal: I/N, the prompts of shard I
     args = ap.parse_args()
     if args.only_k is not None:
         run_one(args, args.only_k)
         return
     ks = parse_ks(args.ks)
+    if args.ray_address is not None:
+        main_ray(args, ks)
+        return
     for K in ks:  # one process per engine: a fresh GPU and a fresh vLLM each time
         cmd = [sys.executable, __file__, *sys.argv[1:], "--only-k", str(K)]
         rc = subprocess.call(cmd, env=os.environ.copy())

@@ -16,7 +16,8 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -76,6 +77,21 @@ def _os_message(exc: OSError) -> str:
     return f"{exc.filename}: {exc.strerror or exc}"
 
 
+def _bare_ray(args: list[str]) -> list[str]:
+    """``--ray`` without a value (last, or before another option) means ``--ray local``: a local cluster.
+
+    Click options take a value or none, not an optional one, so the bare form is rewritten here.
+    """
+    out: list[str] = []
+    for i, a in enumerate(args):
+        out.append(a)
+        if a == "--":
+            return out + args[i + 1 :]
+        if a == "--ray" and (i + 1 == len(args) or args[i + 1].startswith("-")):
+            out.append("local")
+    return out
+
+
 class _PlainArgument(TyperArgument):
     """A positional argument shown the way click shows one: ``TRACES`` or ``[TRACES]``, no type marker."""
 
@@ -99,6 +115,7 @@ class _Group(TyperGroup):
         """Run the command line; format errors as one line (exit 2)."""
         standalone = kw.pop("standalone_mode", True)
         set_quiet(False)  # --quiet of an earlier in-process run must not leak into this one
+        args = _bare_ray(list(sys.argv[1:] if args is None else args))
         self._polish()
         try:
             rv = super().main(args, prog_name, *a, standalone_mode=False, **kw)
@@ -177,6 +194,19 @@ err = Console(stderr=True, soft_wrap=True)
 
 Traces = Annotated[str, typer.Argument(help="Trace set: a registered name (e.g. paper-default) or a folder.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+RayOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ray",
+        metavar="[ADDRESS]",
+        help="Fan the independent units out on a Ray cluster (the ray extra): a bare --ray starts a local "
+        "cluster, ADDRESS (auto, HOST:PORT, ray://HOST:PORT) connects to one. Same outputs as without it.",
+    ),
+]
+RayCpusOpt = Annotated[
+    int | None,
+    typer.Option("--ray-cpus", min=1, max=4096, help="CPUs of the local cluster of a bare --ray (default: all)."),
+]
 
 
 def _version_callback(value: bool) -> None:
@@ -612,8 +642,14 @@ def oracle_cmd(
     episodes: Annotated[int, typer.Option(max=MAX_EPISODES, help="Monte-Carlo episodes per generation (0: none).")] = 4,
     seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed of the Monte-Carlo episodes.")] = 0,
     as_json: JsonOpt = False,
+    ray: RayOpt = None,
+    ray_cpus: RayCpusOpt = None,
 ) -> None:
-    """Exact SSP oracle bound: S_max, mean k*, mean accepted (optionally Kmax sweep, delta space)."""
+    """Exact SSP oracle bound: S_max, mean k*, mean accepted (optionally Kmax sweep, delta space).
+
+    With --ray the Kmax sweep's units (one solve per Kmax, one exact evaluation per fixed k) run as Ray
+    tasks (policies.distributed); the output is the same.
+    """
     import oracle
     from specenv.costsource import cost_model_for
     from specenv.replay import SelectionError, select_positions
@@ -639,7 +675,10 @@ def oracle_cmd(
         model = cost_model_for(ts, cost_model)
     except ValueError as exc:
         fail(f"--cost-model: {exc}")
-    with Progress("oracle", total=1 + sweep + delta, unit="steps") as prog:
+    with (
+        _maybe_ray(ray if sweep else None, ray_cpus) as map_calls,
+        Progress("oracle", total=1 + sweep + delta, unit="steps") as prog,
+    ):
         prog.update(what="exact bound" + (" and Monte Carlo" if episodes else ""))
         res = oracle.solve(arrays, model, lookahead=lookahead, mc_episodes=episodes, seed=seed, drafting=mode)
         setting = {
@@ -651,11 +690,28 @@ def oracle_cmd(
         }
         setting |= {"drafting": mode, "drafting_note": _drafting_note(mode, lookahead)}
         report = _oracle_report(res, setting, greedy=bool(arrays.greedy))
-        table, an = _oracle_analyses(report, arrays, model, res, sweep=sweep, delta=delta, plot=plot, prog=prog)
+        table, an = _oracle_analyses(
+            report, arrays, model, res, sweep=sweep, delta=delta, plot=plot, prog=prog, map_calls=map_calls
+        )
     if as_json:
         _print_json(report)
         return
     _print_oracle(report, table, an)
+
+
+@contextmanager
+def _maybe_ray(address: str | None, cpus: int | None) -> Iterator[Any]:
+    """The Ray cluster of ``--ray`` (yields :func:`policies.distributed.ray_map_calls`), or None without it."""
+    if address is None:
+        yield None
+        return
+    from policies.distributed import RayUnavailable, ray_cluster, ray_map_calls
+
+    try:
+        with ray_cluster(address, cpus):
+            yield ray_map_calls
+    except RayUnavailable as exc:
+        fail(str(exc))
 
 
 def _check_oracle_options(lookahead: int, episodes: int, plot: Path | None, *, sweep: bool, delta: bool) -> None:
@@ -738,10 +794,12 @@ def _oracle_analyses(
     delta: bool,
     plot: Path | None,
     prog: Progress | None = None,
+    map_calls: Any = None,
 ) -> tuple[Any, Any]:
     """Run the optional Kmax sweep and delta-space analysis, add them (and their figures) to ``report``.
 
-    ``prog``, if given, advances by one step as each analysis starts.
+    ``prog``, if given, advances by one step as each analysis starts; ``map_calls`` runs the sweep's
+    units (:func:`oracle.kmax_sweep`; None: here).
 
     Returns:
         The sweep table (or None) and the :class:`oracle.DeltaAnalysis` (or None).
@@ -756,7 +814,7 @@ def _oracle_analyses(
     if sweep:
         if prog is not None:
             prog.advance(what="Kmax sweep")
-        table = oracle.kmax_sweep(arrays, model, lookahead=lookahead, drafting=mode)
+        table = oracle.kmax_sweep(arrays, model, lookahead=lookahead, drafting=mode, map_calls=map_calls)
         report["sweep"] = [
             {c: (v.item() if hasattr(v, "item") else v) for c, v in r.items()} for r in table.to_dict(orient="records")
         ]
@@ -878,8 +936,12 @@ def _print_delta(an: Any) -> None:
 @app.command()
 def train(
     algo: Annotated[
-        str, typer.Option(help="Learner: ppo, dqn, imitation (DAgger on the oracle) or bc (from a Minari --dataset).")
-    ] = "ppo",
+        list[str] | None,
+        typer.Option(
+            help="Learner: ppo, dqn, imitation (DAgger on the oracle) or bc (from a Minari --dataset); "
+            "repeatable (default ppo)."
+        ),
+    ] = None,
     traces: Annotated[
         str, typer.Option("--traces", help="Trace set (name or folder); trains on its train split.")
     ] = "paper-default",
@@ -891,7 +953,9 @@ def train(
     epochs: Annotated[
         int | None, typer.Option(min=1, max=10_000, help="Passes over the DAgger aggregate per iteration (imitation).")
     ] = None,
-    seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed.")] = 0,
+    seed: Annotated[
+        list[int] | None, typer.Option(min=0, max=MAX_SEED, help="Seed; repeatable: one run per learner and seed.")
+    ] = None,
     n_envs: Annotated[int, typer.Option(min=1, max=4096, help="Parallel streams of the vector env (ppo, dqn).")] = 32,
     kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
     cost_model: Annotated[str, typer.Option(help="fit, profile or a cost-model JSON.")] = "fit",
@@ -920,99 +984,74 @@ def train(
         typer.Option(help="bc: Minari datasets folder (default $MINARI_DATASETS_PATH, else specenv's cache/minari)."),
     ] = None,
     as_json: JsonOpt = False,
+    ray: RayOpt = None,
+    ray_cpus: RayCpusOpt = None,
 ) -> None:
     """Train a budget controller on the train split and export it (numpy form, no pickle).
 
     policy.json records the drafting mode, every hyper-parameter, the trace set (name, version,
-    manifest sha256), the cost model and the observation contract (its version included). bc fits
+    manifest sha256), the cost model and the observation contract (its version included). Repeated
+    --algo/--seed train one run per (learner, seed), one after another, or as Ray tasks with --ray
+    (policies.distributed; the same run folders and, on one machine, the same networks). bc fits
     the budgets of a Minari dataset's episodes (exported from the train split) by cross-entropy.
     """
-    algos = ("ppo", "dqn", "imitation", "bc")
-    if algo not in algos:
-        fail(f"--algo: unknown learner '{algo}' (known: {', '.join(algos)})")
-    if algo == "bc" or dataset is not None or root is not None:
-        _train_bc(algo, dataset, root, out_dir, name, epochs, seed, as_json)
+    from policies.runs import ALGOS, TrainRun
+
+    algos = list(dict.fromkeys(algo or ["ppo"]))
+    seeds = list(dict.fromkeys(seed if seed else [0]))
+    for a in algos:
+        if a not in (*ALGOS, "bc"):
+            fail(f"--algo: unknown learner '{a}' (known: {', '.join((*ALGOS, 'bc'))})")
+    if "bc" in algos or dataset is not None or root is not None:
+        if algos != ["bc"]:
+            fail(f"--dataset: only --algo bc trains from a Minari dataset (got --algo {', '.join(algos)})")
+        if len(seeds) > 1:
+            fail("--seed: bc trains one run (give one --seed)")
+        if ray is not None:
+            fail("--ray: bc trains one run in this process (leave --ray out)")
+        _train_bc("bc", dataset, root, out_dir, name, epochs, seeds[0], as_json)
         return
     _check_finite("--gamma", gamma)
     if name is not None:
         _check_name("--name", name)
         if name in (".", "..") or "/" in name or os.sep in name:
             fail(f"--name: {name!r} must be a plain folder name (no '/', not '.' or '..')")
+        if len(algos) * len(seeds) > 1:
+            fail(f"--name: one name for {len(algos) * len(seeds)} runs (leave it out: each run gets ALGO-seedS)")
     ts = _load(traces)
     mode, h = _check_train_drafting(drafting, lookahead, ts)
     suffix = {"none": "", "block": f"-h{h}", "sequential": "-seq"}[mode]
-    run = out_dir / (name or f"{algo}{suffix}-seed{seed}")
+    runs = [
+        TrainRun(
+            algo=a,
+            traces=traces,
+            name=name or f"{a}{suffix}-seed{s}",
+            seed=s,
+            mode=mode,
+            h=h,
+            timesteps=timesteps,
+            iterations=iterations,
+            epochs=epochs,
+            n_envs=n_envs,
+            kmax=kmax,
+            cost_model=cost_model,
+            gamma=gamma,
+        )
+        for a in algos
+        for s in seeds
+    ]
     _check_out_folder("--out", out_dir)
-    _check_out_folder("--out", run)
+    for run in runs:
+        _check_out_folder("--out", out_dir / run.name)
     _check_budget(ts, kmax, h)
-    t0 = time.perf_counter()
-    try:
-        if algo == "imitation":
-            with Progress("train imitation", total=iterations, unit="DAgger iterations") as prog:
-
-                def iteration_done(line: str) -> None:
-                    prog.echo(line)
-                    prog.advance()
-
-                if mode == "sequential":
-                    from policies.stopping import train_stop_dagger
-
-                    res: Any = train_stop_dagger(
-                        traces,
-                        kmax=kmax,
-                        cost_model=cost_model,
-                        iterations=iterations,
-                        seed=seed,
-                        log=iteration_done,
-                        **({"epochs": epochs} if epochs else {}),
-                    )
-                else:
-                    from policies.imitation import train_dagger
-
-                    res = train_dagger(
-                        traces,
-                        kmax=kmax,
-                        cost_model=cost_model,
-                        lookahead=h,
-                        iterations=iterations,
-                        seed=seed,
-                        log=iteration_done,
-                        **({"epochs": epochs} if epochs else {}),
-                    )
-            policy = res.policy
-        else:
-            from policies.rl import best_fixed_rate, train_sb3
-
-            with Progress(f"train {algo}", total=timesteps, unit="steps") as prog:
-                tr = train_sb3(
-                    algo,
-                    traces,
-                    run,
-                    timesteps=timesteps,
-                    seed=seed,
-                    n_envs=n_envs,
-                    kmax=kmax,
-                    cost_model=cost_model,
-                    lookahead=h,
-                    gamma=gamma,
-                    drafting=mode,
-                    progress=lambda done, total: prog.update(done, total),
-                    rate=best_fixed_rate(traces, kmax, cost_model),
-                )
-            policy = tr.policy
-    except ValueError as exc:
-        fail(str(exc))
-    from policies.export import provenance
-
-    policy.meta = provenance(policy.meta, ts, traces, cost_model, policy.spec, time.perf_counter() - t0)
-    policy.save(run / "policy")
-    meta = policy.meta
-    summary = {"algo": algo, "drafting": mode, "policy": str(run / "policy"), "meta": meta}
+    summaries = _train_runs(runs, out_dir, ray, ray_cpus)
     if as_json:
-        _print_json(summary)
-    else:
+        _print_json(summaries[0] if len(summaries) == 1 else summaries)
+        return
+    for s in summaries:
+        meta = s["meta"]
         out.print(
-            f"exported {algo} policy ({mode}{f', h={h}' if mode == 'block' else ''}) to {run / 'policy'} "
+            f"exported {s['algo']} policy ({mode}{f', h={h}' if mode == 'block' else ''}) to {s['policy']} "
             f"(policy.json + weights.npz) in {meta['train_seconds']:.0f} s"
         )
 
@@ -1196,6 +1235,117 @@ def export_cmd(
         )
 
 
+def _train_runs(runs: list[Any], out_dir: Path, ray: str | None, ray_cpus: int | None) -> list[dict[str, Any]]:
+    """Train ``runs`` here one after another, or as Ray tasks (``--ray``); their summaries in order."""
+    from policies.runs import train_run
+
+    summaries = []
+    try:
+        if ray is not None:
+            from policies.distributed import ray_train
+
+            with _maybe_ray(ray, ray_cpus), Progress("train", total=len(runs), unit="runs") as prog:
+                return ray_train(runs, out_dir, progress=lambda done, total, what: prog.update(done, total, what))
+        for run in runs:
+            unit = "DAgger iterations" if run.algo == "imitation" else "steps"
+            total = run.iterations if run.algo == "imitation" else run.timesteps
+            with Progress(f"train {run.algo}", total=total, unit=unit) as prog:
+                summaries.append(
+                    train_run(
+                        run,
+                        out_dir / run.name,
+                        log=prog.echo,
+                        progress=lambda done, total: prog.update(done, total),
+                    )
+                )
+    except ValueError as exc:
+        fail(str(exc))
+    return summaries
+
+
+@app.command()
+def tune(
+    algo: Annotated[
+        str, typer.Option(help="Learner: ppo, dqn or imitation (with --drafting sequential: the stop rule).")
+    ] = "imitation",
+    traces: Annotated[str, typer.Option("--traces", help="Trace set (name or folder).")] = "paper-default",
+    out_dir: Annotated[
+        Path, typer.Option("--out", "-o", help="Folder: results.csv, results.parquet, best.json.")
+    ] = Path("tune-out"),
+    samples: Annotated[int, typer.Option(min=1, max=10_000, help="Trials (random search).")] = 8,
+    timesteps: Annotated[
+        int, typer.Option(min=1000, max=10**10, help="Environment steps per trial (ppo, dqn).")
+    ] = 50_000,
+    iterations: Annotated[int, typer.Option(min=1, max=1000, help="DAgger iterations per trial (imitation).")] = 3,
+    episodes: Annotated[int, typer.Option(min=1, max=MAX_EPISODES, help="Validation episodes per generation.")] = 2,
+    seed: Annotated[
+        int, typer.Option(min=0, max=MAX_SEED, help="Seed of the search, the learners and validation.")
+    ] = 0,
+    n_envs: Annotated[int, typer.Option(min=1, max=4096, help="Parallel streams of the vector env (ppo, dqn).")] = 16,
+    kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
+    cost_model: Annotated[
+        str, typer.Option(help="fit-train (fitted on the train split), profile or a cost-model JSON (not fit).")
+    ] = "fit-train",
+    drafting: Annotated[
+        str | None, typer.Option(help="Drafting mode: none, block (with --lookahead) or sequential.")
+    ] = None,
+    lookahead: Annotated[int | None, typer.Option(min=0, help="Draft confidences (block: h in 1..Kmax).")] = None,
+    as_json: JsonOpt = False,
+    ray: RayOpt = "local",
+    ray_cpus: RayCpusOpt = None,
+) -> None:
+    """Ray Tune search of a learner's hyper-parameters: fit on train-fit, choose on train-val (both carved from train).
+
+    The validation split is carved from train (specenv.splits); no trial reads a test generation.
+    Writes the ResultGrid as results.csv and results.parquet, and best.json (policies.tune).
+    """
+    from policies.runs import ALGOS, TrainRun
+
+    if algo not in ALGOS:
+        fail(f"--algo: unknown learner '{algo}' (known: {', '.join(ALGOS)})")
+    if cost_model == "fit":
+        fail("--cost-model: 'fit' is fitted on every round, the test generations' included (use fit-train)")
+    ts = _load(traces)
+    mode, h = _check_train_drafting(drafting, lookahead, ts)
+    _check_out_folder("--out", out_dir)
+    _check_budget(ts, kmax, h)
+    # trials run in their own folders: a trace-set folder is passed by absolute path
+    where = str(Path(traces).resolve()) if Path(traces).is_dir() else traces
+    suffix = {"none": "", "block": f"-h{h}", "sequential": "-seq"}[mode]
+    base = TrainRun(
+        algo=algo,
+        traces=where,
+        name=f"tune-{algo}{suffix}",
+        seed=seed,
+        mode=mode,
+        h=h,
+        timesteps=timesteps,
+        iterations=iterations,
+        n_envs=n_envs,
+        kmax=kmax,
+        cost_model=cost_model,
+    )
+    from policies.tune import run_tune
+
+    try:
+        with _maybe_ray(ray or "local", ray_cpus):
+            best = run_tune(base, out_dir, samples, episodes=episodes, seed=seed)
+    except ValueError as exc:
+        fail(str(exc))
+    if as_json:
+        _print_json(best)
+        return
+    b = best["best"]
+    score, pct = b.get("val_speedup_pooled", float("nan")), b.get("val_oracle_pct", float("nan"))
+    out.print(
+        f"tune {algo} ({mode}): {best['trials']} trials fitted on train-fit, chosen on train-val "
+        f"({b.get('val_generations')} generations): best pooled speedup {score:.4f} "
+        f"({pct:.1f}% of the bound) with {best['best_config']}; "
+        f"results in {out_dir}/ (results.csv, results.parquet, best.json)",
+        markup=False,
+    )
+
+
 def _check_train_drafting(drafting: str | None, lookahead: int | None, ts: Any) -> tuple[str, int]:
     """``--drafting`` and ``--lookahead`` of ``specenv train``: (mode, h); exit 2 when invalid.
 
@@ -1247,10 +1397,20 @@ def bench(
         ),
     ] = None,
     as_json: JsonOpt = False,
+    ray: RayOpt = None,
+    ray_cpus: RayCpusOpt = None,
+    ray_chunk: Annotated[
+        int | None,
+        typer.Option(
+            "--ray-chunk", min=1, max=MAX_GENERATIONS, help="Held-out generations per Ray task (default: auto)."
+        ),
+    ] = None,
 ) -> None:
     """Benchmark every policy on the held-out split against the exact oracle bound.
 
     Without --policies it runs the policies shipped for the trace set (policies/shipped/<set>-v<N>/).
+    With --ray every Monte-Carlo row runs as Ray tasks over chunks of the held-out generations
+    (policies.distributed); the outputs are the same as without it (per-episode seeds).
     """
     from policies.benchmark import category_table, markdown_table, run_benchmark, write_outputs
     from specenv.costmodel import DRAFTING_MODES
@@ -1261,8 +1421,18 @@ def bench(
     if drafting is not None and drafting not in DRAFTING_MODES:
         fail(f"--drafting: {drafting!r} is not one of {', '.join(DRAFTING_MODES)}")
     _check_budget(_load(traces), kmax)
+    if ray_chunk is not None and ray is None:
+        fail("--ray-chunk: needs --ray")
     try:
-        with Progress("bench", unit="policies") as prog:
+        with (
+            _maybe_ray(ray, ray_cpus) as on_ray,
+            Progress("bench", unit="policies" if ray is None else "units") as prog,
+        ):
+            executor = None
+            if on_ray is not None:
+                from policies.distributed import bench_executor
+
+                executor = bench_executor(ray_chunk, lambda done, total, name: prog.update(done, total, name))
             res = run_benchmark(
                 traces,
                 kmax=kmax,
@@ -1273,6 +1443,7 @@ def bench(
                 only=only,
                 progress=lambda done, total, name: prog.update(done, total, name),
                 drafting=drafting,
+                executor=executor,
             )
     except ValueError as exc:
         fail(str(exc))

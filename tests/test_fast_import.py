@@ -26,7 +26,7 @@ from specenv.io import atomic_write_bytes, atomic_write_text, cache_dir, json_di
 from specenv.traceset import PositionArrays, TraceSet
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("statsmodels", "sklearn", "pandas", "scipy", "matplotlib", "torch", "typer", "rich")
+HEAVY = ("statsmodels", "sklearn", "pandas", "scipy", "matplotlib", "torch", "typer", "rich", "ray")
 ARRAY_FIELDS = ("generation_ids", "categories", "offsets", "L", "rho", "q", "U")
 
 

@@ -23,6 +23,7 @@ CONTRACT_IDS = {
     "cli-on-top",
     "abtest-command-module",
     "no-sibling-cycle",
+    "ray-optional",
 }
 
 
