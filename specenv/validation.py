@@ -12,6 +12,7 @@ passes it as ``error``), :class:`ValueError` everywhere else (:func:`value_error
 |---|---|---|
 | trace-set ``manifest.json`` | :class:`ManifestJSON` | :meth:`specenv.traceset.Manifest.from_json` |
 | cost-model JSON | :class:`CostModelJSON` | :meth:`specenv.costmodel.CostModel.from_json` |
+| batch cost-model JSON | :class:`BatchCostModelJSON` | :meth:`specenv.batchcost.BatchCostModel.from_json` |
 | ``policy.json`` (+ :func:`npz_headers`) | :class:`PolicyJSON` | :meth:`specenv.policy.mlp.MLPPolicy.load` |
 | ``recording.json`` | :class:`RecordingJSON` | :mod:`specenv.engines.recorder` |
 | recording part index ``parts/part-N.json`` | :class:`PartIndexJSON` | :mod:`specenv.engines.recorder` |
@@ -59,6 +60,9 @@ JSON_MAX_BYTES = 64 << 20
 #: Most layers of a policy MLP, and most float elements in all its arrays together (64 MiB of float32).
 POLICY_LAYERS_MAX = 64
 POLICY_ELEMENTS_MAX = 1 << 24
+#: Largest batch (requests per step) a batch cost model may cover, and most verified positions per step.
+BATCH_MAX = 1024
+BATCH_POSITIONS_MAX = BATCH_MAX * (KMAX_MAX + 1)
 #: Longest name (trace set, source, category...).
 NAME_MAX = 256
 
@@ -406,6 +410,58 @@ def _models() -> dict[str, Any]:
                 raise ValueError(problem)
             return self
 
+    class BatchVerifyJSON(Strict):
+        beta0: Annotated[list[Finite], Field(min_length=1, max_length=BATCH_POSITIONS_MAX)]
+        alpha: Annotated[list[Finite], Field(min_length=1, max_length=BATCH_POSITIONS_MAX)]
+        c: Annotated[list[Finite], Field(min_length=1, max_length=BATCH_POSITIONS_MAX)]
+        b_req: Finite
+
+    class BatchDraftJSON(Strict):
+        d0: Finite
+        d_step: Finite
+        d_tok: Finite
+
+    class UBatchJSON(Strict):
+        predictor: Literal["independent", "shared"]
+        u_theta: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
+
+    class BatchCostModelJSON(Strict):
+        """A batch cost model (:mod:`specenv.batchcost`); every charged step time must be positive."""
+
+        format: str
+        kmax: Annotated[int, Field(ge=1, le=KMAX_MAX)]
+        max_batch: Annotated[int, Field(ge=1, le=BATCH_MAX)]
+        model: ModelFactsJSON
+        verify: BatchVerifyJSON
+        draft: BatchDraftJSON
+        u_batch: UBatchJSON
+        source: dict[str, Any] = {}
+        diagnostics: dict[str, Any] = {}
+
+        @model_validator(mode="after")
+        def _consistent(self) -> BatchCostModelJSON:
+            n_pos = self.max_batch * (self.kmax + 1)
+            for name in ("beta0", "alpha", "c"):
+                if len(getattr(self.verify, name)) != n_pos:
+                    raise ValueError(
+                        f"field 'verify.{name}' must hold max_batch * (kmax+1) = {n_pos} values "
+                        f"(got {len(getattr(self.verify, name))})"
+                    )
+            problem = batch_cost_problem(
+                self.verify.beta0,
+                self.verify.alpha,
+                self.verify.c,
+                self.verify.b_req,
+                (self.draft.d0, self.draft.d_step, self.draft.d_tok),
+                self.kmax,
+                self.max_batch,
+                self.model.top_k,
+                self.model.n_experts,
+            )
+            if problem is not None:
+                raise ValueError(problem)
+            return self
+
     class PolicyJSON(Strict):
         """``policy.json`` of an exported MLP policy (the observation contract is checked by its owner)."""
 
@@ -492,6 +548,7 @@ def _models() -> dict[str, Any]:
             ModelFactsJSON,
             ManifestJSON,
             CostModelJSON,
+            BatchCostModelJSON,
             PolicyJSON,
             RecordingJSON,
             PartIndexJSON,
@@ -547,4 +604,48 @@ def cost_problem(
     for n in (1, max(1, kmax)):
         if d1 * n + d0 < 0:
             return f"field 'draft': charges a draft time {d1 * n + d0:.4g} ms < 0 for {n} tokens (d1={d1}, d0={d0})"
+    return None
+
+
+def batch_cost_problem(
+    beta0: Sequence[float],
+    alpha: Sequence[float],
+    c: Sequence[float],
+    b_req: float,
+    draft: tuple[float, float, float],
+    kmax: int,
+    max_batch: int,
+    top_k: int,
+    n_experts: int,
+) -> str | None:
+    """Why a batch cost model would charge an impossible step time, or None.
+
+    For every step size P, the verification time ``beta0 + alpha*U + c*sumL + b_req*(B-1)`` must be
+    positive at every corner of its domain (B from ceil(P/(kmax+1)) to min(P, max_batch), U from top_k
+    to min(n_experts, P*top_k), sumL from B to B*CONTEXT_MAX; it is linear, so the corners suffice), and
+    the draft time ``d0 + d_step*max + d_tok*sum`` non-negative for max in 1..kmax and sum in
+    max..max_batch*max.
+
+    Returns:
+        One phrase naming the field, or None when the model is sane.
+    """
+    for P in range(1, max_batch * (kmax + 1) + 1):
+        b_lo, b_hi = -(-P // (kmax + 1)), min(P, max_batch)
+        u_hi = max(top_k, min(n_experts, P * top_k))
+        i = P - 1
+        for B in (b_lo, b_hi):
+            for u in (top_k, u_hi):
+                for L in (B, B * CONTEXT_MAX):
+                    t = beta0[i] + alpha[i] * u + c[i] * L + b_req * (B - 1)
+                    if not t > 0:
+                        return (
+                            f"field 'verify': charges a verification time {t:.4g} ms <= 0 at P={P} positions "
+                            f"(B={B}, U={u}, sum L={L}; beta0={beta0[i]}, alpha={alpha[i]}, c={c[i]}, b_req={b_req})"
+                        )
+    d0, d_step, d_tok = draft
+    for top in (1, kmax):
+        for total in (top, max_batch * top):
+            t = d0 + d_step * top + d_tok * total
+            if t < 0:
+                return f"field 'draft': charges a draft time {t:.4g} ms < 0 (max {top}, sum {total} drafted tokens)"
     return None
