@@ -60,7 +60,11 @@ class BatchObservationSpec:
     def __post_init__(self) -> None:
         if self.version != BATCH_OBSERVATION_VERSION:
             raise ValueError(f"batch observation version {self.version} != {BATCH_OBSERVATION_VERSION}")
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, (int, np.integer)) or self.batch_size < 1:
+        if (
+            isinstance(self.batch_size, bool)
+            or not isinstance(self.batch_size, (int, np.integer))
+            or self.batch_size < 1
+        ):
             raise ValueError(f"batch_size={self.batch_size!r}: must be an integer >= 1")
 
     @property

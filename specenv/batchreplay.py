@@ -123,7 +123,9 @@ def ar_schedule_ms(
                 slot_req[s] = -1
 
 
-def batch_cost_for(traces: Any, cost_model: CostModel, batch_size: int, which: str | os.PathLike[str] = "auto") -> BatchCostModel:
+def batch_cost_for(
+    traces: Any, cost_model: CostModel, batch_size: int, which: str | os.PathLike[str] = "auto"
+) -> BatchCostModel:
     """The batch cost model an environment uses for a trace set (module docstring).
 
     Args:

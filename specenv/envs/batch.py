@@ -160,7 +160,9 @@ class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
         self.kmax = self.data.kmax
         self.lookahead = self.data.lookahead
         self.drafting = self.data.drafting
-        self.batch_cost: BatchCostModel = batch_cost_for(load_dataset(dataset), self.data.cost_model, self.B, batch_cost)
+        self.batch_cost: BatchCostModel = batch_cost_for(
+            load_dataset(dataset), self.data.cost_model, self.B, batch_cost
+        )
         self.spec_batch = BatchObservationSpec(self.data.spec, self.B)
         ctx = self._contexts()
         u_ar = self.batch_cost.predict_u_batch(np.full(self.B, float(self.batch_cost.top_k)))
@@ -180,7 +182,9 @@ class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
         return np.repeat(d.L0, d.lengths).astype(np.float64) + t
 
     # ------------------------------------------------------------------ episode
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
         """Draw the R request seeds and fill the slots with the first requests.
 
         Args:
