@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -362,7 +362,7 @@ def joint_optimum(
                 out[c] = out.get(c, 0.0) + p
         return [(p, c) for c, p in out.items()]
 
-    @lru_cache(maxsize=None)
+    @cache
     def V(slots: tuple[tuple[int, int], ...], nxt: int) -> float:
         # admit requests into free slots (lowest first), as the environment does
         sl = list(slots)

@@ -34,8 +34,11 @@ DEFAULT_BATCH = 4
 
 
 class _Stream:
-    """One slot's replay state: the attributes :func:`specenv.envs.replay.play_round` and
-    :func:`specenv.envs.replay.start_episode` read and write (the single environment's episode state)."""
+    """One slot's replay state (the single environment's episode state).
+
+    It holds the attributes :func:`specenv.envs.replay.play_round` and
+    :func:`specenv.envs.replay.start_episode` read and write.
+    """
 
     def __init__(self, data: ReplayData):
         self.data = data
