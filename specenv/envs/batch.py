@@ -333,6 +333,17 @@ class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
         )
         return self._observation(), reward, bool(terminated), False, info
 
+    def rows(self) -> np.ndarray:
+        """(B,) position row (``data`` table index ``offsets[g] + t``) of each slot's request, -1 when idle.
+
+        For labelling visited states (imitation of the bound); a policy never sees it.
+        """
+        out = np.full(self.B, -1, dtype=np.int64)
+        for s in np.flatnonzero(self._active):
+            st = self._streams[s]
+            out[s] = st._row0 + st._t
+        return out
+
     def render(self) -> str | None:
         """The last step as one line of text (``render_mode="ansi"``); None without a render mode."""
         if self.render_mode is None:

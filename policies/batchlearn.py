@@ -1,0 +1,205 @@
+"""Learned batch controllers: imitation of the batch bound's per-request decisions, and PPO.
+
+* :func:`train_batch_imitation`: DAgger (as :mod:`policies.imitation`) in ``specenv/MoESpecBatch-v0``
+  on the train split. The expert is the batch bound's per-request optimum (:mod:`oracle.batch`): the
+  single-request SSP under the per-request share of the batch step cost, whose action values give
+  every visited state cost-sensitive labels. The learner is a per-request MLP (the per-request
+  observation of each active slot in, a budget out), exported to the numpy format
+  (:class:`specenv.policy.mlp.MLPPolicy`), so it runs per request anywhere a single-request policy
+  runs (:class:`policies.batch.PerRequest`, the vLLM controller). Because the share charges a
+  request for its part of the batch's intercept, expert union and draft, the labels are batch-aware.
+* :func:`train_batch_ppo`: SB3 PPO with a ``MultiDiscrete`` action (all B budgets at once) on the
+  batch observation, a small budget of steps; kept in memory as an SB3 model
+  (:class:`SB3Batch`), not exported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from oracle.batch import batch_bound, share_model
+from oracle.dp import action_values, solve
+from policies.batch import BatchPolicy
+from policies.imitation import _fit_regret, _make_net, _to_numpy
+from specenv.batchobs import BatchObservationSpec
+from specenv.datasets import load_dataset
+from specenv.envs.batch import MoESpecBatchEnv
+from specenv.policy.mlp import MLPPolicy
+from specenv.replay import select_positions
+
+__all__ = ["SB3Batch", "BatchImitation", "train_batch_imitation", "train_batch_ppo"]
+
+
+@dataclass
+class BatchImitation:
+    """Outcome of :func:`train_batch_imitation`."""
+
+    policy: MLPPolicy
+    history: list[dict[str, float]]
+
+
+def train_batch_imitation(
+    dataset: str,
+    batch_size: int,
+    n_requests: int | None = None,
+    kmax: int | None = None,
+    cost_model: str = "fit-train",
+    batch_cost: str = "auto",
+    iterations: int = 4,
+    episodes: int = 4,
+    hidden: tuple[int, ...] = (64, 64),
+    epochs: int = 20,
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+) -> BatchImitation:
+    """DAgger towards the batch bound's per-request decisions (module docstring), train split only.
+
+    Args:
+        dataset: Registry name or folder.
+        batch_size: B.
+        n_requests: R per episode (default the environment's, 4 B).
+        kmax: Largest budget.
+        cost_model: The single-request cost model argument (``"fit-train"``: fitted on train rounds).
+        batch_cost: The batch cost model argument of the environment.
+        iterations: DAgger iterations (beta = 1, then 0.5**i).
+        episodes: Train episodes per iteration.
+        hidden: Hidden layer sizes.
+        epochs: Passes over the aggregate per iteration.
+        seed: Seed of the episodes, the mixture and torch.
+        log: Called with one line per iteration.
+
+    Returns:
+        The exported per-request policy (drafting mode ``none``) and the per-iteration history.
+    """
+    import torch
+
+    torch.manual_seed(seed)
+    env = MoESpecBatchEnv(
+        dataset, batch_size, n_requests, kmax, split="train", cost_model=cost_model, batch_cost=batch_cost
+    )
+    arrays = select_positions(load_dataset(dataset), env.kmax, "train")
+    rng = np.random.default_rng(seed)
+    seeds = [int(s) for s in rng.integers(0, 2**31, size=iterations * episodes)]
+    probe = [env.reset(seed=s)[1]["seeds"] for s in seeds[:episodes]]
+    split = batch_bound(arrays, env.data.L0, env.batch_cost, batch_size, np.array(probe), pathwise=False).split
+    share = share_model(env.batch_cost, batch_size, env.kmax, split)
+    sol = solve(arrays, share)
+    Q = action_values(arrays, share, sol.value)
+    regret = (Q - Q.min(axis=1, keepdims=True)) / env.ar_unit_ms
+    k_star = sol.k
+    spec: BatchObservationSpec = env.spec_batch
+    net = _make_net(spec.request, hidden)
+    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
+    xs_all: list[np.ndarray] = []
+    rows_all: list[np.ndarray] = []
+    history: list[dict[str, float]] = []
+    for it in range(iterations):
+        beta = 1.0 if it == 0 else 0.5**it
+        cost = ar = 0.0
+        for e in range(episodes):
+            obs, _ = env.reset(seed=seeds[it * episodes + e])
+            done = False
+            while not done:
+                rows = env.rows()
+                active, req = spec.slots(obs)
+                with torch.no_grad():
+                    own = net(torch.as_tensor(req)).argmax(dim=1).numpy()
+                expert = k_star[np.maximum(rows, 0)]
+                k = np.where(rng.random(batch_size) < beta, expert, own)
+                k = np.where(active, k, 0).astype(np.int64)
+                xs_all.append(req[active])
+                rows_all.append(rows[active])
+                obs, _, done, _, info = env.step(k)
+            cost += info["episode_cost_ms"]
+            ar += info["ar_cost_ms"]
+        xs = torch.as_tensor(np.concatenate(xs_all))
+        rs = torch.as_tensor(regret[np.concatenate(rows_all)], dtype=torch.float32)
+        train_regret = _fit_regret(net, opt, xs, rs, epochs)
+        rec = {"iteration": it, "beta": beta, "states": len(xs), "mixture_speedup": ar / cost, "regret": train_regret}
+        history.append(rec)
+        if log is not None:
+            log(f"batch imitation {it}: beta={beta:.3f} states={len(xs)} mixture speedup={ar / cost:.3f}")
+    meta = {
+        "kind": "batch-imitation",
+        "dataset": str(dataset),
+        "batch_size": int(batch_size),
+        "drafting": "none",
+        "split": list(split) if split is not None else None,
+        "batch_observation": spec.to_json(),
+    }
+    return BatchImitation(_to_numpy(net, spec.request, name="batch-imitation", meta=meta), history)
+
+
+class SB3Batch(BatchPolicy):
+    """A trained SB3 model as a batch policy (deterministic actions)."""
+
+    def __init__(self, spec: BatchObservationSpec, model: Any, name: str = "ppo (batch)"):
+        super().__init__(spec)
+        self.model = model
+        self.name = name
+
+    def act(self, obs: np.ndarray) -> np.ndarray:
+        """All B budgets from the model (idle slots ignored by the environment, reported as 0)."""
+        active, _ = self.spec.slots(obs)
+        k, _ = self.model.predict(np.asarray(obs, dtype=np.float32), deterministic=True)
+        return np.where(active, np.asarray(k, dtype=np.int64), 0)
+
+
+def train_batch_ppo(
+    dataset: str,
+    batch_size: int,
+    n_requests: int | None = None,
+    kmax: int | None = None,
+    cost_model: str = "fit-train",
+    batch_cost: str = "auto",
+    timesteps: int = 20_000,
+    seed: int = 0,
+) -> SB3Batch:
+    """SB3 PPO on ``specenv/MoESpecBatch-v0`` (train split, ``MultiDiscrete``), a small budget.
+
+    Args:
+        dataset: Registry name or folder.
+        batch_size: B.
+        n_requests: R per episode.
+        kmax: Largest budget.
+        cost_model: Single-request cost model argument.
+        batch_cost: Batch cost model argument.
+        timesteps: Environment steps of training.
+        seed: Seed of PPO and the environment.
+
+    Returns:
+        The trained model as a :class:`SB3Batch` (drafting mode ``none``).
+    """
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.env_util import make_vec_env
+
+    kw = dict(
+        dataset=dataset,
+        batch_size=batch_size,
+        n_requests=n_requests,
+        kmax=kmax,
+        split="train",
+        cost_model=cost_model,
+        batch_cost=batch_cost,
+    )
+    venv = make_vec_env(MoESpecBatchEnv, n_envs=4, seed=seed, env_kwargs=kw)
+    model = PPO(
+        "MlpPolicy",
+        venv,
+        n_steps=256,
+        batch_size=256,
+        learning_rate=3e-4,
+        gamma=0.99,
+        ent_coef=0.01,
+        policy_kwargs={"net_arch": [64, 64]},
+        seed=seed,
+        device="cpu",
+        verbose=0,
+    )
+    model.learn(total_timesteps=int(timesteps))
+    spec = venv.get_attr("spec_batch")[0]
+    return SB3Batch(spec, model)
