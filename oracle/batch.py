@@ -68,7 +68,17 @@ from specenv.batchreplay import ar_schedule_ms, request_draws
 from specenv.costmodel import CostModel
 from specenv.traceset import PositionArrays
 
-__all__ = ["BatchBound", "batch_bound", "intercept_splits", "joint_optimum", "pathwise_costs", "share_model"]
+__all__ = [
+    "BatchBound",
+    "FairShare",
+    "batch_bound",
+    "expected_costs",
+    "intercept_splits",
+    "joint_optimum",
+    "pathwise_costs",
+    "share_model",
+    "tail_model",
+]
 
 
 def _share(x: float, B: int) -> float:
@@ -76,40 +86,51 @@ def _share(x: float, B: int) -> float:
     return x / B if x >= 0 else x
 
 
-def _step_intercepts(model: BatchCostModel, B: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every feasible (n, P) of a step with n <= B requests and its ``beta0(P) + b_req (n-1)``."""
-    K1 = model.kmax + 1
+def _step_intercepts(model: BatchCostModel, B: int, K: int, full: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every feasible (n, P) of a step and its ``beta0(P) + b_req (n-1)``.
+
+    ``full``: steps of exactly n = B requests (every step before an episode's tail); else n in 1..B.
+    Each request verifies 1..K+1 positions, so n <= P <= n (K+1).
+    """
+    K1 = K + 1
     n, P = np.meshgrid(np.arange(1, B + 1), np.arange(1, B * K1 + 1), indexing="ij")
-    ok = (P >= n) & (P <= n * K1)
+    ok = (P >= n) & (P <= n * K1) & ((n == B) if full else True)
     n, P = n[ok].astype(np.float64), P[ok].astype(np.int64)
     return n, P.astype(np.float64), model.beta0[P - 1] + model.b_req * (n - 1)
 
 
-def intercept_splits(model: BatchCostModel, batch_size: int) -> list[tuple[float, float]]:
+def intercept_splits(
+    model: BatchCostModel, batch_size: int, kmax: int | None = None, full: bool = False
+) -> list[tuple[float, float]]:
     """Linear intercept splits ``(a, b)``: a request verifying m positions pays ``a + b m``.
 
-    Valid when ``n a + P b <= beta0(P) + b_req (n-1)`` for every feasible step (n <= B requests, P
-    positions, n <= P <= n (kmax+1)): then the n requests of any step pay at most its intercept. The
-    feasible (a, b) form a polygon; its vertices that maximise ``a + b m`` for some m in 1..kmax+1 are
-    returned (each one gives a valid bound; :func:`batch_bound` keeps the best). Exact: the vertices
-    are intersections of constraint pairs, kept when they satisfy every constraint (``a`` is lowered by
-    any rounding excess, so the constraints hold exactly).
+    Valid when ``n a + P b <= beta0(P) + b_req (n-1)`` for every feasible step (n <= B requests, or
+    n = B with ``full``; P positions, n <= P <= n (kmax+1)): then the n requests of any such step pay
+    at most its intercept. The feasible (a, b) form a polygon; its vertices that maximise ``a + b m``
+    for some m in 1..kmax+1 are returned (each one gives a valid bound; :func:`batch_bound` keeps the
+    best). Exact: the vertices are intersections of constraint pairs, kept when they satisfy every
+    constraint (``a`` is lowered by any rounding excess, so the constraints hold exactly; n >= 1).
     """
     B = int(batch_size)
-    n, P, g = _step_intercepts(model, B)
+    K = model.kmax if kmax is None else int(kmax)
+    n, P, g = _step_intercepts(model, B, K, full)
     i, j = np.triu_indices(len(n), k=1)
     det = n[i] * P[j] - n[j] * P[i]
     keep = det != 0
     i, j, det = i[keep], j[keep], det[keep]
     a = (g[i] * P[j] - g[j] * P[i]) / det
     b = (n[i] * g[j] - n[j] * g[i]) / det
+    if not len(a):
+        return []
     slack = np.max(n[None, :] * a[:, None] + P[None, :] * b[:, None] - g[None, :], axis=1)
     scale = 1e-9 * (1.0 + np.abs(g).max())
     feas = slack <= scale
     a, b, slack = a[feas], b[feas], slack[feas]
+    if not len(a):
+        return []
     a = a - np.maximum(slack, 0.0)  # n >= 1: lowering a by the excess restores every constraint
     out: list[tuple[float, float]] = []
-    for m in np.linspace(1.0, model.kmax + 1.0, 4 * (model.kmax + 1) + 1):
+    for m in np.linspace(1.0, K + 1.0, 4 * (K + 1) + 1):
         best = int(np.argmax(a + b * m))
         cand = (float(a[best]), float(b[best]))
         if cand not in out:
@@ -118,16 +139,24 @@ def intercept_splits(model: BatchCostModel, batch_size: int) -> list[tuple[float
 
 
 def share_model(
-    model: BatchCostModel, batch_size: int, kmax: int | None = None, split: tuple[float, float] | None = None
+    model: BatchCostModel,
+    batch_size: int,
+    kmax: int | None = None,
+    split: tuple[float, float] | None = None,
+    full: bool = False,
 ) -> CostModel:
     """The per-request charges l(k, U, L) of the split rule (module docstring) as a single-request cost model.
 
     Args:
         model: The batch cost model.
         batch_size: B, the most requests a step holds.
-        kmax: Largest budget (default the model's).
+        kmax: Largest budget a request uses (default the model's).
         split: An intercept split ``(a, b)`` of :func:`intercept_splits` (request pays ``a + b m``);
-            None: the rule ``h(m) = min_{P >= m, n} (beta0(P) + b_req (n-1)) / B``.
+            None: the rule ``h(m) = min (beta0(P) + b_req (n-1)) / B`` over the steps a request of m
+            positions can be part of.
+        full: Charges valid for steps of exactly B requests (every step before the episode's tail):
+            such a step has ``m + B - 1 <= P <= m + (B-1)(kmax+1)`` for each of its requests, so every
+            per-P minimum runs over that range only (much tighter than P >= m).
 
     Returns:
         A :class:`specenv.costmodel.CostModel` with ``charged_ms(k, U, L) = l(k, U, L)`` (no draft
@@ -137,8 +166,10 @@ def share_model(
     K = model.kmax if kmax is None else int(kmax)
     if B > model.max_batch:
         raise ValueError(f"batch_size={B}: the batch cost model covers at most {model.max_batch} requests")
-    Pmax = B * (model.kmax + 1)
-    n, P, g = _step_intercepts(model, B)
+    if K > model.kmax:
+        raise ValueError(f"kmax={K}: the batch cost model covers k <= {model.kmax}")
+    Pmax = B * (K + 1)
+    n, P, g = _step_intercepts(model, B, K, full)
     g_of_P = np.full(Pmax, np.inf)
     np.minimum.at(g_of_P, P.astype(np.int64) - 1, g)
     theta = _union_share(model, B)
@@ -147,16 +178,18 @@ def share_model(
     c = np.empty(K + 1)
     for k in range(K + 1):
         m = k + 1
-        tail = slice(m - 1, Pmax)  # P >= m
+        # the steps a request of m positions can be part of: P >= m (any n), or P in [m+B-1, m+(B-1)(K+1)]
+        rng = slice(m + B - 2, m + (B - 1) * (K + 1)) if full else slice(m - 1, Pmax)
         if split is None:
-            h = _share(float(g_of_P[tail].min()), B)
+            h = float(g_of_P[rng].min())
+            h = h / B if (full or h >= 0) else h
         else:
             h = split[0] + split[1] * m
         draft = 0.0 if k == 0 else _share(model.d0, B) + _share(model.d_step, B) * k + model.d_tok * k
         beta0[k] = h + draft
-        lo = float(model.alpha[tail].min())
+        lo = float(model.alpha[rng].min())
         alpha[k] = lo * theta if lo >= 0 else lo
-        c[k] = float(model.c[tail].min())
+        c[k] = float(model.c[rng].min())
     return CostModel(
         beta0=beta0,
         alpha=alpha,
@@ -166,7 +199,25 @@ def share_model(
         top_k=model.top_k,
         n_experts=model.n_experts,
         n_layers=model.n_layers,
-        source={"kind": "batch-share", "batch_size": B, "split": split, "batch_cost": dict(model.source)},
+        source={"kind": "batch-share", "batch_size": B, "split": split, "full": full},
+    )
+
+
+def tail_model(general: CostModel, full: CostModel) -> CostModel:
+    """Charges valid for every step: the coefficient-wise minimum of a general and a full-batch share.
+
+    With U, L >= 0, ``min(beta0) + min(alpha) U + min(c) L`` is at most both charges.
+    """
+    return CostModel(
+        beta0=np.minimum(general.beta0, full.beta0),
+        alpha=np.minimum(general.alpha, full.alpha),
+        c=np.minimum(general.c, full.c),
+        d1=0.0,
+        d0=0.0,
+        top_k=general.top_k,
+        n_experts=general.n_experts,
+        n_layers=general.n_layers,
+        source={"kind": "batch-share-tail"},
     )
 
 
@@ -185,6 +236,58 @@ def _union_share(model: BatchCostModel, B: int) -> float:
     n = float(model.n_experts)
     u_hi = min(float((model.kmax + 1) * model.top_k), n)
     return max(1.0 / B, (1.0 - u_hi / n) ** (B - 1))
+
+
+class FairShare:
+    """The cost a request induces in a full batch of B requests like it (an expert's cost, not a bound).
+
+    ``l(k, U, L) = T_step(B copies of (k, U, L)) / B``: the batch cost model's step of B identical
+    requests (their union predicted from B copies of U) divided by B, draft included (k drafted each).
+    It quacks like a :class:`specenv.costmodel.CostModel` for :func:`oracle.dp.solve` and
+    :func:`oracle.dp.action_values` (``kmax``, ``charged_by_budget``, ``charged_table``, ``ar_ms``), so the single-request oracle under this charge is the
+    per-request optimum of a request in a full batch of its like (the imitation expert of
+    :mod:`policies.batchlearn`).
+
+    Args:
+        model: The batch cost model.
+        batch_size: B.
+    """
+
+    def __init__(self, model: BatchCostModel, batch_size: int):
+        self.model = model
+        self.B = int(batch_size)
+        self.top_k = model.top_k
+
+    @property
+    def kmax(self) -> int:
+        """Largest budget covered."""
+        return self.model.kmax
+
+    def charged_by_budget(
+        self, U: np.ndarray, L: np.ndarray, lookahead: int = 0, out: np.ndarray | None = None, drafting: Any = None
+    ) -> np.ndarray:
+        """(kmax+1, n) charges, row k = budget k (``lookahead``/``drafting`` ignored: k drafted)."""
+        B, m = self.B, self.model
+        res = np.empty(U.shape) if out is None else out
+        L = np.asarray(L, dtype=np.float64)
+        for k in range(U.shape[0]):
+            ub = m.predict_u_batch_many(np.repeat(np.asarray(U[k], dtype=np.float64)[:, None], B, axis=1))
+            draft = m.draft_ms(np.full(B, k, dtype=np.int64))
+            res[k] = (m.verify_from_totals(B * (k + 1), B, ub, B * L) + draft) / B
+        return res
+
+    def charged_table(
+        self, U: np.ndarray, L: np.ndarray, kmax: int | None = None, lookahead: int = 0, drafting: Any = None
+    ) -> np.ndarray:
+        """(n, kmax+1) charges, as :meth:`specenv.costmodel.CostModel.charged_table`."""
+        K = U.shape[1] - 1 if kmax is None else int(kmax)
+        return np.ascontiguousarray(self.charged_by_budget(np.array(U[:, : K + 1].T, dtype=np.float64), L).T)
+
+    def ar_ms(self, L: np.ndarray) -> np.ndarray:
+        """Plain AR step of a full batch, per request."""
+        L = np.asarray(L, dtype=np.float64)
+        ub = self.model.predict_u_batch(np.full(self.B, float(self.top_k)))
+        return self.model.verify_from_totals(self.B, self.B, ub, self.B * L) / self.B
 
 
 def pathwise_costs(arrays: PositionArrays, share: CostModel, g: int, uniforms: np.ndarray) -> float:
@@ -236,7 +339,7 @@ class BatchBound:
         ar: (E,) AR cost of each episode (ms).
         expected: (E,) lower bound on the expected cost (sum of single-request SSP optima).
         pathwise: (E,) lower bound on the realised cost of that episode (None when not computed).
-        split: The intercept split that gave the largest bound (None: the min rule).
+        split: The full-batch intercept split that gave the largest bound (None: the min rule).
     """
 
     batch_size: int
@@ -269,6 +372,52 @@ class BatchBound:
         return out
 
 
+def _episode_costs(full: np.ndarray, tail: np.ndarray, B: int) -> np.ndarray:
+    """Lower bound per episode from per-request costs under the full-batch and the tail charges.
+
+    ``full``, ``tail``: (E, R). At most B-1 requests are still running when an episode's tail (the
+    steps with fewer than B requests) begins; their rounds are charged ``tail``, every other round
+    ``full``. The set is not known in advance, so the bound subtracts the B-1 largest differences.
+    """
+    diff = np.sort(full - tail, axis=1)[:, ::-1]
+    return full.sum(axis=1) - diff[:, : max(B - 1, 0)].sum(axis=1)
+
+
+def expected_costs(
+    arrays: PositionArrays, model: BatchCostModel, batch_size: int, generations: np.ndarray
+) -> tuple[np.ndarray, CostModel, CostModel, tuple[float, float] | None]:
+    """Lower bounds on the expected cost of episodes whose requests serve these generations.
+
+    Args:
+        arrays: Positions table.
+        model: The batch cost model.
+        batch_size: B.
+        generations: (E, R) generation index of every request, in arrival order.
+
+    Returns:
+        ``(costs (E,), full-batch charges, tail charges, the full-batch split kept)`` (see :func:`batch_bound`).
+    """
+    B = int(batch_size)
+    K = arrays.kmax
+    gens = np.atleast_2d(np.asarray(generations, dtype=np.int64))
+    general, gen_total = None, -np.inf
+    for split in [None, *intercept_splits(model, B, K)]:
+        cand = share_model(model, B, K, split)
+        total = float(solve(arrays, cand).cost[gens].sum())
+        if total > gen_total:
+            general, gen_total = cand, total
+    assert general is not None
+    best = None
+    for split in [None, *intercept_splits(model, B, K, full=True)]:
+        full = share_model(model, B, K, split, full=True)
+        tail = tail_model(general, full)
+        costs = _episode_costs(solve(arrays, full).cost[gens], solve(arrays, tail).cost[gens], B)
+        if best is None or costs.sum() > best[0].sum():
+            best = (costs, full, tail, split)
+    assert best is not None
+    return best
+
+
 def batch_bound(
     arrays: PositionArrays,
     L0: np.ndarray,
@@ -279,41 +428,47 @@ def batch_bound(
 ) -> BatchBound:
     """The expected and pathwise bounds of the episodes with these request seeds.
 
+    Every step before an episode's tail holds exactly B requests (a finished request's slot is refilled
+    at the next step while requests are waiting), so those rounds are charged by the full-batch share
+    (:func:`share_model` with ``full=True``); the at most B-1 requests running when the tail begins
+    are charged by :func:`tail_model` for their whole life (it is below both charges). Every intercept
+    split of :func:`intercept_splits` gives a valid bound; the largest total over these episodes is kept.
+
     Args:
         arrays: The split's positions table (the environment's: ``select_positions``).
         L0: (G,) prompt lengths of its generations.
         model: The batch cost model.
         batch_size: B.
         seeds: (E, R) request seeds of each episode (the environment's ``info["seeds"]``).
-        pathwise: Also compute the pathwise bound (one shortest path per request).
+        pathwise: Also compute the pathwise bound (one shortest path per request and charge).
 
     Returns:
         The :class:`BatchBound`.
     """
+    B = int(batch_size)
     seeds = np.atleast_2d(np.asarray(seeds, dtype=np.int64))
     E, R = seeds.shape
-    gens = np.array([[request_draws(int(s), arrays.lengths)[0] for s in row] for row in seeds], dtype=np.int64)
-    splits: list[tuple[float, float] | None] = [None, *intercept_splits(model, batch_size)]
-    best_total = -np.inf
-    for split in splits:  # every split is a valid lower bound: keep the best on these episodes
-        cand = share_model(model, batch_size, arrays.kmax, split)
-        values = solve(arrays, cand).cost
-        total = float(values[gens].sum())
-        if total > best_total:
-            best_total, share, V, chosen = total, cand, values, split
     lengths = arrays.lengths
-    paths = np.zeros(E) if pathwise else None
-    cache: dict[int, float] = {}
-    if paths is not None:
-        for e in range(E):
-            for r in range(R):
-                key = int(seeds[e, r])
-                if key not in cache:
-                    g, u = request_draws(key, lengths)
-                    cache[key] = float(V[g]) if arrays.greedy else pathwise_costs(arrays, share, g, u)
-                paths[e] += cache[key]
-    ar = np.array([ar_schedule_ms(model, gens[e], lengths, L0, batch_size) for e in range(E)])
-    return BatchBound(int(batch_size), seeds, gens, ar, V[gens].sum(axis=1), paths, chosen)
+    gens = np.array([[request_draws(int(s), lengths)[0] for s in row] for row in seeds], dtype=np.int64)
+    expected, full, tail, chosen = expected_costs(arrays, model, B, gens)
+    paths = None
+    if pathwise:
+        if arrays.greedy:
+            paths = expected.copy()
+        else:
+            pf = np.empty((E, R))
+            pt = np.empty((E, R))
+            cache: dict[int, tuple[float, float]] = {}
+            for e in range(E):
+                for r in range(R):
+                    key = int(seeds[e, r])
+                    if key not in cache:
+                        g, u = request_draws(key, lengths)
+                        cache[key] = (pathwise_costs(arrays, full, g, u), pathwise_costs(arrays, tail, g, u))
+                    pf[e, r], pt[e, r] = cache[key]
+            paths = _episode_costs(pf, pt, B)
+    ar = np.array([ar_schedule_ms(model, gens[e], lengths, L0, B) for e in range(E)])
+    return BatchBound(B, seeds, gens, ar, expected, paths, chosen)
 
 
 def joint_optimum(

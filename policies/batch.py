@@ -304,14 +304,12 @@ class GoodputBatch(_CostBatch):
             alpha[j] = (a.s.sum() + a.strength * a.prior.mean()) / (a.n.sum() + a.strength)
         alpha = np.clip(alpha, 1e-6, 1 - 1e-6)
         ctx = self._contexts(req)[idx]
-        best, best_k = -np.inf, 0
-        for k in range(self.kmax + 1):
-            tokens = float(np.sum((1.0 - alpha ** (k + 1)) / (1.0 - alpha)))
-            ks = np.full(len(idx), k, dtype=np.int64)
-            val = tokens / self.step_ms(ks, ks, ctx)
-            if val > best:
-                best, best_k = val, k
-        return np.full(len(active), best_k, dtype=np.int64)
+        ks = np.arange(self.kmax + 1)
+        tokens = np.sum((1.0 - alpha[None, :] ** (ks[:, None] + 1)) / (1.0 - alpha[None, :]), axis=1)
+        cand = np.repeat(ks[:, None], len(idx), axis=1)
+        draft = np.array([self.batch_cost.draft_ms(row) for row in cand])
+        cost = self.step_ms_many(cand, np.zeros(len(idx), dtype=np.int64), ctx) + draft
+        return np.full(len(active), int(np.argmax(tokens / cost)), dtype=np.int64)
 
 
 class PerRequest(BatchPolicy):

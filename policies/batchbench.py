@@ -100,7 +100,7 @@ def run_batch_benchmark(
     cost_model: str = "fit-train",
     batch_cost: str = "auto",
     learners: bool = True,
-    ppo_timesteps: int = 20_000,
+    ppo_timesteps: int = 10_000,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> BatchBenchResult:
     """Run every batch controller on ``episodes`` held-out episodes beside the bound (module docstring).

@@ -21,11 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from oracle.batch import batch_bound, share_model
-from oracle.dp import action_values, solve
+from oracle.batch import FairShare, expected_costs
+from oracle.dp import action_values, expected_accepted, solve
 from policies.batch import BatchPolicy
 from policies.imitation import _fit_regret, _make_net, _to_numpy
 from specenv.batchobs import BatchObservationSpec
+from specenv.batchreplay import request_draws
 from specenv.datasets import load_dataset
 from specenv.envs.batch import MoESpecBatchEnv
 from specenv.policy.mlp import MLPPolicy
@@ -55,6 +56,7 @@ def train_batch_imitation(
     epochs: int = 20,
     seed: int = 0,
     log: Callable[[str], None] | None = None,
+    expert: str = "bound",
 ) -> BatchImitation:
     """DAgger towards the batch bound's per-request decisions (module docstring), train split only.
 
@@ -71,6 +73,9 @@ def train_batch_imitation(
         epochs: Passes over the aggregate per iteration.
         seed: Seed of the episodes, the mixture and torch.
         log: Called with one line per iteration.
+        expert: ``"bound"``: the bound's full-batch charges (:func:`oracle.batch.share_model` with
+            ``full=True``, the split the bound keeps on the first train episodes); ``"fair"``: the
+            cost a request induces in a full batch of its like (:class:`oracle.batch.FairShare`).
 
     Returns:
         The exported per-request policy (drafting mode ``none``) and the per-iteration history.
@@ -78,19 +83,30 @@ def train_batch_imitation(
     import torch
 
     torch.manual_seed(seed)
+    torch.set_num_threads(1)  # small nets: threads only contend on a shared CPU
     env = MoESpecBatchEnv(
         dataset, batch_size, n_requests, kmax, split="train", cost_model=cost_model, batch_cost=batch_cost
     )
     arrays = select_positions(load_dataset(dataset), env.kmax, "train")
     rng = np.random.default_rng(seed)
     seeds = [int(s) for s in rng.integers(0, 2**31, size=iterations * episodes)]
-    probe = [env.reset(seed=s)[1]["seeds"] for s in seeds[:episodes]]
-    split = batch_bound(arrays, env.data.L0, env.batch_cost, batch_size, np.array(probe), pathwise=False).split
-    share = share_model(env.batch_cost, batch_size, env.kmax, split)
-    sol = solve(arrays, share)
-    Q = action_values(arrays, share, sol.value)
-    regret = (Q - Q.min(axis=1, keepdims=True)) / env.ar_unit_ms
+    if expert not in ("bound", "fair"):
+        raise ValueError(f"expert={expert!r}: expected 'bound' or 'fair'")
+    probe = np.array([env.reset(seed=s)[1]["seeds"] for s in seeds[:episodes]])
+    gens = np.vectorize(lambda s: request_draws(int(s), arrays.lengths)[0])(probe)
+    _, full, _, split = expected_costs(arrays, env.batch_cost, batch_size, gens)
+    charges: Any = full if expert == "bound" else FairShare(env.batch_cost, batch_size)
+    sol = solve(arrays, charges)
+    Q = action_values(arrays, charges, sol.value)
+    # regret per committed token: a round at t with budget k stands for the 1 + E[a] positions it commits,
+    # so summing this over every position approximates the summed regret of a policy's own rounds
+    # (per-state regret alone favours k = 0, which visits every position)
+    ends = np.repeat(arrays.offsets[1:], arrays.lengths) - np.arange(len(arrays.L)) - 1
+    tokens = 1.0 + np.minimum(expected_accepted(arrays), ends[:, None])
+    regret = (Q - Q.min(axis=1, keepdims=True)) / tokens / env.ar_unit_ms
     k_star = sol.k
+    if log is not None:
+        log(f"batch imitation: expert {expert}, mean k* {k_star.mean():.2f} over the train positions")
     spec: BatchObservationSpec = env.spec_batch
     net = _make_net(spec.request, hidden)
     opt = torch.optim.Adam(net.parameters(), lr=3e-3)
@@ -108,8 +124,8 @@ def train_batch_imitation(
                 active, req = spec.slots(obs)
                 with torch.no_grad():
                     own = net(torch.as_tensor(req)).argmax(dim=1).numpy()
-                expert = k_star[np.maximum(rows, 0)]
-                k = np.where(rng.random(batch_size) < beta, expert, own)
+                k_exp = k_star[np.maximum(rows, 0)]
+                k = np.where(rng.random(batch_size) < beta, k_exp, own)
                 k = np.where(active, k, 0).astype(np.int64)
                 xs_all.append(req[active])
                 rows_all.append(rows[active])
@@ -128,7 +144,8 @@ def train_batch_imitation(
         "dataset": str(dataset),
         "batch_size": int(batch_size),
         "drafting": "none",
-        "split": list(split) if split is not None else None,
+        "expert": expert,
+        "split": list(split) if split is not None and expert == "bound" else None,
         "batch_observation": spec.to_json(),
     }
     return BatchImitation(_to_numpy(net, spec.request, name="batch-imitation", meta=meta), history)
@@ -174,8 +191,11 @@ def train_batch_ppo(
     Returns:
         The trained model as a :class:`SB3Batch` (drafting mode ``none``).
     """
+    import torch
     from stable_baselines3 import PPO
     from stable_baselines3.common.env_util import make_vec_env
+
+    torch.set_num_threads(1)  # small nets: threads only contend on a shared CPU
 
     kw = dict(
         dataset=dataset,

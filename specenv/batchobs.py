@@ -26,6 +26,7 @@ version); :meth:`BatchObservationSpec.to_json` records both.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,7 +87,11 @@ class BatchObservationSpec:
         return out + list(BATCH_FEATURES)
 
     def high(self) -> np.ndarray:
-        """Upper bounds of the Box (the lower bounds are 0)."""
+        """Upper bounds of the Box (the lower bounds are 0); a fresh copy."""
+        return self._high.copy()
+
+    @functools.cached_property
+    def _high(self) -> np.ndarray:
         slot = np.concatenate([[1.0], self.request.high()]).astype(np.float32)
         tail = np.array([1.0, 1.0, 1.0, self.request.cost_high], dtype=np.float32)
         return np.concatenate([np.tile(slot, self.batch_size), tail]).astype(np.float32)
@@ -116,7 +121,7 @@ class BatchObservationSpec:
         blocks[:, 0] = act
         blocks[act, 1:] = np.asarray(requests, dtype=np.float32)[act]
         vec = np.concatenate([blocks.ravel(), np.asarray(features, dtype=np.float32)])
-        return np.clip(vec, 0.0, self.high()).astype(np.float32)
+        return np.clip(vec, 0.0, self._high).astype(np.float32)
 
     def to_json(self) -> dict[str, Any]:
         """The contract as plain JSON (the per-request contract under ``"request"``)."""

@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from oracle.batch import batch_bound, intercept_splits, joint_optimum, pathwise_costs, share_model
+from oracle.batch import (
+    batch_bound,
+    expected_costs,
+    intercept_splits,
+    joint_optimum,
+    pathwise_costs,
+    share_model,
+    tail_model,
+)
 from oracle.dp import solve
 from specenv.batchcost import BatchCostModel
 from specenv.batchreplay import ar_schedule_ms, request_draws
@@ -50,8 +58,7 @@ def _models(K: int, B: int, rng: np.random.Generator) -> list[BatchCostModel]:
 
 
 def _bound_cost(arrays, model, B, gens):
-    splits = [None, *intercept_splits(model, B)]
-    return max(float(solve(arrays, share_model(model, B, arrays.kmax, s)).cost[gens].sum()) for s in splits)
+    return float(expected_costs(arrays, model, B, np.asarray(gens)[None, :])[0][0])
 
 
 @pytest.mark.parametrize("greedy", [True, False])
@@ -80,19 +87,22 @@ def test_bound_is_above_the_brute_force_joint_optimum(B, greedy, capsys):
 
 @pytest.mark.parametrize("B", [2, 4, 8])
 def test_split_rule_never_charges_more_than_the_step(B):
+    """General charges on any step of n <= B requests; full-batch charges on steps of exactly B; the tail charges on any."""
     rng = np.random.default_rng(B)
     K = 6
     for model in _models(K, B, rng):
-        for split in [None, *intercept_splits(model, B)]:
-            share = share_model(model, B, K, split)
-            for _ in range(300):
-                n = int(rng.integers(1, B + 1))
-                k = rng.integers(0, K + 1, size=n)
-                u = np.minimum(4.0 * (k + 1) * rng.uniform(0.5, 1.0, n), 64.0)
-                u = np.maximum(u, 4.0)
-                L = rng.uniform(0, 4000, size=n)
-                charged = float(np.sum(share.charged_ms(k, u, L)))
-                assert charged <= model.step_ms(k, k, u, L) * (1 + 1e-12) + 1e-12
+        general = [share_model(model, B, K, s) for s in [None, *intercept_splits(model, B, K)]]
+        full = [share_model(model, B, K, s, full=True) for s in [None, *intercept_splits(model, B, K, full=True)]]
+        tails = [tail_model(g, f) for g in general for f in full]
+        for _ in range(300):
+            n = int(rng.integers(1, B + 1))
+            for charges, size in ((general + tails, n), (full, B)):
+                k = rng.integers(0, K + 1, size=size)
+                u = np.clip(4.0 * (k + 1) * rng.uniform(0.5, 1.0, size), 4.0, 64.0)
+                L = rng.uniform(0, 4000, size=size)
+                step = model.step_ms(k, k, u, L)
+                for share in charges:
+                    assert float(np.sum(share.charged_ms(k, u, L))) <= step * (1 + 1e-12) + 1e-12
 
 
 def test_pathwise_equals_the_ssp_on_greedy_traces_and_is_below_realisations():
@@ -100,7 +110,7 @@ def test_pathwise_equals_the_ssp_on_greedy_traces_and_is_below_realisations():
     L0 = rng.integers(10, 60, size=4)
     model = _models(3, 2, rng)[0]
     greedy = _arrays(rng, 4, 12, 3, True, L0)
-    share = share_model(model, 2, 3)
+    share = share_model(model, 2, 3, full=True)
     V = solve(greedy, share).cost
     for g in range(4):
         assert pathwise_costs(greedy, share, g, rng.random(greedy.lengths[g])) == pytest.approx(V[g], rel=1e-12)

@@ -171,6 +171,9 @@ class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
         u_ar = self.batch_cost.predict_u_batch(np.full(self.B, float(self.batch_cost.top_k)))
         per_req = self.batch_cost.verify_from_totals(np.full(len(ctx), self.B), self.B, u_ar, self.B * ctx) / self.B
         self.ar_unit_ms = float(np.mean(per_req))
+        # U_batch of a plain AR step of n requests (every U_i = top_k), n = 0..B
+        tk = float(self.batch_cost.top_k)
+        self._u_ar = [0.0] + [self.batch_cost.predict_u_batch(np.full(n, tk)) for n in range(1, self.B + 1)]
         self.action_space = spaces.MultiDiscrete(np.full(self.B, self.kmax + 1, dtype=np.int64))
         self.observation_space = self.spec_batch.space()
         self._streams = [_Stream(self.data) for _ in range(self.B)]
@@ -284,9 +287,12 @@ class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
         ctx = np.array([st._L0 + st._t for st in streams], dtype=np.float64)
         drafted = drafted_tokens(ks, self.lookahead, self.drafting)
         bc = self.batch_cost
-        u_batch = bc.predict_u_batch(u)
-        step_ms = bc.step_ms(ks, drafted, u, ctx, u_batch)
-        batch_ar = bc.ar_ms(ctx)
+        n = len(slots)
+        # BatchCostModel.step_ms / ar_ms through their vectorised parts (no per-call validation)
+        u_batch = float(bc.predict_u_batch_many(u[None, :])[0])
+        ctx_sum = float(ctx.sum())
+        step_ms = float(bc.verify_from_totals(int(ks.sum()) + n, n, u_batch, ctx_sum)) + bc.draft_ms(drafted)
+        batch_ar = float(bc.verify_from_totals(n, n, self._u_ar[n], ctx_sum))
         k_info = [-1] * self.B
         acc_info = [-1] * self.B
         com_info = [0] * self.B
