@@ -100,7 +100,7 @@ def run_batch_benchmark(
     cost_model: str = "fit-train",
     batch_cost: str = "auto",
     learners: bool = True,
-    ppo_timesteps: int = 10_000,
+    ppo_timesteps: int = 50_000,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> BatchBenchResult:
     """Run every batch controller on ``episodes`` held-out episodes beside the bound (module docstring).
@@ -200,12 +200,26 @@ def run_batch_benchmark(
     if learners:
         from policies.batchlearn import train_batch_imitation, train_batch_ppo
 
-        t = time.perf_counter()
-        imit = train_batch_imitation(
-            dataset, batch_size, n_requests, K, cost_model, batch_cost, seed=seed, iterations=4, episodes=3
-        )
-        rows.append((PerRequest(spec_none, imit.policy, name="imitation of the bound (learned)"), "none"))
-        notes.append(f"imitation trained in {time.perf_counter() - t:.0f} s (train split)")
+        for label, expert, reference in (
+            ("imitation of the bound (learned)", "bound", "oracle"),
+            ("imitation, fair-share policy iteration (learned)", "fair", "learner"),
+        ):
+            t = time.perf_counter()
+            imit = train_batch_imitation(
+                dataset,
+                batch_size,
+                n_requests,
+                K,
+                cost_model,
+                batch_cost,
+                seed=seed,
+                iterations=5,
+                episodes=4,
+                expert=expert,
+                reference=reference,
+            )
+            rows.append((PerRequest(spec_none, imit.policy, name=label), "none"))
+            notes.append(f"{label}: expert {expert}, reference {reference}, trained in {time.perf_counter() - t:.0f} s")
         t = time.perf_counter()
         ppo = train_batch_ppo(dataset, batch_size, n_requests, K, cost_model, batch_cost, ppo_timesteps, seed)
         ppo.name = "ppo MultiDiscrete (learned)"

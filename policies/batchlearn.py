@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from oracle.batch import FairShare, expected_costs
-from oracle.dp import action_values, expected_accepted, solve
+from oracle.dp import action_values, evaluate_policy, solve
 from policies.batch import BatchPolicy
 from policies.imitation import _fit_regret, _make_net, _to_numpy
 from specenv.batchobs import BatchObservationSpec
@@ -57,6 +57,7 @@ def train_batch_imitation(
     seed: int = 0,
     log: Callable[[str], None] | None = None,
     expert: str = "bound",
+    reference: str = "learner",
 ) -> BatchImitation:
     """DAgger towards the batch bound's per-request decisions (module docstring), train split only.
 
@@ -76,6 +77,12 @@ def train_batch_imitation(
         expert: ``"bound"``: the bound's full-batch charges (:func:`oracle.batch.share_model` with
             ``full=True``, the split the bound keeps on the first train episodes); ``"fair"``: the
             cost a request induces in a full batch of its like (:class:`oracle.batch.FairShare`).
+        reference: What follows a labelled state: ``"oracle"``, the expert's clairvoyant optimum
+            (AggreVaTe; on greedy traces its labels favour k = 0, which no observation-based policy can
+            follow up as the oracle does), or ``"learner"`` (default), approximate policy iteration: the
+            action values of the current learner's budgets (exact, :func:`oracle.dp.evaluate_policy`,
+            the learner's budget at every row it visited, the previous reference elsewhere), starting
+            from the best fixed k under the charges.
 
     Returns:
         The exported per-request policy (drafting mode ``none``) and the per-iteration history.
@@ -92,21 +99,28 @@ def train_batch_imitation(
     seeds = [int(s) for s in rng.integers(0, 2**31, size=iterations * episodes)]
     if expert not in ("bound", "fair"):
         raise ValueError(f"expert={expert!r}: expected 'bound' or 'fair'")
+    if reference not in ("oracle", "learner"):
+        raise ValueError(f"reference={reference!r}: expected 'oracle' or 'learner'")
     probe = np.array([env.reset(seed=s)[1]["seeds"] for s in seeds[:episodes]])
     gens = np.vectorize(lambda s: request_draws(int(s), arrays.lengths)[0])(probe)
     _, full, _, split = expected_costs(arrays, env.batch_cost, batch_size, gens)
     charges: Any = full if expert == "bound" else FairShare(env.batch_cost, batch_size)
     sol = solve(arrays, charges)
-    Q = action_values(arrays, charges, sol.value)
-    # regret per committed token: a round at t with budget k stands for the 1 + E[a] positions it commits,
-    # so summing this over every position approximates the summed regret of a policy's own rounds
-    # (per-state regret alone favours k = 0, which visits every position)
-    ends = np.repeat(arrays.offsets[1:], arrays.lengths) - np.arange(len(arrays.L)) - 1
-    tokens = 1.0 + np.minimum(expected_accepted(arrays), ends[:, None])
-    regret = (Q - Q.min(axis=1, keepdims=True)) / tokens / env.ar_unit_ms
-    k_star = sol.k
+    n_rows = len(arrays.L)
+    if reference == "oracle":
+        k_ref = sol.k  # AggreVaTe: the (clairvoyant) per-request optimum continues after every state
+    else:  # approximate policy iteration: start from the best fixed k under the charges, continue with the learner
+        fixed = [float(evaluate_policy(arrays, charges, k).cost.sum()) for k in range(env.kmax + 1)]
+        k_ref = np.full(n_rows, int(np.argmin(fixed)), dtype=np.int64)
+
+    def regrets(k_ref: np.ndarray) -> np.ndarray:
+        value = sol.value if reference == "oracle" else evaluate_policy(arrays, charges, k_ref).value
+        Q = action_values(arrays, charges, value)
+        return (Q - Q.min(axis=1, keepdims=True)) / env.ar_unit_ms
+
+    regret = regrets(k_ref)
     if log is not None:
-        log(f"batch imitation: expert {expert}, mean k* {k_star.mean():.2f} over the train positions")
+        log(f"batch imitation: expert {expert}, reference {reference}, mean k* {sol.k.mean():.2f}")
     spec: BatchObservationSpec = env.spec_batch
     net = _make_net(spec.request, hidden)
     opt = torch.optim.Adam(net.parameters(), lr=3e-3)
@@ -116,6 +130,7 @@ def train_batch_imitation(
     for it in range(iterations):
         beta = 1.0 if it == 0 else 0.5**it
         cost = ar = 0.0
+        played = np.full(n_rows, -1, dtype=np.int64)
         for e in range(episodes):
             obs, _ = env.reset(seed=seeds[it * episodes + e])
             done = False
@@ -124,17 +139,25 @@ def train_batch_imitation(
                 active, req = spec.slots(obs)
                 with torch.no_grad():
                     own = net(torch.as_tensor(req)).argmax(dim=1).numpy()
-                k_exp = k_star[np.maximum(rows, 0)]
+                k_exp = k_ref[np.maximum(rows, 0)]
                 k = np.where(rng.random(batch_size) < beta, k_exp, own)
                 k = np.where(active, k, 0).astype(np.int64)
                 xs_all.append(req[active])
                 rows_all.append(rows[active])
+                played[rows[active]] = own[active]
                 obs, _, done, _, info = env.step(k)
             cost += info["episode_cost_ms"]
             ar += info["ar_cost_ms"]
+        all_rows = np.concatenate(rows_all)
         xs = torch.as_tensor(np.concatenate(xs_all))
-        rs = torch.as_tensor(regret[np.concatenate(rows_all)], dtype=torch.float32)
+        rs = torch.as_tensor(regret[all_rows], dtype=torch.float32)
         train_regret = _fit_regret(net, opt, xs, rs, epochs)
+        if reference == "learner":  # the learner's own budgets where it went; the reference elsewhere
+            with torch.no_grad():
+                mine = net(xs).argmax(dim=1).numpy()
+            k_ref = k_ref.copy()
+            k_ref[all_rows] = mine
+            regret = regrets(k_ref)
         rec = {"iteration": it, "beta": beta, "states": len(xs), "mixture_speedup": ar / cost, "regret": train_regret}
         history.append(rec)
         if log is not None:
@@ -145,6 +168,7 @@ def train_batch_imitation(
         "batch_size": int(batch_size),
         "drafting": "none",
         "expert": expert,
+        "reference": reference,
         "split": list(split) if split is not None and expert == "bound" else None,
         "batch_observation": spec.to_json(),
     }
