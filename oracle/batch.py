@@ -30,6 +30,15 @@ and for every step the sum of the charges of its requests is at most the step's 
   k >= 1 and D(0) = 0, since ``max_i d_i >= sum_i d_i / B`` and at most B requests share the d0 of
   the step (a negative coefficient is charged in full instead of divided).
 
+**Full steps and the tail.** Every step before an episode's tail holds exactly B requests (a finished
+request's slot is refilled at the next step while requests wait), so in such a step each request's
+m_i satisfies ``m_i + B - 1 <= P <= m_i + (B-1)(kmax+1)``: the full-batch charges (``full=True``)
+take every minimum over that range only and divide by exactly B, which is much tighter. At most B-1
+requests are still running when the tail (steps of fewer than B requests) begins; they are charged
+the coefficient-wise minimum of both charges (:func:`tail_model`) for their whole life. Which
+requests those are depends on the policy, so the bound subtracts the B-1 largest differences
+between a request's full-batch and tail optima (:func:`expected_costs`).
+
 So the cost of every step is at least the sum of its requests' charges, and the cost of the whole
 episode is at least the sum over requests of the charges of that request's own rounds. Those
 rounds form a single-request policy (one that may look at the other requests, i.e. a randomised
@@ -244,7 +253,8 @@ class FairShare:
     ``l(k, U, L) = T_step(B copies of (k, U, L)) / B``: the batch cost model's step of B identical
     requests (their union predicted from B copies of U) divided by B, draft included (k drafted each).
     It quacks like a :class:`specenv.costmodel.CostModel` for :func:`oracle.dp.solve` and
-    :func:`oracle.dp.action_values` (``kmax``, ``charged_by_budget``, ``charged_table``, ``ar_ms``), so the single-request oracle under this charge is the
+    :func:`oracle.dp.action_values` (``kmax``, ``charged_by_budget``, ``charged_table``, ``ar_ms``),
+    so the single-request oracle under this charge is the
     per-request optimum of a request in a full batch of its like (the imitation expert of
     :mod:`policies.batchlearn`).
 

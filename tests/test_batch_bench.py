@@ -14,7 +14,7 @@ ROWS = [
     "fixed k=0",
     "fixed k=1",
     "fixed k=4",
-    "fixed k=6",
+    "fixed k=8",
     "vllm-dsd-table",
     "vllm-adaptive-verification",
     "tetris-greedy",
@@ -23,11 +23,12 @@ ROWS = [
 ]
 
 
-def test_cli_bench_batch_runs_every_row_below_the_bound(small_traces, tmp_path):
+@pytest.mark.slow
+def test_cli_bench_batch_runs_every_row_below_the_bound(tmp_path):
     out = tmp_path / "bb"
     res = CliRunner().invoke(
         app,
-        ["bench", str(small_traces), "--batch", "2", "--episodes", "3", "--no-learners", "--out", str(out)],
+        ["bench", "live-vllm", "--batch", "2", "--episodes", "3", "--no-learners", "--out", str(out)],
     )
     assert res.exit_code == 0, res.output
     assert "bound" in res.output and "vllm-dsd-table" in res.output
@@ -56,7 +57,6 @@ def test_cli_bench_batch_refuses_bad_values(small_traces, tmp_path):
     assert not (tmp_path / "x" / "bench-batch2.json").exists()
 
 
-@pytest.mark.slow
 def test_learned_batch_controllers_train_and_stay_below_the_bound():
     """Imitation of the bound (exported numpy MLP, per request) and a short PPO run, on live-vllm B = 2."""
     from oracle.batch import batch_bound
@@ -68,7 +68,7 @@ def test_learned_batch_controllers_train_and_stay_below_the_bound():
     from specenv.policy.mlp import MLPPolicy
     from specenv.replay import select_positions
 
-    imit = train_batch_imitation("live-vllm", 2, iterations=2, episodes=2, epochs=10)
+    imit = train_batch_imitation("live-vllm", 2, iterations=2, episodes=2, epochs=10, expert="fair")
     assert isinstance(imit.policy, MLPPolicy) and imit.policy.meta["kind"] == "batch-imitation"
     ppo = train_batch_ppo("live-vllm", 2, timesteps=2048)
     env = MoESpecBatchEnv("live-vllm", batch_size=2, split="test", cost_model="fit-train")

@@ -87,7 +87,7 @@ def test_bound_is_above_the_brute_force_joint_optimum(B, greedy, capsys):
 
 @pytest.mark.parametrize("B", [2, 4, 8])
 def test_split_rule_never_charges_more_than_the_step(B):
-    """General charges on any step of n <= B requests; full-batch charges on steps of exactly B; the tail charges on any."""
+    """General and tail charges on any step of n <= B requests; full-batch charges on steps of exactly B."""
     rng = np.random.default_rng(B)
     K = 6
     for model in _models(K, B, rng):
@@ -103,6 +103,21 @@ def test_split_rule_never_charges_more_than_the_step(B):
                 step = model.step_ms(k, k, u, L)
                 for share in charges:
                     assert float(np.sum(share.charged_ms(k, u, L))) <= step * (1 + 1e-12) + 1e-12
+
+
+def test_fair_share_at_batch_one_is_the_single_request_cost():
+    from oracle.batch import FairShare
+
+    rng = np.random.default_rng(2)
+    K = 4
+    cm = CostModel.paper_profile(kmax=K)
+    model = BatchCostModel.from_cost_model(cm, ModelFacts(48, 128, 8), max_batch=1)
+    L0 = rng.integers(10, 60, size=3)
+    arrays = _arrays(rng, 3, 6, K, False, L0)
+    U = np.maximum(arrays.U, 8.0)
+    np.testing.assert_allclose(
+        FairShare(model, 1).charged_table(U, arrays.L, K), cm.charged_table(U, arrays.L, K), rtol=1e-12
+    )
 
 
 def test_pathwise_equals_the_ssp_on_greedy_traces_and_is_below_realisations():
