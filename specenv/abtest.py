@@ -20,6 +20,10 @@ Arms (``--arms``; one engine each unless said otherwise):
   ``policies/shipped`` and ``--policy-dir`` that the served model's contract accepts; the others are listed
   with the one-line refusal): through specenv's controller, all on one engine with
   ``num_speculative_tokens = kmax`` and ``draft_horizon="policy"``;
+* ``batch``: the expert-aware batch policy :class:`policies.batch_goodput.BatchGoodput` (a batch policy:
+  one ``act_step`` per engine step for all requests, priced by the shipped vLLM batch cost model
+  ``live-vllm-batch-v1``, fitted on the same small models; other models: not run) through the
+  controller engine, ``draft_horizon="policy"``;
 * ``overhead``: the specenv path (controller + routing tap + recorder, a numpy MLP policy that always
   answers the best fixed k) against stock vLLM with the same speculative config (the ``best`` k engine):
   throughput ratio per repeat, stock's own run-to-run spread, and the controller's CPU time per step as a
@@ -46,7 +50,7 @@ from typing import Any
 import numpy as np
 
 #: Arm groups of ``--arms`` (all by default).
-ARM_GROUPS = ("plain", "fixed", "best", "dynamic", "adaptive", "heuristic", "delta", "learned", "overhead")
+ARM_GROUPS = ("plain", "fixed", "best", "dynamic", "adaptive", "heuristic", "delta", "learned", "overhead", "batch")
 FIT_MODES = ("measured", "replay")
 #: Why vLLM's adaptive verification does not run on a CPU build of vLLM 0.32.
 ADAPTIVE_WHY = (
@@ -106,6 +110,19 @@ def make_policy(desc: dict[str, Any], ctl: Any) -> Any:
             adaptive=bool(desc.get("adaptive", False)),
             u_prior=np.asarray(desc["u_prior"]),
             rho_prior=np.asarray(desc["rho_prior"]),
+        )
+    if kind == "batch-goodput":
+        from policies.batch_goodput import BatchGoodput
+        from specenv.batchcost import load_batch_cost_model
+
+        u_prior = desc.get("u_prior")
+        bm = load_batch_cost_model(desc.get("batch_cost_model", "live-vllm-batch-v1"))
+        return BatchGoodput(
+            spec,
+            bm,
+            u_prior=None if u_prior is None else np.asarray(u_prior),
+            # the recording's median wall time per step outside the forwards (0 when it has none)
+            step_overhead_ms=float(bm.diagnostics.get("summary", {}).get("overhead_ms", 0.0)),
         )
     if kind == "constant-mlp":  # a real MLP call (obs build + 3 layers) whose answer is always k
         from specenv.policy.mlp import MLPPolicy
@@ -289,6 +306,12 @@ def run_abtest(opts: AbtestOptions, quiet: bool = False) -> dict[str, Any]:
             }
             arms.append(_Arm("delta rule (oracle lambda)", "ctl", "delta", {**d, "lam_ms": float(ctx.lam_ms)}))
             arms.append(_Arm("delta rule (adaptive lambda)", "ctl", "delta", {**d, "adaptive": True}))
+        if "batch" in groups:
+            if opts.models == "small-moe-v1":
+                bdesc = {"kind": "batch-goodput", "u_prior": ctx.u_prior.tolist(), **pdesc}
+                arms.append(_Arm("batch goodput (expert-aware, batch policy)", "ctl", "batch", bdesc))
+            else:
+                notes.append(f"batch arm not run: its batch cost model is fitted for small-moe-v1, not {opts.models}")
         refused: list[dict[str, str]] = []
         if "learned" in groups:
             folders: dict[str, Path] = {}

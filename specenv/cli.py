@@ -453,6 +453,52 @@ def fit(
         out.print(f"cost model written to {save}")
 
 
+@app.command("fit-batch")
+def fit_batch(
+    recording: Annotated[
+        str,
+        typer.Argument(
+            metavar="RECORDING",
+            help="Steps recording: a folder written by scripts/collect_vllm_batch.py, or 'live-vllm-batch-v1'.",
+        ),
+    ] = "live-vllm-batch-v1",
+    save: Annotated[Path | None, typer.Option("--out", "-o", help="Write the batch cost model JSON here.")] = None,
+    timing: Annotated[str, typer.Option(help="cpu (forwards' thread CPU time, default) or wall.")] = "cpu",
+    folds: Annotated[int, typer.Option(min=2, max=1000, help="GroupKFold folds (by group of requests).")] = 5,
+    as_json: JsonOpt = False,
+) -> None:
+    """Fit the batch cost model (verification, draft, U_batch predictors) on recorded vLLM batch steps.
+
+    Prints the coefficients with SEs clustered by group, the verification forms and the U_batch
+    predictors with their GroupKFold out-of-sample errors (specenv.batchfit).
+    """
+    from specenv.batchfit import TIMINGS, fit_batch_cost, format_report, load_steps
+
+    if timing not in TIMINGS:
+        fail(f"--timing: {timing!r} is not one of {', '.join(TIMINGS)}")
+    if save is not None:
+        _check_out_file("--out", save)
+    try:
+        steps, manifest = load_steps(recording)
+    except ValueError as exc:
+        fail(str(exc))
+    n_groups = int(steps["group"].nunique())
+    if folds > n_groups:
+        fail(f"--folds: {folds} folds need at least {folds} groups, {recording} has {n_groups}")
+    try:
+        rep = fit_batch_cost(steps, manifest, folds, source={"recording": str(manifest["name"])}, timing=timing)
+    except ValueError as exc:
+        fail(f"{recording}: {exc}")
+    if save is not None:
+        rep.model.save(save)
+    if as_json:
+        _print_json(rep.to_json())
+        return
+    out.print(format_report(rep), markup=False, highlight=False)
+    if save is not None:
+        out.print(f"batch cost model written to {save}")
+
+
 def _is_paper_profile(manifest: Any) -> bool:
     """Whether a trace set comes from the paper-profile generator (its figures compare with the paper's)."""
     return manifest.source == "generator" and manifest.profile == "paper"
@@ -1266,7 +1312,7 @@ def abtest(
         str,
         typer.Option(
             help="Comma-separated arm groups: plain, fixed, best, dynamic, adaptive, heuristic, delta, learned, "
-            "overhead, or all. Plain is always run (the reference)."
+            "overhead, batch, or all. Plain is always run (the reference)."
         ),
     ] = "all",
     kmax: Annotated[int | None, typer.Option(min=1, max=64, help="Largest k (default: the trace set's Kmax).")] = None,

@@ -13,6 +13,7 @@ passes it as ``error``), :class:`ValueError` everywhere else (:func:`value_error
 | trace-set ``manifest.json`` | :class:`ManifestJSON` | :meth:`specenv.traceset.Manifest.from_json` |
 | cost-model JSON | :class:`CostModelJSON` | :meth:`specenv.costmodel.CostModel.from_json` |
 | batch cost-model JSON | :class:`BatchCostModelJSON` | :meth:`specenv.batchcost.BatchCostModel.from_json` |
+| steps recording ``manifest.json`` | :class:`BatchStepsJSON` | :func:`specenv.batchfit.load_steps` |
 | ``policy.json`` (+ :func:`npz_headers`) | :class:`PolicyJSON` | :meth:`specenv.policy.mlp.MLPPolicy.load` |
 | ``recording.json`` | :class:`RecordingJSON` | :mod:`specenv.engines.recorder` |
 | recording part index ``parts/part-N.json`` | :class:`PartIndexJSON` | :mod:`specenv.engines.recorder` |
@@ -462,6 +463,26 @@ def _models() -> dict[str, Any]:
                 raise ValueError(problem)
             return self
 
+    class BatchStepsJSON(Strict):
+        """A steps recording's ``manifest.json`` (:mod:`specenv.batchfit`)."""
+
+        format: str
+        name: Name
+        version: Count = 1
+        description: str = ""
+        model: ModelFactsJSON
+        kmax: Annotated[int, Field(ge=1, le=KMAX_MAX)]
+        max_batch: Annotated[int, Field(ge=1, le=BATCH_MAX)]
+        files: dict[Literal["steps"], TraceFileJSON]
+        extra: dict[str, Any] = {}
+
+        @field_validator("files")
+        @classmethod
+        def _steps(cls, files: dict[str, Any]) -> dict[str, Any]:
+            if "steps" not in files:
+                raise ValueError("must name the 'steps' table")
+            return files
+
     class PolicyJSON(Strict):
         """``policy.json`` of an exported MLP policy (the observation contract is checked by its owner)."""
 
@@ -549,6 +570,7 @@ def _models() -> dict[str, Any]:
             ManifestJSON,
             CostModelJSON,
             BatchCostModelJSON,
+            BatchStepsJSON,
             PolicyJSON,
             RecordingJSON,
             PartIndexJSON,

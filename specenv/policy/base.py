@@ -5,18 +5,37 @@ rounds, never the trace. ``reset()`` starts a new generation; ``act(obs) -> k`` 
 the next round; ``act_batch(obs) -> ks`` does the same for a batch of independent streams (the
 vector environment or many vLLM requests). A stream whose observation has ``first_round == 1``
 starts a new generation, so batched use needs no separate reset signal.
+
+**Batch policies** (:class:`BatchPolicyProtocol`, issue 15 item 5) decide one batched verification step
+jointly: ``act_step(obs, streams) -> ks`` gets the stacked observations (B, dim) of every request of the
+step, one row per request in the server's order, and ``streams``, one stable id per row (an id not seen
+before is a new request; its row has ``first_round == 1``); it returns all B budgets at once. The
+optional ``release(streams)`` is called when requests finish, so a stateful batch policy can forget
+them. A batch policy sets ``batch_policy = True`` (:func:`is_batch_policy`); with ``stateless = True``
+it promises that ``act_step`` depends on its arguments only, so the vLLM controller may also ask it
+what it would do (the draft horizon). The vLLM controller (``specenv.engines.vllm.controller``) calls
+``act_step`` once per engine step; ``act``/``act_batch`` keep it usable wherever a plain policy is.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Hashable, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from specenv.observation import ObservationSpec, ObsView
 
-__all__ = ["ObsView", "Policy", "PolicyProtocol", "policy_drafting", "policy_signals"]
+__all__ = [
+    "BatchPolicyProtocol",
+    "ObsView",
+    "Policy",
+    "PolicyProtocol",
+    "is_batch_policy",
+    "policy_drafting",
+    "policy_signals",
+]
 
 
 @runtime_checkable
@@ -33,6 +52,25 @@ class PolicyProtocol(Protocol):
 
     def act_batch(self, obs: np.ndarray) -> np.ndarray:
         """Budgets for a (n, dim) batch of observations of independent streams."""
+
+
+@runtime_checkable
+class BatchPolicyProtocol(Protocol):
+    """A policy that decides every request of a batched step at once (module docstring)."""
+
+    name: str
+    batch_policy: bool
+
+    def reset(self) -> None:
+        """Forget every request."""
+
+    def act_step(self, obs: np.ndarray, streams: Sequence[Hashable]) -> np.ndarray:
+        """Budgets (B,) for the stacked observations (B, dim) of one step's requests, ids ``streams``."""
+
+
+def is_batch_policy(policy: object) -> bool:
+    """Whether ``policy`` declares ``batch_policy = True`` and has an ``act_step`` method."""
+    return bool(getattr(policy, "batch_policy", False)) and callable(getattr(policy, "act_step", None))
 
 
 class Policy:

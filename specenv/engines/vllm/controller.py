@@ -52,7 +52,14 @@ step's time.
 
 Stateless policies (:class:`specenv.policy.mlp.MLPPolicy`, or any object with ``stateless = True``) are
 called once per step on the stacked observations (``act_batch``); any other policy gets one private
-copy per request (``copy.deepcopy`` + ``reset()``), called with ``act``.
+copy per request (``copy.deepcopy`` + ``reset()``), called with ``act``. A **batch policy**
+(``batch_policy = True``, :class:`specenv.policy.base.BatchPolicyProtocol`) is one object for the whole
+server: once per step ``act_step(obs, request_ids)`` gets the stacked observations of every request
+being decided (one row per request, in the order of the drafter's batch) and returns all their k at
+once; ``release([request_id])`` (if it has one) is called when a request finishes. With
+``draft_horizon="policy"`` a batch policy that is also ``stateless`` is asked for the horizon the same
+way (on the hypothetical observations); a stateful one is not asked twice per step, so the drafter
+proposes ``num_speculative_tokens``. A wrong shape or an exception gives every request the fallback k.
 """
 
 from __future__ import annotations
@@ -438,6 +445,7 @@ class SpecControlScheduler(Scheduler):
         self.spec = self._default_spec()
         self._slots = _ObsSlots(self.spec)
         self._stateless = True
+        self._batch = False  # a batch policy (specenv.policy.base.BatchPolicyProtocol): one act_step per step
         if self.settings.policy:
             self.set_policy(resolve_policy(self.settings.policy, self.spec))
         self.recorder = None
@@ -485,7 +493,7 @@ class SpecControlScheduler(Scheduler):
                 policy without an ``act`` method.
         """
         if policy is None:
-            self.policy, self.spec, self._stateless = None, self._default_spec(), True
+            self.policy, self.spec, self._stateless, self._batch = None, self._default_spec(), True, False
             self._signal_cols = None
             self._want_signals(False)
             self._reset_slots()
@@ -515,12 +523,13 @@ class SpecControlScheduler(Scheduler):
                 spec.kmax,
                 self.num_spec_tokens,
             )
-        from specenv.policy.base import policy_signals
+        from specenv.policy.base import is_batch_policy, policy_signals
         from specenv.policy.mlp import MLPPolicy
 
         self.policy = policy
         self.spec = spec
         self._stateless = isinstance(policy, MLPPolicy) or bool(getattr(policy, "stateless", False))
+        self._batch = is_batch_policy(policy)
         self._signal_cols = [SIGNAL_FIELDS.index(sig) for sig in policy_signals(policy)] if spec.lookahead else None
         self._want_signals(bool(spec.lookahead))
         self._reset_slots()
@@ -690,6 +699,12 @@ class SpecControlScheduler(Scheduler):
         st = self._reqs.pop(req_id, None)
         if st is not None:
             self._slots.release(st.slot)
+            release = getattr(self.policy, "release", None) if self._batch else None
+            if release is not None:
+                try:
+                    release([req_id])
+                except Exception as exc:  # a policy's bookkeeping never fails the server
+                    self._error(exc)
 
     def has_requests(self) -> bool:
         """Base behaviour; after SIGTERM/SIGINT, the first time there is no request left also closes the recording.
@@ -748,7 +763,9 @@ class SpecControlScheduler(Scheduler):
         """
         if self.spec.lookahead:
             return int(min(self.spec.lookahead, self.num_spec_tokens))
-        first, cont, owners_f, owners_c = [], [], [], []
+        if self._batch and not getattr(self.policy, "stateless", False):
+            return int(self.num_spec_tokens)  # a stateful batch policy is asked once per step, in _decide
+        first, cont, owners_f, owners_c, ids_f, ids_c = [], [], [], [], [], []
         for req_id in out.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_prefill_chunk:
@@ -758,10 +775,12 @@ class SpecControlScheduler(Scheduler):
             if request.num_output_tokens == 0:  # last prefill chunk: the first round comes next
                 first.append((request.num_tokens + 1, 1))
                 owners_f.append(st)
+                ids_f.append(req_id)
             else:
                 U = st.last_U.get(K, float(u_prior(K, self.top_k or 1, self.n_experts or 1)))
                 cont.append((st.slot, K, U, request.num_tokens + K + 1, request.num_output_tokens + K + 1))
                 owners_c.append(st)
+                ids_c.append(req_id)
         rows = []
         if first:
             L, t = np.array(first, dtype=np.float64).T
@@ -781,7 +800,9 @@ class SpecControlScheduler(Scheduler):
         if not rows:
             return int(self.num_spec_tokens)
         obs = np.concatenate(rows)
-        if self._stateless:
+        if self._batch:
+            ks = [int(k) for k in np.asarray(self.policy.act_step(obs, ids_f + ids_c)).reshape(-1)]
+        elif self._stateless:
             ks = [int(k) for k in np.asarray(self.policy.act_batch(obs)).reshape(-1)]
         else:
             ks = []
@@ -1071,9 +1092,12 @@ class SpecControlScheduler(Scheduler):
         )
         t0 = time.perf_counter()
         ks: list[Any] = [None] * len(live)
-        if self._stateless:
+        if self._stateless or self._batch:
             try:
-                out = np.asarray(self.policy.act_batch(obs))
+                if self._batch:
+                    out = np.asarray(self.policy.act_step(obs, [req_ids[j] for j in live]))
+                else:
+                    out = np.asarray(self.policy.act_batch(obs))
                 if out.shape not in ((len(live),), (len(live), 1)):
                     raise ValueError(f"act_batch returned shape {out.shape} for {len(live)} observations")
                 ks = list(out.reshape(-1))

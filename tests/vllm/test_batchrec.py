@@ -1,0 +1,47 @@
+"""The batch-step recorder on the session's engine: a valid steps table, vLLM's draft loop, callbacks restored."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm.v1.core.sched.scheduler")
+
+pytestmark = pytest.mark.slow  # a live vLLM engine
+
+from vhelpers import KMAX, PROMPTS, controller_of  # noqa: E402
+
+from specenv.batchfit import STEPS_FORMAT, check_steps  # noqa: E402
+from specenv.engines.vllm.batchrec import record_batch_steps  # noqa: E402
+
+
+def test_record_batch_steps(engine):
+    ctl = controller_of(engine)
+    before = (ctl.round_callback, ctl.forward_callback, ctl.draft_tokens, ctl.policy)
+    tok = engine.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    steps, stats = record_batch_steps(engine, prompts, [1, 2, 4], reps=2, max_tokens=12, kmax=KMAX, seed=3)
+    assert (ctl.round_callback, ctl.forward_callback, ctl.draft_tokens, ctl.policy) == before
+    manifest = {
+        "format": STEPS_FORMAT,
+        "name": "t",
+        "model": {"n_layers": ctl.tap.n_layers, "n_experts": ctl.n_experts, "top_k": ctl.top_k},
+        "kmax": KMAX,
+        "max_batch": 4,
+    }
+    check_steps(steps, manifest)  # bounds of every union, positions = sum(k+1), times > 0...
+    assert stats["groups"] == 6 and stats["steps"] == len(steps) > 10
+    assert {1, 2, 4} <= set(steps["B"])
+    # vLLM's drafter runs the step's n forward passes for the whole batch
+    assert (steps["draft_calls"] == steps["drafted"]).all()
+    assert steps["drafted"].nunique() > 1 and steps["positions"].nunique() > 3
+    # a k = 0 request verifies one position: its own union is top_k
+    for k, U in zip(steps["k"], steps["U"], strict=True):
+        assert np.all(np.asarray(U)[np.asarray(k) == 0] == ctl.top_k)
+    # a k drawn for a request never exceeds the drafts proposed for it in its previous step
+    by_group = steps.sort_values(["group", "step"])
+    prev = by_group.groupby("group")["drafted"].shift(1)
+    consecutive = by_group["step"].diff() == 1
+    mask = consecutive & prev.notna()
+    kmax_row = by_group["k"].map(max)
+    assert (kmax_row[mask] <= prev[mask]).all()
