@@ -22,8 +22,8 @@ plain-decoding reference:
   :meth:`specenv.batchcost.BatchCostModel.ar_ms` of the active contexts). It depends on the
   requests only, so every policy is compared with the same number: speedup = AR / policy cost;
 * **the batch cost model of a set** (:func:`batch_cost_for`): ``"auto"`` is the batch model fitted
-  on the set's own batch timings when the set ships one (:func:`specenv.batchcost.fitted_for`, when
-  that function exists and returns a model), else the scaled form
+  on vLLM batch timings when they were measured on the set's engine and models
+  (:func:`fitted_batch_cost`: the shipped ``live-vllm-batch-v1`` fit prices ``live-vllm``), else the scaled form
   :meth:`specenv.batchcost.BatchCostModel.from_cost_model` of the set's single-request model
   (``"scaled"`` forces it; a path loads a batch-cost JSON);
 * **the global token budget rule** (:func:`allocate_budget`): vLLM adaptive verification's
@@ -39,8 +39,10 @@ from typing import Any
 
 import numpy as np
 
-from specenv.batchcost import BatchCostModel
+from specenv.batchcost import SHIPPED, BatchCostModel, load_batch_cost_model
 from specenv.costmodel import CostModel
+from specenv.io import package_data
+from specenv.validation import read_json
 
 __all__ = [
     "BATCH_COSTS",
@@ -48,6 +50,7 @@ __all__ = [
     "allocate_budget",
     "ar_schedule_ms",
     "batch_cost_for",
+    "fitted_batch_cost",
     "request_draws",
     "request_seeds",
 ]
@@ -139,18 +142,15 @@ def batch_cost_for(
         ValueError: One line naming ``batch_cost`` when the file is bad, or the model covers fewer
             than B requests or a smaller Kmax than the single model.
     """
-    from specenv import batchcost
-
     model: BatchCostModel | None = None
     if isinstance(which, str) and which in BATCH_COSTS:
-        fitted = getattr(batchcost, "fitted_for", None)
-        if which == "auto" and fitted is not None:
-            model = fitted(traces)
+        if which == "auto":
+            model = fitted_batch_cost(traces, batch_size)
         if model is None:
             model = BatchCostModel.from_cost_model(cost_model, traces.facts, max_batch=max(int(batch_size), 1))
     else:
         try:
-            model = BatchCostModel.load(which)
+            model = load_batch_cost_model(which)
         except (OSError, ValueError) as exc:
             raise ValueError(f"batch_cost={os.fspath(which)!r}: {exc}") from None
     if model.max_batch < batch_size:
@@ -161,6 +161,33 @@ def batch_cost_for(
     if model.kmax < cost_model.kmax:
         raise ValueError(f"batch_cost: the batch cost model covers k <= {model.kmax}, the set needs {cost_model.kmax}")
     return model
+
+
+def fitted_batch_cost(traces: Any, batch_size: int) -> BatchCostModel | None:
+    """The shipped batch fit when it was measured on the engine and models of this set, else None.
+
+    The shipped recording (:data:`specenv.batchcost.SHIPPED`, vLLM 0.32 on CPU with the shipped small
+    models) prices a set recorded by vLLM (manifest ``source == "vllm"``) on the same models (its
+    ``profile`` names them, e.g. ``small-moe-v1``; same experts, layers and top-k), when B is within
+    the recording's batch sizes. Any other set is priced by the scaled form.
+    """
+    rec = package_data(SHIPPED)
+    try:
+        info = read_json(rec / "manifest.json", what="batch recording manifest")
+    except (OSError, ValueError):
+        return None
+    models = str(info.get("extra", {}).get("models", ""))
+    facts = traces.facts
+    same = (
+        traces.manifest.source == "vllm"
+        and models
+        and str(traces.manifest.profile).startswith(models)
+        and info.get("model") == {"n_layers": facts.n_layers, "n_experts": facts.n_experts, "top_k": facts.top_k}
+    )
+    if not same:
+        return None
+    model = load_batch_cost_model(rec)
+    return model if model.max_batch >= batch_size and model.kmax >= traces.kmax else None
 
 
 def allocate_budget(scores: np.ndarray, budget: int) -> np.ndarray:

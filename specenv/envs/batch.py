@@ -85,7 +85,8 @@ class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
     (``none``: request i drafts k_i tokens; ``block``: every active request drafts ``max(k_i, h)``,
     as vLLM's drafter runs ``num_speculative_tokens`` steps for the whole batch; ``sequential``:
     k_i). The batch cost model is ``batch_cost`` (:func:`specenv.batchreplay.batch_cost_for`:
-    ``"auto"`` = the set's fitted batch model when it ships one, else the scaled form of the set's
+    ``"auto"`` = the vLLM batch fit when it was measured on the set's engine and models
+    (:func:`specenv.batchreplay.fitted_batch_cost`: ``live-vllm``), else the scaled form of the set's
     single-request model ``cost_model``).
 
     ## Spaces
