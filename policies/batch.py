@@ -23,7 +23,9 @@ blocks plus batch features) and returns the B budgets at once (:class:`BatchPoli
   ``sum_r (1 - alpha_r^(k+1)) / (1 - alpha_r) / step_ms(k, ..., k)`` with alpha_r each request's
   running acceptance (the estimator of :class:`policies.heuristics.GoodputRule`);
 * :class:`PerRequest`: any single-request policy run on every slot's own observation (the delta rule
-  :class:`policies.delta.DeltaSpaceRule`, an exported MLP...).
+  :class:`policies.delta.DeltaSpaceRule`, an exported MLP...);
+* :class:`StepPolicy`: a batch policy of the vLLM controller's ``act_step`` protocol
+  (:class:`policies.batch_goodput.BatchGoodput`) on the active slots.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ __all__ = [
     "FixedBatch",
     "GoodputBatch",
     "PerRequest",
+    "StepPolicy",
     "TetrisBatch",
 ]
 
@@ -310,6 +313,33 @@ class GoodputBatch(_CostBatch):
         draft = np.array([self.batch_cost.draft_ms(row) for row in cand])
         cost = self.step_ms_many(cand, np.zeros(len(idx), dtype=np.int64), ctx) + draft
         return np.full(len(active), int(np.argmax(tokens / cost)), dtype=np.int64)
+
+
+class StepPolicy(BatchPolicy):
+    """A batch policy of the vLLM controller's protocol (``act_step(observations, streams)``) on the active slots.
+
+    E.g. :class:`policies.batch_goodput.BatchGoodput`. The slots are the stream ids.
+
+    Args:
+        spec: Batch observation layout.
+        policy: An object with ``act_step(obs (n, dim), streams) -> (n,) budgets``.
+        name: Row name (default the policy's).
+    """
+
+    def __init__(self, spec: BatchObservationSpec, policy: Any, name: str | None = None):
+        super().__init__(spec)
+        self.policy = policy
+        self.name = name or str(getattr(policy, "name", "batch policy"))
+
+    def reset(self) -> None:
+        """Reset the wrapped policy."""
+        self.policy.reset()
+
+    def _act(self, active: np.ndarray, req: np.ndarray) -> np.ndarray:
+        idx = np.flatnonzero(active)
+        k = np.zeros(len(active), dtype=np.int64)
+        k[idx] = self.policy.act_step(req[idx], [int(i) for i in idx])
+        return k
 
 
 class PerRequest(BatchPolicy):

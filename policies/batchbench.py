@@ -36,9 +36,11 @@ from policies.batch import (
     FixedBatch,
     GoodputBatch,
     PerRequest,
+    StepPolicy,
     TetrisBatch,
     fit_dsd_table,
 )
+from policies.batch_goodput import BatchGoodput
 from policies.delta import DeltaSpaceRule
 from specenv.envs.batch import MoESpecBatchEnv
 from specenv.io import atomic_write_json, atomic_write_text
@@ -186,6 +188,14 @@ def run_batch_benchmark(
                 spec_none,
                 DeltaSpaceRule(spec_none.request, ctx.cost_model, lam_ms=ctx.lam_ms, u_prior=up, rho_prior=rp),
                 name="delta-space per request (oracle lambda)",
+            ),
+            "none",
+        ),
+        (
+            StepPolicy(
+                spec_none,
+                BatchGoodput(spec_none.request, bcm, u_prior=up),
+                name="batch-goodput (joint k, expert-aware)",
             ),
             "none",
         ),

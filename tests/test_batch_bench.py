@@ -20,6 +20,7 @@ ROWS = [
     "tetris-greedy",
     "smartspec-goodput",
     "delta-space per request (oracle lambda)",
+    "batch-goodput",
 ]
 
 
