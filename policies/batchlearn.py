@@ -1,16 +1,20 @@
-"""Learned batch controllers: imitation of the batch bound's per-request decisions, and PPO.
+"""Learned batch controllers: imitation of per-request oracles of the batch, and PPO.
 
 * :func:`train_batch_imitation`: DAgger (as :mod:`policies.imitation`) in ``specenv/MoESpecBatch-v0``
-  on the train split. The expert is the batch bound's per-request optimum (:mod:`oracle.batch`): the
-  single-request SSP under the per-request share of the batch step cost, whose action values give
-  every visited state cost-sensitive labels. The learner is a per-request MLP (the per-request
-  observation of each active slot in, a budget out), exported to the numpy format
+  on the train split, with cost-sensitive labels from a per-request problem (``expert``): the batch
+  bound's full-batch charges (:func:`oracle.batch.share_model` with ``full=True``: "imitation of the
+  bound's per-request decisions") or the cost a request induces in a full batch of its like
+  (:class:`oracle.batch.FairShare`). ``reference`` says what follows a labelled state: the expert's
+  clairvoyant optimum (AggreVaTe) or the learner's own budgets (approximate policy iteration, each
+  iteration evaluated exactly by :func:`oracle.dp.evaluate_policy`). On greedy traces the first
+  collapses to k = 0 (the oracle speculates only where the drafts will be accepted, so per state k = 0
+  has the smallest regret), which is why the second exists. The learner is a per-request MLP (the
+  per-request observation of each active slot in, a budget out), exported to the numpy format
   (:class:`specenv.policy.mlp.MLPPolicy`), so it runs per request anywhere a single-request policy
-  runs (:class:`policies.batch.PerRequest`, the vLLM controller). Because the share charges a
-  request for its part of the batch's intercept, expert union and draft, the labels are batch-aware.
+  runs (:class:`policies.batch.PerRequest`, the vLLM controller).
 * :func:`train_batch_ppo`: SB3 PPO with a ``MultiDiscrete`` action (all B budgets at once) on the
-  batch observation, a small budget of steps; kept in memory as an SB3 model
-  (:class:`SB3Batch`), not exported.
+  batch observation, a small budget of steps; kept in memory as an SB3 model (:class:`SB3Batch`),
+  not exported.
 """
 
 from __future__ import annotations
