@@ -48,7 +48,7 @@ from specenv.stats import bootstrap_indices, bootstrap_ratio_ci
 
 __all__ = ["BatchBenchResult", "batch_markdown", "run_batch_benchmark", "write_batch_outputs"]
 
-#: Rows that are vLLM's own batch rules (the reference of the learners' gain).
+#: Rows that are vLLM's own batch rules; the last two are fitted on train (the reference of the learners' gain).
 VLLM_RULES = ("fixed", "vllm-dsd-table", "vllm-adaptive-verification")
 
 
@@ -270,10 +270,18 @@ def run_batch_benchmark(
     path_speedup = bb.speedup_pathwise
     for row, res in zip(out, runs, strict=True):
         row["bound_violations"] = int(np.sum(res["ar"] / res["cost"] > path_speedup * (1 + 1e-9)))
-    vllm = [r for r in out if r["vllm_rule"]]
-    best_vllm = max(vllm, key=lambda r: r["speedup_pooled"])
+    # vLLM's own rules as a user would configure them from the train split (the DSD table and adaptive
+    # verification's h are fitted there); the fixed-k rows picked on the test episodes are hindsight
+    fitted = [r for r in out if r["policy"].startswith(VLLM_RULES[1:])]
+    best_vllm = max(fitted, key=lambda r: r["speedup_pooled"])
+    hindsight = max((r for r in out if r["vllm_rule"]), key=lambda r: r["speedup_pooled"])
     for r in out:
         r["vs_best_vllm"] = r["speedup_pooled"] / best_vllm["speedup_pooled"] - 1.0
+        r["vs_best_vllm_hindsight"] = r["speedup_pooled"] / hindsight["speedup_pooled"] - 1.0
+    notes.append(
+        f"vs best vLLM rule: against {best_vllm['policy']} (the best of vLLM's rules fitted on train); the best "
+        f"vLLM row in hindsight on these test episodes is {hindsight['policy']} ({hindsight['speedup_pooled']:.3f})"
+    )
     bound = bb.summary() | {
         "split": list(bb.split) if bb.split is not None else "min rule",
         "ci95_expected": bootstrap_ratio_ci(bb.ar, bb.expected, indices=idx)["pooled"],
@@ -290,6 +298,7 @@ def run_batch_benchmark(
         "batch_cost_kind": bcm.source.get("kind"),
         "test_generations": int(arrays.n_generations),
         "best_vllm_rule": best_vllm["policy"],
+        "best_vllm_rule_hindsight": hindsight["policy"],
         "dsd_schedule": [list(e) for e in schedule],
         "best_fixed_k_full_batch": int(best_fixed),
         "seconds": time.perf_counter() - t0,
@@ -300,7 +309,7 @@ def run_batch_benchmark(
 def batch_markdown(res: BatchBenchResult) -> str:
     """The table: one row per policy, then the bound."""
     lines = [
-        "| policy | drafting | speedup (pooled) | 95% CI | vs best vLLM rule | bound violations |",
+        "| policy | drafting | speedup (pooled) | 95% CI | vs best vLLM rule (train-fitted) | bound violations |",
         "|---|---|---|---|---|---|",
     ]
     for r in res.rows:
