@@ -24,7 +24,6 @@ ROWS = [
 ]
 
 
-@pytest.mark.slow
 def test_cli_bench_batch_runs_every_row_below_the_bound(tmp_path):
     out = tmp_path / "bb"
     res = CliRunner().invoke(
