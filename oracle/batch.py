@@ -478,7 +478,7 @@ def batch_bound(
     expected, full, tail, chosen = expected_costs(arrays, model, B, gens)
     charges = [(full, tail)]
     if method == "lagrangian":
-        lag, lfull, ltail = lagrangian_costs(arrays, model, B, gens)
+        lag, lfull, ltail = lagrangian_costs(arrays, model, B, gens, (full, tail))
         if lfull is not None:
             expected = np.maximum(expected, lag)
             charges.append((lfull, ltail))
@@ -887,7 +887,11 @@ def lagrangian_split(
 
 
 def lagrangian_costs(
-    arrays: PositionArrays, model: BatchCostModel, batch_size: int, generations: np.ndarray
+    arrays: PositionArrays,
+    model: BatchCostModel,
+    batch_size: int,
+    generations: np.ndarray,
+    start: tuple[CostModel, CostModel] | None = None,
 ) -> tuple[np.ndarray, Any, Any]:
     """Lower bounds on the expected cost of the episodes by the Lagrangian splits (:func:`batch_bound`).
 
@@ -897,13 +901,20 @@ def lagrangian_costs(
     is kept; the caller takes the per-episode maximum with the split rule (:func:`expected_costs`),
     so the bound is never looser than it.
 
+    Args:
+        arrays: Positions table.
+        model: The batch cost model.
+        batch_size: B.
+        generations: (E, R) generation index of every request.
+        start: The split rule's (full-batch, tail) charges when already computed (:func:`expected_costs`).
+
     Returns:
         ``(costs (E,), full-batch charge, tail charge)``; costs are -inf when no candidate exists.
     """
     B = int(batch_size)
     gens = np.atleast_2d(np.asarray(generations, dtype=np.int64))
     weights = np.bincount(gens.ravel(), minlength=len(arrays.lengths)).astype(np.float64)
-    _, old_full, old_tail, _ = expected_costs(arrays, model, B, gens)
+    old_full, old_tail = expected_costs(arrays, model, B, gens)[1:3] if start is None else start
     best: tuple[np.ndarray, Any, Any] = (np.full(len(gens), -np.inf), None, None)
     for expert in ("chord", "max"):
         full = lagrangian_split(arrays, model, B, weights, True, expert, x0=old_full.beta0.copy())
