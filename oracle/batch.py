@@ -81,7 +81,6 @@ __all__ = [
     "METHODS",
     "BatchBound",
     "FairShare",
-    "MinCharge",
     "SplitCharge",
     "batch_bound",
     "expected_costs",
@@ -90,6 +89,7 @@ __all__ = [
     "joint_optimum",
     "lagrangian_costs",
     "lagrangian_split",
+    "switch_costs",
     "pathwise_costs",
     "share_model",
     "tail_model",
@@ -306,7 +306,14 @@ class FairShare:
         return self.model.verify_from_totals(self.B, self.B, ub, self.B * L) / self.B
 
 
-def pathwise_costs(arrays: PositionArrays, share: CostModel, g: int, uniforms: np.ndarray) -> float:
+def pathwise_costs(
+    arrays: PositionArrays,
+    share: Any,
+    g: int,
+    uniforms: np.ndarray,
+    exit: np.ndarray | None = None,
+    table: bool = False,
+) -> Any:
     """Least total charge of generation ``g`` given its acceptance uniforms (the pathwise bound of one request).
 
     Round j of the request (j = 0, 1, ...) accepts ``#{i <= k : u_j < P(a >= i | t)}`` drafts, capped at
@@ -318,9 +325,12 @@ def pathwise_costs(arrays: PositionArrays, share: CostModel, g: int, uniforms: n
         share: The charges (:func:`share_model`).
         g: Generation index in ``arrays``.
         uniforms: (N,) the request's uniforms (:func:`specenv.batchreplay.request_draws`).
+        exit: Optional (N+1, N+1) table: from (t, j) the request may instead switch to a charge whose
+            least total from there is ``exit[t, j]`` (the tail phase of :func:`lagrangian_costs`).
+        table: Return the whole (N+1, N+1) table ``V[t, j]`` instead of ``V[0, 0]``.
 
     Returns:
-        The least total charge in ms.
+        The least total charge in ms (or the table).
     """
     lo, hi = int(arrays.offsets[g]), int(arrays.offsets[g + 1])
     N = hi - lo
@@ -340,8 +350,10 @@ def pathwise_costs(arrays: PositionArrays, share: CostModel, g: int, uniforms: n
             a = np.minimum(np.minimum(lead, k), N - t - 1)
             val = C[t, k] + V[t + a + 1, j + 1]
             np.minimum(best, val, out=best)
+        if exit is not None:
+            np.minimum(best, exit[t, : t + 1], out=best)
         V[t, : t + 1] = best
-    return float(V[0, 0])
+    return V if table else float(V[0, 0])
 
 
 @dataclass
@@ -476,18 +488,18 @@ def batch_bound(
     lengths = arrays.lengths
     gens = np.array([[request_draws(int(s), lengths)[0] for s in row] for row in seeds], dtype=np.int64)
     expected, full, tail, chosen = expected_costs(arrays, model, B, gens)
-    charges = [(full, tail)]
+    charges = [(full, tail, False)]
     if method == "lagrangian":
         lag, lfull, ltail = lagrangian_costs(arrays, model, B, gens, (full, tail))
         if lfull is not None:
             expected = np.maximum(expected, lag)
-            charges.append((lfull, ltail))
+            charges.append((lfull, ltail, True))
     paths = None
     if pathwise:
         if arrays.greedy:
             paths = expected.copy()
         else:
-            for cf, ct in charges:  # every pair of valid charges bounds every episode: keep the larger
+            for cf, ct, switch in charges:  # every pair of valid charges bounds every episode: keep the larger
                 pf = np.empty((E, R))
                 pt = np.empty((E, R))
                 memo: dict[int, tuple[float, float]] = {}
@@ -496,7 +508,12 @@ def batch_bound(
                         key = int(seeds[e, r])
                         if key not in memo:
                             g, u = request_draws(key, lengths)
-                            memo[key] = (pathwise_costs(arrays, cf, g, u), pathwise_costs(arrays, ct, g, u))
+                            vf = pathwise_costs(arrays, cf, g, u)
+                            if switch:  # the tail charge from the step the tail begins (lagrangian_costs)
+                                vt = pathwise_costs(arrays, ct, g, u, table=True)
+                                memo[key] = (vf, min(vf, pathwise_costs(arrays, cf, g, u, exit=vt)))
+                            else:
+                                memo[key] = (vf, pathwise_costs(arrays, ct, g, u))
                         pf[e, r], pt[e, r] = memo[key]
                 cand = _episode_costs(pf, pt, B)
                 paths = cand if paths is None else np.maximum(paths, cand)
@@ -649,41 +666,6 @@ class SplitCharge:
         return self.charged_by_budget(U, L)[0]
 
 
-class MinCharge:
-    """The pointwise minimum of two charges (at most both, so valid wherever either is)."""
-
-    def __init__(self, a: Any, b: Any):
-        self.a, self.b = a, b
-        self.top_k = a.top_k
-
-    @property
-    def kmax(self) -> int:
-        """Largest budget covered."""
-        return min(self.a.kmax, self.b.kmax)
-
-    def charged_by_budget(
-        self, U: np.ndarray, L: np.ndarray, lookahead: int = 0, out: np.ndarray | None = None, drafting: Any = None
-    ) -> np.ndarray:
-        """(kmax+1, n) charges: the smaller of the two."""
-        U = np.array(U, dtype=np.float64)
-        res = np.minimum(self.a.charged_by_budget(U, L), self.b.charged_by_budget(U, L))
-        if out is None:
-            return res
-        out[...] = res
-        return out
-
-    def charged_table(
-        self, U: np.ndarray, L: np.ndarray, kmax: int | None = None, lookahead: int = 0, drafting: Any = None
-    ) -> np.ndarray:
-        """(n, kmax+1) charges."""
-        K = U.shape[1] - 1 if kmax is None else int(kmax)
-        return np.ascontiguousarray(self.charged_by_budget(np.array(U[:, : K + 1].T, dtype=np.float64), L).T)
-
-    def ar_ms(self, L: np.ndarray) -> np.ndarray:
-        """The smaller plain-round charge."""
-        return np.minimum(self.a.ar_ms(L), self.b.ar_ms(L))
-
-
 def _p_range(m: int, B: int, K: int, full: bool) -> slice:
     """Indices P-1 of the steps a request verifying m positions can be part of (module docstring)."""
     return slice(m + B - 2, m + (B - 1) * (K + 1)) if full else slice(m - 1, B * (K + 1))
@@ -748,10 +730,12 @@ def expert_share(
 def _multisets(model: BatchCostModel, B: int, K: int, full: bool) -> tuple[np.ndarray, np.ndarray]:
     """Every step's budget multiset as counts (rows, K+1 columns) and its intercept + least draft (rhs).
 
+    ``full``: steps of exactly B requests; else the tail's steps, of 1..B-1 requests (1 when B = 1).
+
     The step's shared terms ``beta0(P) + b_req (n-1) + T_D`` with each request drafting its k (the
     least any mode drafts; T_D is nondecreasing in the drafted tokens when d0, d_step, d_tok >= 0).
     """
-    sizes = [B] if full else range(1, B + 1)
+    sizes = [B] if full else range(1, max(B, 2))
     rows, rhs = [], []
     for n in sizes:
         for combo in itertools.combinations_with_replacement(range(K + 1), n):
@@ -767,11 +751,12 @@ def _multisets(model: BatchCostModel, B: int, K: int, full: bool) -> tuple[np.nd
 def _fixed_parts(model: BatchCostModel, B: int, K: int, full: bool, u_lo: float, u_hi: float, expert: str):
     """(e0, eu, ew, z) by budget: the expert and context shares (None when ``expert`` has no valid form here)."""
     e0, eu, ew, z = (np.zeros(K + 1) for _ in range(4))
-    share = expert_share(model, B, u_lo, u_hi, full) if expert == "chord" else (0.0, _union_share(model, B), 0.0)
+    nb = B if full else max(B - 1, 1)  # the tail's steps hold at most B-1 requests
+    share = expert_share(model, nb, u_lo, u_hi, full) if expert == "chord" else (0.0, _union_share(model, nb), 0.0)
     if share is None:
         return None
     for k in range(K + 1):
-        rng = _p_range(k + 1, B, K, full)
+        rng = _p_range(k + 1, nb, K, full)
         lo = float(model.alpha[rng].min())
         if lo >= 0:
             e0[k], eu[k], ew[k] = lo * share[0], lo * share[1], lo * share[2]
@@ -886,6 +871,37 @@ def lagrangian_split(
     return best
 
 
+def switch_costs(arrays: PositionArrays, full: Any, tail_values: np.ndarray) -> np.ndarray:
+    """Least expected charge of each generation when the charge may switch once from ``full`` to the tail's.
+
+    ``V(t) = min( W(t), min_k [ full(t, k) + sum_a P(a | t, k) V(t + a + 1) ] )`` with W the tail
+    charge's optimal cost-to-go (``solve(arrays, tail).value``) and V(N) = 0: the least expected charge
+    over every budget policy and every switching time (a stopping time of the whole batch's history,
+    so no better than the best one of this SSP).
+
+    Returns:
+        (G,) V(0) per generation.
+    """
+    K = arrays.kmax
+    S = arrays.survival()
+    C = full.charged_table(arrays.U, arrays.L, K)
+    out = np.empty(len(arrays.lengths))
+    for g in range(len(arrays.lengths)):
+        lo, hi = int(arrays.offsets[g]), int(arrays.offsets[g + 1])
+        N = hi - lo
+        V = np.zeros(N + K + 2)
+        for t in range(N - 1, -1, -1):
+            surv = np.concatenate([[1.0], S[lo + t, :K], [0.0]])  # P(a >= i), i = 0..K+1
+            nxt = V[t + 1 : t + K + 2].copy()  # V after a = 0..K accepted (beyond N: 0)
+            best = float(tail_values[lo + t])
+            for k in range(K + 1):
+                p = surv[: k + 1] - np.r_[surv[1 : k + 1], 0.0]  # P(a) for a = 0..k
+                best = min(best, float(C[lo + t, k] + p @ nxt[: k + 1]))
+            V[t] = best
+        out[g] = V[0]
+    return out
+
+
 def lagrangian_costs(
     arrays: PositionArrays,
     model: BatchCostModel,
@@ -895,11 +911,15 @@ def lagrangian_costs(
 ) -> tuple[np.ndarray, Any, Any]:
     """Lower bounds on the expected cost of the episodes by the Lagrangian splits (:func:`batch_bound`).
 
-    Candidates: the full-batch split of :func:`lagrangian_split` with the chord and with the max
-    expert share, each started at the split rule's best full-batch charges; the tail charge is the
-    pointwise minimum of the full-batch and an every-step split. The candidate with the largest total
-    is kept; the caller takes the per-episode maximum with the split rule (:func:`expected_costs`),
-    so the bound is never looser than it.
+    Every request is charged the full-batch split (:func:`lagrangian_split`, ``full=True``) in full
+    steps; the at most B-1 requests still running when the tail begins (the steps of fewer than B
+    requests, after the last admission) are charged the tail split (``full=False``: valid on steps of
+    1..B-1 requests) from the step the tail begins. That step depends on the policy, so such a request
+    is bounded by :func:`switch_costs` (the least charge over every switching time), and since which
+    requests those are is not known either, the B-1 largest differences ``V_full - V_switch >= 0``
+    are subtracted (:func:`_episode_costs`). Candidates: the chord and the max expert share, each
+    started at the split rule's charges; the largest total is kept. The caller takes the per-episode
+    maximum with the split rule (:func:`expected_costs`), so the bound is never looser than it.
 
     Args:
         arrays: Positions table.
@@ -918,11 +938,12 @@ def lagrangian_costs(
     best: tuple[np.ndarray, Any, Any] = (np.full(len(gens), -np.inf), None, None)
     for expert in ("chord", "max"):
         full = lagrangian_split(arrays, model, B, weights, True, expert, x0=old_full.beta0.copy())
-        general = lagrangian_split(arrays, model, B, weights, False, expert, x0=old_tail.beta0.copy())
-        if full is None or general is None:
+        tail = lagrangian_split(arrays, model, B, weights, False, expert, x0=old_tail.beta0.copy())
+        if full is None or tail is None:
             continue
-        tail = MinCharge(full, general)
-        costs = _episode_costs(solve(arrays, full).cost[gens], solve(arrays, tail).cost[gens], B)
+        vf = solve(arrays, full).cost
+        vs = np.minimum(switch_costs(arrays, full, solve(arrays, tail).value), vf)
+        costs = _episode_costs(vf[gens], vs[gens], B)
         if costs.sum() > best[0].sum():
             best = (costs, full, tail)
     return best
