@@ -56,10 +56,26 @@ V_r(0) of the single-request SSP with round cost l: the exact oracle of :mod:`or
   policy's realised cost of that episode is at least the sum of these, so the bound holds episode by
   episode, for stochastic traces too. For greedy traces (rho in {0, 1}) the two coincide.
 
-Both bound every drafting mode (a mode that drafts more pays more). The bound is loose where the
+Both bound every drafting mode (a mode that drafts more pays more). The split rule is loose where the
 split is: the intercept and the expert cost are shared by n <= B requests but charged as if every
 step were full, and the batch union is charged as the mean of the requests' own sets. The tests
 measure the gap to :func:`joint_optimum` on small cases.
+
+**The Lagrangian bound** (``method="lagrangian"``, the default of :func:`batch_bound`; the split rule
+above is ``method="linear"``). The same argument with three tighter charges (DESIGN.md section 4):
+
+* the step's intercept and draft terms are split as ``x[k_i]``, one number per budget, under the exact
+  constraint ``sum_i x[k_i] <= beta0(P) + b_req (n-1) + d0 + d_step max_i k_i + d_tok sum_i k_i`` for
+  every budget multiset of a step (:func:`_multisets`); the best x for the episodes' requests
+  maximises a concave function (the summed single-request optima) and is found by Kelley's cutting
+  planes (:func:`lagrangian_split`); every iterate is a valid split;
+* the expert term by the chord of the concave lower bound ``n (1 - exp(-theta sum_i w(U_i)))`` of the
+  predicted union (:func:`expert_share`), when it charges more than the split rule's ``U_i / B``;
+* the tail split need only hold on steps of 1..B-1 requests, and a request running when the tail
+  begins is charged the full-batch split until then (:func:`switch_costs`: the least charge over every
+  switching time).
+
+Per episode the larger of the two bounds is kept, so the Lagrangian bound is never looser.
 """
 
 from __future__ import annotations
