@@ -385,6 +385,8 @@ class BatchBound:
         pathwise: (E,) lower bound on the realised cost of that episode (None when not computed).
         split: The split rule's full-batch intercept split that gave its largest bound (None: the min rule).
         method: ``"lagrangian"`` or ``"linear"`` (:data:`METHODS`).
+        linear_expected: (E,) the split rule's expected bound (equal to ``expected`` for ``"linear"``).
+        linear_pathwise: (E,) the split rule's pathwise bound (None when not computed).
     """
 
     batch_size: int
@@ -395,6 +397,8 @@ class BatchBound:
     pathwise: np.ndarray | None
     split: tuple[float, float] | None = None
     method: str = "linear"
+    linear_expected: np.ndarray | None = None
+    linear_pathwise: np.ndarray | None = None
 
     @property
     def speedup_expected(self) -> np.ndarray:
@@ -417,6 +421,20 @@ class BatchBound:
         if self.pathwise is not None:
             out["speedup_pooled_pathwise"] = float(self.ar.sum() / self.pathwise.sum())
         return out
+
+    def linear_summary(self) -> dict[str, Any]:
+        """The split rule's headline numbers from the same run (:meth:`summary` of ``method="linear"``)."""
+        lin = BatchBound(
+            self.batch_size,
+            self.seeds,
+            self.generations,
+            self.ar,
+            self.expected if self.linear_expected is None else self.linear_expected,
+            self.pathwise if self.linear_pathwise is None else self.linear_pathwise,
+            self.split,
+            "linear",
+        )
+        return lin.summary()
 
 
 def _episode_costs(full: np.ndarray, tail: np.ndarray, B: int) -> np.ndarray:
@@ -505,15 +523,17 @@ def batch_bound(
     gens = np.array([[request_draws(int(s), lengths)[0] for s in row] for row in seeds], dtype=np.int64)
     expected, full, tail, chosen = expected_costs(arrays, model, B, gens)
     charges = [(full, tail, False)]
+    linear_expected = expected.copy()
     if method == "lagrangian":
         lag, lfull, ltail = lagrangian_costs(arrays, model, B, gens, (full, tail))
         if lfull is not None:
             expected = np.maximum(expected, lag)
             charges.append((lfull, ltail, True))
     paths = None
+    linear_paths = None
     if pathwise:
         if arrays.greedy:
-            paths = expected.copy()
+            paths, linear_paths = expected.copy(), linear_expected.copy()
         else:
             for cf, ct, switch in charges:  # every pair of valid charges bounds every episode: keep the larger
                 pf = np.empty((E, R))
@@ -533,8 +553,9 @@ def batch_bound(
                         pf[e, r], pt[e, r] = memo[key]
                 cand = _episode_costs(pf, pt, B)
                 paths = cand if paths is None else np.maximum(paths, cand)
+                linear_paths = cand if linear_paths is None else linear_paths
     ar = np.array([ar_schedule_ms(model, gens[e], lengths, L0, B) for e in range(E)])
-    return BatchBound(B, seeds, gens, ar, expected, paths, chosen, method)
+    return BatchBound(B, seeds, gens, ar, expected, paths, chosen, method, linear_expected, linear_paths)
 
 
 def joint_optimum(

@@ -237,6 +237,9 @@ def test_bound_is_above_every_policy_on_every_episode(dataset, small_traces):
             old = batch_bound(arrays, env.data.L0, env.batch_cost, B, np.array([seeds]), method="linear")
             assert bb.speedup_pathwise[0] <= old.speedup_pathwise[0] * (1 + 1e-12)
             assert bb.speedup_expected[0] <= old.speedup_expected[0] * (1 + 1e-12)
+            # the split rule's figures reported beside the bound are the split rule's own
+            np.testing.assert_allclose(bb.linear_pathwise, old.pathwise, rtol=1e-12)
+            assert bb.linear_summary() == old.summary()
         if arrays.greedy:
             assert bb.speedup_pathwise[0] == pytest.approx(bb.speedup_expected[0], rel=1e-12)
     # the draws the bound uses are the environment's
