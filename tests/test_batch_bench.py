@@ -37,6 +37,9 @@ def test_cli_bench_batch_runs_every_row_below_the_bound(tmp_path):
     for want in ROWS:  # a row that disappears fails here
         assert any(n.startswith(want) for n in names), (want, names)
     bound = data["bound"]
+    assert bound["method"] == "lagrangian" and bound["linear"]["method"] == "linear"  # both bound rows
+    assert bound["speedup_pooled_pathwise"] <= bound["linear"]["speedup_pooled_pathwise"] * (1 + 1e-12)
+    assert "bound, split rule only" in (out / "bench-batch2.md").read_text()
     for row in data["policies"]:
         assert row["bound_violations"] == 0, row
         assert row["speedup_pooled"] <= bound["speedup_pooled_pathwise"] * (1 + 1e-12)

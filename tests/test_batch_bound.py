@@ -8,10 +8,14 @@ import pytest
 from oracle.batch import (
     batch_bound,
     expected_costs,
+    expert_share,
     intercept_splits,
     joint_optimum,
+    lagrangian_costs,
+    lagrangian_split,
     pathwise_costs,
     share_model,
+    switch_costs,
     tail_model,
 )
 from oracle.dp import solve
@@ -65,7 +69,7 @@ def _bound_cost(arrays, model, B, gens):
 @pytest.mark.parametrize("B", [2, 3])
 def test_bound_is_above_the_brute_force_joint_optimum(B, greedy, capsys):
     rng = np.random.default_rng(10 * B + greedy)
-    gaps: dict[str, list[float]] = {"scaled": [], "rough": []}
+    gaps: dict[tuple[str, str], list[float]] = {}
     for _trial in range(3):
         K = 2
         L0 = rng.integers(10, 60, size=3)
@@ -73,16 +77,78 @@ def test_bound_is_above_the_brute_force_joint_optimum(B, greedy, capsys):
         for kind, model in zip(("scaled", "rough"), _models(K, B, rng), strict=True):
             gens = rng.integers(0, 3, size=B + 1)  # one request more than slots: a refill happens
             joint = joint_optimum(arrays, L0, model, B, list(gens))
-            lower = _bound_cost(arrays, model, B, gens)
-            assert lower <= joint * (1 + 1e-12)
+            old = _bound_cost(arrays, model, B, gens)
+            lag = float(lagrangian_costs(arrays, model, B, np.asarray(gens)[None, :])[0][0])
+            assert old <= joint * (1 + 1e-12)
+            assert lag <= joint * (1 + 1e-12)  # the Lagrangian splits alone are valid, not only their max with old
+            new = max(old, lag)  # what batch_bound(method="lagrangian") keeps
             ar = ar_schedule_ms(model, gens, arrays.lengths, L0, B)
-            gaps[kind].append((ar / lower) / (ar / joint) - 1.0)
+            gaps.setdefault((kind, "old"), []).append((ar / old) / (ar / joint) - 1.0)
+            gaps.setdefault((kind, "new"), []).append((ar / new) / (ar / joint) - 1.0)
     with capsys.disabled():
-        for kind, g in gaps.items():
+        for (kind, which), g in gaps.items():
             print(
-                f"\nbatch bound vs brute force, B={B} greedy={greedy} {kind} model: bound/optimum speedup - 1 "
+                f"\nbatch bound ({which}) vs brute force, B={B} greedy={greedy} {kind} model: bound/optimum - 1 "
                 f"mean {np.mean(g):.1%}, max {np.max(g):.1%}"
             )
+    for kind in ("scaled", "rough"):
+        assert np.all(np.array(gaps[kind, "new"]) <= np.array(gaps[kind, "old"]) + 1e-12)
+    # tighter somewhere: the rough tables (non-monotone in P) leave the split rule room
+    assert np.mean(gaps["rough", "new"]) < np.mean(gaps["rough", "old"])
+
+
+@pytest.mark.parametrize("B", [2, 4])
+def test_lagrangian_charges_never_exceed_the_step(B):
+    """Full-batch Lagrangian charges on steps of exactly B requests, tail charges on steps of 1..B-1."""
+    rng = np.random.default_rng(100 + B)
+    K = 4
+    L0 = rng.integers(10, 60, size=4)
+    arrays = _arrays(rng, 4, 8, K, False, L0)
+    Uk = arrays.U[:, : K + 1]
+    weights = np.ones(4)
+    for model in _models(K, B, rng):
+        for expert in ("chord", "max"):
+            full = lagrangian_split(arrays, model, B, weights, True, expert)
+            tail = lagrangian_split(arrays, model, B, weights, False, expert)
+            assert full is not None and tail is not None
+            assert full.source["gap"] is not None and full.source["gap"] < 1e-3  # the cutting planes converged
+            for _ in range(300):
+                for ch, size in ((full, B), (tail, int(rng.integers(1, B)))):
+                    rows = rng.integers(0, len(arrays.L), size=size)
+                    k = rng.integers(0, K + 1, size=size)
+                    u = Uk[rows, k]  # counts of the table (the charges hold on the table's U range)
+                    L = rng.uniform(0, 4000, size=size)
+                    step = model.step_ms(k, k, u, L)
+                    tot = sum(
+                        float(ch.charged_by_budget(Uk[rows[i]][:, None], L[i : i + 1])[k[i], 0]) for i in range(size)
+                    )
+                    assert tot <= step * (1 + 1e-12) + 1e-12
+            # the switch from full to tail charges is optional: never above the full-charge optimum
+            vf = solve(arrays, full).cost
+            vs = switch_costs(arrays, full, solve(arrays, tail).value)
+            assert np.all(vs <= vf * (1 + 1e-12)) and np.all(vs > 0)
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_chord_share_is_below_the_predicted_union(full):
+    """sum_i e(U_i) <= U_batch of both predictors for every batch of counts in the range (B requests, or 1..B)."""
+    rng = np.random.default_rng(7)
+    B, K = 6, 4
+    cm = CostModel.paper_profile(kmax=K)
+    cm.top_k = FACTS.top_k
+    base = BatchCostModel.from_cost_model(cm, FACTS, max_batch=B)
+    lo, hi = 4.0, 40.0
+    for i, model in enumerate((base, base.replace(predictor="independent", u_theta=1.0), base.replace(u_theta=0.1))):
+        e0, eu, ew = expert_share(model, B, lo, hi, full)
+        n = model.n_experts
+        for _ in range(2000):
+            size = B if full else int(rng.integers(1, B + 1))
+            u = rng.choice([lo, hi, *rng.uniform(lo, hi, 3)], size=size)
+            share = np.sum(e0 + eu * u - ew * np.log1p(-u / n))
+            union = float(model.predict_u_batch(u))
+            assert share <= union * (1 + 1e-12)
+        if i < 2:  # the measured theta and independence: B requests at the top charge more than sum_i U_i / B = hi
+            assert B * (e0 + eu * hi - ew * np.log1p(-hi / n)) > 1.2 * hi
 
 
 @pytest.mark.parametrize("B", [2, 4, 8])
@@ -164,8 +230,16 @@ def test_bound_is_above_every_policy_on_every_episode(dataset, small_traces):
                 obs, _, done, _, info = env.step(k)
             realised.append(info["speedup"])
         bb = batch_bound(arrays, env.data.L0, env.batch_cost, B, np.array([seeds]), pathwise=True)
+        assert bb.method == "lagrangian"
         assert bb.ar[0] == pytest.approx(info["ar_cost_ms"], rel=1e-12)
         assert max(realised) <= bb.speedup_pathwise[0] * (1 + 1e-12)
+        if e == 0:  # never looser than the split rule alone
+            old = batch_bound(arrays, env.data.L0, env.batch_cost, B, np.array([seeds]), method="linear")
+            assert bb.speedup_pathwise[0] <= old.speedup_pathwise[0] * (1 + 1e-12)
+            assert bb.speedup_expected[0] <= old.speedup_expected[0] * (1 + 1e-12)
+            # the split rule's figures reported beside the bound are the split rule's own
+            np.testing.assert_allclose(bb.linear_pathwise, old.pathwise, rtol=1e-12)
+            assert bb.linear_summary() == old.summary()
         if arrays.greedy:
             assert bb.speedup_pathwise[0] == pytest.approx(bb.speedup_expected[0], rel=1e-12)
     # the draws the bound uses are the environment's
