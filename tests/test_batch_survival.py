@@ -62,20 +62,23 @@ def test_block_mode_charges_the_drafted_horizon_for_every_request():
 def two_kinds(tmp_path_factory: pytest.TempPathFactory):
     """A greedy set with two kinds of requests: every draft accepted (even ids) or none (odd ids).
 
-    The right answer is known: k = kmax for the first kind, k = 0 for the second. No fixed k serves
-    both; a request's kind shows in its acceptance history (the observation's acc_depth_*).
+    The test split (ids 4, 5, 8 of 16) holds both kinds. The right answer is known: k = kmax for the
+    first kind, k = 0 for the second. No fixed k serves both; a request's kind shows in its acceptance
+    history (the observation's acc_depth_*).
     """
     K = 4
-    ts = generate_paper(24, kmax=K, seed=11, greedy=True, name="two-kinds")
-    pos = ts.positions.copy()
+    ts = generate_paper(16, kmax=K, seed=11, greedy=True, with_rounds=False, name="two-kinds")
+    pos = ts.positions
+    pos = pos[pos["t"] < 40].copy()  # short requests: a fast test
     good = (pos["generation_id"] % 2 == 0).to_numpy()
     for j in range(1, K + 1):
         pos[f"rho_{j}"] = np.where(good, 1.0, 0.0)
     path = tmp_path_factory.mktemp("traces") / "two-kinds"
-    TraceSet(ts.manifest, positions=pos, rounds=ts.rounds).save(path)
+    TraceSet(ts.manifest, positions=pos).save(path)
     return str(path)
 
 
+@pytest.mark.slow
 def test_learned_survival_beats_every_fixed_k_where_the_answer_is_known(two_kinds):
     from specenv.envs.batch import MoESpecBatchEnv
 
@@ -90,4 +93,18 @@ def test_learned_survival_beats_every_fixed_k_where_the_answer_is_known(two_kind
 
     fixed = [speedup(FixedBatch(env.spec_batch, k)) for k in range(env.kmax + 1)]
     learned = speedup(surv.policy)
+    print(f"learned {learned:.3f}, fixed k 0..{env.kmax}: {np.round(fixed, 3).tolist()}")
     assert learned > max(fixed) * 1.02, (learned, fixed)
+
+
+def test_cli_bench_batch_refuses_an_unknown_learner(tmp_path):
+    from typer.testing import CliRunner
+
+    from specenv.cli import app
+
+    out = tmp_path / "x"
+    res = CliRunner().invoke(
+        app, ["bench", "live-vllm", "--batch", "2", "--learners", "survival,nope", "--out", str(out)]
+    )
+    assert res.exit_code == 2 and "--learners" in res.output
+    assert not (out / "bench-batch2.json").exists()
