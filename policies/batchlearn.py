@@ -45,9 +45,10 @@
   learned batch row in every cell (main's imitation and PPO rows: at most 1.303 / 1.144 / 2.245 /
   1.879) but far from the issue's +10% over vLLM's rules; on paper-default it ties TETRIS (the
   learned survival of the confidences is close to TETRIS's product of them). With the *true*
-  survival the same planner reaches 1.615 / 1.558 on live-vllm B = 4 / 8 (+20% / +20%;
-  ``scripts/batch_survival_ceiling.py``), so the survival estimate, not the planner, is what is
-  missing; on live-vllm only 13 train generations teach it.
+  survival the same planner (mode ``none``) reaches 1.615 / 1.558 on live-vllm B = 4 / 8 (+20% /
+  +20%) but only 2.423 / 1.974 on paper-default (+6.5% / +6.2%; ``scripts/batch_survival_ceiling.py``):
+  on live-vllm the survival estimate is what is missing (only 13 train generations teach it), on
+  paper-default the myopic one-step planner itself stays below +10%, far under the bound.
 * :func:`train_batch_ppo`: SB3 PPO with a ``MultiDiscrete`` action (all B budgets at once) on the
   batch observation, a small budget of steps; kept in memory as an SB3 model (:class:`SB3Batch`),
   not exported.
