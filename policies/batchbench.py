@@ -50,6 +50,8 @@ __all__ = ["BatchBenchResult", "batch_markdown", "run_batch_benchmark", "write_b
 
 #: Rows that are vLLM's own batch rules; the last two are fitted on train (the reference of the learners' gain).
 VLLM_RULES = ("fixed", "vllm-dsd-table", "vllm-adaptive-verification")
+#: The learned batch controllers ``learners=True`` trains (:mod:`policies.batchlearn`).
+LEARNERS = ("imitation", "ppo", "survival")
 
 
 @dataclass
@@ -103,6 +105,7 @@ def run_batch_benchmark(
     batch_cost: str = "auto",
     learners: bool = True,
     ppo_timesteps: int = 50_000,
+    learner_rows: tuple[str, ...] = LEARNERS,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> BatchBenchResult:
     """Run every batch controller on ``episodes`` held-out episodes beside the bound (module docstring).
@@ -118,6 +121,7 @@ def run_batch_benchmark(
         batch_cost: Batch cost model (``"auto"``, ``"scaled"``, a JSON path).
         learners: Train and run the learned controllers (imitation of the bound, PPO).
         ppo_timesteps: PPO's training budget.
+        learner_rows: Which learned controllers to train with ``learners`` (:data:`LEARNERS`).
         progress: Called with ``(done, total, row name)``.
 
     Returns:
@@ -207,8 +211,26 @@ def run_batch_benchmark(
         f"block rules draft h tokens for every request (vLLM's num_speculative_tokens), h tuned on train over {grid}: "
         f"adaptive verification h={h_av}, tetris h={h_tetris}",
     ]
-    if learners:
-        from policies.batchlearn import train_batch_imitation, train_batch_ppo
+    unknown = set(learner_rows) - set(LEARNERS)
+    if unknown:
+        raise ValueError(f"learner_rows: unknown {sorted(unknown)} (expected some of {LEARNERS})")
+    if learners and "survival" in learner_rows:
+        from policies.batchlearn import train_batch_survival
+
+        # mode none, and mode block with the h tuned on train for the TETRIS rule (no search of its own)
+        for h in (0, h_tetris):
+            t = time.perf_counter()
+            surv = train_batch_survival(
+                dataset, batch_size, n_requests, K, cost_model, batch_cost, seed=seed, lookahead=h
+            )
+            surv.policy.name += " (learned)"
+            rows.append((surv.policy, surv.policy.drafting))
+            notes.append(
+                f"{surv.policy.name}: survival MLP fitted on {surv.history[-1]['states']} train states "
+                f"({len(surv.history)} DAgger rounds), trained in {time.perf_counter() - t:.0f} s"
+            )
+    if learners and "imitation" in learner_rows:
+        from policies.batchlearn import train_batch_imitation
 
         for label, expert, reference in (
             ("imitation of the bound (learned)", "bound", "oracle"),
@@ -230,6 +252,9 @@ def run_batch_benchmark(
             )
             rows.append((PerRequest(spec_none, imit.policy, name=label), "none"))
             notes.append(f"{label}: expert {expert}, reference {reference}, trained in {time.perf_counter() - t:.0f} s")
+    if learners and "ppo" in learner_rows:
+        from policies.batchlearn import train_batch_ppo
+
         t = time.perf_counter()
         ppo = train_batch_ppo(dataset, batch_size, n_requests, K, cost_model, batch_cost, ppo_timesteps, seed)
         ppo.name = "ppo MultiDiscrete (learned)"

@@ -1417,6 +1417,13 @@ def bench(
     no_learners: Annotated[
         bool, typer.Option("--no-learners", help="With --batch: skip training the learned batch controllers.")
     ] = False,
+    learners: Annotated[
+        str | None,
+        typer.Option(
+            "--learners",
+            help="With --batch: comma-separated learned controllers to train (imitation, ppo, survival; default all).",
+        ),
+    ] = None,
 ) -> None:
     """Benchmark every policy on the held-out split against the exact oracle bound.
 
@@ -1432,7 +1439,12 @@ def bench(
     if batch is not None:
         if ray is not None or ray_chunk is not None:
             fail("--ray: the batch benchmark (--batch) runs in this process (leave --ray out)")
-        _bench_batch(traces, out_dir, batch, episodes, seed, kmax, cost_model, not no_learners, as_json)
+        from policies.batchbench import LEARNERS
+
+        rows = LEARNERS if learners is None else tuple(x.strip() for x in learners.split(",") if x.strip())
+        if not rows or set(rows) - set(LEARNERS):
+            fail(f"--learners: {learners!r}: give a comma-separated subset of {', '.join(LEARNERS)}")
+        _bench_batch(traces, out_dir, batch, episodes, seed, kmax, cost_model, not no_learners, as_json, rows)
         return
     if policies is not None and not policies.is_dir():
         fail(f"--policies: {policies} is not a folder")
@@ -1501,6 +1513,7 @@ def _bench_batch(
     cost_model: str,
     learners: bool,
     as_json: bool,
+    learner_rows: tuple[str, ...] | None = None,
 ) -> None:
     """``specenv bench --batch B``: the batch controllers beside the batch bound (policies/batchbench.py)."""
     from policies.batchbench import batch_markdown, run_batch_benchmark, write_batch_outputs
@@ -1516,6 +1529,7 @@ def _bench_batch(
                 kmax=kmax,
                 cost_model=cost_model,
                 learners=learners,
+                **({} if learner_rows is None else {"learner_rows": learner_rows}),
                 progress=lambda done, total, name: prog.update(done, total, name),
             )
     except ValueError as exc:
