@@ -504,6 +504,8 @@ def fit_batch(
     """
     from specenv.batchfit import TIMINGS, fit_batch_cost, format_report, load_steps
 
+    if not recording.strip():
+        fail("RECORDING: empty (a steps recording folder, or live-vllm-batch-v1)")
     if timing not in TIMINGS:
         fail(f"--timing: {timing!r} is not one of {', '.join(TIMINGS)}")
     if save is not None:
