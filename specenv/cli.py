@@ -657,11 +657,14 @@ def oracle_cmd(
     from specenv.replay import SelectionError, select_positions
     from specenv.splits import check_split
 
+    _check_ray_cpus(ray, ray_cpus)
     try:
         check_split(split)
     except ValueError as exc:
         fail(f"--split: {exc}")
     _check_oracle_options(lookahead, episodes, plot, sweep=sweep, delta=delta)
+    if ray is not None and not sweep:
+        fail("--ray: only the Kmax sweep runs on Ray (add --sweep, or leave --ray out)")
     mode = _check_oracle_drafting(drafting, lookahead)
     ts = _load(traces)
     if not ts.has_positions:
@@ -699,6 +702,13 @@ def oracle_cmd(
         _print_json(report)
         return
     _print_oracle(report, table, an)
+
+
+def _check_ray_cpus(address: str | None, cpus: int | None) -> None:
+    """``--ray-cpus`` sizes the local cluster of a bare ``--ray``: refused without one (it would be ignored)."""
+    if cpus is not None and address != "local":
+        where = "give a bare --ray too" if address is None else f"the running cluster at {address!r} has its own"
+        fail(f"--ray-cpus: sizes the local cluster of a bare --ray ({where})")
 
 
 @contextmanager
@@ -999,6 +1009,7 @@ def train(
     """
     from policies.runs import ALGOS, TrainRun
 
+    _check_ray_cpus(ray, ray_cpus)
     algos = list(dict.fromkeys(algo or ["ppo"]))
     seeds = list(dict.fromkeys(seed if seed else [0]))
     for a in algos:
@@ -1303,6 +1314,7 @@ def tune(
     """
     from policies.runs import ALGOS, TrainRun
 
+    _check_ray_cpus(ray or "local", ray_cpus)
     if algo not in ALGOS:
         fail(f"--algo: unknown learner '{algo}' (known: {', '.join(ALGOS)})")
     if cost_model == "fit":
@@ -1425,6 +1437,7 @@ def bench(
     _check_budget(_load(traces), kmax)
     if ray_chunk is not None and ray is None:
         fail("--ray-chunk: needs --ray")
+    _check_ray_cpus(ray, ray_cpus)
     try:
         with (
             _maybe_ray(ray, ray_cpus) as on_ray,
