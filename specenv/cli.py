@@ -1323,6 +1323,12 @@ def tune(
     mode, h = _check_train_drafting(drafting, lookahead, ts)
     _check_out_folder("--out", out_dir)
     _check_budget(ts, kmax, h)
+    from specenv.costsource import cost_model_for
+
+    try:  # here, not in every trial: a bad cost model is one line, before Ray starts or a folder is made
+        cost_model_for(ts, cost_model)
+    except ValueError as exc:
+        fail(f"--cost-model: {exc}")
     # trials run in their own folders: a trace-set folder is passed by absolute path
     where = str(Path(traces).resolve()) if Path(traces).is_dir() else traces
     suffix = {"none": "", "block": f"-h{h}", "sequential": "-seq"}[mode]
