@@ -1425,17 +1425,35 @@ def bench(
             "--ray-chunk", min=1, max=MAX_GENERATIONS, help="Held-out generations per Ray task (default: auto)."
         ),
     ] = None,
+    batch: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=64,
+            help="Batch size B: benchmark the batch controllers in specenv/MoESpecBatch-v0 beside the batch bound "
+            "(--episodes = held-out batch episodes of 4 B requests each).",
+        ),
+    ] = None,
+    no_learners: Annotated[
+        bool, typer.Option("--no-learners", help="With --batch: skip training the learned batch controllers.")
+    ] = False,
 ) -> None:
     """Benchmark every policy on the held-out split against the exact oracle bound.
 
     Without --policies it runs the policies shipped for the trace set (policies/shipped/<set>-v<N>/).
     With --ray every Monte-Carlo row runs as Ray tasks over chunks of the held-out generations
     (policies.distributed); the outputs are the same as without it (per-episode seeds).
+    With --batch B it runs the batch controllers instead (policies/batchbench.py).
     """
     from policies.benchmark import category_table, markdown_table, run_benchmark, write_outputs
     from specenv.costmodel import DRAFTING_MODES
 
     _check_out_folder("--out", out_dir)
+    if batch is not None:
+        if ray is not None or ray_chunk is not None:
+            fail("--ray: the batch benchmark (--batch) runs in this process (leave --ray out)")
+        _bench_batch(traces, out_dir, batch, episodes, seed, kmax, cost_model, not no_learners, as_json)
+        return
     if policies is not None and not policies.is_dir():
         fail(f"--policies: {policies} is not a folder")
     if drafting is not None and drafting not in DRAFTING_MODES:
@@ -1492,6 +1510,53 @@ def bench(
         f"train): {ctx['delta_lambda_ms']:.3f} ms/token; outputs in {out_dir}/ ({files})",
         markup=False,
     )
+
+
+def _bench_batch(
+    traces: str,
+    out_dir: Path,
+    batch: int,
+    episodes: int,
+    seed: int,
+    kmax: int | None,
+    cost_model: str,
+    learners: bool,
+    as_json: bool,
+) -> None:
+    """``specenv bench --batch B``: the batch controllers beside the batch bound (policies/batchbench.py)."""
+    from policies.batchbench import batch_markdown, run_batch_benchmark, write_batch_outputs
+
+    _check_budget(_load(traces), kmax)
+    try:
+        with Progress("bench --batch", unit="policies") as prog:
+            res = run_batch_benchmark(
+                traces,
+                batch_size=batch,
+                episodes=episodes,
+                seed=seed,
+                kmax=kmax,
+                cost_model=cost_model,
+                learners=learners,
+                progress=lambda done, total, name: prog.update(done, total, name),
+            )
+    except ValueError as exc:
+        fail(str(exc))
+    paths = write_batch_outputs(res, out_dir)
+    if as_json:
+        _print_json(res.to_json())
+        return
+    ctx = res.context
+    out.print(
+        f"# specenv bench --batch {ctx['batch_size']}: {ctx['dataset']}, {ctx['episodes']} held-out episodes of "
+        f"{ctx['n_requests']} requests (test split, {ctx['test_generations']} generations), Kmax={ctx['kmax']}; "
+        f"batch cost model {ctx['batch_cost_kind']}; pooled speedup with bootstrap 95% CIs over episodes; each row "
+        "charged by its drafting mode; the bound holds for every policy (expected: pooled; pathwise: every episode)\n",
+        markup=False,
+    )
+    out.print(batch_markdown(res), markup=False)
+    for note in res.notes:
+        out.print(f"note: {note}", markup=False)
+    out.print(f"\noutputs in {out_dir}/ ({', '.join(p.name for p in paths)})", markup=False)
 
 
 @app.command()

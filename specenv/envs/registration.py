@@ -36,6 +36,10 @@ SEQ_ID = "specenv/MoESpecSeq-v0"
 LIVE_ID = "specenv/MoESpecLive-v1"
 #: The joint (k, expert cap) replay environment (trace sets with the caps-v1 extension); deterministic.
 CAP_ID = "specenv/MoESpecCap-v0"
+#: The batch environment (B concurrent requests, one k each, batch cost model); deterministic.
+BATCH_ID = "specenv/MoESpecBatch-v0"
+#: The batch environment with one global token budget spent by the survival ranking; deterministic.
+BATCH_BUDGET_ID = "specenv/MoESpecBatchBudget-v0"
 #: The previous version of :data:`REPLAY_ID`: the same class with ``reward="cost"`` by default.
 REPLAY_V0_ID = "specenv/MoESpec-v0"
 #: The previous version of :data:`LIVE_ID`: the same class with ``reward="cost"`` by default.
@@ -92,6 +96,16 @@ def register_envs() -> list[str]:
             max_episode_steps=None,
         )
         added.append(CAP_ID)
+    for env_id, entry in ((BATCH_ID, "MoESpecBatchEnv"), (BATCH_BUDGET_ID, "MoESpecBatchBudgetEnv")):
+        if env_id not in gymnasium.registry:
+            gymnasium.register(
+                id=env_id,
+                entry_point=f"specenv.envs.batch:{entry}",
+                kwargs={},
+                nondeterministic=False,
+                max_episode_steps=None,
+            )
+            added.append(env_id)
     return added
 
 
