@@ -1449,9 +1449,22 @@ def bench(
     from specenv.costmodel import DRAFTING_MODES
 
     _check_out_folder("--out", out_dir)
+    if batch is None and no_learners:
+        fail("--no-learners: only with --batch (the learned batch controllers it would train)")
     if batch is not None:
-        if ray is not None or ray_chunk is not None:
-            fail("--ray: the batch benchmark (--batch) runs in this process (leave --ray out)")
+        # the batch benchmark has its own rows and runs here: an option it would ignore is refused
+        ignored = {
+            "--ray": ray is not None,
+            "--ray-cpus": ray_cpus is not None,
+            "--ray-chunk": ray_chunk is not None,
+            "--policies": policies is not None,
+            "--only": bool(only),
+            "--drafting": drafting is not None,
+        }
+        for opt, given in ignored.items():
+            if given:
+                what = "runs in this process" if opt.startswith("--ray") else "runs its own batch controllers"
+                fail(f"{opt}: the batch benchmark (--batch) {what} (leave {opt} out)")
         _bench_batch(traces, out_dir, batch, episodes, seed, kmax, cost_model, not no_learners, as_json)
         return
     if policies is not None and not policies.is_dir():

@@ -30,6 +30,13 @@ SESSION_CASES: list[tuple[str, list[str], list[str]]] = [
     # fit-batch named a path inside the installed package for an unknown recording name
     ("fit-batch-unknown-recording", ["fit-batch", "no-such-recording"], ["no-such-recording", "shipped"]),
     ("fit-batch-empty-recording", ["fit-batch", ""], ["RECORDING"]),
+    # bench --batch ran its own rows and silently dropped the options of the k-only benchmark
+    ("bench-batch-policies", ["bench", "{T}", "--batch", "2", "--policies", "{D}"], ["--policies", "--batch"]),
+    ("bench-batch-only", ["bench", "{T}", "--batch", "2", "--only", "fixed"], ["--only", "--batch"]),
+    ("bench-batch-drafting", ["bench", "{T}", "--batch", "2", "--drafting", "block"], ["--drafting", "--batch"]),
+    ("bench-batch-ray-cpus", ["bench", "{T}", "--batch", "2", "--ray-cpus", "2"], ["--ray-cpus", "--batch"]),
+    ("bench-batch-ray-chunk", ["bench", "{T}", "--batch", "2", "--ray-chunk", "3"], ["--ray-chunk", "--batch"]),
+    ("bench-no-learners-without-batch", ["bench", "{T}", "--no-learners"], ["--no-learners", "--batch"]),
 ]
 
 
