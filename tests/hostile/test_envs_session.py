@@ -49,3 +49,48 @@ def test_unknown_batch_cost_name_names_what_was_given():
         load_batch_cost_model("no-such-fit")
     with pytest.raises(ValueError, match=r"batch_cost='no-such-fit': no-such-fit: no such file"):
         gym.make("specenv/MoESpecBatch-v0", dataset="live-vllm", batch_size=2, batch_cost="no-such-fit")
+
+
+def _all_pairs_splits(model, B, K, full):  # noqa: ANN001, ANN202
+    """The enumeration before the hull filter: every pair of steps' constraints (the reference)."""
+    from oracle.batch import _step_intercepts
+
+    n, P, g = _step_intercepts(model, B, K, full)
+    i, j = np.triu_indices(len(n), k=1)
+    det = n[i] * P[j] - n[j] * P[i]
+    keep = det != 0
+    i, j, det = i[keep], j[keep], det[keep]
+    a = (g[i] * P[j] - g[j] * P[i]) / det
+    b = (n[i] * g[j] - n[j] * g[i]) / det
+    slack = np.max(n[None, :] * a[:, None] + P[None, :] * b[:, None] - g[None, :], axis=1)
+    feas = slack <= 1e-9 * (1.0 + np.abs(g).max())
+    a, b, slack = a[feas], b[feas], slack[feas]
+    a = a - np.maximum(slack, 0.0)
+    out = []
+    for m in np.linspace(1.0, K + 1.0, 4 * (K + 1) + 1):
+        best = int(np.argmax(a + b * m))
+        if (float(a[best]), float(b[best])) not in out:
+            out.append((float(a[best]), float(b[best])))
+    return out
+
+
+def test_intercept_splits_equal_all_pairs_and_run_at_batch_64():
+    """``bench --batch 64`` died after minutes asking numpy for 7 TiB (every pair x every step).
+
+    Only points near the lower hull can form a vertex: the splits are the same as the all-pairs
+    enumeration's, and B = 64 is computed in seconds.
+    """
+    from oracle.batch import intercept_splits
+    from specenv.batchcost import BatchCostModel
+    from specenv.costmodel import CostModel
+    from specenv.schema import ModelFacts
+
+    shipped = load_batch_cost_model()
+    for B in range(1, 9):
+        for full in (False, True):
+            assert intercept_splits(shipped, B, 8, full) == _all_pairs_splits(shipped, B, 8, full), (B, full)
+    big = BatchCostModel.from_cost_model(CostModel.paper_profile(6), ModelFacts(48, 128, 8), max_batch=64)
+    for B in (5, 12):
+        assert intercept_splits(big, B, 6) == _all_pairs_splits(big, B, 6, False), B
+    splits = intercept_splits(big, 64, 6)
+    assert splits and all(np.isfinite(s).all() for s in splits)
