@@ -130,6 +130,30 @@ def _step_intercepts(model: BatchCostModel, B: int, K: int, full: bool) -> tuple
     return n, P.astype(np.float64), model.beta0[P - 1] + model.b_req * (n - 1)
 
 
+def _near_lower_hull(x: np.ndarray, y: np.ndarray, tol: float) -> np.ndarray:
+    """Indices (increasing) of the points (x, y) within ``tol`` (+ rounding) of their lower convex hull.
+
+    A step's constraint ``n a + P b <= g`` reads ``a + b (P/n) <= g/n``: a feasible line through two
+    points lies below every point, so both lie on the lower hull of the points (P/n, g/n) (within the
+    feasibility tolerance). Only their pairs can be vertices; the rest are skipped, which keeps
+    :func:`intercept_splits` fast at large batches (B = 64: 385 of 12544 points).
+    """
+    order = np.lexsort((y, x))
+    hull: list[int] = []
+    for idx in order:
+        if hull and x[hull[-1]] == x[idx]:
+            continue  # the same x with a larger y: above the lowest point
+        while len(hull) >= 2:
+            o, m = hull[-2], hull[-1]
+            if (x[m] - x[o]) * (y[idx] - y[o]) - (y[m] - y[o]) * (x[idx] - x[o]) <= 0:
+                hull.pop()
+            else:
+                break
+        hull.append(int(idx))
+    above = y - np.interp(x, x[hull], y[hull])
+    return np.flatnonzero(above <= tol + 1e-9 * np.abs(y))
+
+
 def intercept_splits(
     model: BatchCostModel, batch_size: int, kmax: int | None = None, full: bool = False
 ) -> list[tuple[float, float]]:
@@ -145,7 +169,10 @@ def intercept_splits(
     B = int(batch_size)
     K = model.kmax if kmax is None else int(kmax)
     n, P, g = _step_intercepts(model, B, K, full)
-    i, j = np.triu_indices(len(n), k=1)
+    scale = 1e-9 * (1.0 + np.abs(g).max())
+    near = _near_lower_hull(P / n, g / n, 10.0 * scale)
+    i, j = np.triu_indices(len(near), k=1)
+    i, j = near[i], near[j]  # increasing indices: the pairs in the order of all pairs (same argmax below)
     det = n[i] * P[j] - n[j] * P[i]
     keep = det != 0
     i, j, det = i[keep], j[keep], det[keep]
@@ -153,8 +180,14 @@ def intercept_splits(
     b = (n[i] * g[j] - n[j] * g[i]) / det
     if not len(a):
         return []
-    slack = np.max(n[None, :] * a[:, None] + P[None, :] * b[:, None] - g[None, :], axis=1)
-    scale = 1e-9 * (1.0 + np.abs(g).max())
+    # the largest violation of each candidate over every step, in chunks (B = 64: 1e9 pairs x steps)
+    rows = max(1, (1 << 22) // len(n))
+    slack = np.concatenate(
+        [
+            np.max(n[None, :] * a[s : s + rows, None] + P[None, :] * b[s : s + rows, None] - g[None, :], axis=1)
+            for s in range(0, len(a), rows)
+        ]
+    )
     feas = slack <= scale
     a, b, slack = a[feas], b[feas], slack[feas]
     if not len(a):

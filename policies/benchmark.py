@@ -795,9 +795,19 @@ def run_benchmark(
         "learned": False,
     }
     extra = [oracle_row]
+    bound_cats = []
     if drafting == "block":  # the lower bound of block drafting, for each h a row reads
         for h in sorted({shown[n] for n, md in modes.items() if md == "block"}):
             bsol = solve(ctx.test, ctx.cost_model, lookahead=h, drafting="block")
+            per_gen = pd.DataFrame({"category": ctx.test.categories, "v0_ms": bsol.cost, "ar_ms": bsol.ar})
+            bcat = (  # its pooled speedup per category, as the bound's below (was NaN in the category table)
+                per_gen.groupby("category")
+                .apply(lambda d: d["ar_ms"].sum() / d["v0_ms"].sum(), include_groups=False)
+                .rename("speedup_pooled")
+                .reset_index()
+            )
+            bcat.insert(0, "policy", f"oracle bound, block h={h} (SSP)")
+            bound_cats.append(bcat)
             extra.append(
                 oracle_row
                 | {
@@ -826,7 +836,7 @@ def run_benchmark(
         .reset_index()
     )
     ocat.insert(0, "policy", ORACLE_ROW)
-    cats = pd.concat([cats, ocat], ignore_index=True)
+    cats = pd.concat([cats, ocat, *bound_cats], ignore_index=True)
     fitted = {"fit-train": "train split", "fit": "all rounds (train and test generations)"}
     context = {
         "dataset": dataset,

@@ -212,7 +212,7 @@ def run_cap_bench(
         max_mismatch: The quality constraint of the headline comparison (mismatched-token rate).
         train_kwargs: Extra arguments of :func:`policies.caps.train_joint_dagger`.
         only: Keep only the k-policies whose name contains one of these (the oracles and the fixed
-            cap x fixed k grid always run).
+            cap x fixed k grid always run); a filter that keeps no k-policy is refused.
         progress: Called with (done, total, row name).
 
     Raises:
@@ -232,6 +232,8 @@ def run_cap_bench(
     entries = default_entries(ctx)
     if only:
         entries = [e for e in entries if any(o in e.name for o in only)]
+        if not entries:  # as the k-only benchmark: a filter that keeps nothing is a typo, not a request
+            raise ValueError(f"--only: {list(only)} matches no k-policy")
     if train_weights:  # the k-only learner of the same recipe, for an apples-to-apples learned row
         from policies.imitation import train_dagger
 

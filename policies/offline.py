@@ -183,12 +183,41 @@ def exported_by_specenv(folder: Path) -> bool:
     return isinstance(doc, dict) and isinstance(doc.get(METADATA_KEY), dict)
 
 
+#: Files of an Arrow-format Minari dataset folder, below ``data/<episode id>/``.
+_EPISODE_FILE = re.compile(r"(metadata\.json|part-\d+\.arrow)")
+
+
+def foreign_entry(folder: Path) -> Path | None:
+    """The first path under a dataset folder that neither Minari nor specenv writes (None: there is none).
+
+    An exported dataset holds ``data/metadata.json`` and one ``data/<episode id>/`` folder per episode
+    with ``metadata.json`` and ``part-N.arrow`` files, nothing else; a user's notes, a link or another
+    folder put there would be deleted by a replacement, so ``--overwrite`` refuses such a folder.
+    """
+    top = sorted(folder.iterdir())
+    for p in top:
+        if p.name != "data" or p.is_symlink() or not p.is_dir():
+            return p
+    for p in sorted((folder / "data").iterdir()):
+        if p.is_symlink():
+            return p
+        if p.name == "metadata.json" and p.is_file():
+            continue
+        if not (p.is_dir() and p.name.isdigit()):
+            return p
+        for q in sorted(p.iterdir()):
+            if q.is_symlink() or not q.is_file() or not _EPISODE_FILE.fullmatch(q.name):
+                return q
+    return None
+
+
 def check_destination(root: Path, ident: str, overwrite: bool) -> Path:
     """Where ``ident`` will be written; refuse an existing one unless ``overwrite`` and specenv wrote it.
 
     Raises:
         FileExistsError: The dataset exists and ``overwrite`` is false.
-        ValueError: ``overwrite`` of a folder that is not a dataset specenv exported.
+        ValueError: ``overwrite`` of a folder that is not a dataset specenv exported, or that holds a
+            file specenv did not write there (:func:`foreign_entry`).
         OSError: Nothing can be created under ``root``.
     """
     from specenv.io import check_new_path
@@ -199,6 +228,10 @@ def check_destination(root: Path, ident: str, overwrite: bool) -> Path:
             raise FileExistsError(f"{dest}: dataset {ident} already exists (use --overwrite to replace it)")
         if not exported_by_specenv(dest):
             raise ValueError(f"{dest}: not a Minari dataset exported by specenv: refusing to replace it")
+        extra = foreign_entry(dest)
+        if extra is not None:
+            where = extra.relative_to(dest)
+            raise ValueError(f"{dest}: holds {where}, which specenv did not write: refusing to replace it")
     else:
         check_new_path(dest)
     return dest
@@ -572,7 +605,7 @@ def open_dataset(ident: str, root: Path) -> OfflineData:
     Raises:
         ValueError: One line: malformed or unknown id, not exported by specenv, not specenv's replay
             environment, an observation contract or space that differs from the recovered
-            environment's (or from this code's contract version).
+            environment's (or from this code's contract version), an episode that cannot be read.
     """
     from specenv.observation import mismatch_json
 
@@ -614,10 +647,15 @@ def open_dataset(ident: str, root: Path) -> OfflineData:
         env.close()
         raise ValueError(f"--dataset: {ident}: its observation/action spaces differ from its environment's")
     obs, act, rew = [], [], []
-    for ep in ds.iterate_episodes():
-        obs.append(np.asarray(ep.observations, dtype=np.float32)[:-1])
-        act.append(np.asarray(ep.actions, dtype=np.int64))
-        rew.append(np.asarray(ep.rewards, dtype=np.float64))
+    try:
+        for ep in ds.iterate_episodes():
+            obs.append(np.asarray(ep.observations, dtype=np.float32)[:-1])
+            act.append(np.asarray(ep.actions, dtype=np.int64))
+            rew.append(np.asarray(ep.rewards, dtype=np.float64))
+    except Exception as exc:  # a missing or damaged episode file: one line naming the dataset
+        env.close()
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise ValueError(f"--dataset: {ident}: an episode cannot be read ({type(exc).__name__}: {first})") from None
     return OfflineData(
         ident,
         ds,

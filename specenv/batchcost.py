@@ -572,6 +572,8 @@ def load_batch_cost_model(name_or_path: str | os.PathLike[str] = SHIPPED) -> Bat
             path = package_data(str(name_or_path))
         except (FileNotFoundError, OSError):
             pass
+        if not path.exists():  # name what was given, not a path inside the package
+            raise ValueError(f"{name_or_path}: no such file or folder, nor a shipped recording ({SHIPPED})")
     if path.is_dir():
         path = path / MODEL_FILE
     return BatchCostModel.load(path)

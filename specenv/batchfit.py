@@ -249,6 +249,8 @@ def load_steps(path: str | os.PathLike[str]) -> tuple[pd.DataFrame, dict[str, An
     folder = Path(path)
     if not folder.exists() and os.sep not in str(path) and "/" not in str(path):
         folder = package_data(str(path))
+        if not folder.is_dir():  # name the argument as given, not a path inside the package
+            raise _err(str(path), "no such folder, nor a shipped recording (live-vllm-batch-v1)")
     mf = folder / "manifest.json"
     obj = read_json(mf, what="steps recording manifest")
     m = check("BatchStepsJSON", obj, str(mf), formats=(STEPS_FORMAT,), what="specenv steps recording")

@@ -504,6 +504,8 @@ def fit_batch(
     """
     from specenv.batchfit import TIMINGS, fit_batch_cost, format_report, load_steps
 
+    if not recording.strip():
+        fail("RECORDING: empty (a steps recording folder, or live-vllm-batch-v1)")
     if timing not in TIMINGS:
         fail(f"--timing: {timing!r} is not one of {', '.join(TIMINGS)}")
     if save is not None:
@@ -655,11 +657,14 @@ def oracle_cmd(
     from specenv.replay import SelectionError, select_positions
     from specenv.splits import check_split
 
+    _check_ray_cpus(ray, ray_cpus)
     try:
         check_split(split)
     except ValueError as exc:
         fail(f"--split: {exc}")
     _check_oracle_options(lookahead, episodes, plot, sweep=sweep, delta=delta)
+    if ray is not None and not sweep:
+        fail("--ray: only the Kmax sweep runs on Ray (add --sweep, or leave --ray out)")
     mode = _check_oracle_drafting(drafting, lookahead)
     ts = _load(traces)
     if not ts.has_positions:
@@ -697,6 +702,13 @@ def oracle_cmd(
         _print_json(report)
         return
     _print_oracle(report, table, an)
+
+
+def _check_ray_cpus(address: str | None, cpus: int | None) -> None:
+    """``--ray-cpus`` sizes the local cluster of a bare ``--ray``: refused without one (it would be ignored)."""
+    if cpus is not None and address != "local":
+        where = "give a bare --ray too" if address is None else f"the running cluster at {address!r} has its own"
+        fail(f"--ray-cpus: sizes the local cluster of a bare --ray ({where})")
 
 
 @contextmanager
@@ -997,6 +1009,7 @@ def train(
     """
     from policies.runs import ALGOS, TrainRun
 
+    _check_ray_cpus(ray, ray_cpus)
     algos = list(dict.fromkeys(algo or ["ppo"]))
     seeds = list(dict.fromkeys(seed if seed else [0]))
     for a in algos:
@@ -1301,6 +1314,7 @@ def tune(
     """
     from policies.runs import ALGOS, TrainRun
 
+    _check_ray_cpus(ray or "local", ray_cpus)
     if algo not in ALGOS:
         fail(f"--algo: unknown learner '{algo}' (known: {', '.join(ALGOS)})")
     if cost_model == "fit":
@@ -1309,6 +1323,12 @@ def tune(
     mode, h = _check_train_drafting(drafting, lookahead, ts)
     _check_out_folder("--out", out_dir)
     _check_budget(ts, kmax, h)
+    from specenv.costsource import cost_model_for
+
+    try:  # here, not in every trial: a bad cost model is one line, before Ray starts or a folder is made
+        cost_model_for(ts, cost_model)
+    except ValueError as exc:
+        fail(f"--cost-model: {exc}")
     # trials run in their own folders: a trace-set folder is passed by absolute path
     where = str(Path(traces).resolve()) if Path(traces).is_dir() else traces
     suffix = {"none": "", "block": f"-h{h}", "sequential": "-seq"}[mode]
@@ -1436,9 +1456,24 @@ def bench(
     from specenv.costmodel import DRAFTING_MODES
 
     _check_out_folder("--out", out_dir)
+    if batch is None and no_learners:
+        fail("--no-learners: only with --batch (the learned batch controllers it would train)")
+    if batch is None and learners is not None:
+        fail("--learners: only with --batch (the learned batch controllers to train)")
     if batch is not None:
-        if ray is not None or ray_chunk is not None:
-            fail("--ray: the batch benchmark (--batch) runs in this process (leave --ray out)")
+        # the batch benchmark has its own rows and runs here: an option it would ignore is refused
+        ignored = {
+            "--ray": ray is not None,
+            "--ray-cpus": ray_cpus is not None,
+            "--ray-chunk": ray_chunk is not None,
+            "--policies": policies is not None,
+            "--only": bool(only),
+            "--drafting": drafting is not None,
+        }
+        for opt, given in ignored.items():
+            if given:
+                what = "runs in this process" if opt.startswith("--ray") else "runs its own batch controllers"
+                fail(f"{opt}: the batch benchmark (--batch) {what} (leave {opt} out)")
         from policies.batchbench import LEARNERS
 
         rows = LEARNERS if learners is None else tuple(x.strip() for x in learners.split(",") if x.strip())
@@ -1453,6 +1488,7 @@ def bench(
     _check_budget(_load(traces), kmax)
     if ray_chunk is not None and ray is None:
         fail("--ray-chunk: needs --ray")
+    _check_ray_cpus(ray, ray_cpus)
     try:
         with (
             _maybe_ray(ray, ray_cpus) as on_ray,

@@ -145,3 +145,16 @@ def test_bench_bad_arguments_exit_2(bench_set: Path, tmp_path: Path) -> None:
     assert r.exit_code == 2 and "--policies" in r.stderr
     r = runner.invoke(app, ["bench", str(bench_set), "--only", "no-such-policy", "--out", str(tmp_path / "o")])
     assert r.exit_code == 2 and "only" in r.stderr
+
+
+def test_block_bound_has_its_categories(bench_set: Path) -> None:
+    """The block bound's row of the category table is its pooled speedup per category (was NaN)."""
+    res = run_benchmark(str(bench_set), episodes=1, seed=0, drafting="block", only=["confidences"])
+    piv = res.categories.pivot(index="policy", columns="category", values="speedup_pooled")
+    block = next(p for p in piv.index if p.startswith("oracle bound, block h="))
+    assert piv.loc[block].notna().all(), piv.loc[block]
+    # each category's block bound pays the trimmed drafts: never above the bound of mode none
+    assert (piv.loc[block] <= piv.loc[ORACLE] + 1e-12).all()
+    # and its pooled row stays below the bound of mode none too
+    row = res.summary.set_index("policy").loc[block]
+    assert 0 < row["speedup_pooled"] <= float(res.summary.set_index("policy").loc[ORACLE, "speedup_pooled"])

@@ -9,6 +9,7 @@ of one k per request. DESIGN.md section 3 ("batch environment") is the contract;
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import gymnasium as gym
@@ -203,6 +204,8 @@ class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
         """
         super().reset(seed=seed)
         seeds = None
+        if options is not None and not isinstance(options, Mapping):
+            raise ValueError(f"options={options!r}: must be a dict (supported key: 'seeds')")
         if options:
             unknown = set(options) - {"seeds"}
             if unknown:
@@ -212,8 +215,14 @@ class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
             self._seeds = request_seeds(self.np_random, self.R)
         else:
             arr = np.asarray(seeds)
-            if arr.ndim != 1 or len(arr) != self.R or not np.issubdtype(arr.dtype, np.integer) or (arr < 0).any():
-                raise ValueError(f"options['seeds']: expected {self.R} integers >= 0 (n_requests)")
+            if (
+                arr.ndim != 1
+                or len(arr) != self.R
+                or not np.issubdtype(arr.dtype, np.integer)
+                or (arr < 0).any()
+                or (arr > np.iinfo(np.int64).max).any()  # a uint64 seed would wrap negative in int64
+            ):
+                raise ValueError(f"options['seeds']: expected {self.R} integers in 0..2**63-1 (n_requests)")
             self._seeds = arr.astype(np.int64)
         self._next = 0
         self._served = 0

@@ -8,6 +8,7 @@ reward options of every environment, the vector one included.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import gymnasium as gym
@@ -40,8 +41,10 @@ def reset_generation_id(options: dict[str, Any] | None) -> Any:
     Raises:
         ValueError: For an unknown option key.
     """
-    if not options:
+    if options is None:
         return None
+    if not isinstance(options, Mapping):
+        raise ValueError(f"options={options!r}: must be a dict (supported key: 'generation_id')")
     unknown = set(options) - {"generation_id"}
     if unknown:
         raise ValueError(f"options: unknown key(s) {sorted(unknown)} (supported: 'generation_id')")
