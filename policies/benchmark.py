@@ -459,34 +459,23 @@ def run_policy(
         generation_ids: Only these test generations, in this order (default: every test generation,
             in the environment's order).
     """
-    import gymnasium as gym
+    from specenv.rollout import rollout_split
 
-    from specenv.envs.replay import ENV_ID
-    from specenv.replay import replay_data
-    from specenv.rollout import episode_seeds, rollout_vector
-
-    data = replay_data(ctx.dataset, ctx.kmax, "test", ctx.cost_model_arg, entry.lookahead, entry.mode, entry.signals)
-    gids = np.asarray(data.generation_ids if generation_ids is None else generation_ids, dtype=np.int64)
-    ep_gid = np.repeat(gids, episodes)
-    ep_r = np.tile(np.arange(episodes, dtype=np.int64), len(gids))
-    seeds = episode_seeds(seed, ep_gid, ep_r)
-    envs = gym.make_vec(
-        ENV_ID,
-        num_envs=len(ep_gid),
-        vectorization_mode="vector_entry_point",
-        dataset=ctx.dataset,
-        kmax=ctx.kmax,
-        split="test",
-        cost_model=ctx.cost_model_arg,
-        lookahead=entry.lookahead,
-        drafting=entry.mode,
-        signals=entry.signals,
+    played = rollout_split(
+        entry.make,
+        ctx.dataset,
+        ctx.kmax,
+        "test",
+        ctx.cost_model_arg,
+        entry.lookahead,
+        entry.mode,
+        entry.signals,
+        episodes,
+        seed,
+        generation_ids,
     )
-    try:
-        policy = entry.make(data.spec)
-        res = rollout_vector(envs, policy, list(zip(ep_gid.tolist(), seeds.tolist(), strict=True)))
-    finally:
-        envs.close()
+    res, policy = played.rollouts, played.policy
+    ep_gid, ep_r, seeds = played.episode_generation, played.episode_index, played.seeds
     df = pd.DataFrame(
         {
             "policy": entry.name,

@@ -36,8 +36,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from policies.runs import TrainRun
 
 #: The metric the search maximises (reported by every trial).
@@ -85,15 +83,11 @@ def validation_score(policy_dir: Path, run: TrainRun, episodes: int, seed: int) 
         ``val_speedup_pooled``, ``val_speedup_mean``, ``val_oracle_pct`` (pooled speedup / pooled bound),
         ``val_generations``.
     """
-    import gymnasium as gym
-
     from oracle.dp import solve
     from policies.stopping import load_stop_rule
     from specenv.costmodel import drafting_mode
-    from specenv.envs.replay import ENV_ID
     from specenv.policy.mlp import MLPPolicy
-    from specenv.replay import replay_data
-    from specenv.rollout import episode_seeds, rollout_vector
+    from specenv.rollout import rollout_split
 
     stored = MLPPolicy.load(policy_dir).spec
     if stored.per_token:  # a stop rule: run in the round env, sequential mode, seeing all kmax signals
@@ -102,31 +96,16 @@ def validation_score(policy_dir: Path, run: TrainRun, episodes: int, seed: int) 
     else:
         h = stored.lookahead
         mode, signals = drafting_mode(h), (stored.signals if h else ("q",))
-    data = replay_data(run.traces, run.kmax, "train-val", run.cost_model, h, mode, signals)
-    if stored.per_token:
-        policy: Any = load_stop_rule(policy_dir, expect=data.spec)
-    else:
-        policy = MLPPolicy.load(policy_dir, expect=data.spec)
-    gids = np.asarray(data.generation_ids, dtype=np.int64)
-    ep_gid = np.repeat(gids, episodes)
-    ep_r = np.tile(np.arange(episodes, dtype=np.int64), len(gids))
-    seeds = episode_seeds(seed, ep_gid, ep_r)
-    envs = gym.make_vec(
-        ENV_ID,
-        num_envs=len(ep_gid),
-        vectorization_mode="vector_entry_point",
-        dataset=run.traces,
-        kmax=run.kmax,
-        split="train-val",
-        cost_model=run.cost_model,
-        lookahead=h,
-        drafting=mode,
-        signals=signals,
+
+    def make_policy(spec: Any) -> Any:
+        if stored.per_token:
+            return load_stop_rule(policy_dir, expect=spec)
+        return MLPPolicy.load(policy_dir, expect=spec)
+
+    played = rollout_split(
+        make_policy, run.traces, run.kmax, "train-val", run.cost_model, h, mode, signals, episodes, seed
     )
-    try:
-        res = rollout_vector(envs, policy, list(zip(ep_gid.tolist(), seeds.tolist(), strict=True)))
-    finally:
-        envs.close()
+    res, gids = played.rollouts, played.generation_ids
     cost = res.cost.reshape(len(gids), episodes).mean(axis=1)
     ar = res.ar.reshape(len(gids), episodes)[:, 0]
     from specenv.costsource import cost_model_for

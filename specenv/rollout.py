@@ -355,3 +355,90 @@ def evaluate_in_env(
             env.close()
     name = getattr(policy, "name", type(policy).__name__)
     return EnvEvaluation(**vars(res), policy=str(name))
+
+
+@dataclass
+class SplitRollouts:
+    """What :func:`rollout_split` played: per-episode results and each episode's identity.
+
+    Attributes:
+        rollouts: Per-episode sums (:class:`Rollouts`), in the order of the other arrays.
+        generation_ids: (G,) the generations played, each ``episodes`` times in a row.
+        episode_generation: (G * episodes,) the generation of each episode.
+        episode_index: (G * episodes,) r = 0..episodes-1 within its generation.
+        seeds: (G * episodes,) the reset seed of each episode (:func:`episode_seeds`).
+        policy: The policy that played (built by ``make_policy``).
+    """
+
+    rollouts: Rollouts
+    generation_ids: np.ndarray
+    episode_generation: np.ndarray
+    episode_index: np.ndarray
+    seeds: np.ndarray
+    policy: Any
+
+
+def rollout_split(
+    make_policy: Any,
+    dataset: str,
+    kmax: int | None,
+    split: str,
+    cost_model: str,
+    lookahead: int | None,
+    drafting: str | None,
+    signals: Any,
+    episodes: int,
+    seed: int,
+    generation_ids: Sequence[int] | np.ndarray | None = None,
+) -> SplitRollouts:
+    """Play a policy on every generation of a split ``episodes`` times, in the native vector env.
+
+    Episode r of generation g is reset with ``episode_seeds(seed, g, r)``, so a subset of the
+    generations (``generation_ids``) plays exactly the episodes it plays in the full run: the
+    benchmark's chunks (local or on Ray) and the tuner's validation score share this one loop.
+
+    Args:
+        make_policy: ``make_policy(spec) -> policy`` given the replay tables' observation spec.
+        dataset: Trace set name or folder.
+        kmax: Largest budget (None: the set's).
+        split: Split to replay (``"test"``, ``"train-val"``...).
+        cost_model: ``fit``, ``fit-train``, ``profile`` or a cost-model JSON.
+        lookahead: Draft confidences in the observation.
+        drafting: Drafting mode (None: read from the lookahead).
+        signals: Draft signals of the lookahead.
+        episodes: Episodes per generation.
+        seed: Base seed of :func:`episode_seeds`.
+        generation_ids: Only these generations, in this order (default: every generation of the
+            split, in the replay tables' order).
+
+    Returns:
+        The :class:`SplitRollouts`.
+    """
+    import gymnasium as gym
+
+    from specenv.envs.replay import ENV_ID
+    from specenv.replay import replay_data
+
+    data = replay_data(dataset, kmax, split, cost_model, lookahead, drafting, signals)
+    gids = np.asarray(data.generation_ids if generation_ids is None else generation_ids, dtype=np.int64)
+    ep_gid = np.repeat(gids, episodes)
+    ep_r = np.tile(np.arange(episodes, dtype=np.int64), len(gids))
+    seeds = episode_seeds(seed, ep_gid, ep_r)
+    envs = gym.make_vec(
+        ENV_ID,
+        num_envs=len(ep_gid),
+        vectorization_mode="vector_entry_point",
+        dataset=dataset,
+        kmax=kmax,
+        split=split,
+        cost_model=cost_model,
+        lookahead=lookahead,
+        drafting=drafting,
+        signals=signals,
+    )
+    try:
+        policy = make_policy(data.spec)
+        res = rollout_vector(envs, policy, list(zip(ep_gid.tolist(), seeds.tolist(), strict=True)))
+    finally:
+        envs.close()
+    return SplitRollouts(res, gids, ep_gid, ep_r, seeds, policy)
