@@ -39,7 +39,7 @@ def commands(quick: bool) -> list[tuple[str, list[str], bool]]:
         cmds.append((f"bench-{s}", ["bench", s, "--json"], True))
         cmds.append((f"bench-{s}-batch4", ["bench", s, "--batch", "4", "--episodes", "2", "--json"], True))
     if not quick:
-        cmds.append(("fit-batch-live-vllm-batch", ["fit-batch", "live-vllm-batch", "--json"], False))
+        cmds.append(("fit-batch-default", ["fit-batch", "--json"], False))
         cmds.append(("bench-caps-live-cpu-caps", ["bench-caps", "live-cpu-caps", "--json"], True))
     return cmds
 
