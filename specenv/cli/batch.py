@@ -106,8 +106,8 @@ def bench(
 ) -> None:
     """Benchmark the batch controllers in specenv/MoESpecBatch-v0 beside the batch bound (held-out split).
 
-    The rows are the batch controllers (policies/batchbench.py): per-request and batch heuristics,
-    TETRIS, the DSD table, the batch goodput, and the learned ones unless --no-learners.
+    The rows are the batch controllers of policies/batchbench.py and, unless --no-learners, the
+    learned ones (trained on the train split).
     """
     from policies.batchbench import LEARNERS, batch_markdown, run_batch_benchmark, write_batch_outputs
 
