@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from specenv.cli import _bare_ray, app
+from specenv.cli import app
+from specenv.cli.common import bare_ray
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (make venv installs it)")
 
@@ -206,11 +207,11 @@ def test_ray_chunk_needs_ray(tmp_path: Path) -> None:
 
 
 def test_bare_ray_means_a_local_cluster() -> None:
-    assert _bare_ray(["bench", "--ray"]) == ["bench", "--ray", "local"]
-    assert _bare_ray(["bench", "--ray", "--quiet"]) == ["bench", "--ray", "local", "--quiet"]
-    assert _bare_ray(["bench", "--ray", "auto"]) == ["bench", "--ray", "auto"]
-    assert _bare_ray(["bench", "--ray=h:1"]) == ["bench", "--ray=h:1"]
-    assert _bare_ray(["x", "--", "--ray"]) == ["x", "--", "--ray"]
+    assert bare_ray(["bench", "--ray"]) == ["bench", "--ray", "local"]
+    assert bare_ray(["bench", "--ray", "--quiet"]) == ["bench", "--ray", "local", "--quiet"]
+    assert bare_ray(["bench", "--ray", "auto"]) == ["bench", "--ray", "auto"]
+    assert bare_ray(["bench", "--ray=h:1"]) == ["bench", "--ray=h:1"]
+    assert bare_ray(["x", "--", "--ray"]) == ["x", "--", "--ray"]
 
 
 def test_validation_split_is_carved_from_train() -> None:

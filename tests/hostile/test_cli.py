@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from specenv import cli
+from specenv.cli import common
 from tests.hostile.harness import assert_rejected, reject_cleanly, run_cli, snapshot
 
 HUGE = str(10**30)
@@ -292,11 +292,11 @@ def test_serve_refuses_a_bad_record_folder_in_under_a_second(tmp_path):
 
 
 def test_json_output_is_strict():
-    assert cli._nonfinite_field({"a": [1.0, {"b": float("nan")}]}) == "a[1].b"
-    assert cli._nonfinite_field({"a": [1, "x", None, 2.5]}) is None
-    with pytest.raises(cli.typer.Exit):
-        cli._print_json({"s_max": float("inf")})
+    assert common.nonfinite_field({"a": [1.0, {"b": float("nan")}]}) == "a[1].b"
+    assert common.nonfinite_field({"a": [1, "x", None, 2.5]}) is None
+    with pytest.raises(common.typer.Exit):
+        common.print_json({"s_max": float("inf")})
 
 
 def test_an_error_line_escapes_control_characters():
-    assert cli._one_line("bad\nname\t\x1b[31m") == "bad\\nname\\t\\x1b[31m"
+    assert common.one_line("bad\nname\t\x1b[31m") == "bad\\nname\\t\\x1b[31m"

