@@ -1,6 +1,6 @@
 """Learned batch controllers: imitation of per-request oracles of the batch, and PPO.
 
-* :func:`train_batch_imitation`: DAgger (as :mod:`policies.imitation`) in ``specenv/MoESpecBatch-v0``
+* :func:`train_batch_imitation`: DAgger (the loop of :mod:`policies.dagger`) in ``specenv/MoESpecBatch-v0``
   on the train split, with cost-sensitive labels from a per-request problem (``expert``): the batch
   bound's full-batch charges (:func:`oracle.batch.share_model` with ``full=True``: "imitation of the
   bound's per-request decisions") or the cost a request induces in a full batch of its like

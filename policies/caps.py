@@ -7,7 +7,7 @@
   ``cap_levels``: it scores ``(C+1)(kmax+1)`` actions ``c * (kmax+1) + k``), acting ``(k, c)``;
 * :func:`train_joint_dagger` -- imitation of the joint oracle (:func:`oracle.caps.solve_joint`) at a
   chosen quality weight, by DAgger with the oracle's joint action values as cost-sensitive labels
-  (the recipe of :mod:`policies.imitation`, over the larger action set), exported to the numpy form.
+  (the loop and learner of :mod:`policies.dagger`, over the larger action set), exported to the numpy form.
 
 Every one of them acts in ``specenv/MoESpecCap-v0`` (:mod:`specenv.envs.caps`): ``act(obs)`` returns
 the pair ``np.array([k, c])``.
@@ -111,8 +111,8 @@ def train_joint_dagger(
 
     The oracle is :func:`oracle.caps.solve_joint` on the train generations (the same weight, the same
     cost model as the environment); the labels are its joint action values
-    (:func:`oracle.caps.joint_action_values`) as regrets in AR steps; the learner is the MLP of
-    :mod:`policies.imitation` with ``(C+1)(kmax+1)`` outputs and its expected-regret loss.
+    (:func:`oracle.caps.joint_action_values`) as regrets in AR steps; the learner is the DAgger
+    learner (:class:`policies.dagger.RegretMLP`) with ``(C+1)(kmax+1)`` outputs and its expected-regret loss.
     Rollouts play the mixture policy in ``specenv/MoESpecCap-v0`` with the same ``quality_weight``.
 
     Args:
