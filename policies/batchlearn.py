@@ -126,7 +126,8 @@ def train_batch_imitation(
             from the best fixed k under the charges.
 
     Returns:
-        The exported per-request policy (drafting mode ``none``) and the per-iteration history.
+        The exported per-request policy (drafting mode ``none``), the per-iteration history and the
+        training time in seconds.
     """
     t0 = time.perf_counter()
     env = MoESpecBatchEnv(

@@ -86,7 +86,7 @@ class DaggerResult:
 
     policy: MLPPolicy
     history: list[dict[str, float]]
-    seconds: float = 0.0
+    seconds: float
 
 
 class Expert(Protocol):

@@ -64,7 +64,7 @@ def train_dagger(
             validation carve of :mod:`specenv.splits`, for a hyper-parameter search).
 
     Returns:
-        The exported numpy policy and per-iteration statistics.
+        The exported numpy policy, per-iteration statistics and the training time in seconds.
     """
     import gymnasium as gym
 

@@ -176,7 +176,8 @@ def train_stop_dagger(
             validation carve of :mod:`specenv.splits`, for a hyper-parameter search).
 
     Returns:
-        The stop rule in numpy form (per-token contract) and per-iteration statistics.
+        The stop rule in numpy form (per-token contract), per-iteration statistics and the training
+        time in seconds.
     """
     import gymnasium as gym
 
