@@ -303,8 +303,7 @@ class GoodputBatch(_CostBatch):
                 self.acc[s].reset()
             else:
                 self.acc[s].observe(self.view.prev_k(o), self.view.prev_accepted(o))
-            a = self.acc[s]
-            alpha[j] = (a.s.sum() + a.strength * a.prior.mean()) / (a.n.sum() + a.strength)
+            alpha[j] = self.acc[s].pooled()
         alpha = np.clip(alpha, 1e-6, 1 - 1e-6)
         ctx = self._contexts(req)[idx]
         ks = np.arange(self.kmax + 1)

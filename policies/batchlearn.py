@@ -1,6 +1,6 @@
 """Learned batch controllers: imitation of per-request oracles of the batch, and PPO.
 
-* :func:`train_batch_imitation`: DAgger (as :mod:`policies.imitation`) in ``specenv/MoESpecBatch-v0``
+* :func:`train_batch_imitation`: DAgger (the loop of :mod:`policies.dagger`) in ``specenv/MoESpecBatch-v0``
   on the train split, with cost-sensitive labels from a per-request problem (``expert``): the batch
   bound's full-batch charges (:func:`oracle.batch.share_model` with ``full=True``: "imitation of the
   bound's per-request decisions") or the cost a request induces in a full batch of its like
@@ -56,6 +56,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,16 +67,14 @@ import numpy as np
 from oracle.batch import FairShare, expected_costs
 from oracle.dp import action_values, evaluate_policy, solve
 from policies.batch import BatchPolicy, FixedBatch
-from policies.imitation import _fit_regret, _make_net, _to_numpy
+from policies.dagger import DaggerResult, RegretMLP, Visits, dagger_meta, run_dagger
 from specenv.batchobs import BatchObservationSpec
 from specenv.batchreplay import request_draws
 from specenv.datasets import load_dataset
 from specenv.envs.batch import MoESpecBatchEnv
-from specenv.policy.mlp import MLPPolicy
 from specenv.replay import select_positions
 
 __all__ = [
-    "BatchImitation",
     "BatchSurvival",
     "SB3Batch",
     "SurvivalGoodputBatch",
@@ -83,14 +82,6 @@ __all__ = [
     "train_batch_ppo",
     "train_batch_survival",
 ]
-
-
-@dataclass
-class BatchImitation:
-    """Outcome of :func:`train_batch_imitation`."""
-
-    policy: MLPPolicy
-    history: list[dict[str, float]]
 
 
 def train_batch_imitation(
@@ -108,7 +99,7 @@ def train_batch_imitation(
     log: Callable[[str], None] | None = None,
     expert: str = "bound",
     reference: str = "learner",
-) -> BatchImitation:
+) -> DaggerResult:
     """DAgger towards the batch bound's per-request decisions (module docstring), train split only.
 
     Args:
@@ -135,12 +126,10 @@ def train_batch_imitation(
             from the best fixed k under the charges.
 
     Returns:
-        The exported per-request policy (drafting mode ``none``) and the per-iteration history.
+        The exported per-request policy (drafting mode ``none``), the per-iteration history and the
+        training time in seconds.
     """
-    import torch
-
-    torch.manual_seed(seed)
-    torch.set_num_threads(1)  # small nets: threads only contend on a shared CPU
+    t0 = time.perf_counter()
     env = MoESpecBatchEnv(
         dataset, batch_size, n_requests, kmax, split="train", cost_model=cost_model, batch_cost=batch_cost
     )
@@ -155,74 +144,117 @@ def train_batch_imitation(
     gens = np.vectorize(lambda s: request_draws(int(s), arrays.lengths)[0])(probe)
     _, full, _, split = expected_costs(arrays, env.batch_cost, batch_size, gens)
     charges: Any = full if expert == "bound" else FairShare(env.batch_cost, batch_size)
-    sol = solve(arrays, charges)
-    n_rows = len(arrays.L)
-    if reference == "oracle":
-        k_ref = sol.k  # AggreVaTe: the (clairvoyant) per-request optimum continues after every state
-    else:  # approximate policy iteration: start from the best fixed k under the charges, continue with the learner
-        fixed = [float(evaluate_policy(arrays, charges, k).cost.sum()) for k in range(env.kmax + 1)]
-        k_ref = np.full(n_rows, int(np.argmin(fixed)), dtype=np.int64)
-
-    def regrets(k_ref: np.ndarray) -> np.ndarray:
-        value = sol.value if reference == "oracle" else evaluate_policy(arrays, charges, k_ref).value
-        Q = action_values(arrays, charges, value)
-        return (Q - Q.min(axis=1, keepdims=True)) / env.ar_unit_ms
-
-    regret = regrets(k_ref)
+    teacher = _PerRequestExpert(arrays, charges, reference, env.kmax, env.ar_unit_ms)
     if log is not None:
-        log(f"batch imitation: expert {expert}, reference {reference}, mean k* {sol.k.mean():.2f}")
+        log(f"batch imitation: expert {expert}, reference {reference}, mean k* {teacher.sol.k.mean():.2f}")
     spec: BatchObservationSpec = env.spec_batch
-    net = _make_net(spec.request, hidden)
-    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
-    xs_all: list[np.ndarray] = []
-    rows_all: list[np.ndarray] = []
-    history: list[dict[str, float]] = []
-    for it in range(iterations):
-        beta = 1.0 if it == 0 else 0.5**it
+    learner = RegretMLP(spec.request, hidden, epochs=epochs, seed=seed)
+    source = _BatchEpisodes(env, seeds, episodes)
+    history = run_dagger(source, teacher, learner, iterations, rng, log=log, label="batch imitation")
+    meta = dagger_meta(
+        "batch-imitation",
+        learner,
+        history,
+        "expected regret + 0.05 cross-entropy to the expert's k*",
+        seed,
+        dataset=str(dataset),
+        batch_size=int(batch_size),
+        drafting="none",
+        expert=expert,
+        reference=reference,
+        split=list(split) if split is not None and expert == "bound" else None,
+        batch_observation=spec.to_json(),
+    )
+    return DaggerResult(learner.snapshot(name="batch-imitation", meta=meta), history, time.perf_counter() - t0)
+
+
+class _PerRequestExpert:
+    """The expert of :func:`train_batch_imitation`: a per-request problem's budgets and regrets per position row.
+
+    Args:
+        arrays: The train split's positions.
+        charges: The per-request charges (the bound's full-batch charges or :class:`oracle.batch.FairShare`).
+        reference: ``"oracle"``: the charges' optimum k* acts and its action values label (fixed);
+            ``"learner"``: approximate policy iteration: the reference starts at the best fixed k under
+            the charges, and after each fit takes the learner's budget at every row it visited; the
+            labels are the exact action values of the reference (:func:`oracle.dp.evaluate_policy`).
+        kmax: Largest budget.
+        ar_unit_ms: The AR step (regrets in AR steps).
+    """
+
+    def __init__(self, arrays: Any, charges: Any, reference: str, kmax: int, ar_unit_ms: float):
+        self.arrays = arrays
+        self.charges = charges
+        self.reference = reference
+        self.unit = ar_unit_ms
+        self.sol = solve(arrays, charges)
+        if reference == "oracle":
+            self.k = self.sol.k  # AggreVaTe: the (clairvoyant) per-request optimum continues after every state
+        else:  # approximate policy iteration: start from the best fixed k under the charges
+            fixed = [float(evaluate_policy(arrays, charges, k).cost.sum()) for k in range(kmax + 1)]
+            self.k = np.full(len(arrays.L), int(np.argmin(fixed)), dtype=np.int64)
+        self.regret = self._regrets()
+
+    def _regrets(self) -> np.ndarray:
+        value = (
+            self.sol.value if self.reference == "oracle" else evaluate_policy(self.arrays, self.charges, self.k).value
+        )
+        Q = action_values(self.arrays, self.charges, value)
+        return (Q - Q.min(axis=1, keepdims=True)) / self.unit
+
+    def act(self, rows: Any) -> Any:
+        """The reference's budgets at position rows ``rows``."""
+        return self.k[rows]
+
+    def examples(self, visits: Visits) -> tuple[np.ndarray, np.ndarray]:
+        """The visited per-request observations, labelled with the current reference's regrets."""
+        return visits.obs, self.regret[visits.rows].astype(np.float32)
+
+    def update(self, learner: RegretMLP, visits: list[Visits]) -> bool:
+        """Policy iteration: the learner's budgets where it went, the reference elsewhere; relabel."""
+        if self.reference != "learner":
+            return False
+        rows = np.concatenate([v.rows for v in visits])
+        self.k = self.k.copy()
+        self.k[rows] = learner.greedy(np.concatenate([v.obs for v in visits]))
+        self.regret = self._regrets()
+        return True
+
+
+class _BatchEpisodes:
+    """Episode source of ``specenv/MoESpecBatch-v0``: ``episodes`` seeded episodes per DAgger iteration.
+
+    Each step draws, per slot, whether the expert (its budget at the request's position row) or the
+    learner (the torch network's argmax) acts; the visits are the active slots' per-request states.
+    """
+
+    def __init__(self, env: MoESpecBatchEnv, seeds: list[int], episodes: int):
+        self.env = env
+        self.seeds = seeds
+        self.episodes = episodes
+
+    def rollout(self, expert: Any, learner: RegretMLP, beta: float, rng: np.random.Generator, iteration: int) -> Visits:
+        """The iteration's episodes under the mixture."""
+        env, spec = self.env, self.env.spec_batch
+        B = spec.batch_size
+        xs: list[np.ndarray] = []
+        rows_all: list[np.ndarray] = []
         cost = ar = 0.0
-        played = np.full(n_rows, -1, dtype=np.int64)
-        for e in range(episodes):
-            obs, _ = env.reset(seed=seeds[it * episodes + e])
+        for e in range(self.episodes):
+            obs, _ = env.reset(seed=self.seeds[iteration * self.episodes + e])
             done = False
             while not done:
                 rows = env.rows()
                 active, req = spec.slots(obs)
-                with torch.no_grad():
-                    own = net(torch.as_tensor(req)).argmax(dim=1).numpy()
-                k_exp = k_ref[np.maximum(rows, 0)]
-                k = np.where(rng.random(batch_size) < beta, k_exp, own)
+                own = learner.greedy(req)
+                k = np.where(rng.random(B) < beta, expert.act(np.maximum(rows, 0)), own)
                 k = np.where(active, k, 0).astype(np.int64)
-                xs_all.append(req[active])
+                xs.append(req[active])
                 rows_all.append(rows[active])
-                played[rows[active]] = own[active]
                 obs, _, done, _, info = env.step(k)
             cost += info["episode_cost_ms"]
             ar += info["ar_cost_ms"]
-        all_rows = np.concatenate(rows_all)
-        xs = torch.as_tensor(np.concatenate(xs_all))
-        rs = torch.as_tensor(regret[all_rows], dtype=torch.float32)
-        train_regret = _fit_regret(net, opt, xs, rs, epochs)
-        if reference == "learner":  # the learner's own budgets where it went; the reference elsewhere
-            with torch.no_grad():
-                mine = net(xs).argmax(dim=1).numpy()
-            k_ref = k_ref.copy()
-            k_ref[all_rows] = mine
-            regret = regrets(k_ref)
-        rec = {"iteration": it, "beta": beta, "states": len(xs), "mixture_speedup": ar / cost, "regret": train_regret}
-        history.append(rec)
-        if log is not None:
-            log(f"batch imitation {it}: beta={beta:.3f} states={len(xs)} mixture speedup={ar / cost:.3f}")
-    meta = {
-        "kind": "batch-imitation",
-        "dataset": str(dataset),
-        "batch_size": int(batch_size),
-        "drafting": "none",
-        "expert": expert,
-        "reference": reference,
-        "split": list(split) if split is not None and expert == "bound" else None,
-        "batch_observation": spec.to_json(),
-    }
-    return BatchImitation(_to_numpy(net, spec.request, name="batch-imitation", meta=meta), history)
+        return Visits(np.concatenate(xs), np.concatenate(rows_all), cost, ar)
 
 
 class SB3Batch(BatchPolicy):

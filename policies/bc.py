@@ -1,10 +1,10 @@
 """Behaviour cloning from a Minari dataset: a small torch MLP fitted to the recorded (observation, budget) pairs.
 
 Stable-Baselines3 has no behaviour cloning, so this is the plain supervised form: the network of
-:mod:`policies.imitation` (:func:`policies.imitation._make_net`, tanh hidden layers, one logit per
+:mod:`policies.dagger` (:func:`policies.dagger.make_net`, tanh hidden layers, one logit per
 budget) is fitted by cross-entropy to the actions of every step of the dataset
 (:func:`policies.offline.open_dataset`), with Adam, and exported with the same machinery
-(:func:`policies.imitation._to_numpy`) to the numpy form of :mod:`specenv.policy.mlp` (policy.json +
+(:func:`policies.dagger.export_net`) to the numpy form of :mod:`specenv.policy.mlp` (policy.json +
 weights.npz; no pickle), which ``specenv bench`` and the vLLM controller run.
 
 Unlike DAgger (:mod:`policies.imitation`), BC sees only the states the recorded policy visited and
@@ -66,7 +66,7 @@ def train_bc(
     """
     import torch
 
-    from policies.imitation import _make_net, _to_numpy
+    from policies.dagger import export_net, make_net
     from specenv.costmodel import drafting_mode
 
     spec = data.spec
@@ -77,7 +77,7 @@ def train_bc(
         raise ValueError(f"--dataset: {data.dataset_id}: actions outside 0..kmax={spec.kmax}")
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    net = _make_net(spec, hidden)
+    net = make_net(spec, hidden)
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     xs = torch.from_numpy(np.ascontiguousarray(data.observations, dtype=np.float32))
     ys = torch.from_numpy(np.ascontiguousarray(data.actions, dtype=np.int64))
@@ -122,4 +122,4 @@ def train_bc(
         },
         "history": history,
     }
-    return BCResult(_to_numpy(net, spec, name="bc", meta=meta), history)
+    return BCResult(export_net(net, spec, name="bc", meta=meta), history)

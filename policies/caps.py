@@ -7,7 +7,7 @@
   ``cap_levels``: it scores ``(C+1)(kmax+1)`` actions ``c * (kmax+1) + k``), acting ``(k, c)``;
 * :func:`train_joint_dagger` -- imitation of the joint oracle (:func:`oracle.caps.solve_joint`) at a
   chosen quality weight, by DAgger with the oracle's joint action values as cost-sensitive labels
-  (the recipe of :mod:`policies.imitation`, over the larger action set), exported to the numpy form.
+  (the loop and learner of :mod:`policies.dagger`, over the larger action set), exported to the numpy form.
 
 Every one of them acts in ``specenv/MoESpecCap-v0`` (:mod:`specenv.envs.caps`): ``act(obs)`` returns
 the pair ``np.array([k, c])``.
@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from policies.dagger import DaggerResult, RegretMLP, ReplayEpisodes, TableExpert, Visits, dagger_meta, run_dagger
 from specenv.policy.mlp import MLPPolicy, n_actions
 
-__all__ = ["FixedCap", "JointDaggerResult", "JointMLP", "train_joint_dagger"]
+__all__ = ["FixedCap", "JointMLP", "train_joint_dagger"]
 
 #: Regret (AR steps) that stands in for an action the joint set does not offer (a capped k = 0, or a
 #: token-changing cap at an infinite quality weight) in the learner's labels.
@@ -93,15 +93,6 @@ class JointMLP:
         return self.decode(j)
 
 
-@dataclass
-class JointDaggerResult:
-    """Outcome of :func:`train_joint_dagger`: the exported policy, per-iteration statistics, seconds."""
-
-    policy: MLPPolicy
-    history: list[dict[str, float]]
-    seconds: float
-
-
 def train_joint_dagger(
     dataset: str,
     quality_weight: float,
@@ -115,13 +106,13 @@ def train_joint_dagger(
     log: Callable[[str], None] | None = None,
     lookahead: int = 0,
     signals: Any = ("q",),
-) -> JointDaggerResult:
+) -> DaggerResult:
     """Imitate the joint oracle at ``quality_weight`` by DAgger on the train split of a caps set.
 
     The oracle is :func:`oracle.caps.solve_joint` on the train generations (the same weight, the same
     cost model as the environment); the labels are its joint action values
-    (:func:`oracle.caps.joint_action_values`) as regrets in AR steps; the learner is the MLP of
-    :mod:`policies.imitation` with ``(C+1)(kmax+1)`` outputs and its expected-regret loss.
+    (:func:`oracle.caps.joint_action_values`) as regrets in AR steps; the learner is the DAgger
+    learner (:class:`policies.dagger.RegretMLP`) with ``(C+1)(kmax+1)`` outputs and its expected-regret loss.
     Rollouts play the mixture policy in ``specenv/MoESpecCap-v0`` with the same ``quality_weight``.
 
     Args:
@@ -144,15 +135,12 @@ def train_joint_dagger(
         training time in seconds.
     """
     import gymnasium as gym
-    import torch
 
     from oracle.caps import joint_action_values, solve_joint
-    from policies.imitation import _fit_regret, _make_net, _mixture_rollouts, _to_numpy, split_arrays
+    from policies.imitation import split_arrays
     from specenv.envs.caps import CAP_ID
 
     t0 = time.perf_counter()
-    torch.set_num_threads(1)
-    torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     drafting = "block" if lookahead else "none"
     env = gym.make(
@@ -172,52 +160,35 @@ def train_joint_dagger(
     model = u.data.cost_model
     sol = solve_joint(arrays, model, quality_weight, lookahead, drafting, tables=u.tables)
     k1 = u.kmax + 1
-    star = sol.cap * k1 + sol.k
-    net = _make_net(spec, hidden, n_out=n_actions(spec))
-    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    learner = RegretMLP(spec, hidden, n_out=n_actions(spec), lr=lr, epochs=epochs, seed=seed)
 
     def decode(j: int) -> np.ndarray:
         return np.array([j % k1, j // k1], dtype=np.int64)
 
-    X: list[np.ndarray] = []
-    R: list[np.ndarray] = []
-    history: list[dict[str, float]] = []
-    for it in range(iterations):
-        beta = 1.0 if it == 0 else 0.5**it
-        learner = _to_numpy(net, spec)
-        roll = _mixture_rollouts(env, arrays, star, learner, beta, rng, to_action=decode)
+    def label(roll: Visits) -> tuple[np.ndarray, np.ndarray]:
         Q = joint_action_values(arrays, u.tables, model, sol.value, roll.rows, quality_weight, lookahead, drafting)
         reg = (Q - Q.min(axis=1, keepdims=True)) / u.ar_unit_ms
-        X.append(roll.obs)
-        R.append(np.minimum(np.nan_to_num(reg, posinf=UNAVAILABLE_REGRET), UNAVAILABLE_REGRET).astype(np.float32))
-        regret = _fit_regret(net, opt, torch.from_numpy(np.concatenate(X)), torch.from_numpy(np.concatenate(R)), epochs)
-        stats = {"iteration": it, "beta": beta, "states": int(sum(len(x) for x in X)), "train_regret_ar_units": regret}
-        history.append(stats)
-        if log:
-            log(f"joint dagger w={quality_weight:g} it={it} beta={beta:.3f} n={stats['states']} regret={regret:.4f}")
+        return roll.obs, np.minimum(np.nan_to_num(reg, posinf=UNAVAILABLE_REGRET), UNAVAILABLE_REGRET).astype(
+            np.float32
+        )
+
+    expert = TableExpert(sol.cap * k1 + sol.k, label)
+    source = ReplayEpisodes(env, arrays, to_action=decode)
+    history = run_dagger(source, expert, learner, iterations, rng, log=log, label=f"joint dagger w={quality_weight:g}")
     env.close()
-    meta = {
-        "algo": "joint-dagger",
-        "action": "joint (k, expert cap): index c * (kmax+1) + k",
-        "caps": list(u.caps),
-        "quality_weight": float(quality_weight),
-        "dataset": str(dataset),
-        "cost_model": cost_model,
-        "drafting": drafting,
-        "lookahead": lookahead,
-        "hyperparameters": {
-            "iterations": iterations,
-            "epochs": epochs,
-            "hidden": list(hidden),
-            "activation": "tanh",
-            "optimizer": "adam",
-            "learning_rate": lr,
-            "beta_schedule": "1 then 0.5**i",
-            "loss": "expected regret + 0.05 cross-entropy to the joint oracle's action",
-            "seed": seed,
-        },
-        "history": history,
-    }
+    meta = dagger_meta(
+        "joint-dagger",
+        learner,
+        history,
+        "expected regret + 0.05 cross-entropy to the joint oracle's action",
+        seed,
+        action="joint (k, expert cap): index c * (kmax+1) + k",
+        caps=list(u.caps),
+        quality_weight=float(quality_weight),
+        dataset=str(dataset),
+        cost_model=cost_model,
+        drafting=drafting,
+        lookahead=lookahead,
+    )
     name = f"joint-imitation-w{quality_weight:g}" + (f"-h{lookahead}" if lookahead else "")
-    pol = _to_numpy(net, spec, name=name, meta=meta)
-    return JointDaggerResult(pol, history, time.perf_counter() - t0)
+    return DaggerResult(learner.snapshot(name=name, meta=meta), history, time.perf_counter() - t0)

@@ -240,6 +240,14 @@ class AcceptanceEstimator:
         """(kmax,) current estimates."""
         return (self.s + self.strength * self.prior) / (self.n + self.strength)
 
+    def pooled(self) -> float:
+        """The per-token acceptance rate pooled over depths, with the prior's mean as prior.
+
+        ``(sum_j s_j + n0 * mean(prior)) / (sum_j n_j + n0)``: accepted drafts over drafts that reached
+        verification, summed over depths (the acceptance rate alpha of the goodput rules).
+        """
+        return float((self.s.sum() + self.strength * self.prior.mean()) / (self.n.sum() + self.strength))
+
 
 class _CostAware(Policy):
     """Shared plumbing: a cost model and a U predictor fed from the observations."""
@@ -307,8 +315,7 @@ class GoodputRule(_CostAware):
 
     def alpha(self) -> float:
         """Current per-token acceptance rate (pooled over depths, with the prior's mean as prior)."""
-        acc = self.acc
-        return float((acc.s.sum() + acc.strength * acc.prior.mean()) / (acc.n.sum() + acc.strength))
+        return self.acc.pooled()
 
     def _act(self, obs: np.ndarray) -> int:
         self._observe(obs)

@@ -32,12 +32,14 @@ per drafted token; DAgger: Ross, Gordon & Bagnell (AISTATS 2011).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from policies.dagger import DaggerResult, RegretMLP, ReplayEpisodes, TableExpert, Visits, dagger_meta, run_dagger
 from specenv.observation import TOKEN_FEATURES, ObservationSpec, token_feature_names
 from specenv.policy.base import Policy
 from specenv.policy.mlp import MLPPolicy
@@ -142,14 +144,6 @@ def load_stop_rule(folder: Any, expect: ObservationSpec | None = None) -> StopRu
     return StopRulePolicy(rule)
 
 
-@dataclass
-class StopDaggerResult:
-    """Outcome of :func:`train_stop_dagger`."""
-
-    policy: MLPPolicy
-    history: list[dict[str, float]]
-
-
 def train_stop_dagger(
     dataset: str,
     kmax: int | None = None,
@@ -163,7 +157,7 @@ def train_stop_dagger(
     log: Callable[[str], None] | None = None,
     signals: Any = ("q",),
     split: str = "train",
-) -> StopDaggerResult:
+) -> DaggerResult:
     """Train a stop rule by DAgger on the oracle's k* (train split of ``dataset``).
 
     Args:
@@ -182,17 +176,16 @@ def train_stop_dagger(
             validation carve of :mod:`specenv.splits`, for a hyper-parameter search).
 
     Returns:
-        The stop rule in numpy form (per-token contract) and per-iteration statistics.
+        The stop rule in numpy form (per-token contract), per-iteration statistics and the training
+        time in seconds.
     """
     import gymnasium as gym
-    import torch
 
     from oracle.dp import action_values, solve
-    from policies.imitation import _fit_regret, _make_net, _mixture_rollouts, split_arrays
+    from policies.imitation import split_arrays
     from specenv.envs.replay import ENV_ID
 
-    torch.set_num_threads(1)
-    torch.manual_seed(seed)
+    t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
     env = gym.make(
         ENV_ID,
@@ -209,63 +202,29 @@ def train_stop_dagger(
     sol = solve(arrays, data.cost_model, lookahead=data.lookahead, drafting="sequential")
     unit = env.unwrapped.ar_unit_ms
     K = data.kmax
-    net = _make_net(spec, hidden, n_out=2)
-    opt = torch.optim.Adam(net.parameters(), lr=lr)
-    X: list[np.ndarray] = []
-    R: list[np.ndarray] = []
-    history: list[dict[str, float]] = []
-    for it in range(iterations):
-        beta = 1.0 if it == 0 else 0.5**it
-        wrapper = StopRulePolicy(_export(net, spec))
-        roll = _mixture_rollouts(env, arrays, sol.k, wrapper, beta, rng, record_k=True)
+    learner = RegretMLP(spec, hidden, n_out=2, lr=lr, epochs=epochs, batch_size=batch_size, seed=seed)
+    tokens = StopRulePolicy(learner.snapshot(name="stop-rule"))  # its per-token observations (weights unused)
+
+    def label(roll: Visits) -> tuple[np.ndarray, np.ndarray]:
+        """Per-token states n = 0..max(k played, k*) (capped at kmax-1) of each visited round, two regrets."""
         Q = action_values(arrays, data.cost_model, sol.value, roll.rows, lookahead=K, drafting="sequential")
-        # m[:, n] = min_{k >= n} Q(t, k)
-        m = np.minimum.accumulate(Q[:, ::-1], axis=1)[:, ::-1]
-        tok = wrapper.token_observations(roll.obs)  # (n, K, dim)
+        m = np.minimum.accumulate(Q[:, ::-1], axis=1)[:, ::-1]  # m[:, n] = min_{k >= n} Q(t, k)
+        tok = tokens.token_observations(roll.obs)  # (n, K, dim)
         reach = np.minimum(np.maximum(roll.k, sol.k[roll.rows]), K - 1)
         sel = np.arange(K)[None, :] <= reach[:, None]
         r_stop = Q[:, :K] - m[:, :K]
         r_draft = m[:, 1:] - m[:, :K]
-        X.append(tok[sel])
-        R.append((np.stack([r_stop[sel], r_draft[sel]], axis=1) / unit).astype(np.float32))
-        xs = torch.from_numpy(np.concatenate(X))
-        rs = torch.from_numpy(np.concatenate(R))
-        regret = _fit_regret(net, opt, xs, rs, epochs, batch_size)
-        stats = {
-            "iteration": it,
-            "beta": beta,
-            "states": len(xs),
-            "rollout_speedup": roll.ar / roll.cost,
-            "train_regret_ar_units": regret,
-        }
-        history.append(stats)
-        if log:
-            log(
-                f"stop-dagger it={it} beta={beta:.3f} token states={len(xs)} rollout speedup={roll.ar / roll.cost:.3f} "
-                f"regret/decision={regret:.4f} AR units"
-            )
+        return tok[sel], (np.stack([r_stop[sel], r_draft[sel]], axis=1) / unit).astype(np.float32)
+
+    source = ReplayEpisodes(env, arrays, lambda lrn: StopRulePolicy(lrn.snapshot(name="stop-rule")), record_k=True)
+    history = run_dagger(source, TableExpert(sol.k, label), learner, iterations, rng, log=log, label="stop-dagger")
     env.close()
-    meta = {
-        "algo": "stop-dagger",
-        "drafting": "sequential",
-        "hyperparameters": {
-            "iterations": iterations,
-            "epochs": epochs,
-            "hidden": list(hidden),
-            "activation": "tanh",
-            "optimizer": "adam",
-            "learning_rate": lr,
-            "batch_size": batch_size,
-            "beta_schedule": "1 then 0.5**i",
-            "loss": "expected regret + 0.05 cross-entropy to the oracle's action",
-            "seed": seed,
-        },
-        "history": history,
-    }
-    return StopDaggerResult(_export(net, spec, name="imitation-seq", meta=meta), history)
-
-
-def _export(net: Any, spec: ObservationSpec, name: str = "stop-rule", meta: dict[str, Any] | None = None) -> MLPPolicy:
-    from policies.export import from_torch_sequential
-
-    return from_torch_sequential(net, spec, name, meta)
+    meta = dagger_meta(
+        "stop-dagger",
+        learner,
+        history,
+        "expected regret + 0.05 cross-entropy to the oracle's action",
+        seed,
+        drafting="sequential",
+    )
+    return DaggerResult(learner.snapshot(name="imitation-seq", meta=meta), history, time.perf_counter() - t0)

@@ -72,7 +72,7 @@ def test_learned_batch_controllers_train_and_stay_below_the_bound():
     from specenv.replay import select_positions
 
     imit = train_batch_imitation("live-vllm", 2, iterations=2, episodes=2, epochs=10, expert="fair")
-    assert isinstance(imit.policy, MLPPolicy) and imit.policy.meta["kind"] == "batch-imitation"
+    assert isinstance(imit.policy, MLPPolicy) and imit.policy.meta["algo"] == "batch-imitation"
     ppo = train_batch_ppo("live-vllm", 2, timesteps=2048)
     env = MoESpecBatchEnv("live-vllm", batch_size=2, split="test", cost_model="fit-train")
     arrays = select_positions(load_dataset("live-vllm"), env.kmax, "test")

@@ -7,6 +7,7 @@ import pytest
 
 from policies.delta import DeltaSpaceRule
 from policies.heuristics import (
+    AcceptanceEstimator,
     CascadeUtility,
     ConfidenceThreshold,
     FixedK,
@@ -102,6 +103,30 @@ def test_confidence_roc_refit_moves_threshold_between_classes() -> None:
         0.3 < p.threshold <= 0.8 + 1e-6
     )  # (float32 confidences) ROC optimum separates 0.3 (rejected) from 0.8 (accepted)
     assert p.act(s.obs(conf)) == 3
+
+
+def test_acceptance_estimator_pooled_rate_by_hand() -> None:
+    """The pooled rate (sum s + n0 mean prior) / (sum n + n0), worked out by hand for two rounds."""
+    est = AcceptanceEstimator(3, np.array([0.5, 0.6, 0.7]), strength=2.0, forget=0.5)
+    assert est.pooled() == pytest.approx(0.6, rel=1e-12)  # no evidence: the prior's mean
+    est.observe(2, 1)  # depths 1, 2 reached, depth 1 accepted: s = (1, 0, 0), n = (1, 1, 0)
+    assert est.pooled() == pytest.approx((1 + 2 * 0.6) / (2 + 2), rel=1e-12)
+    est.observe(3, 3)  # aged by 0.5, then every depth reached and accepted: s = (1.5, 1, 1), n = (1.5, 1.5, 1)
+    assert est.pooled() == pytest.approx((3.5 + 1.2) / (4 + 2), rel=1e-12)
+
+
+def test_goodput_alpha_is_the_estimators_pooled_rate() -> None:
+    s = Stream()
+    p = GoodputRule(SPEC, CM, rho_prior=np.full(10, 0.5))
+    for k, a in ((4, 2), (6, 6), (3, 0)):
+        p.act(s.obs())
+        s.round(k, a)
+    p.act(s.obs())
+    # rounds seen by the rule: (4, 2), (6, 6), (3, 0), forget 0.9, prior 0.5 with weight 2
+    w = np.array([0.81, 0.9, 1.0])
+    acc = w @ np.array([2, 6, 0])
+    tried = w @ np.array([3, 6, 1])  # depths reached: a + 1 (capped at k)
+    assert p.alpha() == pytest.approx((acc + 2 * 0.5) / (tried + 2), rel=1e-12)
 
 
 def test_goodput_prefers_longer_drafts_when_acceptance_is_high() -> None:
