@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from policies.benchmark import build_context, default_entries, run_benchmark, run_policy
+from policies.bench.context import build_context
+from policies.bench.single import default_entries, run_benchmark, run_policy
 from specenv.cli import app
 
 ORACLE = "oracle bound (SSP)"
