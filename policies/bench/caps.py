@@ -103,43 +103,6 @@ def _env_kwargs(entry: Entry | None, policy: Any) -> dict[str, Any]:
     return {"lookahead": h, "drafting": "block" if h else "none", "signals": policy.spec.signals if h else ("q",)}
 
 
-def _rollouts(
-    ctx: Any, entry: Entry | None, policy: Any, episodes: int, seed: int, name: str, family: str
-) -> tuple[pd.DataFrame, float]:
-    """Roll ``policy`` out in the joint env (test split): per-generation means over the episodes, capped share."""
-    import gymnasium as gym
-
-    from specenv.envs.caps import CAP_ID
-    from specenv.rollout import episode_seeds, rollout
-
-    kw = _env_kwargs(entry, policy)
-    env = gym.make(CAP_ID, dataset=ctx.dataset, kmax=ctx.kmax, split="test", cost_model=ctx.cost_model_arg, **kw)
-    gids = np.asarray(env.unwrapped.data.generation_ids, dtype=np.int64)
-    ep_gid = np.repeat(gids, episodes)
-    ep_r = np.tile(np.arange(episodes, dtype=np.int64), len(gids))
-    seeds = episode_seeds(seed, ep_gid, ep_r)
-    try:
-        res = rollout(env, policy, list(zip(ep_gid.tolist(), seeds.tolist(), strict=True)))
-    finally:
-        env.close()
-
-    def mean(x: np.ndarray) -> np.ndarray:
-        return np.asarray(x, dtype=np.float64).reshape(len(gids), episodes).mean(axis=1)
-
-    lengths = np.asarray(env.unwrapped.data.lengths)
-    share = float(res.quality["capped_rounds"].sum() / res.rounds.sum())
-    return _per_gen(
-        name,
-        family,
-        mean(res.cost),
-        mean(res.ar),
-        mean(res.quality["mismatches"]),
-        mean(res.quality["lpgap"]),
-        lengths,
-        gids,
-    ), share
-
-
 @dataclass
 class CapsFamily:
     """The caps family: every k-policy at every cap level, MoE-Spec's grid, the joint learners; the oracles' frontier.
