@@ -42,12 +42,12 @@ passes them separately (any object with ``caps`` and the (C, Kmax'+1, n) arrays 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from oracle.dp import _backward, _forward, _Layout, _step_tables, ar_costs
+from oracle.dp import Evaluation, _backward, _forward, _Layout, _mode, _step_tables, ar_costs
 from specenv.capreplay import JointTables, joint_tables
 from specenv.costmodel import CostModel
 from specenv.traceset import PositionArrays
@@ -89,55 +89,38 @@ def _penalised(tab: JointTables, lam: float) -> np.ndarray:
 class JointEvaluation:
     """Exact expected cost and quality loss of a position-indexed joint policy (or of the joint oracle).
 
+    The expected cost and path statistics are an :class:`oracle.dp.Evaluation` (``evaluation``: per
+    generation ``cost``, ``ar``, ``rounds``, ``k_sum``, ``accepted_sum``; per row ``value``, ``k``,
+    ``occupancy``; ``speedup``, ``speedup_pooled``, ``mean_k`` ...), read through this object as its
+    own attributes; beside it the cap columns. For the joint oracle the evaluation's ``value`` is the
+    penalised V(t) (cost + lam * mismatches to go) and its ``cost`` the expected cost without the penalty.
+
     Per-generation arrays follow ``arrays.generation_ids``; per-row arrays the flat rows.
 
     Attributes:
-        policy: Label.
+        evaluation: The expected cost and path statistics (:class:`oracle.dp.Evaluation`).
         quality_weight: The weight (AR steps per mismatched token) the policy was solved for (None
             for a policy that was only evaluated).
         levels: The caps B_1..B_C.
-        generation_ids: (G,) ids.
-        lengths: (G,) tokens N.
-        cost: (G,) expected cost in ms (no penalty).
-        ar: (G,) AR cost in ms.
         mismatches: (G,) expected mismatched tokens.
         lpgap: (G,) expected sum over rounds of the round's log-prob gap x its committed tokens.
-        rounds: (G,) expected rounds.
         capped_rounds: (G,) expected capped rounds.
-        value: (n,) expected cost-to-go from every row including the penalty (the oracle's V).
-        k: (n,) budget at every row.
         cap: (n,) cap level at every row (0 = uncapped).
-        occupancy: (n,) probability that a decision is taken at the row.
-        offsets: (G+1,) row offsets.
     """
 
-    policy: str
+    evaluation: Evaluation
     quality_weight: float | None
     levels: tuple[int, ...]
-    generation_ids: np.ndarray
-    lengths: np.ndarray
-    cost: np.ndarray
-    ar: np.ndarray
     mismatches: np.ndarray
     lpgap: np.ndarray
-    rounds: np.ndarray
     capped_rounds: np.ndarray
-    value: np.ndarray
-    k: np.ndarray
     cap: np.ndarray
-    occupancy: np.ndarray
-    offsets: np.ndarray
-    extra: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def speedup(self) -> np.ndarray:
-        """(G,) per-generation speedup AR / cost."""
-        return self.ar / self.cost
-
-    @property
-    def speedup_pooled(self) -> float:
-        """Pooled speedup: sum AR / sum cost."""
-        return float(self.ar.sum() / self.cost.sum())
+    def __getattr__(self, name: str) -> Any:
+        """The evaluation's fields and statistics (``cost``, ``ar``, ``lengths``, ``speedup_pooled`` ...)."""
+        if name == "evaluation" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.evaluation, name)
 
     @property
     def mismatch_rate(self) -> float:
@@ -205,6 +188,8 @@ def _result(
     Vp: np.ndarray | None,
     kp: np.ndarray,
     cp: np.ndarray,
+    lookahead: int,
+    drafting: str | None,
 ) -> JointEvaluation:
     occp = _forward(ch["surv"], kp, lay)
     n = len(arrays.L)
@@ -226,23 +211,34 @@ def _result(
     def per_gen(x: np.ndarray) -> np.ndarray:
         return np.add.reduceat(occ * rows(x), starts)
 
-    return JointEvaluation(
+    k_rows = rows(kp, np.int64)
+    lengths = arrays.lengths.astype(np.int64)
+    expected_rounds = np.add.reduceat(occ, starts)
+    evaluation = Evaluation(
         policy=label,
-        quality_weight=weight,
-        levels=tab.levels,
+        kmax=arrays.kmax,
+        lookahead=lookahead,
         generation_ids=arrays.generation_ids,
-        lengths=arrays.lengths.astype(np.int64),
+        lengths=lengths,
         cost=rows(Vc)[starts],
         ar=ar_costs(arrays, cost_model),
+        value=rows(Vp),
+        k=k_rows,
+        occupancy=occ,
+        rounds=expected_rounds,
+        k_sum=np.add.reduceat(occ * k_rows, starts),
+        accepted_sum=lengths - expected_rounds,
+        offsets=arrays.offsets,
+        drafting=_mode(lookahead, drafting),
+    )
+    return JointEvaluation(
+        evaluation=evaluation,
+        quality_weight=weight,
+        levels=tab.levels,
         mismatches=per_gen(ch["mis"]),
         lpgap=per_gen(ch["lp"]),
-        rounds=np.add.reduceat(occ, starts),
         capped_rounds=per_gen(ch["capped"].astype(np.float64)),
-        value=rows(Vp),
-        k=rows(kp, np.int64),
         cap=rows(cp, np.int64),
-        occupancy=occ,
-        offsets=arrays.offsets,
     )
 
 
@@ -295,7 +291,9 @@ def solve_joint(
         Vp, jp = _backward(Ct, St, lay, None)
     kp, cp = jp % K1, jp // K1
     ch = _chosen(tab, Ct, St, lay, kp, cp)
-    return _result("joint oracle", float(quality_weight), arrays, tab, cost_model, lay, ch, Ct, Vp, kp, cp)
+    return _result(
+        "joint oracle", float(quality_weight), arrays, tab, cost_model, lay, ch, Ct, Vp, kp, cp, lookahead, drafting
+    )
 
 
 def _policy_arrays(policy: Any, n: int, K: int, C: int) -> tuple[np.ndarray, np.ndarray]:
@@ -347,7 +345,7 @@ def evaluate_joint(
     Ct, St = _step_tables(arrays, cost_model, lookahead, lay, drafting)
     kp, cp = k[lay.perm], c[lay.perm]
     ch = _chosen(tab, Ct, St, lay, kp, cp)
-    return _result(label, None, arrays, tab, cost_model, lay, ch, Ct, None, kp, cp)
+    return _result(label, None, arrays, tab, cost_model, lay, ch, Ct, None, kp, cp, lookahead, drafting)
 
 
 def joint_action_values(

@@ -5,13 +5,13 @@ functions (:func:`ray_module`), and nothing on the ``import specenv`` path impor
 
 The units each command fans out, and why the outputs equal the local run's:
 
-* **bench** -- (policy row, chunk of test generations): :func:`policies.benchmark.run_unit` in a
+* **bench** -- (policy row, chunk of test generations): :func:`policies.bench.single.run_unit` in a
   Ray task. Episode r of generation g is reset with its own seed ``episode_seeds(seed, g, r)`` and a
   stream of the vector environment depends on nothing but its seed and generation, so the chunks,
   concatenated in the test split's order, are exactly the frame of the local run
-  (:func:`policies.benchmark.run_policy`). The exact rows (fixed k, the oracle bound) and the
+  (:func:`policies.bench.single.run_policy`). The exact rows (fixed k, the oracle bound) and the
   statistics run in the driver, as locally. A worker rebuilds the run's context from its plain
-  :class:`policies.benchmark.BenchSetup` once per process (every train-split fit is deterministic).
+  :class:`policies.bench.single.BenchSetup` once per process (every train-split fit is deterministic).
 * **oracle** -- the Kmax sweep's units (:func:`oracle.sweep.sweep_solve` per Kmax,
   :func:`oracle.sweep.sweep_fixed` per fixed budget): :func:`ray_map_calls`. The positions table
   goes to the object store once. The main bound, its Monte Carlo and the delta-space analysis run in
@@ -182,7 +182,7 @@ def _bench_unit(setup: Any, token: str, index: int, generation_ids: np.ndarray, 
     ``token`` is new for every benchmark run, so a worker reused by a later run (a notebook, a long-lived
     cluster) rebuilds the context and sees policy files changed in between.
     """
-    from policies.benchmark import run_unit, setup_entries
+    from policies.bench.single import run_unit, setup_entries
 
     key = (setup, token)
     if key not in _SETUPS:
@@ -195,7 +195,7 @@ def _bench_unit(setup: Any, token: str, index: int, generation_ids: np.ndarray, 
 def bench_executor(
     chunk: int | None = None, progress: Callable[[int, int, str], None] | None = None
 ) -> Callable[..., dict[int, Any]]:
-    """An executor for :func:`policies.benchmark.run_benchmark` that runs its Monte-Carlo rows as Ray tasks.
+    """An executor for :func:`policies.bench.single.run_benchmark` that runs its Monte-Carlo rows as Ray tasks.
 
     Ray must be initialised (:func:`ray_cluster`).
 

@@ -19,7 +19,7 @@ which check the fields the page shows and let the rest pass). Every text taken f
 HTML-escaped.
 
 The module sits in ``policies`` (the top library layer, DESIGN.md section 7) because it presents
-the benchmark's policy families (:func:`policies.benchmark.policy_family`).
+the benchmark's policy families (:func:`policies.bench.figures.policy_family`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from policies.benchmark import FAMILIES, ORACLE_ROW, policy_family
+from policies.bench.figures import FAMILIES, policy_family
+from policies.bench.single import ORACLE_ROW
 
 __all__ = ["FIGURES", "INPUTS", "REPORT_FILE", "ReportInputs", "read_inputs", "render_html", "write_report"]
 

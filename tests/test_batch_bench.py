@@ -1,4 +1,4 @@
-"""`specenv bench --batch B` (policies/batchbench.py) and the learned batch controllers (policies/batchlearn.py)."""
+"""`specenv bench --batch B` (policies/bench/batch.py) and the learned batch controllers (policies/batchlearn.py)."""
 
 from __future__ import annotations
 
@@ -64,8 +64,8 @@ def test_learned_batch_controllers_train_and_stay_below_the_bound():
     """Imitation of the bound (exported numpy MLP, per request) and a short PPO run, on live-vllm B = 2."""
     from oracle.batch import batch_bound
     from policies.batch import PerRequest
-    from policies.batchbench import _episodes
     from policies.batchlearn import train_batch_imitation, train_batch_ppo
+    from policies.bench.batch import _episodes
     from specenv.datasets import load_dataset
     from specenv.envs.batch import MoESpecBatchEnv
     from specenv.policy.mlp import MLPPolicy

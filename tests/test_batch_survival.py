@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from policies.batch import FixedBatch
-from policies.batchbench import _episodes
 from policies.batchlearn import SurvivalGoodputBatch, train_batch_survival
+from policies.bench.batch import _episodes
 from specenv.batchcost import BatchCostModel
 from specenv.batchobs import BatchObservationSpec
 from specenv.generator import generate_paper

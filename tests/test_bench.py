@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from policies.benchmark import build_context, default_entries, run_benchmark, run_policy
+from policies.bench.context import build_context
+from policies.bench.single import default_entries, run_benchmark, run_policy
 from specenv.cli import app
 
 ORACLE = "oracle bound (SSP)"
@@ -158,3 +159,26 @@ def test_block_bound_has_its_categories(bench_set: Path) -> None:
     # and its pooled row stays below the bound of mode none too
     row = res.summary.set_index("policy").loc[block]
     assert 0 < row["speedup_pooled"] <= float(res.summary.set_index("policy").loc[ORACLE, "speedup_pooled"])
+
+
+def test_a_loaded_trace_set_is_read_once_and_gives_the_rows_of_its_name(
+    bench_set: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run_benchmark takes a loaded TraceSet: no file is read again, the rows equal the run by folder name."""
+    from specenv.datasets import load_dataset
+    from specenv.replay import replay_data
+    from specenv.traceset import TraceSet
+
+    rows = ["fixed k=1", "UCB bandit"]  # an exact row and a Monte-Carlo row (its env reads the set by folder)
+    by_name = run_benchmark(str(bench_set), episodes=1, only=rows)
+    ts = load_dataset(str(bench_set))
+    reads: list[object] = []
+    real = TraceSet.load.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(TraceSet, "load", classmethod(lambda cls, *a, **k: reads.append(a) or real(cls, *a, **k)))
+    given = run_benchmark(ts, episodes=1, only=rows)
+    assert reads == []
+    assert given.context["dataset"] == "bench-small"  # a loaded set is named by its manifest
+    pd.testing.assert_frame_equal(given.summary, by_name.summary)
+    # every row is charged by the run's one cost-model object: the Monte-Carlo row's env holds the same one
+    ctx = build_context(ts, None, "fit-train", None)
+    assert replay_data(ctx.source, ctx.kmax, "test", ctx.cost_model_arg).cost_model is ctx.cost_model

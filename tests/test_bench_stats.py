@@ -12,15 +12,9 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from policies.benchmark import (
-    build_context,
-    default_entries,
-    find_policies,
-    markdown_table,
-    run_benchmark,
-    shipped_policy_dir,
-    train_priors,
-)
+from policies.bench.context import build_context, shipped_policy_dir, train_priors
+from policies.bench.single import default_entries, find_policies, run_benchmark
+from policies.bench.tables import markdown_table
 from policies.heuristics import GoodputRule
 from specenv.envs.replay import ENV_ID
 from specenv.policy.mlp import MLPPolicy

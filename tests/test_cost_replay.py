@@ -178,7 +178,8 @@ def test_rollout_equals_a_hand_loop(small_traces: Path, h: int) -> None:
 
 
 def test_benchmark_run_policy_uses_episode_seeds(small_traces: Path) -> None:
-    from policies.benchmark import Entry, build_context, run_policy
+    from policies.bench.context import build_context
+    from policies.bench.single import Entry, run_policy
     from policies.heuristics import FixedK
     from specenv.rollout import episode_seeds
 

@@ -394,7 +394,9 @@ def test_per_token_env_doctest():
 # ------------------------------------------------------------------------------ the benchmark
 @pytest.mark.slow  # seconds of work; the full suite runs it
 def test_benchmark_charges_each_row_by_its_mode():
-    from policies.benchmark import ORACLE_ROW, build_context, default_entries, markdown_table, run_benchmark
+    from policies.bench.context import build_context
+    from policies.bench.single import ORACLE_ROW, default_entries, run_benchmark
+    from policies.bench.tables import markdown_table
 
     ctx = build_context("paper-default", None, "fit-train", None)
     modes = {e.name: (e.mode, e.lookahead) for e in default_entries(ctx)}
@@ -417,7 +419,7 @@ def test_benchmark_charges_each_row_by_its_mode():
     # charge, each cheaper by d1 * (kmax - k): the rule drafts at least one token, so T_D(k) = d1 k + d0
     from dataclasses import replace
 
-    from policies.benchmark import run_policy
+    from policies.bench.single import run_policy
 
     entry = next(e for e in default_entries(ctx) if e.name == "confidence 0.4")
     seq, _ = run_policy(entry, ctx, 1, 0)

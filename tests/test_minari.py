@@ -106,7 +106,7 @@ def test_export_round_trips_what_the_env_produced(exported: tuple[Path, str], sm
 
 
 def test_export_of_a_policy_folder_records_its_files_and_mode(tmp_path: Path) -> None:
-    from policies.benchmark import shipped_policy_dir
+    from policies.bench.context import shipped_policy_dir
     from specenv.io import sha256_file
 
     folder = shipped_policy_dir("paper-default") / "imitation-h3"
@@ -295,6 +295,6 @@ def test_bad_policy_or_settings_write_nothing(small_traces: Path, tmp_path: Path
 
 
 def test_minari_stays_optional() -> None:
-    code = "import sys, specenv, specenv.cli, policies.benchmark; print('minari' in sys.modules)"
+    code = "import sys, specenv, specenv.cli, policies.bench.single; print('minari' in sys.modules)"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
     assert p.returncode == 0 and p.stdout.strip() == "False", p.stderr

@@ -473,7 +473,10 @@ def test_unversioned_policy_json_is_refused_with_one_line(tmp_path: Path) -> Non
 def test_benchmark_lists_every_policy_it_could_not_run(tmp_path: Path) -> None:
     import pandas as pd
 
-    from policies.benchmark import BenchResult, build_context, default_entries, markdown_table
+    from policies.bench.context import build_context
+    from policies.bench.result import BenchResult
+    from policies.bench.single import default_entries
+    from policies.bench.tables import markdown_table
 
     _tiny_policy(gym.make(ENV_ID, split="test").unwrapped.data.spec).save(tmp_path / "ppo")
     _tiny_policy(ObservationSpec(kmax=8)).save(tmp_path / "dqn-kmax8")
@@ -500,14 +503,14 @@ def test_benchmark_lists_every_policy_it_could_not_run(tmp_path: Path) -> None:
         "mean_accepted",
     ]
     cats = pd.DataFrame(columns=["policy", "category", "speedup_pooled"])
-    res = BenchResult(pd.DataFrame(columns=cols), cats, pd.DataFrame(), {}, {}, ctx.notes, ctx.skipped)
+    res = BenchResult("single", pd.DataFrame(columns=cols), {}, ctx.notes, categories=cats, skipped=ctx.skipped)
     assert res.to_json()["skipped"] == ctx.skipped
     table = markdown_table(res)
     assert "| dqn-kmax8 (not run: " in table and "| imitation-broken (not run: " in table
 
 
 def test_learned_entry_refuses_another_environment_with_the_field() -> None:
-    from policies.benchmark import _learned
+    from policies.bench.single import _learned
 
     pol = _tiny_policy(ObservationSpec(kmax=6))
     make = _learned(pol)

@@ -159,7 +159,7 @@ def peer_sets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def test_the_fit_reads_the_train_split_only(peer_sets: tuple[Path, Path]) -> None:
-    from policies.benchmark import build_context
+    from policies.bench.context import build_context
 
     a, b = (build_context(str(p), None, "fit-train", None) for p in peer_sets)
     assert not np.array_equal(a.test.q, b.test.q)  # the test split did change
@@ -168,7 +168,8 @@ def test_the_fit_reads_the_train_split_only(peer_sets: tuple[Path, Path]) -> Non
 
 
 def test_bench_has_the_peer_rows_with_their_drafting_modes(peer_sets: tuple[Path, Path]) -> None:
-    from policies.benchmark import build_context, default_entries
+    from policies.bench.context import build_context
+    from policies.bench.single import default_entries
 
     ctx = build_context(str(peer_sets[0]), None, "fit-train", None)
     rows = {e.name: e for e in default_entries(ctx)}

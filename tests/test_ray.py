@@ -66,7 +66,7 @@ def test_bench_units_partition_and_chunking_does_not_change_a_row(cluster) -> No
     """run_unit over any partition of the test generations concatenates to run_policy's frame."""
     import pandas as pd
 
-    from policies.benchmark import BenchSetup, run_policy, run_unit, setup_entries
+    from policies.bench.single import BenchSetup, run_policy, run_unit, setup_entries
     from policies.distributed import chunks
 
     ctx, entries = setup_entries(BenchSetup("paper-default", None, "fit-train", None, ("UCB",), None))
@@ -227,7 +227,7 @@ def test_validation_split_is_carved_from_train() -> None:
 
 def test_core_and_cli_import_no_ray() -> None:
     probe = (
-        "import sys; import specenv, specenv.cli, policies.distributed, policies.tune, policies.benchmark, oracle; "
+        "import sys; import specenv, specenv.cli, policies.distributed, policies.tune, policies.bench.single, oracle; "
         "from typer.testing import CliRunner; r = CliRunner().invoke(specenv.cli.app, ['--help']); "
         "assert r.exit_code == 0; print('ray' in sys.modules)"
     )

@@ -18,15 +18,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from policies.benchmark import (
-    FAMILIES,
-    ORACLE_ROW,
-    BenchResult,
-    family_representatives,
-    plot_categories,
-    plot_speedup,
-    policy_family,
-)
+from policies.bench.figures import FAMILIES, family_representatives, plot_categories, plot_speedup, policy_family
+from policies.bench.result import BenchResult
+from policies.bench.single import ORACLE_ROW
 from tests.hostile.harness import run_cli
 
 FIGURE_NAMES = ("oracle_sweep.png", "oracle_delta.png", "speedup.png", "speedup_by_category.png")
@@ -213,7 +207,7 @@ def _bench_result(rows: list[tuple[str, str, bool, bool, float]], cats: tuple[st
         ]
     )
     ctx = {"dataset": "toy", "kmax": 6, "cost_model": "fit-train", "test_generations": 5}
-    return BenchResult(summary, categories, pd.DataFrame(), {}, ctx, [])
+    return BenchResult("single", summary, ctx, [], categories=categories, episodes=pd.DataFrame())
 
 
 TOY = [

@@ -116,7 +116,7 @@ def test_eight_concurrent_requests_one_act_batch_per_step_own_k_one_row_per_roun
 
 @pytest.mark.parametrize("batch", [1, BATCH])
 def test_every_arm_is_identical_to_plain_greedy(llm8, ctl, plain_reference, batch):
-    from policies.benchmark import build_context
+    from policies.bench.context import build_context
     from specenv.abtest import make_policy
 
     c = build_context("live-cpu", KMAX, "fit-train", None)
