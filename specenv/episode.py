@@ -32,12 +32,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from specenv.replay import ReplayData
+#: A :class:`specenv.replay.ReplayData` (not imported: the module stays numpy only, so that the batch
+#: bound of :mod:`oracle` can share :func:`draw` without importing the observation's Gymnasium spaces).
+ReplayData = Any
 
 __all__ = ["Episode", "Round", "RoundTables", "draw", "settle"]
 
