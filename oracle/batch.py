@@ -90,7 +90,7 @@ import numpy as np
 from oracle.dp import solve
 from specenv.batchcost import BatchCostModel
 from specenv.batchreplay import ar_schedule_ms, request_draws
-from specenv.costmodel import CostModel
+from specenv.costmodel import Charge, CostModel
 from specenv.traceset import PositionArrays
 
 __all__ = [
@@ -302,14 +302,14 @@ def _union_share(model: BatchCostModel, B: int) -> float:
     return max(1.0 / B, (1.0 - u_hi / n) ** (B - 1))
 
 
-class FairShare:
+class FairShare(Charge):
     """The cost a request induces in a full batch of B requests like it (an expert's cost, not a bound).
 
     ``l(k, U, L) = T_step(B copies of (k, U, L)) / B``: the batch cost model's step of B identical
     requests (their union predicted from B copies of U) divided by B, draft included (k drafted each).
-    It quacks like a :class:`specenv.costmodel.CostModel` for :func:`oracle.dp.solve` and
-    :func:`oracle.dp.action_values` (``kmax``, ``charged_by_budget``, ``charged_table``, ``ar_ms``),
-    so the single-request oracle under this charge is the
+    A :class:`specenv.costmodel.Charge` (``kmax``, ``charged_by_budget``, ``charged_table``, ``ar_ms``)
+    for :func:`oracle.dp.solve` and :func:`oracle.dp.action_values`, so the single-request oracle under
+    this charge is the
     per-request optimum of a request in a full batch of its like (the imitation expert of
     :mod:`policies.batchlearn`).
 
@@ -357,7 +357,7 @@ class FairShare:
 
 def pathwise_costs(
     arrays: PositionArrays,
-    share: Any,
+    share: Charge,
     g: int,
     uniforms: np.ndarray,
     exit: np.ndarray | None = None,
@@ -366,7 +366,7 @@ def pathwise_costs(
     """Least total charge of generation ``g`` given its acceptance uniforms (the pathwise bound of one request).
 
     Round j of the request (j = 0, 1, ...) accepts ``#{i <= k : u_j < P(a >= i | t)}`` drafts, capped at
-    the end, as :func:`specenv.envs.replay.play_round` does. Solved by backward induction over the
+    the end, as :meth:`specenv.episode.Episode.play` does. Solved by backward induction over the
     position t and the round index j <= t.
 
     Args:
@@ -681,13 +681,13 @@ def joint_optimum(
 METHODS: tuple[str, ...] = ("lagrangian", "linear")
 
 
-class SplitCharge:
+class SplitCharge(Charge):
     """A per-request charge ``l(k, U, L) = x[k] + e0[k] + eu[k] U + ew[k] w(U) + z[k] L``, ``w(U) = -log(1 - U/n)``.
 
     ``x`` is the request's share of the step's intercept and draft terms (:func:`lagrangian_split`),
     ``e0 + eu U + ew w(U)`` its share of the expert term (:func:`expert_share`), ``z`` its share of
-    the context term. It quacks like a :class:`specenv.costmodel.CostModel` for :func:`oracle.dp.solve`
-    and :func:`pathwise_costs` (``kmax``, ``charged_by_budget``, ``charged_table``, ``ar_ms``).
+    the context term. A :class:`specenv.costmodel.Charge` for :func:`oracle.dp.solve` and
+    :func:`pathwise_costs` (``kmax``, ``charged_by_budget``, ``charged_table``, ``ar_ms``).
 
     Args:
         x, e0, eu, ew, z: (kmax+1,) coefficients by budget.

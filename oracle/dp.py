@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from specenv.costmodel import DRAFTING_MODES, CostModel, drafting_mode
+from specenv.costmodel import DRAFTING_MODES, Charge, drafting_mode
 from specenv.stats import mean_ci, ratio_ci
 from specenv.traceset import PositionArrays, expected_accepted_table, survival_table
 
@@ -67,7 +67,7 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- inputs
-def _check_inputs(arrays: PositionArrays, cost_model: CostModel, lookahead: int, drafting: str | None = None) -> None:
+def _check_inputs(arrays: PositionArrays, cost_model: Charge, lookahead: int, drafting: str | None = None) -> None:
     if arrays.n_generations < 1:
         raise ValueError("the positions table holds no generation")
     if np.any(arrays.lengths < 1):
@@ -89,7 +89,7 @@ def _mode(lookahead: int, drafting: str | None) -> str:
 
 
 def cost_table(
-    arrays: PositionArrays, cost_model: CostModel, lookahead: int = 0, drafting: str | None = None
+    arrays: PositionArrays, cost_model: Charge, lookahead: int = 0, drafting: str | None = None
 ) -> np.ndarray:
     """Round cost C(t, k) in ms for every position row and every budget k = 0..Kmax.
 
@@ -124,7 +124,7 @@ def expected_accepted(arrays: PositionArrays) -> np.ndarray:
     return expected_accepted_table(arrays.rho)
 
 
-def ar_costs(arrays: PositionArrays, cost_model: CostModel) -> np.ndarray:
+def ar_costs(arrays: PositionArrays, cost_model: Charge) -> np.ndarray:
     """Per-generation cost of plain autoregressive decoding, ``sum_t T_T(0, top_k, L_t)``, in ms."""
     per_pos = cost_model.ar_ms(arrays.L)
     return np.add.reduceat(per_pos, arrays.offsets[:-1])
@@ -171,7 +171,7 @@ class _Layout:
 
 
 def _step_tables(
-    arrays: PositionArrays, cost_model: CostModel, lookahead: int, lay: _Layout, drafting: str | None = None
+    arrays: PositionArrays, cost_model: Charge, lookahead: int, lay: _Layout, drafting: str | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Cost (K+1, n) and survival (K, n) tables in step order.
 
@@ -394,7 +394,7 @@ def _policy_rows(policy: int | np.ndarray, arrays: PositionArrays) -> tuple[np.n
 
 def _evaluate(
     arrays: PositionArrays,
-    cost_model: CostModel,
+    cost_model: Charge,
     policy: np.ndarray | None,
     label: str,
     lookahead: int,
@@ -435,7 +435,7 @@ def _evaluate(
 
 def solve(
     arrays: PositionArrays,
-    cost_model: CostModel,
+    cost_model: Charge,
     lookahead: int = 0,
     mc_episodes: int = 0,
     seed: int = 0,
@@ -470,7 +470,7 @@ def solve(
 
 def evaluate_policy(
     arrays: PositionArrays,
-    cost_model: CostModel,
+    cost_model: Charge,
     policy: int | np.ndarray,
     lookahead: int = 0,
     drafting: str | None = None,
@@ -494,7 +494,7 @@ def evaluate_policy(
 
 def action_values(
     arrays: PositionArrays,
-    cost_model: CostModel,
+    cost_model: Charge,
     value: np.ndarray,
     rows: np.ndarray | None = None,
     lookahead: int = 0,
@@ -565,7 +565,7 @@ class Simulation:
 
 def simulate(
     arrays: PositionArrays,
-    cost_model: CostModel,
+    cost_model: Charge,
     policy: int | np.ndarray,
     episodes: int = 1,
     seed: int = 0,

@@ -42,11 +42,9 @@ def _run(env: MoESpecBatchEnv, seeds: list[int], choose) -> float:
         info: dict = {}
         while not done:
             act = np.zeros(env.B, dtype=np.int64)
-            idx = np.flatnonzero(env._active)
-            sts = [env._streams[i] for i in idx]
-            rows = np.array([st._row0 + st._t for st in sts])
-            left = np.array([env.data.lengths[st._gen] - st._t for st in sts])
-            act[idx] = choose(rows, left)
+            rows = env.rows()
+            idx = np.flatnonzero(rows >= 0)
+            act[idx] = choose(rows[idx], env.remaining()[idx])
             _, _, done, _, info = env.step(act)
         ar += info["ar_cost_ms"]
         cost += info["episode_cost_ms"]

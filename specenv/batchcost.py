@@ -129,6 +129,9 @@ def _as_1d(name: str, value: Any, dtype: Any) -> np.ndarray:
 class BatchCostModel:
     """Prices one batched step of B concurrent requests (module docstring for the form).
 
+    Its methods take the requests of one step and return floats of that step; it is not a
+    per-request :class:`specenv.costmodel.Charge`.
+
     Attributes:
         beta0: (max_batch * (kmax+1),) ms per step, index P - 1 (P = verified positions of the step).
         alpha: Same shape: ms per unique expert of the batch union (mean over layers), by P.
@@ -308,7 +311,13 @@ class BatchCostModel:
         return self.draft_ms(drafted) + self.verify_ms(k, u, context, u_batch)
 
     def ar_ms(self, context: np.ndarray) -> float:
-        """The plain autoregressive step of the same batch: every k = 0, ``U_i = top_k``, no drafter."""
+        """The plain autoregressive step of the same batch: every k = 0, ``U_i = top_k``, no drafter.
+
+        One float for the whole step of the B requests whose contexts ``context`` holds (a step
+        quantity, like :meth:`step_ms`), where :meth:`specenv.costmodel.Charge.ar_ms` gives one AR step
+        per context: a batch cost model prices steps, it is not a per-request
+        :class:`specenv.costmodel.Charge` (the batch bound's per-request charges are).
+        """
         context = _as_1d("context", context, np.float64)
         B = len(context)
         return self.verify_ms(np.zeros(B, np.int64), np.full(B, float(self.top_k)), context)

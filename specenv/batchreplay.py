@@ -10,7 +10,7 @@ plain-decoding reference:
   environment draws R 63-bit seeds from its ``np_random``. Request r gets its own generator
   ``numpy.random.default_rng(seed_r)`` (the generator Gymnasium's ``reset(seed=seed_r)`` builds)
   and draws from it exactly what one episode of the single environment draws
-  (:func:`specenv.envs.replay.start_episode`): its generation with ``integers(G)``, then its N
+  (:func:`specenv.episode.draw`): its generation with ``integers(G)``, then its N
   acceptance uniforms with ``random(N)``, one per round. So request r replays the single
   environment's episode of seed ``seed_r`` round for round, and the sequence of generations does
   not depend on the policy;
@@ -41,6 +41,7 @@ import numpy as np
 
 from specenv.batchcost import SHIPPED, BatchCostModel, load_batch_cost_model
 from specenv.costmodel import CostModel
+from specenv.episode import draw
 from specenv.io import package_data
 from specenv.validation import read_json
 
@@ -77,9 +78,7 @@ def request_draws(seed: int, lengths: np.ndarray) -> tuple[int, np.ndarray]:
         ``(g, u)``: the generation index (``integers(G)``) and its N uniforms (``random(N)``), round
         r of the request accepting ``#{i <= k : u[r] < P(a >= i)}`` drafts.
     """
-    rng = np.random.default_rng(int(seed))
-    g = int(rng.integers(len(lengths)))
-    return g, rng.random(int(lengths[g]))
+    return draw(np.random.default_rng(int(seed)), lengths)
 
 
 def ar_schedule_ms(

@@ -19,6 +19,11 @@ with the number of drafted tokens given by the drafting mode (:data:`DRAFTING_MO
 tokens of a budget in each mode.
 
 Environments, the oracle and the benchmark all charge rounds through these two methods.
+
+:class:`Charge` is the protocol of what prices one request's rounds for the single-request oracle
+(:mod:`oracle.dp`): :class:`CostModel` implements it, and so do the batch bound's per-request charges
+(:class:`oracle.batch.FairShare`, :class:`oracle.batch.SplitCharge`). The batch cost model
+(:class:`specenv.batchcost.BatchCostModel`) prices a whole step and is not a :class:`Charge`.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -112,6 +117,47 @@ def drafted_tokens(k: np.ndarray | int, lookahead: int = 0, drafting: str | None
     ``"sequential"`` (:func:`charged_lookahead`).
     """
     return np.maximum(np.asarray(k, dtype=np.int64), charged_lookahead(lookahead, drafting))
+
+
+@runtime_checkable
+class Charge(Protocol):
+    """What prices the rounds of one request, position by position and budget by budget.
+
+    The arguments and the shapes are :class:`CostModel`'s (its methods of these names say what they
+    mean); an implementation may ignore ``lookahead`` and ``drafting`` when its charge does not depend
+    on the drafting mode (it says so).
+    """
+
+    @property
+    def kmax(self) -> int:
+        """Largest budget covered."""
+        ...
+
+    def charged_by_budget(
+        self,
+        U: np.ndarray,
+        L: np.ndarray,
+        lookahead: int = 0,
+        out: np.ndarray | None = None,
+        drafting: str | None = None,
+    ) -> np.ndarray:
+        """(kmax+1, n) charges in ms, row k = budget k, from (kmax+1, n) unique experts and (n,) contexts."""
+        ...
+
+    def charged_table(
+        self,
+        U: np.ndarray,
+        L: np.ndarray,
+        kmax: int | None = None,
+        lookahead: int = 0,
+        drafting: str | None = None,
+    ) -> np.ndarray:
+        """(n, kmax+1) C-contiguous charges in ms, from (n, >=kmax+1) unique experts and (n,) contexts."""
+        ...
+
+    def ar_ms(self, L: np.ndarray) -> np.ndarray:
+        """The charge of a plain autoregressive step at each context of ``L`` (an array shaped like ``L``)."""
+        ...
 
 
 @dataclass

@@ -308,7 +308,7 @@ def test_per_token_env_optimum_is_the_sequential_bound():
         env.reset(seed=seed, options={"generation_id": int(d.generation_ids[g])})
         total = 0.0
         while True:
-            k = int(kstar[env._t])
+            k = int(kstar[env.episode.t])
             action = STOP if env._n >= k else DRAFT
             _, _, term, _, info = env.step(action)
             if info["verified"]:
@@ -330,7 +330,7 @@ def test_per_token_env_observation_and_info():
     assert env.observation_space.shape == (17,)
     obs, _ = env.reset(seed=0)
     q = env.unwrapped.data.conf
-    row = env.unwrapped._row0
+    row = env.unwrapped.episode.row0
     prod = 1.0
     for n in range(1, 4):
         obs, r, term, _, info = env.step(1)

@@ -22,9 +22,9 @@ from specenv.batchreplay import allocate_budget, ar_schedule_ms, batch_cost_for,
 from specenv.costmodel import drafted_tokens
 from specenv.datasets import DEFAULT_DATASET, load_dataset
 from specenv.envs.common import DEFAULT_REWARD, check_reward
-from specenv.envs.replay import play_round, start_episode
+from specenv.episode import Episode, RoundTables
 from specenv.observation import ScalarObservation
-from specenv.replay import ReplayData, replay_data
+from specenv.replay import replay_data
 
 __all__ = ["BATCH_ID", "BUDGET_ID", "MoESpecBatchBudgetEnv", "MoESpecBatchEnv"]
 
@@ -34,35 +34,6 @@ BUDGET_ID = "specenv/MoESpecBatchBudget-v0"
 DEFAULT_BATCH = 4
 
 
-class _Stream:
-    """One slot's replay state (the single environment's episode state).
-
-    It holds the attributes :func:`specenv.envs.replay.play_round` and
-    :func:`specenv.envs.replay.start_episode` read and write.
-    """
-
-    def __init__(self, data: ReplayData):
-        self.data = data
-        self._obs = ScalarObservation(data.spec)
-        self._strip = None
-        self._width = data.kmax + 1
-        self._surv = data.survival.item
-        self._Ur = data.U.item
-        self.ar_unit_ms = 1.0  # play_round's per-request units are not used: the step is priced once
-        self._done = True
-        self.np_random: np.random.Generator | None = None
-        self._step_ms = 0.0
-        self._batch_ar_ms = 1.0
-        self._cost = self._charged
-        self._ar_ctx = self._ar_unit
-
-    def _charged(self, _j: int) -> float:
-        return self._step_ms
-
-    def _ar_unit(self, _row: int) -> float:
-        return self._batch_ar_ms
-
-
 class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
     """B concurrent replayed requests, one speculation length per request and step.
 
@@ -70,12 +41,12 @@ class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
 
     Each episode serves ``n_requests`` (R) requests through ``batch_size`` (B) slots. A request is
     one generation of the split replayed exactly as one episode of ``specenv/MoESpec-v1`` (same
-    round model, same acceptance draw: :func:`specenv.envs.replay.play_round` runs every request's
-    round). Request r has its own seed, drawn at ``reset`` from ``np_random``
-    (:func:`specenv.batchreplay.request_seeds`): it replays the single environment's episode of that
-    seed, whatever the other requests do. When a request finishes, the lowest free slot takes the
-    next request at the next step; when fewer than B requests remain, the tail slots are idle; the
-    episode terminates when all R have finished.
+    round model, same acceptance draw: each request is a :class:`specenv.episode.Episode` and
+    :meth:`~specenv.episode.Episode.play` runs its round). Request r has its own seed, drawn at
+    ``reset`` from ``np_random`` (:func:`specenv.batchreplay.request_seeds`): it replays the single
+    environment's episode of that seed, whatever the other requests do. When a request finishes, the
+    lowest free slot takes the next request at the next step; when fewer than B requests remain, the
+    tail slots are idle; the episode terminates when all R have finished.
 
     ## Cost
 
@@ -178,7 +149,10 @@ class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
         self._u_ar = [0.0] + [self.batch_cost.predict_u_batch(np.full(n, tk)) for n in range(1, self.B + 1)]
         self.action_space = spaces.MultiDiscrete(np.full(self.B, self.kmax + 1, dtype=np.int64))
         self.observation_space = self.spec_batch.space()
-        self._streams = [_Stream(self.data) for _ in range(self.B)]
+        self._tables = RoundTables.of(self.data)
+        # slot s: its request's episode (None when idle) and observation state
+        self._episodes: list[Episode | None] = [None] * self.B
+        self._slot_obs = [ScalarObservation(self.data.spec) for _ in range(self.B)]
         self._active = np.zeros(self.B, dtype=bool)
         self._done = True
         self._line = ""
@@ -240,11 +214,10 @@ class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
         """Give every free slot the next request (lowest slot first)."""
         for s in range(self.B):
             if not self._active[s] and self._next < self.R:
-                st = self._streams[s]
-                st.np_random = np.random.default_rng(int(self._seeds[self._next]))
-                start_episode(st)
-                self._gens[self._next] = st._gen
-                st._req = self._next
+                rng = np.random.default_rng(int(self._seeds[self._next]))
+                ep = self._episodes[s] = Episode.start(self.data, rng, tables=self._tables)
+                self._slot_obs[s].reset()
+                self._gens[self._next] = ep.generation
                 self._next += 1
                 self._active[s] = True
 
@@ -252,9 +225,9 @@ class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
         d = self.data
         reqs = np.zeros((self.B, d.spec.dim), dtype=np.float32)
         for s in np.flatnonzero(self._active):
-            st = self._streams[s]
-            conf = d.conf[st._row0 + st._t].tolist() if self.lookahead else None
-            reqs[s] = st._obs.build(st._L0 + st._t, st._t, conf)
+            ep = self._episodes[s]
+            conf = d.conf[ep.row].tolist() if self.lookahead else None
+            reqs[s] = self._slot_obs[s].build(ep.L0 + ep.t, ep.t, conf)
         feats = np.array(
             [
                 self._active.sum() / self.B,
@@ -291,10 +264,10 @@ class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
         d = self.data
         slots = np.flatnonzero(self._active)
         ks = k[slots]
-        streams = [self._streams[s] for s in slots]
-        rows = np.array([st._row0 + st._t for st in streams], dtype=np.int64)
+        episodes = [self._episodes[s] for s in slots]
+        rows = np.array([ep.row for ep in episodes], dtype=np.int64)
         u = d.U[rows, ks]
-        ctx = np.array([st._L0 + st._t for st in streams], dtype=np.float64)
+        ctx = np.array([ep.L0 + ep.t for ep in episodes], dtype=np.float64)
         drafted = drafted_tokens(ks, self.lookahead, self.drafting)
         bc = self.batch_cost
         n = len(slots)
@@ -307,13 +280,13 @@ class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
         acc_info = [-1] * self.B
         com_info = [0] * self.B
         committed = 0
-        for s, st, kk in zip(slots, streams, ks, strict=True):
-            st._step_ms = step_ms
-            st._batch_ar_ms = batch_ar
-            _, _, a, c, _, _, _, finished = play_round(st, int(kk))
-            k_info[s], acc_info[s], com_info[s] = int(kk), int(a), int(c)
-            committed += int(c)
-            if finished:
+        step_units = step_ms / batch_ar  # every request's prev_cost: the step's cost in batch AR steps
+        for s, ep, kk in zip(slots, episodes, ks, strict=True):
+            r = ep.play(int(kk))  # the request's round (its draw and commit; the step is priced above)
+            self._slot_obs[s].update(r.k, r.accepted, r.U_r, step_units, r.committed)
+            k_info[s], acc_info[s], com_info[s] = r.k, r.accepted, r.committed
+            committed += r.committed
+            if r.terminated:
                 self._active[s] = False
                 self._served += 1
         self._steps += 1
@@ -356,8 +329,15 @@ class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
         """
         out = np.full(self.B, -1, dtype=np.int64)
         for s in np.flatnonzero(self._active):
-            st = self._streams[s]
-            out[s] = st._row0 + st._t
+            out[s] = self._episodes[s].row
+        return out
+
+    def remaining(self) -> np.ndarray:
+        """(B,) tokens left ``N - t`` of each slot's request, 0 when idle (a policy never sees it)."""
+        out = np.zeros(self.B, dtype=np.int64)
+        for s in np.flatnonzero(self._active):
+            ep = self._episodes[s]
+            out[s] = ep.N - ep.t
         return out
 
     def render(self) -> str | None:
@@ -404,8 +384,7 @@ class MoESpecBatchBudgetEnv(MoESpecBatchEnv):
         h = self.lookahead
         scores = np.full((self.B, h), -np.inf)
         for s in np.flatnonzero(self._active):
-            st = self._streams[s]
-            scores[s] = np.cumprod(d.conf[st._row0 + st._t, :h])
+            scores[s] = np.cumprod(d.conf[self._episodes[s].row, :h])
         return allocate_budget(scores, budget)
 
     def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:

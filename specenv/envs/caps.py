@@ -7,8 +7,9 @@ experts per MoE layer). The round model (:class:`MoESpecCapEnv`'s Description): 
 is :class:`specenv.envs.replay.MoESpecEnv`'s round; a capped one accepts the capped target's drafts
 deterministically, commits that many tokens plus one *of the reference text*, costs
 the cost model at the capped unique experts and reports the committed tokens that differ from the
-uncapped reference as quality loss. Both run through the one replayed round,
-:func:`specenv.envs.replay.play_round`, on the capped tables of :func:`specenv.capreplay.joint_tables`.
+uncapped reference as quality loss. Both are rounds of the one replayed episode,
+:meth:`specenv.episode.Episode.play`, a capped one on the capped tables of
+:func:`specenv.capreplay.joint_tables` (:func:`capped_round_tables`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from specenv.datasets import load_dataset
 from specenv.envs.common import DEFAULT_REWARD
 from specenv.envs.registration import CAP_ID
 from specenv.envs.replay import MoESpecEnv
+from specenv.episode import RoundTables
 from specenv.replay import ReplayData, select_positions
 
 __all__ = ["CAP_ID", "DEFAULT_CAPS_DATASET", "MoESpecCapEnv", "cap_tables"]
@@ -52,6 +54,24 @@ def cap_tables(data: ReplayData) -> JointTables:
             getattr(hit, name).flags.writeable = False
         _TABLES[data] = hit
     return hit
+
+
+def capped_round_tables(tables: JointTables, data: ReplayData) -> list[RoundTables]:
+    """The round tables of each cap level c = 1..C (index c-1): the capped verdict, cost and U in row order.
+
+    A capped round accepts the capped target's recorded drafts (deterministic: the caps columns are
+    recorded greedily) and is charged at the capped unique experts; the AR step at the context is the
+    replay's (the observation's unit does not depend on the cap).
+    """
+    return [
+        RoundTables(
+            cost=np.ascontiguousarray(tables.cost[c].T),
+            U=np.ascontiguousarray(tables.U[c].T),
+            ar_ctx=data.ar_ctx_ms,
+            accepted=np.ascontiguousarray(tables.acc[c].T),
+        )
+        for c in range(tables.n_levels)
+    ]
 
 
 class MoESpecCapEnv(MoESpecEnv):
@@ -175,10 +195,7 @@ class MoESpecCapEnv(MoESpecEnv):
         self.caps = self.tables.levels
         self.obs_spec = dataclasses.replace(self.data.spec, cap_levels=len(self.caps))
         self.action_space = spaces.MultiDiscrete([self.kmax + 1, len(self.caps) + 1])
-        t = self.tables
-        self._uncapped = (self._surv, self._cost, self._Ur)
-        self._cap_cost = [np.ascontiguousarray(t.cost[c].T).item for c in range(len(self.caps))]
-        self._cap_U = [np.ascontiguousarray(t.U[c].T).item for c in range(len(self.caps))]
+        self._capped = capped_round_tables(self.tables, self.data)
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -213,21 +230,14 @@ class MoESpecCapEnv(MoESpecEnv):
         k, c = self._joint_action(action)
         self._check_action(k)
         c = c if k else 0
-        row = self._row0 + self._t
         if c:
             t = self.tables
-            acc = int(t.acc[c - 1, k, row])
-            lim = row * self._width + acc
-            # the capped round through the same play_round: survival 1 up to the capped verdict, then 0
-            self._surv = lambda j: 1.0 if j < lim else 0.0
-            self._cost, self._Ur = self._cap_cost[c - 1], self._cap_U[c - 1]
+            row = self._episode.row
             mis, lp = float(t.mis[c - 1, k, row]), float(t.lpgap[c - 1, k, row])
         else:
             mis = lp = 0.0
-        try:
-            obs, reward, terminated, truncated, info = super().step(k)
-        finally:
-            self._surv, self._cost, self._Ur = self._uncapped
+        # the capped round: the same episode's round on the capped tables (the recorded verdict, cost and U)
+        obs, reward, terminated, truncated, info = self._play(k, self._capped[c - 1] if c else None)
         self._ep_mis += mis
         self._ep_lp += lp * info["committed"]
         self._ep_capped += bool(c)
@@ -235,7 +245,7 @@ class MoESpecCapEnv(MoESpecEnv):
         if terminated:
             info |= {
                 "episode_mismatches": self._ep_mis,
-                "mismatch_rate": self._ep_mis / self._N,
+                "mismatch_rate": self._ep_mis / self._episode.N,
                 "episode_lpgap": self._ep_lp,
                 "capped_rounds": self._ep_capped,
             }

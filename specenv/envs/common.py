@@ -9,12 +9,15 @@ reward options of every environment, the vector one included.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gymnasium as gym
 import numpy as np
 
 from specenv.envs.render import RoundStrip
+
+if TYPE_CHECKING:
+    from specenv.episode import Episode
 
 #: Reward options: ``"cost"`` = -cost / ar_unit_ms; ``"savings"`` = that + the tokens the round committed.
 REWARDS = ("cost", "savings")
@@ -56,7 +59,8 @@ class RoundEnv(gym.Env[np.ndarray, np.int64]):
 
     Subclasses set ``kmax``, ``render_mode``, ``_done``, ``_line`` (the ansi line) and ``_strip``
     (a :class:`specenv.envs.render.RoundStrip` when ``render_mode="rgb_array"``), and the class
-    attribute ``env_id`` used in messages.
+    attribute ``env_id`` used in messages. The replay ones also set ``_obs`` (their
+    :class:`specenv.observation.ScalarObservation`) and start each episode with :meth:`_begin`.
     """
 
     env_id = ""
@@ -64,6 +68,17 @@ class RoundEnv(gym.Env[np.ndarray, np.int64]):
     _done: bool = True
     _line: str = ""
     _strip: RoundStrip | None = None
+    _episode: Episode | None = None
+
+    def _begin(self, episode: Episode) -> Episode:
+        """Make ``episode`` (just started) the one in progress: clear the observation state and the render."""
+        self._episode = episode
+        self._done = False
+        self._obs.reset()
+        self._line = f"gen {episode.generation_id} [{episode.category}] t=0"
+        if self._strip is not None:
+            self._strip.clear()
+        return episode
 
     def _check_action(self, action: Any) -> int:
         """The budget of ``step(action)`` as an int.

@@ -48,8 +48,21 @@ LIVE_V0_ID = "specenv/MoESpecLive-v0"
 V0_KWARGS: dict[str, Any] = {"reward": "cost"}
 
 
+#: Every id: (id, entry point, vector entry point or None, default kwargs, nondeterministic).
+ENVIRONMENTS: tuple[tuple[str, str, str | None, dict[str, Any], bool], ...] = (
+    (REPLAY_ID, "specenv.envs.replay:MoESpecEnv", "specenv.envs.vector:MoESpecVectorEnv", {}, False),
+    (REPLAY_V0_ID, "specenv.envs.replay:MoESpecEnv", "specenv.envs.vector:MoESpecVectorEnv", V0_KWARGS, False),
+    (LIVE_ID, "specenv.envs.live:MoESpecLiveEnv", None, {}, True),
+    (LIVE_V0_ID, "specenv.envs.live:MoESpecLiveEnv", None, V0_KWARGS, True),
+    (SEQ_ID, "specenv.envs.sequential:MoESpecSeqEnv", None, {}, False),
+    (CAP_ID, "specenv.envs.caps:MoESpecCapEnv", None, {}, False),
+    (BATCH_ID, "specenv.envs.batch:MoESpecBatchEnv", None, {}, False),
+    (BATCH_BUDGET_ID, "specenv.envs.batch:MoESpecBatchBudgetEnv", None, {}, False),
+)
+
+
 def register_envs() -> list[str]:
-    """Register every specenv environment id that is not registered yet (idempotent).
+    """Register every specenv environment id (:data:`ENVIRONMENTS`) that is not registered yet (idempotent).
 
     Returns:
         The ids registered by this call (empty when all were already present).
@@ -57,55 +70,19 @@ def register_envs() -> list[str]:
     import gymnasium
 
     added = []
-    for env_id, kwargs in ((REPLAY_ID, {}), (REPLAY_V0_ID, V0_KWARGS)):
-        if env_id not in gymnasium.registry:
-            gymnasium.register(
-                id=env_id,
-                entry_point="specenv.envs.replay:MoESpecEnv",
-                vector_entry_point="specenv.envs.vector:MoESpecVectorEnv",
-                kwargs=dict(kwargs),
-                nondeterministic=False,
-                max_episode_steps=None,
-            )
-            added.append(env_id)
-    for env_id, kwargs in ((LIVE_ID, {}), (LIVE_V0_ID, V0_KWARGS)):
-        if env_id not in gymnasium.registry:
-            gymnasium.register(
-                id=env_id,
-                entry_point="specenv.envs.live:MoESpecLiveEnv",
-                kwargs=dict(kwargs),
-                nondeterministic=True,
-                max_episode_steps=None,
-            )
-            added.append(env_id)
-    if SEQ_ID not in gymnasium.registry:
+    for env_id, entry_point, vector_entry_point, kwargs, nondeterministic in ENVIRONMENTS:
+        if env_id in gymnasium.registry:
+            continue
+        extra = {} if vector_entry_point is None else {"vector_entry_point": vector_entry_point}
         gymnasium.register(
-            id=SEQ_ID,
-            entry_point="specenv.envs.sequential:MoESpecSeqEnv",
-            kwargs={},
-            nondeterministic=False,
+            id=env_id,
+            entry_point=entry_point,
+            kwargs=dict(kwargs),
+            nondeterministic=nondeterministic,
             max_episode_steps=None,
+            **extra,
         )
-        added.append(SEQ_ID)
-    if CAP_ID not in gymnasium.registry:
-        gymnasium.register(
-            id=CAP_ID,
-            entry_point="specenv.envs.caps:MoESpecCapEnv",
-            kwargs={},
-            nondeterministic=False,
-            max_episode_steps=None,
-        )
-        added.append(CAP_ID)
-    for env_id, entry in ((BATCH_ID, "MoESpecBatchEnv"), (BATCH_BUDGET_ID, "MoESpecBatchBudgetEnv")):
-        if env_id not in gymnasium.registry:
-            gymnasium.register(
-                id=env_id,
-                entry_point=f"specenv.envs.batch:{entry}",
-                kwargs={},
-                nondeterministic=False,
-                max_episode_steps=None,
-            )
-            added.append(env_id)
+        added.append(env_id)
     return added
 
 

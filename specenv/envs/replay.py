@@ -21,6 +21,7 @@ from specenv.datasets import DEFAULT_DATASET
 from specenv.envs.common import DEFAULT_REWARD, RoundEnv, check_reward, reset_generation_id
 from specenv.envs.registration import REPLAY_ID
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
+from specenv.episode import Episode, Round, RoundTables
 from specenv.observation import ScalarObservation
 from specenv.replay import ReplayData, replay_data
 
@@ -242,18 +243,16 @@ class MoESpecEnv(RoundEnv):
         self.action_space = spaces.Discrete(self.kmax + 1)
         self.observation_space = self.data.spec.space()
         self._obs = ScalarObservation(self.data.spec)
-        # scalar accessors into the shared tables (flat index; .item returns Python floats)
-        self._width = self.kmax + 1
-        self._surv = self.data.survival.item
-        self._cost = self.data.cost.item
-        self._Ur = self.data.U.item
-        self._ar_ctx = self.data.ar_ctx_ms.item
-        self._gen = -1
-        self._t = 0
-        self._N = 0
+        self._tables = RoundTables.of(self.data)
+        self._episode: Episode | None = None
         self._done = True
         self._line = ""
         self._strip = RoundStrip(self.kmax) if render_mode == "rgb_array" else None
+
+    @property
+    def episode(self) -> Episode | None:
+        """The episode in progress (:class:`specenv.episode.Episode`; None before the first :meth:`reset`)."""
+        return self._episode
 
     # ------------------------------------------------------------------ episode
     def reset(
@@ -269,9 +268,9 @@ class MoESpecEnv(RoundEnv):
             ValueError: If ``options`` has an unknown key or names a generation not in the split.
         """
         super().reset(seed=seed)
-        start_episode(self, reset_generation_id(options))
-        conf = self.data.conf[self._row0].tolist() if self.lookahead else None
-        return self._obs.build(self._L0, 0, conf), {"generation_id": self._gid, "category": self._cat}
+        ep = self._begin(Episode.start(self.data, self.np_random, reset_generation_id(options), self._tables))
+        conf = self.data.conf[ep.row0].tolist() if self.lookahead else None
+        return self._obs.build(ep.L0, 0, conf), {"generation_id": ep.generation_id, "category": ep.category}
 
     def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         """Execute one verification round with budget ``action`` (see the class docstring).
@@ -280,110 +279,36 @@ class MoESpecEnv(RoundEnv):
             ValueError: If ``action`` is not an integer in 0..kmax.
             RuntimeError: If called before :meth:`reset` or after the episode ended.
         """
-        k = self._check_action(action)
-        info, t, a, committed, cost, U_r, units, terminated = play_round(self, k)
-        obs_state = self._obs
-        t_new = self._t
+        return self._play(self._check_action(action))
+
+    def _play(self, k: int, tables: RoundTables | None = None) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        """One round of budget ``k`` through the episode (on ``tables`` when given): observation, reward, info."""
+        ep = self._episode
+        r = ep.play(k, tables)
+        _, _, a, committed, t_new, _, U_r, units, ctx_units, terminated = r
+        self._obs.update(k, a, U_r, ctx_units, committed)
+        info = ep.info(r)
         if terminated:
+            self._done = True
             conf = [0.0] * self.data.conf.shape[1] if self.lookahead else None
         else:
-            conf = self.data.conf[self._row0 + t_new].tolist() if self.lookahead else None
+            conf = self.data.conf[ep.row0 + t_new].tolist() if self.lookahead else None
         if self.render_mode is not None:
-            self._record(t, k, a, committed, cost, U_r, terminated)
+            self._record(r)
         reward = committed - units if self._savings else -units
-        return obs_state.build(self._L0 + t_new, t_new, conf), reward, terminated, False, info
+        return self._obs.build(ep.L0 + t_new, t_new, conf), reward, terminated, False, info
 
-    def _record(self, t: int, k: int, a: int, committed: int, cost: float, U_r: float, terminated: bool) -> None:
+    def _record(self, r: Round) -> None:
         """Keep what :meth:`render` shows of the round just executed."""
         if self._strip is not None:
-            self._strip.push(k, a)
+            self._strip.push(r.k, r.accepted)
             return
-        self._line = (
-            f"gen {self._gid} [{self._cat}] round {self._round - 1}: t={t} k={k} accepted={a} "
-            f"+{committed} cost={cost:.3f}ms U_r={U_r:.2f}" + (" (done)" if terminated else "")
-        )
+        self._line = round_line(self._episode, r)
 
 
-def play_round(env: Any, k: int) -> tuple[dict[str, Any], int, int, int, float, float, float, bool]:
-    """One verification round of budget ``k`` at the current position of a replay episode.
-
-    The round model of :class:`MoESpecEnv` (its docstring), written once for the round-level env and
-    the per-token env (:class:`specenv.envs.sequential.MoESpecSeqEnv`), which hold the same episode
-    state (``_t``, ``_row0``, ``_N``, ``_u``, ``_round``, ``_ep_cost``, the scalar table accessors and
-    the observation state ``_obs``). Advances that state and folds the round into ``_obs``.
-
-    Returns:
-        ``(info, t, accepted, committed, cost_ms, U_r, cost_units, terminated)``: the step's info
-        (with the episode totals when it terminates) and the round's figures; ``t`` is the position
-        the round verified at.
-    """
-    t = env._t
-    row = env._row0 + t
-    u = env._u(env._round)
-    surv = env._surv
-    j = row * env._width
-    a = 0
-    while a < k and u < surv(j + a):
-        a += 1
-    n_left = env._N - t
-    committed = a + 1 if a < n_left else n_left
-    a = committed - 1
-    j = row * env._width + k
-    cost = env._cost(j)
-    U_r = env._Ur(j)
-    units = cost / env.ar_unit_ms
-    t_new = t + committed
-    env._t = t_new
-    env._round += 1
-    env._ep_cost += cost
-    env._obs.update(k, a, U_r, cost / env._ar_ctx(row), committed)
-    terminated = t_new >= env._N
-    info = {
-        "k": k,
-        "accepted": a,
-        "committed": committed,
-        "cost_ms": cost,
-        "U_r": U_r,
-        "L": env._L0 + t,
-        "t": t_new,
-        "generation_id": env._gid,
-        "category": env._cat,
-    }
-    if terminated:
-        env._done = True
-        ar = float(env.data.ar_total_ms[env._gen])
-        info["speedup"] = ar / env._ep_cost
-        info["episode_cost_ms"] = env._ep_cost
-        info["ar_cost_ms"] = ar
-        info["rounds"] = env._round
-    return info, t, a, committed, cost, U_r, units, terminated
-
-
-def start_episode(env: Any, generation_id: Any = None) -> None:
-    """Begin a replay episode: pick the generation, draw its acceptance uniforms, clear the state.
-
-    Shared by the round-level and the per-token envs (same draws from ``env.np_random``: the
-    generation with ``integers(G)`` unless ``generation_id`` names one, then the episode's ``N``
-    uniforms with ``random(N)``), after ``gymnasium.Env.reset`` has (re)seeded ``np_random``.
-
-    Raises:
-        ValueError: If ``generation_id`` is not in the split.
-    """
-    d = env.data
-    rng = env.np_random
-    g = int(rng.integers(d.n_generations)) if generation_id is None else d.index_of(generation_id)
-    env._gen = g
-    env._gid = int(d.generation_ids[g])
-    env._cat = str(d.categories[g])
-    env._row0 = int(d.offsets[g])
-    env._N = n = int(d.lengths[g])
-    env._t = 0
-    env._round = 0
-    env._ep_cost = 0.0
-    env._L0 = int(d.L0[g])
-    env._u = rng.random(n).item  # the episode's acceptance uniforms, one per round
-    env._done = False
-    env._obs.reset()
-    env._line = f"gen {env._gid} [{env._cat}] t=0"
-    if env._strip is not None:
-        env._strip.clear()
+def round_line(ep: Episode, r: Round) -> str:
+    """The ``ansi`` render line of round ``r`` just played in episode ``ep``."""
+    return (
+        f"gen {ep.generation_id} [{ep.category}] round {ep.rounds - 1}: t={r.t} k={r.k} accepted={r.accepted} "
+        f"+{r.committed} cost={r.cost_ms:.3f}ms U_r={r.U_r:.2f}" + (" (done)" if r.terminated else "")
+    )

@@ -19,7 +19,8 @@ from gymnasium import spaces
 from specenv.datasets import DEFAULT_DATASET
 from specenv.envs.common import DEFAULT_REWARD, RoundEnv, check_reward, reset_generation_id
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
-from specenv.envs.replay import play_round, start_episode
+from specenv.envs.replay import round_line
+from specenv.episode import Episode, RoundTables
 from specenv.observation import ScalarObservation
 from specenv.replay import replay_data
 
@@ -161,11 +162,8 @@ class MoESpecSeqEnv(RoundEnv):
         self.action_space = spaces.Discrete(2)
         self.observation_space = self.obs_spec.space()
         self._obs = ScalarObservation(self.obs_spec)
-        self._width = self.kmax + 1
-        self._surv = d.survival.item
-        self._cost = d.cost.item
-        self._Ur = d.U.item
-        self._ar_ctx = d.ar_ctx_ms.item
+        self._tables = RoundTables.of(d)
+        self._episode: Episode | None = None
         self._conf = d.conf.item
         self._conf_width = d.conf.shape[1]
         self._extra = len(d.signals) - 1  # entropy / margin columns after q's block
@@ -187,9 +185,14 @@ class MoESpecSeqEnv(RoundEnv):
             ValueError: If ``options`` has an unknown key or names a generation not in the split.
         """
         super().reset(seed=seed)
-        start_episode(self, reset_generation_id(options))
+        ep = self._begin(Episode.start(self.data, self.np_random, reset_generation_id(options), self._tables))
         self._new_round()
-        return self._build(), {"generation_id": self._gid, "category": self._cat}
+        return self._build(), {"generation_id": ep.generation_id, "category": ep.category}
+
+    @property
+    def episode(self) -> Episode | None:
+        """The episode in progress (:class:`specenv.episode.Episode`; None before the first :meth:`reset`)."""
+        return self._episode
 
     def _new_round(self) -> None:
         self._n = 0
@@ -198,7 +201,9 @@ class MoESpecSeqEnv(RoundEnv):
         self._sig = (0.0,) * self._extra
 
     def _build(self) -> np.ndarray:
-        return self._obs.build(self._L0 + self._t, self._t, None, (self._q, self._n, self._prod, *self._sig))
+        ep = self._episode
+        t = ep.t
+        return self._obs.build(ep.L0 + t, t, None, (self._q, self._n, self._prod, *self._sig))
 
     def _check_action(self, action: Any) -> int:
         """The action as 0 or 1.
@@ -225,8 +230,9 @@ class MoESpecSeqEnv(RoundEnv):
             RuntimeError: If called before :meth:`reset` or after the episode ended.
         """
         if self._check_action(action) == DRAFT:
+            ep = self._episode
             n = self._n + 1
-            base = (self._row0 + self._t) * self._conf_width + n - 1
+            base = ep.row * self._conf_width + n - 1
             # as float32, the precision every policy sees it with (the round-level observation's conf_n):
             # the product below is then the one a round-level stop rule recomputes (policies.stopping)
             q = float(np.float32(self._conf(base)))
@@ -235,24 +241,27 @@ class MoESpecSeqEnv(RoundEnv):
                 self._sig = tuple(self._conf(base + self.kmax * (i + 1)) for i in range(self._extra))
             self._prod *= q
             if n < self.kmax:
+                gid, cat = ep.generation_id, ep.category
                 if self.render_mode == "ansi":
-                    self._line = f"gen {self._gid} [{self._cat}] round {self._round}: t={self._t} drafted {n} q={q:.3f}"
-                info = {"drafted": n, "conf": q, "verified": False, "generation_id": self._gid, "category": self._cat}
+                    self._line = f"gen {gid} [{cat}] round {ep.rounds}: t={ep.t} drafted {n} q={q:.3f}"
+                info = {"drafted": n, "conf": q, "verified": False, "generation_id": gid, "category": cat}
                 return self._build(), 0.0, False, False, info
         return self._verify(self._n)
 
     def _verify(self, k: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
-        """Verify k drafts: :meth:`specenv.envs.replay.MoESpecEnv.step`'s round, same arithmetic."""
-        info, t, a, committed, cost, U_r, units, terminated = play_round(self, k)
+        """Verify k drafts: :meth:`specenv.envs.replay.MoESpecEnv.step`'s round, through the same episode."""
+        ep = self._episode
+        r = ep.play(k)
+        self._obs.update(k, r.accepted, r.U_r, r.ctx_units, r.committed)
+        info = ep.info(r)
         info["drafted"] = k
         info["verified"] = True
+        if r.terminated:
+            self._done = True
         if self._strip is not None:
-            self._strip.push(k, a)
+            self._strip.push(k, r.accepted)
         elif self.render_mode == "ansi":
-            self._line = (
-                f"gen {self._gid} [{self._cat}] round {self._round - 1}: t={t} k={k} accepted={a} "
-                f"+{committed} cost={cost:.3f}ms U_r={U_r:.2f}" + (" (done)" if terminated else "")
-            )
+            self._line = round_line(ep, r)
         self._new_round()
-        reward = committed - units if self._savings else -units
-        return self._build(), reward, terminated, False, info
+        reward = r.committed - r.units if self._savings else -r.units
+        return self._build(), reward, r.terminated, False, info

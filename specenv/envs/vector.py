@@ -30,6 +30,7 @@ from specenv.datasets import DEFAULT_DATASET
 from specenv.envs.common import DEFAULT_REWARD, check_reward
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
 from specenv.envs.replay import ENV_ID
+from specenv.episode import draw, settle
 from specenv.observation import ObservationState
 from specenv.replay import replay_data
 
@@ -179,8 +180,10 @@ class MoESpecVectorEnv(VectorEnv):
         self._offsets = d.offsets.tolist()
         self._lengths = d.lengths.tolist()
         self._L0s = d.L0.tolist()
-        self._cost_flat = d.cost.ravel()
-        self._U_flat = d.U.ravel()
+        # flat (row, k) lookups of the charged cost and U, and the AR step at a row's context
+        self._cost_take = d.cost.ravel().take
+        self._U_take = d.U.ravel().take
+        self._ctx_take = d.ar_ctx_ms.take
         self._gen = np.zeros(n, dtype=np.int64)
         self._row0 = np.zeros(n, dtype=np.int64)
         self._N = np.ones(n, dtype=np.int64)
@@ -203,8 +206,7 @@ class MoESpecVectorEnv(VectorEnv):
     def _start(self, i: int, gid: Any = None) -> None:
         """Begin a new episode in sub-environment i, drawing from its generator like Env.reset."""
         d = self.data
-        rng = self._rngs[i]
-        g = int(rng.integers(d.n_generations)) if gid is None else d.index_of(gid)
+        g, u = draw(self._rngs[i], d.lengths, None if gid is None else d.index_of(gid))
         n = self._lengths[g]
         self._gen[i] = g
         self._row0[i] = self._offsets[g]
@@ -213,7 +215,7 @@ class MoESpecVectorEnv(VectorEnv):
         self._t[i] = 0
         self._round[i] = 0
         self._ep_cost[i] = 0.0
-        rng.random(out=self._u[i, :n])  # the same numbers as Env.reset's rng.random(n)
+        self._u[i, :n] = u  # the episode's uniforms, drawn as the single environment's
         if self.render_mode == "ansi":
             self._lines[i] = f"gen {int(d.generation_ids[g])} [{d.categories[g]}] t=0"
         elif self._strip is not None:
@@ -332,22 +334,19 @@ class MoESpecVectorEnv(VectorEnv):
         t = np.minimum(self._t, N - 1) if any_reset else self._t
         rows = self._row0 + t
         u = self._u_flat.take(self._u_base + self._round)
-        # a = number of leading j with u < P(a >= j); the survival table ends with a 0 column
+        # a = number of leading j <= k with u < P(a >= j) (the survival table ends with a 0 column)
         a = (d.survival.take(rows, axis=0) > u[:, None]).argmin(axis=1)
         np.minimum(a, k, out=a)
-        committed = np.minimum(a + 1, N - t)
-        a = committed - 1
-        idx = rows * self._width + k
-        cost = self._cost_flat.take(idx)
-        U_r = self._U_flat.take(idx)
-        units = cost / self.ar_unit_ms
-        t_new = t + committed
-        terminated = t_new >= N
+        # the charge/commit rule of the single environment's rounds, on arrays (specenv.episode.settle)
+        r = settle(
+            k, t, a, N, rows, self._width, self._cost_take, self._U_take, self._ctx_take, self.ar_unit_ms, np.minimum
+        )
+        a, committed, cost, U_r, t_new, terminated = r.accepted, r.committed, r.cost_ms, r.U_r, r.t_next, r.terminated
         self._t = t_new
         self._round += 1
         self._ep_cost += cost
-        self._obs_state.update(k, a, U_r, cost / self.data.ar_ctx_ms.take(rows), committed)
-        reward = -units
+        self._obs_state.update(k, a, U_r, r.ctx_units, committed)
+        reward = -r.units
         if self._savings:
             reward += committed
         L = self._L0 + t
