@@ -64,8 +64,10 @@ class StopRulePolicy(Policy):
         name: Display name (default the rule's).
 
     The observation it reads is :func:`round_spec` of the rule's contract: the round features and
-    ``conf_1..kmax``. Stateless: ``act_batch`` is one batch of ``kmax`` per-token observations per row.
+    ``conf_1..kmax``. Stateless: a batch is one batch of ``kmax`` per-token observations per row.
     """
+
+    stateless = True
 
     def __init__(self, rule: MLPPolicy, name: str | None = None):
         if not rule.spec.per_token:
@@ -115,7 +117,7 @@ class StopRulePolicy(Policy):
             out[:, 1:, col] = x[:, src[: K - 1]]
         return out
 
-    def act_batch(self, obs: np.ndarray) -> np.ndarray:
+    def _act_rows(self, obs: np.ndarray) -> np.ndarray:
         """The budget k of each round: the first draft count n at which the rule stops, else kmax."""
         tok = self.token_observations(obs)
         B, K, d = tok.shape
@@ -125,7 +127,7 @@ class StopRulePolicy(Policy):
         return k.astype(np.int64)
 
     def _act(self, obs: np.ndarray) -> int:
-        return int(self.act_batch(obs)[0])
+        return int(self._act_rows(obs)[0])
 
 
 def load_stop_rule(folder: Any, expect: ObservationSpec | None = None) -> StopRulePolicy:
