@@ -99,7 +99,9 @@ class BatchPolicy:
         """
         x = np.asarray(obs, dtype=np.float32)
         if x.ndim == 1:
-            return act_batch_obs(self, self.spec, x) if len(x) == self.spec.dim else int(self.act(x[None], ids, step)[0])
+            return (
+                act_batch_obs(self, self.spec, x) if len(x) == self.spec.dim else int(self.act(x[None], ids, step)[0])
+            )
         keys = list(range(len(x))) if ids is None else list(ids)
         if not len(x):
             return np.zeros(0, dtype=np.int64)
@@ -345,7 +347,9 @@ class GoodputBatch(_CostBatch):
 
 
 class StepPolicy(BatchPolicy):
-    """Any policy of the protocol that decides a step jointly, under a row name (e.g. :class:`policies.batch_goodput.BatchGoodput`).
+    """Any policy of the protocol that decides a step jointly, under a row name.
+
+    E.g. :class:`policies.batch_goodput.BatchGoodput`.
 
     Args:
         spec: Batch observation layout.

@@ -234,6 +234,8 @@ class SB3Batch(BatchPolicy):
     that vector (:meth:`specenv.batchobs.BatchObservationSpec.assemble`, the environment's own writer).
     """
 
+    unservable = "it reads the batch environment's flat vector of B slots, and a server's requests are not slots"
+
     def __init__(self, spec: BatchObservationSpec, model: Any, name: str = "ppo (batch)"):
         super().__init__(spec)
         self.model = model
@@ -241,7 +243,11 @@ class SB3Batch(BatchPolicy):
 
     def _act(self, req: np.ndarray, ids: list[Hashable], step: BatchStep | None) -> np.ndarray:
         slots = np.asarray(ids)
-        if slots.dtype.kind not in "iu" or len(set(ids)) != len(ids) or not np.all((slots >= 0) & (slots < self.spec.batch_size)):
+        if (
+            slots.dtype.kind not in "iu"
+            or len(set(ids)) != len(ids)
+            or not np.all((slots >= 0) & (slots < self.spec.batch_size))
+        ):
             raise ValueError(f"policy '{self.name}' reads slots 0..{self.spec.batch_size - 1} as ids, got {ids!r}")
         active = np.zeros(self.spec.batch_size, dtype=bool)
         active[slots] = True

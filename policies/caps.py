@@ -33,6 +33,9 @@ __all__ = ["FixedCap", "JointDaggerResult", "JointMLP", "train_joint_dagger"]
 #: token-changing cap at an infinite quality weight) in the learner's labels.
 UNAVAILABLE_REGRET = 100.0
 
+#: Why the vLLM controller refuses a joint (k, cap) policy (``unservable``, one line).
+UNSERVABLE = "it picks an expert cap with every k (a joint (k, cap) action); vLLM 0.32 has no per-request expert cap"
+
 
 class FixedCap:
     """A k-policy run with a fixed cap level: ``act(obs, ids) = (policy.act(obs, ids), level)`` per row.
@@ -45,6 +48,7 @@ class FixedCap:
     """
 
     joint_action = True
+    unservable = UNSERVABLE
 
     def __init__(self, policy: Any, level: int, name: str | None = None):
         self.policy = policy
@@ -75,6 +79,7 @@ class JointMLP:
     """
 
     joint_action = True
+    unservable = UNSERVABLE
     stateless = True
 
     def __init__(self, mlp: MLPPolicy):

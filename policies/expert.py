@@ -47,6 +47,8 @@ class OracleExpert:
 
     name = ORACLE_POLICY
     privileged = True
+    #: Why a server refuses it (``specenv.engines.vllm.settings.policy_refusal``).
+    unservable = "privileged: it reads the replay's generation and position, which a server does not have"
 
     def __init__(self, arrays: PositionArrays, cost_model: CostModel, lookahead: int = 0, drafting: str = "none"):
         from oracle.dp import solve

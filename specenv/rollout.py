@@ -4,7 +4,8 @@
 environment with the replay env's API for a list of ``(generation_id, seed)`` episodes and returns
 per-episode arrays; :func:`evaluate_in_env` uses it. :func:`rollout_vector` plays the same episodes
 as the streams of one native vector environment (:class:`specenv.envs.vector.MoESpecVectorEnv`)
-with the policy's ``act`` on the stacked rows (the one protocol of :mod:`specenv.policy.base`), and gives the same per-episode results for the same seeds (the
+with the policy's ``act`` on the stacked rows (the one protocol of :mod:`specenv.policy.base`), and
+gives the same per-episode results for the same seeds (the
 vector environment's sub-environments replay exactly the single environment's trajectories); the
 benchmark (:func:`policies.benchmark.run_policy`) uses it. :func:`episode_seeds` gives every
 ``(seed, generation, episode)`` its own independent reset seed. The exact oracle (:mod:`oracle`)
@@ -182,7 +183,8 @@ def rollout_vector(envs: Any, policy: Any, episodes: Sequence[tuple[int, int]]) 
     is reset once with every stream's own seed and generation
     (``reset(seed=[...], options={"generation_id": [...]})``); each step asks the policy for the
     streams at once (``policy.act(obs)`` on the stacked rows; a :class:`specenv.policy.base.Policy`
-    keeps one copy of its memory per stream, the default ids being the positions) and the loop ends when every stream has terminated. A
+    keeps one copy of its memory per stream, the default ids being the positions) and the loop ends
+    when every stream has terminated. A
     stream's episode is its steps up to its first termination: what the vector environment's
     autoreset plays afterwards is ignored. The per-episode results equal :func:`rollout`'s for the
     same episodes (same sums in the same order), since sub-environment i replays exactly what a

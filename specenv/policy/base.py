@@ -28,7 +28,8 @@ observation of ``specenv/MoESpecBatch-v0`` (B slot blocks plus the batch feature
 
 :class:`Policy` is the base class of the per-request policies: it keeps one private copy of the
 policy's per-generation memory per stream id (``_streams``, written only by this class) and resets a
-stream on its first round; the stream of id ``None`` (single-request use) is the object itself. A policy with a joint action (the expert-cap policies of
+stream on its first round; the stream of id ``None`` (single-request use) is the object itself. A
+policy with a joint action (the expert-cap policies of
 ``specenv/MoESpecCap-v0``) returns ``(n, 2)`` ``(k, cap level)`` rows instead of ``(n,)``; a
 privileged policy (the oracle expert) reads the replay state ``(generation_id, t)`` from its ids.
 """
