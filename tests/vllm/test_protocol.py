@@ -106,13 +106,16 @@ def test_heuristic_transformers_schedule(engine, ctl, plain_reference, tmp_path)
 
 def test_peer_svip_entropy_stop(engine, ctl, plain_reference, tmp_path):
     spec = _spec(ctl, KMAX, ("q", "ent"))
-    pol = resolve_policy("svip:h=0.6", spec)  # the registered peer, as `specenv serve --policy` names it
-    calls, outs, rounds, dim = _serve(engine, ctl, pol, tmp_path)
+    ent = [spec.index(f"ent_{j}") for j in range(1, KMAX + 1)]
+    # a first run that never stops shows this draft's entropies; the threshold h is their median
+    calls, *_ = _serve(engine, ctl, resolve_policy("svip:h=1000", spec), tmp_path / "probe")
+    h = float(np.median(np.sqrt(np.concatenate([c[0][:, ent] for c in calls]).astype(np.float64))))
+    pol = resolve_policy(f"svip:h={h!r}", spec)  # the registered peer, as `specenv serve --policy` names it
+    calls, outs, rounds, dim = _serve(engine, ctl, pol, tmp_path / "svip")
     _check_protocol(calls, outs, rounds, dim, plain_reference)
     # SVIP's rule by hand: stop after the first draft whose sqrt(entropy) exceeds h, else draft all h
-    ent = [spec.index(f"ent_{j}") for j in range(1, KMAX + 1)]
     for obs, _, _, out in calls:
-        stop = np.sqrt(np.maximum(obs[:, ent].astype(np.float64), 0.0)) > 0.6
+        stop = np.sqrt(np.maximum(obs[:, ent].astype(np.float64), 0.0)) > h
         want = np.where(stop.any(axis=1), stop.argmax(axis=1) + 1, KMAX)
         np.testing.assert_array_equal(out, want)
     assert len(np.unique(np.concatenate([c[3] for c in calls]))) >= 2
