@@ -121,7 +121,7 @@ class StopRulePolicy(Policy):
         """The budget k of each round: the first draft count n at which the rule stops, else kmax."""
         tok = self.token_observations(obs)
         B, K, d = tok.shape
-        acts = self.rule.act_batch(tok.reshape(B * K, d)).reshape(B, K)
+        acts = self.rule.act(tok.reshape(B * K, d)).reshape(B, K)
         stop = acts != DRAFT  # -1 (non-finite scores) stops: never draft on garbage
         k = np.where(stop.any(axis=1), stop.argmax(axis=1), K)
         return k.astype(np.int64)

@@ -101,3 +101,21 @@ def test_every_kind_speaks_the_protocol() -> None:
         from policies.expert import OracleExpert
 
         OracleExpert.act(object.__new__(OracleExpert), _rows([[]]))
+
+
+def test_served_peek_leaves_the_memory_as_it_was() -> None:
+    from specenv.engines.vllm.served import ServedPolicy
+
+    def run(peek: bool) -> list[int]:
+        served = ServedPolicy(TransformersHeuristic(SPEC, start=4), SPEC, 4)
+        out = served.act(_rows([[], []]), ["a", "b"], BatchStep()).tolist()
+        if peek:  # what it would do on a hypothetical round: a fully accepted one for a, a miss for b
+            assert served.peek(_rows([[(4, 4)], [(4, 0)]]), ["a", "b"], BatchStep()).tolist() == [6, 3]
+        out += served.act(_rows([[(4, 1)], [(4, 4)]]), ["a", "b"], BatchStep()).tolist()
+        return out
+
+    assert run(peek=True) == run(peek=False) == [4, 4, 3, 6]
+    bad = ServedPolicy(FixedBatch(BatchObservationSpec(SPEC, 2), 1), SPEC, 2)
+    bad.policy.act = lambda obs, ids=None, step=None: np.zeros(len(obs) + 1)  # one budget too many
+    with pytest.raises(ValueError, match=r"act returned shape \(3,\) for 2 observations"):
+        bad.act(_rows([[], []]), ["a", "b"], None)
