@@ -1,8 +1,13 @@
 """Batch controllers: one budget per request of a batched verification step (``specenv/MoESpecBatch-v0``).
 
-A batch policy reads the batch observation (:class:`specenv.batchobs.BatchObservationSpec`: B slot
-blocks plus batch features) and returns the B budgets at once (:class:`BatchPolicy`); idle slots get
-0. The rows (DESIGN.md section 5, "batch controllers"):
+A batch controller speaks the one policy protocol (:mod:`specenv.policy.base`): ``act(obs, ids, step)``
+gets the stacked per-request observations of the step's requests (the active slots of
+``specenv/MoESpecBatch-v0``, or the requests of a vLLM engine step), one stable id per row and the
+step's batch features (:class:`specenv.policy.base.BatchStep`), and returns all their budgets at once
+(:class:`BatchPolicy`). The batch environment's flat observation
+(:class:`specenv.batchobs.BatchObservationSpec`) reaches it through
+:func:`specenv.policy.base.act_batch_obs` (idle slots get 0); ``act(flat observation)`` is that
+adapter's alias. The rows (DESIGN.md section 5, "batch controllers"):
 
 * :class:`FixedBatch`: the same k for every request (vLLM's ``num_speculative_tokens``);
 * :class:`DSDBatch`: vLLM's dynamic speculative decoding table, one k per step looked up by the
@@ -24,13 +29,13 @@ blocks plus batch features) and returns the B budgets at once (:class:`BatchPoli
   running acceptance (the estimator of :class:`policies.heuristics.GoodputRule`);
 * :class:`PerRequest`: any single-request policy run on every slot's own observation (the delta rule
   :class:`policies.delta.DeltaSpaceRule`, an exported MLP...);
-* :class:`StepPolicy`: a batch policy of the vLLM controller's ``act_step`` protocol
-  (:class:`policies.batch_goodput.BatchGoodput`) on the active slots.
+* :class:`StepPolicy`: any policy of the protocol that decides a step jointly
+  (:class:`policies.batch_goodput.BatchGoodput`) under a row name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,7 +46,7 @@ from specenv.batchcost import BatchCostModel
 from specenv.batchobs import BatchObservationSpec
 from specenv.batchreplay import allocate_budget
 from specenv.observation import ObsView
-from specenv.policy.base import Policy
+from specenv.policy.base import BatchStep, act_batch_obs
 
 __all__ = [
     "AdaptiveVerificationBatch",
@@ -56,19 +61,24 @@ __all__ = [
 
 
 class BatchPolicy:
-    """Base of the batch controllers: ``reset()`` and ``act(obs) -> (B,) budgets``.
+    """Base of the batch controllers: the protocol's ``act(obs, ids, step) -> (n,)`` budgets, clipped to 0..kmax.
+
+    Subclasses implement :meth:`_act` on the rows (n, dim) of the step's requests; a stateful one
+    keys its memory by the ids and forgets them in :meth:`reset` / :meth:`release`.
 
     Attributes:
         name: Row name.
         drafting: Drafting mode the policy runs in (``"none"``: k chosen before drafting;
             ``"block"``: the drafter proposes h = lookahead tokens per request first).
+        stateless: True when the budgets depend on the arguments of ``act`` only.
 
     Args:
-        spec: The batch observation layout.
+        spec: The batch observation layout (``spec.request`` is the per-request contract of the rows).
     """
 
     name = "batch-policy"
     drafting = "none"
+    stateless = True
 
     def __init__(self, spec: BatchObservationSpec):
         self.spec = spec
@@ -78,15 +88,26 @@ class BatchPolicy:
     def reset(self) -> None:
         """Forget the episode."""
 
-    def act(self, obs: np.ndarray) -> np.ndarray:
-        """(B,) budgets for the batch observation ``obs`` (0 for idle slots)."""
-        active, req = self.spec.slots(obs)
-        k = np.zeros(self.spec.batch_size, dtype=np.int64)
-        if active.any():
-            k[active] = np.clip(self._act(active, req), 0, self.kmax)[active]
-        return k
+    def release(self, ids: Sequence[Hashable]) -> None:
+        """Forget finished requests (nothing kept by a stateless controller)."""
 
-    def _act(self, active: np.ndarray, req: np.ndarray) -> np.ndarray:
+    def act(self, obs: np.ndarray, ids: Sequence[Hashable] | None = None, step: BatchStep | None = None) -> Any:
+        """(n,) budgets for the rows ``obs`` (n, dim) of requests ``ids`` (default 0..n-1).
+
+        Aliases: the batch environment's flat observation gives its (B,) budgets
+        (:func:`specenv.policy.base.act_batch_obs`); one 1-D request observation gives one int.
+        """
+        x = np.asarray(obs, dtype=np.float32)
+        if x.ndim == 1:
+            return (
+                act_batch_obs(self, self.spec, x) if len(x) == self.spec.dim else int(self.act(x[None], ids, step)[0])
+            )
+        keys = list(range(len(x))) if ids is None else list(ids)
+        if not len(x):
+            return np.zeros(0, dtype=np.int64)
+        return np.clip(self._act(x, keys, step), 0, self.kmax).astype(np.int64)
+
+    def _act(self, req: np.ndarray, ids: list[Hashable], step: BatchStep | None) -> np.ndarray:
         raise NotImplementedError
 
     def _contexts(self, req: np.ndarray) -> np.ndarray:
@@ -101,8 +122,8 @@ class FixedBatch(BatchPolicy):
         self.k = int(k)
         self.name = f"fixed k={self.k}"
 
-    def _act(self, active: np.ndarray, req: np.ndarray) -> np.ndarray:
-        return np.full(len(active), self.k, dtype=np.int64)
+    def _act(self, req: np.ndarray, ids: list[Hashable], step: BatchStep | None) -> np.ndarray:
+        return np.full(len(req), self.k, dtype=np.int64)
 
 
 class DSDBatch(BatchPolicy):
@@ -127,8 +148,8 @@ class DSDBatch(BatchPolicy):
             k = kk
         return min(k, self.kmax)
 
-    def _act(self, active: np.ndarray, req: np.ndarray) -> np.ndarray:
-        return np.full(len(active), self.lookup(int(active.sum())), dtype=np.int64)
+    def _act(self, req: np.ndarray, ids: list[Hashable], step: BatchStep | None) -> np.ndarray:
+        return np.full(len(req), self.lookup(len(req)), dtype=np.int64)
 
 
 def fit_dsd_table(score: Callable[[int, int], float], batch_size: int, kmax: int) -> list[tuple[int, int, int]]:
@@ -189,6 +210,7 @@ class AdaptiveVerificationBatch(_CostBatch):
     """
 
     drafting = "block"
+    stateless = False
 
     def __init__(self, spec: BatchObservationSpec, batch_cost: BatchCostModel, u_prior: np.ndarray, stale: bool = True):
         if spec.request.lookahead < 1:
@@ -200,24 +222,31 @@ class AdaptiveVerificationBatch(_CostBatch):
 
     def reset(self) -> None:
         """Forget the stale confidences."""
-        self.prev = np.ones((self.spec.batch_size, self.spec.request.lookahead))
+        self.prev: dict[Hashable, np.ndarray] = {}
 
-    def _act(self, active: np.ndarray, req: np.ndarray) -> np.ndarray:
+    def release(self, ids: Sequence[Hashable]) -> None:
+        """Forget finished requests' stale confidences."""
+        for i in ids:
+            self.prev.pop(i, None)
+
+    def _act(self, req: np.ndarray, ids: list[Hashable], step: BatchStep | None) -> np.ndarray:
         h = self.spec.request.lookahead
         conf = req[:, self.view.conf_slice].astype(np.float64)
         first = req[:, self.view.i_first_round] >= 0.5
-        self.prev[first] = 1.0
-        used = self.prev.copy() if self.stale else conf
-        self.prev = conf.copy()
-        scores = np.where(active[:, None], np.cumprod(used, axis=1), -np.inf)
-        idx = np.flatnonzero(active)
-        ctx = self._contexts(req)[idx]
-        drafted = np.full(len(idx), h, dtype=np.int64)
-        n = len(idx)
-        flat = np.sort(scores[idx].ravel())[::-1]
+        ones = np.ones(h)
+        used = np.stack([ones if f else self.prev.get(i, ones) for i, f in zip(ids, first, strict=True)])
+        if not self.stale:
+            used = conf
+        for i, c in zip(ids, conf, strict=True):
+            self.prev[i] = c.copy()
+        scores = np.cumprod(used, axis=1)
+        ctx = self._contexts(req)
+        n = len(req)
+        drafted = np.full(n, h, dtype=np.int64)
+        flat = np.sort(scores.ravel())[::-1]
         gain = n + np.concatenate([[0.0], np.cumsum(flat)])
         ks = np.stack([allocate_budget(scores, b) for b in range(n * h + 1)])
-        val = gain / self.step_ms_many(ks[:, idx], drafted, ctx)
+        val = gain / self.step_ms_many(ks, drafted, ctx)
         return ks[int(np.argmax(val))]
 
 
@@ -233,13 +262,12 @@ class TetrisBatch(_CostBatch):
     drafting = "block"
     name = "tetris-greedy"
 
-    def _act(self, active: np.ndarray, req: np.ndarray) -> np.ndarray:
+    def _act(self, req: np.ndarray, ids: list[Hashable], step: BatchStep | None) -> np.ndarray:
         h = self.spec.request.lookahead
-        idx = np.flatnonzero(active)
-        surv = np.cumprod(req[idx][:, self.view.conf_slice].astype(np.float64), axis=1)
-        ctx = self._contexts(req)[idx]
-        drafted = np.full(len(idx), h, dtype=np.int64)
-        n = len(idx)
+        surv = np.cumprod(req[:, self.view.conf_slice].astype(np.float64), axis=1)
+        ctx = self._contexts(req)
+        n = len(req)
+        drafted = np.full(n, h, dtype=np.int64)
         k = np.zeros(n, dtype=np.int64)
         tokens = float(n)
         cost = float(self.step_ms_many(k[None, :], drafted, ctx)[0])
@@ -257,9 +285,7 @@ class TetrisBatch(_CostBatch):
             tokens += surv[pick, k[pick]]
             k[pick] += 1
             cost = float(c[j])
-        out = np.zeros(len(active), dtype=np.int64)
-        out[idx] = k
-        return out
+        return k
 
 
 class GoodputBatch(_CostBatch):
@@ -274,6 +300,7 @@ class GoodputBatch(_CostBatch):
     """
 
     name = "smartspec-goodput"
+    stateless = False
 
     def __init__(
         self,
@@ -289,39 +316,44 @@ class GoodputBatch(_CostBatch):
         self.reset()
 
     def reset(self) -> None:
-        """One acceptance estimator per slot."""
-        self.acc = [
-            AcceptanceEstimator(self.kmax, self.rho_prior, forget=self.forget) for _ in range(self.spec.batch_size)
-        ]
+        """Forget every request's acceptance estimator."""
+        self.acc: dict[Hashable, AcceptanceEstimator] = {}
 
-    def _act(self, active: np.ndarray, req: np.ndarray) -> np.ndarray:
-        idx = np.flatnonzero(active)
-        alpha = np.empty(len(idx))
-        for j, s in enumerate(idx):
-            o = req[s]
+    def release(self, ids: Sequence[Hashable]) -> None:
+        """Forget finished requests' estimators."""
+        for i in ids:
+            self.acc.pop(i, None)
+
+    def _act(self, req: np.ndarray, ids: list[Hashable], step: BatchStep | None) -> np.ndarray:
+        n = len(req)
+        alpha = np.empty(n)
+        for j, (i, o) in enumerate(zip(ids, req, strict=True)):
+            a = self.acc.get(i)
+            if a is None:
+                a = self.acc[i] = AcceptanceEstimator(self.kmax, self.rho_prior, forget=self.forget)
             if self.view.first_round(o):
-                self.acc[s].reset()
+                a.reset()
             else:
-                self.acc[s].observe(self.view.prev_k(o), self.view.prev_accepted(o))
-            alpha[j] = self.acc[s].pooled()
+                a.observe(self.view.prev_k(o), self.view.prev_accepted(o))
+            alpha[j] = a.pooled()
         alpha = np.clip(alpha, 1e-6, 1 - 1e-6)
-        ctx = self._contexts(req)[idx]
+        ctx = self._contexts(req)
         ks = np.arange(self.kmax + 1)
         tokens = np.sum((1.0 - alpha[None, :] ** (ks[:, None] + 1)) / (1.0 - alpha[None, :]), axis=1)
-        cand = np.repeat(ks[:, None], len(idx), axis=1)
+        cand = np.repeat(ks[:, None], n, axis=1)
         draft = np.array([self.batch_cost.draft_ms(row) for row in cand])
-        cost = self.step_ms_many(cand, np.zeros(len(idx), dtype=np.int64), ctx) + draft
-        return np.full(len(active), int(np.argmax(tokens / cost)), dtype=np.int64)
+        cost = self.step_ms_many(cand, np.zeros(n, dtype=np.int64), ctx) + draft
+        return np.full(n, int(np.argmax(tokens / cost)), dtype=np.int64)
 
 
 class StepPolicy(BatchPolicy):
-    """A batch policy of the vLLM controller's protocol (``act_step(observations, streams)``) on the active slots.
+    """Any policy of the protocol that decides a step jointly, under a row name.
 
-    E.g. :class:`policies.batch_goodput.BatchGoodput`. The slots are the stream ids.
+    E.g. :class:`policies.batch_goodput.BatchGoodput`.
 
     Args:
         spec: Batch observation layout.
-        policy: An object with ``act_step(obs (n, dim), streams) -> (n,) budgets``.
+        policy: A policy of the protocol (``act(obs (n, dim), ids, step) -> (n,) budgets``).
         name: Row name (default the policy's).
     """
 
@@ -329,39 +361,33 @@ class StepPolicy(BatchPolicy):
         super().__init__(spec)
         self.policy = policy
         self.name = name or str(getattr(policy, "name", "batch policy"))
+        self.stateless = bool(getattr(policy, "stateless", False))
 
     def reset(self) -> None:
         """Reset the wrapped policy."""
         self.policy.reset()
 
-    def _act(self, active: np.ndarray, req: np.ndarray) -> np.ndarray:
-        idx = np.flatnonzero(active)
-        k = np.zeros(len(active), dtype=np.int64)
-        k[idx] = self.policy.act_step(req[idx], [int(i) for i in idx])
-        return k
+    def release(self, ids: Sequence[Hashable]) -> None:
+        """Release finished requests in the wrapped policy (when it keeps any)."""
+        release = getattr(self.policy, "release", None)
+        if release is not None:
+            release(ids)
+
+    def _act(self, req: np.ndarray, ids: list[Hashable], step: BatchStep | None) -> np.ndarray:
+        return np.asarray(self.policy.act(req, ids, step), dtype=np.int64)
 
 
-class PerRequest(BatchPolicy):
-    """A single-request policy on every slot's own observation (each slot keeps its own memory).
+class PerRequest(StepPolicy):
+    """A single-request policy on every request's own observation (each request keeps its own memory).
 
     Args:
         spec: Batch observation layout.
-        policy: A :class:`specenv.policy.base.Policy` (or any object with ``act_batch``) for the
+        policy: A :class:`specenv.policy.base.Policy` (or any policy of the protocol) for the
             per-request observation contract ``spec.request``.
         name: Row name (default the policy's).
         drafting: The drafting mode it runs in (default ``"none"``, or ``"block"`` when it reads a lookahead).
     """
 
     def __init__(self, spec: BatchObservationSpec, policy: Any, name: str | None = None, drafting: str | None = None):
-        super().__init__(spec)
-        self.policy = policy
-        self.name = name or f"per-request {getattr(policy, 'name', 'policy')}"
+        super().__init__(spec, policy, name or f"per-request {getattr(policy, 'name', 'policy')}")
         self.drafting = drafting or ("block" if spec.request.lookahead else "none")
-
-    def reset(self) -> None:
-        """Clear every slot's memory (a slot's first round resets it anyway)."""
-        if isinstance(self.policy, Policy):
-            self.policy._streams = []
-
-    def _act(self, active: np.ndarray, req: np.ndarray) -> np.ndarray:
-        return np.asarray(self.policy.act_batch(req), dtype=np.int64)

@@ -1,7 +1,8 @@
 """An expert-aware batch policy: all k of a step chosen jointly to maximise expected tokens per millisecond.
 
-A batch policy (:class:`specenv.policy.base.BatchPolicyProtocol`): the vLLM controller calls
-:meth:`BatchGoodput.act_step` once per engine step with the stacked observations of every request.
+A policy of the one protocol (:mod:`specenv.policy.base`) that decides a step jointly: the vLLM
+controller calls :meth:`BatchGoodput.act` once per engine step with the stacked observations of every
+request (the batch environment through :class:`policies.batch.StepPolicy`).
 For a candidate budget vector k of the step it evaluates
 
     goodput(k) = sum_i E[committed_i(k_i)] / step_ms(k)
@@ -28,11 +29,13 @@ non-decreasing in k), else ``min(n, top_k * (k+1) ** 0.62)`` (the prior of
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
 from specenv.batchcost import BatchCostModel
 from specenv.observation import ObservationSpec, ObsView
+from specenv.policy.base import BatchStep
 
 __all__ = ["BatchGoodput"]
 
@@ -51,7 +54,6 @@ class BatchGoodput:
             to the step's price: fewer, longer steps amortise it (the batch model does not charge it).
     """
 
-    batch_policy = True
     stateless = True
 
     def __init__(
@@ -87,24 +89,20 @@ class BatchGoodput:
     def reset(self) -> None:
         """Nothing to forget (stateless)."""
 
-    def act(self, obs: np.ndarray) -> int:
-        """One request alone (a batch of one)."""
-        return int(self.act_step(np.asarray(obs)[None, :], [0])[0])
+    def act(self, obs: np.ndarray, ids: Sequence[Hashable] | None = None, step: BatchStep | None = None) -> Any:
+        """Budgets of one step's requests (module docstring for the search); a 1-D observation: one int.
 
-    def act_batch(self, obs: np.ndarray) -> np.ndarray:
-        """The rows as one batched step."""
-        obs = np.atleast_2d(obs)
-        return self.act_step(obs, list(range(len(obs))))
-
-    def act_step(self, obs: np.ndarray, streams: Sequence[Hashable]) -> np.ndarray:
-        """Budgets of one step's requests (module docstring for the search)."""
-        obs = np.atleast_2d(np.asarray(obs, dtype=np.float64))
+        Stateless: ``ids`` and ``step`` are not read.
+        """
+        obs = np.asarray(obs, dtype=np.float64)
+        if obs.ndim == 1:  # alias: one request alone is a batch of one
+            return int(self.act(obs[None, :])[0])
         B = len(obs)
         if B == 0:
             return np.zeros(0, dtype=np.int64)
         if B > self.model.max_batch:  # beyond the model: price it in chunks of max_batch
             m = self.model.max_batch
-            return np.concatenate([self.act_step(obs[i : i + m], streams[i : i + m]) for i in range(0, B, m)])
+            return np.concatenate([self.act(obs[i : i + m]) for i in range(0, B, m)])
         kmax = self.spec.kmax
         rho = np.clip(obs[:, self.view.depth_slice], 0.0, 1.0)  # (B, kmax)
         gain = np.concatenate([np.ones((B, 1)), 1.0 + np.cumsum(np.cumprod(rho, axis=1), axis=1)], axis=1)

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +72,7 @@ from specenv.batchobs import BatchObservationSpec
 from specenv.batchreplay import request_draws
 from specenv.datasets import load_dataset
 from specenv.envs.batch import MoESpecBatchEnv
+from specenv.policy.base import BatchStep
 from specenv.replay import select_positions
 
 __all__ = [
@@ -258,18 +259,36 @@ class _BatchEpisodes:
 
 
 class SB3Batch(BatchPolicy):
-    """A trained SB3 model as a batch policy (deterministic actions)."""
+    """A trained SB3 model as a batch policy (deterministic actions).
+
+    The model reads the flat batch vector, so its ids are slot numbers 0..B-1 (the batch
+    environment's); the rows, slots and :class:`specenv.policy.base.BatchStep` are assembled back into
+    that vector (:meth:`specenv.batchobs.BatchObservationSpec.assemble`, the environment's own writer).
+    """
+
+    unservable = "it reads the batch environment's flat vector of B slots, and a server's requests are not slots"
 
     def __init__(self, spec: BatchObservationSpec, model: Any, name: str = "ppo (batch)"):
         super().__init__(spec)
         self.model = model
         self.name = name
 
-    def act(self, obs: np.ndarray) -> np.ndarray:
-        """All B budgets from the model (idle slots ignored by the environment, reported as 0)."""
-        active, _ = self.spec.slots(obs)
-        k, _ = self.model.predict(np.asarray(obs, dtype=np.float32), deterministic=True)
-        return np.where(active, np.asarray(k, dtype=np.int64), 0)
+    def _act(self, req: np.ndarray, ids: list[Hashable], step: BatchStep | None) -> np.ndarray:
+        slots = np.asarray(ids)
+        if (
+            slots.dtype.kind not in "iu"
+            or len(set(ids)) != len(ids)
+            or not np.all((slots >= 0) & (slots < self.spec.batch_size))
+        ):
+            raise ValueError(f"policy '{self.name}' reads slots 0..{self.spec.batch_size - 1} as ids, got {ids!r}")
+        active = np.zeros(self.spec.batch_size, dtype=bool)
+        active[slots] = True
+        rows = np.zeros((self.spec.batch_size, self.spec.request.dim), dtype=np.float32)
+        rows[slots] = req
+        st = step if step is not None else BatchStep()
+        feats = np.array([st.n_active, st.queue, st.prev_U_batch, st.prev_step_cost], dtype=np.float32)
+        k, _ = self.model.predict(self.spec.assemble(active, rows, feats), deterministic=True)
+        return np.asarray(k, dtype=np.int64)[slots]
 
 
 def train_batch_ppo(
@@ -412,11 +431,8 @@ class SurvivalGoodputBatch(BatchPolicy):
             k, best = dev[j].copy(), float(s[j])
         return k
 
-    def _act(self, active: np.ndarray, req: np.ndarray) -> np.ndarray:
-        idx = np.flatnonzero(active)
-        out = np.zeros(len(active), dtype=np.int64)
-        out[idx] = self.plan(self.survival(req[idx]), float(self._contexts(req)[idx].sum()))
-        return out
+    def _act(self, req: np.ndarray, ids: list[Hashable], step: BatchStep | None) -> np.ndarray:
+        return self.plan(self.survival(req), float(self._contexts(req).sum()))
 
 
 @dataclass

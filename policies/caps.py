@@ -9,19 +9,22 @@
   chosen quality weight, by DAgger with the oracle's joint action values as cost-sensitive labels
   (the loop and learner of :mod:`policies.dagger`, over the larger action set), exported to the numpy form.
 
-Every one of them acts in ``specenv/MoESpecCap-v0`` (:mod:`specenv.envs.caps`): ``act(obs)`` returns
-the pair ``np.array([k, c])``.
+Every one of them acts in ``specenv/MoESpecCap-v0`` (:mod:`specenv.envs.caps`) through the one policy
+protocol (:mod:`specenv.policy.base`) with a joint action: ``act(obs (n, dim), ids, step)`` returns
+``(n, 2)`` rows ``(k, c)``, and one 1-D observation the pair ``np.array([k, c])``. ``joint_action =
+True`` marks them (the vLLM controller refuses them: vLLM has no per-request expert cap).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
 
 from policies.dagger import DaggerResult, RegretMLP, ReplayEpisodes, TableExpert, Visits, dagger_meta, run_dagger
+from specenv.policy.base import BatchStep
 from specenv.policy.mlp import MLPPolicy, n_actions
 
 __all__ = ["FixedCap", "JointMLP", "train_joint_dagger"]
@@ -30,9 +33,12 @@ __all__ = ["FixedCap", "JointMLP", "train_joint_dagger"]
 #: token-changing cap at an infinite quality weight) in the learner's labels.
 UNAVAILABLE_REGRET = 100.0
 
+#: Why the vLLM controller refuses a joint (k, cap) policy (``unservable``, one line).
+UNSERVABLE = "it picks an expert cap with every k (a joint (k, cap) action); vLLM 0.32 has no per-request expert cap"
+
 
 class FixedCap:
-    """A k-policy run with a fixed cap level: ``act(obs) = (policy.act(obs), level)``.
+    """A k-policy run with a fixed cap level: ``act(obs, ids) = (policy.act(obs, ids), level)`` per row.
 
     Args:
         policy: Any k-policy (``reset()``, ``act(obs) -> k``); it sees the joint environment's
@@ -40,6 +46,9 @@ class FixedCap:
         level: The cap level, 0 (uncapped) .. C.
         name: Display name (default ``"<policy name> @ cap level <level>"``).
     """
+
+    joint_action = True
+    unservable = UNSERVABLE
 
     def __init__(self, policy: Any, level: int, name: str | None = None):
         self.policy = policy
@@ -50,9 +59,13 @@ class FixedCap:
         """Forget the current generation."""
         self.policy.reset()
 
-    def act(self, obs: np.ndarray) -> np.ndarray:
-        """``(k, level)`` with k from the wrapped policy."""
-        return np.array([int(self.policy.act(obs)), self.level], dtype=np.int64)
+    def act(self, obs: np.ndarray, ids: Sequence[Hashable] | None = None, step: BatchStep | None = None) -> np.ndarray:
+        """(n, 2) rows ``(k, level)`` with k from the wrapped policy; a 1-D observation: one pair."""
+        x = np.asarray(obs)
+        if x.ndim == 1:  # alias: a batch of one
+            return self.act(x[None, :], ids, step)[0]
+        k = np.asarray(self.policy.act(x, ids, step), dtype=np.int64)
+        return np.stack([k, np.full(len(k), self.level, dtype=np.int64)], axis=1)
 
 
 class JointMLP:
@@ -64,6 +77,10 @@ class JointMLP:
     Raises:
         ValueError: If the policy's contract has no cap levels.
     """
+
+    joint_action = True
+    unservable = UNSERVABLE
+    stateless = True
 
     def __init__(self, mlp: MLPPolicy):
         if not mlp.spec.cap_levels:
@@ -85,12 +102,19 @@ class JointMLP:
         """Joint index ``c * (kmax+1) + k`` -> ``(k, c)``."""
         return np.array([index % self._k1, index // self._k1], dtype=np.int64)
 
-    def act(self, obs: np.ndarray) -> np.ndarray:
-        """``(k, c)`` for one observation."""
-        j = int(self.mlp.act(obs))
-        if j < 0:
+    def act(self, obs: np.ndarray, ids: Sequence[Hashable] | None = None, step: BatchStep | None = None) -> np.ndarray:
+        """(n, 2) rows ``(k, c)`` for (n, dim) observations; a 1-D observation: one pair.
+
+        Raises:
+            ValueError: When a row's scores are not finite.
+        """
+        x = np.asarray(obs)
+        if x.ndim == 1:  # alias: a batch of one
+            return self.act(x[None, :], ids, step)[0]
+        j = np.asarray(self.mlp.act(x), dtype=np.int64)
+        if (j < 0).any():
             raise ValueError(f"policy '{self.name}': non-finite scores")
-        return self.decode(j)
+        return np.stack([j % self._k1, j // self._k1], axis=1)
 
 
 def train_joint_dagger(

@@ -5,7 +5,9 @@ generation of a split. Its decision depends on the state (which generation, how 
 committed), not on the observation vector: the observation hides N, rho and the generation's
 identity, so an observation-only policy cannot reproduce it. :class:`OracleExpert` is therefore a
 *privileged* expert: :meth:`OracleExpert.act_state` takes the generation id and position the replay
-environment reports (``reset`` info ``generation_id``, step info ``t``). It is what the Minari export
+environment reports (``reset`` info ``generation_id``, step info ``t``); in the one policy protocol
+(:mod:`specenv.policy.base`) those pairs are its stream ids, ``act(obs, ids=[(generation_id, t), ...])``
+(the observations are not read; a server, which has no replay state, refuses it). It is what the Minari export
 (:mod:`policies.offline`) records as expert data for offline RL and behaviour cloning
 (:mod:`policies.bc`), and DAgger's beta = 1 iteration (:mod:`policies.imitation`) plays the same
 k*(t).
@@ -19,11 +21,13 @@ the environment plays: drafting ``"none"`` and ``"sequential"`` share the bound 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
 
 from specenv.costmodel import CostModel
+from specenv.policy.base import BatchStep
 from specenv.traceset import PositionArrays
 
 #: The policy name of the oracle expert (``specenv export minari --policy oracle``).
@@ -43,6 +47,8 @@ class OracleExpert:
 
     name = ORACLE_POLICY
     privileged = True
+    #: Why a server refuses it (``specenv.engines.vllm.settings.policy_refusal``).
+    unservable = "privileged: it reads the replay's generation and position, which a server does not have"
 
     def __init__(self, arrays: PositionArrays, cost_model: CostModel, lookahead: int = 0, drafting: str = "none"):
         from oracle.dp import solve
@@ -80,6 +86,19 @@ class OracleExpert:
 
     def reset(self) -> None:
         """Nothing to forget: k*(t) depends on the state only."""
+
+    def act(self, obs: np.ndarray, ids: Sequence[Hashable] | None = None, step: BatchStep | None = None) -> Any:
+        """k*(t) of every row, ``ids`` the rows' replay states ``(generation_id, t)`` (``obs`` is not read).
+
+        A 1-D observation is a batch of one (``ids`` then holds its one pair) and gives one int.
+
+        Raises:
+            ValueError: Without ids (a privileged policy needs the replay state), or as :meth:`act_state`.
+        """
+        if ids is None:
+            raise ValueError("oracle expert: privileged, pass ids=[(generation_id, t), ...] (the replay state)")
+        ks = np.array([self.act_state(int(g), int(t)) for g, t in ids], dtype=np.int64)  # type: ignore[misc]
+        return int(ks[0]) if np.ndim(obs) == 1 else ks
 
     def act_state(self, generation_id: int, t: int) -> int:
         """k*(t) of a generation at position t (the tokens already committed).

@@ -24,7 +24,7 @@ class FixedK(Policy):
         k: The budget.
     """
 
-    #: The same k for every stream: a server may call ``act_batch`` on its whole batch, once per step.
+    #: The same k for every stream: a server may ask it for its whole batch at once.
     stateless = True
 
     def __init__(self, spec: ObservationSpec, k: int):
@@ -37,9 +37,8 @@ class FixedK(Policy):
     def _act(self, obs: np.ndarray) -> int:
         return self.k
 
-    def act_batch(self, obs: np.ndarray) -> np.ndarray:
-        """Constant budgets (no per-stream state)."""
-        return np.full(len(np.atleast_2d(obs)), self.k, dtype=np.int64)
+    def _act_rows(self, obs: np.ndarray) -> np.ndarray:
+        return np.full(len(obs), self.k, dtype=np.int64)
 
 
 class TransformersHeuristic(Policy):

@@ -22,7 +22,7 @@ policy                                  drafting mode               what is fitt
 The stop rules (the first four) are *stopping rules*: the budget is the first depth j whose own signals
 say stop (that token is still verified, as transformers' ``ConfidenceCriteria`` keeps it), or kmax.
 Their choice of k reads the signals of drafts 1..k only, so the sequential charge T_D(k) is exact
-(DESIGN.md section 1). They keep no state across rounds, so :meth:`StopRule.act_batch` is one numpy
+(DESIGN.md section 1). They keep no state across rounds (``stateless``), so a batch is one numpy
 expression over the batch, and :meth:`StopRule.budgets` computes the same budgets from the raw signal
 arrays of a positions table (that is how thresholds are fitted: the exact expected speedup of the
 position-indexed rule on the train split, :func:`oracle.dp.evaluate_policy`).
@@ -126,6 +126,7 @@ class StopRule(Policy):
     """
 
     needs: tuple[str, ...] = ("q",)
+    stateless = True
 
     def __init__(self, spec: ObservationSpec):
         if spec.lookahead < 1:
@@ -156,8 +157,7 @@ class StopRule(Policy):
     def _act(self, obs: np.ndarray) -> int:
         return int(self.budgets(self.observed(obs))[0])
 
-    def act_batch(self, obs: np.ndarray) -> np.ndarray:
-        """Budgets for a batch at once (the rule keeps no state between rounds)."""
+    def _act_rows(self, obs: np.ndarray) -> np.ndarray:
         return self.budgets(self.observed(obs))
 
 
@@ -543,6 +543,8 @@ class VLLMDSDTable(Policy):
         batch_size: The batch size to look up (1 here).
     """
 
+    stateless = True
+
     def __init__(
         self,
         spec: ObservationSpec,
@@ -574,9 +576,8 @@ class VLLMDSDTable(Policy):
     def _act(self, obs: np.ndarray) -> int:
         return self.k
 
-    def act_batch(self, obs: np.ndarray) -> np.ndarray:
-        """Constant budgets."""
-        return np.full(len(np.atleast_2d(obs)), self.k, dtype=np.int64)
+    def _act_rows(self, obs: np.ndarray) -> np.ndarray:
+        return np.full(len(obs), self.k, dtype=np.int64)
 
 
 # --------------------------------------------------------------------------------------------------

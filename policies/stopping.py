@@ -66,8 +66,10 @@ class StopRulePolicy(Policy):
         name: Display name (default the rule's).
 
     The observation it reads is :func:`round_spec` of the rule's contract: the round features and
-    ``conf_1..kmax``. Stateless: ``act_batch`` is one batch of ``kmax`` per-token observations per row.
+    ``conf_1..kmax``. Stateless: a batch is one batch of ``kmax`` per-token observations per row.
     """
+
+    stateless = True
 
     def __init__(self, rule: MLPPolicy, name: str | None = None):
         if not rule.spec.per_token:
@@ -117,17 +119,17 @@ class StopRulePolicy(Policy):
             out[:, 1:, col] = x[:, src[: K - 1]]
         return out
 
-    def act_batch(self, obs: np.ndarray) -> np.ndarray:
+    def _act_rows(self, obs: np.ndarray) -> np.ndarray:
         """The budget k of each round: the first draft count n at which the rule stops, else kmax."""
         tok = self.token_observations(obs)
         B, K, d = tok.shape
-        acts = self.rule.act_batch(tok.reshape(B * K, d)).reshape(B, K)
+        acts = self.rule.act(tok.reshape(B * K, d)).reshape(B, K)
         stop = acts != DRAFT  # -1 (non-finite scores) stops: never draft on garbage
         k = np.where(stop.any(axis=1), stop.argmax(axis=1), K)
         return k.astype(np.int64)
 
     def _act(self, obs: np.ndarray) -> int:
-        return int(self.act_batch(obs)[0])
+        return int(self._act_rows(obs)[0])
 
 
 def load_stop_rule(folder: Any, expect: ObservationSpec | None = None) -> StopRulePolicy:

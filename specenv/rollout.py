@@ -4,7 +4,8 @@
 environment with the replay env's API for a list of ``(generation_id, seed)`` episodes and returns
 per-episode arrays; :func:`evaluate_in_env` uses it. :func:`rollout_vector` plays the same episodes
 as the streams of one native vector environment (:class:`specenv.envs.vector.MoESpecVectorEnv`)
-with the policy's ``act_batch``, and gives the same per-episode results for the same seeds (the
+with the policy's ``act`` on the stacked rows (the one protocol of :mod:`specenv.policy.base`), and
+gives the same per-episode results for the same seeds (the
 vector environment's sub-environments replay exactly the single environment's trajectories); the
 benchmark (:func:`policies.benchmark.run_policy`) uses it. :func:`episode_seeds` gives every
 ``(seed, generation, episode)`` its own independent reset seed. The exact oracle (:mod:`oracle`)
@@ -22,11 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
 from specenv.envs.registration import REPLAY_ID
+from specenv.policy.base import PolicyProtocol
 from specenv.stats import mean_ci, ratio_ci
 
 __all__ = ["EnvEvaluation", "OnlinePolicy", "Rollouts", "episode_seeds", "evaluate_in_env", "rollout", "rollout_vector"]
@@ -34,15 +36,8 @@ __all__ = ["EnvEvaluation", "OnlinePolicy", "Rollouts", "episode_seeds", "evalua
 ENV_ID = REPLAY_ID
 
 
-@runtime_checkable
-class OnlinePolicy(Protocol):
-    """The policy protocol the environment evaluation needs (see :mod:`specenv.policy.base`)."""
-
-    def reset(self) -> None:
-        """Forget the current generation."""
-
-    def act(self, obs: np.ndarray) -> int:
-        """Budget k of the next round given the observation vector."""
+#: The policy protocol the rollouts play: the one of :mod:`specenv.policy.base` (an alias of its name).
+OnlinePolicy = PolicyProtocol
 
 
 @dataclass
@@ -187,8 +182,9 @@ def rollout_vector(envs: Any, policy: Any, episodes: Sequence[tuple[int, int]]) 
     ``envs`` (a :class:`specenv.envs.vector.MoESpecVectorEnv` with ``num_envs == len(episodes)``)
     is reset once with every stream's own seed and generation
     (``reset(seed=[...], options={"generation_id": [...]})``); each step asks the policy for the
-    streams at once (``policy.act_batch(obs)``; a :class:`specenv.policy.base.Policy` keeps one copy
-    of its memory per stream, by position) and the loop ends when every stream has terminated. A
+    streams at once (``policy.act(obs)`` on the stacked rows; a :class:`specenv.policy.base.Policy`
+    keeps one copy of its memory per stream, the default ids being the positions) and the loop ends
+    when every stream has terminated. A
     stream's episode is its steps up to its first termination: what the vector environment's
     autoreset plays afterwards is ignored. The per-episode results equal :func:`rollout`'s for the
     same episodes (same sums in the same order), since sub-environment i replays exactly what a
@@ -197,13 +193,13 @@ def rollout_vector(envs: Any, policy: Any, episodes: Sequence[tuple[int, int]]) 
     Not to spend the policy's time on finished streams, the streams are ordered by generation
     length, longest first (when the environment exposes its replay tables), the policy is asked
     only for the prefix of streams up to the last one still running (so stream i is always row i of
-    ``act_batch``), and a finished stream inside that prefix is shown its first observation again
+    ``act``), and a finished stream inside that prefix is shown its first observation again
     (a fresh generation, cheap for every policy) instead of the autoreset episode.
 
     Args:
         envs: The vector environment (neither made nor closed here); its ``info`` carries ``k``,
             ``accepted``, ``cost_ms``, ``category`` and, where a stream terminates, ``ar_cost_ms``.
-        policy: Object with ``reset()`` and ``act_batch(obs) -> ks`` (streams are independent).
+        policy: A policy of the protocol (``reset()``, ``act(obs (n, dim)) -> (n,) ks``; streams are independent).
         episodes: ``(generation_id, seed)`` pairs.
 
     Returns:
@@ -232,7 +228,7 @@ def rollout_vector(envs: Any, policy: Any, episodes: Sequence[tuple[int, int]]) 
             x = np.array(x, copy=True)
             x[dead] = first[:m][dead]
         k[:] = 0
-        k[:m] = np.asarray(policy.act_batch(x), dtype=np.int64)
+        k[:m] = np.asarray(policy.act(x), dtype=np.int64)
         obs, reward, terminated, truncated, info = envs.step(k)
         # streams still in their first episode stepped normally this round (none was autoreset)
         k_run = info["k"]

@@ -1,4 +1,4 @@
-"""The batch policy protocol and the expert-aware batch policy (policies/batch_goodput.py)."""
+"""The one policy protocol on a joint batch decision: the expert-aware batch policy (policies/batch_goodput.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from policies.batch_goodput import BatchGoodput
 from specenv.batchcost import load_batch_cost_model
 from specenv.observation import ObservationSpec, ObservationState
-from specenv.policy.base import BatchPolicyProtocol, is_batch_policy
+from specenv.policy.base import PolicyProtocol
 
 KMAX = 4
 
@@ -33,21 +33,21 @@ def _obs(policy: BatchGoodput, rates: list[float], L: float = 200.0) -> np.ndarr
 
 
 def test_protocol(policy):
-    assert is_batch_policy(policy) and isinstance(policy, BatchPolicyProtocol)
-    assert not is_batch_policy(object())
+    assert isinstance(policy, PolicyProtocol) and policy.stateless
+    assert not isinstance(object(), PolicyProtocol)
 
 
 def test_acceptance_raises_k(policy):
-    k = policy.act_step(_obs(policy, [0.0, 1.0]), ["a", "b"])
+    k = policy.act(_obs(policy, [0.0, 1.0]), ["a", "b"])
     assert k[1] > k[0]
-    assert policy.act_step(_obs(policy, [1.0] * 4), list("abcd")).min() >= 1
-    assert policy.act_step(_obs(policy, [0.0] * 4), list("abcd")).max() == 0
+    assert policy.act(_obs(policy, [1.0] * 4), list("abcd")).min() >= 1
+    assert policy.act(_obs(policy, [0.0] * 4), list("abcd")).max() == 0
 
 
 def test_act_matches_a_batch_of_one(policy):
     obs = _obs(policy, [0.6])
-    assert policy.act(obs[0]) == int(policy.act_step(obs, ["x"])[0])
-    np.testing.assert_array_equal(policy.act_batch(obs), policy.act_step(obs, ["x"]))
+    assert policy.act(obs[0]) == int(policy.act(obs, ["x"])[0])
+    np.testing.assert_array_equal(policy.act(obs), policy.act(obs, ["x"]))
 
 
 def test_search_finds_the_brute_force_optimum_on_small_batches(policy):
@@ -56,7 +56,7 @@ def test_search_finds_the_brute_force_optimum_on_small_batches(policy):
     for _ in range(12):
         B = int(rng.integers(2, 4))
         obs = _obs(policy, list(rng.uniform(0, 1, size=B)), L=float(rng.integers(50, 800)))
-        k = policy.act_step(obs, list(range(B)))
+        k = policy.act(obs, list(range(B)))
         rho = np.clip(obs[:, policy.view.depth_slice], 0, 1)
         gain = np.concatenate([np.ones((B, 1)), 1 + np.cumsum(np.cumprod(rho, axis=1), axis=1)], axis=1)
         ctx = float(np.sum(obs[:, policy.view.i_context] * policy.spec.context_scale))

@@ -1,94 +1,143 @@
-"""The policy protocol used everywhere: environments, benchmark, oracle evaluation, vLLM controller.
+"""The one policy protocol used everywhere: environments, benchmark, oracle evaluation, vLLM controller.
 
 A policy sees only observation vectors (:mod:`specenv.observation`) and what it remembers of earlier
-rounds, never the trace. ``reset()`` starts a new generation; ``act(obs) -> k`` picks the budget of
-the next round; ``act_batch(obs) -> ks`` does the same for a batch of independent streams (the
-vector environment or many vLLM requests). A stream whose observation has ``first_round == 1``
-starts a new generation, so batched use needs no separate reset signal.
+rounds, never the trace. It acts on a **batch**::
 
-**Batch policies** (:class:`BatchPolicyProtocol`, issue 15 item 5) decide one batched verification step
-jointly: ``act_step(obs, streams) -> ks`` gets the stacked observations (B, dim) of every request of the
-step, one row per request in the server's order, and ``streams``, one stable id per row (an id not seen
-before is a new request; its row has ``first_round == 1``); it returns all B budgets at once. The
-optional ``release(streams)`` is called when requests finish, so a stateful batch policy can forget
-them. A batch policy sets ``batch_policy = True`` (:func:`is_batch_policy`); with ``stateless = True``
-it promises that ``act_step`` depends on its arguments only, so the vLLM controller may also ask it
-what it would do (the draft horizon). The vLLM controller (``specenv.engines.vllm.controller``) calls
-``act_step`` once per engine step; ``act``/``act_batch`` keep it usable wherever a plain policy is.
+    act(obs: (n, dim) stacked per-request observations,
+        ids: Sequence[Hashable] | None = None,   # one stable stream id per row (default: the positions)
+        step: BatchStep | None = None,           # batch-level facts of the step (batch controllers)
+        ) -> (n,) int64 budgets
+
+* one row per stream (a generation of the replay environment, a request of the vLLM server, a slot
+  of the batch environment), in the caller's order; a stateful policy keys its memory by the id: an
+  id not seen before is a new stream, and a row with ``first_round == 1`` starts a new generation
+  whatever its id, so no separate per-stream reset signal is needed;
+* ``step`` (:class:`BatchStep`) carries the batch features of :mod:`specenv.batchobs` (``n_active``,
+  ``queue``, ``prev_U_batch``, ``prev_step_cost``) as named fields; per-request policies ignore it,
+  a batch controller that decides all rows of a step jointly may read it (never by unpacking a flat
+  vector);
+* ``reset()`` forgets every stream; ``release(ids)`` (optional) forgets finished ones;
+* ``stateless = True`` promises that ``act`` depends on its arguments only (no memory), so a server
+  may ask it what it *would* do (the vLLM draft horizon) without a copy.
+
+Single-request use is a batch of one: ``act(obs)`` with a 1-D observation is the cheap alias
+``int(act(obs[None], ids, step)[0])`` (the Gymnasium loop ``env.step(policy.act(obs))``), and
+``act_batch(obs)`` the alias ``act(obs)`` on rows; both are one line and delegate. The flat
+observation of ``specenv/MoESpecBatch-v0`` (B slot blocks plus the batch features) is turned into
+``(rows of the active slots, slot ids, BatchStep)`` in one place, :func:`act_batch_obs`.
+
+:class:`Policy` is the base class of the per-request policies: it keeps one private copy of the
+policy's per-generation memory per stream id (``_streams``, written only by this class) and resets a
+stream on its first round; the stream of id ``None`` (single-request use) is the object itself. A
+policy with a joint action (the expert-cap policies of
+``specenv/MoESpecCap-v0``) returns ``(n, 2)`` ``(k, cap level)`` rows instead of ``(n,)``; a
+privileged policy (the oracle expert) reads the replay state ``(generation_id, t)`` from its ids.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Hashable, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from specenv.observation import ObservationSpec, ObsView
 
 __all__ = [
-    "BatchPolicyProtocol",
+    "BatchStep",
     "ObsView",
     "Policy",
     "PolicyProtocol",
-    "is_batch_policy",
+    "act_batch_obs",
     "policy_drafting",
     "policy_signals",
+    "policy_spec",
 ]
+
+
+@dataclass(frozen=True)
+class BatchStep:
+    """Batch-level facts of one decision step (the batch features of :mod:`specenv.batchobs`, by name).
+
+    Attributes:
+        n_active: Active requests / B (the batch size the policy decides for).
+        queue: Requests not yet started / requests of the episode (a server: waiting / known requests).
+        prev_U_batch: The previous step's expert union (mean over layers) / n_experts (0 before one).
+        prev_step_cost: The previous step's cost / (batch AR step) / (kmax+1) (0 before one).
+    """
+
+    n_active: float = 0.0
+    queue: float = 0.0
+    prev_U_batch: float = 0.0
+    prev_step_cost: float = 0.0
+
+    @classmethod
+    def from_features(cls, features: Mapping[str, float]) -> BatchStep:
+        """From :meth:`specenv.batchobs.BatchObservationSpec.batch_features` (names as fields)."""
+        return cls(**{k: float(v) for k, v in features.items()})
 
 
 @runtime_checkable
 class PolicyProtocol(Protocol):
-    """What every policy provides."""
+    """What every policy provides (module docstring)."""
 
     name: str
 
     def reset(self) -> None:
-        """Forget the current generation."""
+        """Forget every stream."""
 
-    def act(self, obs: np.ndarray) -> int:
-        """Budget k for the next round given one observation vector."""
-
-    def act_batch(self, obs: np.ndarray) -> np.ndarray:
-        """Budgets for a (n, dim) batch of observations of independent streams."""
+    def act(self, obs: np.ndarray, ids: Sequence[Hashable] | None = None, step: BatchStep | None = None) -> Any:
+        """(n,) budgets for (n, dim) stacked observations of streams ``ids`` (a 1-D observation: one int)."""
 
 
-@runtime_checkable
-class BatchPolicyProtocol(Protocol):
-    """A policy that decides every request of a batched step at once (module docstring)."""
+def act_batch_obs(policy: Any, spec: Any, obs: np.ndarray) -> np.ndarray:
+    """(B,) budgets of a policy for the flat batch observation ``obs``: the one adapter of the batch env.
 
-    name: str
-    batch_policy: bool
+    The active slots' rows (:meth:`specenv.batchobs.BatchObservationSpec.slots`), their slot numbers
+    as ids and the batch features as a :class:`BatchStep` go to ``policy.act``; idle slots get 0.
 
-    def reset(self) -> None:
-        """Forget every request."""
+    Args:
+        policy: Any policy of the protocol.
+        spec: The :class:`specenv.batchobs.BatchObservationSpec` of ``obs``.
+        obs: The flat batch observation.
+    """
+    active, rows = spec.slots(obs)
+    idx = np.flatnonzero(active)
+    k = np.zeros(spec.batch_size, dtype=np.int64)
+    if len(idx):
+        k[idx] = policy.act(rows[idx], idx.tolist(), BatchStep.from_features(spec.batch_features(obs)))
+    return k
 
-    def act_step(self, obs: np.ndarray, streams: Sequence[Hashable]) -> np.ndarray:
-        """Budgets (B,) for the stacked observations (B, dim) of one step's requests, ids ``streams``."""
 
-
-def is_batch_policy(policy: object) -> bool:
-    """Whether ``policy`` declares ``batch_policy = True`` and has an ``act_step`` method."""
-    return bool(getattr(policy, "batch_policy", False)) and callable(getattr(policy, "act_step", None))
+def policy_spec(policy: object) -> ObservationSpec | None:
+    """The per-request observation contract a policy reads (a batch controller's ``spec.request``), or None."""
+    spec = getattr(policy, "spec", None)
+    spec = getattr(spec, "request", spec)
+    return spec if isinstance(spec, ObservationSpec) else None
 
 
 class Policy:
-    """Base class: per-stream state for stateful policies, automatic reset on ``first_round``.
+    """Base class of the per-request policies: per-stream memory keyed by id, reset on ``first_round``.
 
-    Subclasses implement :meth:`_reset_state` and :meth:`_act`; they read features through
-    :class:`specenv.observation.ObsView` (``self.view``). ``act_batch`` keeps one copy of the policy per stream.
+    Subclasses implement :meth:`_reset_state` (the per-generation memory) and :meth:`_act` (one
+    observation of one stream), or, when ``stateless``, :meth:`_act_rows` (all rows at once); they
+    read features through :class:`specenv.observation.ObsView` (``self.view``). Every stream id gets
+    its own shallow copy of the policy with fresh memory; only this class writes ``_streams``.
 
     Args:
         spec: Observation layout the policy reads.
     """
 
     name = "policy"
+    #: True: budgets depend on the observation rows only; :meth:`_act_rows` answers all rows at once.
+    stateless = False
 
     def __init__(self, spec: ObservationSpec):
         self.spec = spec
         self.view = ObsView(spec)
-        self._streams: list[Policy] = []
+        self._streams: dict[Hashable, Policy] = {}
         self._reset_state()
 
     # -- to implement
@@ -98,28 +147,59 @@ class Policy:
     def _act(self, obs: np.ndarray) -> int:
         raise NotImplementedError
 
+    def _act_rows(self, obs: np.ndarray) -> np.ndarray:
+        """(n,) budgets of a stateless policy for (n, dim) rows (default: :meth:`_act` row by row)."""
+        return np.array([self._act(o) for o in obs], dtype=np.int64)
+
     # -- protocol
     def reset(self) -> None:
-        """Forget the current generation."""
+        """Forget every stream."""
+        self._streams = {}
         self._reset_state()
 
-    def act(self, obs: np.ndarray) -> int:
-        """Budget for the next round (resets itself on a generation's first round)."""
-        obs = np.asarray(obs, dtype=np.float32)
+    def release(self, ids: Sequence[Hashable]) -> None:
+        """Forget finished streams."""
+        for i in ids:
+            if i is None:
+                self._reset_state()
+            self._streams.pop(i, None)
+
+    def act(self, obs: np.ndarray, ids: Sequence[Hashable] | None = None, step: BatchStep | None = None) -> Any:
+        """(n,) budgets for (n, dim) rows of streams ``ids`` (default 0..n-1); each stream keeps its own memory.
+
+        A 1-D observation is the alias for a batch of one (returns an int) whose stream is the id None:
+        the policy object's own memory, so single-request use reads its state on the object.
+        """
+        x = np.asarray(obs, dtype=np.float32)
+        if x.ndim == 1:  # alias: single-request use is a batch of one, stream None (the object itself)
+            return int(self.act(x[None, :], [None] if ids is None else ids, step)[0])
+        if self.stateless:
+            return np.asarray(self._act_rows(x), dtype=np.int64)
+        keys = range(len(x)) if ids is None else ids
+        return np.array([self._stream(i)._step(o) for i, o in zip(keys, x, strict=True)], dtype=np.int64)
+
+    def act_batch(self, obs: np.ndarray) -> np.ndarray:
+        """Alias: ``act`` on (n, dim) rows, streams by position."""
+        return self.act(np.atleast_2d(np.asarray(obs, dtype=np.float32)))
+
+    # -- per-stream memory
+    def _stream(self, i: Hashable) -> Policy:
+        if i is None:  # the single-request stream: the policy's own attributes
+            return self
+        s = self._streams.get(i)
+        if s is None:
+            s = copy.copy(self)
+            s._streams = {}
+            s._reset_state()
+            self._streams[i] = s
+        return s
+
+    def _step(self, obs: np.ndarray) -> int:
+        """One round of this stream (a generation's first round resets its memory), k clipped to 0..kmax."""
         if self.view.first_round(obs):
             self._reset_state()
         k = int(self._act(obs))
         return min(max(k, 0), self.spec.kmax)
-
-    def act_batch(self, obs: np.ndarray) -> np.ndarray:
-        """Budgets for a batch; stream i keeps its own memory across calls."""
-        obs = np.atleast_2d(np.asarray(obs, dtype=np.float32))
-        while len(self._streams) < len(obs):
-            clone = copy.copy(self)
-            clone._streams = []
-            clone._reset_state()
-            self._streams.append(clone)
-        return np.array([s.act(o) for s, o in zip(self._streams, obs, strict=False)], dtype=np.int64)
 
 
 def policy_signals(policy: object) -> tuple[str, ...]:
@@ -128,8 +208,8 @@ def policy_signals(policy: object) -> tuple[str, ...]:
     From its spec's ``signals`` (observation contract version 2); a spec without that field reads
     the confidences q only.
     """
-    spec = getattr(policy, "spec", None)
-    if not isinstance(spec, ObservationSpec) or not spec.lookahead:
+    spec = policy_spec(policy)
+    if spec is None or not spec.lookahead:
         return ()
     return tuple(getattr(spec, "signals", ("q",)))
 
@@ -151,8 +231,8 @@ def policy_drafting(policy: object) -> str:
         meta = getattr(policy, "meta", None)
         mode = meta.get("drafting") if isinstance(meta, dict) else None
     if mode is None:
-        spec = getattr(policy, "spec", None)
-        return drafting_mode(spec.lookahead if isinstance(spec, ObservationSpec) else 0)
+        spec = policy_spec(policy)
+        return drafting_mode(spec.lookahead if spec is not None else 0)
     if mode not in DRAFTING_MODES:
         raise ValueError(f"drafting mode {mode!r}: expected one of {', '.join(DRAFTING_MODES)}")
     return str(mode)

@@ -56,6 +56,8 @@ class MLPPolicy(Policy):
         meta: Provenance kept with the policy.
     """
 
+    stateless = True
+
     def __init__(
         self,
         spec: ObservationSpec,
@@ -93,15 +95,8 @@ class MLPPolicy(Policy):
                 x = act(x)
         return x
 
-    def _act(self, obs: np.ndarray) -> int:
-        return int(self.act_batch(obs)[0])
-
-    def act(self, obs: np.ndarray) -> int:
-        """Budget for one observation (stateless); ``-1`` when the scores are not finite (see :meth:`act_batch`)."""
-        return self._act(obs)
-
-    def act_batch(self, obs: np.ndarray) -> np.ndarray:
-        """Budgets for a batch (stateless, one matrix product per layer).
+    def _act_rows(self, obs: np.ndarray) -> np.ndarray:
+        """Budgets for (n, dim) rows (stateless, one matrix product per layer).
 
         A row whose scores are not all finite gets ``-1``, an invalid budget: ``argmax`` of NaN
         scores would be 0, a valid k that silently turns speculation off. Callers that validate k

@@ -185,7 +185,7 @@ def resolve(name_or_folder: str | os.PathLike[str], spec: ObservationSpec | None
         **params: More parameters for a name's factory (override those of the string).
 
     Returns:
-        A policy object (``reset``, ``act``, ``act_batch``).
+        A policy object of the one protocol (``reset``, ``act``).
 
     Raises:
         ValueError: One line naming the policy and the problem (unknown name, missing spec, a

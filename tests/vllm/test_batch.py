@@ -1,4 +1,4 @@
-"""Batch > 1 through the controller: one act_batch per step, a k per request, one recorded row per request and round.
+"""Batch > 1 through the controller: one act per step, a k per request, one recorded row per request and round.
 
 One in-process engine of its own (``max_num_seqs=8``, controller + routing tap, and vLLM's dynamic
 speculative decoding table so that the engine without a policy is the ``dynamic`` arm of ``specenv
@@ -65,7 +65,7 @@ def expected(reference, prompts):
 
 
 class BatchProbe:
-    """A stateless policy: a different k per row, recording every act_batch call."""
+    """A stateless policy: a different k per row, recording every act call (the one protocol)."""
 
     name = "batch-probe"
     stateless = True
@@ -77,16 +77,13 @@ class BatchProbe:
     def reset(self):
         pass
 
-    def act(self, obs):
-        return int(self.act_batch(np.atleast_2d(obs))[0])
-
-    def act_batch(self, obs):
+    def act(self, obs, ids=None, step=None):
         n = len(obs)
         self.sizes.append(n)
         return (np.arange(n) + len(self.sizes)) % (self.spec.kmax + 1)
 
 
-def test_eight_concurrent_requests_one_act_batch_per_step_own_k_one_row_per_round(llm8, ctl, plain_reference, tmp_path):
+def test_eight_concurrent_requests_one_act_per_step_own_k_one_row_per_round(llm8, ctl, plain_reference, tmp_path):
     probe = BatchProbe(ObservationSpec(KMAX, 0, TOKENS, ctl.n_experts or 128))
     ctl.set_policy(probe)
     ctl.start_recording(str(tmp_path / "rec"), run="batch8")

@@ -14,6 +14,7 @@ from vhelpers import KMAX, MAX_TOKENS, PROMPTS, controller_of, greedy, spec_metr
 from policies.heuristics import FixedK  # noqa: E402
 from specenv.engines.vllm import load_recording, recording_status  # noqa: E402
 from specenv.observation import ObservationSpec  # noqa: E402
+from specenv.policy.base import Policy  # noqa: E402
 from specenv.policy.mlp import MLPPolicy  # noqa: E402
 
 
@@ -40,31 +41,33 @@ def assert_lossless(outs, reference):
         assert len(o.outputs[0].token_ids) == MAX_TOKENS
 
 
-class Alternating:
+class Alternating(Policy):
     """Alternates k between two values round by round; each request starts at the next phase.
 
-    Stateful (no ``stateless`` flag): the controller gives every request its own copy.
+    Stateful: the base class keeps one memory per request id (the one protocol).
     """
 
     name = "alternating"
     started = 0
 
-    def __init__(self, ks=(1, 3)):
+    def __init__(self, spec, ks=(1, 3)):
         self.ks = ks
+        super().__init__(spec)
+
+    def _reset_state(self):
         self.i = 0
 
-    def reset(self):
-        type(self).started += 1
-        self.i = type(self).started % 2
-
-    def act(self, obs):
+    def _act(self, obs):
+        if self.view.first_round(obs):  # a new request: the next phase
+            type(self).started += 1
+            self.i = type(self).started % 2
         k = self.ks[self.i % 2]
         self.i += 1
         return k
 
 
 class Flaky:
-    """Raises or returns garbage on some calls (per-request copies)."""
+    """Returns garbage for some rows and raises on some steps (one act per step)."""
 
     name = "flaky"
 
@@ -74,17 +77,20 @@ class Flaky:
     def reset(self):
         self.n = 0
 
-    def act(self, obs):
-        self.n += 1
-        bad = [RuntimeError("policy bug"), 99, -1, None, float("nan"), 2.5, "2"]
-        choice = bad[self.n % len(bad)] if self.n % 3 == 0 else 2
-        if isinstance(choice, Exception):
-            raise choice
-        return choice
+    def act(self, obs, ids=None, step=None):
+        out = []
+        for _ in range(len(obs)):
+            self.n += 1
+            bad = [RuntimeError("policy bug"), 99, -1, None, float("nan"), 2.5, "2"]
+            choice = bad[self.n % len(bad)] if self.n % 3 == 0 else 2
+            if isinstance(choice, Exception):
+                raise choice
+            out.append(choice)
+        return np.array(out, dtype=object)
 
 
 class FlakyBatch:
-    """Stateless policy whose act_batch fails on every other step (raises, then wrong shape)."""
+    """Stateless policy whose act fails on every other step (raises, then wrong shape)."""
 
     name = "flaky-batch"
     stateless = True
@@ -92,10 +98,10 @@ class FlakyBatch:
     def __init__(self):
         self.n = 0
 
-    def act(self, obs):
-        return 1
+    def reset(self):
+        pass
 
-    def act_batch(self, obs):
+    def act(self, obs, ids=None, step=None):
         self.n += 1
         if self.n % 4 == 1:
             raise ValueError("batch bug")
@@ -105,7 +111,7 @@ class FlakyBatch:
 
 
 def test_alternating_policy_sets_each_rounds_k_and_stays_lossless(engine, ctl, plain_reference, tmp_path):
-    ctl.set_policy(Alternating())
+    ctl.set_policy(Alternating(ObservationSpec(kmax=KMAX, max_new_tokens=MAX_TOKENS, n_experts=ctl.n_experts)))
     rec = tmp_path / "rec"
     ctl.start_recording(str(rec), part_rounds=16, run="alternating")
     outs = run(engine)

@@ -97,7 +97,7 @@ def test_block_policies_are_lossless_and_see_the_signals(engine, ctl, plain_refe
     delta = {key: ctl.stats[key] - before[key] for key in before}
     assert delta["decisions"] > 0 and delta["no_signals"] == 0 and delta["fallbacks"] == 0, (delta, ctl.stats)
 
-    # an exported MLP with lookahead h = 2 (batched act_batch), reading every signal the contract has
+    # an exported MLP with lookahead h = 2 (one act per step), reading every signal the contract has
     spec = _spec(ctl, 2, ("q", "ent", "margin"))
     rng = np.random.default_rng(0)
     mlp = MLPPolicy(
@@ -107,9 +107,9 @@ def test_block_policies_are_lossless_and_see_the_signals(engine, ctl, plain_refe
     seen = []
 
     class Seeing(MLPPolicy):
-        def act_batch(self, obs):
+        def act(self, obs, ids=None, step=None):
             seen.append(np.array(obs))
-            return super().act_batch(obs)
+            return super().act(obs, ids, step)
 
     pol = Seeing(spec, mlp.weights, name="seeing")
     ctl.set_policy(pol)

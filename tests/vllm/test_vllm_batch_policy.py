@@ -1,4 +1,4 @@
-"""A batch policy (specenv.policy.base.BatchPolicyProtocol) through the controller: one act_step per step."""
+"""A policy that decides a step jointly through the controller: one act(obs, ids, step) per step (the one protocol)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from vhelpers import PROMPTS, controller_of, greedy  # noqa: E402
 class Recording:
     """A stateful batch policy that records what it is given and answers k = 2 for every row."""
 
-    batch_policy = True
     name = "recording-batch"
 
     def __init__(self, fail: bool = False):
@@ -28,10 +27,7 @@ class Recording:
     def reset(self) -> None:
         self.calls.clear()
 
-    def act(self, obs):  # noqa: ANN001, ANN201
-        return 2
-
-    def act_step(self, obs, streams):  # noqa: ANN001, ANN201
+    def act(self, obs, streams=None, step=None):  # noqa: ANN001, ANN201
         self.calls.append((np.shape(obs), list(streams)))
         if self.fail:
             return np.zeros(len(streams) + 1, dtype=np.int64)  # wrong shape: every request gets the fallback
@@ -59,7 +55,7 @@ def test_batch_policy_gets_the_whole_step(engine, plain_reference):
     finally:
         ctl.round_callback = prev
         ctl.set_policy(None)
-    assert pol.calls, "act_step was never called"
+    assert pol.calls, "act was never called"
     ids = {rid for _, streams in pol.calls for rid in streams}
     assert len(ids) == 4  # one stable id per request
     for shape, streams in pol.calls:
@@ -88,4 +84,4 @@ def test_batch_policy_wrong_shape_falls_back(engine):
         ctl.stats["fallbacks"], ctl.stats["errors"] = before, errors
     assert fell_back > 0
     if len(errors) < 5:  # the controller logs its first five errors
-        assert any(re.search(r"act_step returned shape \((\d+),\) for (\d+) observations", e) for e in logged), logged
+        assert any(re.search(r"act returned shape \((\d+),\) for (\d+) observations", e) for e in logged), logged

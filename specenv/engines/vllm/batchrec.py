@@ -85,12 +85,10 @@ class RandomK:
     def reset(self) -> None:
         """Nothing to reset (stateless)."""
 
-    def act(self, obs: np.ndarray) -> int:
-        """One request's k."""
-        return int(self.act_batch(np.asarray(obs)[None, :])[0])
-
-    def act_batch(self, obs: np.ndarray) -> np.ndarray:
-        """One k per row of ``obs``."""
+    def act(self, obs: np.ndarray, ids: Any = None, step: Any = None) -> Any:
+        """One k per row of ``obs`` (the one policy protocol; a 1-D observation: one int)."""
+        if np.ndim(obs) == 1:  # alias: a batch of one
+            return int(self.act(np.asarray(obs)[None, :])[0])
         n = self.kmax if self.drafted is None else min(self.kmax, int(self.drafted()))
         return self.rng.integers(0, n + 1, size=len(obs))
 

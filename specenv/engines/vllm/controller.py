@@ -50,36 +50,51 @@ round time ``T_T + T_D`` divided by a measured AR step: the running mean of ``T_
 or, before one was seen, the smallest ``T_T`` seen so far. In a batch every request is charged the
 step's time.
 
-Stateless policies (:class:`specenv.policy.mlp.MLPPolicy`, or any object with ``stateless = True``) are
-called once per step on the stacked observations (``act_batch``); any other policy gets one private
-copy per request (``copy.deepcopy`` + ``reset()``), called with ``act``. A **batch policy**
-(``batch_policy = True``, :class:`specenv.policy.base.BatchPolicyProtocol`) is one object for the whole
-server: once per step ``act_step(obs, request_ids)`` gets the stacked observations of every request
-being decided (one row per request, in the order of the drafter's batch) and returns all their k at
-once; ``release([request_id])`` (if it has one) is called when a request finishes. With
-``draft_horizon="policy"`` a batch policy that is also ``stateless`` is asked for the horizon the same
-way (on the hypothetical observations); a stateful one is not asked twice per step, so the drafter
-proposes ``num_speculative_tokens``. A wrong shape or an exception gives every request the fallback k.
+**One call path** (:mod:`specenv.engines.vllm.served`): every policy -- a per-request heuristic or
+peer, an exported MLP, a batch controller (:mod:`policies.batch`) -- is one object for the whole
+server, called once per step as ``policy.act(obs, request_ids, step)`` (the one protocol of
+:mod:`specenv.policy.base`, the method the replay environments call): the stacked observations of every
+request being decided (one row per request, in the order of the drafter's batch), their request ids
+(a stateful policy keeps its memory per id; ``release([request_id])`` when a request finishes) and the
+step's :class:`specenv.policy.base.BatchStep` (what the server knows of the batch features: see
+:mod:`specenv.engines.vllm.served`). With ``draft_horizon="policy"`` the policy is asked the same way
+for the horizon, on the hypothetical observations (a stateful one on a private copy). A wrong shape or
+an exception gives every request of the step the fallback k. A policy the server cannot serve (drafting
+mode ``sequential``, a joint (k, cap) action, a privileged or slot-reading policy, a batch controller
+for fewer requests than ``max_num_seqs``...) is refused at ``set_policy`` with one line
+(:func:`specenv.engines.vllm.settings.policy_refusal`). Per-request bookkeeping lives in
+:mod:`specenv.engines.vllm.bookkeeping`.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import numbers
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from specenv.costmodel import drafted_tokens
 from specenv.engines.base import span_expert_stats, u_prior
+from specenv.engines.vllm.bookkeeping import (
+    ObsSlots,
+    Req,
+    Round,
+    StepClock,
+    StepLog,
+    batch_offsets,
+    committed_len,
+)
+from specenv.engines.vllm.recording import Recording
+from specenv.engines.vllm.served import ServedPolicy
 from specenv.engines.vllm.settings import SpecenvSettings, resolve_policy
 from specenv.engines.vllm.tap import SIGNAL_FIELDS
 from specenv.observation import ObservationSpec, ObservationState
+from specenv.policy.base import BatchStep
 
 try:  # the class body needs the base class; importing this module requires vllm
     from vllm.logger import init_logger
@@ -138,242 +153,7 @@ def active_controller() -> SpecControlScheduler | None:
     return None
 
 
-class _ObsSlots:
-    """The running observation statistics of all requests: one ObservationState, one slot per request.
-
-    One vectorised ``update`` and one ``build`` per engine step, whatever the batch size (the slot
-    array grows by doubling when needed).
-    """
-
-    def __init__(self, spec: ObservationSpec, n: int = 64):
-        self.spec = spec
-        self.state = ObservationState(spec, n)
-        self.free = list(range(n - 1, -1, -1))
-        self._scratch: dict[int, ObservationState] = {}
-
-    def alloc(self) -> int:
-        """A fresh slot (statistics at their priors)."""
-        if not self.free:
-            n = self.state.n
-            self.state = self.state.resized(2 * n)
-            self.free = list(range(2 * n - 1, n - 1, -1))
-        i = self.free.pop()
-        mask = np.zeros(self.state.n, dtype=bool)
-        mask[i] = True
-        self.state.reset(mask)
-        return i
-
-    def release(self, i: int) -> None:
-        """Give a slot back."""
-        self.free.append(i)
-
-    def subset(self, slots: list[int]) -> ObservationState:
-        """The statistics of some slots, as an ObservationState of their own (rows in the given order).
-
-        The state is a scratch buffer kept per number of rows (no allocation, no table building per
-        step): valid until the next ``subset`` of the same size.
-        """
-        sub = self._scratch.get(len(slots))
-        if sub is None:
-            sub = self._scratch[len(slots)] = ObservationState(self.spec, len(slots))
-        st = self.state
-        np.take(st._P, slots, axis=0, out=sub._P)
-        np.take(st._E, slots, axis=0, out=sub._E)
-        np.take(st.cost_per_token, slots, out=sub.cost_per_token)
-        np.take(st.first, slots, out=sub.first)
-        return sub
-
-    def update(self, slots: list[int], k: list[int], acc: list[int], U: list[float], cost: list[float]) -> None:
-        """Fold one round per listed slot into the statistics (gather, one vectorised update, scatter)."""
-        sub = self.subset(slots)
-        acc_a = np.asarray(acc, dtype=np.float64)
-        sub.update(np.asarray(k), np.asarray(acc), np.asarray(U, dtype=np.float64), np.asarray(cost), acc_a + 1)
-        st = self.state
-        st._P[slots] = sub._P
-        st._E[slots] = sub._E
-        st.cost_per_token[slots] = sub.cost_per_token
-        st.first[slots] = sub.first
-
-
-class _StepLog:
-    """Per engine step: specenv's own wall and CPU time, and the step's wall time (a ring of the last steps).
-
-    A step runs from the controller's ``schedule`` to the end of its last hook of the step
-    (``update_from_output`` or ``update_draft_token_ids``); the idle time between steps is not part of it.
-    Each hook calls :meth:`add` with its own (wall, thread-CPU) start stamps; the row of a step is written
-    when the next step is scheduled (or by :meth:`close`).
-    """
-
-    CAP = 1 << 16
-
-    def __init__(self) -> None:
-        self.rows = np.zeros((self.CAP, 3))
-        self.n = 0
-        self.t0: float | None = None  # the open step's start
-        self.t_end = 0.0
-        self.over = 0.0
-        self.cpu = 0.0
-
-    def open(self, t: float) -> None:
-        """A step starts at ``t`` (closing the previous one)."""
-        self.close()
-        self.t0, self.t_end = t, t
-
-    def add(self, t0: float, c0: float) -> float:
-        """Charge specenv's code from ``(t0, c0)`` (``perf_counter``, ``thread_time``) to now; returns the ms."""
-        t, c = time.perf_counter(), time.thread_time()
-        ms = (t - t0) * 1e3
-        self.over += ms
-        self.cpu += (c - c0) * 1e3
-        self.t_end = t
-        return ms
-
-    def close(self) -> None:
-        """Write the open step's row."""
-        if self.t0 is None:
-            return
-        self.rows[self.n % self.CAP] = (self.over, self.cpu, (self.t_end - self.t0) * 1e3)
-        self.n += 1
-        self.t0, self.over, self.cpu = None, 0.0, 0.0
-
-    def since(self, start: int) -> np.ndarray:
-        """``(steps, 3)`` rows (specenv ms, specenv CPU ms, step ms) of the steps numbered ``start..`` (last CAP)."""
-        self.close()
-        start = max(start, self.n - self.CAP)
-        idx = np.arange(start, self.n) % self.CAP
-        return self.rows[idx].copy()
-
-
-_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), range, frozenset, slice)
-
-
-def _copy_value(v: Any, shared: dict[int, Any]) -> Any:
-    """A structural copy of one attribute value (see :func:`_clone`)."""
-    if isinstance(v, _IMMUTABLE) or id(v) in shared:
-        return v
-    if isinstance(v, np.ndarray):
-        return v.copy()
-    if type(v) is list:
-        return [_copy_value(x, shared) for x in v]
-    if type(v) is dict:
-        return {k: _copy_value(x, shared) for k, x in v.items()}
-    if type(v) is tuple:
-        return tuple(_copy_value(x, shared) for x in v)
-    return _clone_object(v, shared)
-
-
-def _clone_object(obj: Any, shared: dict[int, Any]) -> Any:
-    cls = type(obj)
-    plain = (
-        hasattr(obj, "__dict__")
-        and not hasattr(cls, "__slots__")
-        and getattr(cls, "__deepcopy__", None) is None
-        and getattr(cls, "__reduce_ex__", None) is object.__reduce_ex__
-        and getattr(cls, "__setstate__", None) in (None, getattr(object, "__setstate__", None))
-    )
-    if not plain:
-        return copy.deepcopy(obj, {k: v for k, v in shared.items()})
-    if getattr(cls, "__dataclass_params__", None) is not None and cls.__dataclass_params__.frozen:
-        shared[id(obj)] = obj  # a frozen dataclass (e.g. an ObservationSpec): shared, like deepcopy's result
-        return obj
-    new = object.__new__(cls)
-    shared[id(obj)] = new
-    new.__dict__.update({k: _copy_value(v, shared) for k, v in obj.__dict__.items()})
-    return new
-
-
-def _clone(policy: Any) -> Any:
-    """A private copy of a policy that shares its cost model(s) and observation decoder (read-only).
-
-    Plain Python objects (attributes in ``__dict__``, no custom copy protocol) are copied structurally:
-    numpy arrays copied, lists/dicts/tuples and nested plain objects recursed, immutable values and frozen
-    dataclasses shared; anything else goes through ``copy.deepcopy``. The same result as ``deepcopy`` for
-    such objects at a fraction of its cost (the horizon copies each request's policy every step).
-    """
-    from specenv.costmodel import CostModel
-    from specenv.observation import ObsView
-
-    read_only = (CostModel, ObsView)  # shared: a cost model, and a decoder of vectors built from the spec
-    shared = {id(v): v for v in getattr(policy, "__dict__", {}).values() if isinstance(v, read_only)}
-    return _clone_object(policy, shared)
-
-
-@dataclass
-class _Req:
-    """Per-request controller state."""
-
-    gid: int
-    slot: int
-    policy: Any = None
-    rounds: int = 0
-    policy_k: int = -1
-    drafted: int = 0
-    fallback: bool = False
-    capped: bool = False
-    td_ms: float = 0.0
-    td_cpu_ms: float = 0.0
-    last_U: dict[int, float] = field(default_factory=dict)
-    full_drafts: list[int] = field(default_factory=list)
-    signals: np.ndarray | None = None  # (drafts, 3) q, entropy, margin of full_drafts (when captured)
-    last: dict[str, Any] | None = None
-
-
-@dataclass
-class _StepClock:
-    """Times of one engine step: its wall time, and the target/draft forwards' (``timing``: hooks or step)."""
-
-    step_ms: float
-    t_ms: float
-    d_ms: float
-    t_cpu: float
-    d_cpu: float
-    timing: str
-
-
-@dataclass
-class _Round:
-    """A request whose step was a verification round: ``n = 1 + K`` tokens, ``gen`` sampled."""
-
-    req_id: str
-    n: int
-    request: Any
-    st: _Req
-    gen: list[int]
-    drafts: Any
-    K: int
-
-
-def _committed_len(request: Any, gen: list[int], max_model_len: int) -> int:
-    """How many of a round's sampled tokens ``gen`` the request keeps (vLLM's ``check_stop``, read only).
-
-    vLLM's sampler returns every accepted draft plus the bonus token; the scheduler then appends them
-    one by one and cuts the request after an end-of-text or stop token, at ``max_tokens`` and at the
-    model's length. The controller sees the step before that cut, so it applies the same rule here:
-    the recorded ``accepted`` never makes a request commit more tokens than it returns.
-    """
-    sp = request.sampling_params
-    stops = set(getattr(sp, "stop_token_ids", None) or ())
-    eos = getattr(sp, "eos_token_id", None)
-    if eos is not None:
-        stops.add(eos)
-    out, total = int(request.num_output_tokens), int(request.num_tokens)
-    max_tokens = getattr(request, "max_tokens", None)
-    for i, tok in enumerate(gen, 1):
-        if tok in stops or total + i >= max_model_len or (max_tokens is not None and out + i >= int(max_tokens)):
-            return i
-    return len(gen)
-
-
-def _batch_offsets(sched: dict[str, int], index: dict[str, int]) -> tuple[dict[str, int], int]:
-    """Each request's first token in the step's flattened batch (in the runner's order), and the total."""
-    offsets, off = {}, 0
-    for r in sorted(sched, key=lambda r: index.get(r, 1 << 30)):
-        offsets[r] = off
-        off += sched[r]
-    return offsets, off
-
-
-class SpecControlScheduler(Scheduler):
+class SpecControlScheduler(Recording, Scheduler):
     """V1 scheduler with a per-request speculation-length policy and an optional round recorder.
 
     Attributes:
@@ -415,7 +195,8 @@ class SpecControlScheduler(Scheduler):
             "overhead_ms": 0.0,
             "errors": [],
         }
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, Req] = {}
+        self._prev_batch = (0.0, 0.0)  # the previous step's (U_batch / n_experts, step cost / AR step / (kmax+1))
         #: Called as ``round_callback(request_id, outcome)`` after every round (the live backend uses it).
         self.round_callback: Any = None
         #: Called as ``forward_callback(spans, routing)`` after every engine step that ran the target:
@@ -432,7 +213,7 @@ class SpecControlScheduler(Scheduler):
         self._next_gid = 0
         self._step = 0
         self._t_sched = 0.0
-        self._steplog = _StepLog()
+        self._steplog = StepLog()
         self._ar_ema: float | None = None
         self._min_tt: float | None = None
         self.cost_model = None
@@ -441,11 +222,10 @@ class SpecControlScheduler(Scheduler):
 
             self.cost_model = CostModel.load(self.settings.cost_model)
         self.policy: Any = None
+        self._served: ServedPolicy | None = None  # the one call path to self.policy
         self._signal_cols: list[int] | None = None  # columns of the tap's signals a lookahead policy reads
         self.spec = self._default_spec()
-        self._slots = _ObsSlots(self.spec)
-        self._stateless = True
-        self._batch = False  # a batch policy (specenv.policy.base.BatchPolicyProtocol): one act_step per step
+        self._slots = ObsSlots(self.spec)
         if self.settings.policy:
             self.set_policy(resolve_policy(self.settings.policy, self.spec))
         self.recorder = None
@@ -478,7 +258,7 @@ class SpecControlScheduler(Scheduler):
         )
 
     def set_policy(self, policy: Any) -> None:
-        """Install a policy object (or None to stop controlling); per-request copies are dropped.
+        """Install a policy object of the one protocol (or None to stop controlling); it is ``reset()`` first.
 
         A policy with a lookahead block (drafting mode ``block``) gets the draft signals its spec
         names (``q``, and with observation contract v2 ``ent``/``margin``) of the first h of the
@@ -489,30 +269,35 @@ class SpecControlScheduler(Scheduler):
                 drafting mode ``sequential``, one that reads draft signals the server cannot supply
                 (no tap, no draft-model logits, non-greedy drafting, an unknown signal) or a block of
                 more than ``num_speculative_tokens`` drafts, a trained policy whose observation
-                contract counts another number of experts (or top-k) than the served model; or a
-                policy without an ``act`` method.
+                contract counts another number of experts (or top-k) than the served model, a
+                policy that declares itself ``unservable`` (a joint (k, cap) action, a privileged
+                expert, a flat-vector model), a batch controller for fewer requests than
+                ``max_num_seqs``; or a policy without an ``act`` method.
         """
         if policy is None:
-            self.policy, self.spec, self._stateless, self._batch = None, self._default_spec(), True, False
+            self.policy, self._served, self.spec = None, None, self._default_spec()
             self._signal_cols = None
             self._want_signals(False)
             self._reset_slots()
             return
-        if not hasattr(policy, "act"):
+        if not callable(getattr(policy, "act", None)):
             raise ValueError(f"policy {policy!r} has no act() method")
         from specenv.engines.vllm.settings import policy_refusal
+        from specenv.policy.base import policy_signals, policy_spec
 
+        max_seqs = int(self.vllm_config.scheduler_config.max_num_seqs)
         why = policy_refusal(
             policy,
             num_spec_tokens=int(self.num_spec_tokens),
             n_experts=self.n_experts or None,
             top_k=self.top_k or None,
             no_signals=self._no_signals(),
+            max_num_seqs=max_seqs,
         )
         if why is not None:
             raise ValueError(why)
-        spec = getattr(policy, "spec", None)
-        if isinstance(spec, ObservationSpec):
+        spec = policy_spec(policy)
+        if spec is not None:
             if self.settings.max_new_tokens:
                 spec = replace(spec, max_new_tokens=int(self.settings.max_new_tokens))
         else:
@@ -523,13 +308,11 @@ class SpecControlScheduler(Scheduler):
                 spec.kmax,
                 self.num_spec_tokens,
             )
-        from specenv.policy.base import is_batch_policy, policy_signals
-        from specenv.policy.mlp import MLPPolicy
-
+        if callable(getattr(policy, "reset", None)):
+            policy.reset()
         self.policy = policy
         self.spec = spec
-        self._stateless = isinstance(policy, MLPPolicy) or bool(getattr(policy, "stateless", False))
-        self._batch = is_batch_policy(policy)
+        self._served = ServedPolicy(policy, spec, int(getattr(getattr(policy, "spec", None), "batch_size", max_seqs)))
         self._signal_cols = [SIGNAL_FIELDS.index(sig) for sig in policy_signals(policy)] if spec.lookahead else None
         self._want_signals(bool(spec.lookahead))
         self._reset_slots()
@@ -556,72 +339,14 @@ class SpecControlScheduler(Scheduler):
             )
         return None
 
-    def _reset_slots(self) -> None:
-        """Fresh observation statistics for the (possibly new) layout; per-request policies dropped."""
-        self._slots = _ObsSlots(self.spec)
-        for st in self._reqs.values():
-            st.slot = self._slots.alloc()
-            st.policy = None
-
-    def start_recording(self, folder: str, **settings: Any) -> None:
-        """Start writing the rounds table to ``folder`` (closing a recording in progress).
-
-        Args:
-            folder: Recording folder.
-            **settings: Overrides of recording fields of the settings (``part_rounds``,
-                ``part_seconds``, ``category``, ``run``, ``name``).
-
-        Raises:
-            ValueError: If the routing tap is not bound in this process.
-        """
-        from specenv.engines.recorder import PartRecorder
-        from specenv.schema import ModelFacts
-
-        if self.tap is None:
-            raise ValueError(
-                "recording needs the routing tap: start vLLM with load_format='specenv' "
-                "(--load-format specenv); on an accelerator also with the single-process executor "
-                "(--distributed-executor-backend uni)"
-            )
-        self.stop_recording()
-        if settings:
-            self.settings = SpecenvSettings(**{**self.settings.to_json(), **settings, "record": str(folder)})
-        else:
-            self.settings.record = str(folder)
-        s = self.settings
-        facts = ModelFacts(self.tap.n_layers, self.tap.n_experts, self.tap.top_k)
-        self.recorder = PartRecorder(
-            folder,
-            facts,
-            kmax=max(int(self.num_spec_tokens), self.spec.kmax, 1),
-            meta=self._provenance(),
-            source="vllm",
-            name=s.name,
-            max_new_tokens=int(s.max_new_tokens or self.spec.max_new_tokens),
-            part_rounds=s.part_rounds,
-            part_seconds=s.part_seconds,
-            with_tokens=s.record_tokens,
-        )
+    def _chain_signals(self) -> None:
         _chain_signals()
 
-    def stop_recording(self, closed_by: str = "stop_recording") -> None:
-        """Write the last part and close the recording (no-op when not recording).
-
-        Args:
-            closed_by: What closed it, kept in the run summary (``stop_recording``, ``shutdown``, or
-                ``signal``: the engine had no request left after SIGTERM/SIGINT).
-        """
-        if self.recorder is not None:
-            rec, self.recorder = self.recorder, None
-            rec.close(summary={**self.summary(), "closed_by": closed_by})
-
-    def flush_recording(self) -> None:
-        """Hand the buffered rounds to the writer now (they appear as a part shortly after).
-
-        Not needed to keep rounds: the recorder writes buffered rounds within ``part_seconds`` on its own.
-        """
-        if self.recorder is not None:
-            self.recorder.flush()
+    def _reset_slots(self) -> None:
+        """Fresh observation statistics for the (possibly new) layout."""
+        self._slots = ObsSlots(self.spec)
+        for st in self._reqs.values():
+            st.slot = self._slots.alloc()
 
     @property
     def steps_logged(self) -> int:
@@ -650,35 +375,11 @@ class SpecControlScheduler(Scheduler):
             out["captured_steps"] = self.tap.captured_steps
         return out
 
-    def _provenance(self) -> dict[str, Any]:
-        import vllm
-
-        vc = self.vllm_config
-        sc = vc.speculative_config
-        return {
-            "engine": f"vllm {vllm.__version__} {sc.method if sc else 'no-spec'}",
-            "vllm_version": vllm.__version__,
-            "model": str(vc.model_config.model),
-            "dtype": str(vc.model_config.dtype),
-            "speculative": None
-            if sc is None
-            else {
-                "method": sc.method,
-                "model": str(getattr(sc, "model", None)),
-                "num_speculative_tokens": sc.num_speculative_tokens,
-            },
-            "enforce_eager": bool(vc.model_config.enforce_eager),
-            "max_num_seqs": int(vc.scheduler_config.max_num_seqs),
-            "device": str(vc.device_config.device),
-            "settings": self.settings.to_json(),
-            "policy": None if self.policy is None else str(getattr(self.policy, "name", type(self.policy).__name__)),
-        }
-
     # ------------------------------------------------------------------ request state
-    def _state(self, req_id: str) -> _Req:
+    def _state(self, req_id: str) -> Req:
         st = self._reqs.get(req_id)
         if st is None:
-            st = _Req(gid=self._next_gid, slot=self._slots.alloc())
+            st = Req(gid=self._next_gid, slot=self._slots.alloc())
             self._next_gid += 1
             self._reqs[req_id] = st
         return st
@@ -699,10 +400,9 @@ class SpecControlScheduler(Scheduler):
         st = self._reqs.pop(req_id, None)
         if st is not None:
             self._slots.release(st.slot)
-            release = getattr(self.policy, "release", None) if self._batch else None
-            if release is not None:
+            if self._served is not None:
                 try:
-                    release([req_id])
+                    self._served.release([req_id])
                 except Exception as exc:  # a policy's bookkeeping never fails the server
                     self._error(exc)
 
@@ -763,9 +463,8 @@ class SpecControlScheduler(Scheduler):
         """
         if self.spec.lookahead:
             return int(min(self.spec.lookahead, self.num_spec_tokens))
-        if self._batch and not getattr(self.policy, "stateless", False):
-            return int(self.num_spec_tokens)  # a stateful batch policy is asked once per step, in _decide
-        first, cont, owners_f, owners_c, ids_f, ids_c = [], [], [], [], [], []
+        assert self._served is not None
+        first, cont, ids_f, ids_c = [], [], [], []
         for req_id in out.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_prefill_chunk:
@@ -774,12 +473,10 @@ class SpecControlScheduler(Scheduler):
             K = len(out.scheduled_spec_decode_tokens.get(req_id, ()))
             if request.num_output_tokens == 0:  # last prefill chunk: the first round comes next
                 first.append((request.num_tokens + 1, 1))
-                owners_f.append(st)
                 ids_f.append(req_id)
             else:
                 U = st.last_U.get(K, float(u_prior(K, self.top_k or 1, self.n_experts or 1)))
                 cont.append((st.slot, K, U, request.num_tokens + K + 1, request.num_output_tokens + K + 1))
-                owners_c.append(st)
                 ids_c.append(req_id)
         rows = []
         if first:
@@ -796,27 +493,24 @@ class SpecControlScheduler(Scheduler):
                     np.array([c[3] for c in cont], dtype=np.float64), np.array([c[4] for c in cont], dtype=np.float64)
                 )
             )
-        owners = owners_f + owners_c
         if not rows:
             return int(self.num_spec_tokens)
         obs = np.concatenate(rows)
-        if self._batch:
-            ks = [int(k) for k in np.asarray(self.policy.act_step(obs, ids_f + ids_c)).reshape(-1)]
-        elif self._stateless:
-            ks = [int(k) for k in np.asarray(self.policy.act_batch(obs)).reshape(-1)]
-        else:
-            ks = []
-            for st, o in zip(owners, obs, strict=True):
-                pol = st.policy if st.policy is not None else self._new_policy()
-                ks.append(int(_clone(pol).act(o)))
+        ks = [int(k) for k in self._served.peek(obs, ids_f + ids_c, self._batch_step(len(obs)))]
         h = max([self.fallback_k if not (0 <= k <= self.spec.kmax) else k for k in ks])
         return int(min(max(h, 0), self.num_spec_tokens))
 
-    def _new_policy(self) -> Any:
-        pol = _clone(self.policy)
-        if hasattr(pol, "reset"):
-            pol.reset()
-        return pol
+    def _batch_step(self, n: int) -> BatchStep:
+        """The batch features the server knows for a step deciding ``n`` requests (:mod:`.served`)."""
+        assert self._served is not None
+        waiting, running = len(getattr(self, "waiting", ()) or ()), len(getattr(self, "running", ()) or ())
+        u_b, cost = self._prev_batch
+        return BatchStep(
+            n_active=min(n / self._served.batch_size, 1.0),
+            queue=waiting / (waiting + running) if waiting + running else 0.0,
+            prev_U_batch=u_b,
+            prev_step_cost=cost,
+        )
 
     def _error(self, exc: BaseException) -> None:
         errs = self.stats["errors"]
@@ -853,7 +547,7 @@ class SpecControlScheduler(Scheduler):
         sched = so.num_scheduled_tokens
         if not sched:
             return
-        offsets, batch_tokens = _batch_offsets(sched, mro.req_id_to_index)
+        offsets, batch_tokens = batch_offsets(sched, mro.req_id_to_index)
         rounds = self._rounds_of_step(so, mro, clock)
         if not rounds:
             return
@@ -876,13 +570,30 @@ class SpecControlScheduler(Scheduler):
             st.td_ms, st.td_cpu_ms = clock.d_ms, clock.d_cpu
         if upd[0]:
             self._slots.update(*upd)
+        if self.policy is not None:
+            self._prev_batch = self._batch_facts(batch_tokens, clock)
+
+    def _batch_facts(self, batch_tokens: int, clock: StepClock) -> tuple[float, float]:
+        """The step's ``(prev_U_batch, prev_step_cost)`` for the next :class:`BatchStep` (:mod:`.served`)."""
+        u_b = 0.0
+        tap = self.tap
+        if tap is not None and self.n_experts and 0 < batch_tokens <= tap.capacity:
+            routing = np.asarray(tap.routing(batch_tokens))  # (n_layers, tokens, top_k) expert ids
+            hit = np.zeros((routing.shape[0], self.n_experts), dtype=bool)
+            hit[np.arange(routing.shape[0])[:, None, None], routing] = True
+            u_b = float(hit.sum(axis=1).mean()) / self.n_experts
+        ref = self._ar_ema if self._ar_ema is not None else self._min_tt
+        cost = 0.0
+        if ref and ref > 0:
+            cost = min((clock.t_ms + clock.d_ms) / ref / (self.spec.kmax + 1), float(self.spec.cost_high))
+        return u_b, cost
 
     def _forward(self, so: Any, mro: Any) -> None:
         """Hand the step's spans and routing to :attr:`forward_callback`."""
         sched = so.num_scheduled_tokens
         if not sched:
             return
-        offsets, batch_tokens = _batch_offsets(sched, mro.req_id_to_index)
+        offsets, batch_tokens = batch_offsets(sched, mro.req_id_to_index)
         spans = {}
         for req_id, n in sched.items():
             request = self.requests.get(req_id)
@@ -892,12 +603,12 @@ class SpecControlScheduler(Scheduler):
         routing = tap.routing(batch_tokens) if tap is not None and batch_tokens <= tap.capacity else None
         self.forward_callback(spans, routing)
 
-    def _step_clock(self) -> _StepClock:
+    def _step_clock(self) -> StepClock:
         """The step's wall time and, from the tap's forward hooks when they ran, target/draft times."""
         step_ms = (time.perf_counter() - self._t_sched) * 1e3
         tap = self.tap
         if tap is not None and tap.target_clock.calls > 0:
-            return _StepClock(
+            return StepClock(
                 step_ms,
                 tap.target_clock.ms,
                 tap.draft_clock.ms,
@@ -905,9 +616,9 @@ class SpecControlScheduler(Scheduler):
                 tap.draft_clock.cpu_ms,
                 "hooks",
             )
-        return _StepClock(step_ms, step_ms, 0.0, 0.0, 0.0, "step")
+        return StepClock(step_ms, step_ms, 0.0, 0.0, 0.0, "step")
 
-    def _rounds_of_step(self, so: Any, mro: Any, clock: _StepClock) -> list[_Round]:
+    def _rounds_of_step(self, so: Any, mro: Any, clock: StepClock) -> list[Round]:
         """The requests whose step was a verification round (1 + K tokens after the prefill), in batch order.
 
         A request whose step was (the last chunk of) its prefill keeps the step's drafting time: that
@@ -930,11 +641,11 @@ class SpecControlScheduler(Scheduler):
             if not (gen and request.num_output_tokens >= 1 and n == K + 1 and prior == request.num_tokens - 1):
                 st.td_ms, st.td_cpu_ms = clock.d_ms, clock.d_cpu
                 continue
-            rounds.append(_Round(req_id, n, request, st, gen, drafts, K))
+            rounds.append(Round(req_id, n, request, st, gen, drafts, K))
         return rounds
 
     def _routing_stats(
-        self, rounds: list[_Round], offsets: dict[str, int], batch_tokens: int
+        self, rounds: list[Round], offsets: dict[str, int], batch_tokens: int
     ) -> list[tuple[float, float]]:
         """``(U_r, E_max)`` of every round: from the tap's routing of the step, else the U prior and 1."""
         tap = self.tap
@@ -944,11 +655,11 @@ class SpecControlScheduler(Scheduler):
             return [(float(U), float(E)) for U, E in zip(Us, Es, strict=True)]
         return [(float(u_prior(r.K, self.top_k or 1, self.n_experts or 1)), 1.0) for r in rounds]
 
-    def _outcome(self, rnd: _Round, U: float, E: float, clock: _StepClock) -> dict[str, Any]:
+    def _outcome(self, rnd: Round, U: float, E: float, clock: StepClock) -> dict[str, Any]:
         """The round's outcome as the live backend sees it (``request_state()["last"]``)."""
         request, st, K = rnd.request, rnd.st, rnd.K
         raw = min(len(rnd.gen) - 1, K)
-        acc = min(_committed_len(request, rnd.gen, self.max_model_len) - 1, raw)
+        acc = min(committed_len(request, rnd.gen, self.max_model_len) - 1, raw)
         L = request.num_tokens
         hooked = clock.timing == "hooks"
         td = st.td_ms if hooked else 0.0
@@ -972,45 +683,16 @@ class SpecControlScheduler(Scheduler):
             "drafted": list(st.full_drafts),
         }
 
-    def _row(self, rnd: _Round, out: dict[str, Any], clock: _StepClock, batch: dict[str, int]) -> dict[str, Any]:
-        """The round's row of the recording (see :mod:`specenv.engines.recorder` for the columns)."""
-        st, request = rnd.st, rnd.request
-        sp = request.sampling_params
-        row = {
-            "generation_id": st.gid,
-            "category": self.settings.category,
-            "round": st.rounds,
-            **{c: out[c] for c in ("K", "m", "accepted", "L", "U_r", "E_max", "T_T_ms", "T_D_ms")},
-            "request_id": rnd.req_id,
-            "t": out["t"],
-            "step": self._step,
-            **batch,
-            "drafted": st.drafted,
-            "policy_k": st.policy_k,
-            "fallback": st.fallback,
-            "capped": st.capped,
-            "greedy": bool(sp is None or sp.temperature == 0.0),
-            "step_ms": clock.step_ms,
-            "T_T_cpu_ms": clock.t_cpu,
-            "T_D_cpu_ms": out["T_D_cpu_ms"],
-            "timing": clock.timing,
-            "run": self.settings.run,
-            "accepted_raw": out["accepted_raw"],
-        }
-        if self.settings.record_tokens:
-            row["verified_tokens"] = [int(request.all_token_ids[-1]), *map(int, rnd.drafts)]
-        return row
-
     def _cost_units(self, K: int, U: float, L: int, t_ms: float, d_ms: float) -> float:
+        if K == 0:  # the measured AR step (also the reference of BatchStep.prev_step_cost)
+            self._ar_ema = t_ms if self._ar_ema is None else 0.8 * self._ar_ema + 0.2 * t_ms
+        self._min_tt = t_ms if self._min_tt is None else min(self._min_tt, t_ms)
         cm = self.cost_model
         if cm is not None:
             k = min(K, cm.kmax)
             # block drafting (a lookahead policy) drafts max(k, h): charged as the replay env charges it
             drafted = drafted_tokens(k, min(self.spec.lookahead, cm.kmax))
             return float(cm.charged_ms(k, U, L, drafted=drafted) / cm.ar_ms(L))
-        if K == 0:
-            self._ar_ema = t_ms if self._ar_ema is None else 0.8 * self._ar_ema + 0.2 * t_ms
-        self._min_tt = t_ms if self._min_tt is None else min(self._min_tt, t_ms)
         ref = self._ar_ema if self._ar_ema is not None else self._min_tt
         return float((t_ms + d_ms) / ref) if ref and ref > 0 else 1.0
 
@@ -1044,7 +726,7 @@ class SpecControlScheduler(Scheduler):
         super().update_draft_token_ids(trimmed)
 
     def _capture_signals(self, req_ids: list[str], drafts: list[list[int]]) -> None:
-        """Give every known request the draft signals of its new drafts (``_Req.signals``; None if absent).
+        """Give every known request the draft signals of its new drafts (``Req.signals``; None if absent).
 
         The tap's rows follow the drafter's batch (the order of ``req_ids``); a row is taken only when
         its captured top-1 ids equal the drafts vLLM handed over (the check that rows and requests
@@ -1092,27 +774,11 @@ class SpecControlScheduler(Scheduler):
         )
         t0 = time.perf_counter()
         ks: list[Any] = [None] * len(live)
-        if self._stateless or self._batch:
-            try:
-                if self._batch:
-                    out = np.asarray(self.policy.act_step(obs, [req_ids[j] for j in live]))
-                else:
-                    out = np.asarray(self.policy.act_batch(obs))
-                if out.shape not in ((len(live),), (len(live), 1)):
-                    method = "act_step" if self._batch else "act_batch"
-                    raise ValueError(f"{method} returned shape {out.shape} for {len(live)} observations")
-                ks = list(out.reshape(-1))
-            except Exception as exc:
-                self._error(exc)
-        else:
-            for pos, j in enumerate(live):
-                st = self._reqs[req_ids[j]]
-                if st.policy is None:
-                    st.policy = self._new_policy()
-                try:
-                    ks[pos] = st.policy.act(obs[pos])
-                except Exception as exc:
-                    self._error(exc)
+        assert self._served is not None
+        try:  # the one call path: every request of the step at once
+            ks = list(self._served.act(obs, [req_ids[j] for j in live], self._batch_step(len(live))))
+        except Exception as exc:
+            self._error(exc)
         self.stats["policy_ms"] += (time.perf_counter() - t0) * 1e3
         for pos, j in enumerate(live):
             st = self._reqs[req_ids[j]]

@@ -210,6 +210,7 @@ def policy_refusal(
     top_k: int | None = None,
     no_signals: str | None = None,
     exact_kmax: bool = False,
+    max_num_seqs: int | None = None,
 ) -> str | None:
     """Why this vLLM server cannot serve a policy, as one line; None when it can.
 
@@ -225,13 +226,25 @@ def policy_refusal(
     * a trained policy (numpy export) must count the served model's experts, and its top-k when its
       metadata records one (``meta["top_k"]`` or ``meta["model"]["top_k"]``);
     * with ``exact_kmax`` its kmax must equal ``num_speculative_tokens`` (``specenv serve``; the
-      controller itself caps larger k and warns).
+      controller itself caps larger k and warns);
+    * a policy that declares ``unservable`` (one line why: a joint (k, cap) action, a privileged
+      expert, a flat-vector batch model) is refused with it;
+    * a batch controller (a spec with ``batch_size`` B) decides at most B requests: refused when the
+      server runs more (``max_num_seqs`` > B).
     """
-    from specenv.observation import ObservationSpec
-    from specenv.policy.base import policy_drafting, policy_signals
+    from specenv.policy.base import policy_drafting, policy_signals, policy_spec
     from specenv.policy.mlp import MLPPolicy
 
     name = repr(getattr(policy, "name", type(policy).__name__))
+    unservable = getattr(policy, "unservable", None)
+    if unservable:
+        return f"policy {name}: {unservable}"
+    B = getattr(getattr(policy, "spec", None), "batch_size", None)
+    if isinstance(B, int) and max_num_seqs is not None and max_num_seqs > B:
+        return (
+            f"policy {name} decides batches of at most {B} requests, the server runs up to max_num_seqs="
+            f"{max_num_seqs} (serve it with --max-num-seqs {B})"
+        )
     try:
         mode = policy_drafting(policy)
     except ValueError as exc:
@@ -242,8 +255,8 @@ def policy_refusal(
             "num_speculative_tokens draft steps for the whole batch with no per-token stop, so the vLLM "
             "controller serves drafting modes block and none only"
         )
-    spec = getattr(policy, "spec", None)
-    if not isinstance(spec, ObservationSpec):
+    spec = policy_spec(policy)
+    if spec is None:
         return None
     meta = getattr(policy, "meta", None)
     if isinstance(policy, MLPPolicy):

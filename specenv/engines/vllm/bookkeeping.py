@@ -1,0 +1,205 @@
+"""The vLLM controller's per-request bookkeeping: observation slots, request state, step clocks and log.
+
+* :class:`ObsSlots` -- the running observation statistics of every request (one
+  :class:`specenv.observation.ObservationState`, one slot per request, one vectorised update per step);
+* :class:`Req` -- what the controller keeps per request (generation id, slot, last decision, drafts,
+  draft signals, last outcome);
+* :class:`Round` / :class:`StepClock` -- one verification round of a step and the step's times;
+* :class:`StepLog` -- specenv's own time per engine step (a ring of the last steps);
+* :func:`committed_len` / :func:`batch_offsets` -- what a round commits, where a request's tokens sit in
+  the step's flattened batch.
+
+No vLLM import: the controller (:mod:`specenv.engines.vllm.controller`) owns the hooks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from specenv.observation import ObservationSpec, ObservationState
+
+__all__ = ["ObsSlots", "Req", "Round", "StepClock", "StepLog", "batch_offsets", "committed_len"]
+
+
+class ObsSlots:
+    """The running observation statistics of all requests: one ObservationState, one slot per request.
+
+    One vectorised ``update`` and one ``build`` per engine step, whatever the batch size (the slot
+    array grows by doubling when needed).
+    """
+
+    def __init__(self, spec: ObservationSpec, n: int = 64):
+        self.spec = spec
+        self.state = ObservationState(spec, n)
+        self.free = list(range(n - 1, -1, -1))
+        self._scratch: dict[int, ObservationState] = {}
+
+    def alloc(self) -> int:
+        """A fresh slot (statistics at their priors)."""
+        if not self.free:
+            n = self.state.n
+            self.state = self.state.resized(2 * n)
+            self.free = list(range(2 * n - 1, n - 1, -1))
+        i = self.free.pop()
+        mask = np.zeros(self.state.n, dtype=bool)
+        mask[i] = True
+        self.state.reset(mask)
+        return i
+
+    def release(self, i: int) -> None:
+        """Give a slot back."""
+        self.free.append(i)
+
+    def subset(self, slots: list[int]) -> ObservationState:
+        """The statistics of some slots, as an ObservationState of their own (rows in the given order).
+
+        The state is a scratch buffer kept per number of rows (no allocation, no table building per
+        step): valid until the next ``subset`` of the same size.
+        """
+        sub = self._scratch.get(len(slots))
+        if sub is None:
+            sub = self._scratch[len(slots)] = ObservationState(self.spec, len(slots))
+        st = self.state
+        np.take(st._P, slots, axis=0, out=sub._P)
+        np.take(st._E, slots, axis=0, out=sub._E)
+        np.take(st.cost_per_token, slots, out=sub.cost_per_token)
+        np.take(st.first, slots, out=sub.first)
+        return sub
+
+    def update(self, slots: list[int], k: list[int], acc: list[int], U: list[float], cost: list[float]) -> None:
+        """Fold one round per listed slot into the statistics (gather, one vectorised update, scatter)."""
+        sub = self.subset(slots)
+        acc_a = np.asarray(acc, dtype=np.float64)
+        sub.update(np.asarray(k), np.asarray(acc), np.asarray(U, dtype=np.float64), np.asarray(cost), acc_a + 1)
+        st = self.state
+        st._P[slots] = sub._P
+        st._E[slots] = sub._E
+        st.cost_per_token[slots] = sub.cost_per_token
+        st.first[slots] = sub.first
+
+
+class StepLog:
+    """Per engine step: specenv's own wall and CPU time, and the step's wall time (a ring of the last steps).
+
+    A step runs from the controller's ``schedule`` to the end of its last hook of the step
+    (``update_from_output`` or ``update_draft_token_ids``); the idle time between steps is not part of it.
+    Each hook calls :meth:`add` with its own (wall, thread-CPU) start stamps; the row of a step is written
+    when the next step is scheduled (or by :meth:`close`).
+    """
+
+    CAP = 1 << 16
+
+    def __init__(self) -> None:
+        self.rows = np.zeros((self.CAP, 3))
+        self.n = 0
+        self.t0: float | None = None  # the open step's start
+        self.t_end = 0.0
+        self.over = 0.0
+        self.cpu = 0.0
+
+    def open(self, t: float) -> None:
+        """A step starts at ``t`` (closing the previous one)."""
+        self.close()
+        self.t0, self.t_end = t, t
+
+    def add(self, t0: float, c0: float) -> float:
+        """Charge specenv's code from ``(t0, c0)`` (``perf_counter``, ``thread_time``) to now; returns the ms."""
+        t, c = time.perf_counter(), time.thread_time()
+        ms = (t - t0) * 1e3
+        self.over += ms
+        self.cpu += (c - c0) * 1e3
+        self.t_end = t
+        return ms
+
+    def close(self) -> None:
+        """Write the open step's row."""
+        if self.t0 is None:
+            return
+        self.rows[self.n % self.CAP] = (self.over, self.cpu, (self.t_end - self.t0) * 1e3)
+        self.n += 1
+        self.t0, self.over, self.cpu = None, 0.0, 0.0
+
+    def since(self, start: int) -> np.ndarray:
+        """``(steps, 3)`` rows (specenv ms, specenv CPU ms, step ms) of the steps numbered ``start..`` (last CAP)."""
+        self.close()
+        start = max(start, self.n - self.CAP)
+        idx = np.arange(start, self.n) % self.CAP
+        return self.rows[idx].copy()
+
+
+@dataclass
+class Req:
+    """Per-request controller state."""
+
+    gid: int
+    slot: int
+    rounds: int = 0
+    policy_k: int = -1
+    drafted: int = 0
+    fallback: bool = False
+    capped: bool = False
+    td_ms: float = 0.0
+    td_cpu_ms: float = 0.0
+    last_U: dict[int, float] = field(default_factory=dict)
+    full_drafts: list[int] = field(default_factory=list)
+    signals: np.ndarray | None = None  # (drafts, 3) q, entropy, margin of full_drafts (when captured)
+    last: dict[str, Any] | None = None
+
+
+@dataclass
+class StepClock:
+    """Times of one engine step: its wall time, and the target/draft forwards' (``timing``: hooks or step)."""
+
+    step_ms: float
+    t_ms: float
+    d_ms: float
+    t_cpu: float
+    d_cpu: float
+    timing: str
+
+
+@dataclass
+class Round:
+    """A request whose step was a verification round: ``n = 1 + K`` tokens, ``gen`` sampled."""
+
+    req_id: str
+    n: int
+    request: Any
+    st: Req
+    gen: list[int]
+    drafts: Any
+    K: int
+
+
+def committed_len(request: Any, gen: list[int], max_model_len: int) -> int:
+    """How many of a round's sampled tokens ``gen`` the request keeps (vLLM's ``check_stop``, read only).
+
+    vLLM's sampler returns every accepted draft plus the bonus token; the scheduler then appends them
+    one by one and cuts the request after an end-of-text or stop token, at ``max_tokens`` and at the
+    model's length. The controller sees the step before that cut, so it applies the same rule here:
+    the recorded ``accepted`` never makes a request commit more tokens than it returns.
+    """
+    sp = request.sampling_params
+    stops = set(getattr(sp, "stop_token_ids", None) or ())
+    eos = getattr(sp, "eos_token_id", None)
+    if eos is not None:
+        stops.add(eos)
+    out, total = int(request.num_output_tokens), int(request.num_tokens)
+    max_tokens = getattr(request, "max_tokens", None)
+    for i, tok in enumerate(gen, 1):
+        if tok in stops or total + i >= max_model_len or (max_tokens is not None and out + i >= int(max_tokens)):
+            return i
+    return len(gen)
+
+
+def batch_offsets(sched: dict[str, int], index: dict[str, int]) -> tuple[dict[str, int], int]:
+    """Each request's first token in the step's flattened batch (in the runner's order), and the total."""
+    offsets, off = {}, 0
+    for r in sorted(sched, key=lambda r: index.get(r, 1 << 30)):
+        offsets[r] = off
+        off += sched[r]
+    return offsets, off

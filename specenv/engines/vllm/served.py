@@ -1,0 +1,133 @@
+"""The served policy: the vLLM controller's one call path to a policy of the one protocol.
+
+The controller (:mod:`specenv.engines.vllm.controller`) builds, once per engine step, the stacked
+per-request observations of the requests being decided (one row per request, in the drafter's batch
+order), their request ids and the step's :class:`specenv.policy.base.BatchStep`, and calls
+:meth:`ServedPolicy.act`, which calls ``policy.act(obs, ids, step)`` -- the same method the replay
+environments call -- and checks that one budget per row came back. Every kind of policy goes this way:
+a per-request heuristic (:class:`specenv.policy.base.Policy` keeps one memory per request id), a peer,
+an exported MLP, a batch controller that decides the step jointly (:mod:`policies.batch`).
+
+:meth:`ServedPolicy.peek` asks what the policy *would* pick (the draft horizon) without changing it: a
+``stateless`` policy directly, any other on a private structural copy (:func:`clone`).
+:meth:`ServedPolicy.release` forgets finished requests.
+
+What the server knows of the batch features (:class:`specenv.policy.base.BatchStep`), built by the
+controller: ``n_active`` = requests decided / B (B the policy's batch size, else ``max_num_seqs``);
+``queue`` = waiting / (waiting + running) requests of the scheduler (a server has no episode size R);
+``prev_U_batch`` = the previous step's expert union over all its tokens (mean over layers) / n_experts
+from the routing tap (0 without it); ``prev_step_cost`` = the previous step's target + draft time / the
+measured AR step (the reference of ``prev_cost``) / (kmax+1), clipped like ``prev_cost`` (0 before one).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import numpy as np
+
+from specenv.observation import ObservationSpec
+from specenv.policy.base import BatchStep
+
+__all__ = ["ServedPolicy", "clone"]
+
+
+class ServedPolicy:
+    """A policy installed in the controller, with the observation contract and batch size it is served with.
+
+    Args:
+        policy: A policy of the protocol (``act(obs, ids, step)``, ``reset()``, optional ``release``).
+        spec: The per-request observation contract the controller builds rows of.
+        batch_size: B of ``BatchStep.n_active`` (the policy's batch size, else the server's ``max_num_seqs``).
+    """
+
+    def __init__(self, policy: Any, spec: ObservationSpec, batch_size: int):
+        self.policy = policy
+        self.spec = spec
+        self.batch_size = max(int(batch_size), 1)
+        self.stateless = bool(getattr(policy, "stateless", False))
+        self.name = str(getattr(policy, "name", type(policy).__name__))
+
+    def act(self, obs: np.ndarray, ids: Sequence[Hashable], step: BatchStep | None) -> np.ndarray:
+        """The policy's budgets for the rows (n,), one per id (the one call path).
+
+        Raises:
+            ValueError: When the policy returns another shape than one budget per row.
+        """
+        return _checked(self.policy.act(obs, list(ids), step), len(obs))
+
+    def peek(self, obs: np.ndarray, ids: Sequence[Hashable], step: BatchStep | None) -> np.ndarray:
+        """What :meth:`act` would answer, leaving the policy as it was (a copy answers unless ``stateless``)."""
+        pol = self.policy if self.stateless else clone(self.policy)
+        return _checked(pol.act(obs, list(ids), step), len(obs))
+
+    def release(self, ids: Sequence[Hashable]) -> None:
+        """Forget finished requests (policies without ``release`` keep nothing per request)."""
+        release = getattr(self.policy, "release", None)
+        if release is not None:
+            release(list(ids))
+
+
+def _checked(out: Any, n: int) -> np.ndarray:
+    arr = np.asarray(out)
+    if arr.shape not in ((n,), (n, 1)):
+        raise ValueError(f"act returned shape {arr.shape} for {n} observations")
+    return arr.reshape(-1)
+
+
+_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), range, frozenset, slice)
+
+
+def _copy_value(v: Any, shared: dict[int, Any]) -> Any:
+    """A structural copy of one attribute value (see :func:`clone`)."""
+    if isinstance(v, _IMMUTABLE) or id(v) in shared:
+        return v
+    if isinstance(v, np.ndarray):
+        return v.copy()
+    if type(v) is list:
+        return [_copy_value(x, shared) for x in v]
+    if type(v) is dict:
+        return {k: _copy_value(x, shared) for k, x in v.items()}
+    if type(v) is tuple:
+        return tuple(_copy_value(x, shared) for x in v)
+    return _clone_object(v, shared)
+
+
+def _clone_object(obj: Any, shared: dict[int, Any]) -> Any:
+    cls = type(obj)
+    plain = (
+        hasattr(obj, "__dict__")
+        and not hasattr(cls, "__slots__")
+        and getattr(cls, "__deepcopy__", None) is None
+        and getattr(cls, "__reduce_ex__", None) is object.__reduce_ex__
+        and getattr(cls, "__setstate__", None) in (None, getattr(object, "__setstate__", None))
+    )
+    if not plain:
+        return copy.deepcopy(obj, {k: v for k, v in shared.items()})
+    if getattr(cls, "__dataclass_params__", None) is not None and cls.__dataclass_params__.frozen:
+        shared[id(obj)] = obj  # a frozen dataclass (e.g. an ObservationSpec): shared, like deepcopy's result
+        return obj
+    new = object.__new__(cls)
+    shared[id(obj)] = new
+    new.__dict__.update({k: _copy_value(v, shared) for k, v in obj.__dict__.items()})
+    return new
+
+
+def clone(policy: Any) -> Any:
+    """A private copy of a policy that shares its cost model(s) and observation decoder (read-only).
+
+    Plain Python objects (attributes in ``__dict__``, no custom copy protocol) are copied structurally:
+    numpy arrays copied, lists/dicts/tuples and nested plain objects recursed, immutable values and frozen
+    dataclasses shared; anything else goes through ``copy.deepcopy``. The same result as ``deepcopy`` for
+    such objects at a fraction of its cost (the horizon copies a stateful policy every step).
+    """
+    from specenv.batchcost import BatchCostModel
+    from specenv.costmodel import CostModel
+    from specenv.observation import ObsView
+
+    # shared: the cost models, and a decoder of vectors built from the spec
+    read_only = (CostModel, BatchCostModel, ObsView)
+    shared = {id(v): v for v in getattr(policy, "__dict__", {}).values() if isinstance(v, read_only)}
+    return _clone_object(policy, shared)
