@@ -209,7 +209,7 @@ def _adaptive_reference(m, used, u_prior, ctx, h) -> np.ndarray:
     """vLLM adaptive verification by enumeration: the best b of the b best survival scores."""
     n = len(used)
     scores = np.cumprod(used, axis=1)
-    order = sorted(((-scores[r, j], r, j) for r in range(n) for j in range(h)))
+    order = sorted((-scores[r, j], r, j) for r in range(n) for j in range(h))
     best, arg = -1.0, None
     for b in range(n * h + 1):
         k = np.zeros(n, dtype=np.int64)
