@@ -239,14 +239,14 @@ class Validated:
 
 @cache
 def _memo_code() -> str | None:
-    """Digest of what decides validity: this module's and the schema's source, and pydantic's version file."""
+    """Digest of what decides validity: the source of this module, the schema and the trace set, pydantic's version."""
     import hashlib
     import importlib.util
 
     h = hashlib.sha256()
     try:
         spec = importlib.util.find_spec("pydantic")
-        paths = [Path(__file__), Path(__file__).with_name("schema.py")]
+        paths = [Path(__file__), Path(__file__).with_name("schema.py"), Path(__file__).with_name("traceset.py")]
         if spec is None or not spec.submodule_search_locations:
             return None
         paths.append(Path(next(iter(spec.submodule_search_locations))) / "version.py")
@@ -271,6 +271,38 @@ def _memo_key(model: str, obj: Any) -> str | None:
     if len(text) > MEMO_MAX_CHARS:
         return None
     return hashlib.sha256(f"{model}\0{code}\0{text}".encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def passed_before(what: str, material: Any) -> tuple[bool, str | None]:
+    """Whether a check of ``material`` (JSON-able: everything the check's verdict depends on) passed before.
+
+    For checks that return nothing but raise on the first problem (the trace tables' validation, keyed
+    by the manifest that names every file's verified sha256). Returns ``(passed, key)``; after a check
+    that passes, :func:`remember_pass` keeps ``key`` (None: no cache, nothing is kept).
+    """
+    key = _memo_key(what, material)
+    path = None if key is None else _memo_path(key)
+    if path is None:
+        return False, None
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False, key
+    return isinstance(entry, dict) and entry.get("key") == key and entry.get("passed") is True, key
+
+
+def remember_pass(key: str | None) -> None:
+    """Keep that the check of :func:`passed_before`'s ``key`` passed (skipped when the cache cannot be written)."""
+    path = None if key is None else _memo_path(key)
+    if path is None:
+        return
+    from specenv.io import atomic_write_json
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {"key": key, "passed": True})
+    except OSError:
+        pass
 
 
 def _memo_path(key: str) -> Path | None:

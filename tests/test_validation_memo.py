@@ -15,7 +15,7 @@ from specenv import validation
 from specenv.costmodel import CostModel
 from specenv.datasets import resolve
 from specenv.schema import TraceError
-from specenv.traceset import MANIFEST, Manifest
+from specenv.traceset import MANIFEST, Manifest, TraceSet
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,6 +130,46 @@ def test_validated_values_are_read_only(cache, manifest_obj, monkeypatch):
         hit.kmax = 3
     with pytest.raises(AttributeError):
         hit.no_such_field  # noqa: B018
+
+
+def _refuse_table_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    import specenv.traceset as traceset
+
+    calls: list[str] = []
+    for name in ("validate_positions", "validate_rounds", "validate_pair"):
+
+        def refuse(*a, _name=name, **k):  # noqa: ANN002, ANN003, ANN202
+            calls.append(_name)
+            raise TraceError("x", f"{_name} ran")
+
+        monkeypatch.setattr(traceset, name, refuse)
+    return calls
+
+
+def test_tables_that_passed_before_are_not_checked_again(cache, small_traces, monkeypatch):
+    first = TraceSet.load(small_traces)
+    with monkeypatch.context() as m:
+        calls = _refuse_table_checks(m)
+        again = TraceSet.load(small_traces)  # the same bytes (sha256 verified), the same manifest and code
+        assert calls == []
+        with pytest.raises(TraceError, match="ran"):  # unverified bytes are checked every time
+            TraceSet.load(small_traces, verify_hashes=False)
+    assert again.positions.equals(first.positions) and again.rounds.equals(first.rounds)
+
+
+def test_tables_are_checked_again_when_their_bytes_change(cache, small_traces, tmp_path, monkeypatch):
+    import shutil
+
+    TraceSet.load(small_traces)
+    copy_dir = tmp_path / "set"
+    shutil.copytree(small_traces, copy_dir)
+    path = copy_dir / "rounds.parquet"
+    if not path.is_file():
+        pytest.fail("the small set has no rounds.parquet")
+    path.write_bytes(path.read_bytes()[:-8] + b"\0" * 8)
+    _refuse_table_checks(monkeypatch)
+    with pytest.raises(TraceError, match="sha256 does not match"):
+        TraceSet.load(copy_dir)
 
 
 @pytest.mark.slow  # three fresh interpreters
