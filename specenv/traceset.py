@@ -630,6 +630,10 @@ class TraceSet:
     def load(cls, root: str | os.PathLike[str], verify_hashes: bool = True) -> TraceSet:
         """Load and validate a trace set folder.
 
+        Tables whose sha256 matches the manifest and whose content checks passed before, under the same
+        manifest and the same validation code (:func:`specenv.validation.passed_before`, in the disk
+        cache), are not checked again; with ``verify_hashes=False`` every check runs.
+
         Args:
             root: Folder holding ``manifest.json``.
             verify_hashes: Check every file's sha256 against the manifest.
@@ -637,7 +641,7 @@ class TraceSet:
         Raises:
             TraceError: One line naming the file, column and first bad row.
         """
-        from specenv.validation import read_json
+        from specenv.validation import passed_before, read_json, remember_pass
 
         root = Path(root)
         mpath = root / MANIFEST
@@ -646,19 +650,23 @@ class TraceSet:
         if not mpath.is_file():
             raise TraceError(str(mpath), "missing manifest")
         manifest = Manifest.from_json(read_json(mpath, TraceError, what="manifest"), str(mpath))
+        # tables whose bytes match the manifest's sha256 and passed these checks before pass them again
+        known, key = passed_before("trace tables", manifest.to_json()) if verify_hashes else (False, None)
         tables: dict[str, pa.Table | None] = {"positions": None, "rounds": None}
         verified: dict[str, str] = {}
         for tab, ent in manifest.files.items():
             path = root / ent["path"]
-            tables[tab] = _load_table(tab, path, ent, manifest, verified if verify_hashes else None)
+            tables[tab] = _load_table(tab, path, ent, manifest, verified if verify_hashes else None, not known)
         _check_counts(manifest, tables, str(mpath))
-        if tables["positions"] is not None and tables["rounds"] is not None:
+        if not known and tables["positions"] is not None and tables["rounds"] is not None:
             validate_pair(
                 tables["positions"],
                 tables["rounds"],
                 str(root / manifest.files["positions"]["path"]),
                 str(root / manifest.files["rounds"]["path"]),
             )
+        if not known:
+            remember_pass(key)
         ts = cls(manifest, tables["positions"], tables["rounds"], root=root)
         ts._verified.update(verified)
         return ts
@@ -730,9 +738,13 @@ class TraceSet:
 
 
 def _load_table(
-    tab: str, path: Path, ent: dict[str, Any], manifest: Manifest, verified: dict[str, str] | None
+    tab: str, path: Path, ent: dict[str, Any], manifest: Manifest, verified: dict[str, str] | None, check: bool = True
 ) -> pa.Table:
-    """Read and validate one table named in the manifest (hash, row count and schema checked before reading)."""
+    """Read and validate one table named in the manifest (hash, row count and schema checked before reading).
+
+    ``check=False`` skips the table's content checks (:func:`specenv.schema.validate_positions`,
+    ``validate_rounds``) for a table whose sha256 was verified and whose checks passed before.
+    """
     if not path.is_file():
         raise TraceError(str(path), "file named in the manifest is missing")
     if verified is not None:
@@ -755,6 +767,8 @@ def _load_table(
                 f"Parquet schema_version {sv.decode(errors='replace')} is not one of {', '.join(allowed)} "
                 f"(manifest schema_version {manifest.schema_version})",
             )
+    if not check:
+        return table
     if tab == "positions":
         validate_positions(
             table,

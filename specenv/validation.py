@@ -31,6 +31,11 @@ corners is exact. Single coefficients may be slightly negative: an OLS intercept
 context slope c within noise of zero is a legitimate fit, a negative charged cost is not.
 
 pydantic is imported on first use (inside the functions), so ``import specenv`` does not load it.
+An object validated once is not validated again: :func:`check` keeps its validated value in the disk
+cache (:func:`specenv.io.cache_dir`, subfolder :data:`MEMO_SUBDIR`) under the sha256 of the model's
+name, the object's JSON text and the validation code (this module, the schema, pydantic's version), so
+a later process that reads the same file (the shipped trace set's manifest, a fitted cost model) gets
+the same value without importing pydantic; anything else, an invalid object included, is validated.
 """
 
 from __future__ import annotations
@@ -170,25 +175,205 @@ def check(
         formats: Accepted values of the ``format`` field, checked first (None: not checked here).
         what: What the file should be, for the format message (``"not a specenv cost model"``).
 
+    An object this specenv has validated before (the same model, the same JSON text, the same
+    validation code and pydantic) is not validated again: its validated value is read back from the
+    disk cache (:func:`_memo_read`), without importing pydantic.
+
     Returns:
-        The validated model instance.
+        The validated model instance (from the cache: the same fields, as a :class:`Validated`).
 
     Raises:
         Exception: ``error(file, "field 'a.b': problem")`` for the first problem.
     """
-    from pydantic import ValidationError
-
-    cls = _models()[model] if isinstance(model, str) else model
     if not isinstance(obj, dict):
         _raise(error, file, f"must be a JSON object (got {_kind(obj)})")
     if formats is not None and obj.get("format") not in formats:
         _raise(error, file, f"not a {what}: field 'format' must be {formats[0]!r} (got {_short(obj.get('format'))})")
+    key = _memo_key(model, obj) if isinstance(model, str) else None
+    hit = _memo_read(key)
+    if hit is not None:
+        return hit
+    from pydantic import ValidationError
+
+    cls = _models()[model] if isinstance(model, str) else model
     try:
-        return cls.model_validate(obj, strict=True)
+        valid = cls.model_validate(obj, strict=True)
     except ValidationError as exc:
         _raise(error, file, describe(exc))
     except RecursionError:
         _raise(error, file, "nested too deeply")
+    _memo_write(key, valid)
+    return valid
+
+
+# ---------------------------------------------------------------------- validated once
+#: Subfolder of :func:`specenv.io.cache_dir` holding validated values (one JSON file per object).
+MEMO_SUBDIR = "validated"
+#: Objects larger than this (characters of JSON) are validated every time, not kept.
+MEMO_MAX_CHARS = 1 << 20
+
+
+class Validated:
+    """A validated model's fields read back from the cache: attribute access like the pydantic instance.
+
+    Sub-models are :class:`Validated` too; dicts, lists, tuples and scalars are what pydantic returned.
+    """
+
+    __slots__ = ("_fields",)
+
+    def __init__(self, fields: dict[str, Any]):
+        object.__setattr__(self, "_fields", fields)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._fields[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("validated values are read-only")
+
+    def __repr__(self) -> str:
+        return f"Validated({self._fields!r})"
+
+
+@cache
+def _memo_code() -> str | None:
+    """Digest of what decides validity: the source of this module, the schema and the trace set, pydantic's version."""
+    import hashlib
+    import importlib.util
+
+    h = hashlib.sha256()
+    try:
+        spec = importlib.util.find_spec("pydantic")
+        paths = [Path(__file__), Path(__file__).with_name("schema.py"), Path(__file__).with_name("traceset.py")]
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        paths.append(Path(next(iter(spec.submodule_search_locations))) / "version.py")
+        for path in paths:
+            h.update(path.read_bytes())
+    except (OSError, ImportError, ValueError):
+        return None
+    return h.hexdigest()
+
+
+def _memo_key(model: str, obj: Any) -> str | None:
+    """The cache key of one object: sha256 of the model name, the JSON text (key order kept), :func:`_memo_code`."""
+    import hashlib
+
+    code = _memo_code()
+    if code is None:
+        return None
+    try:
+        text = json.dumps(obj, ensure_ascii=False, allow_nan=True)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    if len(text) > MEMO_MAX_CHARS:
+        return None
+    return hashlib.sha256(f"{model}\0{code}\0{text}".encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def passed_before(what: str, material: Any) -> tuple[bool, str | None]:
+    """Whether a check of ``material`` (JSON-able: everything the check's verdict depends on) passed before.
+
+    For checks that return nothing but raise on the first problem (the trace tables' validation, keyed
+    by the manifest that names every file's verified sha256). Returns ``(passed, key)``; after a check
+    that passes, :func:`remember_pass` keeps ``key`` (None: no cache, nothing is kept).
+    """
+    key = _memo_key(what, material)
+    path = None if key is None else _memo_path(key)
+    if path is None:
+        return False, None
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False, key
+    return isinstance(entry, dict) and entry.get("key") == key and entry.get("passed") is True, key
+
+
+def remember_pass(key: str | None) -> None:
+    """Keep that the check of :func:`passed_before`'s ``key`` passed (skipped when the cache cannot be written)."""
+    path = None if key is None else _memo_path(key)
+    if path is None:
+        return
+    from specenv.io import atomic_write_json
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {"key": key, "passed": True})
+    except OSError:
+        pass
+
+
+def _memo_path(key: str) -> Path | None:
+    from specenv.io import cache_dir
+
+    root = cache_dir()
+    return None if root is None else root / MEMO_SUBDIR / f"{key}.json"
+
+
+def _encode(value: Any) -> Any:
+    """Tagged JSON of a validated value: models, dicts, lists and tuples told apart."""
+    from pydantic import BaseModel
+
+    if isinstance(value, BaseModel):
+        fields = {name: getattr(value, name) for name in type(value).model_fields}
+        fields.update(value.model_extra or {})
+        return {"m": {k: _encode(v) for k, v in fields.items()}}
+    if isinstance(value, dict):
+        return {"d": [[k, _encode(v)] for k, v in value.items()]}
+    if isinstance(value, tuple):
+        return {"t": [_encode(v) for v in value]}
+    if isinstance(value, list):
+        return {"l": [_encode(v) for v in value]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"v": value}
+    raise TypeError(type(value).__name__)
+
+
+def _decode(node: Any) -> Any:
+    ((tag, body),) = node.items()
+    if tag == "m":
+        return Validated({k: _decode(v) for k, v in body.items()})
+    if tag == "d":
+        return {k: _decode(v) for k, v in body}
+    if tag == "t":
+        return tuple(_decode(v) for v in body)
+    if tag == "l":
+        return [_decode(v) for v in body]
+    if tag == "v":
+        return body
+    raise ValueError(tag)
+
+
+def _memo_read(key: str | None) -> Validated | None:
+    """The validated value kept under ``key``, or None (no cache, no entry, or an entry that does not parse)."""
+    path = None if key is None else _memo_path(key)
+    if path is None:
+        return None
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8"))
+        if entry.get("key") != key:
+            return None
+        value = _decode(entry["value"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return None
+    return value if isinstance(value, Validated) else None
+
+
+def _memo_write(key: str | None, valid: Any) -> None:
+    """Keep a validated value under ``key`` (atomically; a cache that cannot be written is skipped)."""
+    path = None if key is None else _memo_path(key)
+    if path is None:
+        return
+    from specenv.io import atomic_write_json
+
+    try:
+        entry = {"key": key, "value": _encode(valid)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, entry)
+    except (OSError, TypeError, ValueError, RecursionError):
+        pass
 
 
 def describe(exc: Any) -> str:

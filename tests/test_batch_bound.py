@@ -1,16 +1,16 @@
-"""The batch bound (oracle/batch.py): valid against brute force, against every policy, and the split rule itself."""
+"""The batch bound (oracle/batch/): valid against brute force, against every policy, and the split rule itself."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from batch_bruteforce import joint_optimum
 
 from oracle.batch import (
     batch_bound,
     expected_costs,
     expert_share,
     intercept_splits,
-    joint_optimum,
     lagrangian_costs,
     lagrangian_split,
     pathwise_costs,

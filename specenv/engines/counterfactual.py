@@ -5,13 +5,16 @@ engine executed (:class:`specenv.engines.base.RoundResult` objects) and a counte
 the greedy reference output (at every position t the draft's chain of Kmax tokens, its
 teacher-forced verdicts rho, the draft's q / entropy / margin and U_{t,0..Kmax}). This module turns
 both into rows of the ``rounds`` and ``positions`` tables (:func:`rounds_frame`,
-:func:`positions_frame`) and checks the lossless property of greedy speculative decoding
-(:func:`first_difference`); the engines' collectors (:mod:`specenv.engines.hf.collect`,
-:mod:`specenv.engines.vllm.collect`) only run the engine.
+:func:`positions_frame`), checks the lossless property of greedy speculative decoding
+(:func:`first_difference`, summarised by :func:`lossless_summary`) and records where and how long a
+collection ran (:func:`run_provenance`) for the trace set's manifest; the engines' collectors
+(:mod:`specenv.engines.hf.collect`, :mod:`specenv.engines.vllm.collect`) only run the engine.
 """
 
 from __future__ import annotations
 
+import os
+import platform
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,8 +38,10 @@ __all__ = [
     "SWEEP_KEYS",
     "choose_caps",
     "first_difference",
+    "lossless_summary",
     "positions_frame",
     "rounds_frame",
+    "run_provenance",
 ]
 
 #: Which measurement goes into ``T_T_ms``/``T_D_ms``: thread CPU time or wall clock.
@@ -90,6 +95,30 @@ def first_difference(out: Sequence[int], reference: Sequence[int]) -> int | None
     return next(
         (j for j, (x, y) in enumerate(zip(out, reference, strict=False)) if x != y), min(len(out), len(reference))
     )
+
+
+def lossless_summary(runs_checked: int, mismatches: Sequence[Mapping[str, int]]) -> dict[str, Any]:
+    """The manifest's ``lossless`` entry: runs compared with the reference output, and the first 50 mismatches."""
+    return {"runs_checked": runs_checked, "mismatched_runs": len(mismatches), "mismatches": list(mismatches[:50])}
+
+
+def run_provenance(load_before: tuple[float, float, float], wall: float) -> dict[str, Any]:
+    """Where and how long a collection ran, for the manifest's ``extra``: ``python``, ``machine``, ``wall_seconds``.
+
+    Args:
+        load_before: ``os.getloadavg()`` when the collection started (the load after is read now).
+        wall: Wall-clock seconds the collection took.
+    """
+    return {
+        "python": platform.python_version(),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "processor": platform.processor() or platform.machine(),
+            "loadavg_before": [round(x, 2) for x in load_before],
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        },
+        "wall_seconds": round(wall, 1),
+    }
 
 
 def positions_frame(

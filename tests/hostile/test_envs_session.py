@@ -53,7 +53,7 @@ def test_unknown_batch_cost_name_names_what_was_given():
 
 def _all_pairs_splits(model, B, K, full):  # noqa: ANN001, ANN202
     """The enumeration before the hull filter: every pair of steps' constraints (the reference)."""
-    from oracle.batch import _step_intercepts
+    from oracle.batch.split import _step_intercepts
 
     n, P, g = _step_intercepts(model, B, K, full)
     i, j = np.triu_indices(len(n), k=1)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import gc
 import os
-import platform
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,7 +42,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from specenv.engines.counterfactual import CLOCKS, choose_caps, first_difference, positions_frame, rounds_frame
+from specenv.engines.counterfactual import (
+    CLOCKS,
+    choose_caps,
+    first_difference,
+    lossless_summary,
+    positions_frame,
+    rounds_frame,
+    run_provenance,
+)
 from specenv.engines.hf.engine import LiveEngine
 from specenv.engines.hf.models import PROMPT_SET, Prompt, SmallModels, load_models, load_prompts
 from specenv.schema import ModelFacts, ent_columns, margin_columns
@@ -409,15 +416,8 @@ def _manifest(
             "stop_at_eos": True,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
-            "python": platform.python_version(),
-            "machine": {
-                "cpus": os.cpu_count(),
-                "processor": platform.processor() or platform.machine(),
-                "loadavg_before": [round(x, 2) for x in load_before],
-                "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-            },
-            "wall_seconds": round(wall, 1),
-            "lossless": {"runs_checked": n_runs, "mismatched_runs": len(mismatches), "mismatches": mismatches[:50]},
+            **run_provenance(load_before, wall),
+            "lossless": lossless_summary(n_runs, mismatches),
             "extra_columns": {
                 "rounds.run": "fixed-K{K}",
                 "rounds.T_T_wall_ms, rounds.T_D_wall_ms": "wall-clock time of the phases (time.perf_counter)",

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import gc
 import os
-import platform
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,7 +50,14 @@ import numpy as np
 import pandas as pd
 
 from specenv.engines.base import prefix_expert_stats
-from specenv.engines.counterfactual import CLOCKS, first_difference, positions_frame, rounds_frame
+from specenv.engines.counterfactual import (
+    CLOCKS,
+    first_difference,
+    lossless_summary,
+    positions_frame,
+    rounds_frame,
+    run_provenance,
+)
 from specenv.engines.hf.models import PROMPT_SET, Prompt, load_prompts
 from specenv.schema import ModelFacts
 from specenv.traceset import Manifest, TraceSet
@@ -515,16 +521,9 @@ def _manifest(
             "prefix_caching": False,
             "vllm": vllm.__version__,
             "torch": torch.__version__,
-            "python": platform.python_version(),
-            "machine": {
-                "cpus": os.cpu_count(),
-                "processor": platform.processor() or platform.machine(),
-                "loadavg_before": [round(x, 2) for x in load_before],
-                "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-            },
-            "wall_seconds": round(wall, 1),
+            **run_provenance(load_before, wall),
             "lossless_note": "every fixed-K run compared with the K=0 output (the reference y)",
-            "lossless": {"runs_checked": n_runs, "mismatched_runs": len(mismatches), "mismatches": mismatches[:50]},
+            "lossless": lossless_summary(n_runs, mismatches),
             "near_ties": {"threshold": NEAR_TIE, **ties},
             "reference_tokens": {str(p.id): [int(x) for x in ref] for p, ref in zip(prompts, references, strict=True)},
             "extra_columns": {
