@@ -296,13 +296,7 @@ def remember_pass(key: str | None) -> None:
     path = None if key is None else _memo_path(key)
     if path is None:
         return
-    from specenv.io import atomic_write_json
-
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, {"key": key, "passed": True})
-    except OSError:
-        pass
+    _keep(path, {"key": key, "passed": True})
 
 
 def _memo_path(key: str) -> Path | None:
@@ -366,14 +360,48 @@ def _memo_write(key: str | None, valid: Any) -> None:
     path = None if key is None else _memo_path(key)
     if path is None:
         return
+    try:
+        entry = {"key": key, "value": _encode(valid)}
+    except (TypeError, ValueError, RecursionError):
+        return
+    _keep(path, entry)
+
+
+#: Between :func:`hold_memo` and :func:`release_memo`: the entries held (else None: written at once).
+_DEFERRED: list[tuple[Path, dict[str, Any]]] | None = None
+
+
+def _keep(path: Path, entry: dict[str, Any]) -> None:
+    """Write one cache entry atomically, or hold it until the command ends (:func:`hold_memo`)."""
+    if _DEFERRED is not None:
+        _DEFERRED.append((path, entry))
+        return
     from specenv.io import atomic_write_json
 
     try:
-        entry = {"key": key, "value": _encode(valid)}
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, entry)
     except (OSError, TypeError, ValueError, RecursionError):
         pass
+
+
+def hold_memo() -> None:
+    """Hold the cache entries written from now on until :func:`release_memo` (a command's start)."""
+    global _DEFERRED
+    if _DEFERRED is None:
+        _DEFERRED = []
+
+
+def release_memo(ok: bool) -> None:
+    """End :func:`hold_memo`: write the held entries if the command ended well, else drop them.
+
+    A refused command (one line, exit 2) or a failed one thus writes nothing, not even cache entries.
+    """
+    global _DEFERRED
+    held, _DEFERRED = _DEFERRED or [], None
+    if ok:
+        for path, entry in held:
+            _keep(path, entry)
 
 
 def describe(exc: Any) -> str:

@@ -187,3 +187,22 @@ def test_make_imports_no_pydantic_once_the_cache_is_warm(tmp_path):
         for _ in range(3)  # the first fits the cost model, the second reads the fit back (validating it)
     ]
     assert runs[0] == "True" and runs[-1] == "False"
+
+
+def test_a_refused_command_writes_no_memo_entry_and_a_good_one_does(cache: Path, tmp_path: Path) -> None:
+    """The CLI holds the memo's entries of a command and writes them only when it ends with status 0.
+
+    Each command in its own process (a process keeps the sets it loaded: a second command in the same
+    process would validate nothing).
+    """
+    env = {**os.environ, "SPECENV_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
+
+    def specenv(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "specenv.cli", *args], env=env, capture_output=True, text=True)
+
+    bad = specenv("bench", "paper-default", "--kmax", "99", "--out", str(tmp_path / "o"))
+    assert bad.returncode == 2 and "--kmax" in bad.stderr
+    assert _entries(cache) == []  # the set's manifest was validated, then the command was refused
+    good = specenv("validate", "paper-default")
+    assert good.returncode == 0, good.stderr
+    assert _entries(cache) != []

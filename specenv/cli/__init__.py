@@ -31,6 +31,7 @@ import typer
 
 from specenv.cli import batch, bench, caps, fit, live, oracle, serve, traces, train
 from specenv.cli.common import HELP_WIDTH, Group, QuietOpt, err, out
+from specenv.validation import hold_memo, release_memo
 
 #: Settings every group of the command line shares: plain click help, one-line errors (:class:`Group`).
 _GROUP = {
@@ -65,6 +66,7 @@ def _version_callback(value: bool) -> None:
 
 @app.callback()
 def _root(
+    ctx: typer.Context,
     version: Annotated[
         bool,
         typer.Option(
@@ -78,6 +80,18 @@ def _root(
     quiet: QuietOpt = False,
 ) -> None:
     """Speculation-length control on MoE models: traces, cost model, environment, oracle, policies."""
+    # a refused or failed command writes nothing, not even the validation cache's entries
+    hold_memo()
+    ctx.call_on_close(lambda: release_memo(_ended_well()))
+
+
+def _ended_well() -> bool:
+    """Whether the command being closed ends without an exception, or with exit status 0."""
+    exc = sys.exc_info()[1]
+    if exc is None:
+        return True
+    code = getattr(exc, "exit_code", getattr(exc, "code", 1))
+    return code in (None, 0)
 
 
 # the trace sets

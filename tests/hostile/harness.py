@@ -65,6 +65,9 @@ def run_limited(args: Sequence[str], memory_bytes: int = 1 << 30, seconds: float
     return Outcome(p.returncode, p.stdout, p.stderr)
 
 
+from specenv.validation import MEMO_SUBDIR as MEMO  # noqa: E402
+
+
 def snapshot(*roots: str | os.PathLike[str]) -> dict[str, tuple[str, str]]:
     """Every file and folder under ``roots``: path -> (kind, sha256 of the content for files)."""
     out: dict[str, tuple[str, str]] = {}
@@ -72,6 +75,10 @@ def snapshot(*roots: str | os.PathLike[str]) -> dict[str, tuple[str, str]]:
         if not root.exists():
             continue
         for p in [root, *sorted(root.rglob("*"))]:
+            if MEMO in p.parts[len(root.parts) :]:
+                # the validation memo: other test workers' successful commands add entries at any time; a
+                # refused command's own entries are dropped (tests/test_validation_memo.py checks that)
+                continue
             if p.is_symlink():
                 out[str(p)] = ("link", os.readlink(p))
             elif p.is_dir():
