@@ -288,7 +288,7 @@ def plan_policy(
     Raises:
         ValueError: One line naming ``--policy``, ``--drafting``, ``--lookahead`` or ``--signals``.
     """
-    from policies.benchmark import shipped_policy_dir
+    from policies import shipped_policy_dir
     from specenv.costmodel import check_drafting, drafting_mode
     from specenv.policy import registry
     from specenv.policy.mlp import MLPPolicy

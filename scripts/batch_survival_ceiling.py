@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from policies.batch import FixedBatch
-    from policies.batchbench import _episodes
     from policies.batchlearn import SurvivalGoodputBatch
+    from policies.bench.batch import _episodes
     from specenv.datasets import load_dataset
     from specenv.envs.batch import MoESpecBatchEnv
     from specenv.replay import select_positions

@@ -65,7 +65,7 @@ def overhead(cpus: int, repeats: int) -> dict:
         )
     import ray
 
-    from policies.benchmark import run_benchmark
+    from policies.bench.single import run_benchmark
     from policies.distributed import bench_executor, ray_cluster
 
     warm_local, warm_ray = [], []
@@ -122,7 +122,7 @@ def ray_data_read(cpus: int, repeats: int) -> dict:
 def unit_costs() -> dict:
     """CPU seconds per unit on this machine (one process; every row and solve warmed up first)."""
     from oracle.dp import solve
-    from policies.benchmark import BenchSetup, exact_generations, run_policy, setup_entries
+    from policies.bench.single import BenchSetup, exact_generations, run_policy, setup_entries
     from specenv.costsource import cost_model_for
     from specenv.datasets import load_dataset
     from specenv.replay import select_positions

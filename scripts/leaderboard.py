@@ -71,7 +71,7 @@ def leader(doc: dict[str, Any], mode: str) -> dict[str, Any]:
 
 def _policy_file(dataset: str, row: dict[str, Any]) -> str:
     """Where the leader's policy lives: its shipped folder (learned) or the module of the built-in rule."""
-    from policies.benchmark import shipped_policy_dir
+    from policies import shipped_policy_dir
 
     if row.get("learned"):
         name = row["policy"].split(" (")[0]

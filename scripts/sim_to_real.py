@@ -20,7 +20,8 @@ import json
 import gymnasium as gym
 
 import specenv  # noqa: F401
-from policies.benchmark import build_context, default_entries
+from policies.bench.context import build_context
+from policies.bench.single import default_entries
 from specenv.progress import Progress
 
 

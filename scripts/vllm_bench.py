@@ -130,7 +130,7 @@ def overhead(args: argparse.Namespace) -> None:
 def speedup(args: argparse.Namespace) -> None:
     """Plain decoding, fixed k = 1..Kmax and the delta-space rule, B = 1, live-cpu test prompts."""
     from oracle.delta import boundary_slope
-    from policies.benchmark import train_priors
+    from policies.bench.context import train_priors
     from specenv.datasets import load_dataset
     from specenv.engines.recorder import load_recording
     from specenv.fit import fit_cost_model

@@ -201,7 +201,9 @@ def _log(msg: str, quiet: bool) -> None:
 
 def run_abtest(opts: AbtestOptions, quiet: bool = False) -> dict[str, Any]:
     """Run the A/B (see the module docstring); returns the JSON document behind the table."""
-    from policies.benchmark import build_context, find_policies, shipped_policy_dir
+    from policies import shipped_policy_dir
+    from policies.bench.context import build_context
+    from policies.bench.single import find_policies
     from specenv.engines.vllm.bench import EngineProcess
     from specenv.engines.vllm.settings import policy_refusal
     from specenv.policy.mlp import MLPPolicy

@@ -7,7 +7,7 @@ as the streams of one native vector environment (:class:`specenv.envs.vector.MoE
 with the policy's ``act`` on the stacked rows (the one protocol of :mod:`specenv.policy.base`), and
 gives the same per-episode results for the same seeds (the
 vector environment's sub-environments replay exactly the single environment's trajectories); the
-benchmark (:func:`policies.benchmark.run_policy`) uses it. :func:`episode_seeds` gives every
+benchmark (:func:`policies.bench.single.run_policy`) uses it. :func:`episode_seeds` gives every
 ``(seed, generation, episode)`` its own independent reset seed. The exact oracle (:mod:`oracle`)
 never builds environments.
 

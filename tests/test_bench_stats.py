@@ -12,7 +12,8 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from policies.bench.context import build_context, shipped_policy_dir, train_priors
+from policies import shipped_policy_dir
+from policies.bench.context import build_context, train_priors
 from policies.bench.single import default_entries, find_policies, run_benchmark
 from policies.bench.tables import markdown_table
 from policies.heuristics import GoodputRule

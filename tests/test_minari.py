@@ -106,7 +106,7 @@ def test_export_round_trips_what_the_env_produced(exported: tuple[Path, str], sm
 
 
 def test_export_of_a_policy_folder_records_its_files_and_mode(tmp_path: Path) -> None:
-    from policies.bench.context import shipped_policy_dir
+    from policies import shipped_policy_dir
     from specenv.io import sha256_file
 
     folder = shipped_policy_dir("paper-default") / "imitation-h3"

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import specenv  # noqa: F401
-from policies.bench.context import build_context, shipped_policy_dir
+from policies import shipped_policy_dir
+from policies.bench.context import build_context
 from policies.bench.single import default_entries, run_policy
 from policies.stopping import load_stop_rule
 from specenv.policy.mlp import MLPPolicy

@@ -39,7 +39,8 @@ import numpy as np
 import pandas as pd
 
 from oracle.caps import DEFAULT_WEIGHTS, JointEvaluation, evaluate_joint, solve_joint
-from policies.bench.context import Context, build_context, shipped_policy_dir
+from policies import shipped_policy_dir
+from policies.bench.context import Context, build_context
 from policies.bench.result import BenchResult
 from policies.bench.runner import Progress, run_family
 from policies.bench.single import Entry, _learned, default_entries

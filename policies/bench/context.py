@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,6 @@ __all__ = [
     "Context",
     "build_context",
     "load_traces",
-    "shipped_policy_dir",
     "train_priors",
 ]
 
@@ -87,24 +85,6 @@ def load_traces(dataset: Any) -> tuple[TraceSet, str, str]:
     from specenv.datasets import load_dataset
 
     return load_dataset(dataset), os.fspath(dataset), os.fspath(dataset)
-
-
-def shipped_policy_dir(dataset: Any = None) -> Path:
-    """Folder of the policies shipped with the package: ``policies/shipped``, or ``policies/shipped/<set id>``.
-
-    Args:
-        dataset: A registered trace set name (``paper-default``, ``live-cpu-v2``): the folder of the
-            policies trained on its train split, ``policies/shipped/<name>-v<version>``; None: the root.
-            A trace-set folder has no shipped policies (the returned folder does not exist). A loaded
-            :class:`~specenv.traceset.TraceSet` stands for its manifest name.
-    """
-    root = Path(str(resources.files("policies").joinpath("shipped")))
-    if dataset is None:
-        return root
-    from specenv.datasets import find_dataset
-
-    ds = find_dataset(str(dataset.manifest.name if isinstance(dataset, TraceSet) else dataset))
-    return root / (ds.id if ds is not None else "(no shipped policies for a trace-set folder)")
 
 
 def train_priors(train: PositionArrays) -> tuple[np.ndarray, np.ndarray]:

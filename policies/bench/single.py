@@ -46,12 +46,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from policies import shipped_policy_dir
 from policies.bench.context import (
     DEFAULT_COST_MODEL,
     N_BOOT,
     Context,
     build_context,
-    shipped_policy_dir,
 )
 from policies.bench.result import BenchResult
 from policies.bench.runner import Progress, run_family

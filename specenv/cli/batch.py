@@ -109,7 +109,9 @@ def bench(
     The rows are the batch controllers of policies/batchbench.py and, unless --no-learners, the
     learned ones (trained on the train split).
     """
-    from policies.batchbench import LEARNERS, batch_markdown, run_batch_benchmark, write_batch_outputs
+    from policies.bench.batch import LEARNERS, run_batch_benchmark
+    from policies.bench.outputs import write_outputs as write_batch_outputs
+    from policies.bench.tables import batch_table as batch_markdown
 
     check_out_folder("--out", out_dir)
     rows = LEARNERS if learners is None else tuple(x.strip() for x in learners.split(",") if x.strip())

@@ -84,7 +84,9 @@ def bench(
     (policies.distributed); the outputs are the same as without it (per-episode seeds).
     With --batch B it runs `specenv batch bench --batch B` instead (the older spelling).
     """
-    from policies.benchmark import category_table, markdown_table, run_benchmark, write_outputs
+    from policies.bench.outputs import write_outputs
+    from policies.bench.single import run_benchmark
+    from policies.bench.tables import category_table, markdown_table
     from specenv.costmodel import DRAFTING_MODES
 
     check_out_folder("--out", out_dir)

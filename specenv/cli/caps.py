@@ -71,7 +71,9 @@ def bench(
     Every k-policy at every cap level, MoE-Spec's fixed cap with fixed k, the k-only and joint oracles
     (a sweep of the quality weight) and the joint learned controllers, on the held-out split.
     """
-    from policies.capbench import DEFAULT_WEIGHTS, frontier_table, markdown_table, run_cap_bench, write_outputs
+    from policies.bench.caps import DEFAULT_WEIGHTS, run_cap_bench
+    from policies.bench.outputs import write_outputs
+    from policies.bench.tables import frontier_table, markdown_table
 
     check_out_folder("--out", out_dir)
     if policies is not None and not policies.is_dir():
