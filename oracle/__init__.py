@@ -10,9 +10,9 @@
   slope lambda the delta-space heuristic uses (paper Figure 3).
 
 The oracle is numpy only: it never imports Gymnasium or the environments. Costs and survival
-probabilities come from their single owners, :meth:`specenv.costmodel.CostModel.charged_table` and
-:meth:`specenv.traceset.PositionArrays.survival`. Online policies are played through the
-environment by :mod:`specenv.rollout`.
+probabilities come from their single owners, :meth:`specenv.cost.model.CostModel.charged_table` and
+:meth:`specenv.traces.traceset.PositionArrays.survival`. Online policies are played through the
+environment by :mod:`specenv.envs.rollout`.
 """
 
 from oracle.delta import DeltaAnalysis, boundary_slope, delta_analysis, delta_rule_policy, plot_delta

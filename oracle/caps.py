@@ -6,7 +6,7 @@ is the uncapped target (rho as in :mod:`oracle.dp`) and c >= 1 the cap ``B_c`` o
 extension. A capped round (c >= 1, k >= 1) is deterministic: it accepts ``acc_c(t,k)`` drafts (the
 capped target's greedy verdict on the same chain), commits ``min(acc + 1, N - t)`` tokens of the
 *reference* text, costs ``C_c(t,k) = T_D(k) + T_T(k, U_c(t,k), L_t)`` (the same
-:class:`~specenv.costmodel.CostModel`, at the capped unique experts) and loses ``mis_c(t,k)``
+:class:`~specenv.cost.model.CostModel`, at the capped unique experts) and loses ``mis_c(t,k)``
 tokens of quality: committed tokens that differ from the uncapped reference (clipped to the tokens
 the round commits). k = 0 is never capped: the pairs (0, c >= 1) are not separate actions (the
 oracle never picks them; the environment plays them as (0, 0)).
@@ -33,8 +33,8 @@ smallest budget.
 position-indexed joint policy (a capped choice is a k-only round whose survival is 1 up to its
 accepted drafts and 0 beyond, so :mod:`oracle.dp`'s sweeps evaluate it unchanged).
 
-Inputs: the positions table's caps columns, ``arrays.caps`` (:class:`specenv.traceset.CapArrays`,
-extension ``caps-v1``), charged and clipped by :func:`specenv.capreplay.joint_tables`; ``caps=``
+Inputs: the positions table's caps columns, ``arrays.caps`` (:class:`specenv.traces.traceset.CapArrays`,
+extension ``caps-v1``), charged and clipped by :func:`specenv.replay.caps.joint_tables`; ``caps=``
 passes them separately (any object with ``caps`` and the (C, Kmax'+1, n) arrays ``acc``, ``U``,
 ``mis``, ``lpgap`` over the same rows).
 """
@@ -48,9 +48,9 @@ from typing import Any
 import numpy as np
 
 from oracle.dp import Evaluation, _backward, _forward, _Layout, _mode, _step_tables, ar_costs
-from specenv.capreplay import JointTables, joint_tables
-from specenv.costmodel import CostModel
-from specenv.traceset import PositionArrays
+from specenv.cost.model import CostModel
+from specenv.replay.caps import JointTables, joint_tables
+from specenv.traces.traceset import PositionArrays
 
 __all__ = [
     "DEFAULT_WEIGHTS",
@@ -260,7 +260,7 @@ def solve_joint(
         lookahead: Draft lookahead h (as in :func:`oracle.dp.solve`).
         drafting: The drafting mode (as in :func:`oracle.dp.solve`).
         caps: The caps columns (default ``arrays.caps``); ignored when ``tables`` is given.
-        tables: Precomputed :func:`~specenv.capreplay.joint_tables` (reused across a sweep).
+        tables: Precomputed :func:`~specenv.replay.caps.joint_tables` (reused across a sweep).
 
     Returns:
         The :class:`JointEvaluation` of the optimal policy; ``value`` is the penalised V(t),
@@ -333,7 +333,7 @@ def evaluate_joint(
         lookahead: Draft lookahead h.
         drafting: The drafting mode.
         caps: The caps columns (default ``arrays.caps``); ignored when ``tables`` is given.
-        tables: Precomputed :func:`~specenv.capreplay.joint_tables`.
+        tables: Precomputed :func:`~specenv.replay.caps.joint_tables`.
 
     Returns:
         The :class:`JointEvaluation` (``value`` = expected cost-to-go, no penalty).
@@ -362,7 +362,7 @@ def joint_action_values(
 
     Args:
         arrays: Positions table.
-        tab: Its :func:`~specenv.capreplay.joint_tables`.
+        tab: Its :func:`~specenv.replay.caps.joint_tables`.
         cost_model: Cost model.
         value: (n,) cost-to-go, e.g. ``solve_joint(...).value`` at the same weight (then ``min Q = V``).
         rows: Rows to compute (default all).

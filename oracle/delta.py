@@ -46,8 +46,8 @@ from typing import Any, Literal
 import numpy as np
 
 from oracle.dp import Evaluation, cost_table, evaluate_policy, expected_accepted, simulate, solve
-from specenv.costmodel import CostModel
-from specenv.traceset import PositionArrays
+from specenv.cost.model import CostModel
+from specenv.traces.traceset import PositionArrays
 
 __all__ = [
     "DeltaAnalysis",

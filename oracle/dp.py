@@ -30,7 +30,7 @@ every k is one cumulative sum.
 * accepted drafts that would run past the end are not counted: a round at ``t`` records
   ``min(a, N-t-1)`` accepted tokens and commits ``min(a+1, N-t)`` tokens, so over a generation the
   accepted counts plus the rounds sum to N exactly;
-* the drafting mode decides the draft charge (:data:`specenv.costmodel.DRAFTING_MODES`): in mode
+* the drafting mode decides the draft charge (:data:`specenv.cost.model.DRAFTING_MODES`): in mode
   ``"block"`` with a lookahead ``h`` (the policy sees the draft's confidences of its next h tokens)
   every round drafts ``max(k, h)`` tokens and is charged ``T_D(max(k, h))``, also at k = 0; in modes
   ``"none"`` and ``"sequential"`` a round drafts (and pays for) the k tokens it verifies. The bound
@@ -48,9 +48,9 @@ from typing import Any
 
 import numpy as np
 
-from specenv.costmodel import DRAFTING_MODES, Charge, drafting_mode
+from specenv.cost.model import DRAFTING_MODES, Charge, drafting_mode
 from specenv.stats import mean_ci, ratio_ci
-from specenv.traceset import PositionArrays, expected_accepted_table, survival_table
+from specenv.traces.traceset import PositionArrays, expected_accepted_table, survival_table
 
 __all__ = [
     "Evaluation",
@@ -95,7 +95,7 @@ def cost_table(
 
     ``C(t,k) = T_T(k, U_{t,k}, L_t) + T_D(drafted)`` (``T_D(0) = 0``), drafted = max(k, h) in mode
     ``"block"`` and k in modes ``"none"`` and ``"sequential"``: the cost model's
-    :meth:`~specenv.costmodel.CostModel.charged_table`.
+    :meth:`~specenv.cost.model.CostModel.charged_table`.
 
     Args:
         arrays: The positions table.
@@ -114,7 +114,7 @@ def cost_table(
 def survival(arrays: PositionArrays) -> np.ndarray:
     """``S[t, i-1] = P(a >= i) = prod_{j<=i} rho_{t,j}`` for i = 1..Kmax, shape (n, Kmax).
 
-    The positions table's :meth:`~specenv.traceset.PositionArrays.survival`.
+    The positions table's :meth:`~specenv.traces.traceset.PositionArrays.survival`.
     """
     return arrays.survival()
 
@@ -176,7 +176,7 @@ def _step_tables(
     """Cost (K+1, n) and survival (K, n) tables in step order.
 
     The same functions as :func:`cost_table` and :func:`survival`
-    (:meth:`~specenv.costmodel.CostModel.charged_by_budget`, :func:`~specenv.traceset.survival_table`)
+    (:meth:`~specenv.cost.model.CostModel.charged_by_budget`, :func:`~specenv.traces.traceset.survival_table`)
     applied in place to the inputs permuted by :meth:`_Layout.to_steps`, so each step reads contiguous
     slices; the values equal ``cost_table(...)[lay.perm].T`` and ``survival(...)[lay.perm].T`` exactly.
     """

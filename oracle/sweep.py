@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from oracle.dp import evaluate_policy, solve
-from specenv.costmodel import CostModel
-from specenv.traceset import PositionArrays
+from specenv.cost.model import CostModel
+from specenv.traces.traceset import PositionArrays
 
 if TYPE_CHECKING:  # pandas loads only when a sweep table is built (it is off the import path)
     import pandas as pd

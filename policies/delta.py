@@ -24,9 +24,9 @@ from __future__ import annotations
 import numpy as np
 
 from policies.heuristics import AcceptanceEstimator, _CostAware
-from specenv.costmodel import CostModel
-from specenv.observation import ObservationSpec
-from specenv.traceset import expected_accepted_table
+from specenv.cost.model import CostModel
+from specenv.observation.single import ObservationSpec
+from specenv.traces.traceset import expected_accepted_table
 
 
 class DeltaSpaceRule(_CostAware):

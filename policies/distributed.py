@@ -16,7 +16,7 @@ The units each command fans out, and why the outputs equal the local run's:
   :func:`oracle.sweep.sweep_fixed` per fixed budget): :func:`ray_map_calls`. The positions table
   goes to the object store once. The main bound, its Monte Carlo and the delta-space analysis run in
   the driver while the sweep runs in the cluster.
-* **train** -- independent runs (learner x seed, :class:`policies.runs.TrainRun`): :func:`ray_train`.
+* **train** -- independent runs (learner x seed, :class:`policies.learn.runs.TrainRun`): :func:`ray_train`.
   A worker trains into a temporary folder of its own and returns the run folder's files, which the
   driver writes into ``--out`` (so a remote cluster needs no shared filesystem for the outputs).
   Every learner runs torch on one thread, so on a local cluster a run is bit-identical to the local
@@ -275,7 +275,7 @@ def _train_task(run: Any) -> tuple[dict[str, Any], dict[str, bytes]]:
     """Ray task body: train ``run`` in a temporary folder; (summary, {relative path: bytes})."""
     import shutil
 
-    from policies.runs import train_run
+    from policies.learn.runs import train_run
 
     tmp = Path(tempfile.mkdtemp(prefix="specenv-ray-train-"))
     try:
@@ -290,7 +290,7 @@ def _train_task(run: Any) -> tuple[dict[str, Any], dict[str, bytes]]:
 def ray_train(
     runs: list[Any], out_dir: Path, progress: Callable[[int, int, str], None] | None = None
 ) -> list[dict[str, Any]]:
-    """Train ``runs`` (:class:`policies.runs.TrainRun`) as Ray tasks; write each run folder under ``out_dir``.
+    """Train ``runs`` (:class:`policies.learn.runs.TrainRun`) as Ray tasks; write each run folder under ``out_dir``.
 
     The files are written atomically, each in place of the file of the same name (as the local run
     does); the ``policy`` path of each summary names the folder under ``out_dir``. Ray must be initialised.

@@ -1,7 +1,7 @@
 """Published budget-selection heuristics, each a faithful reimplementation of its source's rule.
 
 All of them act on observations only (see :mod:`specenv.policy.base`). Costs are read from the cost model
-a server would have fitted (:class:`specenv.costmodel.CostModel`), never from the trace.
+a server would have fitted (:class:`specenv.cost.model.CostModel`), never from the trace.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import math
 
 import numpy as np
 
-from specenv.costmodel import CostModel
+from specenv.cost.model import CostModel
 from specenv.engines.base import u_prior
-from specenv.observation import ObservationSpec
+from specenv.observation.single import ObservationSpec
 from specenv.policy.base import Policy
 
 

@@ -27,7 +27,7 @@ expression over the batch, and :meth:`StopRule.budgets` computes the same budget
 arrays of a positions table (that is how thresholds are fitted: the exact expected speedup of the
 position-indexed rule on the train split, :func:`oracle.dp.evaluate_policy`).
 
-Fitting (:func:`fit_peers`) reads a :class:`specenv.traceset.PositionArrays` of the **train** split only.
+Fitting (:func:`fit_peers`) reads a :class:`specenv.traces.traceset.PositionArrays` of the **train** split only.
 scikit-learn is imported only when a classifier is fitted.
 """
 
@@ -40,11 +40,11 @@ from typing import Any
 
 import numpy as np
 
-from specenv.costmodel import CostModel
-from specenv.observation import SIGNALS as OBS_SIGNALS
-from specenv.observation import ObservationSpec
+from specenv.cost.model import CostModel
+from specenv.observation.single import SIGNALS as OBS_SIGNALS
+from specenv.observation.single import ObservationSpec
 from specenv.policy.base import Policy
-from specenv.traceset import PositionArrays
+from specenv.traces.traceset import PositionArrays
 
 __all__ = [
     "DISCO",
@@ -715,9 +715,9 @@ def _spec(kmax: int, lookahead: int, signals: tuple[str, ...]) -> ObservationSpe
 # Registry factories (entry-point group ``specenv.policies``)
 # --------------------------------------------------------------------------------------------------
 def _train_fit(spec: ObservationSpec, dataset: str, cost_model: str) -> tuple[PositionArrays, CostModel]:
-    from specenv.costsource import cost_model_for
-    from specenv.datasets import load_dataset
-    from specenv.replay import select_positions
+    from specenv.cost.source import cost_model_for
+    from specenv.replay.tables import select_positions
+    from specenv.traces.datasets import load_dataset
 
     ts = load_dataset(dataset)
     return select_positions(ts, spec.kmax, "train"), cost_model_for(ts, cost_model)

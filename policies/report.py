@@ -361,7 +361,7 @@ def _figure(inputs: ReportInputs, name: str) -> str:
 
 
 def _fit_section(inputs: ReportInputs) -> str:
-    from specenv import paper
+    from specenv.traces import paper
 
     fit = inputs.fit
     if fit is None:

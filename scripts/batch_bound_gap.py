@@ -27,10 +27,10 @@ import numpy as np
 
 from oracle.batch import FairShare, batch_bound, lagrangian_costs
 from oracle.dp import solve
-from specenv.batchreplay import request_draws
-from specenv.datasets import load_dataset
 from specenv.envs.batch import MoESpecBatchEnv
-from specenv.replay import select_positions
+from specenv.replay.batch import request_draws
+from specenv.replay.tables import select_positions
+from specenv.traces.datasets import load_dataset
 
 
 def _run(env: MoESpecBatchEnv, seeds: list[int], choose) -> float:

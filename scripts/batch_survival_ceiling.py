@@ -1,6 +1,6 @@
 """The ceiling of the learned-survival batch controller: its planner fed the *true* survival.
 
-:class:`policies.batchlearn.SurvivalGoodputBatch` plans every step's budgets from estimated
+:class:`policies.batch.learn.SurvivalGoodputBatch` plans every step's budgets from estimated
 survivals ``P(a >= j)``. This diagnostic gives the same planner the positions table's exact survival
 of every active request's current position (clairvoyant: no policy can see it) and prints its pooled
 speedup on the bench's held-out episodes (test split, episode e reset with ``seed + e``) beside
@@ -26,12 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    from policies.batch import FixedBatch
-    from policies.batchlearn import SurvivalGoodputBatch
+    from policies.batch.controllers import FixedBatch
+    from policies.batch.learn import SurvivalGoodputBatch
     from policies.bench.batch import _episodes
-    from specenv.datasets import load_dataset
     from specenv.envs.batch import MoESpecBatchEnv
-    from specenv.replay import select_positions
+    from specenv.replay.tables import select_positions
+    from specenv.traces.datasets import load_dataset
 
     try:
         env = MoESpecBatchEnv(args.traces, args.batch, split="test", cost_model="fit-train")

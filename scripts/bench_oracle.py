@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from oracle.dp import _backward, _forward, _Layout, _step_tables, evaluate_policy, solve
-from specenv.costmodel import CostModel
+from specenv.cost.model import CostModel
 from specenv.generator import generate_paper
-from specenv.traceset import TraceSet
+from specenv.traces.traceset import TraceSet
 
 TARGET_S = 0.5
 

@@ -100,7 +100,7 @@ def ray_data_read(cpus: int, repeats: int) -> dict:
     import pyarrow.parquet as pq
 
     from policies.distributed import ray_cluster
-    from specenv.datasets import resolve
+    from specenv.traces.datasets import resolve
 
     files = sorted(str(f) for f in resolve("paper-default").glob("*.parquet"))
     arrow, data = [], []
@@ -123,9 +123,9 @@ def unit_costs() -> dict:
     """CPU seconds per unit on this machine (one process; every row and solve warmed up first)."""
     from oracle.dp import solve
     from policies.bench.single import BenchSetup, exact_generations, run_policy, setup_entries
-    from specenv.costsource import cost_model_for
-    from specenv.datasets import load_dataset
-    from specenv.replay import select_positions
+    from specenv.cost.source import cost_model_for
+    from specenv.replay.tables import select_positions
+    from specenv.traces.datasets import load_dataset
 
     ctx, entries = setup_entries(BenchSetup("paper-default", None, "fit-train", None, None, None))
     gids = np.asarray(ctx.test.generation_ids, dtype=np.int64)

@@ -4,10 +4,10 @@ Usage:
     python scripts/caps_report.py [TRACES]          # default: the shipped live-cpu-caps set
 
 Prints: the cap grid and how it was chosen (the per-layer union quantiles it came from); on the
-*test* split (:mod:`specenv.splits`), per cap level and budget k, the token mismatch rate
-(mismatched / committed tokens, :meth:`specenv.traceset.PositionArrays.cap_quality`), the mean
+*test* split (:mod:`specenv.traces.splits`), per cap level and budget k, the token mismatch rate
+(mismatched / committed tokens, :meth:`specenv.traces.traceset.PositionArrays.cap_quality`), the mean
 log-prob gap and the mean and range of the capped U; how often the executed capped fixed-K runs left
-the reference text; the cost-model transfer (:func:`specenv.fit.capped_transfer`: fitted on the
+the reference text; the cost-model transfer (:func:`specenv.cost.fit.capped_transfer`: fitted on the
 train split, scored on the test split's rounds); and the collection time from the manifest.
 """
 
@@ -18,9 +18,9 @@ import json
 
 import numpy as np
 
-from specenv.datasets import load_dataset
-from specenv.fit import capped_transfer
-from specenv.splits import select_split, split_ids
+from specenv.cost.fit import capped_transfer
+from specenv.traces.datasets import load_dataset
+from specenv.traces.splits import select_split, split_ids
 
 
 def main() -> None:

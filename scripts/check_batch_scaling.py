@@ -6,7 +6,7 @@ recording's CPU times by default):
 
 * ``fit``: the batch model fitted on the recording itself (``batchcost.json``);
 * ``scaled``: the B = 1 cost model of a trace set (default ``live-vllm``, fitted on its rounds table)
-  scaled to batches by :meth:`specenv.batchcost.BatchCostModel.from_cost_model` with the shipped
+  scaled to batches by :meth:`specenv.cost.batch.BatchCostModel.from_cost_model` with the shipped
   shape factors; its absolute level is the B = 1 recording's (another run, another load), so the
   script also prints its MAPE after one level factor (the median ratio at B = 1). A ratio that stays
   flat over B means the batch shape carries over.
@@ -31,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timing", choices=("cpu", "wall"), default="cpu")
     args = ap.parse_args(argv)
 
-    from specenv.batchcost import BatchCostModel, load_batch_cost_model
-    from specenv.batchfit import TIMINGS, load_steps
-    from specenv.costsource import cost_model_for
-    from specenv.datasets import load_dataset
+    from specenv.cost.batch import BatchCostModel, load_batch_cost_model
+    from specenv.cost.batchfit import TIMINGS, load_steps
+    from specenv.cost.source import cost_model_for
+    from specenv.traces.datasets import load_dataset
 
     try:
         steps, _ = load_steps(args.recording)

@@ -5,8 +5,8 @@ Writes a folder (default ``specenv/data/live-vllm-batch-v1``) holding
 * ``steps.parquet``: one row per pure engine step (:data:`specenv.engines.vllm.batchrec.STEP_COLUMNS`),
   recorded by :func:`specenv.engines.vllm.batchrec.record_batch_steps`;
 * ``manifest.json``: format ``specenv.batchsteps/1``, the model facts, kmax, the settings, the machine's
-  load during the run, and the sha256 of ``steps.parquet`` (checked by :func:`specenv.batchfit.load_steps`);
-* ``batchcost.json``: the batch cost model fitted on it (:func:`specenv.batchfit.fit_batch_cost`), unless
+  load during the run, and the sha256 of ``steps.parquet`` (checked by :func:`specenv.cost.batchfit.load_steps`);
+* ``batchcost.json``: the batch cost model fitted on it (:func:`specenv.cost.batchfit.fit_batch_cost`), unless
   ``--no-fit``.
 
 Run in the vLLM environment (CPU, the shipped small models, about two minutes)::
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if not batches or min(batches) < 1 or not 1 <= args.kmax <= 64 or args.reps < 1 or args.max_tokens < 2:
         print("error: need batches >= 1, 1 <= --kmax <= 64, --reps >= 1, --max-tokens >= 2", file=sys.stderr)
         return 2
-    from specenv.batchfit import STEPS_FORMAT, recording_format
+    from specenv.cost.batchfit import STEPS_FORMAT, recording_format
 
     if os.path.lexists(args.out):
         if not args.replace:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ctl = llm.llm_engine.engine_core.engine_core.scheduler
     import vllm
 
-    from specenv.batchfit import write_steps
+    from specenv.cost.batchfit import write_steps
 
     manifest = {
         "name": "live-vllm-batch",

@@ -27,7 +27,7 @@ import sys
 import numpy as np
 from sklearn.metrics import roc_auc_score
 
-from specenv.datasets import load_dataset
+from specenv.traces.datasets import load_dataset
 
 
 def weighted_auc(score: np.ndarray, p: np.ndarray, w: np.ndarray) -> float:

@@ -34,9 +34,9 @@ MC_EPISODES, MC_SEED = 4, 0
 def compute() -> dict[str, Any]:
     """Recompute every golden figure from the package (no file is read but the shipped set)."""
     import oracle
-    from specenv.costsource import cost_model_for
-    from specenv.datasets import load_dataset
-    from specenv.splits import select_split
+    from specenv.cost.source import cost_model_for
+    from specenv.traces.datasets import load_dataset
+    from specenv.traces.splits import select_split
 
     ts = load_dataset(DATASET)
     arrays = ts.arrays()

@@ -76,7 +76,7 @@ def _policy_file(dataset: str, row: dict[str, Any]) -> str:
     if row.get("learned"):
         name = row["policy"].split(" (")[0]
         return str((shipped_policy_dir(dataset) / name / "policy.json").relative_to(ROOT))
-    return "policies/benchmark.py (default rows: policies/heuristics.py, policies/delta.py, policies/peers.py)"
+    return "policies/bench/single.py (default rows: policies/heuristics.py, policies/delta.py, policies/peers.py)"
 
 
 def write(sets: tuple[str, ...] = SETS, modes: tuple[str, ...] = MODES) -> list[dict[str, Any]]:

@@ -26,9 +26,9 @@ import gymnasium as gym
 import numpy as np
 
 import specenv  # noqa: F401  (registers the environments)
-from specenv.datasets import load_dataset
 from specenv.engines.hf import LiveEngine, load_models, load_prompts
 from specenv.progress import Progress
+from specenv.traces.datasets import load_dataset
 
 
 def replay_speedups(gids: list[int], kmax: int) -> dict[int, float]:

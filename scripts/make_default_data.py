@@ -14,7 +14,7 @@ bit after the sweep has reproduced them, and the schema-v2 columns are added.
 fixed-K rounds K=0..8 and the counterfactual positions; the first ``--prompts`` prompts of the shipped
 prompt set x 128 tokens); it needs the vLLM extra.
 
-After running, put the printed manifest sha256 into specenv/datasets.py (REGISTRY), with the new
+After running, put the printed manifest sha256 into specenv/traces/datasets.py (REGISTRY), with the new
 version and folder when the content changed, remove the old folder and update traces/README.md.
 """
 
@@ -25,9 +25,9 @@ import json
 import time
 from pathlib import Path
 
-from specenv.datasets import install_dataset_files, load_dataset
 from specenv.generator import generate_paper
 from specenv.progress import Progress
+from specenv.traces.datasets import install_dataset_files, load_dataset
 
 DATA = Path(__file__).resolve().parents[1] / "specenv" / "data"
 

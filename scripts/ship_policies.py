@@ -12,15 +12,15 @@ charges), one policy per learner and drafting mode:
 =================  ==========  ===========================================================
 folder             drafting    learner
 =================  ==========  ===========================================================
-imitation          none        DAgger on the oracle's action values (policies.imitation)
+imitation          none        DAgger on the oracle's action values (policies.learn.imitation)
 imitation-h3       block h=3   the same with the confidences of 3 drafts proposed at once
-imitation-seq      sequential  DAgger stop rule on the oracle's k* (policies.stopping)
-ppo                none        SB3 PPO on the native vector env (policies.rl)
+imitation-seq      sequential  DAgger stop rule on the oracle's k* (policies.learn.stopping)
+ppo                none        SB3 PPO on the native vector env (policies.learn.rl)
 dqn                none        SB3 DQN on the native vector env
 ppo-h3             block h=3   SB3 PPO with 3 confidences
 ppo-seq            sequential  SB3 PPO on the per-token env specenv/MoESpecSeq-v0
-bc-h3              block h=3   behaviour cloning (policies.bc) of the oracle's k* on the train split,
-                               through a Minari dataset (policies.offline; needs the minari extra)
+bc-h3              block h=3   behaviour cloning (policies.learn.bc) of the oracle's k* on the train split,
+                               through a Minari dataset (policies.learn.offline; needs the minari extra)
 =================  ==========  ===========================================================
 
 Every policy.json records the recipe (every hyper-parameter), the trace set (name, version, manifest
@@ -84,9 +84,9 @@ BUDGET: dict[str, dict[str, Any]] = {
 
 def recipes(budget: dict[str, Any]) -> dict[str, Callable[[str, Path], Any]]:
     """name -> function(dataset, run folder) returning the trained MLPPolicy."""
-    from policies.imitation import train_dagger
-    from policies.rl import best_fixed_rate, train_sb3
-    from policies.stopping import train_stop_dagger
+    from policies.learn.imitation import train_dagger
+    from policies.learn.rl import best_fixed_rate, train_sb3
+    from policies.learn.stopping import train_stop_dagger
 
     it, ep = budget["iterations"], budget["epochs"]
 
@@ -128,9 +128,9 @@ def recipes(budget: dict[str, Any]) -> dict[str, Callable[[str, Path], Any]]:
 
 def bc_from_oracle(ds: str, tmp: Path, lookahead: int, epochs: int) -> Any:
     """BC of the oracle's k* (block, h = ``lookahead``): its train split as a Minari dataset in ``tmp``, fitted."""
-    from policies.bc import train_bc
-    from policies.offline import dataset_id, export_minari, open_dataset, plan_policy
-    from specenv.datasets import load_dataset
+    from policies.learn.bc import train_bc
+    from policies.learn.offline import dataset_id, export_minari, open_dataset, plan_policy
+    from specenv.traces.datasets import load_dataset
 
     plan = plan_policy("oracle", ds, int(load_dataset(ds).kmax), "block", lookahead)
     ident = dataset_id(ds, "oracle", plan=plan)
@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from policies.export import provenance
-    from specenv.datasets import find_dataset, load_dataset
+    from policies.learn.export import provenance
+    from specenv.traces.datasets import find_dataset, load_dataset
 
     torch.set_num_threads(1)
     total = time.perf_counter()

@@ -15,7 +15,7 @@ observation bookkeeping, recorder rows), which does not depend on machine noise.
 its ``max_new_tokens``; configurations: plain decoding (no speculation), fixed k = 1..Kmax
 (``num_speculative_tokens = k``), and the paper's delta-space rule through the controller with
 ``num_speculative_tokens = Kmax`` (draft horizon ``max`` and ``policy``). The rule's cost model is
-fitted (:func:`specenv.fit.fit_cost_model`) on the rounds the recorder wrote during the first round of
+fitted (:func:`specenv.cost.fit.fit_cost_model`) on the rounds the recorder wrote during the first round of
 fixed-k runs -- vLLM's own costs on this machine -- its priors and oracle lambda come from the
 ``live-cpu`` train split. Every configuration runs ``--rounds`` times, interleaved, in fresh processes;
 speedup = median wall time of plain decoding / median wall time of the configuration (greedy: the
@@ -131,10 +131,10 @@ def speedup(args: argparse.Namespace) -> None:
     """Plain decoding, fixed k = 1..Kmax and the delta-space rule, B = 1, live-cpu test prompts."""
     from oracle.delta import boundary_slope
     from policies.bench.context import train_priors
-    from specenv.datasets import load_dataset
+    from specenv.cost.fit import fit_cost_model
     from specenv.engines.recorder import load_recording
-    from specenv.fit import fit_cost_model
-    from specenv.replay import select_positions
+    from specenv.replay.tables import select_positions
+    from specenv.traces.datasets import load_dataset
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ Arms (``--arms``; one engine each unless said otherwise):
   ``policies/shipped`` and ``--policy-dir`` that the served model's contract accepts; the others are listed
   with the one-line refusal): through specenv's controller, all on one engine with
   ``num_speculative_tokens = kmax`` and ``draft_horizon="policy"``;
-* ``batch``: the expert-aware batch policy :class:`policies.batch_goodput.BatchGoodput` (a batch policy:
+* ``batch``: the expert-aware batch policy :class:`policies.batch.goodput.BatchGoodput` (a batch policy:
   one ``act_step`` per engine step for all requests, priced by the shipped vLLM batch cost model
   ``live-vllm-batch-v1``, fitted on the same small models; other models: not run) through the
   controller engine, ``draft_horizon="policy"``;
@@ -83,7 +83,7 @@ class AbtestOptions:
 # ---------------------------------------------------------------------------------------------- policies
 def make_policy(desc: dict[str, Any], ctl: Any) -> Any:
     """A policy object from its JSON description, for a controller (runs in the engine process)."""
-    from specenv.observation import ObservationSpec
+    from specenv.observation.single import ObservationSpec
 
     kind = desc["kind"]
     if kind == "mlp":  # carries its own contract (checked by the controller against the served model)
@@ -101,7 +101,7 @@ def make_policy(desc: dict[str, Any], ctl: Any) -> Any:
         return TransformersHeuristic(spec)
     if kind == "delta":
         from policies.delta import DeltaSpaceRule
-        from specenv.costmodel import CostModel
+        from specenv.cost.model import CostModel
 
         return DeltaSpaceRule(
             spec,
@@ -112,8 +112,8 @@ def make_policy(desc: dict[str, Any], ctl: Any) -> Any:
             rho_prior=np.asarray(desc["rho_prior"]),
         )
     if kind == "batch-goodput":
-        from policies.batch_goodput import BatchGoodput
-        from specenv.batchcost import load_batch_cost_model
+        from policies.batch.goodput import BatchGoodput
+        from specenv.cost.batch import load_batch_cost_model
 
         u_prior = desc.get("u_prior")
         bm = load_batch_cost_model(desc.get("batch_cost_model", "live-vllm-batch-v1"))
@@ -212,8 +212,8 @@ def run_abtest(opts: AbtestOptions, quiet: bool = False) -> dict[str, Any]:
     out = Path(opts.out) if opts.out else Path(tempfile.mkdtemp(prefix="specenv-abtest-"))
     out.mkdir(parents=True, exist_ok=True)
     if opts.cost_model == "vllm":  # the cost model fitted on vLLM's own rounds (train split of live-vllm)
-        from specenv.costsource import cost_model_for
-        from specenv.datasets import load_dataset
+        from specenv.cost.source import cost_model_for
+        from specenv.traces.datasets import load_dataset
 
         if opts.models != "small-moe-v1":
             raise ValueError(
@@ -423,7 +423,7 @@ def run_abtest(opts: AbtestOptions, quiet: bool = False) -> dict[str, Any]:
 
 
 def _top_k(dataset: str) -> int | None:
-    from specenv.datasets import load_dataset
+    from specenv.traces.datasets import load_dataset
 
     return int(load_dataset(dataset).facts.top_k)
 

@@ -40,10 +40,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pandas as pd
 
-from specenv import paper
-from specenv.costmodel import CostModel
-from specenv.schema import ModelFacts, ent_columns, margin_columns, q_columns, rho_columns, u_columns
-from specenv.traceset import Manifest, TraceSet, survival_table
+from specenv.cost.model import CostModel
+from specenv.traces import paper
+from specenv.traces.schema import ModelFacts, ent_columns, margin_columns, q_columns, rho_columns, u_columns
+from specenv.traces.traceset import Manifest, TraceSet, survival_table
 
 
 @dataclass(frozen=True)

@@ -5,15 +5,15 @@ integers, non-UTF-8 bytes and unreadable files each become one line) and checked
 against one of the pydantic models below (strict types: no bool for an integer, no float for an
 integer, so ``1e999`` is refused; finite floats; bounded integers; names without control
 characters). The first problem becomes ONE line ``FILE: field 'a.b': problem``, raised as the
-exception the caller already handles: :class:`specenv.schema.TraceError` for trace sets (the caller
+exception the caller already handles: :class:`specenv.traces.schema.TraceError` for trace sets (the caller
 passes it as ``error``), :class:`ValueError` everywhere else (:func:`value_error`).
 
 | file | model | read by |
 |---|---|---|
-| trace-set ``manifest.json`` | :class:`ManifestJSON` | :meth:`specenv.traceset.Manifest.from_json` |
-| cost-model JSON | :class:`CostModelJSON` | :meth:`specenv.costmodel.CostModel.from_json` |
-| batch cost-model JSON | :class:`BatchCostModelJSON` | :meth:`specenv.batchcost.BatchCostModel.from_json` |
-| steps recording ``manifest.json`` | :class:`BatchStepsJSON` | :func:`specenv.batchfit.load_steps` |
+| trace-set ``manifest.json`` | :class:`ManifestJSON` | :meth:`specenv.traces.traceset.Manifest.from_json` |
+| cost-model JSON | :class:`CostModelJSON` | :meth:`specenv.cost.model.CostModel.from_json` |
+| batch cost-model JSON | :class:`BatchCostModelJSON` | :meth:`specenv.cost.batch.BatchCostModel.from_json` |
+| steps recording ``manifest.json`` | :class:`BatchStepsJSON` | :func:`specenv.cost.batchfit.load_steps` |
 | ``policy.json`` (+ :func:`npz_headers`) | :class:`PolicyJSON` | :meth:`specenv.policy.mlp.MLPPolicy.load` |
 | ``recording.json`` | :class:`RecordingJSON` | :mod:`specenv.engines.recorder` |
 | recording part index ``parts/part-N.json`` | :class:`PartIndexJSON` | :mod:`specenv.engines.recorder` |
@@ -671,7 +671,7 @@ def _models() -> dict[str, Any]:
         u_theta: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
 
     class BatchCostModelJSON(Strict):
-        """A batch cost model (:mod:`specenv.batchcost`); every charged step time must be positive."""
+        """A batch cost model (:mod:`specenv.cost.batch`); every charged step time must be positive."""
 
         format: str
         kmax: Annotated[int, Field(ge=1, le=KMAX_MAX)]
@@ -708,7 +708,7 @@ def _models() -> dict[str, Any]:
             return self
 
     class BatchStepsJSON(Strict):
-        """A steps recording's ``manifest.json`` (:mod:`specenv.batchfit`)."""
+        """A steps recording's ``manifest.json`` (:mod:`specenv.cost.batchfit`)."""
 
         format: str
         name: Name

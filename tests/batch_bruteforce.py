@@ -11,8 +11,8 @@ from functools import cache
 
 import numpy as np
 
-from specenv.batchcost import BatchCostModel
-from specenv.traceset import PositionArrays
+from specenv.cost.batch import BatchCostModel
+from specenv.traces.traceset import PositionArrays
 
 
 def joint_optimum(

@@ -1,7 +1,7 @@
 """Reference prices of a batched step, written from the batch cost model's formula (not its code).
 
 The tests of the batch controllers compare a controller's budgets with the best budgets under these
-prices, found by enumeration. The formula (the :class:`specenv.batchcost.BatchCostModel` docstring):
+prices, found by enumeration. The formula (the :class:`specenv.cost.batch.BatchCostModel` docstring):
 
 * verification: ``beta0(P) + alpha(P) * U_batch + c(P) * sum_i L_i + b_req * (B - 1)``, ``P = sum_i (k_i + 1)``;
 * ``U_batch`` of per-request counts ``U_i`` out of n experts, the largest first:
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specenv.batchcost import BatchCostModel
-from specenv.batchobs import BatchObservationSpec
+from specenv.cost.batch import BatchCostModel
+from specenv.observation.batch import BatchObservationSpec
 
 
 def union(u: Sequence[float], n: float, theta: float) -> float:

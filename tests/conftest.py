@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from specenv.generator import generate_paper
-from specenv.traceset import TraceSet
+from specenv.traces.traceset import TraceSet
 
 # The suite never writes to the user's cache folder (fitted cost models, vLLM model views): it uses the
 # checkout's own ignored `.test-cache/` unless the caller chose one (subprocesses inherit it). Entries are

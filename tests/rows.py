@@ -52,7 +52,7 @@ def add_synthetic_caps(ts, caps=SYNTHETIC_CAPS, seed: int = 0):
     ``cap`` = B, ``U_r`` = min(U_r, B) and the target time scaled by (1 + U_r,capped / U_r) / 2.
 
     Args:
-        ts: A greedy :class:`specenv.traceset.TraceSet` with positions (e.g. ``generate_paper(greedy=True)``).
+        ts: A greedy :class:`specenv.traces.traceset.TraceSet` with positions (e.g. ``generate_paper(greedy=True)``).
         caps: Caps B_1 < ... < B_C, each below the model's n_experts.
         seed: Seed of the draws.
 
@@ -64,8 +64,8 @@ def add_synthetic_caps(ts, caps=SYNTHETIC_CAPS, seed: int = 0):
     import numpy as np
     import pandas as pd
 
-    from specenv.schema import cap_column
-    from specenv.traceset import TraceSet
+    from specenv.traces.schema import cap_column
+    from specenv.traces.traceset import TraceSet
 
     if not ts.manifest.greedy:
         raise ValueError("add_synthetic_caps needs a greedy set (acceptance under a cap is a verdict)")

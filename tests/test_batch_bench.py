@@ -1,4 +1,4 @@
-"""`specenv bench --batch B` (policies/bench/batch.py) and the learned batch controllers (policies/batchlearn.py)."""
+"""`specenv bench --batch B` (policies/bench/batch.py) and the learned batch controllers (policies/batch/learn.py)."""
 
 from __future__ import annotations
 
@@ -63,13 +63,13 @@ def test_cli_bench_batch_refuses_bad_values(small_traces, tmp_path):
 def test_learned_batch_controllers_train_and_stay_below_the_bound():
     """Imitation of the bound (exported numpy MLP, per request) and a short PPO run, on live-vllm B = 2."""
     from oracle.batch import batch_bound
-    from policies.batch import PerRequest
-    from policies.batchlearn import train_batch_imitation, train_batch_ppo
+    from policies.batch.controllers import PerRequest
+    from policies.batch.learn import train_batch_imitation, train_batch_ppo
     from policies.bench.batch import _episodes
-    from specenv.datasets import load_dataset
     from specenv.envs.batch import MoESpecBatchEnv
     from specenv.policy.mlp import MLPPolicy
-    from specenv.replay import select_positions
+    from specenv.replay.tables import select_positions
+    from specenv.traces.datasets import load_dataset
 
     imit = train_batch_imitation("live-vllm", 2, iterations=2, episodes=2, epochs=10, expert="fair")
     assert isinstance(imit.policy, MLPPolicy) and imit.policy.meta["algo"] == "batch-imitation"

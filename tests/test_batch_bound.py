@@ -19,12 +19,12 @@ from oracle.batch import (
     tail_model,
 )
 from oracle.dp import solve
-from specenv.batchcost import BatchCostModel
-from specenv.batchreplay import ar_schedule_ms, request_draws
-from specenv.costmodel import CostModel
+from specenv.cost.batch import BatchCostModel
+from specenv.cost.model import CostModel
 from specenv.envs.batch import MoESpecBatchEnv
-from specenv.schema import ModelFacts
-from specenv.traceset import PositionArrays
+from specenv.replay.batch import ar_schedule_ms, request_draws
+from specenv.traces.schema import ModelFacts
+from specenv.traces.traceset import PositionArrays
 
 FACTS = ModelFacts(n_layers=6, n_experts=64, top_k=4)
 
@@ -200,14 +200,14 @@ def test_pathwise_equals_the_ssp_on_greedy_traces_and_is_below_realisations():
 @pytest.mark.parametrize("dataset", ["live-vllm", "small"])
 def test_bound_is_above_every_policy_on_every_episode(dataset, small_traces):
     """Pathwise bound >= the realised speedup of fixed, random and adaptive budgets, episode by episode."""
-    from policies.batch import DSDBatch, FixedBatch, GoodputBatch
+    from policies.batch.controllers import DSDBatch, FixedBatch, GoodputBatch
 
     ds = str(small_traces) if dataset == "small" else dataset
     B = 3
     cm = "profile" if dataset == "small" else "fit"
     env = MoESpecBatchEnv(ds, batch_size=B, n_requests=5, split="test", cost_model=cm)
-    from specenv.datasets import load_dataset
-    from specenv.replay import select_positions
+    from specenv.replay.tables import select_positions
+    from specenv.traces.datasets import load_dataset
 
     arrays = select_positions(load_dataset(ds), env.kmax, "test")
     rng = np.random.default_rng(1)

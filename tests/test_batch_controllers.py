@@ -1,4 +1,4 @@
-"""The batch controllers of policies/batch.py against what their docstrings claim, on known answers.
+"""The batch controllers of policies/batch/controllers.py against what their docstrings claim, on known answers.
 
 Every expected budget comes from :mod:`batch_reference` (the cost model's formula written out again)
 by enumeration, or is derived by hand below; no expectation calls the controller's own pricing.
@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 from batch_reference import batch_obs, draft_ms, union, verify_ms
 
-from policies.batch import (
+from policies.batch.controllers import (
     AdaptiveVerificationBatch,
     DSDBatch,
     GoodputBatch,
     TetrisBatch,
     fit_dsd_table,
 )
-from specenv.batchcost import BatchCostModel, load_batch_cost_model
-from specenv.batchobs import BatchObservationSpec
-from specenv.observation import ObservationSpec
+from specenv.cost.batch import BatchCostModel, load_batch_cost_model
+from specenv.observation.batch import BatchObservationSpec
+from specenv.observation.single import ObservationSpec
 
 SCALE = 4096.0  # ObservationSpec's default context_scale: L / SCALE is exact in float32 for integer L
 

@@ -10,8 +10,8 @@ import pytest
 from gymnasium.utils.env_checker import check_env as gym_check_env
 
 import specenv  # noqa: F401  (registers the ids)
-from specenv.batchreplay import allocate_budget, ar_schedule_ms, request_draws
 from specenv.envs.batch import BATCH_ID, BUDGET_ID, MoESpecBatchEnv
+from specenv.replay.batch import allocate_budget, ar_schedule_ms, request_draws
 
 REPLAY_ID = "specenv/MoESpec-v1"
 

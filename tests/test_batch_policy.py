@@ -1,4 +1,4 @@
-"""The one policy protocol on a joint batch decision: the expert-aware batch policy (policies/batch_goodput.py)."""
+"""The one policy protocol on a joint batch decision: the expert-aware batch policy (policies/batch/goodput.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from batch_reference import draft_ms, verify_ms
 
-from policies.batch_goodput import BatchGoodput
-from specenv.batchcost import load_batch_cost_model
-from specenv.observation import ObservationSpec, ObservationState
+from policies.batch.goodput import BatchGoodput
+from specenv.cost.batch import load_batch_cost_model
+from specenv.observation.single import ObservationSpec, ObservationState
 from specenv.policy.base import PolicyProtocol
 
 KMAX = 4

@@ -1,18 +1,18 @@
-"""The learned-survival batch controller (policies/batchlearn.py: SurvivalGoodputBatch, train_batch_survival)."""
+"""The learned-survival batch controller (policies/batch/learn.py: SurvivalGoodputBatch, train_batch_survival)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from policies.batch import FixedBatch
-from policies.batchlearn import SurvivalGoodputBatch, train_batch_survival
+from policies.batch.controllers import FixedBatch
+from policies.batch.learn import SurvivalGoodputBatch, train_batch_survival
 from policies.bench.batch import _episodes
-from specenv.batchcost import BatchCostModel
-from specenv.batchobs import BatchObservationSpec
+from specenv.cost.batch import BatchCostModel
 from specenv.generator import generate_paper
-from specenv.observation import ObservationSpec
-from specenv.traceset import TraceSet
+from specenv.observation.batch import BatchObservationSpec
+from specenv.observation.single import ObservationSpec
+from specenv.traces.traceset import TraceSet
 
 
 class _Known:

@@ -1,4 +1,4 @@
-"""The batch cost model (specenv/batchcost.py): B = 1 consistency, monotonicity, U_batch predictors, JSON."""
+"""The batch cost model (specenv/cost/batch.py): B = 1 consistency, monotonicity, U_batch predictors, JSON."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from specenv.batchcost import PREDICTORS, BatchCostModel, BatchShape, load_batch_cost_model, union_independent
-from specenv.costmodel import CostModel
-from specenv.schema import ModelFacts
+from specenv.cost.batch import PREDICTORS, BatchCostModel, BatchShape, load_batch_cost_model, union_independent
+from specenv.cost.model import CostModel
+from specenv.traces.schema import ModelFacts
 
 PAPER = ModelFacts(n_layers=48, n_experts=128, top_k=8)
 
@@ -183,8 +183,8 @@ def test_shape_round_trip_through_scaling():
 
 @pytest.mark.parametrize("name", ["paper-default", "live-cpu", "live-vllm"])
 def test_every_shipped_set_can_be_priced(name):
-    from specenv.costsource import cost_model_for
-    from specenv.datasets import load_dataset
+    from specenv.cost.source import cost_model_for
+    from specenv.traces.datasets import load_dataset
 
     ts = load_dataset(name)
     cm = cost_model_for(ts, "fit-train")

@@ -1,4 +1,4 @@
-"""The batch fit (specenv/batchfit.py): the shipped vLLM recording, recovery on synthetic steps, bad input."""
+"""The batch fit (specenv/cost/batchfit.py): the shipped vLLM recording, recovery on synthetic steps, bad input."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from specenv.batchcost import BatchCostModel, load_batch_cost_model, union_shared
-from specenv.batchfit import STEPS_FORMAT, check_steps, fit_batch_cost, load_steps, write_steps
 from specenv.cli import app
+from specenv.cost.batch import BatchCostModel, load_batch_cost_model, union_shared
+from specenv.cost.batchfit import STEPS_FORMAT, check_steps, fit_batch_cost, load_steps, write_steps
 from specenv.io import package_data
 
 FACTS = {"n_layers": 6, "n_experts": 64, "top_k": 4}

@@ -165,9 +165,9 @@ def test_a_loaded_trace_set_is_read_once_and_gives_the_rows_of_its_name(
     bench_set: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """run_benchmark takes a loaded TraceSet: no file is read again, the rows equal the run by folder name."""
-    from specenv.datasets import load_dataset
-    from specenv.replay import replay_data
-    from specenv.traceset import TraceSet
+    from specenv.replay.tables import replay_data
+    from specenv.traces.datasets import load_dataset
+    from specenv.traces.traceset import TraceSet
 
     rows = ["fixed k=1", "UCB bandit"]  # an exact row and a Monte-Carlo row (its env reads the set by folder)
     by_name = run_benchmark(str(bench_set), episodes=1, only=rows)

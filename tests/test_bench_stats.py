@@ -18,10 +18,10 @@ from policies.bench.single import default_entries, find_policies, run_benchmark
 from policies.bench.tables import markdown_table
 from policies.heuristics import GoodputRule
 from specenv.envs.replay import ENV_ID
+from specenv.envs.rollout import episode_seeds, rollout, rollout_vector
 from specenv.policy.mlp import MLPPolicy
-from specenv.rollout import episode_seeds, rollout, rollout_vector
 from specenv.stats import bootstrap_indices, bootstrap_ratio_ci
-from specenv.traceset import TraceSet
+from specenv.traces.traceset import TraceSet
 
 _FIELDS = ("generation_ids", "seeds", "cost", "ar", "rounds", "k_sum", "accepted_sum", "returns", "k_min", "k_max")
 
@@ -117,9 +117,9 @@ def two_seeds(bench_set: Path) -> tuple:
 @pytest.mark.slow  # runs whole benchmarks (the full suite runs it)
 def test_fixed_k_rows_are_the_exact_evaluation(bench_set: Path, two_seeds: tuple) -> None:
     from oracle.dp import evaluate_policy
-    from specenv.costsource import cost_model_for
-    from specenv.datasets import load_dataset
-    from specenv.replay import select_positions
+    from specenv.cost.source import cost_model_for
+    from specenv.replay.tables import select_positions
+    from specenv.traces.datasets import load_dataset
 
     res = two_seeds[0]
     ts = load_dataset(str(bench_set))
@@ -171,9 +171,9 @@ def test_common_random_numbers_across_policies(two_seeds: tuple) -> None:
 
 @pytest.mark.slow  # runs whole benchmarks (the full suite runs it)
 def test_cost_model_and_everything_fitted_come_from_the_train_split(bench_set: Path, two_seeds: tuple) -> None:
-    from specenv.costsource import cost_model_for, fresh_fit, split_rounds
-    from specenv.datasets import load_dataset
-    from specenv.fit import fit_replay_model
+    from specenv.cost.fit import fit_replay_model
+    from specenv.cost.source import cost_model_for, fresh_fit, split_rounds
+    from specenv.traces.datasets import load_dataset
 
     ctx = two_seeds[0].context
     assert ctx["cost_model"] == "fit-train" and ctx["cost_model_fitted_on"] == "train split"
@@ -254,9 +254,9 @@ def _old_goodput_act(self: GoodputRule, obs: np.ndarray) -> int:
 
 @pytest.mark.slow  # runs whole benchmarks (the full suite runs it)
 def test_goodput_recovers_from_k0(tmp_path: Path) -> None:
-    from specenv.datasets import load_dataset
     from specenv.generator import generate_paper
-    from specenv.replay import select_positions
+    from specenv.replay.tables import select_positions
+    from specenv.traces.datasets import load_dataset
 
     path = tmp_path / "greedy"
     generate_paper(20, kmax=6, seed=3, greedy=True, name="greedy-goodput").save(path)
@@ -289,8 +289,8 @@ def test_goodput_recovers_from_k0(tmp_path: Path) -> None:
 
 
 def test_train_fit_is_cached_on_disk_beside_the_full_fit(bench_set: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from specenv import costsource
-    from specenv.datasets import load_dataset
+    from specenv.cost import source as costsource
+    from specenv.traces.datasets import load_dataset
 
     ts = load_dataset(str(bench_set))
     first = costsource.cost_model_for(ts, "fit-train")

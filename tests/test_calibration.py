@@ -9,12 +9,12 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from specenv import paper
 from specenv.cli import app
-from specenv.costmodel import CostModel
-from specenv.datasets import load_dataset
-from specenv.fit import FitReport, fit_cost_model
+from specenv.cost.fit import FitReport, fit_cost_model
+from specenv.cost.model import CostModel
 from specenv.generator import generate_paper
+from specenv.traces import paper
+from specenv.traces.datasets import load_dataset
 
 
 @pytest.fixture(scope="module")

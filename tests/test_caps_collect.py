@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specenv.engines.counterfactual import choose_caps
-from specenv.traceset import TraceSet
+from specenv.traces.traceset import TraceSet
 
 
 def test_choose_caps_is_the_rounded_quantiles():
@@ -74,8 +74,8 @@ def test_capped_transfer_detects_an_overhead_of_the_cap():
     with 1 ms added to every capped round it under-predicts them by about that much."""
     from rows import cap_trace_set
 
-    from specenv.fit import capped_transfer, fit_replay_model
-    from specenv.splits import split_ids
+    from specenv.cost.fit import capped_transfer, fit_replay_model
+    from specenv.traces.splits import split_ids
 
     ts = cap_trace_set(n_generations=6, kmax=4)
     r = ts.rounds.astype({"T_T_ms": np.float64})
@@ -102,9 +102,9 @@ def test_capped_transfer_detects_an_overhead_of_the_cap():
 
 def test_shipped_caps_set():
     """live-cpu-caps: the grid follows its rule, the test split has several generations, the fit uses capped U."""
-    from specenv.costsource import cost_model_for
-    from specenv.datasets import load_dataset
-    from specenv.splits import select_split
+    from specenv.cost.source import cost_model_for
+    from specenv.traces.datasets import load_dataset
+    from specenv.traces.splits import select_split
 
     ts = load_dataset("live-cpu-caps")
     m = ts.manifest

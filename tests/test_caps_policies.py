@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import specenv  # noqa: F401
-from policies.caps import FixedCap, JointMLP
+from policies.caps.controllers import FixedCap, JointMLP
 from policies.heuristics import FixedK
 from specenv.envs.registration import CAP_ID
-from specenv.observation import ObservationSpec
+from specenv.observation.single import ObservationSpec
 from specenv.policy.mlp import MLPPolicy, n_actions
 from tests.rows import SYNTHETIC_CAPS, cap_trace_set
 
@@ -114,10 +114,10 @@ def test_bench_caps_cli(cap_set, tmp_path):
 @pytest.mark.slow
 def test_joint_imitation_trains_fast_and_round_trips(cap_set, tmp_path):
     from oracle.caps import solve_joint
-    from policies.caps import train_joint_dagger
-    from specenv.datasets import load_dataset
-    from specenv.replay import select_positions
-    from specenv.rollout import rollout
+    from policies.caps.controllers import train_joint_dagger
+    from specenv.envs.rollout import rollout
+    from specenv.replay.tables import select_positions
+    from specenv.traces.datasets import load_dataset
 
     res = train_joint_dagger(cap_set, 0.5, iterations=3, epochs=20, seed=1)
     assert res.seconds < 120

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from rows import SYNTHETIC_CAPS, cap_trace_set
 
-from specenv.schema import TraceError, cap_column
-from specenv.traceset import TraceSet
+from specenv.traces.schema import TraceError, cap_column
+from specenv.traces.traceset import TraceSet
 
 KMAX = 4
 

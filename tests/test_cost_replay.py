@@ -12,12 +12,12 @@ import pytest
 
 import oracle
 from oracle.dp import _Layout, _step_tables
-from specenv.costmodel import DRAFTING_MODES, CostModel, drafted_tokens, drafting_mode
+from specenv.cost.model import DRAFTING_MODES, CostModel, drafted_tokens, drafting_mode
 from specenv.envs.replay import ENV_ID
+from specenv.envs.rollout import rollout
 from specenv.generator import generate_paper
-from specenv.replay import SelectionError, replay_data, select_positions
-from specenv.rollout import rollout
-from specenv.traceset import PositionArrays, TraceSet
+from specenv.replay.tables import SelectionError, replay_data, select_positions
+from specenv.traces.traceset import PositionArrays, TraceSet
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,7 +121,7 @@ def test_select_positions_names_the_bad_argument(small_traces: Path) -> None:
 
 
 def test_select_positions_restricts_budgets_and_split(small_traces: Path) -> None:
-    from specenv.splits import select_split
+    from specenv.traces.splits import select_split
 
     ts = TraceSet.load(small_traces)
     arr = select_positions(ts, 4, "train")
@@ -181,7 +181,7 @@ def test_benchmark_run_policy_uses_episode_seeds(small_traces: Path) -> None:
     from policies.bench.context import build_context
     from policies.bench.single import Entry, run_policy
     from policies.heuristics import FixedK
-    from specenv.rollout import episode_seeds
+    from specenv.envs.rollout import episode_seeds
 
     ctx = build_context(str(small_traces), None, "profile", None)
     df, _ = run_policy(Entry("fixed k=3", lambda s: FixedK(s, 3)), ctx, episodes=2, seed=5)
@@ -202,7 +202,7 @@ def test_benchmark_run_policy_uses_episode_seeds(small_traces: Path) -> None:
 def test_oracle_does_not_import_gymnasium_or_the_envs() -> None:
     code = (
         "import sys, oracle; "
-        "envs = ('gymnasium', 'specenv.envs.replay', 'specenv.envs.vector', 'specenv.rollout'); "
+        "envs = ('gymnasium', 'specenv.envs.replay', 'specenv.envs.vector', 'specenv.envs.rollout'); "
         "bad = [m for m in sys.modules if m.startswith(envs)]; "
         "assert not bad, bad"
     )
@@ -220,9 +220,9 @@ def test_draft_floor_of_k0_is_measured_priced_and_kept_out_of_the_ar_reference(t
     on the K=0 rounds and charges it to k=0 rounds; plain decoding (ar_ms, the speedup reference) never pays it."""
     import numpy as np
 
-    from specenv.costmodel import CostModel
-    from specenv.costsource import cost_model_for
-    from specenv.datasets import load_dataset
+    from specenv.cost.model import CostModel
+    from specenv.cost.source import cost_model_for
+    from specenv.traces.datasets import load_dataset
 
     ts = load_dataset("live-vllm")
     m = cost_model_for(ts, "fit-train")
@@ -240,7 +240,7 @@ def test_draft_floor_of_k0_is_measured_priced_and_kept_out_of_the_ar_reference(t
     for name in ("live-cpu", "paper-default"):  # engines that draft nothing at k=0
         assert cost_model_for(load_dataset(name), "fit-train").d_floor == 0.0
     # priced in replay: k=0 rounds are slower than plain decoding, the bound does not start from k=0 for free
-    from specenv.replay import replay_data
+    from specenv.replay.tables import replay_data
 
     d = replay_data("live-vllm", None, "test", "fit-train")
     np.testing.assert_allclose(d.cost[:, 0], d.ar_ms + m.d_floor)

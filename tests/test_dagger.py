@@ -1,4 +1,4 @@
-"""The one DAgger loop (policies.dagger): schedule, aggregation, relabelling, roll-in and metadata."""
+"""The one DAgger loop (policies.learn.dagger): schedule, aggregation, relabelling, roll-in and metadata."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from policies.dagger import RegretMLP, ReplayEpisodes, Schedule, TableExpert, Visits, dagger_meta, run_dagger
-from specenv.observation import ObservationSpec
+from policies.learn.dagger import RegretMLP, ReplayEpisodes, Schedule, TableExpert, Visits, dagger_meta, run_dagger
+from specenv.observation.single import ObservationSpec
 
 
 def test_schedule_is_one_then_halving() -> None:
@@ -109,7 +109,7 @@ def test_dagger_meta_block_order() -> None:
 
 
 def test_replay_roll_in_plays_the_expert_at_beta_one_and_the_learner_at_zero(small_greedy_traces: Path) -> None:
-    from policies.imitation import split_arrays
+    from policies.learn.imitation import split_arrays
     from specenv.envs.replay import ENV_ID
 
     env = gym.make(ENV_ID, dataset=str(small_greedy_traces), split="train")

@@ -11,12 +11,12 @@ from gymnasium.utils.env_checker import check_env as gym_check_env
 
 import oracle
 import specenv  # noqa: F401  (registers the ids)
-from specenv.costmodel import CostModel, charged_lookahead, check_drafting, drafted_tokens
+from specenv.cost.model import CostModel, charged_lookahead, check_drafting, drafted_tokens
 from specenv.envs.registration import REPLAY_ID, SEQ_ID
 from specenv.envs.sequential import DRAFT, STOP, MoESpecSeqEnv
-from specenv.observation import ObservationSpec
-from specenv.replay import replay_data, select_positions
-from specenv.traceset import TraceSet
+from specenv.observation.single import ObservationSpec
+from specenv.replay.tables import replay_data, select_positions
+from specenv.traces.traceset import TraceSet
 
 PROFILE = CostModel.paper_profile(10)
 
@@ -132,7 +132,7 @@ def test_oracle_bound_none_equals_sequential_and_block_is_lower(small_traces):
 
 def test_oracle_block_bound_by_hand_on_one_generation():
     """A one-position generation: V = min_k C(0, k) with the block charge, checked by hand."""
-    from specenv.traceset import PositionArrays
+    from specenv.traces.traceset import PositionArrays
 
     kmax = 3
     U = np.array([[8.0, 12.0, 15.0, 17.0]])
@@ -297,7 +297,7 @@ def test_per_token_env_optimum_is_the_sequential_bound():
     """A stop rule following the oracle's k*(t) realises (in expectation) the sequential bound."""
     env = MoESpecSeqEnv(split="test", cost_model="profile")
     d = env.data
-    from specenv.datasets import load_dataset
+    from specenv.traces.datasets import load_dataset
 
     arr = select_positions(load_dataset("paper-default"), None, "test")
     sol = oracle.solve(arr, d.cost_model, drafting="sequential")

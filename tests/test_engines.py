@@ -9,7 +9,7 @@ import re
 import pytest
 
 from specenv.engines.recorder import PartRecorder, load_recording
-from specenv.schema import ModelFacts, TraceError
+from specenv.traces.schema import ModelFacts, TraceError
 from tests.rows import recorder_row
 
 FACTS = ModelFacts(n_layers=2, n_experts=16, top_k=2)

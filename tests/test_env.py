@@ -16,12 +16,12 @@ from gymnasium.utils.env_checker import check_env as gym_check_env
 from gymnasium.utils.env_match import check_environments_match
 
 import specenv
-from specenv.costmodel import CostModel
+from specenv.cost.model import CostModel
 from specenv.envs.registration import LIVE_V0_ID, REPLAY_ID, REPLAY_V0_ID, register_envs
 from specenv.envs.replay import MoESpecEnv
-from specenv.observation import ObservationSpec, ObservationState, ScalarObservation
-from specenv.replay import replay_data
-from specenv.schema import (
+from specenv.observation.single import ObservationSpec, ObservationState, ScalarObservation
+from specenv.replay.tables import replay_data
+from specenv.traces.schema import (
     binary_entropy,
     ent_columns,
     has_signals,
@@ -30,8 +30,8 @@ from specenv.schema import (
     rho_columns,
     u_columns,
 )
-from specenv.splits import SPLITS, held_out_ids, n_test, select_split, split_ids, split_mask
-from specenv.traceset import TraceSet
+from specenv.traces.splits import SPLITS, held_out_ids, n_test, select_split, split_ids, split_mask
+from specenv.traces.traceset import TraceSet
 
 SPECENV_IDS = sorted(env_id for env_id in gym.registry if env_id.startswith("specenv/"))
 

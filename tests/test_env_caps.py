@@ -11,11 +11,11 @@ from gymnasium.utils.env_checker import check_env as gym_check_env
 
 import specenv  # noqa: F401  (registers the ids)
 from oracle.caps import evaluate_joint, solve_joint
-from specenv.datasets import load_dataset
 from specenv.envs.caps import MoESpecCapEnv
 from specenv.envs.registration import CAP_ID
 from specenv.envs.replay import MoESpecEnv
-from specenv.replay import select_positions
+from specenv.replay.tables import select_positions
+from specenv.traces.datasets import load_dataset
 from tests.rows import SYNTHETIC_CAPS, cap_trace_set
 
 

@@ -13,7 +13,7 @@ from specenv.envs.caps import MoESpecCapEnv
 from specenv.envs.live import MoESpecLiveEnv
 from specenv.envs.replay import MoESpecEnv
 from specenv.envs.vector import MoESpecVectorEnv
-from specenv.observation import ObservationSpec
+from specenv.observation.single import ObservationSpec
 
 SECTIONS = (
     "## Description",

@@ -1,4 +1,4 @@
-"""The one round model (specenv.episode): the charge/commit rule shared by the scalar and vector replays."""
+"""The one round model (specenv.replay.episode): the charge/commit rule shared by the scalar and vector replays."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 
 import specenv  # noqa: F401  (registers the ids)
 import specenv.envs.vector as vector_module
-import specenv.episode as episode_module
-from specenv.costmodel import Charge, CostModel
-from specenv.episode import Episode, Round, RoundTables, draw, settle
-from specenv.replay import replay_data
+import specenv.replay.episode as episode_module
+from specenv.cost.model import Charge, CostModel
+from specenv.replay.episode import Episode, Round, RoundTables, draw, settle
+from specenv.replay.tables import replay_data
 
 
 def _tiny_tables(accepted=None):
@@ -74,7 +74,7 @@ def test_settle_on_arrays_is_settle_on_each_scalar_bit_for_bit():
 
 
 def test_single_and_vector_env_call_the_one_rule(monkeypatch):
-    """Both round paths go through specenv.episode.settle: a spy sees scalar calls and array calls."""
+    """Both round paths go through specenv.replay.episode.settle: a spy sees scalar calls and array calls."""
     calls = {"scalar": 0, "array": 0}
     real = episode_module.settle
 
@@ -133,8 +133,8 @@ def test_draw_is_the_single_envs_reset_draws():
 
 def test_charges_implement_the_charge_protocol():
     from oracle.batch import FairShare, SplitCharge
-    from specenv.batchcost import BatchCostModel
-    from specenv.schema import ModelFacts
+    from specenv.cost.batch import BatchCostModel
+    from specenv.traces.schema import ModelFacts
 
     cm = CostModel.paper_profile()
     bm = BatchCostModel.from_cost_model(cm, ModelFacts(48, 128, 8), max_batch=4)

@@ -18,12 +18,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from specenv import costsource
-from specenv.costmodel import CostModel
-from specenv.costsource import cost_model_for, fit_cache_key, fit_cache_path, fresh_fit
-from specenv.datasets import load_dataset
+from specenv.cost import source as costsource
+from specenv.cost.model import CostModel
+from specenv.cost.source import cost_model_for, fit_cache_key, fit_cache_path, fresh_fit
 from specenv.io import atomic_write_bytes, atomic_write_text, cache_dir, json_digest, sha256_file
-from specenv.traceset import PositionArrays, TraceSet
+from specenv.traces.datasets import load_dataset
+from specenv.traces.traceset import PositionArrays, TraceSet
 from specenv.validation import MEMO_SUBDIR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,10 +91,11 @@ def test_make_loads_no_heavy_module(tmp_path: Path) -> None:
 
 def test_import_loads_no_heavy_module() -> None:
     probe = (
-        "import sys, json; import specenv, specenv.envs.replay, specenv.envs.vector, specenv.costsource, "
-        "specenv.traceset, specenv.datasets, specenv.splits, specenv.io, oracle; "
+        "import sys, json; import specenv, specenv.envs.replay, specenv.envs.vector, specenv.cost.source, "
+        "specenv.traces.traceset, specenv.traces.datasets, specenv.traces.splits, specenv.io, oracle; "
         f"heavy = {HEAVY!r} + ('pyarrow.dataset',); before = sorted(m for m in heavy if m in sys.modules); "
-        "import specenv.fit; after = sorted(m for m in heavy if m in sys.modules); print(json.dumps([before, after]))"
+        "import specenv.cost.fit; after = sorted(m for m in heavy if m in sys.modules); "
+        "print(json.dumps([before, after]))"
     )
     env = _subprocess_env(Path("/nonexistent-specenv-cache"))
     out = subprocess.run(
@@ -266,7 +267,7 @@ def test_atomic_writes_and_digests(tmp_path: Path) -> None:
 def test_column_readers_match_pyarrow_on_chunked_and_sliced_tables() -> None:
     import pyarrow as pa
 
-    from specenv.schema import column_strings, column_values
+    from specenv.traces.schema import column_strings, column_values
 
     nums = pa.chunked_array([pa.array([5, 6, 7, 8], pa.int32()).slice(1), pa.array([], pa.int32()), [9, 10]])
     floats = pa.chunked_array(

@@ -11,7 +11,7 @@ import pytest
 
 from specenv import io
 from specenv.generator import generate_paper
-from specenv.traceset import TraceSet, check_save_destination, is_trace_set
+from specenv.traces.traceset import TraceSet, check_save_destination, is_trace_set
 
 
 def _dead_pid() -> int:

@@ -33,7 +33,7 @@ def _observations(traces: Path, n: int = 1000, seed: int = 0) -> np.ndarray:
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["ppo", "dqn"])
 def test_exported_numpy_policy_matches_sb3_on_1000_observations(algo: str, small_traces: Path, tmp_path: Path) -> None:
-    from policies.rl import train_sb3
+    from policies.learn.rl import train_sb3
 
     res = train_sb3(algo, str(small_traces), tmp_path / algo, timesteps=1500, n_envs=4, seed=1, tensorboard=False)
     obs = _observations(small_traces)
@@ -49,7 +49,7 @@ def test_exported_numpy_policy_matches_sb3_on_1000_observations(algo: str, small
 
 
 def test_mlp_policy_roundtrip_and_single_vs_batch(tmp_path: Path) -> None:
-    from specenv.observation import ObservationSpec
+    from specenv.observation.single import ObservationSpec
 
     spec = ObservationSpec(kmax=4)
     rng = np.random.default_rng(0)
@@ -65,7 +65,7 @@ def test_mlp_policy_roundtrip_and_single_vs_batch(tmp_path: Path) -> None:
 
 
 def test_mlp_policy_rejects_bad_files_with_one_line(tmp_path: Path) -> None:
-    from specenv.observation import ObservationSpec
+    from specenv.observation.single import ObservationSpec
 
     (tmp_path / "policy.json").write_text('{"format": "something-else"}')
     with pytest.raises(ValueError, match="policy.json"):
@@ -85,7 +85,7 @@ def test_mlp_policy_rejects_bad_files_with_one_line(tmp_path: Path) -> None:
 
 
 def test_mlp_policy_checks_shapes() -> None:
-    from specenv.observation import ObservationSpec
+    from specenv.observation.single import ObservationSpec
 
     spec = ObservationSpec(kmax=4)
     with pytest.raises(ValueError, match="inputs"):
@@ -98,9 +98,9 @@ def test_mlp_policy_checks_shapes() -> None:
 def test_dagger_learns_from_oracle_labels(small_greedy_traces: Path) -> None:
     """One cheap DAgger run: the imitation policy beats always-AR and is exported in numpy form."""
     from oracle.dp import evaluate_policy, solve
-    from policies.imitation import split_arrays, train_dagger
-    from specenv.costsource import cost_model_for
-    from specenv.datasets import load_dataset
+    from policies.learn.imitation import split_arrays, train_dagger
+    from specenv.cost.source import cost_model_for
+    from specenv.traces.datasets import load_dataset
 
     res = train_dagger(str(small_greedy_traces), iterations=2, epochs=20, seed=0)
     assert len(res.history) == 2

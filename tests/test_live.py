@@ -162,7 +162,7 @@ def test_sweep_is_consistent_with_rounds(engine, models):
 # ------------------------------------------------------------------------------- collection and CLI
 @pytest.mark.slow
 def test_collect_cli_writes_valid_set(tmp_path):
-    from specenv.datasets import load_dataset
+    from specenv.traces.datasets import load_dataset
 
     out = tmp_path / "live"
     res = CliRunner().invoke(
@@ -197,8 +197,8 @@ def test_collect_cli_vllm_needs_the_extra(tmp_path):
 
 
 def test_live_vllm_set_validates_and_measures_the_ar_step():
-    from specenv.costsource import cost_model_for
-    from specenv.datasets import load_dataset
+    from specenv.cost.source import cost_model_for
+    from specenv.traces.datasets import load_dataset
 
     ts = load_dataset("live-vllm")
     m = ts.manifest
@@ -210,7 +210,7 @@ def test_live_vllm_set_validates_and_measures_the_ar_step():
 
 
 def test_live_cpu_set_validates():
-    from specenv.datasets import find_dataset, load_dataset
+    from specenv.traces.datasets import find_dataset, load_dataset
 
     assert find_dataset("live-cpu") is not None
     ts = load_dataset("live-cpu")

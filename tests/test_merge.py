@@ -8,9 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from specenv.datasets import load_dataset
 from specenv.engines.merge import merge_sets
-from specenv.traceset import TraceSet
+from specenv.traces.datasets import load_dataset
+from specenv.traces.traceset import TraceSet
 
 
 def _shard(ts: TraceSet, ids: list[int], shift: int = 0) -> TraceSet:

@@ -1,4 +1,4 @@
-"""Minari datasets (policies/offline.py) and behaviour cloning (policies/bc.py): round trip, BC, refusals.
+"""Minari datasets (policies/learn/offline.py) and behaviour cloning (policies/learn/bc.py): round trip, BC, refusals.
 
 Every dataset goes to a tmp_path root (``--root``); nothing touches ``~/.minari`` or the user's cache.
 """
@@ -38,7 +38,7 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 
 def _load(root: Path, ident: str):  # noqa: ANN202
-    from policies.offline import minari_root
+    from policies.learn.offline import minari_root
 
     with minari_root(root):
         return minari.load_dataset(ident)
@@ -62,7 +62,7 @@ def test_export_round_trips_what_the_env_produced(exported: tuple[Path, str], sm
     import gymnasium as gym
 
     import specenv  # noqa: F401
-    from policies.expert import OracleExpert
+    from policies.learn.expert import OracleExpert
     from specenv.io import sha256_file
 
     root, ident = exported
@@ -122,7 +122,7 @@ def test_export_of_a_policy_folder_records_its_files_and_mode(tmp_path: Path) ->
 
 
 def test_dataset_ids_name_the_mode_of_the_oracle_and_registered_policies(small_traces: Path) -> None:
-    from policies.offline import dataset_id, plan_policy
+    from policies.learn.offline import dataset_id, plan_policy
 
     s = str(small_traces)
     assert dataset_id(s, "oracle", plan=plan_policy("oracle", s, 6)) == "specenv/small/oracle-v0"
@@ -138,8 +138,8 @@ def test_dataset_ids_name_the_mode_of_the_oracle_and_registered_policies(small_t
 def test_bc_clones_a_fixed_budget_and_its_policy_runs_in_the_env(small_traces: Path, tmp_path: Path) -> None:
     import gymnasium as gym
 
+    from specenv.envs.rollout import evaluate_in_env
     from specenv.policy.mlp import MLPPolicy
-    from specenv.rollout import evaluate_in_env
 
     root = tmp_path / "m"
     res = _cli("export", "minari", "--dataset", str(small_traces), "--policy", "fixed-k:k=3", "--root", str(root))
@@ -191,7 +191,7 @@ def test_unknown_or_malformed_dataset_id_is_one_line(exported: tuple[Path, str],
 def _copy_with_metadata(root: Path, ident: str, dest_root: Path, edit) -> str:  # noqa: ANN001
     import shutil
 
-    from policies.offline import dataset_path
+    from policies.learn.offline import dataset_path
 
     shutil.copytree(root, dest_root)
     meta_file = dataset_path(dest_root, ident) / "data" / "metadata.json"

@@ -13,7 +13,7 @@ import pytest
 
 import specenv  # noqa: F401
 from specenv.envs.replay import ENV_ID
-from specenv.observation import (
+from specenv.observation.single import (
     OBSERVATION_VERSION,
     ObservationSpec,
     ObservationState,
@@ -552,8 +552,8 @@ def test_prev_cost_is_in_ar_steps_at_the_rounds_own_context(kind: str) -> None:
 
 
 def test_signals_reach_the_round_and_per_token_envs() -> None:
-    from specenv.datasets import load_dataset
-    from specenv.replay import select_positions
+    from specenv.replay.tables import select_positions
+    from specenv.traces.datasets import load_dataset
 
     arr = select_positions(load_dataset("paper-default"), None, "test")
     sig = ("q", "ent", "margin")

@@ -10,7 +10,7 @@ import pytest
 
 import oracle
 from oracle.caps import evaluate_joint, frontier, joint_action_values, solve_joint
-from specenv.capreplay import joint_tables
+from specenv.replay.caps import joint_tables
 from tests.test_oracle_dp import make_instance
 
 

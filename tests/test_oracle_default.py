@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import oracle
-from specenv.costsource import cost_model_for
-from specenv.datasets import load_dataset
-from specenv.splits import select_split
+from specenv.cost.source import cost_model_for
+from specenv.traces.datasets import load_dataset
+from specenv.traces.splits import select_split
 
 # The pinned figures live in tests/golden.json only (written by scripts/golden.py, which documents their
 # setting: paper-default, cost model "fit", Kmax = 10, split "all", lookahead 0; Monte Carlo 4 episodes

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import oracle
 from oracle.delta import _separating_slope
-from specenv.costmodel import CostModel
-from specenv.traceset import PositionArrays
+from specenv.cost.model import CostModel
+from specenv.traces.traceset import PositionArrays
 
 
 # ------------------------------------------------------------------ random instances

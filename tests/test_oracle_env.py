@@ -7,12 +7,12 @@ import pytest
 
 import oracle
 from policies.heuristics import FixedK
-from specenv.costsource import cost_model_for
-from specenv.datasets import load_dataset
-from specenv.observation import ObservationSpec
-from specenv.replay import replay_data
-from specenv.rollout import OnlinePolicy, evaluate_in_env
-from specenv.splits import select_split
+from specenv.cost.source import cost_model_for
+from specenv.envs.rollout import OnlinePolicy, evaluate_in_env
+from specenv.observation.single import ObservationSpec
+from specenv.replay.tables import replay_data
+from specenv.traces.datasets import load_dataset
+from specenv.traces.splits import select_split
 
 
 @pytest.mark.parametrize("lookahead", [0, 3])

@@ -22,8 +22,8 @@ from policies.peers import (
     parse_schedule,
     spec_for,
 )
-from specenv.costmodel import CostModel
-from specenv.observation import ObservationSpec, ObservationState
+from specenv.cost.model import CostModel
+from specenv.observation.single import ObservationSpec, ObservationState
 from specenv.policy import registry
 
 KMAX = 6
@@ -138,7 +138,7 @@ def test_vllm_dsd_table_looks_up_the_batch_size_as_vllm_does() -> None:
 def peer_sets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A small generated set, and a copy whose test-split positions are scrambled."""
     from specenv.generator import generate_paper
-    from specenv.replay import select_positions
+    from specenv.replay.tables import select_positions
 
     ts = generate_paper(12, kmax=KMAX, seed=5, name="peers-small")
     a = tmp_path_factory.mktemp("peers") / "a"

@@ -16,8 +16,8 @@ from policies.heuristics import (
     UCBBandit,
     UPredictor,
 )
-from specenv.costmodel import CostModel
-from specenv.observation import ObservationSpec, ObservationState
+from specenv.cost.model import CostModel
+from specenv.observation.single import ObservationSpec, ObservationState
 from specenv.policy.base import ObsView
 
 SPEC = ObservationSpec(kmax=10, lookahead=0)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies.batch import FixedBatch, PerRequest, StepPolicy
-from policies.caps import FixedCap
+from policies.batch.controllers import FixedBatch, PerRequest, StepPolicy
+from policies.caps.controllers import FixedCap
 from policies.heuristics import FixedK, TransformersHeuristic
-from specenv.batchobs import BATCH_FEATURES, BatchObservationSpec
-from specenv.observation import ObservationSpec, ObservationState
+from specenv.observation.batch import BATCH_FEATURES, BatchObservationSpec
+from specenv.observation.single import ObservationSpec, ObservationState
 from specenv.policy.base import BatchStep, PolicyProtocol, act_batch_obs, policy_spec
 
 SPEC = ObservationSpec(kmax=10, lookahead=0)
@@ -98,7 +98,7 @@ def test_every_kind_speaks_the_protocol() -> None:
     assert pair.act(_rows([[], []])).tolist() == [[3, 2], [3, 2]]  # joint (k, cap) rows
     assert pair.act(_rows([[]])[0]).tolist() == [3, 2]
     with pytest.raises(ValueError, match="privileged"):
-        from policies.expert import OracleExpert
+        from policies.learn.expert import OracleExpert
 
         OracleExpert.act(object.__new__(OracleExpert), _rows([[]]))
 

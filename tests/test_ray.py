@@ -1,4 +1,4 @@
-"""Ray as the distributed engine (policies/distributed.py, policies/tune.py): the same outputs as the local path.
+"""Ray as the distributed engine (policies/distributed.py, policies/learn/tune.py): the same outputs as the local path.
 
 The module starts its own local cluster (``ray.init(num_cpus=2)``) once and shuts it down at the end;
 the CLI's ``--ray`` keeps a cluster the process already started.
@@ -127,9 +127,9 @@ def test_train_ray_sb3_runs_equal_the_local_runs(cluster, tmp_path: Path) -> Non
 
 def test_tune_trial_never_reads_test(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """What a trial runs (train on train-fit, score on train-val) asks for no split but train's."""
-    import specenv.splits as splits
-    from policies.runs import TrainRun, train_run
-    from policies.tune import validation_score
+    import specenv.traces.splits as splits
+    from policies.learn.runs import TrainRun, train_run
+    from policies.learn.tune import validation_score
 
     asked: list[str] = []
     real = splits.split_mask
@@ -154,7 +154,7 @@ def test_tune_trial_never_reads_test(monkeypatch: pytest.MonkeyPatch, tmp_path: 
 
 def test_sb3_trial_takes_every_hyper_parameter_of_its_space(tmp_path: Path) -> None:
     """The PPO space's names (gamma included, train_sb3's own argument) reach the recipe."""
-    from policies.runs import TrainRun, train_run
+    from policies.learn.runs import TrainRun, train_run
 
     over = (("ent_coef", 0.003), ("gamma", 0.95), ("learning_rate", 0.0007))
     run = TrainRun("ppo", "paper-default", "p", timesteps=1000, n_envs=4, split="train-fit", overrides=over)
@@ -215,7 +215,7 @@ def test_bare_ray_means_a_local_cluster() -> None:
 
 
 def test_validation_split_is_carved_from_train() -> None:
-    from specenv.splits import split_ids
+    from specenv.traces.splits import split_ids
 
     ids = np.arange(1000, 1128)
     train, test = set(split_ids(ids, "train")), set(split_ids(ids, "test"))
@@ -227,7 +227,8 @@ def test_validation_split_is_carved_from_train() -> None:
 
 def test_core_and_cli_import_no_ray() -> None:
     probe = (
-        "import sys; import specenv, specenv.cli, policies.distributed, policies.tune, policies.bench.single, oracle; "
+        "import sys; import specenv, specenv.cli, policies.distributed, policies.learn.tune, policies.bench.single; "
+        "import oracle; "
         "from typer.testing import CliRunner; r = CliRunner().invoke(specenv.cli.app, ['--help']); "
         "assert r.exit_code == 0; print('ray' in sys.modules)"
     )

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from policies.heuristics import FixedK, UCBBandit
-from specenv.observation import ObservationSpec
+from specenv.observation.single import ObservationSpec
 from specenv.policy import registry
 from specenv.policy.mlp import MLPPolicy
 

@@ -291,7 +291,7 @@ def test_category_figure_shows_each_familys_best_per_category(captured: list, tm
 
 def test_delta_figure_explains_quadrants_and_the_wrong_side(small_set, captured: list, tmp_path: Path) -> None:
     from oracle import delta_analysis, plot_delta
-    from specenv.costsource import cost_model_for
+    from specenv.cost.source import cost_model_for
 
     an = delta_analysis(small_set.arrays(), cost_model_for(small_set, "profile"))
     plot_delta(an, str(tmp_path / "delta.png"))
@@ -311,7 +311,7 @@ def test_delta_figure_explains_quadrants_and_the_wrong_side(small_set, captured:
 
 def test_sweep_figure_has_titled_panels_with_units(small_set, captured: list, tmp_path: Path) -> None:
     from oracle import kmax_sweep, plot_kmax_sweep
-    from specenv.costsource import cost_model_for
+    from specenv.cost.source import cost_model_for
 
     table = kmax_sweep(small_set.arrays(), cost_model_for(small_set, "profile"), kmaxes=[1, 2, 3])
     plot_kmax_sweep(table, str(tmp_path / "sweep.png"), "toy")

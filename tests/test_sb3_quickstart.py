@@ -47,8 +47,8 @@ def test_ppo_quickstart_beats_plain_decoding_and_varies_k(seed):
 
     import specenv  # noqa: F401  (registers the ids)
     from policies.heuristics import FixedK
-    from specenv.observation import ObservationSpec
-    from specenv.rollout import evaluate_in_env
+    from specenv.envs.rollout import evaluate_in_env
+    from specenv.observation.single import ObservationSpec
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # bit-reproducible and fair to the other tests' cores

@@ -13,9 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from specenv.cli import app
-from specenv.datasets import find_dataset, load_dataset
 from specenv.generator import PaperProfile, draft_signals, generate_generation, generate_paper
-from specenv.schema import (
+from specenv.traces.datasets import find_dataset, load_dataset
+from specenv.traces.schema import (
     ROUNDS_COLUMNS,
     SCHEMA_VERSION,
     TraceError,
@@ -30,7 +30,7 @@ from specenv.schema import (
     u_columns,
     validate_positions,
 )
-from specenv.traceset import TraceSet
+from specenv.traces.traceset import TraceSet
 
 runner = CliRunner()
 

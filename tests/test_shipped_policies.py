@@ -12,7 +12,7 @@ import specenv  # noqa: F401
 from policies import shipped_policy_dir
 from policies.bench.context import build_context
 from policies.bench.single import default_entries, run_policy
-from policies.stopping import load_stop_rule
+from policies.learn.stopping import load_stop_rule
 from specenv.policy.mlp import MLPPolicy
 
 SETS = ["paper-default", "live-cpu"]

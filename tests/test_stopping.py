@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import specenv  # noqa: F401  (registers the environments)
-from policies.stopping import StopRulePolicy, load_stop_rule, round_spec, token_spec
+from policies.learn.stopping import StopRulePolicy, load_stop_rule, round_spec, token_spec
 from specenv.envs.replay import ENV_ID
 from specenv.envs.sequential import SEQ_ID
 from specenv.policy.mlp import MLPPolicy
@@ -83,10 +83,10 @@ def test_stop_rule_saves_loads_and_refuses_round_policies(small_traces: Path, tm
 @pytest.mark.slow
 def test_stop_dagger_beats_autoregressive(small_greedy_traces: Path) -> None:
     from oracle.dp import solve
-    from policies.imitation import split_arrays
-    from policies.stopping import train_stop_dagger
-    from specenv.costsource import cost_model_for
-    from specenv.datasets import load_dataset
+    from policies.learn.imitation import split_arrays
+    from policies.learn.stopping import train_stop_dagger
+    from specenv.cost.source import cost_model_for
+    from specenv.traces.datasets import load_dataset
 
     res = train_stop_dagger(str(small_greedy_traces), iterations=2, epochs=5, seed=0)
     assert res.policy.spec.per_token and res.policy.meta["drafting"] == "sequential"
@@ -109,7 +109,7 @@ def test_stop_dagger_beats_autoregressive(small_greedy_traces: Path) -> None:
 
 @pytest.mark.slow
 def test_ppo_on_the_per_token_env_exports_a_stop_rule(small_traces: Path, tmp_path: Path) -> None:
-    from policies.rl import train_sb3
+    from policies.learn.rl import train_sb3
 
     res = train_sb3(
         "ppo", str(small_traces), tmp_path / "p", timesteps=1024, n_envs=2, drafting="sequential", tensorboard=False

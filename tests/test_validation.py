@@ -15,8 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from specenv.cli import app
-from specenv.schema import TraceError
-from specenv.traceset import TraceSet, sha256_file
+from specenv.traces.schema import TraceError
+from specenv.traces.traceset import TraceSet, sha256_file
 
 runner = CliRunner()
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from specenv import validation
-from specenv.costmodel import CostModel
-from specenv.datasets import resolve
-from specenv.schema import TraceError
-from specenv.traceset import MANIFEST, Manifest, TraceSet
+from specenv.cost.model import CostModel
+from specenv.traces.datasets import resolve
+from specenv.traces.schema import TraceError
+from specenv.traces.traceset import MANIFEST, Manifest, TraceSet
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,7 +133,7 @@ def test_validated_values_are_read_only(cache, manifest_obj, monkeypatch):
 
 
 def _refuse_table_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    import specenv.traceset as traceset
+    import specenv.traces.traceset as traceset
 
     calls: list[str] = []
     for name in ("validate_positions", "validate_rounds", "validate_pair"):

@@ -12,7 +12,7 @@ import pytest
 
 from policies.heuristics import ConfidenceThreshold, FixedK
 from specenv.engines.vllm.settings import policy_refusal
-from specenv.observation import ObservationSpec
+from specenv.observation.single import ObservationSpec
 from specenv.policy.base import policy_drafting, policy_signals
 from specenv.policy.mlp import MLPPolicy
 from tests.hostile.harness import run_cli

@@ -1,8 +1,8 @@
 """An exact upper bound on the speedup of any batch controller.
 
-The batch episode (DESIGN.md section 3, "batch environment"; :mod:`specenv.batchreplay`): R requests
+The batch episode (DESIGN.md section 3, "batch environment"; :mod:`specenv.replay.batch`): R requests
 served through B slots, one verification step for all active requests at a time, priced by a
-:class:`specenv.batchcost.BatchCostModel`::
+:class:`specenv.cost.batch.BatchCostModel`::
 
     T_step = beta0(P) + alpha(P) * U_batch + c(P) * sum_i L_i + b_req * (n - 1)
              + [any drafted] * (d0 + d_step * max_i d_i + d_tok * sum_i d_i)
@@ -23,7 +23,7 @@ and for every step the sum of the charges of its requests is at most the step's 
 * experts: ``a(m) = min_{P >= m} alpha(P) / B`` when that minimum is >= 0. Then
   ``sum_i a(m_i) U_i <= alpha(P) * sum_i U_i / B <= alpha(P) * max_i U_i <= alpha(P) * U_batch``,
   because the batch union is at least every request's own set (``U_batch >= max_i U_i``, which every
-  predictor of :mod:`specenv.batchcost` satisfies) and n <= B. A negative minimum is charged in full
+  predictor of :mod:`specenv.cost.batch` satisfies) and n <= B. A negative minimum is charged in full
   (``U_batch <= sum_i U_i``);
 * context: ``g(m) = min_{P >= m} c(P)``: ``sum_i g(m_i) L_i <= c(P) * sum_i L_i`` (L_i >= 0);
 * draft, with d_i = k_i (the least any mode drafts): ``D(k) = (d0 + d_step * k) / B + d_tok * k`` for
@@ -44,14 +44,14 @@ episode is at least the sum over requests of the charges of that request's own r
 rounds form a single-request policy (one that may look at the other requests, i.e. a randomised
 history-dependent policy of the single-request SSP), whose expected cost is at least the optimum
 V_r(0) of the single-request SSP with round cost l: the exact oracle of :mod:`oracle.dp` run with
-``share_model`` (a :class:`specenv.costmodel.CostModel` whose ``charged_table`` is l). Hence
+``share_model`` (a :class:`specenv.cost.model.CostModel` whose ``charged_table`` is l). Hence
 
 * **expected bound**: ``E[episode cost] >= sum_r V_{g_r}(0)`` for every policy, and the speedup
   AR / E[cost] is at most ``AR / sum_r V_{g_r}(0)`` (AR, the same requests decoded without
   speculation under the same schedule, depends on the requests only:
-  :func:`specenv.batchreplay.ar_schedule_ms`);
+  :func:`specenv.replay.batch.ar_schedule_ms`);
 * **pathwise bound** (:func:`pathwise_costs`): with the request's acceptance uniforms fixed (round
-  j of request r uses its j-th uniform, :func:`specenv.batchreplay.request_draws`), the least total
+  j of request r uses its j-th uniform, :func:`specenv.replay.batch.request_draws`), the least total
   charge over all budget sequences is a deterministic shortest path over (position, round); every
   policy's realised cost of that episode is at least the sum of these, so the bound holds episode by
   episode, for stochastic traces too. For greedy traces (rho in {0, 1}) the two coincide.

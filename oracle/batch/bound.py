@@ -9,10 +9,10 @@ import numpy as np
 
 from oracle.batch.lagrangian import lagrangian_costs
 from oracle.batch.split import _episode_costs, expected_costs
-from specenv.batchcost import BatchCostModel
-from specenv.batchreplay import ar_schedule_ms, request_draws
-from specenv.costmodel import Charge
-from specenv.traceset import PositionArrays
+from specenv.cost.batch import BatchCostModel
+from specenv.cost.model import Charge
+from specenv.replay.batch import ar_schedule_ms, request_draws
+from specenv.traces.traceset import PositionArrays
 
 #: Bound methods: ``"linear"`` is the split rule (:mod:`oracle.batch.split`); ``"lagrangian"`` (the
 #: default of :func:`batch_bound`) adds the best per-budget split of the shared step terms and the
@@ -31,14 +31,14 @@ def pathwise_costs(
     """Least total charge of generation ``g`` given its acceptance uniforms (the pathwise bound of one request).
 
     Round j of the request (j = 0, 1, ...) accepts ``#{i <= k : u_j < P(a >= i | t)}`` drafts, capped at
-    the end, as :meth:`specenv.episode.Episode.play` does. Solved by backward induction over the
+    the end, as :meth:`specenv.replay.episode.Episode.play` does. Solved by backward induction over the
     position t and the round index j <= t.
 
     Args:
         arrays: Positions table (budgets 0..arrays.kmax).
         share: The charges (:func:`share_model`).
         g: Generation index in ``arrays``.
-        uniforms: (N,) the request's uniforms (:func:`specenv.batchreplay.request_draws`).
+        uniforms: (N,) the request's uniforms (:func:`specenv.replay.batch.request_draws`).
         exit: Optional (N+1, N+1) table: from (t, j) the request may instead switch to a charge whose
             least total from there is ``exit[t, j]`` (the tail phase of :func:`lagrangian_costs`).
         table: Return the whole (N+1, N+1) table ``V[t, j]`` instead of ``V[0, 0]``.

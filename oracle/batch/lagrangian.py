@@ -9,9 +9,9 @@ import numpy as np
 
 from oracle.batch.split import _episode_costs, _union_share, expected_costs
 from oracle.dp import solve
-from specenv.batchcost import BatchCostModel
-from specenv.costmodel import Charge, CostModel
-from specenv.traceset import PositionArrays
+from specenv.cost.batch import BatchCostModel
+from specenv.cost.model import Charge, CostModel
+from specenv.traces.traceset import PositionArrays
 
 
 class SplitCharge(Charge):
@@ -19,7 +19,7 @@ class SplitCharge(Charge):
 
     ``x`` is the request's share of the step's intercept and draft terms (:func:`lagrangian_split`),
     ``e0 + eu U + ew w(U)`` its share of the expert term (:func:`expert_share`), ``z`` its share of
-    the context term. A :class:`specenv.costmodel.Charge` for :func:`oracle.dp.solve` and
+    the context term. A :class:`specenv.cost.model.Charge` for :func:`oracle.dp.solve` and
     :func:`pathwise_costs` (``kmax``, ``charged_by_budget``, ``charged_table``, ``ar_ms``).
 
     Args:
@@ -58,7 +58,7 @@ class SplitCharge(Charge):
     def charged_table(
         self, U: np.ndarray, L: np.ndarray, kmax: int | None = None, lookahead: int = 0, drafting: Any = None
     ) -> np.ndarray:
-        """(n, kmax+1) charges, as :meth:`specenv.costmodel.CostModel.charged_table`."""
+        """(n, kmax+1) charges, as :meth:`specenv.cost.model.CostModel.charged_table`."""
         K = U.shape[1] - 1 if kmax is None else int(kmax)
         return np.ascontiguousarray(self.charged_by_budget(np.array(U[:, : K + 1].T, dtype=np.float64), L).T)
 

@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 
 from oracle.dp import solve
-from specenv.batchcost import BatchCostModel
-from specenv.costmodel import Charge, CostModel
-from specenv.traceset import PositionArrays
+from specenv.cost.batch import BatchCostModel
+from specenv.cost.model import Charge, CostModel
+from specenv.traces.traceset import PositionArrays
 
 
 def _share(x: float, B: int) -> float:
@@ -123,7 +123,7 @@ def share_model(
             per-P minimum runs over that range only (much tighter than P >= m).
 
     Returns:
-        A :class:`specenv.costmodel.CostModel` with ``charged_ms(k, U, L) = l(k, U, L)`` (no draft
+        A :class:`specenv.cost.model.CostModel` with ``charged_ms(k, U, L) = l(k, U, L)`` (no draft
         term of its own: D(k) is folded into ``beta0``), usable by :func:`oracle.dp.solve`.
     """
     B = int(batch_size)
@@ -189,7 +189,7 @@ def _union_share(model: BatchCostModel, B: int) -> float:
     """The share theta of a request's own U_i charged against the batch union (``sum_i theta U_i <= U_batch``).
 
     ``1/B`` always works (``U_batch >= max_i U_i >= sum_i U_i / B``, a property of every predictor of
-    :mod:`specenv.batchcost`). The ``"independent"`` predictor is the union of independent draws from
+    :mod:`specenv.cost.batch`). The ``"independent"`` predictor is the union of independent draws from
     n experts, ``U_batch = n (1 - prod_i (1 - U_i / n))``, which telescopes to
     ``sum_i U_i prod_{j<i} (1 - U_j / n) >= sum_i U_i (1 - U_hi / n)^(B-1)`` with ``U_hi`` the largest
     U a request can have (``(kmax+1) top_k``, at most n); for it the larger of the two shares is used.
@@ -207,11 +207,11 @@ class FairShare(Charge):
 
     ``l(k, U, L) = T_step(B copies of (k, U, L)) / B``: the batch cost model's step of B identical
     requests (their union predicted from B copies of U) divided by B, draft included (k drafted each).
-    A :class:`specenv.costmodel.Charge` (``kmax``, ``charged_by_budget``, ``charged_table``, ``ar_ms``)
+    A :class:`specenv.cost.model.Charge` (``kmax``, ``charged_by_budget``, ``charged_table``, ``ar_ms``)
     for :func:`oracle.dp.solve` and :func:`oracle.dp.action_values`, so the single-request oracle under
     this charge is the
     per-request optimum of a request in a full batch of its like (the imitation expert of
-    :mod:`policies.batchlearn`).
+    :mod:`policies.batch.learn`).
 
     Args:
         model: The batch cost model.
@@ -244,7 +244,7 @@ class FairShare(Charge):
     def charged_table(
         self, U: np.ndarray, L: np.ndarray, kmax: int | None = None, lookahead: int = 0, drafting: Any = None
     ) -> np.ndarray:
-        """(n, kmax+1) charges, as :meth:`specenv.costmodel.CostModel.charged_table`."""
+        """(n, kmax+1) charges, as :meth:`specenv.cost.model.CostModel.charged_table`."""
         K = U.shape[1] - 1 if kmax is None else int(kmax)
         return np.ascontiguousarray(self.charged_by_budget(np.array(U[:, : K + 1].T, dtype=np.float64), L).T)
 

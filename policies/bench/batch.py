@@ -2,7 +2,7 @@
 
 Every row runs the same held-out episodes of ``specenv/MoESpecBatch-v0`` (test split, episode e
 reset with ``seed + e``, so every row serves the same requests with the same acceptance draws), in
-the drafting mode it really uses (:attr:`policies.batch.BatchPolicy.drafting`: ``none`` when k is
+the drafting mode it really uses (:attr:`policies.batch.controllers.BatchPolicy.drafting`: ``none`` when k is
 chosen before drafting and each request drafts its k; ``block`` with h = kmax when the rule reads
 the confidences of drafts already proposed, which vLLM's drafter produces for the whole batch). The
 speedup of a row is pooled over the episodes (sum AR / sum cost, AR = the same requests decoded
@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from oracle.batch import batch_bound
-from policies.batch import (
+from policies.batch.controllers import (
     AdaptiveVerificationBatch,
     BatchPolicy,
     DSDBatch,
@@ -39,7 +39,7 @@ from policies.batch import (
     TetrisBatch,
     fit_dsd_table,
 )
-from policies.batch_goodput import BatchGoodput
+from policies.batch.goodput import BatchGoodput
 from policies.bench.context import Context, build_context
 from policies.bench.result import BenchResult
 from policies.bench.runner import Progress, run_family
@@ -52,7 +52,7 @@ __all__ = ["LEARNERS", "VLLM_RULES", "BatchFamily", "run_batch_benchmark"]
 
 #: Rows that are vLLM's own batch rules; the last two are fitted on train (the reference of the learners' gain).
 VLLM_RULES = ("fixed", "vllm-dsd-table", "vllm-adaptive-verification")
-#: The learned batch controllers ``learners=True`` trains (:mod:`policies.batchlearn`).
+#: The learned batch controllers ``learners=True`` trains (:mod:`policies.batch.learn`).
 LEARNERS = ("imitation", "ppo", "survival")
 
 #: A row of the batch roster: the controller and the drafting mode it runs in.
@@ -199,7 +199,7 @@ class BatchFamily:
         B, R, seed = self.batch_size, self.n_requests, self.seed
         rows: list[BatchRow] = []
         if "survival" in self.learner_rows:
-            from policies.batchlearn import train_batch_survival
+            from policies.batch.learn import train_batch_survival
 
             # mode none, and mode block with the h tuned on train for the TETRIS rule (no search of its own)
             for h in (0, h_tetris):
@@ -212,7 +212,7 @@ class BatchFamily:
                     f"({len(surv.history)} DAgger rounds), trained in {time.perf_counter() - t:.0f} s"
                 )
         if "imitation" in self.learner_rows:
-            from policies.batchlearn import train_batch_imitation
+            from policies.batch.learn import train_batch_imitation
 
             for label, expert, reference in (
                 ("imitation of the bound (learned)", "bound", "oracle"),
@@ -227,7 +227,7 @@ class BatchFamily:
                     f"{label}: expert {expert}, reference {reference}, trained in {time.perf_counter() - t:.0f} s"
                 )
         if "ppo" in self.learner_rows:
-            from policies.batchlearn import train_batch_ppo
+            from policies.batch.learn import train_batch_ppo
 
             t = time.perf_counter()
             ppo = train_batch_ppo(src, B, R, K, cm, bc, self.ppo_timesteps, seed)
@@ -335,7 +335,7 @@ def run_batch_benchmark(
     """Run every batch controller on ``episodes`` held-out episodes beside the bound (module docstring).
 
     Args:
-        dataset: Registry name or folder, or a loaded :class:`~specenv.traceset.TraceSet`.
+        dataset: Registry name or folder, or a loaded :class:`~specenv.traces.traceset.TraceSet`.
         batch_size: B.
         n_requests: R per episode (default 4 B).
         episodes: Held-out episodes.

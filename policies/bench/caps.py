@@ -12,14 +12,14 @@ gap weighted by its committed tokens; uncapped rounds count 0). Rows:
   (:func:`oracle.caps.evaluate_joint`);
 * every k-policy of the k-only benchmark (:func:`policies.bench.single.default_entries`: the fixed
   budgets, the heuristics, the peers and the learned policies found for the set) at every cap level
-  0..C (:class:`policies.caps.FixedCap`): fixed budgets exactly, the others by rollouts in
+  0..C (:class:`policies.caps.controllers.FixedCap`): fixed budgets exactly, the others by rollouts in
   ``specenv/MoESpecCap-v0`` (each charged by its drafting mode, as in the k-only benchmark);
 * joint learned controllers: trained here by imitation of the joint oracle at the given weights
-  (:func:`policies.caps.train_joint_dagger`, on the train split) or loaded from folders; rollouts.
-  With training, the k-only imitation learner of the same recipe (:func:`policies.imitation.train_dagger`,
+  (:func:`policies.caps.controllers.train_joint_dagger`, on the train split) or loaded from folders; rollouts.
+  With training, the k-only imitation learner of the same recipe (:func:`policies.learn.imitation.train_dagger`,
   same cost model, lookahead, iterations, epochs and seed) is trained too and runs as a k-policy.
 
-Rollouts: ``episodes`` per held-out generation with the seeds of :func:`specenv.rollout.episode_seeds`;
+Rollouts: ``episodes`` per held-out generation with the seeds of :func:`specenv.envs.rollout.episode_seeds`;
 on a greedy set every episode is the same (the capped rounds are deterministic too), so one suffices.
 
 The headline comparison (``comparison``): the best joint learned controller whose mismatch rate is
@@ -45,7 +45,7 @@ from policies.bench.result import BenchResult
 from policies.bench.runner import Progress, run_family
 from policies.bench.single import Entry, _learned, default_entries
 from policies.bench.stats import summarise_pooled
-from policies.caps import FixedCap, JointMLP, train_joint_dagger
+from policies.caps.controllers import FixedCap, JointMLP, train_joint_dagger
 
 __all__ = ["DEFAULT_WEIGHTS", "K_ORACLE", "CapRow", "CapsFamily", "run_cap_bench"]
 
@@ -109,7 +109,7 @@ class CapsFamily:
     """The caps family: every k-policy at every cap level, MoE-Spec's grid, the joint learners; the oracles' frontier.
 
     The environment factory is :meth:`make_env` (``specenv/MoESpecCap-v0`` on the test split, in the
-    row's drafting mode); exact rows use the joint tables of the run (:func:`~specenv.capreplay.joint_tables`).
+    row's drafting mode); exact rows use the joint tables of the run (:func:`~specenv.replay.caps.joint_tables`).
     """
 
     ctx: Context
@@ -158,8 +158,8 @@ class CapsFamily:
         return rows
 
     def _k_only_learner(self) -> Entry:
-        """The k-only imitation learner of the joint learners' recipe (:func:`policies.imitation.train_dagger`)."""
-        from policies.imitation import train_dagger
+        """The k-only imitation learner of the joint recipe (:func:`policies.learn.imitation.train_dagger`)."""
+        from policies.learn.imitation import train_dagger
 
         kw = dict(self.train_kwargs or {})
         h = int(kw.get("lookahead", 0))
@@ -223,7 +223,7 @@ class CapsFamily:
                 )
                 return _exact(row.name, row.family, ev), ev.capped_share, None
             try:
-                from specenv.replay import replay_data
+                from specenv.replay.tables import replay_data
 
                 data = replay_data(
                     ctx.source, ctx.kmax, "test", ctx.cost_model_arg, entry.lookahead, entry.mode, entry.signals
@@ -258,7 +258,7 @@ class CapsFamily:
 
     def _rollouts(self, entry: Entry | None, policy: Any, name: str, family: str) -> tuple[pd.DataFrame, float]:
         """Roll ``policy`` out in the joint env (test split): per-generation means over the episodes, capped share."""
-        from specenv.rollout import episode_seeds, rollout
+        from specenv.envs.rollout import episode_seeds, rollout
 
         episodes = self.episodes
         env = self.make_env(entry, policy)
@@ -355,7 +355,7 @@ def run_cap_bench(
 
     Args:
         dataset: Registry name or folder of a set with the ``caps-v1`` extension, or the loaded
-            :class:`~specenv.traceset.TraceSet`.
+            :class:`~specenv.traces.traceset.TraceSet`.
         kmax: Largest budget (default the set's).
         cost_model: ``"fit-train"`` (default), ``"fit"``, ``"profile"`` or a cost-model JSON.
         policy_dir: Folder of trained k-policies (default: those shipped for the set, if any).
@@ -366,7 +366,7 @@ def run_cap_bench(
         seed: Seed of the episodes and the bootstrap.
         n_boot: Bootstrap resamples.
         max_mismatch: The quality constraint of the headline comparison (mismatched-token rate).
-        train_kwargs: Extra arguments of :func:`policies.caps.train_joint_dagger`.
+        train_kwargs: Extra arguments of :func:`policies.caps.controllers.train_joint_dagger`.
         only: Keep only the k-policies whose name contains one of these (the oracles and the fixed
             cap x fixed k grid always run); a filter that keeps no k-policy is refused.
         progress: Called with (done, total, row name) as each row starts.
@@ -377,7 +377,7 @@ def run_cap_bench(
     Raises:
         ValueError: One line naming the argument (a set without caps columns names ``dataset``).
     """
-    from specenv.capreplay import joint_tables
+    from specenv.replay.caps import joint_tables
 
     pdir = policy_dir if policy_dir is not None else shipped_policy_dir(dataset)
     ctx = build_context(dataset, kmax, cost_model, pdir)

@@ -1,6 +1,6 @@
 """What every benchmark family fits on the train split, once per run: the :class:`Context`.
 
-The trace set is loaded once (:func:`build_context` takes a loaded :class:`~specenv.traceset.TraceSet`
+The trace set is loaded once (:func:`build_context` takes a loaded :class:`~specenv.traces.traceset.TraceSet`
 or a name or folder, loaded here); the cost model is built once from it and every row of the run is
 charged by that one object. Everything fitted here uses the **train** split only: the cost model
 (``cost_model="fit-train"``, the default), the best fixed k (exact evaluation), the delta-space lambda
@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from policies.peers import PeerFit, fit_peers
-from specenv.costmodel import CostModel
-from specenv.observation import ObservationSpec
-from specenv.traceset import PositionArrays, TraceSet
+from specenv.cost.model import CostModel
+from specenv.observation.single import ObservationSpec
+from specenv.traces.traceset import PositionArrays, TraceSet
 
 __all__ = [
     "DEFAULT_COST_MODEL",
@@ -82,7 +82,7 @@ def load_traces(dataset: Any) -> tuple[TraceSet, str, str]:
     """
     if isinstance(dataset, TraceSet):
         return dataset, str(dataset.manifest.name), str(dataset.root)
-    from specenv.datasets import load_dataset
+    from specenv.traces.datasets import load_dataset
 
     return load_dataset(dataset), os.fspath(dataset), os.fspath(dataset)
 
@@ -93,7 +93,7 @@ def train_priors(train: PositionArrays) -> tuple[np.ndarray, np.ndarray]:
     Returns:
         ``u_prior`` (kmax+1,): mean unique experts U_{t,k} per budget; ``rho_prior`` (kmax,): mean
         conditional acceptance per depth over the states where that depth is reached (weights
-        ``P(a >= j-1)`` from :meth:`~specenv.traceset.PositionArrays.survival`).
+        ``P(a >= j-1)`` from :meth:`~specenv.traces.traceset.PositionArrays.survival`).
     """
     surv = train.survival()
     reach = np.concatenate([np.ones((len(surv), 1)), surv[:, :-1]], axis=1)
@@ -105,15 +105,15 @@ def build_context(dataset: Any, kmax: int | None, cost_model: str, policy_dir: P
     """Fit everything policies need on the train split.
 
     Args:
-        dataset: A loaded :class:`~specenv.traceset.TraceSet`, or a registry name or folder (loaded here).
+        dataset: A loaded :class:`~specenv.traces.traceset.TraceSet`, or a registry name or folder (loaded here).
         kmax: Largest budget (None: the set's Kmax).
         cost_model: ``fit-train``, ``fit``, ``profile`` or a cost-model JSON (built once, here).
         policy_dir: Folder of trained policies the roster reads (None: none).
     """
     from oracle.delta import boundary_slope
     from oracle.dp import evaluate_policy
-    from specenv.costsource import cost_model_for
-    from specenv.replay import select_positions
+    from specenv.cost.source import cost_model_for
+    from specenv.replay.tables import select_positions
 
     ts, name, source = load_traces(dataset)
     train = select_positions(ts, kmax, "train")

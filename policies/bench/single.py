@@ -7,8 +7,8 @@ Evaluation of a row:
   (:func:`oracle.dp.evaluate_policy`); no Monte Carlo, so no sampling noise (CI of width 0);
 * **Monte-Carlo** rows (every adaptive policy): every test generation is replayed ``episodes``
   times, all episodes of a policy at once as the streams of the native vector environment
-  (:func:`specenv.rollout.rollout_vector`, the policy's ``act_batch``). Episode r of generation g
-  is reset with its own seed :func:`specenv.rollout.episode_seeds` ``(seed, g, r)``: independent
+  (:func:`specenv.envs.rollout.rollout_vector`, the policy's ``act_batch``). Episode r of generation g
+  is reset with its own seed :func:`specenv.envs.rollout.episode_seeds` ``(seed, g, r)``: independent
   random streams across generations and episodes, the same ones for every policy (common random
   numbers). A generation's cost is the policy's mean episode cost on it.
 
@@ -21,7 +21,7 @@ is named so, not "learned"). The bound is the exact SSP oracle on the same gener
 (drafting mode ``"none"``, whose bound is also the bound of ``"sequential"``: the true optimum).
 
 **Each policy is charged by the drafting mode it really uses** (``Entry.drafting``, the table's
-``drafting`` column; :data:`specenv.costmodel.DRAFTING_MODES`): the confidence thresholds stop
+``drafting`` column; :data:`specenv.cost.model.DRAFTING_MODES`): the confidence thresholds stop
 drafting at the first low-confidence token, verifying what they drafted, so they run in
 ``"sequential"`` (they see q_{t,1..kmax}, stop at the first j with q_{t,j} below the threshold, and
 pay T_D(k) for the k tokens drafted); the delta-space rule with confidences and the learned policies
@@ -30,7 +30,7 @@ as they were fitted and trained); every other policy chooses k before drafting (
 
 Everything that needs fitting uses the **train** split only: the cost model (``cost_model=
 "fit-train"``, the default: the per-K fit on the train generations' rounds,
-:func:`specenv.costsource.cost_model_for`), the best fixed k (exact evaluation), the delta-space
+:func:`specenv.cost.source.cost_model_for`), the best fixed k (exact evaluation), the delta-space
 lambda (oracle boundary slope), the U(k) and acceptance priors (train means), the peers' thresholds
 and classifiers (:func:`policies.peers.fit_peers`; their rows: :func:`peer_entries`) and the learned
 policies (shipped, trained on the train split by ``specenv train``).
@@ -65,6 +65,7 @@ from policies.heuristics import (
     TransformersHeuristic,
     UCBBandit,
 )
+from policies.learn.stopping import load_stop_rule
 from policies.peers import (
     DISCO,
     SIGNALS,
@@ -74,9 +75,8 @@ from policies.peers import (
     VLLMAdaptiveVerification,
     VLLMDSDTable,
 )
-from policies.stopping import load_stop_rule
-from specenv.costmodel import drafting_mode
-from specenv.observation import ObservationSpec
+from specenv.cost.model import drafting_mode
+from specenv.observation.single import ObservationSpec
 from specenv.policy.base import Policy
 from specenv.policy.mlp import MLPPolicy
 
@@ -380,8 +380,8 @@ def run_policy(
     """Replay every test generation ``episodes`` times with one policy; one row per episode.
 
     All ``G * episodes`` episodes run at once as the streams of one native vector environment
-    (:func:`specenv.rollout.rollout_vector`); episode r of generation g is reset with seed
-    :func:`specenv.rollout.episode_seeds` ``(seed, g, r)`` (the same for every policy). A stream's
+    (:func:`specenv.envs.rollout.rollout_vector`); episode r of generation g is reset with seed
+    :func:`specenv.envs.rollout.episode_seeds` ``(seed, g, r)`` (the same for every policy). A stream's
     episode depends on its own seed and generation only, so running the generations in chunks
     (``generation_ids``, the unit of the distributed benchmark, :mod:`policies.distributed`) and
     concatenating the chunks in order gives exactly the frame of one run over all of them.
@@ -390,11 +390,11 @@ def run_policy(
         entry: The policy's row.
         ctx: The run's context (train-split fits, test positions).
         episodes: Episodes per generation.
-        seed: Base seed of :func:`specenv.rollout.episode_seeds`.
+        seed: Base seed of :func:`specenv.envs.rollout.episode_seeds`.
         generation_ids: Only these test generations, in this order (default: every test generation,
             in the environment's order).
     """
-    from specenv.rollout import rollout_split
+    from specenv.envs.rollout import rollout_split
 
     played = rollout_split(  # the environment factory of the family: the native vector replay env
         entry.make,
@@ -681,13 +681,13 @@ def run_benchmark(
     """Run the benchmark on the test split of ``dataset``.
 
     Args:
-        dataset: Registry name or trace-set folder, or a loaded :class:`~specenv.traceset.TraceSet`
+        dataset: Registry name or trace-set folder, or a loaded :class:`~specenv.traces.traceset.TraceSet`
             (loaded once: the run never loads it again).
         kmax: Largest budget (default: the trace set's Kmax).
         cost_model: ``"fit-train"`` (default: fitted on the train split's rounds), ``"fit"`` (all
             rounds, test generations included), ``"profile"`` or a JSON path.
         episodes: Monte-Carlo episodes per test generation and adaptive policy.
-        seed: Base seed of the episodes (:func:`specenv.rollout.episode_seeds`) and of the bootstrap.
+        seed: Base seed of the episodes (:func:`specenv.envs.rollout.episode_seeds`) and of the bootstrap.
         policy_dir: Folder with trained policies (``<name>/policy.json`` or ``<run>/policy/policy.json``);
             default the ones shipped for this set (:func:`shipped_policy_dir`).
         only: Run only policies whose name contains one of these strings (the oracle always runs).
@@ -707,7 +707,7 @@ def run_benchmark(
     Returns:
         The :class:`~policies.bench.result.BenchResult` of family ``"single"``.
     """
-    from specenv.costmodel import DRAFTING_MODES
+    from specenv.cost.model import DRAFTING_MODES
 
     if episodes < 1:
         raise ValueError(f"episodes={episodes}: must be >= 1")

@@ -6,7 +6,7 @@ file or field, and exit code 2 (click's usage errors too: :class:`specenv.cli.co
 formats them). Every command checks its arguments, inputs and output locations before it does any
 work or prints progress, so a refused command has written nothing. Nothing half-written is left
 behind either (trace sets and cost models are written atomically), and ``--overwrite`` replaces
-only a trace set (:func:`specenv.traceset.check_save_destination`). JSON output never holds NaN or
+only a trace set (:func:`specenv.traces.traceset.check_save_destination`). JSON output never holds NaN or
 Infinity.
 
 The problem families are reached the same way: the single-request family at the top

@@ -42,9 +42,9 @@ def fit(
     """Fit the batch cost model (verification, draft, U_batch predictors) on recorded vLLM batch steps.
 
     Prints the coefficients with SEs clustered by group, the verification forms and the U_batch
-    predictors with their GroupKFold out-of-sample errors (specenv.batchfit).
+    predictors with their GroupKFold out-of-sample errors (specenv.cost.batchfit).
     """
-    from specenv.batchfit import TIMINGS, fit_batch_cost, format_report, load_steps
+    from specenv.cost.batchfit import TIMINGS, fit_batch_cost, format_report, load_steps
 
     if not recording.strip():
         fail("RECORDING: empty (a steps recording folder, or live-vllm-batch-v1)")
@@ -106,7 +106,7 @@ def bench(
 ) -> None:
     """Benchmark the batch controllers in specenv/MoESpecBatch-v0 beside the batch bound (held-out split).
 
-    The rows are the batch controllers of policies/batchbench.py and, unless --no-learners, the
+    The rows are the batch controllers of policies/bench/batch.py and, unless --no-learners, the
     learned ones (trained on the train split).
     """
     from policies.bench.batch import LEARNERS, run_batch_benchmark

@@ -87,7 +87,7 @@ def bench(
     from policies.bench.outputs import write_outputs
     from policies.bench.single import run_benchmark
     from policies.bench.tables import category_table, markdown_table
-    from specenv.costmodel import DRAFTING_MODES
+    from specenv.cost.model import DRAFTING_MODES
 
     check_out_folder("--out", out_dir)
     if batch is not None or no_learners or learners is not None:

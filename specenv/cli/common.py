@@ -243,7 +243,7 @@ def check_finite(opt: str, value: float) -> None:
 
 def check_traceset_out(out_dir: Path, overwrite: bool) -> None:
     """``--out`` of a command writing a trace set: creatable, or (``--overwrite``) a replaceable trace set."""
-    from specenv.traceset import check_save_destination
+    from specenv.traces.traceset import check_save_destination
 
     try:
         check_save_destination(out_dir, overwrite)
@@ -284,7 +284,7 @@ def check_out_file(opt: str, path: Path) -> None:
 
 def check_budget(ts: Any, kmax: int | None, lookahead: int | None = None) -> int:
     """``--kmax`` in 1..the trace set's Kmax and ``--lookahead`` in 0..kmax; returns the effective kmax."""
-    from specenv.replay import SelectionError, check_kmax
+    from specenv.replay.tables import SelectionError, check_kmax
 
     try:
         k = check_kmax(kmax, ts.kmax)
@@ -297,9 +297,9 @@ def check_budget(ts: Any, kmax: int | None, lookahead: int | None = None) -> int
 
 def load_traces(traces: str) -> Any:
     """A trace set by name or folder; a recording folder (``recording.json`` + ``parts/``) is assembled."""
-    from specenv.datasets import load_dataset
-    from specenv.schema import TraceError
-    from specenv.traceset import MANIFEST
+    from specenv.traces.datasets import load_dataset
+    from specenv.traces.schema import TraceError
+    from specenv.traces.traceset import MANIFEST
 
     try:
         path = Path(traces)

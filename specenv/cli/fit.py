@@ -27,7 +27,7 @@ def fit(
     as_json: JsonOpt = False,
 ) -> None:
     """Fit the per-K cost model T_T = beta0 + alpha*U_r + c*L (and T_D, AR step) on the rounds table."""
-    from specenv.fit import fit_cost_model
+    from specenv.cost.fit import fit_cost_model
 
     if save is not None:
         check_out_file("--out", save)
@@ -69,12 +69,12 @@ def _print_fit(rep: Any, name: str, paper_profile: bool = True) -> None:
     """Human-readable ``specenv fit`` output: the per-K table, the pooled forms, T_D and the AR step.
 
     Args:
-        rep: The fit (:class:`specenv.fit.FitReport`).
+        rep: The fit (:class:`specenv.cost.fit.FitReport`).
         name: The trace set's name (the tables' titles).
         paper_profile: Show the paper's figures (Tables A4, A6, its T_D) in brackets: only for a
             paper-profile set, since any other set measures another model.
     """
-    from specenv import paper
+    from specenv.traces import paper
 
     brackets = " (paper's Table A{} in brackets)" if paper_profile else ""
     tab = Table(title=f"Per-K cost model on {name}" + brackets.format(4))

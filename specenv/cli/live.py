@@ -205,7 +205,7 @@ def abtest(
             fail(f"--policy-dir: {d} is not a folder")
     ts = load_traces(traces)
     k = check_budget(ts, kmax)
-    from specenv.replay import SelectionError, select_positions
+    from specenv.replay.tables import SelectionError, select_positions
 
     try:
         n_test = len(select_positions(ts, k, "test").generation_ids)
@@ -219,7 +219,7 @@ def abtest(
     if cost_model not in ("vllm", "fit", "fit-train", "profile"):
         if not Path(cost_model).is_file():
             fail(f"--cost-model: {cost_model!r} is not vllm, fit, fit-train, profile or a cost-model JSON file")
-        from specenv.costmodel import CostModel
+        from specenv.cost.model import CostModel
 
         try:
             CostModel.load(cost_model)

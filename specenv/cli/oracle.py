@@ -33,7 +33,7 @@ def oracle_cmd(
     delta: Annotated[bool, typer.Option("--delta", help="Also run the delta-space analysis (Figure 3).")] = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write the figures of --sweep/--delta here.")] = None,
     cost_model: Annotated[str, typer.Option("--cost-model", help="'fit', 'profile' or a cost-model JSON.")] = "fit",
-    split: Annotated[str, typer.Option(help="Generations: all, train or test (specenv.splits).")] = "all",
+    split: Annotated[str, typer.Option(help="Generations: all, train or test (specenv.traces.splits).")] = "all",
     lookahead: Annotated[
         int, typer.Option(help="Draft confidences h (0..Kmax); in drafting mode block charged as T_D(max(k, h)).")
     ] = 0,
@@ -56,9 +56,9 @@ def oracle_cmd(
     tasks (policies.distributed); the output is the same.
     """
     import oracle
-    from specenv.costsource import cost_model_for
-    from specenv.replay import SelectionError, select_positions
-    from specenv.splits import check_split
+    from specenv.cost.source import cost_model_for
+    from specenv.replay.tables import SelectionError, select_positions
+    from specenv.traces.splits import check_split
 
     check_ray_cpus(ray, ray_cpus)
     try:
@@ -121,7 +121,7 @@ def _check_oracle_options(lookahead: int, episodes: int, plot: Path | None, *, s
 
 def _check_oracle_drafting(drafting: str | None, lookahead: int) -> str:
     """``--drafting`` of ``specenv oracle`` with ``--lookahead``; returns the mode (exit 2 when invalid)."""
-    from specenv.costmodel import DRAFTING_MODES, drafting_mode
+    from specenv.cost.model import DRAFTING_MODES, drafting_mode
 
     if drafting is None:
         return drafting_mode(lookahead)

@@ -194,7 +194,7 @@ def _check_served_policy(
     ``folder`` is the folder's policy, already loaded (None for a name).
     """
     from specenv.engines.vllm import settings as vs
-    from specenv.observation import ObservationSpec
+    from specenv.observation.single import ObservationSpec
     from specenv.policy import registry
 
     if policy is None:
@@ -226,7 +226,7 @@ def _serve_settings(
         The settings, and the policy of a policy folder (loaded here, once; None for a registered
         name or no policy): the checks against the served model use it.
     """
-    from specenv.costmodel import CostModel
+    from specenv.cost.model import CostModel
     from specenv.engines.vllm.settings import SpecenvSettings
     from specenv.policy import registry
 

@@ -89,7 +89,7 @@ def validate(traces: Traces, as_json: JsonOpt = False) -> None:
 
 def datasets(as_json: JsonOpt = False) -> None:
     """List the registered (shipped) trace sets."""
-    from specenv.datasets import list_datasets
+    from specenv.traces.datasets import list_datasets
 
     rows = [{"id": d.id, "name": d.name, "version": d.version, "description": d.description} for d in list_datasets()]
     if as_json:

@@ -91,7 +91,7 @@ def train(
     (policies.distributed; the same run folders and, on one machine, the same networks). bc fits
     the budgets of a Minari dataset's episodes (exported from the train split) by cross-entropy.
     """
-    from policies.runs import ALGOS, TrainRun
+    from policies.learn.runs import ALGOS, TrainRun
 
     check_ray_cpus(ray, ray_cpus)
     algos = list(dict.fromkeys(algo or ["ppo"]))
@@ -163,7 +163,7 @@ def _train_bc(
     seed: int,
     as_json: bool,
 ) -> None:
-    """``specenv train --algo bc --dataset ID``: behaviour cloning from a Minari dataset (policies/bc.py)."""
+    """``specenv train --algo bc --dataset ID``: behaviour cloning from a Minari dataset (policies/learn/bc.py)."""
     if algo != "bc":
         fail(f"--dataset: only --algo bc trains from a Minari dataset (got --algo {algo})")
     if dataset is None:
@@ -175,7 +175,7 @@ def _train_bc(
     run = out_dir / (name or f"bc-seed{seed}")
     check_out_folder("--out", out_dir)
     check_out_folder("--out", run)
-    from policies.offline import open_dataset, resolve_root
+    from policies.learn.offline import open_dataset, resolve_root
 
     try:
         data = open_dataset(dataset, resolve_root(root))
@@ -187,8 +187,8 @@ def _train_bc(
                 f"--dataset: {dataset} holds {data.meta.get('split')}-split episodes; bc trains on the train "
                 "split only (export with --split train)"
             )
-        from policies.bc import train_bc
-        from policies.export import provenance
+        from policies.learn.bc import train_bc
+        from policies.learn.export import provenance
 
         t0 = time.perf_counter()
         n_epochs = epochs or 30
@@ -273,8 +273,8 @@ def export(
     """
     if fmt != "minari":
         fail(f"FORMAT: unknown dataset format {fmt!r} (known: minari)")
-    from policies.offline import check_destination, dataset_id, export_minari, plan_policy, resolve_root
-    from specenv.splits import check_split
+    from policies.learn.offline import check_destination, dataset_id, export_minari, plan_policy, resolve_root
+    from specenv.traces.splits import check_split
 
     try:
         check_split(split)
@@ -338,7 +338,7 @@ def export(
 
 def _train_runs(runs: list[Any], out_dir: Path, ray: str | None, ray_cpus: int | None) -> list[dict[str, Any]]:
     """Train ``runs`` here one after another, or as Ray tasks (``--ray``); their summaries in order."""
-    from policies.runs import train_run
+    from policies.learn.runs import train_run
 
     summaries = []
     try:
@@ -396,10 +396,10 @@ def tune(
 ) -> None:
     """Ray Tune search of a learner's hyper-parameters: fit on train-fit, choose on train-val (both carved from train).
 
-    The validation split is carved from train (specenv.splits); no trial reads a test generation.
-    Writes the ResultGrid as results.csv and results.parquet, and best.json (policies.tune).
+    The validation split is carved from train (specenv.traces.splits); no trial reads a test generation.
+    Writes the ResultGrid as results.csv and results.parquet, and best.json (policies.learn.tune).
     """
-    from policies.runs import ALGOS, TrainRun
+    from policies.learn.runs import ALGOS, TrainRun
 
     check_ray_cpus(ray or "local", ray_cpus)
     if algo not in ALGOS:
@@ -410,7 +410,7 @@ def tune(
     mode, h = _check_train_drafting(drafting, lookahead, ts)
     check_out_folder("--out", out_dir)
     check_budget(ts, kmax, h)
-    from specenv.costsource import cost_model_for
+    from specenv.cost.source import cost_model_for
 
     try:  # here, not in every trial: a bad cost model is one line, before Ray starts or a folder is made
         cost_model_for(ts, cost_model)
@@ -432,7 +432,7 @@ def tune(
         kmax=kmax,
         cost_model=cost_model,
     )
-    from policies.tune import run_tune
+    from policies.learn.tune import run_tune
 
     try:
         with maybe_ray(ray or "local", ray_cpus):
@@ -459,7 +459,7 @@ def _check_train_drafting(drafting: str | None, lookahead: int | None, ts: Any) 
     ``sequential`` trains a stop rule on the per-token environment, which shows each draft's own
     confidence as it is drafted: it takes no ``--lookahead``.
     """
-    from specenv.costmodel import DRAFTING_MODES, check_drafting
+    from specenv.cost.model import DRAFTING_MODES, check_drafting
 
     if drafting is not None and drafting not in DRAFTING_MODES:
         fail(f"--drafting: {drafting!r} is not one of {', '.join(DRAFTING_MODES)}")

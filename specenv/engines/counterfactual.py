@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from specenv.schema import (
+from specenv.traces.schema import (
     ROUNDS_CAP_COLUMN,
     cap_column,
     ent_columns,

@@ -17,7 +17,7 @@ tables into one set:
 The shards must describe the same collection: the same source, model facts, Kmax, greedy flag,
 ``max_new_tokens`` and, for sets with positions, the same schema; anything else is refused with a
 line naming the shard and the field. The merged set is validated when saved
-(:meth:`specenv.traceset.TraceSet.save`).
+(:meth:`specenv.traces.traceset.TraceSet.save`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-from specenv.traceset import TraceSet
+from specenv.traces.traceset import TraceSet
 
 #: Manifest fields that must agree between the shards of one collection.
 SAME = ("source", "model", "kmax", "greedy", "max_new_tokens")

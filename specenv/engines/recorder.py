@@ -30,7 +30,7 @@ the last ``part_seconds`` (plus one tick) and the part being written; hidden tem
 no longer run are removed when the next recorder starts in the folder.
 
 :func:`load_recording` assembles one or more recordings into an in-memory
-:class:`specenv.traceset.TraceSet` (rounds only; ``source`` = the recording engine) that validates;
+:class:`specenv.traces.traceset.TraceSet` (rounds only; ``source`` = the recording engine) that validates;
 ``TraceSet.save`` writes it as an ordinary trace set (``specenv fit`` runs on it).
 
 Extra columns (allowed by schema v1): ``request_id`` (the engine's id), ``t`` (tokens generated before the
@@ -72,7 +72,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specenv.io import atomic_file, atomic_write_json, sha256_file
-from specenv.schema import ROUNDS_COLUMNS, SCHEMA_VERSION, ModelFacts, TraceError, validate_rounds
+from specenv.traces.schema import ROUNDS_COLUMNS, SCHEMA_VERSION, ModelFacts, TraceError, validate_rounds
 
 RUN_MANIFEST = "recording.json"
 PARTS = "parts"
@@ -516,7 +516,7 @@ def load_recording(
         category: Override the ``category`` column (default: as recorded).
 
     Returns:
-        A :class:`specenv.traceset.TraceSet` with a rounds table; its ``source`` is the recording
+        A :class:`specenv.traces.traceset.TraceSet` with a rounds table; its ``source`` is the recording
         engine's.
 
     Raises:
@@ -583,7 +583,7 @@ def _assemble(
     """One validated in-memory TraceSet (rounds only) from the parts of every recording."""
     import pandas as pd
 
-    from specenv.traceset import Manifest, TraceSet
+    from specenv.traces.traceset import Manifest, TraceSet
 
     first = manifests[0]
     facts = ModelFacts(**first["model"])

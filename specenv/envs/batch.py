@@ -2,7 +2,7 @@
 
 ``gymnasium.make("specenv/MoESpecBatch-v0", dataset=..., batch_size=4, n_requests=16, ...)`` replays
 B concurrent requests from any positions table and prices each step with the batch cost model
-(:mod:`specenv.batchcost`); ``specenv/MoESpecBatchBudget-v0`` takes one global token budget instead
+(:mod:`specenv.cost.batch`); ``specenv/MoESpecBatchBudget-v0`` takes one global token budget instead
 of one k per request. DESIGN.md section 3 ("batch environment") is the contract; see
 :class:`MoESpecBatchEnv`.
 """
@@ -16,15 +16,15 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from specenv.batchcost import BatchCostModel
-from specenv.batchobs import BatchObservationSpec
-from specenv.batchreplay import allocate_budget, ar_schedule_ms, batch_cost_for, request_seeds
-from specenv.costmodel import drafted_tokens
-from specenv.datasets import DEFAULT_DATASET, load_dataset
+from specenv.cost.batch import BatchCostModel
+from specenv.cost.model import drafted_tokens
 from specenv.envs.common import DEFAULT_REWARD, check_reward
-from specenv.episode import Episode, RoundTables
-from specenv.observation import ScalarObservation
-from specenv.replay import replay_data
+from specenv.observation.batch import BatchObservationSpec
+from specenv.observation.single import ScalarObservation
+from specenv.replay.batch import allocate_budget, ar_schedule_ms, batch_cost_for, request_seeds
+from specenv.replay.episode import Episode, RoundTables
+from specenv.replay.tables import replay_data
+from specenv.traces.datasets import DEFAULT_DATASET, load_dataset
 
 __all__ = ["BATCH_ID", "BUDGET_ID", "MoESpecBatchBudgetEnv", "MoESpecBatchEnv"]
 
@@ -41,9 +41,9 @@ class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
 
     Each episode serves ``n_requests`` (R) requests through ``batch_size`` (B) slots. A request is
     one generation of the split replayed exactly as one episode of ``specenv/MoESpec-v1`` (same
-    round model, same acceptance draw: each request is a :class:`specenv.episode.Episode` and
-    :meth:`~specenv.episode.Episode.play` runs its round). Request r has its own seed, drawn at
-    ``reset`` from ``np_random`` (:func:`specenv.batchreplay.request_seeds`): it replays the single
+    round model, same acceptance draw: each request is a :class:`specenv.replay.episode.Episode` and
+    :meth:`~specenv.replay.episode.Episode.play` runs its round). Request r has its own seed, drawn at
+    ``reset`` from ``np_random`` (:func:`specenv.replay.batch.request_seeds`): it replays the single
     environment's episode of that seed, whatever the other requests do. When a request finishes, the
     lowest free slot takes the next request at the next step; when fewer than B requests remain, the
     tail slots are idle; the episode terminates when all R have finished.
@@ -51,21 +51,21 @@ class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
     ## Cost
 
     One step verifies every active request at once and costs
-    :meth:`specenv.batchcost.BatchCostModel.step_ms`: request i verifies ``k_i + 1`` positions with
+    :meth:`specenv.cost.batch.BatchCostModel.step_ms`: request i verifies ``k_i + 1`` positions with
     its own unique experts ``U_{t,k_i}`` (the positions table), the expert union ``U_batch`` is
     predicted from those by the model's predictor, and the draft term follows the drafting mode
     (``none``: request i drafts k_i tokens; ``block``: every active request drafts ``max(k_i, h)``,
     as vLLM's drafter runs ``num_speculative_tokens`` steps for the whole batch; ``sequential``:
-    k_i). The batch cost model is ``batch_cost`` (:func:`specenv.batchreplay.batch_cost_for`:
+    k_i). The batch cost model is ``batch_cost`` (:func:`specenv.replay.batch.batch_cost_for`:
     ``"auto"`` = the vLLM batch fit when it was measured on the set's engine and models
-    (:func:`specenv.batchreplay.fitted_batch_cost`: ``live-vllm``), else the scaled form of the set's
+    (:func:`specenv.replay.batch.fitted_batch_cost`: ``live-vllm``), else the scaled form of the set's
     single-request model ``cost_model``).
 
     ## Spaces
 
     * action: ``MultiDiscrete([kmax+1] * B)``, the budget of the request in each slot; the entries of
       idle slots are ignored (any value in range is accepted);
-    * observation: :class:`specenv.batchobs.BatchObservationSpec` (B slot blocks ``[active,
+    * observation: :class:`specenv.observation.batch.BatchObservationSpec` (B slot blocks ``[active,
       per-request observation]`` + ``n_active``, ``queue``, ``prev_U_batch``, ``prev_step_cost``).
 
     ## Rewards
@@ -81,7 +81,7 @@ class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
     ``step_ms``, ``U_batch``, ``k`` / ``accepted`` / ``committed`` per slot (-1 / -1 / 0 for idle
     slots), ``active``, ``served`` (requests finished); at termination ``speedup`` = AR / episode
     cost, where AR is the same requests decoded without speculation under the same schedule
-    (:func:`specenv.batchreplay.ar_schedule_ms`), ``episode_cost_ms``, ``ar_cost_ms``, ``steps``,
+    (:func:`specenv.replay.batch.ar_schedule_ms`), ``episode_cost_ms``, ``ar_cost_ms``, ``steps``,
     ``generation_ids`` and ``seeds`` of the R requests.
 
     Args:
@@ -104,7 +104,7 @@ class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
 
     ## Version History
 
-    * v0: initial version (batch observation contract 1, :data:`specenv.batchobs.BATCH_OBSERVATION_VERSION`).
+    * v0: initial version (batch observation contract 1, :data:`specenv.observation.batch.BATCH_OBSERVATION_VERSION`).
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
@@ -357,7 +357,7 @@ class MoESpecBatchBudgetEnv(MoESpecBatchEnv):
     The action b in ``0..B*h`` is the number of drafted tokens the step verifies in all. The drafter
     has proposed h = ``lookahead`` tokens for every active request (drafting mode ``block``, as vLLM);
     the tokens are ranked by the draft's survival estimate ``prod_{i<=j} q_{r,i}`` and the b best are
-    verified (:func:`specenv.batchreplay.allocate_budget`, vLLM adaptive verification's ranking), which
+    verified (:func:`specenv.replay.batch.allocate_budget`, vLLM adaptive verification's ranking), which
     gives each request a prefix k_r. A budget above the active requests' drafts verifies all of them.
     Everything else (observation, cost, reward, info) is :class:`MoESpecBatchEnv`'s.
 

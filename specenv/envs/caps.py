@@ -1,15 +1,15 @@
 """The joint (k, expert cap) replay environment: choose the budget and the verification-time expert cap.
 
 ``gymnasium.make("specenv/MoESpecCap-v0", dataset=..., quality_weight=...)`` replays a trace set with
-the ``caps-v1`` extension (:class:`specenv.traceset.CapArrays`). Each step is one round with the
+the ``caps-v1`` extension (:class:`specenv.traces.traceset.CapArrays`). Each step is one round with the
 action ``(k, c)``: the budget k and the cap level c (0 = uncapped, 1..C = the set's caps B_1..B_C
 experts per MoE layer). The round model (:class:`MoESpecCapEnv`'s Description): an uncapped round
 is :class:`specenv.envs.replay.MoESpecEnv`'s round; a capped one accepts the capped target's drafts
 deterministically, commits that many tokens plus one *of the reference text*, costs
 the cost model at the capped unique experts and reports the committed tokens that differ from the
 uncapped reference as quality loss. Both are rounds of the one replayed episode,
-:meth:`specenv.episode.Episode.play`, a capped one on the capped tables of
-:func:`specenv.capreplay.joint_tables` (:func:`capped_round_tables`).
+:meth:`specenv.replay.episode.Episode.play`, a capped one on the capped tables of
+:func:`specenv.replay.caps.joint_tables` (:func:`capped_round_tables`).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from specenv.capreplay import JointTables, joint_tables
-from specenv.datasets import load_dataset
 from specenv.envs.common import DEFAULT_REWARD
 from specenv.envs.registration import CAP_ID
 from specenv.envs.replay import MoESpecEnv
-from specenv.episode import RoundTables
-from specenv.replay import ReplayData, select_positions
+from specenv.replay.caps import JointTables, joint_tables
+from specenv.replay.episode import RoundTables
+from specenv.replay.tables import ReplayData, select_positions
+from specenv.traces.datasets import load_dataset
 
 __all__ = ["CAP_ID", "DEFAULT_CAPS_DATASET", "MoESpecCapEnv", "cap_tables"]
 
@@ -103,7 +103,7 @@ class MoESpecCapEnv(MoESpecEnv):
 
     ## Observation Space
 
-    The replay environment's observation contract (:mod:`specenv.observation`), unchanged: the
+    The replay environment's observation contract (:mod:`specenv.observation.single`), unchanged: the
     previous round's ``prev_U`` and ``prev_cost`` are the capped round's when it ran capped. The
     environment's :attr:`obs_spec` carries ``cap_levels = C`` (the joint policies' contract; the vector is
     the same).

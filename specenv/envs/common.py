@@ -17,7 +17,7 @@ import numpy as np
 from specenv.envs.render import RoundStrip
 
 if TYPE_CHECKING:
-    from specenv.episode import Episode
+    from specenv.replay.episode import Episode
 
 #: Reward options: ``"cost"`` = -cost / ar_unit_ms; ``"savings"`` = that + the tokens the round committed.
 REWARDS = ("cost", "savings")
@@ -60,7 +60,7 @@ class RoundEnv(gym.Env[np.ndarray, np.int64]):
     Subclasses set ``kmax``, ``render_mode``, ``_done``, ``_line`` (the ansi line) and ``_strip``
     (a :class:`specenv.envs.render.RoundStrip` when ``render_mode="rgb_array"``), and the class
     attribute ``env_id`` used in messages. The replay ones also set ``_obs`` (their
-    :class:`specenv.observation.ScalarObservation`) and start each episode with :meth:`_begin`.
+    :class:`specenv.observation.single.ScalarObservation`) and start each episode with :meth:`_begin`.
     """
 
     env_id = ""

@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from specenv.costmodel import drafted_tokens
-from specenv.datasets import load_dataset
+from specenv.cost.model import drafted_tokens
 from specenv.envs.common import DEFAULT_REWARD, RoundEnv, check_reward, reset_generation_id
 from specenv.envs.registration import LIVE_ID
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
-from specenv.observation import ScalarObservation
-from specenv.replay import replay_data
+from specenv.observation.single import ScalarObservation
+from specenv.replay.tables import replay_data
+from specenv.traces.datasets import load_dataset
 
 LIVE_ENV_ID = LIVE_ID
 #: Where the round cost comes from: the measured times, or the cost model at the measured routing.
@@ -89,7 +89,7 @@ class MoESpecLiveEnv(RoundEnv):
     a prompt of the live prompt set, generated greedily (or sampled, ``temperature > 0``) for
     ``max_new_tokens`` tokens or until end-of-text. The episodes are the generations of
     ``dataset`` (by default ``live-cpu``, recorded from the same prompts and models) that fall in
-    ``split`` (the split rule of :mod:`specenv.splits`), so the replay environment on ``live-cpu``
+    ``split`` (the split rule of :mod:`specenv.traces.splits`), so the replay environment on ``live-cpu``
     and this one run the same generations. The engine is chosen by name (``backend``, see
     :func:`specenv.engines.make_backend`).
 
@@ -101,7 +101,7 @@ class MoESpecLiveEnv(RoundEnv):
 
     The replay environment's: same shape, features, scaling and arithmetic (the table in
     :class:`specenv.envs.replay.MoESpecEnv`, names in order
-    :attr:`specenv.observation.ObservationSpec.names`), with measured values: ``prev_U`` is the
+    :attr:`specenv.observation.single.ObservationSpec.names`), with measured values: ``prev_U`` is the
     round's measured U_r, ``prev_cost`` its cost (see Rewards) in AR units. With
     ``lookahead = h > 0`` the draft proposes h tokens *before* the decision and their confidences
     are the last h entries (``conf_1..conf_h``); that drafting is part of the next round's draft
@@ -176,7 +176,7 @@ class MoESpecLiveEnv(RoundEnv):
             first token; the drafter proposes ``kmax`` tokens ahead of each round).
         reward: ``"savings"`` (default) or ``"cost"`` (see Rewards).
         drafting: ``"none"``, ``"block"`` or ``"sequential"``, checked with ``lookahead`` by
-            :func:`specenv.costmodel.check_drafting` as in the replay environment (None: block for
+            :func:`specenv.cost.model.check_drafting` as in the replay environment (None: block for
             lookahead > 0, else none). ``"sequential"`` shows ``conf_1..h`` (the engine drafts them
             before the decision) for a stop rule that reads ``conf_1..k`` only, and needs
             ``cost_source="model"``: it charges ``T_D(k)``, the drafts a sequential drafter makes.

@@ -5,7 +5,7 @@ replays recorded generations (the positions table of a trace set) under the roun
 in :class:`MoESpecEnv`. :class:`MoESpecEnv` steps one generation; :mod:`specenv.envs.vector` steps
 many at once in numpy and produces exactly the same trajectories for the same seeds and actions.
 
-Both are built on :class:`specenv.replay.ReplayData`: the per-trace-set tables (survival probabilities, charged
+Both are built on :class:`specenv.replay.tables.ReplayData`: the per-trace-set tables (survival probabilities, charged
 round costs, unique experts, draft confidences) computed once and shared, read-only, between every
 environment built with the same arguments in a process.
 """
@@ -17,13 +17,13 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from specenv.datasets import DEFAULT_DATASET
 from specenv.envs.common import DEFAULT_REWARD, RoundEnv, check_reward, reset_generation_id
 from specenv.envs.registration import REPLAY_ID
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
-from specenv.episode import Episode, Round, RoundTables
-from specenv.observation import ScalarObservation
-from specenv.replay import ReplayData, replay_data
+from specenv.observation.single import ScalarObservation
+from specenv.replay.episode import Episode, Round, RoundTables
+from specenv.replay.tables import ReplayData, replay_data
+from specenv.traces.datasets import DEFAULT_DATASET
 
 __all__ = ["ENV_ID", "RENDER_MODES", "MoESpecEnv", "ReplayData", "replay_data"]
 
@@ -53,9 +53,9 @@ class MoESpecEnv(RoundEnv):
     * the round commits ``a + 1`` tokens, ``t' = min(t + a + 1, N)``; at the very end the reported
       ``accepted`` is capped to ``t' - t - 1`` (nothing is accepted past the generation's end);
     * the round costs ``C(t, k) = T_D(k) + T_T(k, U_{t,k}, L_t)`` ms from the cost model
-      (:meth:`specenv.costmodel.CostModel.charged_table`): draft time plus the target's verification
+      (:meth:`specenv.cost.model.CostModel.charged_table`): draft time plus the target's verification
       time at ``U_{t,k}`` unique experts and context length ``L_t``. The draft term follows the
-      drafting mode (:mod:`specenv.costmodel`): ``drafting="none"`` (k chosen before drafting, no
+      drafting mode (:mod:`specenv.cost.model`): ``drafting="none"`` (k chosen before drafting, no
       confidence shown) pays ``T_D(k)``; ``"block"`` (the draft proposes h tokens at once, the
       observation shows their h confidences and the agent trims to k) pays ``T_D(max(k, h))``, also
       for k = 0; ``"sequential"`` (the drafter produces one token at a time and the agent stops after
@@ -65,7 +65,7 @@ class MoESpecEnv(RoundEnv):
       each step is one draft decision and nothing beyond the drafted tokens is shown). The target
       term is the same in every mode.
 
-    Generation ids are split 80/20 into train/test by :mod:`specenv.splits` (sha256 rank of the
+    Generation ids are split 80/20 into train/test by :mod:`specenv.traces.splits` (sha256 rank of the
     id; the same rule the oracle and the benchmark use). :mod:`specenv.envs.vector` steps many
     generations at once in numpy with bit-identical trajectories.
 
@@ -77,7 +77,7 @@ class MoESpecEnv(RoundEnv):
     ## Observation Space
 
     ``Box(0, high, (10 + kmax + lookahead,), float32)``: what a real server knows before it
-    verifies (the contract of :mod:`specenv.observation`). Nothing of the current round's rho or
+    verifies (the contract of :mod:`specenv.observation.single`). Nothing of the current round's rho or
     U, nor the generation's length N, nor any later position enters it.
 
     | Name | Meaning | Range |
@@ -150,7 +150,7 @@ class MoESpecEnv(RoundEnv):
         split: ``"train"`` (default), ``"test"`` or ``"all"``.
         cost_model: ``"fit"`` (per-K fit on the set's rounds table, the default), ``"profile"``
             (the paper's coefficients) or a path to a cost-model JSON; see
-            :func:`specenv.costsource.cost_model_for`.
+            :func:`specenv.cost.source.cost_model_for`.
         lookahead: Number h of draft confidences in the observation (0..kmax). Default: 0 without a
             drafting mode or with ``"none"``, kmax with ``"block"`` or ``"sequential"``.
         render_mode: None, ``"ansi"`` (:meth:`render` returns the last round as one line) or
@@ -158,10 +158,10 @@ class MoESpecEnv(RoundEnv):
             accepted, :mod:`specenv.envs.render`). ``gymnasium.make(..., render_mode="human")``
             shows that image through gymnasium's ``HumanRendering`` (needs pygame).
         reward: ``"savings"`` (default) or ``"cost"`` (see Rewards).
-        drafting: ``"none"``, ``"block"`` or ``"sequential"`` (:data:`specenv.costmodel.DRAFTING_MODES`;
+        drafting: ``"none"``, ``"block"`` or ``"sequential"`` (:data:`specenv.cost.model.DRAFTING_MODES`;
             see Description). Default None: ``"block"`` when ``lookahead > 0``, else ``"none"``.
         signals: Draft signals of the lookahead block, an ordered subset of ``("q", "ent", "margin")``
-            with ``"q"`` (:data:`specenv.observation.SIGNALS`); ``"ent"``/``"margin"`` need a schema-v2 set.
+            with ``"q"`` (:data:`specenv.observation.single.SIGNALS`); ``"ent"``/``"margin"`` need a schema-v2 set.
 
     Raises:
         ValueError: Naming the argument, for an unknown dataset or split, kmax outside 1..Kmax,
@@ -173,13 +173,13 @@ class MoESpecEnv(RoundEnv):
     * observation contract 2 (both ids): ``prev_cost`` and ``cost_per_token`` are divided by the AR
       step at the round's own context, ``C_AR(L_t)`` (contract 1: the split's mean AR step, which a
       server cannot know); ``signals`` adds the draft's entropy/margin. The contract carries its own
-      version (:data:`specenv.observation.OBSERVATION_VERSION`), recorded in every exported policy
+      version (:data:`specenv.observation.single.OBSERVATION_VERSION`), recorded in every exported policy
       and checked when it loads, so a policy trained on contract 1 is refused with one line.
     * v1: the default reward is ``"savings"`` (was ``"cost"``; the optimum is unchanged, see
       Rewards). Spaces, dynamics, ``info`` and the other arguments are those of v0.
       ``specenv/MoESpec-v0`` stays registered: the same class with ``reward="cost"``.
     * v0: initial version (replay of schema-v1 trace sets; observation contract of
-      :mod:`specenv.observation`; ``reward``, ``render_mode="rgb_array"`` and ``drafting`` added
+      :mod:`specenv.observation.single`; ``reward``, ``render_mode="rgb_array"`` and ``drafting`` added
       without a version bump: the defaults behave as before).
 
     Examples:
@@ -251,7 +251,7 @@ class MoESpecEnv(RoundEnv):
 
     @property
     def episode(self) -> Episode | None:
-        """The episode in progress (:class:`specenv.episode.Episode`; None before the first :meth:`reset`)."""
+        """The episode in progress (:class:`specenv.replay.episode.Episode`; None before the first :meth:`reset`)."""
         return self._episode
 
     # ------------------------------------------------------------------ episode

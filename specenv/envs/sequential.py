@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from specenv.datasets import DEFAULT_DATASET
 from specenv.envs.common import DEFAULT_REWARD, RoundEnv, check_reward, reset_generation_id
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
 from specenv.envs.replay import round_line
-from specenv.episode import Episode, RoundTables
-from specenv.observation import ScalarObservation
-from specenv.replay import replay_data
+from specenv.observation.single import ScalarObservation
+from specenv.replay.episode import Episode, RoundTables
+from specenv.replay.tables import replay_data
+from specenv.traces.datasets import DEFAULT_DATASET
 
 __all__ = ["SEQ_ID", "STOP", "DRAFT", "MoESpecSeqEnv"]
 
@@ -58,8 +58,8 @@ class MoESpecSeqEnv(RoundEnv):
     ## Observation Space
 
     ``Box(0, high, (13 + kmax,), float32)``: the replay environment's observation without lookahead
-    (its table in :class:`specenv.envs.replay.MoESpecEnv`, contract :class:`specenv.observation.ObservationSpec`
-    with ``per_token=True``; names in order: :attr:`specenv.observation.ObservationSpec.names`), then:
+    (its table in :class:`specenv.envs.replay.MoESpecEnv`, contract :class:`specenv.observation.single.ObservationSpec`
+    with ``per_token=True``; names in order: :attr:`specenv.observation.single.ObservationSpec.names`), then:
 
     | Name | Meaning | Range |
     |---|---|---|
@@ -191,7 +191,7 @@ class MoESpecSeqEnv(RoundEnv):
 
     @property
     def episode(self) -> Episode | None:
-        """The episode in progress (:class:`specenv.episode.Episode`; None before the first :meth:`reset`)."""
+        """The episode in progress (:class:`specenv.replay.episode.Episode`; None before the first :meth:`reset`)."""
         return self._episode
 
     def _new_round(self) -> None:
@@ -234,7 +234,7 @@ class MoESpecSeqEnv(RoundEnv):
             n = self._n + 1
             base = ep.row * self._conf_width + n - 1
             # as float32, the precision every policy sees it with (the round-level observation's conf_n):
-            # the product below is then the one a round-level stop rule recomputes (policies.stopping)
+            # the product below is then the one a round-level stop rule recomputes (policies.learn.stopping)
             q = float(np.float32(self._conf(base)))
             self._n, self._q = n, q
             if self._extra:

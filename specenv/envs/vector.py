@@ -7,7 +7,7 @@
 draws from it in the same order (the generation with ``integers(G)``, then the episode's ``N``
 acceptance uniforms with ``random(N)``), so trajectories match the single environment bit for bit
 for the same seeds and actions, across autoresets too. Random draws happen only at (auto)reset; the
-step itself is pure array arithmetic on the shared :class:`specenv.replay.ReplayData` tables.
+step itself is pure array arithmetic on the shared :class:`specenv.replay.tables.ReplayData` tables.
 
 Autoreset follows gymnasium's ``AutoresetMode.NEXT_STEP``: the step after a sub-environment
 terminates resets it (its action is ignored, reward 0, terminated False) and returns the first
@@ -26,13 +26,13 @@ from gymnasium.utils import seeding
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
-from specenv.datasets import DEFAULT_DATASET
 from specenv.envs.common import DEFAULT_REWARD, check_reward
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
 from specenv.envs.replay import ENV_ID
-from specenv.episode import draw, settle
-from specenv.observation import ObservationState
-from specenv.replay import replay_data
+from specenv.observation.single import ObservationState
+from specenv.replay.episode import draw, settle
+from specenv.replay.tables import replay_data
+from specenv.traces.datasets import DEFAULT_DATASET
 
 _STEP_KEYS = ("k", "accepted", "committed", "cost_ms", "U_r", "L", "t")
 _END_KEYS = ("speedup", "episode_cost_ms", "ar_cost_ms", "rounds")
@@ -48,7 +48,7 @@ class MoESpecVectorEnv(VectorEnv):
     ``num_envs`` generations at once, as array arithmetic on the shared replay tables.
     Sub-environment i behaves exactly like a single environment reset with ``seed + i``: same
     generations, same acceptance draws, same floats, across autoresets too (the module docstring
-    says how). The observation is built by :class:`specenv.observation.ObservationState` (one stream per
+    says how). The observation is built by :class:`specenv.observation.single.ObservationState` (one stream per
     sub-environment; bit-identical to the single environment's scalar path).
 
     ## Action Space
@@ -61,7 +61,7 @@ class MoESpecVectorEnv(VectorEnv):
     ``Box(0, high, (num_envs, 10 + kmax + lookahead), float32)``: row i is sub-environment i's
     observation, with the features, meanings and ranges of the table in
     :class:`specenv.envs.replay.MoESpecEnv` (``single_observation_space``; names in order:
-    :attr:`specenv.observation.ObservationSpec.names`).
+    :attr:`specenv.observation.single.ObservationSpec.names`).
 
     ## Rewards
 
@@ -117,7 +117,7 @@ class MoESpecVectorEnv(VectorEnv):
 
     ## Version History
 
-    * observation contract 2 (both ids; :data:`specenv.observation.OBSERVATION_VERSION`): ``prev_cost``
+    * observation contract 2 (both ids; :data:`specenv.observation.single.OBSERVATION_VERSION`): ``prev_cost``
       and ``cost_per_token`` in AR steps at the round's own context; optional ``signals``. The contract
       has its own version, recorded in every exported policy and checked when it loads.
     * v1: the default reward is ``"savings"`` (was ``"cost"``; same optimum). ``specenv/MoESpec-v0``
@@ -337,7 +337,7 @@ class MoESpecVectorEnv(VectorEnv):
         # a = number of leading j <= k with u < P(a >= j) (the survival table ends with a 0 column)
         a = (d.survival.take(rows, axis=0) > u[:, None]).argmin(axis=1)
         np.minimum(a, k, out=a)
-        # the charge/commit rule of the single environment's rounds, on arrays (specenv.episode.settle)
+        # the charge/commit rule of the single environment's rounds, on arrays (specenv.replay.episode.settle)
         r = settle(
             k, t, a, N, rows, self._width, self._cost_take, self._U_take, self._ctx_take, self.ar_unit_ms, np.minimum
         )

@@ -1,6 +1,6 @@
 """The one policy protocol used everywhere: environments, benchmark, oracle evaluation, vLLM controller.
 
-A policy sees only observation vectors (:mod:`specenv.observation`) and what it remembers of earlier
+A policy sees only observation vectors (:mod:`specenv.observation.single`) and what it remembers of earlier
 rounds, never the trace. It acts on a **batch**::
 
     act(obs: (n, dim) stacked per-request observations,
@@ -12,7 +12,7 @@ rounds, never the trace. It acts on a **batch**::
   of the batch environment), in the caller's order; a stateful policy keys its memory by the id: an
   id not seen before is a new stream, and a row with ``first_round == 1`` starts a new generation
   whatever its id, so no separate per-stream reset signal is needed;
-* ``step`` (:class:`BatchStep`) carries the batch features of :mod:`specenv.batchobs` (``n_active``,
+* ``step`` (:class:`BatchStep`) carries the batch features of :mod:`specenv.observation.batch` (``n_active``,
   ``queue``, ``prev_U_batch``, ``prev_step_cost``) as named fields; per-request policies ignore it,
   a batch controller that decides all rows of a step jointly may read it (never by unpacking a flat
   vector);
@@ -43,7 +43,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from specenv.observation import ObservationSpec, ObsView
+from specenv.observation.single import ObservationSpec, ObsView
 
 __all__ = [
     "BatchStep",
@@ -59,7 +59,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class BatchStep:
-    """Batch-level facts of one decision step (the batch features of :mod:`specenv.batchobs`, by name).
+    """Batch-level facts of one decision step (the batch features of :mod:`specenv.observation.batch`, by name).
 
     Attributes:
         n_active: Active requests / B (the batch size the policy decides for).
@@ -75,7 +75,7 @@ class BatchStep:
 
     @classmethod
     def from_features(cls, features: Mapping[str, float]) -> BatchStep:
-        """From :meth:`specenv.batchobs.BatchObservationSpec.batch_features` (names as fields)."""
+        """From :meth:`specenv.observation.batch.BatchObservationSpec.batch_features` (names as fields)."""
         return cls(**{k: float(v) for k, v in features.items()})
 
 
@@ -95,12 +95,12 @@ class PolicyProtocol(Protocol):
 def act_batch_obs(policy: Any, spec: Any, obs: np.ndarray) -> np.ndarray:
     """(B,) budgets of a policy for the flat batch observation ``obs``: the one adapter of the batch env.
 
-    The active slots' rows (:meth:`specenv.batchobs.BatchObservationSpec.slots`), their slot numbers
+    The active slots' rows (:meth:`specenv.observation.batch.BatchObservationSpec.slots`), their slot numbers
     as ids and the batch features as a :class:`BatchStep` go to ``policy.act``; idle slots get 0.
 
     Args:
         policy: Any policy of the protocol.
-        spec: The :class:`specenv.batchobs.BatchObservationSpec` of ``obs``.
+        spec: The :class:`specenv.observation.batch.BatchObservationSpec` of ``obs``.
         obs: The flat batch observation.
     """
     active, rows = spec.slots(obs)
@@ -123,7 +123,7 @@ class Policy:
 
     Subclasses implement :meth:`_reset_state` (the per-generation memory) and :meth:`_act` (one
     observation of one stream), or, when ``stateless``, :meth:`_act_rows` (all rows at once); they
-    read features through :class:`specenv.observation.ObsView` (``self.view``). Every stream id gets
+    read features through :class:`specenv.observation.single.ObsView` (``self.view``). Every stream id gets
     its own shallow copy of the policy with fresh memory; only this class writes ``_streams``.
 
     Args:
@@ -215,16 +215,16 @@ def policy_signals(policy: object) -> tuple[str, ...]:
 
 
 def policy_drafting(policy: object) -> str:
-    """The drafting mode a policy uses (:data:`specenv.costmodel.DRAFTING_MODES`).
+    """The drafting mode a policy uses (:data:`specenv.cost.model.DRAFTING_MODES`).
 
     A ``drafting`` attribute of the policy wins, then ``meta["drafting"]`` of an exported policy
     (``policy.json``); otherwise the lookahead decides as everywhere else: ``"block"`` for h > 0,
-    ``"none"`` for h = 0 (:func:`specenv.costmodel.drafting_mode`).
+    ``"none"`` for h = 0 (:func:`specenv.cost.model.drafting_mode`).
 
     Raises:
         ValueError: If the declared mode is not a drafting mode.
     """
-    from specenv.costmodel import DRAFTING_MODES, drafting_mode
+    from specenv.cost.model import DRAFTING_MODES, drafting_mode
 
     mode = getattr(policy, "drafting", None)
     if mode is None:

@@ -2,18 +2,18 @@
 
 No torch, no SB3, no pickle: ``weights.npz`` holds float32 arrays ``W0, b0, W1, b1, ...`` (read
 with ``allow_pickle=False``) and ``policy.json`` the architecture, the full observation contract it
-was trained on (:meth:`specenv.observation.ObservationSpec.to_json`: version, feature names, sizes
+was trained on (:meth:`specenv.observation.single.ObservationSpec.to_json`: version, feature names, sizes
 and every scaling constant) and provenance. This is what runs inside vLLM's scheduler.
 
 A ``policy.json`` written before the contract was versioned records only kmax, lookahead,
 max_new_tokens and n_experts; it is read as observation version 1 with the constants of that
-release (:func:`specenv.observation.upgrade_contract`) and, like every version-1 policy, refused
+release (:func:`specenv.observation.single.upgrade_contract`) and, like every version-1 policy, refused
 with one line: version 2 changed what ``prev_cost`` means (retrain it).
 
 The network maps an observation to one score per budget k = 0..kmax (PPO: action logits; DQN:
 Q-values; imitation: logits); the policy plays ``argmax`` (deterministic). A policy of the per-token
 environment ``specenv/MoESpecSeq-v0`` (a contract with ``per_token``) is a stop rule: two scores,
-0 = stop and verify, 1 = draft one more token (:func:`n_actions`); :mod:`policies.stopping` runs it
+0 = stop and verify, 1 = draft one more token (:func:`n_actions`); :mod:`policies.learn.stopping` runs it
 in the round-level environments.
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from specenv.io import atomic_file, atomic_write_json
-from specenv.observation import ObservationSpec, mismatch_json, upgrade_contract
+from specenv.observation.single import ObservationSpec, mismatch_json, upgrade_contract
 from specenv.policy.base import Policy
 
 FORMAT = "specenv.policy/1"

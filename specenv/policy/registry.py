@@ -6,7 +6,7 @@
   :meth:`specenv.policy.mlp.MLPPolicy.load` (no pickle, no torch);
 * a **registered name**, optionally with parameters: ``NAME`` or ``NAME:key=value[,key=value...]``
   (values are read as int, float, ``true``/``false``, or else kept as text). The name's factory is
-  called as ``factory(spec, **params)`` with the :class:`specenv.observation.ObservationSpec` of the
+  called as ``factory(spec, **params)`` with the :class:`specenv.observation.single.ObservationSpec` of the
   caller (the environment's or the server's).
 
 Names come from two places: the entry-point group ``specenv.policies`` of every installed
@@ -55,7 +55,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from specenv.observation import ObservationSpec
+from specenv.observation.single import ObservationSpec
 
 #: The entry-point group that installed distributions use to register policies by name.
 ENTRY_POINT_GROUP = "specenv.policies"

@@ -193,7 +193,7 @@ def test_serve_models_builds_model_and_speculative_config():
 
 
 def test_serve_models_takes_the_policy_folders_kmax(tmp_path):
-    from specenv.observation import ObservationSpec
+    from specenv.observation.single import ObservationSpec
     from specenv.policy.mlp import MLPPolicy
 
     spec = ObservationSpec(kmax=5, max_new_tokens=64, n_experts=64)
@@ -209,7 +209,7 @@ def test_serve_loads_a_policy_folder_once_before_vllm(tmp_path, monkeypatch, mod
     from typer.testing import CliRunner
 
     from specenv.cli import app
-    from specenv.observation import ObservationSpec
+    from specenv.observation.single import ObservationSpec
     from specenv.policy import registry
     from specenv.policy.mlp import MLPPolicy
 

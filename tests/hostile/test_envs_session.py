@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import specenv  # noqa: F401  (registers the environments)
-from specenv.batchcost import load_batch_cost_model
+from specenv.cost.batch import load_batch_cost_model
 
 
 @pytest.mark.parametrize(
@@ -81,9 +81,9 @@ def test_intercept_splits_equal_all_pairs_and_run_at_batch_64():
     enumeration's, and B = 64 is computed in seconds.
     """
     from oracle.batch import intercept_splits
-    from specenv.batchcost import BatchCostModel
-    from specenv.costmodel import CostModel
-    from specenv.schema import ModelFacts
+    from specenv.cost.batch import BatchCostModel
+    from specenv.cost.model import CostModel
+    from specenv.traces.schema import ModelFacts
 
     shipped = load_batch_cost_model()
     for B in range(1, 9):

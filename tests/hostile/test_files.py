@@ -22,12 +22,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from specenv.costmodel import CostModel
+from specenv.cost.model import CostModel
 from specenv.engines.hf.models import load_prompts, read_model_manifest
 from specenv.engines.recorder import PartRecorder, load_recording
 from specenv.policy.mlp import MLPPolicy
-from specenv.schema import ModelFacts, TraceError
-from specenv.traceset import sha256_file
+from specenv.traces.schema import ModelFacts, TraceError
+from specenv.traces.traceset import sha256_file
 from tests.hostile.harness import assert_rejected, assert_unchanged, reject_cleanly, run_cli, run_limited, snapshot
 
 SHIPPED_POLICY = Path(__file__).resolve().parents[2] / "policies" / "shipped" / "paper-default-v2" / "ppo"

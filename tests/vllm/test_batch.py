@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # a live vLLM engine
 from vhelpers import KMAX, PROMPTS, controller_of, greedy, llm_kwargs  # noqa: E402
 
 from specenv.engines.vllm import SpecenvSettings, engine_kwargs, load_recording  # noqa: E402
-from specenv.observation import ObservationSpec  # noqa: E402
+from specenv.observation.single import ObservationSpec  # noqa: E402
 
 TOKENS = 16
 BATCH = 8

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow  # a live vLLM engine
 
 from vhelpers import KMAX, PROMPTS, controller_of  # noqa: E402
 
-from specenv.batchfit import STEPS_FORMAT, check_steps  # noqa: E402
+from specenv.cost.batchfit import STEPS_FORMAT, check_steps  # noqa: E402
 from specenv.engines.vllm.batchrec import record_batch_steps  # noqa: E402
 
 

@@ -13,7 +13,7 @@ from vhelpers import KMAX, MAX_TOKENS, PROMPTS, controller_of, greedy, spec_metr
 
 from policies.heuristics import FixedK  # noqa: E402
 from specenv.engines.vllm import load_recording, recording_status  # noqa: E402
-from specenv.observation import ObservationSpec  # noqa: E402
+from specenv.observation.single import ObservationSpec  # noqa: E402
 from specenv.policy.base import Policy  # noqa: E402
 from specenv.policy.mlp import MLPPolicy  # noqa: E402
 

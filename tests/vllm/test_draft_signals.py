@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # a live vLLM engine
 from vhelpers import KMAX, PROMPTS, controller_of, greedy  # noqa: E402
 
 from policies.heuristics import ConfidenceThreshold  # noqa: E402
-from specenv.observation import ObservationSpec  # noqa: E402
+from specenv.observation.single import ObservationSpec  # noqa: E402
 from specenv.policy.mlp import MLPPolicy  # noqa: E402
 
 N_TOKENS = 16

@@ -43,7 +43,7 @@ def test_rounds_follow_the_requested_k_and_stay_lossless(backend, plain_referenc
 def test_live_env_with_the_vllm_backend(backend, model_dirs):
     import gymnasium as gym
 
-    from specenv.datasets import list_datasets
+    from specenv.traces.datasets import list_datasets
 
     if "live-cpu" not in {d.name for d in list_datasets()} or model_dirs.source.name != "small-moe-v1":
         pytest.skip("needs the live-cpu trace set and the shipped models")

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from specenv.engines.recorder import PartRecorder, load_recording, recording_status
-from specenv.schema import ModelFacts, TraceError
+from specenv.traces.schema import ModelFacts, TraceError
 from tests.rows import recorder_row
 
 FACTS = ModelFacts(n_layers=2, n_experts=16, top_k=2)

@@ -19,13 +19,13 @@ pytestmark = pytest.mark.slow  # a live vLLM engine
 
 from vhelpers import KMAX, MAX_TOKENS, PROMPTS, controller_of, greedy  # noqa: E402
 
-from policies.batch import GoodputBatch  # noqa: E402
-from policies.caps import FixedCap  # noqa: E402
+from policies.batch.controllers import GoodputBatch  # noqa: E402
+from policies.caps.controllers import FixedCap  # noqa: E402
 from policies.heuristics import FixedK, TransformersHeuristic  # noqa: E402
-from specenv.batchcost import load_batch_cost_model  # noqa: E402
-from specenv.batchobs import BatchObservationSpec  # noqa: E402
+from specenv.cost.batch import load_batch_cost_model  # noqa: E402
 from specenv.engines.vllm import load_recording, resolve_policy  # noqa: E402
-from specenv.observation import ObservationSpec  # noqa: E402
+from specenv.observation.batch import BatchObservationSpec  # noqa: E402
+from specenv.observation.single import ObservationSpec  # noqa: E402
 from specenv.policy.base import BatchStep  # noqa: E402
 from specenv.policy.mlp import MLPPolicy  # noqa: E402
 

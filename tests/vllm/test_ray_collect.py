@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 ray = pytest.importorskip("ray", reason="the ray extra is not installed in .venv-vllm (make venv-vllm installs it)")
 
-from specenv.traceset import TraceSet  # noqa: E402
+from specenv.traces.traceset import TraceSet  # noqa: E402
 
 KMAX = 2
 N_TOKENS = 8

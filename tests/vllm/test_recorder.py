@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow  # a live vLLM engine
 from vhelpers import KMAX, PROMPTS, controller_of, greedy  # noqa: E402
 
 from specenv.engines.vllm import load_recording  # noqa: E402
-from specenv.traceset import TraceSet  # noqa: E402
+from specenv.traces.traceset import TraceSet  # noqa: E402
 
 
 @pytest.fixture

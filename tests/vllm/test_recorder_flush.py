@@ -30,7 +30,7 @@ from specenv.engines.recorder import (
     recording_status,
 )
 from specenv.engines.vllm.settings import RECORD_SHUTDOWN_TIMEOUT_S, SpecenvSettings, shutdown_args
-from specenv.schema import ModelFacts
+from specenv.traces.schema import ModelFacts
 from tests.rows import recorder_row
 
 FACTS = ModelFacts(n_layers=2, n_experts=16, top_k=2)

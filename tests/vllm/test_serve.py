@@ -24,10 +24,10 @@ pytestmark = pytest.mark.slow  # a live vLLM engine
 from vhelpers import KMAX, MAX_TOKENS, PROMPTS  # noqa: E402
 
 from specenv.engines.recorder import PARTS, load_recording, recording_status  # noqa: E402
-from specenv.observation import ObservationSpec  # noqa: E402
+from specenv.observation.single import ObservationSpec  # noqa: E402
 from specenv.policy.mlp import MLPPolicy  # noqa: E402
-from specenv.schema import validate_rounds  # noqa: E402
-from specenv.traceset import TraceSet  # noqa: E402
+from specenv.traces.schema import validate_rounds  # noqa: E402
+from specenv.traces.traceset import TraceSet  # noqa: E402
 
 
 def free_port() -> int:

@@ -17,7 +17,7 @@ pytest.importorskip("vllm.v1.core.sched.scheduler")
 from typer.testing import CliRunner  # noqa: E402
 
 from specenv.cli import app  # noqa: E402
-from specenv.traceset import TraceSet  # noqa: E402
+from specenv.traces.traceset import TraceSet  # noqa: E402
 
 KMAX = 4
 N_TOKENS = 16
@@ -145,8 +145,8 @@ def test_set_validates_and_backs_env_oracle_and_fit(collected):
 
     import oracle
     import specenv  # noqa: F401 - registers the environments
-    from specenv.costsource import cost_model_for
-    from specenv.replay import select_positions
+    from specenv.cost.source import cost_model_for
+    from specenv.replay.tables import select_positions
 
     out, ts = collected
     res = CliRunner().invoke(app, ["validate", str(out), "--json"])

@@ -53,8 +53,8 @@ from specenv.engines.counterfactual import (
 )
 from specenv.engines.hf.engine import LiveEngine
 from specenv.engines.hf.models import PROMPT_SET, Prompt, SmallModels, load_models, load_prompts
-from specenv.schema import ModelFacts, ent_columns, margin_columns
-from specenv.traceset import Manifest, PositionArrays, TraceSet
+from specenv.traces.schema import ModelFacts, ent_columns, margin_columns
+from specenv.traces.traceset import Manifest, PositionArrays, TraceSet
 
 
 def collect_live(
@@ -76,7 +76,7 @@ def collect_live(
     in two passes. Pass 1, per prompt: the uncapped fixed-K runs K = 0..kmax (the reference, the
     lossless check, and the per-layer expert unions of the executed K = kmax passes). The cap grid is
     then ``caps`` itself, or for ``"auto"`` :func:`specenv.engines.counterfactual.choose_caps` on the
-    unions of the train split's generations (:mod:`specenv.splits`). Pass 2, per prompt: the capped
+    unions of the train split's generations (:mod:`specenv.traces.splits`). Pass 2, per prompt: the capped
     fixed-K runs (every cap, K = 1..kmax; rounds column ``cap`` = B, 0 on the uncapped runs; their
     outputs may leave the reference, counted in ``extra.caps.capped_runs``) and the sweep with caps
     (:meth:`specenv.engines.hf.engine.LiveEngine.sweep`).
@@ -174,7 +174,7 @@ def _collect_with_caps(
     caps: list[int] | str,
 ) -> TraceSet:
     """:func:`collect_live` with expert caps: the two passes of its docstring."""
-    from specenv.splits import split_mask
+    from specenv.traces.splits import split_mask
 
     if clock not in CLOCKS:
         raise ValueError(f"clock={clock!r}: expected one of {CLOCKS}")

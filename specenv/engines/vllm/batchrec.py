@@ -1,4 +1,4 @@
-"""Record batched vLLM steps for the batch cost model (:mod:`specenv.batchcost`, :mod:`specenv.batchfit`).
+"""Record batched vLLM steps for the batch cost model (:mod:`specenv.cost.batch`, :mod:`specenv.cost.batchfit`).
 
 One in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with specenv's controller and routing tap
 (:mod:`specenv.engines.vllm.controller`, :mod:`specenv.engines.vllm.tap`) serves groups of B

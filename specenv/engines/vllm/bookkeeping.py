@@ -1,7 +1,7 @@
 """The vLLM controller's per-request bookkeeping: observation slots, request state, step clocks and log.
 
 * :class:`ObsSlots` -- the running observation statistics of every request (one
-  :class:`specenv.observation.ObservationState`, one slot per request, one vectorised update per step);
+  :class:`specenv.observation.single.ObservationState`, one slot per request, one vectorised update per step);
 * :class:`Req` -- what the controller keeps per request (generation id, slot, last decision, drafts,
   draft signals, last outcome);
 * :class:`Round` / :class:`StepClock` -- one verification round of a step and the step's times;
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from specenv.observation import ObservationSpec, ObservationState
+from specenv.observation.single import ObservationSpec, ObservationState
 
 __all__ = ["ObsSlots", "Req", "Round", "StepClock", "StepLog", "batch_offsets", "committed_len"]
 

@@ -59,8 +59,8 @@ from specenv.engines.counterfactual import (
     run_provenance,
 )
 from specenv.engines.hf.models import PROMPT_SET, Prompt, load_prompts
-from specenv.schema import ModelFacts
-from specenv.traceset import Manifest, TraceSet
+from specenv.traces.schema import ModelFacts
+from specenv.traces.traceset import Manifest, TraceSet
 
 __all__ = ["collect_vllm", "draft_chains", "verify_chains"]
 

@@ -14,7 +14,7 @@ and ``shutdown`` to close the recording):
   verification round (``1 + K`` tokens scheduled after its prefill; K = 0 is a plain decoding step)
   yields its outcome: K drafted, ``accepted = len(sampled) - 1`` (vLLM's own count), context length,
   observed ``U_r``/``E_max`` from the routing tap, and the step's timings. The outcome updates the
-  request's running observation statistics (:class:`specenv.observation.ObservationState`, the same
+  request's running observation statistics (:class:`specenv.observation.single.ObservationState`, the same
   code the environments use; one slot per request, one vectorised update per step) and becomes a
   row of the recording.
 * ``update_draft_token_ids``: the drafter's proposals for the next round arrive; the controller
@@ -42,7 +42,7 @@ a batch of the wrong shape, the request gets the configured ``fallback_k`` (defa
 server never fails because of the policy. A policy that asks for more drafts than the drafter
 proposed gets all of them (``stats["capped"]``).
 
-Observation fallbacks (documented in :mod:`specenv.observation`'s terms): ``prev_U`` is the observed
+Observation fallbacks (documented in :mod:`specenv.observation.single`'s terms): ``prev_U`` is the observed
 U_r when the routing tap is bound (``--load-format specenv``); without it, the prior
 ``min(top_k * (k+1)**0.62, n_experts)`` of :class:`policies.heuristics.UPredictor`. ``prev_cost`` is
 the cost model's ``C(k, U_r, L) / C_AR(L)`` when ``cost_model`` is set; without it, the measured
@@ -51,7 +51,7 @@ or, before one was seen, the smallest ``T_T`` seen so far. In a batch every requ
 step's time.
 
 **One call path** (:mod:`specenv.engines.vllm.served`): every policy -- a per-request heuristic or
-peer, an exported MLP, a batch controller (:mod:`policies.batch`) -- is one object for the whole
+peer, an exported MLP, a batch controller (:mod:`policies.batch.controllers`) -- is one object for the whole
 server, called once per step as ``policy.act(obs, request_ids, step)`` (the one protocol of
 :mod:`specenv.policy.base`, the method the replay environments call): the stacked observations of every
 request being decided (one row per request, in the order of the drafter's batch), their request ids
@@ -78,7 +78,7 @@ from typing import Any
 
 import numpy as np
 
-from specenv.costmodel import drafted_tokens
+from specenv.cost.model import drafted_tokens
 from specenv.engines.base import span_expert_stats, u_prior
 from specenv.engines.vllm.bookkeeping import (
     ObsSlots,
@@ -93,7 +93,7 @@ from specenv.engines.vllm.recording import Recording
 from specenv.engines.vllm.served import ServedPolicy
 from specenv.engines.vllm.settings import SpecenvSettings, resolve_policy
 from specenv.engines.vllm.tap import SIGNAL_FIELDS
-from specenv.observation import ObservationSpec, ObservationState
+from specenv.observation.single import ObservationSpec, ObservationState
 from specenv.policy.base import BatchStep
 
 try:  # the class body needs the base class; importing this module requires vllm
@@ -218,7 +218,7 @@ class SpecControlScheduler(Recording, Scheduler):
         self._min_tt: float | None = None
         self.cost_model = None
         if self.settings.cost_model:
-            from specenv.costmodel import CostModel
+            from specenv.cost.model import CostModel
 
             self.cost_model = CostModel.load(self.settings.cost_model)
         self.policy: Any = None

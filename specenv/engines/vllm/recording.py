@@ -49,7 +49,7 @@ class Recording:
             ValueError: If the routing tap is not bound in this process.
         """
         from specenv.engines.recorder import PartRecorder
-        from specenv.schema import ModelFacts
+        from specenv.traces.schema import ModelFacts
 
         if self.tap is None:
             raise ValueError(

@@ -6,7 +6,7 @@ order), their request ids and the step's :class:`specenv.policy.base.BatchStep`,
 :meth:`ServedPolicy.act`, which calls ``policy.act(obs, ids, step)`` -- the same method the replay
 environments call -- and checks that one budget per row came back. Every kind of policy goes this way:
 a per-request heuristic (:class:`specenv.policy.base.Policy` keeps one memory per request id), a peer,
-an exported MLP, a batch controller that decides the step jointly (:mod:`policies.batch`).
+an exported MLP, a batch controller that decides the step jointly (:mod:`policies.batch.controllers`).
 
 :meth:`ServedPolicy.peek` asks what the policy *would* pick (the draft horizon) without changing it: a
 ``stateless`` policy directly, any other on a private structural copy (:func:`clone`).
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from specenv.observation import ObservationSpec
+from specenv.observation.single import ObservationSpec
 from specenv.policy.base import BatchStep
 
 __all__ = ["ServedPolicy", "clone"]
@@ -123,9 +123,9 @@ def clone(policy: Any) -> Any:
     dataclasses shared; anything else goes through ``copy.deepcopy``. The same result as ``deepcopy`` for
     such objects at a fraction of its cost (the horizon copies a stateful policy every step).
     """
-    from specenv.batchcost import BatchCostModel
-    from specenv.costmodel import CostModel
-    from specenv.observation import ObsView
+    from specenv.cost.batch import BatchCostModel
+    from specenv.cost.model import CostModel
+    from specenv.observation.single import ObsView
 
     # shared: the cost models, and a decoder of vectors built from the spec
     read_only = (CostModel, BatchCostModel, ObsView)

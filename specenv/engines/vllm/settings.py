@@ -303,7 +303,7 @@ def resolve_policy(name: str, spec: Any = None) -> Any:
 
     Args:
         name: A policy folder or a registered name (with parameters).
-        spec: The controller's :class:`specenv.observation.ObservationSpec`, for which a named
+        spec: The controller's :class:`specenv.observation.single.ObservationSpec`, for which a named
             policy is built (a folder's policy keeps its own).
 
     Raises:

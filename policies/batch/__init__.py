@@ -1,0 +1,1 @@
+"""Batch controllers: one k per request of a batched step (heuristics, the goodput planner, learned)."""

@@ -1,0 +1,621 @@
+"""Fitting the batch cost model on recorded vLLM batch steps (the batch counterpart of :mod:`specenv.cost.fit`).
+
+A **steps recording** is a folder with ``steps.parquet`` (one row per pure engine step:
+:data:`STEP_COLUMNS`; written by ``scripts/collect_vllm_batch.py`` through
+:func:`specenv.engines.vllm.batchrec.record_batch_steps`) and ``manifest.json`` (format
+:data:`STEPS_FORMAT`: model facts, kmax, max_batch, collection settings, the machine's load, and the
+sha256 of the table, checked on load). :func:`load_steps` validates it; every problem is one line
+naming the file, the column and the row.
+
+:func:`fit_batch_cost` fits, as :mod:`specenv.cost.fit` fits B = 1:
+
+* **verification** ``T_T = b0 + b_pos * P + alpha * U_batch + c * sum L + b_req * (B - 1)`` by OLS with
+  standard errors clustered by group (the requests served together: every step of a group shares
+  them), with the recorded (exact) union; GroupKFold(5) by group gives the out-of-sample errors.
+  Slopes are kept >= 0: a negative estimate is dropped (fixed at 0) and the rest refitted, in sample
+  and in every fold alike (a time cannot fall with more work, and a negative slope would charge
+  negative times at large inputs; the report flags dropped terms).
+  Two reduced forms (no expert term; no request term) are compared beside it (:data:`VERIFY_FORMS`);
+* **drafting** ``T_D = d0 + d_step * n + d_tok * n * B`` (every request of a vLLM step drafts the same
+  n: ``max = n``, ``sum = n * B``), clustered the same way;
+* **the U_batch predictors** (:data:`specenv.cost.batch.PREDICTORS`, plus ``"exact"``, the recorded
+  union, the reference): out-of-sample error of U_batch itself on steps with B >= 2, and of the step
+  time when the verification model fitted on the training folds with the exact union is evaluated
+  on the held-out steps with the predicted union. The ``"shared"`` exponent theta is fitted on the
+  training folds only (bounded least squares on U_batch). The predictor with the smallest
+  out-of-sample MAPE of the step time is the model's predictor (ties: of U_batch).
+
+The step time the model prices is the target's forward time plus the draft's (the tap's forward
+hooks), as the B = 1 model prices ``T_T + T_D``; the scheduler's own time (the rest of the step's wall
+time) is reported as ``overhead_share`` and not charged, as at B = 1.
+
+statsmodels and scikit-learn are imported inside the functions that fit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from specenv.cost.batch import PREDICTORS, BatchCostModel, union_shared
+
+__all__ = [
+    "BATCHCOST_FILE",
+    "STEPS_FILE",
+    "STEPS_FORMAT",
+    "STEP_COLUMNS",
+    "VERIFY_FORMS",
+    "BatchFitReport",
+    "fit_batch_cost",
+    "fit_theta",
+    "format_report",
+    "load_steps",
+    "write_steps",
+]
+
+STEPS_FORMAT = "specenv.batchsteps/1"
+STEPS_FILE = "steps.parquet"
+BATCHCOST_FILE = "batchcost.json"
+#: Scalar columns of the steps table and their kinds ("i" integer, "f" float, "s" string).
+SCALARS = {
+    "run": "s",
+    "batch": "i",
+    "group": "i",
+    "step": "i",
+    "B": "i",
+    "positions": "i",
+    "context_sum": "i",
+    "U_batch": "f",
+    "T_T_ms": "f",
+    "T_D_ms": "f",
+    "T_T_cpu_ms": "f",
+    "T_D_cpu_ms": "f",
+    "draft_calls": "i",
+    "step_ms": "f",
+    "drafted": "i",
+    "committed": "i",
+}
+#: List columns (one entry per request of the step; ``U_batch_layer``: one per MoE layer).
+LISTS = {"k": "i", "U": "f", "L": "i", "accepted": "i", "U_batch_layer": "f"}
+STEP_COLUMNS = (*SCALARS, *LISTS)
+#: The verification forms compared (name -> terms); the first is the model's.
+VERIFY_FORMS: dict[str, tuple[str, ...]] = {
+    "P + U_batch + sumL + (B-1)": ("P", "U_batch", "sumL", "B-1"),
+    "P + sumL + (B-1)": ("P", "sumL", "B-1"),
+    "P + U_batch + sumL": ("P", "U_batch", "sumL"),
+}
+
+
+# ---------------------------------------------------------------------- the recording
+def _err(file: str, problem: str, column: str | None = None, row: int | None = None) -> ValueError:
+    from specenv.validation import one_line
+
+    where = [file] + ([f"column '{column}'"] if column else []) + ([f"row {row}"] if row is not None else [])
+    return ValueError(one_line(f"{', '.join(where)}: {problem}"))
+
+
+def _first_bad(mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
+
+
+def check_steps(steps: pd.DataFrame, manifest: dict[str, Any], file: str = STEPS_FILE) -> None:
+    """Validate a steps table against its manifest; one line (file, column, row) for the first problem.
+
+    Checks: every column present with its kind and no nulls; B in 1..max_batch; every list column one
+    entry per request (``U_batch_layer`` one per layer); k in 0..kmax; ``positions = sum(k + 1)``;
+    ``context_sum = sum(L)``; U_i in [top_k, n_experts]; ``max(U_i) <= U_batch <= min(n, sum U_i)``;
+    ``U_batch`` the mean of ``U_batch_layer``; times finite and positive (``T_D_ms`` >= 0).
+
+    Raises:
+        ValueError: The first problem.
+    """
+    model = manifest["model"]
+    n, top_k, n_layers = model["n_experts"], model["top_k"], model["n_layers"]
+    kmax, max_batch = manifest["kmax"], manifest["max_batch"]
+    if len(steps) == 0:
+        raise _err(file, "no steps")
+    for col in STEP_COLUMNS:
+        if col not in steps.columns:
+            raise _err(file, "missing required column", col)
+        if steps[col].isna().any():
+            raise _err(file, "null value", col, _first_bad(steps[col].isna().to_numpy()))
+    for col, kind in SCALARS.items():
+        v = steps[col].to_numpy()
+        if kind == "s":
+            if not all(isinstance(x, str) for x in v):
+                raise _err(file, "must be text", col, _first_bad(np.array([not isinstance(x, str) for x in v])))
+            continue
+        if v.dtype.kind not in ("iu" if kind == "i" else "iuf"):
+            raise _err(file, f"has type {v.dtype}, expected {'integer' if kind == 'i' else 'float'}", col)
+        if not np.all(np.isfinite(v.astype(np.float64))):
+            raise _err(file, "must be finite", col, _first_bad(~np.isfinite(v.astype(np.float64))))
+    B = steps["B"].to_numpy()
+    if (bad := (B < 1) | (B > max_batch)).any():
+        raise _err(file, f"must be in 1..max_batch={max_batch}", "B", _first_bad(bad))
+    lists: dict[str, list[np.ndarray]] = {}
+    for col, kind in LISTS.items():
+        arrs = []
+        want = n_layers if col == "U_batch_layer" else None
+        for r, x in enumerate(steps[col]):
+            try:
+                a = np.asarray(x, dtype=np.float64)
+            except (TypeError, ValueError):
+                raise _err(file, "must be a list of numbers", col, r) from None
+            if a.ndim != 1 or len(a) != (want if want is not None else B[r]):
+                raise _err(file, f"must hold {'n_layers' if want else 'B'} = {want or B[r]} entries", col, r)
+            if not np.all(np.isfinite(a)) or (kind == "i" and not np.all(a == np.round(a))):
+                raise _err(file, f"entries must be finite {'integers' if kind == 'i' else 'numbers'}", col, r)
+            arrs.append(a)
+        lists[col] = arrs
+    for r in range(len(steps)):
+        k, U, L, ub = lists["k"][r], lists["U"][r], lists["L"][r], lists["U_batch_layer"][r]
+        if k.min() < 0 or k.max() > kmax:
+            raise _err(file, f"budgets must be in 0..kmax={kmax}", "k", r)
+        if int(steps["positions"].iat[r]) != int(np.sum(k + 1)):
+            raise _err(file, "must equal the sum of (k + 1)", "positions", r)
+        if int(steps["context_sum"].iat[r]) != int(L.sum()) or L.min() < 1:
+            raise _err(file, "must equal the sum of L (each >= 1)", "context_sum", r)
+        if U.min() < top_k - 1e-9 or U.max() > n + 1e-9:
+            raise _err(file, f"per-request unions must be in [top_k={top_k}, n_experts={n}]", "U", r)
+        u_b = float(steps["U_batch"].iat[r])
+        if not U.max() - 1e-6 <= u_b <= min(n, U.sum()) + 1e-6:
+            raise _err(file, f"{u_b} outside [max U_i, min(n, sum U_i)] = [{U.max()}, {min(n, U.sum())}]", "U_batch", r)
+        if abs(ub.mean() - u_b) > 1e-6 * max(1.0, u_b):
+            raise _err(file, "must be the mean of U_batch_layer", "U_batch", r)
+    for col in ("T_T_ms", "step_ms"):
+        if (bad := steps[col].to_numpy() <= 0).any():
+            raise _err(file, "must be > 0", col, _first_bad(bad))
+    for col in ("T_D_ms", "T_T_cpu_ms", "T_D_cpu_ms", "draft_calls"):
+        if (bad := steps[col].to_numpy() < 0).any():
+            raise _err(file, "must be >= 0", col, _first_bad(bad))
+
+
+def write_steps(
+    folder: str | os.PathLike[str],
+    steps: pd.DataFrame,
+    manifest: dict[str, Any],
+    replace: bool = False,
+    fit: bool = True,
+) -> Path:
+    """Validate and write a steps recording atomically (``steps.parquet``, ``manifest.json``, ``batchcost.json``).
+
+    Args:
+        folder: Destination (must not exist unless ``replace``; a replaced folder must be a steps recording).
+        steps: The steps table (:data:`STEP_COLUMNS`).
+        manifest: ``name``, ``version``, ``description``, ``model`` (n_layers, n_experts, top_k), ``kmax``,
+            ``max_batch``, ``extra``; ``format`` and ``files`` are filled in here.
+        replace: Replace an existing recording.
+        fit: Also fit and write the batch cost model (:func:`fit_batch_cost`).
+
+    Raises:
+        ValueError: A bad table, or a folder that exists (without ``replace``) or is not a steps recording.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from specenv.io import atomic_dir, atomic_write_json, sha256_file
+
+    folder = Path(folder)
+    if os.path.lexists(folder):
+        if not replace:
+            raise ValueError(f"{folder}: already exists (replace it explicitly)")
+        if not (folder / "manifest.json").is_file() or recording_format(folder / "manifest.json") != STEPS_FORMAT:
+            raise ValueError(f"{folder}: is not a steps recording (no {STEPS_FORMAT} manifest): refusing to replace it")
+    manifest = {"format": STEPS_FORMAT, **{k: v for k, v in manifest.items() if k not in ("format", "files")}}
+    check_steps(steps, manifest, f"{STEPS_FILE} (in memory)")
+    report = (
+        fit_batch_cost(steps, manifest, source={"recording": str(manifest.get("name", folder.name))}) if fit else None
+    )
+    table = pa.Table.from_pandas(steps[list(STEP_COLUMNS)], preserve_index=False)
+    with atomic_dir(folder, replace=replace) as tmp:
+        pq.write_table(table, tmp / STEPS_FILE, compression="zstd", compression_level=9)
+        manifest["files"] = {"steps": {"path": STEPS_FILE, "sha256": sha256_file(tmp / STEPS_FILE), "rows": len(steps)}}
+        atomic_write_json(tmp / "manifest.json", manifest)
+        if report is not None:
+            report.model.save(tmp / BATCHCOST_FILE)
+    return folder
+
+
+def recording_format(path: Path) -> Any:
+    """The ``format`` field of a JSON file (None when it is unreadable or has none)."""
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return obj.get("format") if isinstance(obj, dict) else None
+
+
+def load_steps(path: str | os.PathLike[str]) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """Read and validate a steps recording: a folder, or a shipped name (``live-vllm-batch-v1``).
+
+    Returns:
+        ``(steps, manifest)``.
+
+    Raises:
+        ValueError: One line naming the file (and column, row) for a missing folder, a bad manifest,
+            a sha256 mismatch or a bad table.
+    """
+    import pyarrow.parquet as pq
+
+    from specenv.io import package_data, sha256_file
+    from specenv.validation import check, read_json
+
+    folder = Path(path)
+    if not folder.exists() and os.sep not in str(path) and "/" not in str(path):
+        folder = package_data(str(path))
+        if not folder.is_dir():  # name the argument as given, not a path inside the package
+            raise _err(str(path), "no such folder, nor a shipped recording (live-vllm-batch-v1)")
+    mf = folder / "manifest.json"
+    obj = read_json(mf, what="steps recording manifest")
+    m = check("BatchStepsJSON", obj, str(mf), formats=(STEPS_FORMAT,), what="specenv steps recording")
+    entry = m.files["steps"]
+    file = folder / entry.path
+    try:
+        digest = sha256_file(file)
+    except OSError as exc:
+        raise _err(str(file), f"cannot read ({exc.strerror or type(exc).__name__})") from None
+    if digest != entry.sha256:
+        raise _err(str(file), f"sha256 {digest} differs from the manifest's {entry.sha256}")
+    try:
+        steps = pq.read_table(file).to_pandas()
+    except Exception as exc:  # pyarrow raises several types for a corrupt file
+        raise _err(str(file), f"not a readable Parquet file ({str(exc).splitlines()[0][:200]})") from None
+    check_steps(steps, obj, str(file))
+    return steps, obj
+
+
+# ---------------------------------------------------------------------- the fit
+def _design(steps: pd.DataFrame, terms: tuple[str, ...], u_batch: np.ndarray | None = None) -> np.ndarray:
+    ub = steps["U_batch"].to_numpy(np.float64) if u_batch is None else u_batch
+    cols = {
+        "P": steps["positions"].to_numpy(np.float64),
+        "U_batch": ub,
+        "sumL": steps["context_sum"].to_numpy(np.float64),
+        "B-1": steps["B"].to_numpy(np.float64) - 1.0,
+    }
+    return np.column_stack([np.ones(len(steps)), *(cols[t] for t in terms)])
+
+
+def _nonneg_ols(
+    y: np.ndarray, X: np.ndarray, groups: np.ndarray, free: tuple[int, ...] = (0,)
+) -> tuple[Any, np.ndarray]:
+    """Clustered OLS whose slopes are >= 0: a negative slope is dropped (fixed at 0) and the rest refitted.
+
+    A time cannot fall with more positions, experts, context, requests or drafted tokens; an estimate
+    below 0 is noise (within its SE on these recordings) and would make the model charge negative
+    times at large inputs. The most negative slope is dropped first, repeatedly; columns in ``free``
+    (the intercept) may be negative.
+
+    Returns:
+        ``(result, keep)``: the statsmodels result on the kept columns and the kept column indices.
+    """
+    import statsmodels.api as sm
+
+    keep = np.arange(X.shape[1])
+    while True:
+        res = sm.OLS(y, X[:, keep]).fit(cov_type="cluster", cov_kwds={"groups": groups})
+        slopes = [(v, i) for v, i in zip(res.params, keep, strict=True) if i not in free and v < 0]
+        if not slopes:
+            return res, keep
+        keep = keep[keep != min(slopes)[1]]
+
+
+def _full(res: Any, keep: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Params, SEs and p-values of a reduced fit spread to all ``width`` columns (dropped: 0, NaN, NaN)."""
+    out = [np.zeros(width), np.full(width, np.nan), np.full(width, np.nan)]
+    for arr, src in zip(out, (res.params, res.bse, res.pvalues), strict=True):
+        arr[keep] = src
+    return out[0], out[1], out[2]
+
+
+def _lstsq_nonneg(X: np.ndarray, y: np.ndarray, free: tuple[int, ...] = (0,)) -> np.ndarray:
+    """Least squares with the same drop rule as :func:`_nonneg_ols` (for the cross-validation folds)."""
+    keep = np.arange(X.shape[1])
+    while True:
+        beta, *_ = np.linalg.lstsq(X[:, keep], y, rcond=None)
+        neg = [(v, i) for v, i in zip(beta, keep, strict=True) if i not in free and v < 0]
+        if not neg:
+            full = np.zeros(X.shape[1])
+            full[keep] = beta
+            return full
+        keep = keep[keep != min(neg)[1]]
+
+
+def _draft_design(steps: pd.DataFrame) -> np.ndarray:
+    n = steps["drafted"].to_numpy(np.float64)
+    return np.column_stack([np.ones(len(steps)), n, n * steps["B"].to_numpy(np.float64)])
+
+
+def _errors(y: np.ndarray, pred: np.ndarray) -> dict[str, float]:
+    resid = y - pred
+    pos = y > 0  # a zero time (nothing timed) has no percentage error
+    return {
+        "mape_pct": float(100.0 * np.mean(np.abs(resid[pos]) / y[pos])) if pos.any() else float("nan"),
+        "rmse": float(np.sqrt(np.mean(resid**2))),
+        "r2": float(1.0 - np.sum(resid**2) / np.sum((y - y.mean()) ** 2)) if len(y) > 1 else float("nan"),
+    }
+
+
+def _u_matrix(steps: pd.DataFrame) -> np.ndarray:
+    """(steps, max B) per-request unions, 0 for absent requests."""
+    width = int(steps["B"].max())
+    out = np.zeros((len(steps), width))
+    for r, u in enumerate(steps["U"]):
+        out[r, : len(u)] = u
+    return out
+
+
+def fit_theta(u: np.ndarray, u_batch: np.ndarray, n: float) -> float:
+    """The ``"shared"`` exponent theta in (0, 1] minimising the squared error of U_batch (bounded scalar search).
+
+    Args:
+        u: (steps, B) per-request unions (0 for absent requests).
+        u_batch: (steps,) recorded unions.
+        n: Experts per layer.
+    """
+    from scipy.optimize import minimize_scalar
+
+    res = minimize_scalar(
+        lambda th: float(np.sum((union_shared(u, n, th) - u_batch) ** 2)), bounds=(1e-3, 1.0), method="bounded"
+    )
+    return float(res.x)
+
+
+def _predict_u(name: str, u: np.ndarray, n: float, theta: float) -> np.ndarray:
+    return union_shared(u, n, 1.0 if name == "independent" else theta)
+
+
+@dataclass
+class BatchFitReport:
+    """What ``specenv fit-batch`` prints.
+
+    Attributes:
+        model: The fitted batch cost model.
+        coefficients: One row per verification and draft coefficient: value, clustered SE, p-value.
+        forms: One row per verification form: in-sample R2, OOS MAPE / RMSE / R2 (exact union).
+        predictors: One row per U_batch predictor: OOS MAPE / RMSE of U_batch (B >= 2) and of the
+            verification and step times.
+        summary: Counts, draft fit, the OOS MAPE of the step, overhead share, load.
+    """
+
+    model: BatchCostModel
+    coefficients: pd.DataFrame
+    forms: pd.DataFrame
+    predictors: pd.DataFrame
+    summary: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain-JSON form."""
+        rec = lambda df: json.loads(df.to_json(orient="records"))  # noqa: E731
+        return {
+            "coefficients": rec(self.coefficients),
+            "forms": rec(self.forms),
+            "predictors": rec(self.predictors),
+            "summary": self.summary,
+            "batch_cost_model": self.model.to_json(),
+        }
+
+
+#: Which recorded times a fit prices: the CPU time of the forwards' thread, or their wall time.
+TIMINGS: dict[str, tuple[str, str]] = {"cpu": ("T_T_cpu_ms", "T_D_cpu_ms"), "wall": ("T_T_ms", "T_D_ms")}
+
+
+def fit_batch_cost(
+    steps: pd.DataFrame,
+    manifest: dict[str, Any],
+    n_splits: int = 5,
+    source: dict[str, Any] | None = None,
+    timing: str = "cpu",
+) -> BatchFitReport:
+    """Fit the batch cost model on a validated steps table (module docstring for the method).
+
+    Args:
+        steps: The steps table (:func:`load_steps`).
+        manifest: Its manifest (model facts, kmax, max_batch).
+        n_splits: GroupKFold folds (by group).
+        source: Provenance stored in the model.
+        timing: ``"cpu"`` (default: the forwards' thread CPU time, the work without the time other
+            processes of a shared machine took) or ``"wall"`` (their wall time, as the B = 1 fits).
+
+    Returns:
+        The :class:`BatchFitReport`.
+
+    Raises:
+        ValueError: Fewer than ``n_splits`` groups, or no step with B >= 2.
+    """
+    import statsmodels.api as sm
+    from sklearn.model_selection import GroupKFold
+
+    model_facts = manifest["model"]
+    n = float(model_facts["n_experts"])
+    groups = steps["group"].to_numpy()
+    if len(np.unique(groups)) < n_splits:
+        raise ValueError(f"the fit needs at least {n_splits} groups of requests (got {len(np.unique(groups))})")
+    if not (steps["B"] >= 2).any():
+        raise ValueError("the fit needs steps with B >= 2 (batched steps)")
+    if timing not in TIMINGS:
+        raise ValueError(f"timing={timing!r}: expected one of {tuple(TIMINGS)}")
+    col_t, col_d = TIMINGS[timing]
+    y_t = steps[col_t].to_numpy(np.float64)
+    y_d = steps[col_d].to_numpy(np.float64)
+    y_s = y_t + y_d
+    u = _u_matrix(steps)
+    ub = steps["U_batch"].to_numpy(np.float64)
+    multi = steps["B"].to_numpy() >= 2
+    folds = list(GroupKFold(n_splits=n_splits).split(steps, y_t, groups))
+
+    # --- verification forms: clustered OLS in sample, GroupKFold out of sample (exact union)
+    form_rows, fits = [], {}
+    for name, terms in VERIFY_FORMS.items():
+        X = _design(steps, terms)
+        res = sm.OLS(y_t, X).fit(cov_type="cluster", cov_kwds={"groups": groups})
+        fits[name] = res
+        pred = np.empty_like(y_t)
+        for tr, te in folds:
+            beta, *_ = np.linalg.lstsq(X[tr], y_t[tr], rcond=None)
+            pred[te] = X[te] @ beta
+        e = _errors(y_t, pred)
+        form_rows.append(
+            {
+                "form": name,
+                "R2": float(res.rsquared),
+                "oos_mape_pct": e["mape_pct"],
+                "oos_rmse_ms": e["rmse"],
+                "oos_r2": e["r2"],
+            }
+        )
+    forms = pd.DataFrame(form_rows)
+    main_terms = next(iter(VERIFY_FORMS.values()))
+
+    # --- the model's verification form and the draft T_D = d0 + d_step * n + d_tok * n * B, slopes >= 0
+    Xv = _design(steps, main_terms)
+    vres, vkeep = _nonneg_ols(y_t, Xv, groups)
+    Xd = _draft_design(steps)
+    dres, dkeep = _nonneg_ols(y_d, Xd, groups)
+
+    # --- predictors: U_batch OOS (theta on train folds only), and the step times with the predicted union
+    pred_u = {p: np.empty_like(ub) for p in (*PREDICTORS, "exact")}
+    pred_v = {p: np.empty_like(ub) for p in pred_u}
+    pred_d = np.empty_like(ub)
+    thetas = []
+    for tr, te in folds:
+        theta = fit_theta(u[tr][multi[tr]], ub[tr][multi[tr]], n)
+        thetas.append(theta)
+        beta = _lstsq_nonneg(Xv[tr], y_t[tr])
+        bd = _lstsq_nonneg(Xd[tr], y_d[tr])
+        pred_d[te] = Xd[te] @ bd
+        for p in pred_u:
+            pu = ub[te] if p == "exact" else _predict_u(p, u[te], n, theta)
+            pred_u[p][te] = pu
+            pred_v[p][te] = _design(steps.iloc[te], main_terms, pu) @ beta
+    pred_rows = []
+    for p in pred_u:
+        eu = _errors(ub[multi], pred_u[p][multi])
+        ev = _errors(y_t, pred_v[p])
+        es = _errors(y_s, pred_v[p] + pred_d)
+        pred_rows.append(
+            {
+                "predictor": p,
+                "U_batch_mape_pct": eu["mape_pct"],
+                "U_batch_rmse": eu["rmse"],
+                "U_batch_bias": float(np.mean(pred_u[p][multi] - ub[multi])),
+                "verify_mape_pct": ev["mape_pct"],
+                "step_mape_pct": es["mape_pct"],
+                "step_rmse_ms": es["rmse"],
+            }
+        )
+    predictors = pd.DataFrame(pred_rows)
+    usable = predictors[predictors["predictor"].isin(PREDICTORS)]
+    best = usable.sort_values(["step_mape_pct", "U_batch_mape_pct"]).iloc[0]["predictor"]
+    theta_all = fit_theta(u[multi], ub[multi], n)
+
+    # --- coefficients table
+    vpar, vse, vp = _full(vres, vkeep, Xv.shape[1])
+    dpar, dse, dp = _full(dres, dkeep, Xd.shape[1])
+    coef = [
+        {"term": nm, "part": part, "value": float(v), "se": float(se), "p": float(pv), "dropped": bool(np.isnan(se))}
+        for part, names, params, ses, ps in (
+            ("verify", ["b0", "b_pos", "alpha", "c", "b_req"], vpar, vse, vp),
+            ("draft", ["d0", "d_step", "d_tok"], dpar, dse, dp),
+        )
+        for nm, v, se, pv in zip(names, params, ses, ps, strict=True)
+    ]
+    # the unconstrained estimates beside them (the full form's plain clustered OLS)
+    full_v = fits[next(iter(VERIFY_FORMS))]
+    full_d = sm.OLS(y_d, Xd).fit(cov_type="cluster", cov_kwds={"groups": groups})
+    unc = [*zip(full_v.params, full_v.bse, strict=True), *zip(full_d.params, full_d.bse, strict=True)]
+    for row, (v, se) in zip(coef, unc, strict=True):
+        row["unconstrained"], row["unconstrained_se"] = float(v), float(se)
+    coefficients = pd.DataFrame(coef)
+    b0, b_pos, alpha, c, b_req = (float(x) for x in vpar)
+    d0, d_step, d_tok = (float(x) for x in dpar)
+    step_ms = steps["step_ms"].to_numpy(np.float64)
+    exact_row = predictors.set_index("predictor").loc["exact"]
+    chosen_row = predictors.set_index("predictor").loc[best]
+    summary = {
+        "timing": timing,
+        "steps": len(steps),
+        "groups": int(len(np.unique(groups))),
+        "batched_steps": int(multi.sum()),
+        "B_range": [int(steps["B"].min()), int(steps["B"].max())],
+        "positions_range": [int(steps["positions"].min()), int(steps["positions"].max())],
+        "context_mean": float(np.mean(np.concatenate([np.asarray(x, float) for x in steps["L"]]))),
+        "verify_R2": float(vres.rsquared),
+        "draft_R2": float(dres.rsquared),
+        "draft_oos_mape_pct": _errors(y_d, pred_d)["mape_pct"],
+        "verify_oos_mape_pct_exact": float(exact_row["verify_mape_pct"]),
+        "step_oos_mape_pct_exact": float(exact_row["step_mape_pct"]),
+        "step_oos_mape_pct": float(chosen_row["step_mape_pct"]),
+        "predictor": str(best),
+        "u_theta": theta_all,
+        "u_theta_folds": thetas,
+        "overhead_share": float(np.median(np.clip(step_ms - y_s, 0, None) / step_ms)),
+        # wall ms of the step outside the timed forwards (scheduler, sampler, bookkeeping), median
+        "overhead_ms": float(
+            np.median(
+                np.clip(step_ms - steps["T_T_ms"].to_numpy(np.float64) - steps["T_D_ms"].to_numpy(np.float64), 0, None)
+            )
+        ),
+        "n_splits": n_splits,
+        "load": manifest.get("extra", {}).get("machine", {}),
+    }
+    model = BatchCostModel.linear(
+        b0=b0,
+        b_pos=b_pos,
+        alpha=alpha,
+        c=c,
+        b_req=b_req,
+        d0=d0,
+        d_step=d_step,
+        d_tok=d_tok,
+        kmax=int(manifest["kmax"]),
+        max_batch=int(manifest["max_batch"]),
+        top_k=int(model_facts["top_k"]),
+        n_experts=int(model_facts["n_experts"]),
+        n_layers=int(model_facts["n_layers"]),
+        predictor=str(best),
+        u_theta=theta_all if best == "shared" else 1.0,
+        source=dict(source or {}) | {"kind": "fit", "method": "specenv.cost.batchfit.fit_batch_cost"},
+        diagnostics={
+            "summary": summary,
+            "coefficients": json.loads(coefficients.to_json(orient="records")),
+            "forms": json.loads(forms.to_json(orient="records")),
+            "predictors": json.loads(predictors.to_json(orient="records")),
+            "context_mean": summary["context_mean"],
+        },
+    )
+    return BatchFitReport(model=model, coefficients=coefficients, forms=forms, predictors=predictors, summary=summary)
+
+
+def format_report(report: BatchFitReport) -> str:
+    """The report as text tables (what ``specenv fit-batch`` prints)."""
+    s = report.summary
+    pd_opts = {"index": False, "float_format": lambda x: f"{x:.4g}"}
+    lines = [
+        f"batch cost model ({s['timing']} times): {s['steps']} steps ({s['batched_steps']} with B >= 2) "
+        f"in {s['groups']} groups, "
+        f"B {s['B_range'][0]}..{s['B_range'][1]}, positions {s['positions_range'][0]}..{s['positions_range'][1]}",
+        "",
+        "coefficients (OLS, SEs clustered by group; a negative slope is dropped = fixed at 0):",
+        report.coefficients.to_string(**pd_opts),
+        "",
+        f"verification forms (GroupKFold({s['n_splits']}) by group, exact union):",
+        report.forms.to_string(**pd_opts),
+        "",
+        "U_batch predictors (out of sample; U_batch errors on steps with B >= 2):",
+        report.predictors.to_string(**pd_opts),
+        "",
+        f"chosen predictor: {s['predictor']} (theta = {s['u_theta']:.4g} on all steps)",
+        f"OOS MAPE of the step time (T_T + T_D), chosen predictor: {s['step_oos_mape_pct']:.2f}% "
+        f"(exact union: {s['step_oos_mape_pct_exact']:.2f}%); verification alone, exact union: "
+        f"{s['verify_oos_mape_pct_exact']:.2f}%; draft: {s['draft_oos_mape_pct']:.2f}%",
+        f"scheduler overhead outside the timed forwards (median share of the step's wall time, not charged): "
+        f"{100 * s['overhead_share']:.1f}% (median {s['overhead_ms']:.2f} ms of wall time)",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,217 @@
+"""Batch replay: the request schedule of a batch episode, the batch cost model a set uses, the budget rule.
+
+A batch episode (``specenv/MoESpecBatch-v0``, :mod:`specenv.envs.batch`; DESIGN.md section 3,
+"batch environment") serves a fixed number R of requests with B concurrent slots. This module owns
+what the environment, the batch bound (:mod:`oracle.batch`) and the batch benchmark share about
+such an episode, so that all three see the same requests, the same acceptance draws and the same
+plain-decoding reference:
+
+* **requests and their randomness** (:func:`request_seeds`, :func:`request_draws`): at ``reset`` the
+  environment draws R 63-bit seeds from its ``np_random``. Request r gets its own generator
+  ``numpy.random.default_rng(seed_r)`` (the generator Gymnasium's ``reset(seed=seed_r)`` builds)
+  and draws from it exactly what one episode of the single environment draws
+  (:func:`specenv.replay.episode.draw`): its generation with ``integers(G)``, then its N
+  acceptance uniforms with ``random(N)``, one per round. So request r replays the single
+  environment's episode of seed ``seed_r`` round for round, and the sequence of generations does
+  not depend on the policy;
+* **the schedule**: slots are filled in order with requests 0..R-1; when a request finishes, the
+  lowest free slot takes the next request at the next step; the episode ends when all R have
+  finished (when fewer than B remain the tail slots are idle);
+* **the plain-decoding reference** (:func:`ar_schedule_ms`): the same R requests decoded without
+  speculation under the same schedule (every step commits one token per active request and costs
+  :meth:`specenv.cost.batch.BatchCostModel.ar_ms` of the active contexts). It depends on the
+  requests only, so every policy is compared with the same number: speedup = AR / policy cost;
+* **the batch cost model of a set** (:func:`batch_cost_for`): ``"auto"`` is the batch model fitted
+  on vLLM batch timings when they were measured on the set's engine and models
+  (:func:`fitted_batch_cost`: the shipped ``live-vllm-batch-v1`` fit prices ``live-vllm``), else the scaled form
+  :meth:`specenv.cost.batch.BatchCostModel.from_cost_model` of the set's single-request model
+  (``"scaled"`` forces it; a path loads a batch-cost JSON);
+* **the global token budget rule** (:func:`allocate_budget`): vLLM adaptive verification's
+  ranking of (request, draft position) pairs by the draft's survival estimate, spending one budget
+  for the whole batch (the action of ``specenv/MoESpecBatchBudget-v0`` and the batch
+  adaptive-verification baseline).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from specenv.cost.batch import SHIPPED, BatchCostModel, load_batch_cost_model
+from specenv.cost.model import CostModel
+from specenv.io import package_data
+from specenv.replay.episode import draw
+from specenv.validation import read_json
+
+__all__ = [
+    "BATCH_COSTS",
+    "SEED_HIGH",
+    "allocate_budget",
+    "ar_schedule_ms",
+    "batch_cost_for",
+    "fitted_batch_cost",
+    "request_draws",
+    "request_seeds",
+]
+
+#: Seeds of the requests are drawn in ``[0, SEED_HIGH)``.
+SEED_HIGH = 2**63 - 1
+#: Names ``batch_cost`` accepts besides a JSON path.
+BATCH_COSTS = ("auto", "scaled")
+
+
+def request_seeds(rng: np.random.Generator, n_requests: int) -> np.ndarray:
+    """The R request seeds of an episode, drawn from the environment's generator (int64)."""
+    return rng.integers(0, SEED_HIGH, size=int(n_requests), dtype=np.int64)
+
+
+def request_draws(seed: int, lengths: np.ndarray) -> tuple[int, np.ndarray]:
+    """Generation index and acceptance uniforms of a request: the single env's draws for ``reset(seed)``.
+
+    Args:
+        seed: The request's seed.
+        lengths: (G,) positions N of each generation of the split.
+
+    Returns:
+        ``(g, u)``: the generation index (``integers(G)``) and its N uniforms (``random(N)``), round
+        r of the request accepting ``#{i <= k : u[r] < P(a >= i)}`` drafts.
+    """
+    return draw(np.random.default_rng(int(seed)), lengths)
+
+
+def ar_schedule_ms(
+    model: BatchCostModel, generations: np.ndarray, lengths: np.ndarray, L0: np.ndarray, batch_size: int
+) -> float:
+    """Cost of decoding the requests without speculation under the batch schedule (module docstring).
+
+    Args:
+        model: The batch cost model.
+        generations: (R,) generation index of each request, in arrival order.
+        lengths: (G,) positions N of each generation.
+        L0: (G,) prompt lengths.
+        batch_size: B, the number of slots.
+
+    Returns:
+        Total ms: the sum over steps of ``model.ar_ms(contexts of the active requests)``.
+    """
+    gens = np.asarray(generations, dtype=np.int64)
+    n = np.asarray(lengths, dtype=np.int64)[gens]
+    start = np.asarray(L0, dtype=np.int64)[gens]
+    slot_req = np.full(batch_size, -1, dtype=np.int64)
+    slot_t = np.zeros(batch_size, dtype=np.int64)
+    nxt = 0
+    total = 0.0
+    while True:
+        for s in range(batch_size):  # refill free slots in order
+            if slot_req[s] < 0 and nxt < len(gens):
+                slot_req[s] = nxt
+                slot_t[s] = 0
+                nxt += 1
+        active = slot_req >= 0
+        if not active.any():
+            return total
+        req = slot_req[active]
+        m = len(req)
+        # every step until the first active request finishes has the same shape: price them at once
+        steps = int((n[req] - slot_t[active]).min())
+        ctx_sum = float((start[req] + slot_t[active]).sum()) + m * np.arange(steps, dtype=np.float64)
+        u_batch = model.predict_u_batch(np.full(m, float(model.top_k)))
+        total += float(model.verify_from_totals(np.full(steps, m), m, u_batch, ctx_sum).sum())
+        slot_t[active] += steps
+        for s in np.flatnonzero(active):
+            if slot_t[s] >= n[slot_req[s]]:
+                slot_req[s] = -1
+
+
+def batch_cost_for(
+    traces: Any, cost_model: CostModel, batch_size: int, which: str | os.PathLike[str] = "auto"
+) -> BatchCostModel:
+    """The batch cost model an environment uses for a trace set (module docstring).
+
+    Args:
+        traces: The loaded :class:`specenv.traces.traceset.TraceSet`.
+        cost_model: Its single-request cost model (:func:`specenv.cost.source.cost_model_for`).
+        batch_size: B; the model must price batches of B requests.
+        which: ``"auto"``, ``"scaled"`` or a path to a batch-cost JSON
+            (:meth:`specenv.cost.batch.BatchCostModel.load`).
+
+    Raises:
+        ValueError: One line naming ``batch_cost`` when the file is bad, or the model covers fewer
+            than B requests or a smaller Kmax than the single model.
+    """
+    model: BatchCostModel | None = None
+    if isinstance(which, str) and which in BATCH_COSTS:
+        if which == "auto":
+            model = fitted_batch_cost(traces, batch_size)
+        if model is None:
+            model = BatchCostModel.from_cost_model(cost_model, traces.facts, max_batch=max(int(batch_size), 1))
+    else:
+        try:
+            model = load_batch_cost_model(which)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"batch_cost={os.fspath(which)!r}: {exc}") from None
+    if model.max_batch < batch_size:
+        raise ValueError(
+            f"batch_cost: the batch cost model covers at most {model.max_batch} requests per step, "
+            f"batch_size={batch_size}"
+        )
+    if model.kmax < cost_model.kmax:
+        raise ValueError(f"batch_cost: the batch cost model covers k <= {model.kmax}, the set needs {cost_model.kmax}")
+    return model
+
+
+def fitted_batch_cost(traces: Any, batch_size: int) -> BatchCostModel | None:
+    """The shipped batch fit when it was measured on the engine and models of this set, else None.
+
+    The shipped recording (:data:`specenv.cost.batch.SHIPPED`, vLLM 0.32 on CPU with the shipped small
+    models) prices a set recorded by vLLM (manifest ``source == "vllm"``) on the same models (its
+    ``profile`` names them, e.g. ``small-moe-v1``; same experts, layers and top-k), when B is within
+    the recording's batch sizes. Any other set is priced by the scaled form.
+    """
+    rec = package_data(SHIPPED)
+    try:
+        info = read_json(rec / "manifest.json", what="batch recording manifest")
+    except (OSError, ValueError):
+        return None
+    models = str(info.get("extra", {}).get("models", ""))
+    facts = traces.facts
+    same = (
+        traces.manifest.source == "vllm"
+        and models
+        and str(traces.manifest.profile).startswith(models)
+        and info.get("model") == {"n_layers": facts.n_layers, "n_experts": facts.n_experts, "top_k": facts.top_k}
+    )
+    if not same:
+        return None
+    model = load_batch_cost_model(rec)
+    return model if model.max_batch >= batch_size and model.kmax >= traces.kmax else None
+
+
+def allocate_budget(scores: np.ndarray, budget: int) -> np.ndarray:
+    """Spend one token budget over a batch: the ``budget`` best (request, depth) pairs by score.
+
+    vLLM adaptive verification ranks every drafted token of the batch by its survival estimate
+    ``S_{r,j} = prod_{i<=j} q_{r,i}`` and verifies the best ones. Scores that are non-increasing in
+    depth (such products are) make the selection a prefix of each request's chain, so it is a budget
+    k_r per request. Ties go to the lower slot, then the lower depth (a stable order).
+
+    Args:
+        scores: (B, h) scores; ``-inf`` (or NaN) marks tokens that cannot be verified (idle slots).
+        budget: Tokens to verify in all (capped at the number of finite scores).
+
+    Returns:
+        (B,) int64 budgets k_r (the number of tokens selected in row r, a prefix of the row).
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    B, h = s.shape
+    flat = np.where(np.isfinite(s), s, -np.inf).ravel()
+    # enforce the prefix property even for scores that rise with depth: running minimum along depth
+    flat = np.minimum.accumulate(flat.reshape(B, h), axis=1).ravel()
+    usable = int(np.isfinite(flat).sum())
+    take = min(max(int(budget), 0), usable)
+    order = np.argsort(-flat, kind="stable")[:take]
+    k = np.zeros(B, dtype=np.int64)
+    np.add.at(k, order // h, 1)
+    return k
