@@ -24,6 +24,9 @@ CONTRACT_IDS = {
     "abtest-command-module",
     "no-sibling-cycle",
     "ray-optional",
+    "specenv-folders",
+    "policies-folders",
+    "oracle-folders",
 }
 
 
