@@ -246,7 +246,8 @@ def _memo_code() -> str | None:
     h = hashlib.sha256()
     try:
         spec = importlib.util.find_spec("pydantic")
-        paths = [Path(__file__), Path(__file__).with_name("schema.py"), Path(__file__).with_name("traceset.py")]
+        traces = Path(__file__).with_name("traces")
+        paths = [Path(__file__), traces / "schema.py", traces / "traceset.py"]
         if spec is None or not spec.submodule_search_locations:
             return None
         paths.append(Path(next(iter(spec.submodule_search_locations))) / "version.py")
