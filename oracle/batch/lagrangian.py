@@ -55,13 +55,6 @@ class SplitCharge(Charge):
         out[...] = res
         return out
 
-    def charged_table(
-        self, U: np.ndarray, L: np.ndarray, kmax: int | None = None, lookahead: int = 0, drafting: Any = None
-    ) -> np.ndarray:
-        """(n, kmax+1) charges, as :meth:`specenv.cost.model.CostModel.charged_table`."""
-        K = U.shape[1] - 1 if kmax is None else int(kmax)
-        return np.ascontiguousarray(self.charged_by_budget(np.array(U[:, : K + 1].T, dtype=np.float64), L).T)
-
     def ar_ms(self, L: np.ndarray) -> np.ndarray:
         """The charge of a plain round (k = 0, U = top_k)."""
         L = np.asarray(L, dtype=np.float64)

@@ -241,13 +241,6 @@ class FairShare(Charge):
             res[k] = (m.verify_from_totals(B * (k + 1), B, ub, B * L) + draft) / B
         return res
 
-    def charged_table(
-        self, U: np.ndarray, L: np.ndarray, kmax: int | None = None, lookahead: int = 0, drafting: Any = None
-    ) -> np.ndarray:
-        """(n, kmax+1) charges, as :meth:`specenv.cost.model.CostModel.charged_table`."""
-        K = U.shape[1] - 1 if kmax is None else int(kmax)
-        return np.ascontiguousarray(self.charged_by_budget(np.array(U[:, : K + 1].T, dtype=np.float64), L).T)
-
     def ar_ms(self, L: np.ndarray) -> np.ndarray:
         """Plain AR step of a full batch, per request."""
         L = np.asarray(L, dtype=np.float64)

@@ -152,8 +152,14 @@ class Charge(Protocol):
         lookahead: int = 0,
         drafting: str | None = None,
     ) -> np.ndarray:
-        """(n, kmax+1) C-contiguous charges in ms, from (n, >=kmax+1) unique experts and (n,) contexts."""
-        ...
+        """(n, kmax+1) C-contiguous charges in ms, from (n, >=kmax+1) unique experts and (n,) contexts.
+
+        The default (inherited by a class that subclasses :class:`Charge`): the transpose of
+        :meth:`charged_by_budget` on the first kmax+1 columns of ``U``, for a charge that does not depend
+        on the drafting mode (``lookahead`` and ``drafting`` are ignored).
+        """
+        K = U.shape[1] - 1 if kmax is None else int(kmax)
+        return np.ascontiguousarray(self.charged_by_budget(np.array(U[:, : K + 1].T, dtype=np.float64), L).T)
 
     def ar_ms(self, L: np.ndarray) -> np.ndarray:
         """The charge of a plain autoregressive step at each context of ``L`` (an array shaped like ``L``)."""
