@@ -12,8 +12,10 @@ import typer
 
 from specenv.cli.common import (
     MAX_EPISODES,
-    MAX_SEED,
     JsonOpt,
+    KmaxOpt,
+    SeedOpt,
+    TrainCostOpt,
     check_budget,
     check_out_file,
     check_out_folder,
@@ -87,11 +89,9 @@ def bench(
     episodes: Annotated[
         int, typer.Option(min=1, max=MAX_EPISODES, help="Held-out batch episodes (4 B requests each).")
     ] = 4,
-    seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Base seed of the episodes and the bootstrap.")] = 0,
-    kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
-    cost_model: Annotated[
-        str, typer.Option(help="fit-train (fitted on the train split), fit (all rounds), profile or a cost-model JSON.")
-    ] = "fit-train",
+    seed: SeedOpt = 0,
+    kmax: KmaxOpt = None,
+    cost_model: TrainCostOpt = "fit-train",
     no_learners: Annotated[
         bool, typer.Option("--no-learners", help="Skip training the learned batch controllers.")
     ] = False,

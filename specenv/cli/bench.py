@@ -15,10 +15,12 @@ import typer
 from specenv.cli.common import (
     MAX_EPISODES,
     MAX_GENERATIONS,
-    MAX_SEED,
     JsonOpt,
+    KmaxOpt,
     RayCpusOpt,
     RayOpt,
+    SeedOpt,
+    TrainCostOpt,
     check_budget,
     check_out_file,
     check_out_folder,
@@ -41,11 +43,9 @@ def bench(
     episodes: Annotated[
         int, typer.Option(min=1, max=MAX_EPISODES, help="Monte-Carlo episodes per held-out generation.")
     ] = 4,
-    seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Base seed of the episodes and the bootstrap.")] = 0,
-    kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
-    cost_model: Annotated[
-        str, typer.Option(help="fit-train (fitted on the train split), fit (all rounds), profile or a cost-model JSON.")
-    ] = "fit-train",
+    seed: SeedOpt = 0,
+    kmax: KmaxOpt = None,
+    cost_model: TrainCostOpt = "fit-train",
     policies: Annotated[
         Path | None, typer.Option(help="Folder of trained policies: <name>/policy.json or <run>/policy/policy.json.")
     ] = None,

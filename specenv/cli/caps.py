@@ -12,6 +12,8 @@ from specenv.cli.common import (
     MAX_EPISODES,
     MAX_SEED,
     JsonOpt,
+    KmaxOpt,
+    TrainCostOpt,
     check_budget,
     check_out_folder,
     fail,
@@ -28,10 +30,8 @@ def bench(
     out_dir: Annotated[
         Path, typer.Option("--out", "-o", help="Folder for bench_caps.json/.md, the CSV, frontier.png, the policies.")
     ] = Path("bench-caps-out"),
-    kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
-    cost_model: Annotated[
-        str, typer.Option(help="fit-train (fitted on the train split), fit (all rounds), profile or a cost-model JSON.")
-    ] = "fit-train",
+    kmax: KmaxOpt = None,
+    cost_model: TrainCostOpt = "fit-train",
     policies: Annotated[
         Path | None, typer.Option(help="Folder of trained k-policies (default: those shipped for the set).")
     ] = None,

@@ -186,6 +186,12 @@ err = Console(stderr=True, soft_wrap=True)
 
 Traces = Annotated[str, typer.Argument(help="Trace set: a registered name (e.g. paper-default) or a folder.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+#: The options several commands share, declared once.
+KmaxOpt = Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")]
+SeedOpt = Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Base seed of the episodes and the bootstrap.")]
+TrainCostOpt = Annotated[
+    str, typer.Option(help="fit-train (fitted on the train split), fit (all rounds), profile or a cost-model JSON.")
+]
 RayOpt = Annotated[
     str | None,
     typer.Option(

@@ -12,6 +12,7 @@ from specenv.cli.common import (
     MAX_EPISODES,
     MAX_SEED,
     JsonOpt,
+    KmaxOpt,
     RayCpusOpt,
     RayOpt,
     Traces,
@@ -28,7 +29,7 @@ from specenv.progress import Progress
 
 def oracle_cmd(
     traces: Traces,
-    kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
+    kmax: KmaxOpt = None,
     sweep: Annotated[bool, typer.Option("--sweep", help="Also sweep Kmax = 1..K (paper Figure 2).")] = False,
     delta: Annotated[bool, typer.Option("--delta", help="Also run the delta-space analysis (Figure 3).")] = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write the figures of --sweep/--delta here.")] = None,

@@ -13,6 +13,7 @@ from specenv.cli.common import (
     MAX_EPISODES,
     MAX_SEED,
     JsonOpt,
+    KmaxOpt,
     RayCpusOpt,
     RayOpt,
     check_budget,
@@ -53,7 +54,7 @@ def train(
         list[int] | None, typer.Option(min=0, max=MAX_SEED, help="Seed; repeatable: one run per learner and seed.")
     ] = None,
     n_envs: Annotated[int, typer.Option(min=1, max=4096, help="Parallel streams of the vector env (ppo, dqn).")] = 32,
-    kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
+    kmax: KmaxOpt = None,
     cost_model: Annotated[str, typer.Option(help="fit, profile or a cost-model JSON.")] = "fit",
     drafting: Annotated[
         str | None,
@@ -241,7 +242,7 @@ def export(
     split: Annotated[str, typer.Option(help="Generations replayed: train, test or all.")] = "train",
     episodes: Annotated[int, typer.Option(min=1, max=MAX_EPISODES, help="Episodes per generation.")] = 1,
     seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Base seed of the episodes.")] = 0,
-    kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
+    kmax: KmaxOpt = None,
     cost_model: Annotated[
         str, typer.Option(help="fit-train (the benchmark's), fit, profile or a cost-model JSON.")
     ] = "fit-train",
@@ -382,7 +383,7 @@ def tune(
         int, typer.Option(min=0, max=MAX_SEED, help="Seed of the search, the learners and validation.")
     ] = 0,
     n_envs: Annotated[int, typer.Option(min=1, max=4096, help="Parallel streams of the vector env (ppo, dqn).")] = 16,
-    kmax: Annotated[int | None, typer.Option(help="Largest budget (default: the trace set's Kmax).")] = None,
+    kmax: KmaxOpt = None,
     cost_model: Annotated[
         str, typer.Option(help="fit-train (fitted on the train split), profile or a cost-model JSON (not fit).")
     ] = "fit-train",
