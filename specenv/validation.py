@@ -616,6 +616,11 @@ def _models() -> dict[str, Any]:
         beta0: Finite
         alpha: Finite
         c: Finite
+        overhead: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0  # engine ms per step outside the forwards
+
+    class ARStepJSON(Strict):
+        a: Annotated[float, Field(gt=0, allow_inf_nan=False)]  # a plain engine's step: a + c * L ms
+        c: Finite
 
     class DraftJSON(Strict):
         d1: Finite
@@ -633,6 +638,7 @@ def _models() -> dict[str, Any]:
         target: dict[str, TargetRowJSON]
         draft: DraftJSON
         ar_extrapolated: bool = False
+        ar_step: ARStepJSON | None = None
         source: dict[str, Any] = {}
         diagnostics: dict[str, Any] = {}
 

@@ -47,6 +47,13 @@ def fit(
                 source={"traces": ts.manifest.name},
                 progress=lambda done, total, what: prog.update(done, total, what),
             )
+        from specenv.cost.steptime import fit_step_model, has_step_times
+
+        extra = ts.manifest.extra or {}
+        if has_step_times(ts.rounds, extra):  # the model the envs and the oracle use: the step's wall time
+            rep.model = fit_step_model(
+                ts.rounds, ts.kmax, ts.facts.top_k, extra["ar_reference"], {"traces": ts.manifest.name}
+            )
     except ValueError as exc:
         fail(f"{traces}: {exc}")
     rep.model.n_experts, rep.model.n_layers = ts.facts.n_experts, ts.facts.n_layers  # recorded in the JSON
@@ -78,7 +85,9 @@ def _print_fit(rep: Any, name: str, paper_profile: bool = True) -> None:
 
     brackets = " (paper's Table A{} in brackets)" if paper_profile else ""
     tab = Table(title=f"Per-K cost model on {name}" + brackets.format(4))
-    for col in ("K", "alpha ms/expert", "c 1e-3 ms/tok", "beta0 ms", "N", "R2", "OOS MAPE %", "alpha p"):
+    u_only = "oos_r2_u_only" in rep.per_k.columns
+    cols = ("K", "alpha ms/expert", "c 1e-3 ms/tok", "beta0 ms", "N", "R2", "OOS MAPE %", "alpha p")
+    for col in cols + (("U_r-only OOS R2",) if u_only else ()):
         tab.add_column(col, justify="right")
     for r in rep.per_k.itertuples():
         ref = paper.TABLE_A4.get(r.K) if paper_profile else None
@@ -98,6 +107,7 @@ def _print_fit(rep: Any, name: str, paper_profile: bool = True) -> None:
             cell(r.R2, 3),
             cell(r.oos_mape_pct, 4, fmt="{:.2f}"),
             f"{r.alpha_p:.1e}",
+            *((f"{r.oos_r2_u_only:.3f}",) if u_only else ()),
         )
     out.print(tab)
     t6 = Table(title="Pooled forms" + brackets.format(6))
@@ -129,5 +139,16 @@ def _print_fit(rep: Any, name: str, paper_profile: bool = True) -> None:
     m = rep.model
     flag = "EXTRAPOLATED (no K=0 rounds)" if rep.ar["extrapolated"] else "fitted on K=0 rounds"
     out.print(f"AR step (K=0): T = {m.beta0[0]:.3f} + {m.alpha[0]:.4f}*U + {m.c[0] * 1e3:.3f}e-3*L ms, {flag}")
+    if m.ar_step is not None:
+        a, c = m.ar_step
+        ar_mid = float(m.diagnostics.get("ar_step", {}).get("mean_ms", a))
+        over = ", ".join(f"{x:.2f}" for x in m.overhead)
+        out.print(
+            f"step time (what a user waits for): plain engine (no drafter) {a:.3f} + {c * 1e3:.3f}e-3*L ms per token; "
+            f"engine overhead per step outside the forwards, K=0..{m.kmax}: {over} ms; "
+            f"a drafted token costs {m.d1:.3f} ms (wall) = {100 * m.d1 / max(ar_mid, 1e-9):.1f}% of the mean plain step "
+            f"({ar_mid:.3f} ms)",
+            markup=False,
+        )
     if not paper_profile:
         out.print(f"(no paper figures in brackets: {name} is not a paper-profile set, it measures another model)")

@@ -265,10 +265,35 @@ def abtest(
         out.print(markdown(doc), markup=False, highlight=False)
 
 
-def models(as_json: JsonOpt = False) -> None:
+def models(
+    as_json: JsonOpt = False,
+    build: Annotated[
+        str | None,
+        typer.Option(
+            "--build",
+            help="Build a derived model set from its shipped recipe into the cache (e.g. wide-moe-v1: "
+            "small-moe-v1 with every expert widened by zeros; deterministic, sha256-checked).",
+        ),
+    ] = None,
+) -> None:
     """List the shipped model sets (for `serve --models` and `collect --models`): sizes and sha256 check."""
     from specenv.engines.hf.models import list_model_sets
 
+    if build is not None:
+        from specenv.engines.hf.widen import build_derived_set, derived_ids
+
+        if build not in derived_ids():
+            fail(f"--build {build!r}: not a derived model set ({', '.join(derived_ids()) or 'none'})")
+        try:
+            import safetensors  # noqa: F401
+            import torch  # noqa: F401
+        except ImportError as exc:
+            fail(f"--build needs torch and safetensors (pip install 'specenv[live]'): {exc}")
+        try:
+            folder = build_derived_set(build)
+        except (ValueError, OSError) as exc:
+            fail(str(exc))
+        out.print(f"built {build} in {folder}", markup=False, highlight=False)
     try:
         rows = [m.to_json() for m in list_model_sets()]
     except ValueError as exc:

@@ -133,6 +133,8 @@ def fit_per_k(rounds: pd.DataFrame, n_splits: int = 5, progress: Callable[[str],
                 "clusters": int(len(np.unique(groups))),
                 "R2": float(res.rsquared),
                 **_ols_cv(X, y, groups, n_splits),
+                # what U_r alone explains out of sample within this budget (the paper's Table 6 view)
+                **{f"{k}_u_only": v for k, v in _ols_cv(X[:, :2], y, groups, n_splits).items() if k == "oos_r2"},
             }
         )
     return pd.DataFrame(rows)

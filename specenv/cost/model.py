@@ -181,6 +181,12 @@ class CostModel:
             the draft's KV cache in sync): measured on the K = 0 rounds of a recording, 0 where the
             engine drafts nothing at k = 0 (the transformers engine, the paper profile). Plain
             decoding without speculation, the speedup reference (:meth:`ar_ms`), never pays it.
+        overhead: (Kmax+1,) ms per step at budget K that the engine spends outside the timed target
+            and draft forwards (scheduling, sampling, output processing): a term of its own in the
+            step-time model of an engine that times whole steps (:mod:`specenv.cost.steptime`); zeros
+            for a model of the forwards alone.
+        ar_step: ``(a, c)``: one step of a *plain* engine (no drafter loaded) costs ``a + c * L`` ms,
+            measured; the speedup reference :meth:`ar_ms` when set (None: the model's own K = 0 step).
         top_k: Experts per token (U of a single position).
         n_experts: Experts per MoE layer of the model it was fitted for (None: not recorded).
         n_layers: MoE layers of that model (None: not recorded).
@@ -201,6 +207,8 @@ class CostModel:
     n_experts: int | None = None
     n_layers: int | None = None
     d_floor: float = 0.0
+    overhead: np.ndarray | None = None
+    ar_step: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         self.beta0 = np.asarray(self.beta0, dtype=np.float64)
@@ -210,6 +218,20 @@ class CostModel:
             raise ValueError("beta0, alpha and c must be 1-D arrays of the same length (Kmax+1)")
         if not np.all(np.isfinite(np.concatenate([self.beta0, self.alpha, self.c]))):
             raise ValueError("cost model coefficients must be finite")
+        self.overhead = (
+            np.zeros_like(self.beta0) if self.overhead is None else np.asarray(self.overhead, dtype=np.float64)
+        )
+        if (
+            self.overhead.shape != self.beta0.shape
+            or not np.all(np.isfinite(self.overhead))
+            or np.any(self.overhead < 0)
+        ):
+            raise ValueError("overhead must be finite ms >= 0, one per budget K = 0..Kmax")
+        if self.ar_step is not None:
+            a, c = (float(x) for x in self.ar_step)
+            if not (np.isfinite(a) and np.isfinite(c) and a > 0 and a + min(c, 0.0) * 2**20 > 0):
+                raise ValueError(f"ar_step={self.ar_step!r}: a plain step a + c*L must be finite and positive")
+            self.ar_step = (a, c)
         self.d_floor = float(self.d_floor)
         if not (np.isfinite(self.d_floor) and self.d_floor >= 0):
             raise ValueError(f"d_floor={self.d_floor!r}: must be a finite number >= 0")
@@ -252,7 +274,10 @@ class CostModel:
         Returns:
             The cost (broadcast over array arguments).
         """
-        return self.target_ms(k, U, L) + self.draft_ms(k if drafted is None else drafted)
+        cost = self.target_ms(k, U, L) + self.draft_ms(k if drafted is None else drafted)
+        if self.overhead.any():  # (the sum without it is bit-identical to a model without the term)
+            cost = cost + self.overhead[np.asarray(k, dtype=np.int64)]
+        return cost
 
     def charged_table(
         self,
@@ -320,18 +345,34 @@ class CostModel:
         draft = self.draft_ms(drafted_tokens(ks, lookahead, drafting))
         out = np.multiply(U, self.alpha[ks, None], out=out)
         out += self.beta0[ks, None]
+        extra = self.overhead.any()
         for k in range(kmax + 1):
             out[k] += self.c[k] * L
             out[k] += draft[k]
+            if extra:
+                out[k] += self.overhead[k]
         return out
 
     def ar_ms(self, L: np.ndarray | float) -> np.ndarray:
         """Cost of one step of plain autoregressive decoding (K = 0, U = top_k, no draft) at context L.
 
-        The speedup reference. A k = 0 round of a speculating engine may pay ``d_floor`` on top
-        (:meth:`charged_ms`).
+        The speedup reference. A k = 0 round of a speculating engine may pay ``d_floor`` (and its
+        ``overhead[0]``) on top (:meth:`charged_ms`). With a measured plain engine (``ar_step``) it is
+        that engine's step, ``a + c * L``.
         """
-        return self.target_ms(0, float(self.top_k), L)
+        return self.ar_table(float(self.top_k), L)
+
+    def ar_table(self, U0: np.ndarray | float, L: np.ndarray | float) -> np.ndarray:
+        """The AR reference per position: ``ar_step``'s ``a + c * L`` when measured, else T_T(0, U0, L)."""
+        if self.ar_step is not None:
+            a, c = self.ar_step
+            return a + c * np.asarray(L, dtype=np.float64)
+        return self.target_ms(0, U0, L)
+
+    @property
+    def plain_is_k0(self) -> bool:
+        """Whether the model's k = 0 round costs exactly the AR reference (no floor, overhead or plain engine)."""
+        return self.d_floor == 0 and self.ar_step is None and not self.overhead.any()
 
     # ------------------------------------------------------------- construction
     @classmethod
@@ -363,10 +404,12 @@ class CostModel:
             **facts,
             "target": {
                 str(k): {"beta0": float(self.beta0[k]), "alpha": float(self.alpha[k]), "c": float(self.c[k])}
+                | ({"overhead": float(self.overhead[k])} if self.overhead.any() else {})
                 for k in range(self.kmax + 1)
             },
             "draft": {"d1": float(self.d1), "d0": float(self.d0)} | ({"floor": self.d_floor} if self.d_floor else {}),
             "ar_extrapolated": bool(self.ar_extrapolated),
+            **({"ar_step": {"a": self.ar_step[0], "c": self.ar_step[1]}} if self.ar_step is not None else {}),
             "source": self.source,
             "diagnostics": self.diagnostics,
         }
@@ -397,6 +440,8 @@ class CostModel:
             diagnostics=dict(m.diagnostics),
             n_experts=m.n_experts,
             n_layers=m.n_layers,
+            overhead=np.array([r.overhead for r in rows], dtype=np.float64),
+            ar_step=None if m.ar_step is None else (float(m.ar_step.a), float(m.ar_step.c)),
         )
 
     def save(self, path: str | os.PathLike[str]) -> Path:

@@ -19,6 +19,11 @@ nothing fitted sees a held-out generation (the benchmark's default). A fit needs
   (and rewritten atomically). Sets that were not loaded from verified files (built in memory, or
   loaded with ``verify_hashes=False``) are never looked up on disk.
 
+A set recorded by an engine that times whole steps (``rounds.T_step_ms`` and a plain engine's
+``manifest.extra.ar_reference``: the vLLM collector) is priced by the step-time model of
+:mod:`specenv.cost.steptime` instead (the same forms on wall-clock forwards, plus the engine's per-step
+overhead, with the plain engine's step as the speedup reference).
+
 Nothing heavy is imported here: :mod:`specenv.cost.fit` (statsmodels, pandas) loads only when a fit is
 really computed.
 """
@@ -136,11 +141,17 @@ def split_rounds(traces: Any, split: str = "all") -> Any:
 def fresh_fit(traces: Any, split: str = "all") -> CostModel:
     """The ``"fit"`` (``split="all"``) or ``"fit-train"`` cost model of a set computed now (no cache used)."""
     from specenv.cost.fit import fit_replay_model
+    from specenv.cost.steptime import fit_step_model, has_step_times
 
     source: dict[str, Any] = {"traces": traces.manifest.name}
     if split != "all":
         source["split"] = split
-    model = fit_replay_model(split_rounds(traces, split), traces.kmax, traces.facts.top_k, source)
+    rounds = split_rounds(traces, split)
+    extra = traces.manifest.extra or {}
+    if has_step_times(traces.rounds, extra):  # an engine that timed whole steps: price the step
+        model = fit_step_model(rounds, traces.kmax, traces.facts.top_k, extra["ar_reference"], source)
+    else:
+        model = fit_replay_model(rounds, traces.kmax, traces.facts.top_k, source)
     model.n_experts, model.n_layers = traces.facts.n_experts, traces.facts.n_layers
     return model
 

@@ -67,6 +67,9 @@ class RoundResult:
         T_T_cpu_ms: CPU time of the calling thread during verification (``time.thread_time``): with
             one torch thread it excludes time the process spent descheduled by other processes.
         T_D_cpu_ms: The same for the draft phase.
+        T_step_ms: Wall time of the engine step(s) that ran the round, everything a user waits for
+            (scheduling, the target's verification, sampling, the next drafts, output processing); 0
+            when the engine does not measure it (the transformers engine).
         ent: Entropy (nats) of the draft's distribution at every drafted token (aligned with ``q``;
             empty when the engine does not report it).
         margin: Top-1 minus top-2 probability of that distribution (aligned with ``q``; may be empty).
@@ -89,6 +92,7 @@ class RoundResult:
     T_D_cpu_ms: float = 0.0
     ent: tuple[float, ...] = ()
     margin: tuple[float, ...] = ()
+    T_step_ms: float = 0.0
 
 
 @runtime_checkable

@@ -174,7 +174,8 @@ def rounds_frame(
 
     ``T_T_ms``/``T_D_ms`` hold the ``clock`` measurement (``"cpu"``: thread CPU time, ``"wall"``:
     wall clock); both are kept as extra columns ``T_T_wall_ms``, ``T_D_wall_ms``, ``T_T_cpu_ms``,
-    ``T_D_cpu_ms``; ``run`` is ``fixed-K<K>``, or ``fixed-K<K>-cap<B>`` for a capped run.
+    ``T_D_cpu_ms`` (and ``T_step_ms``, the engine step's wall time, when the engine measured it);
+    ``run`` is ``fixed-K<K>``, or ``fixed-K<K>-cap<B>`` for a capped run.
 
     Args:
         generation_id: The generation's id.
@@ -211,6 +212,9 @@ def rounds_frame(
             "T_D_cpu_ms": cpu_d,
         }
     )
+    step = np.array([r.T_step_ms for r in rounds], dtype=np.float32)
+    if np.any(step > 0):  # engines that time the whole step (vLLM): what a user waits for
+        df["T_step_ms"] = step
     if cap is not None:
         df[ROUNDS_CAP_COLUMN] = np.full(len(rounds), int(cap), dtype=np.int32)
     return df

@@ -283,8 +283,8 @@ def _charged_tables(
     except ValueError as exc:
         raise ValueError(f"cost_model={cost_model!r}: {exc}") from None
     # column 0 is the plain AR step itself unless the round drafts at k = 0 (block mode, or an engine's floor)
-    uncharged = charged_lookahead(lookahead, drafting) == 0 and model.d_floor == 0
-    ar_ms = cost[:, 0].copy() if uncharged else np.asarray(model.target_ms(0, arr.U[:, 0], arr.L), dtype=np.float64)
+    uncharged = charged_lookahead(lookahead, drafting) == 0 and model.plain_is_k0
+    ar_ms = cost[:, 0].copy() if uncharged else np.asarray(model.ar_table(arr.U[:, 0], arr.L), dtype=np.float64)
     ar_unit = float(np.mean(ar_ms))
     if not np.isfinite(ar_unit) or ar_unit <= 0:
         raise ValueError(f"cost_model={cost_model!r}: mean AR step cost {ar_unit} ms is not positive")

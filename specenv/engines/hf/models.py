@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specenv.engines.hf.manifest import check_files, read_model_manifest
 from specenv.io import package_data
 
 MODEL_NAME = "small-moe-v1"
@@ -40,26 +41,44 @@ def _version_of(set_id: str, name: str) -> int | None:
     return None
 
 
+def _all_ids() -> list[str]:
+    """Ids of the shipped model sets and of the derived ones (built from a shipped recipe), sorted."""
+    from specenv.engines.hf.widen import derived_ids
+
+    return sorted({*_shipped_ids(), *derived_ids()})
+
+
 def model_dir(name_or_path: str | os.PathLike[str] = MODEL_NAME) -> Path:
     """Folder of a model set: a shipped id, a shipped name (its newest version) or a folder path.
 
-    ``small-moe-v1`` names that version; ``small-moe`` the newest shipped ``small-moe-vN``.
+    ``small-moe-v1`` names that version; ``small-moe`` the newest shipped ``small-moe-vN``. A derived set
+    (``wide-moe-v1``: a recipe is shipped, the weights are built by ``specenv models --build``) resolves
+    to its folder in the cache once built (:mod:`specenv.engines.hf.widen`).
 
     Raises:
-        ValueError: If it is neither.
+        ValueError: If it is neither, or a derived set that is not built yet (the line says how).
     """
     key = os.fspath(name_or_path)
     if key and "/" not in key and "\\" not in key and key not in (".", ".."):
-        ids = _shipped_ids()
-        if key in ids:
+        ids = _all_ids()
+        if key not in ids:
+            versions = [(v, i) for i in ids if (v := _version_of(i, key)) is not None]
+            key = max(versions)[1] if versions else key
+        if key in _shipped_ids():
             return package_data("models", key)
-        versions = [(v, i) for i in ids if (v := _version_of(i, key)) is not None]
-        if versions:
-            return package_data("models", max(versions)[1])
+        if key in ids:
+            from specenv.engines.hf.widen import derived_dir, is_built, read_recipe
+
+            if not is_built(key):
+                size = (read_recipe(key) or {}).get("build_note", "")
+                raise ValueError(
+                    f"models={key!r}: derived model set not built yet; run `specenv models --build {key}`{size}"
+                )
+            return derived_dir(key)
     path = Path(key)
     if key and (path / "manifest.json").is_file():
         return path
-    known = ", ".join(_shipped_ids()) or "none"
+    known = ", ".join(_all_ids()) or "none"
     raise ValueError(f"models={key!r}: not a shipped model set ({known}) nor a folder with manifest.json")
 
 
@@ -100,23 +119,6 @@ class ModelSetInfo:
             "sha256": self.sha256,
             "path": str(self.path),
         }
-
-
-def check_files(path: Path, manifest: dict[str, Any]) -> str | None:
-    """The first file of a model set that is missing or whose sha256 differs from the manifest, else None.
-
-    Returns:
-        ``"missing: FILE"``, ``"mismatch: FILE"`` or None.
-    """
-    from specenv.io import sha256_file
-
-    for rel, ent in manifest.get("files", {}).items():
-        f = path / rel
-        if not f.is_file():
-            return f"missing: {rel}"
-        if sha256_file(f) != ent["sha256"]:
-            return f"mismatch: {rel}"
-    return None
 
 
 def _part_info(path: Path, part: str, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -166,8 +168,11 @@ def model_set_info(name_or_path: str | os.PathLike[str] = MODEL_NAME, verify: bo
 
 
 def list_model_sets(verify: bool = True) -> list[ModelSetInfo]:
-    """The shipped model sets (``specenv models``), sorted by id."""
-    return [model_set_info(i, verify=verify) for i in _shipped_ids()]
+    """The shipped model sets and the derived sets already built (``specenv models``), sorted by id."""
+    from specenv.engines.hf.widen import derived_ids, is_built
+
+    ids = [*_shipped_ids(), *(i for i in derived_ids() if is_built(i))]
+    return [model_set_info(i, verify=verify) for i in sorted(ids)]
 
 
 @dataclass
@@ -215,22 +220,6 @@ class SmallModels:
 
 
 _MODEL_CACHE: dict[str, SmallModels] = {}
-
-
-def read_model_manifest(folder: str | os.PathLike[str]) -> dict[str, Any]:
-    """A model set's ``manifest.json``, checked (:mod:`specenv.validation` ``ModelSetJSON``).
-
-    Every file is named by a relative path inside the folder (no ``..``, not absolute) with its sha256.
-
-    Raises:
-        ValueError: One line naming the file and the field.
-    """
-    from specenv.validation import check, read_json
-
-    mpath = Path(folder) / "manifest.json"
-    obj = read_json(mpath, what="model manifest")
-    check("ModelSetJSON", obj, str(mpath))
-    return obj
 
 
 def load_models(

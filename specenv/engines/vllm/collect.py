@@ -41,6 +41,7 @@ between the two engines' kernels (tested in ``tests/vllm/test_vllm_collect.py``)
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -82,6 +83,7 @@ def collect_vllm(
     clock: str = "cpu",
     threads: int = 1,
     batch: int = BATCH,
+    plain: bool = True,
 ) -> TraceSet:
     """Run both vLLM engines over a prompt set and build an in-memory trace set (``source="vllm"``).
 
@@ -98,6 +100,9 @@ def collect_vllm(
             both are kept as extra columns.
         threads: Torch threads (set before vLLM starts; vLLM's CPU worker then forbids changing it).
         batch: Requests per engine step in the chain and verdict passes.
+        plain: Also decode every prompt with a plain engine (no drafter loaded) and keep its measured
+            step times as the speedup reference (``manifest.extra.ar_reference``,
+            :func:`plain_reference`).
 
     Returns:
         A :class:`TraceSet` with both tables.
@@ -120,6 +125,7 @@ def collect_vllm(
     wall0 = time.perf_counter()
     load_before = os.getloadavg()
     be, draft = _engines(dirs, models, kmax, max_new_tokens, batch)
+    plain_llm = _plain_llm(dirs) if plain else None
     total = 3 * len(prompts)
     done = 0
     try:
@@ -133,13 +139,18 @@ def collect_vllm(
         gc.disable()  # no collector pauses inside timed rounds
         try:
             _warm_up(be, encoded[0], kmax)
+            if plain_llm is not None:
+                plain_steps(plain_llm, encoded[0], encoded[0][:8] or [0, 0])  # warm-up, not kept
             round_frames: list[pd.DataFrame] = []
             references: list[list[int]] = []
             mismatches: list[dict[str, int]] = []
+            plain_runs: list[tuple[list[int], list[float], bool]] = []
             for p, ids in zip(prompts, encoded, strict=True):
                 frames, ref = _fixed_k_runs(be, p, ids, kmax, clock, mismatches)
                 round_frames += frames
                 references.append(ref)
+                if plain_llm is not None:  # interleaved with the fixed-K runs: the same load
+                    plain_runs.append(plain_steps(plain_llm, ids, ref))
                 done += 1
                 if progress:
                     progress(done, total)
@@ -167,6 +178,7 @@ def collect_vllm(
             if progress:
                 progress(done, total)
         facts = ModelFacts(be.controller.tap.n_layers, be.controller.tap.n_experts, be.controller.tap.top_k)
+        ar_reference = summarize_plain(plain_runs) if plain_llm is not None else None
     finally:
         be.abort()
         be.controller.draft_tokens = None
@@ -187,6 +199,8 @@ def collect_vllm(
         load_before=load_before,
         wall=time.perf_counter() - wall0,
     )
+    if ar_reference is not None:
+        manifest.extra["ar_reference"] = ar_reference
     return TraceSet(manifest, pd.concat(pos_frames, ignore_index=True), pd.concat(round_frames, ignore_index=True))
 
 
@@ -258,6 +272,95 @@ def _fixed_k_runs(
             mismatches.append({"generation_id": p.id, "K": K, "first_diff": int(first)})
         frames.append(rounds_frame(p.id, p.category, K, rounds, clock))
     return frames, reference
+
+
+# ---------------------------------------------------------------------- the plain engine (AR reference)
+def _plain_llm(dirs: Any) -> Any:
+    """The target alone in an in-process engine, no speculative config: plain decoding, batch 1."""
+    from vllm import LLM
+
+    key = ("plain", str(dirs.target.resolve()))
+    if key not in _PLAIN:
+        _PLAIN[key] = LLM(
+            model=str(dirs.target),
+            tokenizer=str(dirs.target),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=dirs.max_model_len,
+            max_num_seqs=1,
+            seed=0,
+            enable_prefix_caching=False,
+            async_scheduling=False,
+        )
+    return _PLAIN[key]
+
+
+_PLAIN: dict[tuple[str, str], Any] = {}
+
+
+def plain_steps(llm: Any, ids: list[int], ref: list[int]) -> tuple[list[int], list[float], bool]:
+    """Decode one prompt with the plain engine for ``len(ref)`` tokens, timing each engine step.
+
+    One engine step commits one token; the prefill step is not kept.
+
+    Returns:
+        (context length before each timed step, its wall time in ms, whether the output equals ``ref``).
+    """
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=max(len(ref), 1), ignore_eos=True, detokenize=False)
+    engine.add_request(f"specenv-plain-{next(_PLAIN_IDS)}", {"prompt_token_ids": list(ids)}, sp)
+    tokens: list[int] = []
+    L: list[int] = []
+    ms: list[float] = []
+    first = True
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = (time.perf_counter() - t0) * 1e3
+        before = len(tokens)
+        for out in outs:
+            tokens = list(out.outputs[0].token_ids)
+        if not first and len(tokens) > before:
+            L.append(len(ids) + before)
+            ms.append(dt)
+        first = False
+    return L, ms, tokens == list(ref)
+
+
+_PLAIN_IDS = itertools.count()
+
+
+def summarize_plain(runs: Sequence[tuple[list[int], list[float], bool]]) -> dict[str, Any]:
+    """The AR reference of a collection: the plain engine's step times, and their OLS line in L.
+
+    ``step_ms = a + c * L`` is the speedup reference of the step-time cost model
+    (:mod:`specenv.cost.steptime`).
+
+    Returns:
+        ``engine``, ``steps``, ``mean_ms``, ``median_ms``, ``a_ms``, ``c_ms_per_token``, ``r2`` and
+        ``mismatches`` (prompts whose plain output differs from the speculative engine's K = 0 output:
+        0 for a lossless engine).
+    """
+    L = np.asarray([x for r in runs for x in r[0]], dtype=np.float64)
+    y = np.asarray([x for r in runs for x in r[1]], dtype=np.float64)
+    if len(y) < 3:
+        raise ValueError(f"the plain engine timed {len(y)} steps: too few for the AR reference")
+    X = np.column_stack([np.ones_like(L), L])
+    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+    resid = y - X @ coef
+    tss = float(((y - y.mean()) ** 2).sum())
+    return {
+        "engine": "vLLM, the target alone (no speculative config), batch 1, greedy",
+        "steps": int(len(y)),
+        "mean_ms": float(y.mean()),
+        "median_ms": float(np.median(y)),
+        "a_ms": float(coef[0]),
+        "c_ms_per_token": float(coef[1]),
+        "r2": float(1.0 - float(resid @ resid) / tss) if tss > 0 else 0.0,
+        "mismatches": int(sum(not r[2] for r in runs)),
+    }
 
 
 # ---------------------------------------------------------------------- draft chains

@@ -30,6 +30,7 @@ Differences to the transformers engine, documented for users of the live environ
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -301,8 +302,10 @@ class VLLMBackend:
         n_before = len(self._tokens)
         L, t = self.L, self.t
         self._last = None
+        t0 = time.perf_counter()
         while self._last is None and not self._done:
             self._done = self._run_step()
+        step_ms = (time.perf_counter() - t0) * 1e3
         r = self._last or {}
         committed = tuple(self._tokens[n_before:])
         K = int(r.get("K", k))
@@ -322,6 +325,7 @@ class VLLMBackend:
             drafted=tuple(int(x) for x in r.get("drafted", ())),
             T_T_cpu_ms=float(r.get("T_T_cpu_ms", 0.0)),
             T_D_cpu_ms=float(r.get("T_D_cpu_ms", 0.0)),
+            T_step_ms=step_ms,
         )
 
     def generate(self, prompt_ids: list[int], k: int) -> tuple[list[int], list[RoundResult]]:
