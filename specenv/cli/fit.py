@@ -146,8 +146,8 @@ def _print_fit(rep: Any, name: str, paper_profile: bool = True) -> None:
         out.print(
             f"step time (what a user waits for): plain engine (no drafter) {a:.3f} + {c * 1e3:.3f}e-3*L ms per token; "
             f"engine overhead per step outside the forwards, K=0..{m.kmax}: {over} ms; "
-            f"a drafted token costs {m.d1:.3f} ms (wall) = {100 * m.d1 / max(ar_mid, 1e-9):.1f}% of the mean plain step "
-            f"({ar_mid:.3f} ms)",
+            f"a drafted token costs {m.d1:.3f} ms (wall) = {100 * m.d1 / max(ar_mid, 1e-9):.1f}% "
+            f"of the mean plain step ({ar_mid:.3f} ms)",
             markup=False,
         )
     if not paper_profile:
