@@ -78,6 +78,7 @@ class AbtestOptions:
     policy_dirs: list[str] = field(default_factory=list)
     out: str | None = None
     ignore_eos: bool = False
+    max_engines: int | None = None  # most engines alive at once (None: as many as memory allows)
 
 
 # ---------------------------------------------------------------------------------------------- policies
@@ -192,6 +193,64 @@ class _Arm:
     k_by_batch: dict[int, int] | None = None  # fixed-k-per-batch arms (best, dynamic)
 
 
+class EnginePool:
+    """The A/B's engines, at most ``max_alive`` alive at once: memory stays bounded, the arms interleaved.
+
+    An engine is started on first use from the configuration it was defined with; when the pool is
+    full, the engine used least recently is closed first and started again when an arm needs it
+    (each start is warmed up before anything is measured). ``max_alive=None`` decides from the first
+    engine's resident memory: as many as fit in 70% of the memory available then (at least 2).
+
+    Args:
+        launch: Starts (and warms up) one engine: ``launch(name, cfg) -> EngineProcess``.
+        max_alive: Most engines alive at once (None: from memory, see above).
+    """
+
+    def __init__(self, launch: Any, max_alive: int | None = None):
+        self._launch = launch
+        self.max_alive = max_alive
+        self._cfg: dict[str, dict[str, Any]] = {}
+        self._alive: dict[str, Any] = {}  # in use order, least recent first
+        self.infos: dict[str, Any] = {}
+        self.restarts = 0
+
+    def get(self, name: str, cfg: dict[str, Any] | None = None) -> Any:
+        """The engine ``name`` (defined by ``cfg`` on first use), started if needed."""
+        if cfg is not None:
+            self._cfg.setdefault(name, cfg)
+        if name in self._alive:
+            self._alive[name] = self._alive.pop(name)  # most recent
+            return self._alive[name]
+        if name not in self._cfg:
+            raise KeyError(f"engine {name!r} was never defined")
+        while self._alive and self.max_alive is not None and len(self._alive) >= self.max_alive:
+            old = next(iter(self._alive))
+            self._alive.pop(old).close()
+        if name in self.infos:
+            self.restarts += 1
+        eng = self._launch(name, self._cfg[name])
+        self._alive[name] = eng
+        self.infos[name] = eng.info
+        if self.max_alive is None:
+            self.max_alive = _engines_that_fit(float((eng.info or {}).get("rss_mb", 0.0)))
+        return eng
+
+    def close(self) -> None:
+        """Close every engine still alive."""
+        while self._alive:
+            self._alive.pop(next(iter(self._alive))).close()
+
+
+def _engines_that_fit(rss_mb: float) -> int:
+    """How many engines of ``rss_mb`` fit in 70% of the memory available now (at least 2)."""
+    from specenv.engines.vllm.settings import available_memory_bytes
+
+    avail = available_memory_bytes()
+    if not avail or rss_mb <= 0:
+        return 2
+    return max(2, int(0.7 * avail / (rss_mb * 2**20)))
+
+
 def _log(msg: str, quiet: bool) -> None:
     if not quiet:
         import sys
@@ -233,19 +292,23 @@ def run_abtest(opts: AbtestOptions, quiet: bool = False) -> dict[str, Any]:
     max_b = max(opts.batches)
     groups = set(opts.arms)
     base = {"models": opts.models, "max_num_seqs": max_b, "max_model_len": 1024}
-    engines: dict[str, EngineProcess] = {}
     notes: list[str] = []
     pdesc = {"kmax": kmax, "max_new_tokens": mnt}
+    cur_policy: dict[str, Any] = {}
+
+    def launch(name: str, cfg: dict[str, Any]) -> EngineProcess:
+        _log(f"starting engine {name}", quiet)
+        eng = EngineProcess("specenv.abtest", {**base, **cfg}, out / f"engine-{name}.log")
+        info = eng.ready()
+        _log(f"  {name} up in {info['startup_s']:.0f} s (rss {info['rss_mb']:.0f} MB)", quiet)
+        eng.call(op="run", prompt_ids=test_ids[:1], max_tokens=8, batch=1)  # warm-up
+        cur_policy.pop(name, None)  # a fresh engine serves no policy yet
+        return eng
+
+    engines = EnginePool(launch, opts.max_engines)
 
     def start(name: str, cfg: dict[str, Any]) -> EngineProcess:
-        if name not in engines:
-            _log(f"starting engine {name}", quiet)
-            eng = EngineProcess("specenv.abtest", {**base, **cfg}, out / f"engine-{name}.log")
-            info = eng.ready()
-            engines[name] = eng
-            _log(f"  {name} up in {info['startup_s']:.0f} s (rss {info['rss_mb']:.0f} MB)", quiet)
-            eng.call(op="run", prompt_ids=test_ids[:1], max_tokens=8, batch=1)  # warm-up
-        return engines[name]
+        return engines.get(name, cfg)
 
     def run(eng: EngineProcess, ids: list[int], batch: int, max_tokens: int) -> dict[str, Any]:
         return eng.call(op="run", prompt_ids=ids, max_tokens=max_tokens, batch=batch, ignore_eos=opts.ignore_eos)
@@ -265,7 +328,7 @@ def run_abtest(opts: AbtestOptions, quiet: bool = False) -> dict[str, Any]:
                 tps: dict[int, dict[int, float]] = {}
                 for b in opts.batches:
                     for k in range(0, kmax + 1):
-                        eng = engines["plain" if k == 0 else f"k={k}"]
+                        eng = engines.get("plain" if k == 0 else f"k={k}")
                         tps.setdefault(b, {})[k] = run(eng, train_ids, b, opts.max_tokens)["tok_per_s"]
                     best_k[b] = max(range(1, kmax + 1), key=lambda k, b=b: tps[b][k])
                     _log(f"train fit, batch {b}: best fixed k={best_k[b]}", quiet)
@@ -349,25 +412,27 @@ def run_abtest(opts: AbtestOptions, quiet: bool = False) -> dict[str, Any]:
                 "specenv",
                 {"k": kb, "settings": {"record": str(rec), "run": "abtest-overhead", "max_new_tokens": mnt}},
             )
-            engines["specenv"].call(op="policy", policy={"kind": "constant-mlp", "k": kb, **pdesc})
             arms.append(_Arm(f"stock vLLM k={kb} (overhead reference)", f"k={kb}", "overhead-stock"))
             arms.append(
                 _Arm(
                     f"specenv path k={kb} (controller+tap+recorder)",
                     "specenv",
                     "overhead",
+                    policy={"kind": "constant-mlp", "k": kb, **pdesc},
                     predict={"kind": "fixed", "k": kb},
                 )
             )
         # ---- interleaved repeats on the test prompts
         runs = [a for a in arms if a.engine]  # best: measured by its fixed-k engine
         results: dict[tuple[str, int], list[dict[str, Any]]] = {}
-        cur_policy: dict[str, Any] = {}
         for rep in range(opts.repeats):
             order = runs[rep % len(runs) :] + runs[: rep % len(runs)]
             _log(f"repeat {rep + 1}/{opts.repeats}: {len(order)} arms x batches {opts.batches}", quiet)
             for arm in order:
-                eng = engines[arm.engine]
+                eng = engines.get(arm.engine)
+                if arm.engine == "specenv" and cur_policy.get("specenv") != arm.name:
+                    eng.call(op="policy", policy=arm.policy)  # (again after a restart)
+                    cur_policy["specenv"] = arm.name
                 if arm.engine == "ctl" and cur_policy.get("ctl") != arm.name:
                     ans = eng.call(op="policy", policy=arm.policy, draft_horizon="policy")
                     if "refused" in ans:
@@ -395,8 +460,12 @@ def run_abtest(opts: AbtestOptions, quiet: bool = False) -> dict[str, Any]:
             for k in set(best_k.values())
         }
     finally:
-        for eng in engines.values():
-            eng.close()
+        engines.close()
+    if engines.restarts:
+        notes.append(
+            f"engines: at most {engines.max_alive} alive at once (memory); {engines.restarts} restarts to keep "
+            "the arms interleaved (each restart warmed up before it was measured)"
+        )
     rows = _rows(arms, results, preds, kpred, opts.batches)
     doc = {
         "options": asdict(opts),
@@ -415,7 +484,7 @@ def run_abtest(opts: AbtestOptions, quiet: bool = False) -> dict[str, Any]:
             "predicted: replay env on the full recorded generations of the same prompts, a batch-1 cost model "
             f"({opts.cost_model} of {opts.dataset}); the same value is shown at every batch size",
         ],
-        "engines": {n: e.info for n, e in engines.items()},
+        "engines": engines.infos,
         "duration_s": time.time() - t_start,
     }
     (out / "abtest.json").write_text(json.dumps(doc, indent=2, default=float))

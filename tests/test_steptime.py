@@ -31,9 +31,12 @@ def overhead_of(K: np.ndarray) -> np.ndarray:
     return 3.0 + 0.25 * np.asarray(K, dtype=np.float64)
 
 
-def recorded(tmp_path: Path, name: str = "steps") -> Path:
-    """A set with step times: T_step = T_T + T_D + overhead(K) (+ symmetric noise of zero mean per K)."""
-    ts = generate_paper(10, kmax=KMAX, seed=11, name=name)
+def recorded(tmp_path: Path, name: str = "steps", base: TraceSet | None = None) -> Path:
+    """A set with step times: T_step = T_T + T_D + overhead(K) (+ symmetric noise of zero mean per K).
+
+    ``base``: the generated set to add them to (default: 10 stochastic generations, Kmax 4).
+    """
+    ts = base if base is not None else generate_paper(10, kmax=KMAX, seed=11, name=name)
     r = ts.rounds.copy()
     r["T_T_wall_ms"] = r["T_T_ms"].astype(np.float64)
     r["T_D_wall_ms"] = r["T_D_ms"].astype(np.float64)

@@ -173,6 +173,15 @@ def abtest(
         Path | None, typer.Option("--out", help="Folder for logs, the recording and abtest.json (default: temp).")
     ] = None,
     ignore_eos: Annotated[bool, typer.Option(help="Generate max_tokens tokens even past the end of text.")] = False,
+    max_engines: Annotated[
+        int | None,
+        typer.Option(
+            min=2,
+            max=64,
+            help="Most engines alive at once (default: as many as 70% of the available memory holds); the "
+            "least recently used one is closed and restarted when needed, the arms stay interleaved.",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Live A/B through vLLM: plain, every fixed k, best fixed k (train), vLLM's dynamic SD, heuristics, learned.
@@ -254,6 +263,7 @@ def abtest(
         policy_dirs=[str(d) for d in policy_dir or []],
         out=None if out_dir is None else str(out_dir),
         ignore_eos=ignore_eos,
+        max_engines=max_engines,
     )
     try:
         doc = run_abtest(opts, quiet=is_quiet())

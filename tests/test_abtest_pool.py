@@ -1,0 +1,94 @@
+"""The A/B without engines: the bounded engine pool, and the replay prediction on a step-timed set."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import oracle
+from policies.bench.context import build_context
+from specenv.abtest import EnginePool, predicted_speedup, replay_policy
+from specenv.cost.source import cost_model_for
+from specenv.traces.datasets import load_dataset
+from specenv.traces.splits import select_split
+from tests.test_steptime import KMAX, recorded
+
+
+class _FakeEngine:
+    def __init__(self, name: str, log: list[str]):
+        self.name, self.log, self.closed = name, log, False
+        self.info = {"rss_mb": 1000.0}
+
+    def close(self) -> None:
+        self.closed = True
+        self.log.append(f"close {self.name}")
+
+
+def _pool(max_alive: int | None):
+    log: list[str] = []
+
+    def launch(name: str, cfg: dict) -> _FakeEngine:
+        log.append(f"start {name}")
+        return _FakeEngine(name, log)
+
+    return EnginePool(launch, max_alive), log
+
+
+def test_pool_keeps_at_most_max_alive_and_evicts_the_least_recent() -> None:
+    pool, log = _pool(2)
+    a = pool.get("a", {"k": 1})
+    pool.get("b", {"k": 2})
+    assert pool.get("a") is a  # alive: no start
+    pool.get("c", {"k": 3})  # full: b is the least recently used
+    assert log.index("close b") < log.index("start c")
+    assert sorted(pool._alive) == ["a", "c"] and pool.restarts == 0
+    pool.get("b")  # defined before: restarted (a is now the least recent)
+    assert pool.restarts == 1 and "close a" in log and sorted(pool._alive) == ["b", "c"]
+    with pytest.raises(KeyError, match="never defined"):
+        pool.get("zzz")
+    pool.close()
+    assert not pool._alive and log.count("close b") == 2
+
+
+def test_interleaved_rotation_with_a_full_pool_restarts_but_never_exceeds_it() -> None:
+    pool, log = _pool(3)
+    names = [f"e{i}" for i in range(5)]
+    alive_max = 0
+    for rep in range(3):
+        order = names[rep:] + names[:rep]
+        for n in order:
+            pool.get(n, {"n": n})
+            alive_max = max(alive_max, len(pool._alive))
+    assert alive_max == 3
+    starts = sum(1 for x in log if x.startswith("start"))
+    assert pool.restarts == starts - 5 > 0  # every start after an engine's first is a restart
+    assert log.count("close e0") == log.count("start e0") - ("e0" in pool._alive)
+
+
+def test_pool_sizes_itself_from_the_first_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    import specenv.engines.vllm.settings as settings
+
+    monkeypatch.setattr(settings, "available_memory_bytes", lambda: 10 * 1000 * 2**20)  # 10 engines' worth
+    pool, _ = _pool(None)
+    pool.get("a", {})
+    assert pool.max_alive == 7  # 70% of the memory, in engines of 1000 MB
+
+
+def test_prediction_of_a_fixed_k_arm_is_the_oracle_exact_evaluation(tmp_path: Path) -> None:
+    """On a greedy step-timed set, the replay's predicted speedup of fixed k is exact: the oracle's."""
+    from specenv.generator import generate_paper
+
+    ts = generate_paper(10, kmax=KMAX, seed=4, greedy=True, name="steps-greedy")
+    path = recorded(tmp_path, "steps-greedy", base=ts)
+    data = load_dataset(path)
+    cm = cost_model_for(data, "fit-train")
+    assert cm.ar_step is not None  # the step-time model
+    arr = select_split(data.arrays(), "test")
+    gids = [int(g) for g in arr.generation_ids]
+    spec_obj = build_context(str(path), KMAX, "fit-train", None).spec  # as the A/B builds it
+    for k in (1, 3):
+        pred = predicted_speedup(str(path), "fit-train", KMAX, gids, replay_policy({"kind": "fixed", "k": k}, spec_obj))
+        ev = oracle.evaluate_policy(arr, cm, k)
+        assert pred == pytest.approx(float(np.sum(ev.ar) / np.sum(ev.cost)), rel=1e-9)
