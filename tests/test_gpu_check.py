@@ -27,6 +27,7 @@ def test_tiny_cpu_run_fits_alpha_per_k(tmp_path, capsys):
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert json.loads(capsys.readouterr().out) == json.loads(out.read_text())  # the printed JSON is the file's
     assert report["graphs"] is False and report["timer"] == "perf_counter" and report["graph_error"] is None
+    assert report["experts_implementation"] == "grouped_mm"
     assert report["rows"] == 3 * 2 * 5 and report["skipped_cells"] == []
     top_k, n_experts = gc.TINY_SHAPE["num_experts_per_tok"], gc.TINY_SHAPE["num_experts"]
     # one position loads exactly its top-k experts in every layer: the hooks did read the routing

@@ -67,3 +67,9 @@ def test_accelerator_step_clock_says_the_graph_mode():
     mro = SimpleNamespace(cudagraph_stats=SimpleNamespace(runtime_mode="CUDAGraphMode.FULL"))
     clock = SpecControlScheduler._step_clock(me, mro)
     assert clock.timing == "step:FULL" and not clock.hooked
+
+
+def test_local_argmax_drafting_has_no_signals():
+    me = _ctl("V1", "eagle3")
+    me.vllm_config.speculative_config.use_local_argmax_reduction = True
+    assert "compute_logits" in SpecControlScheduler._no_signals(me)

@@ -343,6 +343,8 @@ class SpecControlScheduler(Recording, Scheduler):
         why = signals_refusal(self.runner, None if method is None else str(method))
         if why is not None:
             return why
+        if getattr(sc, "use_local_argmax_reduction", False):
+            return "use_local_argmax_reduction: vLLM's drafter then takes its tokens without compute_logits"
         if not self.tap.has_signals:
             return f"the draft model's logits are not captured (speculative method {method})"
         sample = getattr(sc, "draft_sample_method", "greedy")
