@@ -33,7 +33,7 @@ EXPECTED = {
     ("V1", "draft_model"): (True, True, True),
     ("V1", "eagle3"): (True, True, True),
     ("V2", "draft_model"): (False, False, False),
-    ("V2", "eagle3"): (False, True, False),
+    ("V2", "eagle3"): (False, False, False),
 }
 
 

@@ -19,9 +19,12 @@ both runners verify exactly the drafts the scheduler schedules for a request
   check of captured ids against drafts can never pass, and for EAGLE it captures ``compute_logits``
   inside its FULL draft graphs, where the wrapper runs only at capture: refused on V2;
 * **the policy's draft horizon** (``draft_horizon="policy"``, the step's ``num_spec_tokens_to_schedule``):
-  V1 passes it to every proposer's ``propose``; V2 passes it to the EAGLE speculator, which drafts that
-  many, but its standalone draft-model speculator ignores it (always ``num_speculative_tokens`` draft
-  steps; the runner only blanks the tail), so nothing would be saved: refused for V2 + ``draft_model``;
+  V1 passes it to every proposer's ``propose``. V2's standalone draft-model speculator ignores it
+  (always ``num_speculative_tokens`` draft steps; the runner only blanks the tail), and its EAGLE
+  speculator, under FULL graphs with a fused decode loop, replays the loop captured for
+  ``num_speculative_tokens`` steps (``SpeculatorCudaGraphManager.specialize_spec_tokens`` keeps the
+  captured descriptor; graphs per horizon exist only with vLLM's dynamic speculative decoding
+  configured), so nothing would be saved: refused on V2;
 * **the drafted token ids** (``record_tokens``: each round's verified ids): V2's placeholders again:
   refused on V2.
 
@@ -75,6 +78,11 @@ SUPPORT: dict[tuple[str, str], Support] = {
         draft_tokens=_V2_PLACEHOLDERS,
     ),
     ("V2", "eagle3"): Support(
+        policy_horizon=(
+            "vLLM's V2 EAGLE speculator replays its FULL draft-decode graph captured for "
+            "num_speculative_tokens steps (graphs per horizon only with dynamic speculative decoding "
+            "configured), so the policy's horizon saves no drafting"
+        ),
         signals=(
             f"{_V2_PLACEHOLDERS}, and its EAGLE speculator runs the draft's compute_logits inside its FULL "
             "CUDA graphs, where the signal capture does not run"
