@@ -280,6 +280,11 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
                 cell = Cell(model, K, context, graphs)
             tokens = draw_tokens(rng, reps, K + 1, shape["vocab_size"])
             ms, routing = cell.run(tokens, recorder)
+            print(
+                f"gpu_check: K={K} context={context}: {np.median(ms):.3f} ms median of {reps}"
+                f" ({'graph' if cell.graph is not None else 'eager'}, {time.perf_counter() - t_start:.0f} s)",
+                file=sys.stderr,
+            )
             U = [float(span_expert_stats(routing[r], [(0, K + 1)], n_experts)[0][0]) for r in range(reps)]
             for r in range(reps):
                 rows.append({"generation_id": len(rows), "K": K, "L": context + 1, "U_r": U[r], "T_T_ms": float(ms[r])})

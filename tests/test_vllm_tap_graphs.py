@@ -189,3 +189,12 @@ def test_draft_signals_are_not_captured_into_a_graph():
     model.compute_logits(logits)
     sig = tap.draft_signals()
     assert sig.shape == (1, 2, 4) and list(sig[0, :, 3]) == [0.0, 2.0]
+
+
+def test_bind_target_refuses_a_monolithic_kernel_in_one_line(monkeypatch):
+    model = torch.nn.Sequential(_Layer(True), torch.nn.Linear(2, 2))
+    monkeypatch.setattr(tapmod, "_routers", lambda m: [SimpleNamespace(top_k=2, global_num_experts=8)])
+    before = list(tapmod.TAPS)
+    with pytest.raises(ValueError, match="monolithic kernel _Method") as err:
+        tapmod.bind_target(model, SimpleNamespace())
+    assert "\n" not in str(err.value) and tapmod.TAPS == before  # nothing bound
