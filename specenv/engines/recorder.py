@@ -40,7 +40,9 @@ step), ``drafted`` (tokens the drafter proposed before the controller trimmed th
 failed), ``capped`` (the policy's k exceeded the drafts available), ``greedy`` (temperature 0),
 ``step_ms`` (wall time of the engine step), ``T_T_cpu_ms``/``T_D_cpu_ms`` (CPU time of the
 forwards' thread: robust to other processes on a shared machine; 0 without hooks), ``timing``
-(``hooks``: T_T/T_D from forward hooks; ``step``: T_T is the step's wall time and T_D missing),
+(``hooks``: T_T/T_D from forward hooks; ``events``: the same from CUDA events; ``step``: T_T is the
+step's wall time and T_D missing; on an accelerator followed by the step's CUDA-graph mode, e.g.
+``events:PIECEWISE``, ``step:FULL``),
 ``run``, ``accepted_raw`` (the drafts the verifier accepted, as vLLM's spec-decode counters count
 them; ``accepted`` is capped where the engine cuts the request: ``max_tokens``, end-of-text or a stop
 token, so a request's rounds never commit more tokens than it returned); with ``record_tokens`` also

@@ -136,7 +136,7 @@ class RoutingRecorder:
     The same hooks apply the verification-time expert cap (:func:`cap_routing`) while ``capping``.
 
     Attributes:
-        buf: ``(n_layers, capacity, top_k)`` int64 tensor; row ``[l, i]`` = experts of position i
+        buf: ``(n_layers, capacity, top_k)`` int64 tensor on the target's device; row ``[l, i]`` = experts of position i
             of the last recorded forward in MoE layer l (after the cap, when one applied).
         n: Positions of the last recorded forward.
         active: Record only while True.
@@ -158,7 +158,9 @@ class RoutingRecorder:
         self.cap = None if cap is None else int(cap)
         self.capping = False
         self.uncapped = np.zeros(len(self.gates), dtype=np.float64)
-        self.buf = torch.zeros((len(self.gates), capacity, self.top_k), dtype=torch.int64)
+        # on the target's device: the hook's copy is then a device copy (also inside a CUDA graph)
+        device = next(target.parameters()).device
+        self.buf = torch.zeros((len(self.gates), capacity, self.top_k), dtype=torch.int64, device=device)
         self.n = 0
         self.active = False
         self._handles = [g.register_forward_hook(self._hook(i)) for i, g in enumerate(self.gates)]
@@ -185,7 +187,7 @@ class RoutingRecorder:
 
     def routing(self) -> np.ndarray:
         """``(n_layers, n, top_k)`` expert ids of the last recorded forward (a copy)."""
-        return self.buf[:, : self.n].numpy().copy()
+        return self.buf[:, : self.n].cpu().numpy().copy()
 
     def remove(self) -> None:
         """Detach the hooks."""

@@ -152,7 +152,12 @@ class Req:
 
 @dataclass
 class StepClock:
-    """Times of one engine step: its wall time, and the target/draft forwards' (``timing``: hooks or step)."""
+    """Times of one engine step: its wall time, and the target/draft forwards'.
+
+    ``timing``: ``hooks`` (forward hooks, CPU clocks), ``events`` (forward hooks, CUDA events) or
+    ``step`` (no hook ran: T_T is the step's wall time, T_D missing); on an accelerator followed by
+    ``:MODE``, the step's CUDA-graph mode (``:FULL``, ``:PIECEWISE``, ``:NONE``).
+    """
 
     step_ms: float
     t_ms: float
@@ -160,6 +165,11 @@ class StepClock:
     t_cpu: float
     d_cpu: float
     timing: str
+
+    @property
+    def hooked(self) -> bool:
+        """Whether the target's forward hooks timed the step (T_T and T_D measured)."""
+        return self.timing.split(":", 1)[0] != "step"
 
 
 @dataclass

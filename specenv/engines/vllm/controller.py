@@ -92,7 +92,7 @@ from specenv.engines.vllm.bookkeeping import (
 from specenv.engines.vllm.recording import Recording
 from specenv.engines.vllm.served import ServedPolicy
 from specenv.engines.vllm.settings import SpecenvSettings, resolve_policy
-from specenv.engines.vllm.tap import SIGNAL_FIELDS
+from specenv.engines.vllm.tap import SIGNAL_FIELDS, RoutingMissing, graph_mode_name
 from specenv.observation.single import ObservationSpec, ObservationState
 from specenv.policy.base import BatchStep
 
@@ -177,9 +177,15 @@ class SpecControlScheduler(Recording, Scheduler):
             )
         self.settings = SpecenvSettings.from_vllm_config(vc)
         from specenv.engines.vllm import check_vllm_version
+        from specenv.engines.vllm.support import runner_of, start_refusal
         from specenv.engines.vllm.tap import current_tap
 
         check_vllm_version()  # warns when this is not the tested vLLM release
+        #: The model runner vLLM picked (``V1``/``V2``, :mod:`specenv.engines.vllm.support`).
+        self.runner = runner_of(vc)
+        why = start_refusal(vc, self.settings)
+        if why is not None:
+            raise ValueError(why)
 
         self.tap = current_tap()
         hf = vc.model_config.hf_text_config
@@ -233,8 +239,12 @@ class SpecControlScheduler(Recording, Scheduler):
         if self.settings.record:
             self.start_recording(self.settings.record)
         CONTROLLERS.append(weakref.ref(self))
+        sc = vc.speculative_config
         logger.info(
-            "specenv controller: policy=%s, fallback_k=%s, draft_horizon=%s, recording=%s, tap=%s",
+            "specenv controller: %s model runner, speculative method %s, policy=%s, fallback_k=%s, "
+            "draft_horizon=%s, recording=%s, tap=%s",
+            self.runner,
+            getattr(sc, "method", None) if sc is not None else None,
             self.settings.policy,
             self.fallback_k,
             self.settings.draft_horizon,
@@ -324,13 +334,19 @@ class SpecControlScheduler(Recording, Scheduler):
 
     def _no_signals(self) -> str | None:
         """Why the draft signals are not available to a policy (None when they are)."""
+        from specenv.engines.vllm.support import signals_refusal
+
         if self.tap is None:
             return "the routing tap is not bound (start vLLM with --load-format specenv)"
-        if not self.tap.has_signals:
-            sc = self.vllm_config.speculative_config
-            method = getattr(sc, "method", None) if sc is not None else None
-            return f"the draft model's logits are not captured (speculative method {method}; draft_model captures them)"
         sc = self.vllm_config.speculative_config
+        method = getattr(sc, "method", None) if sc is not None else None
+        why = signals_refusal(self.runner, None if method is None else str(method))
+        if why is not None:
+            return why
+        if getattr(sc, "use_local_argmax_reduction", False):
+            return "use_local_argmax_reduction: vLLM's drafter then takes its tokens without compute_logits"
+        if not self.tap.has_signals:
+            return f"the draft model's logits are not captured (speculative method {method})"
         sample = getattr(sc, "draft_sample_method", "greedy")
         if sample != "greedy":
             return (
@@ -525,6 +541,8 @@ class SpecControlScheduler(Recording, Scheduler):
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             self._observe(scheduler_output, model_runner_output)
+        except RoutingMissing:  # the tap records nothing: fail loudly, never record U_r from an empty buffer
+            raise
         except Exception as exc:  # bookkeeping must never take the server down
             self._error(exc)
         if self.forward_callback is not None:
@@ -543,7 +561,7 @@ class SpecControlScheduler(Recording, Scheduler):
 
     def _observe(self, so: Any, mro: Any) -> None:
         """Fold the verification rounds of the step just run into the statistics, callback and recording."""
-        clock = self._step_clock()
+        clock = self._step_clock(mro)
         sched = so.num_scheduled_tokens
         if not sched:
             return
@@ -603,20 +621,29 @@ class SpecControlScheduler(Recording, Scheduler):
         routing = tap.routing(batch_tokens) if tap is not None and batch_tokens <= tap.capacity else None
         self.forward_callback(spans, routing)
 
-    def _step_clock(self) -> StepClock:
-        """The step's wall time and, from the tap's forward hooks when they ran, target/draft times."""
+    def _step_clock(self, mro: Any = None) -> StepClock:
+        """The step's wall time and, from the tap's forward hooks when they ran, target/draft times.
+
+        ``timing`` is ``hooks`` (CPU clocks) or ``events`` (CUDA events) when the target's hooks ran,
+        ``step`` when they did not (a replayed FULL graph does not call the module); on an accelerator
+        followed by ``:MODE``, the step's CUDA-graph mode (vLLM's ``cudagraph_stats`` of the step's
+        output when ``--cudagraph-metrics`` is on, else the forward context the target's hook saw).
+        """
         step_ms = (time.perf_counter() - self._t_sched) * 1e3
         tap = self.tap
-        if tap is not None and tap.target_clock.calls > 0:
-            return StepClock(
-                step_ms,
-                tap.target_clock.ms,
-                tap.draft_clock.ms,
-                tap.target_clock.cpu_ms,
-                tap.draft_clock.cpu_ms,
-                "hooks",
-            )
-        return StepClock(step_ms, step_ms, 0.0, 0.0, 0.0, "step")
+        if tap is None:
+            return StepClock(step_ms, step_ms, 0.0, 0.0, 0.0, "step")
+        tc = tap.target_clock
+        hooked = tc.calls > 0
+        timing = tc.timing if hooked else "step"
+        if tc.mode_fn is not None:  # an accelerator: say which graph mode the step ran in
+            stats = getattr(mro, "cudagraph_stats", None)
+            mode = graph_mode_name(getattr(stats, "runtime_mode", None)) or tc.mode
+            if mode:
+                timing = f"{timing}:{mode}"
+        if hooked:
+            return StepClock(step_ms, tc.ms, tap.draft_clock.ms, tc.cpu_ms, tap.draft_clock.cpu_ms, timing)
+        return StepClock(step_ms, step_ms, 0.0, 0.0, 0.0, timing)
 
     def _rounds_of_step(self, so: Any, mro: Any, clock: StepClock) -> list[Round]:
         """The requests whose step was a verification round (1 + K tokens after the prefill), in batch order.
@@ -661,7 +688,7 @@ class SpecControlScheduler(Recording, Scheduler):
         raw = min(len(rnd.gen) - 1, K)
         acc = min(committed_len(request, rnd.gen, self.max_model_len) - 1, raw)
         L = request.num_tokens
-        hooked = clock.timing == "hooks"
+        hooked = clock.hooked
         td = st.td_ms if hooked else 0.0
         td_cpu = st.td_cpu_ms if hooked else 0.0
         return {

@@ -11,10 +11,22 @@ entry point :func:`register`) loads the weights exactly as the default loader do
   happens at load time, i.e. before vLLM captures any CUDA graph, so a captured graph replays the
   copy too; nothing is allocated per step;
 * on the target and on the **draft** model: forward pre/post hooks (plain PyTorch module hooks)
-  that stamp ``time.perf_counter()`` (after a device synchronisation on accelerators), giving the
-  target's verification time and the draft's proposal time of each step. Under CUDA graphs the
-  top-level module's hooks do not fire on replay; the recorder then reports the step's wall time as
-  ``T_T_ms`` and ``T_D_ms = 0`` (schema v1: "timing missing");
+  giving the target's verification time and the draft's proposal time of each step
+  (:class:`PhaseClock`): on CPU ``time.perf_counter()`` and the forward thread's CPU time; on CUDA a
+  pair of timing events (the first forward's start, the last forward's end) recorded on the current
+  stream and read by the scheduler after the step's own output synchronisation -- the hooks never
+  synchronise the device. While the current stream is being captured into a CUDA graph
+  (``torch.cuda.is_current_stream_capturing()``: vLLM's ``CUDAGraphWrapper`` and the V2 runner's graph
+  managers run the model's forward inside ``torch.cuda.graph``) the hooks do nothing. A replayed FULL
+  graph does not call the module, so its hooks do not fire: the recorder then reports the step's
+  wall time as ``T_T_ms`` and ``T_D_ms = 0`` (``timing = "step"``; schema v1: "timing missing"). On
+  an accelerator the graph mode of the step (vLLM's ``cudagraph_stats.runtime_mode`` when
+  ``--cudagraph-metrics`` is on, else the forward context the target's hook saw) is appended to the
+  ``timing`` column (``events:PIECEWISE``, ``step:FULL``); on CPU the column is unchanged;
+* a target whose MoE layers run a monolithic kernel (``quant_method.is_monolithic``: the kernel
+  selects the experts itself, e.g. FlashInfer TRT-LLM, and never calls the router, so the capture
+  callback would never run) is refused at load time with one line; a routing buffer that is still all
+  zero when a step's routing is read (the capture did not run) raises :class:`RoutingMissing`;
 * on the **draft** model: a wrapper around its ``compute_logits`` (called by vLLM's proposer once per
   draft step on the ``(batch, vocab)`` logits of the tokens it is about to draft, outside any CUDA
   graph) that writes, per request and draft step, the softmax probability of the top-1 token (the
@@ -77,40 +89,114 @@ def shm_name(owner_pid: int) -> str:
     return f"specenv-tap-{owner_pid}"
 
 
+def _stream_capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph (False without CUDA)."""
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+class CudaEvents:
+    """The two timing events of one phase on CUDA: the first forward's start and the last forward's end.
+
+    Recording an event is asynchronous (no host synchronisation); :meth:`elapsed_ms` is read by the
+    scheduler after the step's output was synchronised, when both events have completed (it waits for
+    the end event, which is then done already).
+    """
+
+    def __init__(self) -> None:
+        import torch
+
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+
+    def elapsed_ms(self) -> float:
+        """Milliseconds between the two events."""
+        self.end.synchronize()
+        return float(self.start.elapsed_time(self.end))
+
+
 class PhaseClock:
     """First-start / last-end stamps of a model's forward passes within one engine step.
 
     Wall clock (``time.perf_counter``) and the CPU time of the forward's thread (``time.thread_time``:
     with one torch thread the same work without the time the process was descheduled, i.e. robust to
-    other processes on a shared machine).
+    other processes on a shared machine). On CUDA the span (:attr:`ms`) comes from timing events
+    (:class:`CudaEvents`) instead; nothing synchronises the device. While the current stream is
+    being captured into a CUDA graph (``capturing()`` true) the hooks do nothing.
 
     Args:
         slots: A float64 array of 5 slots (start, end, calls, cpu start, cpu end), possibly in
             shared memory.
-        sync: Device synchronisation called before each stamp (None on CPU).
+        sync: Device synchronisation called before each stamp (None on CPU and CUDA: only other
+            accelerators, which have no events here, synchronise).
+        events: The CUDA timing events (None: wall clock).
+        capturing: Whether a graph capture is in progress (None: never).
+        mode: Returns the CUDA-graph mode of the current forward, or None (the hooks keep the first
+            forward's of the step in :attr:`mode`).
     """
 
-    def __init__(self, slots: np.ndarray | None = None, sync: Any = None):
+    def __init__(
+        self,
+        slots: np.ndarray | None = None,
+        sync: Any = None,
+        events: CudaEvents | None = None,
+        capturing: Any = None,
+        mode: Any = None,
+    ):
         self.slots = np.zeros(5) if slots is None else slots
         self.sync = sync
+        self.events = events
+        self.capturing = capturing
+        self.mode_fn = mode
+        #: The CUDA-graph mode the first forward of the step ran in (None when unknown).
+        self.mode: str | None = None
+
+    @classmethod
+    def for_device(cls, slots: np.ndarray | None, device: Any) -> PhaseClock:
+        """The clock of a model on ``device``: wall clocks on CPU, timing events on CUDA, a sync elsewhere."""
+        import torch
+
+        kind = torch.device(device).type
+        if kind == "cpu":
+            return cls(slots)
+        if kind == "cuda":
+            return cls(slots, events=CudaEvents(), capturing=_stream_capturing, mode=_forward_graph_mode)
+        return cls(slots, sync=torch.accelerator.synchronize, mode=_forward_graph_mode)
+
+    @property
+    def timing(self) -> str:
+        """How :attr:`ms` is measured: ``hooks`` (wall clock in the hooks) or ``events`` (CUDA events)."""
+        return "hooks" if self.events is None else "events"
 
     def reset(self) -> None:
         """Forget the current step."""
         self.slots[:] = 0.0
+        self.mode = None
 
     def pre(self, module: Any, args: Any) -> None:
         """Forward pre-hook."""
+        if self.capturing is not None and self.capturing():
+            return
         if self.sync is not None:
             self.sync()
         if self.slots[2] == 0:
             self.slots[0] = time.perf_counter()
             self.slots[3] = time.thread_time()
+            if self.events is not None:
+                self.events.start.record()
+            if self.mode_fn is not None:
+                self.mode = self.mode_fn()
         self.slots[2] += 1
 
     def post(self, module: Any, args: Any, output: Any) -> None:
         """Forward hook."""
+        if self.capturing is not None and self.capturing():
+            return
         if self.sync is not None:
             self.sync()
+        if self.events is not None:
+            self.events.end.record()
         self.slots[1] = time.perf_counter()
         self.slots[4] = time.thread_time()
 
@@ -121,13 +207,43 @@ class PhaseClock:
 
     @property
     def ms(self) -> float:
-        """Milliseconds from the first forward's start to the last forward's end (0 if none ran)."""
-        return float(self.slots[1] - self.slots[0]) * 1e3 if self.slots[2] else 0.0
+        """Milliseconds from the first forward's start to the last forward's end (0 if none ran).
+
+        On CUDA the time between the two events (read it after the step's output synchronisation).
+        """
+        if not self.slots[2]:
+            return 0.0
+        if self.events is not None:
+            return self.events.elapsed_ms()
+        return float(self.slots[1] - self.slots[0]) * 1e3
 
     @property
     def cpu_ms(self) -> float:
         """CPU time of the forwards' thread over the same span (0 if none ran)."""
         return float(self.slots[4] - self.slots[3]) * 1e3 if self.slots[2] else 0.0
+
+
+def _forward_graph_mode() -> str | None:
+    """The CUDA-graph mode of vLLM's current forward context (``NONE``, ``PIECEWISE``...), or None."""
+    try:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+    except ImportError:  # pragma: no cover - only without vLLM
+        return None
+    if not is_forward_context_available():
+        return None
+    return graph_mode_name(get_forward_context().cudagraph_runtime_mode)
+
+
+def graph_mode_name(mode: Any) -> str | None:
+    """``FULL``/``PIECEWISE``/``NONE`` from a vLLM ``CUDAGraphMode`` or its ``str`` (``CUDAGraphMode.FULL``)."""
+    if mode is None:
+        return None
+    name = getattr(mode, "name", None) or str(mode)
+    return name.rsplit(".", 1)[-1] or None
+
+
+class RoutingMissing(RuntimeError):
+    """The routing buffer holds no routing for a step that ran the target (the capture did not run)."""
 
 
 @dataclass
@@ -213,9 +329,21 @@ class RoutingTap:
         return b.cpu().numpy().copy() if hasattr(b, "cpu") else np.array(b)
 
     def routing(self, n_tokens: int) -> np.ndarray:
-        """``(n_layers, n_tokens, top_k)`` int32 copy of the last forward's routing."""
+        """``(n_layers, n_tokens, top_k)`` int32 copy of the last forward's routing.
+
+        Raises:
+            RoutingMissing: When the copy is all zero: no capture callback wrote it (a token's top-k
+                experts are distinct, so real routing is never all expert 0 with top_k >= 2, and
+                practically never with top-1 over every layer and token).
+        """
         b = self.buf[:, :n_tokens]
-        return b.cpu().numpy().copy() if hasattr(b, "cpu") else np.array(b)
+        out = b.cpu().numpy().copy() if hasattr(b, "cpu") else np.array(b)
+        if out.size and not out.any():
+            raise RoutingMissing(
+                f"specenv routing tap: the target's routing buffer is all zero for the step's {n_tokens} tokens "
+                f"({self.n_layers} MoE layers): the routers' capture did not run, so U_r cannot be recorded"
+            )
+        return out
 
 
 def _layout(n_layers: int, capacity: int, top_k: int, sig_steps: int = 0, sig_rows: int = 0) -> int:
@@ -249,12 +377,25 @@ def _routers(model: Any) -> list[Any]:
     return out
 
 
-def _sync_fn(device: Any) -> Any:
-    import torch
+def monolithic_kernel(model: Any) -> str | None:
+    """The kernel name of the first MoE layer of ``model`` whose kernel skips the router, or None.
 
-    if torch.device(device).type == "cpu":
-        return None
-    return torch.accelerator.synchronize
+    A layer with a router (``module.router``) whose quantisation method is monolithic
+    (``module._quant_method.is_monolithic``, as vLLM's MoE runner checks before calling
+    ``forward_monolithic`` instead of ``router.select_experts``) never calls the router's capture
+    callback.
+    """
+    for module in model.modules():
+        if getattr(module, "router", None) is None:
+            continue
+        try:
+            method = module._quant_method
+        except AttributeError:
+            continue
+        if getattr(method, "is_monolithic", False):
+            kernel = getattr(getattr(getattr(method, "moe_kernel", None), "impl", None), "fused_experts", None)
+            return type(kernel if kernel is not None else method).__name__
+    return None
 
 
 def bind_target(model: Any, vllm_config: Any) -> RoutingTap | None:
@@ -268,6 +409,13 @@ def bind_target(model: Any, vllm_config: Any) -> RoutingTap | None:
     routers = _routers(model)
     if not routers:
         return None
+    kernel = monolithic_kernel(model)
+    if kernel is not None:
+        raise ValueError(
+            f"specenv routing tap: the target's MoE layers run the monolithic kernel {kernel}, which selects "
+            "the experts without the router, so the routing capture would record nothing; serve it with a "
+            "modular MoE backend (e.g. --moe-backend triton) or without --load-format specenv"
+        )
     top_k = int(routers[0].top_k)
     n_experts = int(routers[0].global_num_experts)
     n_layers = len(routers)
@@ -308,15 +456,14 @@ def bind_target(model: Any, vllm_config: Any) -> RoutingTap | None:
 
     for i, r in enumerate(routers):
         r.set_capture_fn(make_capture(i))
-    sync = _sync_fn(device)
     tap = RoutingTap(
         buf=buf,
         n_layers=n_layers,
         n_experts=n_experts,
         top_k=top_k,
         capacity=capacity,
-        target_clock=PhaseClock(header[5:10], sync),
-        draft_clock=PhaseClock(header[10:15], sync),
+        target_clock=PhaseClock.for_device(header[5:10], device),
+        draft_clock=PhaseClock.for_device(header[10:15], device),
         header=header,
         sig=sig,
         shm=shm,
@@ -334,7 +481,7 @@ def bind_draft(model: Any) -> None:
     if not TAPS:
         return
     tap = TAPS[-1]
-    tap.draft_clock.sync = _sync_fn(next(model.parameters()).device)
+    tap.draft_clock = PhaseClock.for_device(tap.draft_clock.slots, next(model.parameters()).device)
     tap.handles += [
         model.register_forward_pre_hook(tap.draft_clock.pre),
         model.register_forward_hook(tap.draft_clock.post),
@@ -351,7 +498,9 @@ def bind_signals(model: Any, tap: RoutingTap) -> bool:
     model's device, the softmax's top-1 probability, entropy (nats), top-1 minus top-2 probability and
     top-1 id, and copies them into row ``calls`` of the buffer (no allocation in the buffer, no host
     sync on accelerators); a call beyond the buffer (more draft steps or requests than it holds, e.g.
-    a warm-up pass) is not captured, nor is any while no consumer wants the signals
+    a warm-up pass) is not captured, nor is any while a CUDA graph is being captured (its replay would
+    not run this code: the V2 runner captures the draft's ``compute_logits`` in its FULL draft graphs;
+    :mod:`specenv.engines.vllm.support` refuses signals there), nor is any while no consumer wants the signals
     (:meth:`RoutingTap.want_signals`, set by the controller for a lookahead policy). Its wall time is
     summed in the header (:attr:`RoutingTap.capture_ms`).
 
@@ -366,10 +515,11 @@ def bind_signals(model: Any, tap: RoutingTap) -> bool:
         return False
     header, sig = tap.header, tap.sig
     steps, rows = int(sig.shape[0]), int(sig.shape[1])
+    capturing = tap.draft_clock.capturing  # a graph replay would not run this Python: never capture it
 
     def compute_logits(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
         logits = orig(hidden_states, *args, **kwargs)
-        if not header[_H_SIG_WANT]:
+        if not header[_H_SIG_WANT] or (capturing is not None and capturing()):
             return logits
         j = int(header[_H_SIG_CALLS])
         if logits is None or logits.dim() != 2 or j >= steps or logits.shape[0] > rows:
