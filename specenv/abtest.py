@@ -459,6 +459,7 @@ def run_abtest(opts: AbtestOptions, quiet: bool = False) -> dict[str, Any]:
             )
             for k in set(best_k.values())
         }
+        ablated = _ablations(ctx, out, arms, kmax, test_ids, best_k, opts)
     finally:
         engines.close()
     if engines.restarts:
@@ -467,7 +468,19 @@ def run_abtest(opts: AbtestOptions, quiet: bool = False) -> dict[str, Any]:
             "the arms interleaved (each restart warmed up before it was measured)"
         )
     rows = _rows(arms, results, preds, kpred, opts.batches)
+    for r in rows:  # the same prediction without one term of the step-time model (None: not such a model)
+        if "live_speedup" in r and ablated:
+            key = f"k={r['k']}" if r.get("k") is not None and r["group"] in ("best", "dynamic") else r["arm"]
+            r["ablations"] = {
+                name: {
+                    "predicted": p.get(key),
+                    "live_over_pred": None if p.get(key) is None else r["live_speedup"] / p[key],
+                }
+                for name, p in ablated.items()
+            }
+    fidelity = _fidelity(rows)
     doc = {
+        "fidelity": fidelity,
         "options": asdict(opts),
         "out": str(out),
         "test_prompts": test_ids,
@@ -489,6 +502,40 @@ def run_abtest(opts: AbtestOptions, quiet: bool = False) -> dict[str, Any]:
     }
     (out / "abtest.json").write_text(json.dumps(doc, indent=2, default=float))
     return doc
+
+
+def _ablations(
+    ctx: Any, out: Path, arms: list[_Arm], kmax: int, test_ids: list[int], best_k: dict[int, int], opts: AbtestOptions
+) -> dict[str, dict[str, float]]:
+    """Predictions of every arm with one term of a step-time cost model removed (empty for other models).
+
+    Returns:
+        ``{"without U_r": {arm name or "k=K": predicted}, "without overhead": {...}}``.
+    """
+    from specenv.cost.source import split_rounds
+    from specenv.cost.steptime import ablate
+    from specenv.policy.mlp import MLPPolicy
+
+    cm = ctx.cost_model
+    if cm.ar_step is None:
+        return {}
+    rounds = split_rounds(ctx.traces, "train") if opts.cost_model == "fit-train" else ctx.traces.rounds
+    found: dict[str, dict[str, float]] = {}
+    for term in ("U_r", "overhead"):
+        path = out / f"cost-model-without-{term}.json"
+        ablate(cm, rounds, term).save(path)
+        preds: dict[str, float] = {}
+        for arm in arms:
+            desc = arm.predict or arm.policy
+            if arm.group in ("plain", "overhead-stock") or desc is None:
+                continue
+            pol = MLPPolicy.load(desc["folder"]) if desc.get("kind") == "mlp" else replay_policy(desc, ctx.spec)
+            preds[arm.name] = predicted_speedup(opts.dataset, str(path), kmax, test_ids, pol)
+        for k in set(best_k.values()):
+            pol = replay_policy({"kind": "fixed", "k": k}, ctx.spec)
+            preds[f"k={k}"] = predicted_speedup(opts.dataset, str(path), kmax, test_ids, pol)
+        found[f"without {term}"] = preds
+    return found
 
 
 def _top_k(dataset: str) -> int | None:
@@ -530,6 +577,7 @@ def _rows(
                 continue
             tps = statistics.median(r["tok_per_s"] for r in rs)
             live = tps / plain_tps
+            row["live_ci95"] = _repeat_ci(rs, plain)
             row.update(
                 tok_per_s=tps,
                 tok_per_s_all=[r["tok_per_s"] for r in rs],
@@ -544,6 +592,53 @@ def _rows(
             row["fallbacks"] = sum(r.get("fallbacks", 0) for r in rs)
             rows.append(row)
     return rows
+
+
+def _fidelity(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per batch size and cost model (full, each ablation): the sim-to-real errors and rank correlation.
+
+    Over the rows with a live speedup and a prediction (plain, whose prediction is 1 by definition,
+    excluded): mean and max of ``|live/pred - 1|`` and Spearman's rank correlation of predicted and
+    live speedups (``scipy.stats.spearmanr``; None below three arms).
+    """
+    from scipy.stats import spearmanr
+
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for b in sorted({r["batch"] for r in rows}):
+        rs = [r for r in rows if r["batch"] == b and r.get("live_speedup") is not None and r["group"] != "plain"]
+        models = {"full model": {r["arm"]: r.get("predicted") for r in rs}}
+        for name in {n for r in rs for n in r.get("ablations", {})}:
+            models[name] = {r["arm"]: r["ablations"][name]["predicted"] for r in rs}
+        for model, pred in models.items():
+            pairs = [(r["arm"], r["live_speedup"], pred[r["arm"]]) for r in rs if pred.get(r["arm"])]
+            if not pairs:
+                continue
+            err = [abs(live / p - 1.0) for _, live, p in pairs]
+            rho = None
+            if len(pairs) >= 3:
+                rho = float(spearmanr([p for *_, p in pairs], [live for _, live, _ in pairs]).statistic)
+            out.setdefault(str(b), {})[model] = {
+                "mean_abs_err": float(np.mean(err)),
+                "max_abs_err": float(np.max(err)),
+                "worst": pairs[int(np.argmax(err))][0],
+                "spearman": rho,
+                "arms": len(pairs),
+            }
+    return out
+
+
+def _repeat_ci(rs: list[dict[str, Any]], plain: list[dict[str, Any]]) -> list[float] | None:
+    """95% percentile-bootstrap interval of the live speedup over the repeats (each paired with plain's).
+
+    None below two repeats.
+    """
+    from specenv.stats import bootstrap_ratio_ci
+
+    n = min(len(rs), len(plain))
+    if n < 2:
+        return None
+    ci = bootstrap_ratio_ci([r["tok_per_s"] for r in rs[:n]], [p["tok_per_s"] for p in plain[:n]])["pooled"]
+    return [ci["low"], ci["high"]]
 
 
 def _pooled(rs: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -599,7 +694,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{doc['options']['repeats']} repeats (median), kmax {doc['kmax']}, models {doc['options']['models']}, "
         f"{doc['duration_s']:.0f} s",
         "",
-        "| arm | batch | tokens/s | live speedup | predicted | live/pred | identical to plain | controller CPU/step |",
+        "| arm | batch | tokens/s | live speedup [95% CI, repeats] | predicted | live/pred | identical to plain "
+        "| controller CPU/step |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["rows"]:
@@ -610,8 +706,10 @@ def markdown(doc: dict[str, Any]) -> str:
         c = r.get("ctl_cpu_frac")
         cpu = f"{c['value']:.2%} [{c['ci95'][0]:.2%}, {c['ci95'][1]:.2%}]" if c else "-"
         ident = "-" if r["identical"] is None else ("yes" if r["identical"] else "NO")
+        ci = r.get("live_ci95")
+        live = f"{r['live_speedup']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
         lines.append(
-            f"| {name} | {r['batch']} | {r['tok_per_s']:.1f} | {r['live_speedup']:.3f} | {_f(r['predicted'], '.3f')} | "
+            f"| {name} | {r['batch']} | {r['tok_per_s']:.1f} | {live} | {_f(r['predicted'], '.3f')} | "
             f"{_f(r['live_over_pred'], '.3f')} | {ident} | {cpu} |"
         )
     if doc.get("adaptive_verification"):
@@ -630,6 +728,15 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"(95% CI {c.get('ci95', [float('nan')] * 2)[0]:.2%}..{c.get('ci95', [float('nan')] * 2)[1]:.2%}, "
                 f"{c.get('cpu_ms_per_step', float('nan')):.3f} ms of {c.get('step_ms', float('nan')):.1f} ms per step)"
             )
+    fid = doc.get("fidelity") or {}
+    if fid:
+        lines += ["", "Sim-to-real (arms with a prediction; |live/pred - 1| mean and max, Spearman rank correlation):"]
+        for b, models in fid.items():
+            for model, f in models.items():
+                lines.append(
+                    f"- batch {b}, {model}: mean {f['mean_abs_err']:.1%}, max {f['max_abs_err']:.1%} "
+                    f"({f['worst']}), Spearman {_f(f['spearman'], '.3f')} over {f['arms']} arms"
+                )
     fit = doc["fit"]
     if fit.get("best_k"):
         lines.append("")

@@ -92,3 +92,49 @@ def test_prediction_of_a_fixed_k_arm_is_the_oracle_exact_evaluation(tmp_path: Pa
         pred = predicted_speedup(str(path), "fit-train", KMAX, gids, replay_policy({"kind": "fixed", "k": k}, spec_obj))
         ev = oracle.evaluate_policy(arr, cm, k)
         assert pred == pytest.approx(float(np.sum(ev.ar) / np.sum(ev.cost)), rel=1e-9)
+
+
+def test_fidelity_summary_of_hand_built_rows() -> None:
+    from specenv.abtest import _fidelity, _repeat_ci
+
+    rows = [
+        {"arm": "plain", "batch": 1, "group": "plain", "live_speedup": 1.0, "predicted": 1.0},
+        {
+            "arm": "a",
+            "batch": 1,
+            "group": "fixed",
+            "live_speedup": 1.10,
+            "predicted": 1.00,
+            "ablations": {"without U_r": {"predicted": 1.21}},
+        },
+        {
+            "arm": "b",
+            "batch": 1,
+            "group": "fixed",
+            "live_speedup": 1.20,
+            "predicted": 1.25,
+            "ablations": {"without U_r": {"predicted": 1.10}},
+        },
+        {
+            "arm": "c",
+            "batch": 1,
+            "group": "fixed",
+            "live_speedup": 1.30,
+            "predicted": 1.30,
+            "ablations": {"without U_r": {"predicted": 1.00}},
+        },
+        {"arm": "d", "batch": 1, "group": "fixed", "status": "not run"},
+    ]
+    fid = _fidelity(rows)["1"]
+    full = fid["full model"]
+    errs = [abs(1.10 / 1.00 - 1), abs(1.20 / 1.25 - 1), 0.0]
+    assert full["arms"] == 3 and full["worst"] == "a"
+    assert full["mean_abs_err"] == pytest.approx(np.mean(errs)) and full["max_abs_err"] == pytest.approx(0.10)
+    assert full["spearman"] == pytest.approx(1.0)  # the same order
+    assert fid["without U_r"]["spearman"] == pytest.approx(-1.0)  # the reversed order
+    # the live speedup's interval over repeats, paired with plain's repeats
+    rs = [{"tok_per_s": x} for x in (110.0, 120.0, 130.0)]
+    plain = [{"tok_per_s": 100.0}] * 3
+    lo, hi = _repeat_ci(rs, plain)
+    assert 1.1 <= lo <= 1.2 <= hi <= 1.3
+    assert _repeat_ci(rs[:1], plain) is None
