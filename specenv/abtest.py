@@ -151,8 +151,15 @@ def replay_policy(desc: dict[str, Any], spec: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- replay
-def predicted_speedup(dataset: str, cost_model: str, kmax: int, gids: list[int], policy: Any) -> float:
-    """Replay-predicted speedup (model AR cost / model cost) of a policy on some generations."""
+def predicted_speedup(
+    dataset: str, cost_model: str, kmax: int, gids: list[int], policy: Any, max_tokens: int | None = None
+) -> float:
+    """Replay-predicted speedup (model AR cost / model cost) of a policy on some generations.
+
+    ``max_tokens``: replay only each generation's first ``max_tokens`` tokens, as the live run
+    generates them (the round that reaches it is charged in full, its AR cost counts the tokens up to
+    ``max_tokens``); None: the whole recorded generation.
+    """
     import gymnasium as gym
 
     import specenv  # noqa: F401  (registers the environments)
@@ -169,6 +176,8 @@ def predicted_speedup(dataset: str, cost_model: str, kmax: int, gids: list[int],
         drafting="block" if h else None,
         signals=tuple(getattr(spec, "signals", ("q",))),
     )
+    data = env.unwrapped.data
+    row_of = {int(g): i for i, g in enumerate(data.generation_ids)}
     cost = ar = 0.0
     for g in gids:
         obs, _ = env.reset(seed=0, options={"generation_id": int(g)})
@@ -177,7 +186,10 @@ def predicted_speedup(dataset: str, cost_model: str, kmax: int, gids: list[int],
         while not done:
             obs, _, done, _, info = env.step(int(policy.act(obs)))
             cost += info["cost_ms"]
-        ar += info["ar_cost_ms"]
+            done = done or (max_tokens is not None and info["t"] >= max_tokens)
+        i = row_of[int(g)]
+        n = int(data.lengths[i]) if max_tokens is None else min(int(max_tokens), int(data.lengths[i]))
+        ar += float(np.sum(data.ar_ms[data.offsets[i] : data.offsets[i] + n]))
     env.close()
     return ar / cost
 
@@ -452,10 +464,15 @@ def run_abtest(opts: AbtestOptions, quiet: bool = False) -> dict[str, Any]:
                 pol = MLPPolicy.load(desc["folder"])
             else:
                 pol = replay_policy(desc, ctx.spec)
-            preds[arm.name] = predicted_speedup(opts.dataset, opts.cost_model, kmax, test_ids, pol)
+            preds[arm.name] = predicted_speedup(opts.dataset, opts.cost_model, kmax, test_ids, pol, opts.max_tokens)
         kpred = {
             k: predicted_speedup(
-                opts.dataset, opts.cost_model, kmax, test_ids, replay_policy({"kind": "fixed", "k": k}, ctx.spec)
+                opts.dataset,
+                opts.cost_model,
+                kmax,
+                test_ids,
+                replay_policy({"kind": "fixed", "k": k}, ctx.spec),
+                opts.max_tokens,
             )
             for k in set(best_k.values())
         }
@@ -494,8 +511,8 @@ def run_abtest(opts: AbtestOptions, quiet: bool = False) -> dict[str, Any]:
         "cost_model": opts.cost_model,
         "notes": notes
         + [
-            "predicted: replay env on the full recorded generations of the same prompts, a batch-1 cost model "
-            f"({opts.cost_model} of {opts.dataset}); the same value is shown at every batch size",
+            f"predicted: replay env on the first {opts.max_tokens} recorded tokens of the same prompts, a batch-1 "
+            f"cost model ({opts.cost_model} of {opts.dataset}); the same value is shown at every batch size",
         ],
         "engines": engines.infos,
         "duration_s": time.time() - t_start,
@@ -530,10 +547,10 @@ def _ablations(
             if arm.group in ("plain", "overhead-stock") or desc is None:
                 continue
             pol = MLPPolicy.load(desc["folder"]) if desc.get("kind") == "mlp" else replay_policy(desc, ctx.spec)
-            preds[arm.name] = predicted_speedup(opts.dataset, str(path), kmax, test_ids, pol)
+            preds[arm.name] = predicted_speedup(opts.dataset, str(path), kmax, test_ids, pol, opts.max_tokens)
         for k in set(best_k.values()):
             pol = replay_policy({"kind": "fixed", "k": k}, ctx.spec)
-            preds[f"k={k}"] = predicted_speedup(opts.dataset, str(path), kmax, test_ids, pol)
+            preds[f"k={k}"] = predicted_speedup(opts.dataset, str(path), kmax, test_ids, pol, opts.max_tokens)
         found[f"without {term}"] = preds
     return found
 

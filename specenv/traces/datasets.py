@@ -70,6 +70,18 @@ REGISTRY: tuple[Dataset, ...] = (
         manifest_sha256="2adeb0b98c2531666133d4e439a8ff12c6dc4156229649aefee049547a6b37dc",
     ),
     Dataset(
+        name="live-vllm-wide",
+        version=1,
+        description="48 stdlib code prompts x 128 greedy tokens collected with vLLM 0.32 on CPU on wide-moe-v1 (the "
+        "small Qwen3-MoE target with every expert widened by zeros to 3072: verification pays for the experts it "
+        "reads, the paper's regime) + the dense draft, Kmax=8, measured rounds K=0..8 with whole-step wall times, a "
+        "plain engine's steps as the AR reference (the step-time cost model), counterfactual positions from vLLM. "
+        "Made by: specenv collect --engine vllm --models wide-moe-v1 -n 48 --max-new-tokens 128 --kmax 8 "
+        "--name live-vllm-wide",
+        folder="live-vllm-wide-v1",
+        manifest_sha256="9cf10fe80bf35178974c1946a19274275577922c7a0e5c79bb815c622298f34c",
+    ),
+    Dataset(
         name="live-cpu-caps",
         version=1,
         description="32 stdlib code prompts x 64 greedy tokens on the live CPU engine with verification-time expert "
