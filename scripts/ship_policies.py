@@ -40,7 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SETS = ("paper-default", "live-cpu", "live-vllm")
+SETS = ("paper-default", "live-cpu", "live-vllm", "live-vllm-wide")
 COST_MODEL = "fit-train"
 
 #: Recipes not shipped for a set, with the reason (the shipped-policy test requires every learned row to vary k).
@@ -72,6 +72,14 @@ BUDGET: dict[str, dict[str, Any]] = {
         "bc_epochs": 30,
     },
     "live-vllm": {
+        "sb3_steps": 300_000,
+        "seq_steps": 300_000,
+        "iterations": 8,
+        "epochs": 30,
+        "seq_epochs": 30,
+        "bc_epochs": 30,
+    },
+    "live-vllm-wide": {
         "sb3_steps": 300_000,
         "seq_steps": 300_000,
         "iterations": 8,

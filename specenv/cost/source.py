@@ -43,7 +43,7 @@ from specenv.cost.model import CostModel
 from specenv.io import atomic_write_text, cache_dir, json_digest
 
 #: Bump when the fit behind ``cost_model="fit"`` changes, so that every cached model is refitted.
-FIT_VERSION = 2  # 2: the draft floor of k = 0 rounds (CostModel.d_floor)
+FIT_VERSION = 3  # 2: the draft floor of k = 0 rounds (CostModel.d_floor); 3: the step-time model (cost/steptime.py)
 #: ``format`` field of a disk-cache entry.
 CACHE_FORMAT = "specenv.fitcache/1"
 #: Libraries whose versions key the disk cache (the fit's numbers depend on them).

@@ -12,7 +12,8 @@ and their line ``a + c L``).
 and the benchmark then use for such a set, with every term of its own:
 
 * the target and draft terms are the paper's forms fitted on the *wall-clock* forward times
-  (``T_T_wall_ms``, ``T_D_wall_ms``; :func:`specenv.cost.fit.fit_replay_model`);
+  (``T_T_wall_ms``, ``T_D_wall_ms``; :func:`specenv.cost.fit.fit_replay_model`), a budget whose context
+  slope comes out negative (noise: a step never gets cheaper with context) refitted with ``c = 0``;
 * ``overhead[K]``: the engine's per-step time outside the forwards, the mean over the rounds at budget
   K of ``T_step - T_T_wall - T_D_wall`` (K = 0 included: a speculating engine's k = 0 step pays it too);
 * ``ar_step = (a, c)``: the plain engine's step, the 1.0 of every speedup.
@@ -95,6 +96,7 @@ def fit_step_model(
 
     wall = rounds.assign(T_T_ms=rounds["T_T_wall_ms"], T_D_ms=rounds["T_D_wall_ms"])
     model = fit_replay_model(wall, kmax, top_k, source)
+    refit = _nonnegative_context(model, wall)
     over, diag = step_overhead(rounds, kmax)
     a, c = float(ar_reference["a_ms"]), float(ar_reference["c_ms_per_token"])
     model.overhead = over
@@ -103,6 +105,7 @@ def fit_step_model(
     model.source = dict(model.source) | {"kind": "fit-step", "clock": "wall"}
     model.diagnostics = dict(model.diagnostics) | {
         "overhead": diag,
+        "c_refit_at_zero": refit,
         "ar_step": {
             k: ar_reference[k]
             for k in ("engine", "steps", "mean_ms", "a_ms", "c_ms_per_token", "r2")
@@ -110,6 +113,32 @@ def fit_step_model(
         },
     }
     return model
+
+
+def _nonnegative_context(model: CostModel, rounds: pd.DataFrame) -> list[int]:
+    """Refit, with ``c = 0``, every budget whose context slope came out negative; returns those budgets.
+
+    A verification step never gets cheaper with a longer context: a negative ``c`` is noise (the
+    contexts of a set span a few hundred tokens), and a model that extrapolates it charges negative
+    costs at long contexts. Those budgets get the OLS of ``T_T`` on ``1 + U_r`` alone (K = 0: the mean).
+    """
+    changed = []
+    for k in range(model.kmax + 1):
+        if model.c[k] >= 0:
+            continue
+        sel = rounds[rounds["K"] == k]
+        y = sel["T_T_ms"].to_numpy(np.float64)
+        if not len(y):
+            continue
+        if k == 0 or np.ptp(sel["U_r"].to_numpy(np.float64)) == 0:
+            model.beta0[k], model.alpha[k] = float(y.mean()), 0.0
+        else:
+            X = np.column_stack([np.ones(len(y)), sel["U_r"].to_numpy(np.float64)])
+            (b0, a), *_ = np.linalg.lstsq(X, y, rcond=None)
+            model.beta0[k], model.alpha[k] = float(b0), float(a)
+        model.c[k] = 0.0
+        changed.append(k)
+    return changed
 
 
 def ablate(model: CostModel, rounds: pd.DataFrame, without: str) -> CostModel:

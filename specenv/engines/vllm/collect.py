@@ -604,8 +604,8 @@ def _manifest(
         description=(
             f"vLLM {vllm.__version__} on CPU: {len(prompts)} prompts x up to {max_new_tokens} greedy tokens on the "
             f"Qwen3-MoE target of {dirs.name} ({facts.n_experts} experts, top-{facts.top_k}, {facts.n_layers} "
-            f"layers) with its draft as vLLM's draft_model drafter; fixed-K rounds K=0..{kmax} at batch 1 with measured "
-            "times and routing (routing tap); counterfactual positions from a draft engine's greedy chains "
+            f"layers) with its draft as vLLM's draft_model drafter; fixed-K rounds K=0..{kmax} at batch 1 with "
+            "measured times and routing (routing tap); counterfactual positions from a draft engine's greedy chains "
             "verified teacher-forced by the target (prompt log-probs, routing tap)."
         ),
         max_new_tokens=max_new_tokens,
