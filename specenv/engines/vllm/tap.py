@@ -328,8 +328,12 @@ class RoutingTap:
         b = self.sig[:calls, :n]
         return b.cpu().numpy().copy() if hasattr(b, "cpu") else np.array(b)
 
-    def routing(self, n_tokens: int) -> np.ndarray:
+    def routing(self, n_tokens: int, copy: bool = True) -> np.ndarray:
         """``(n_layers, n_tokens, top_k)`` int32 copy of the last forward's routing.
+
+        With ``copy=False`` a buffer on the host is returned in place (no copy): valid until the next
+        forward, for a reader that is done with it within the step (the controller's statistics). A
+        buffer on an accelerator is always copied to the host.
 
         Raises:
             RoutingMissing: When the copy is all zero: no capture callback wrote it (a token's top-k
@@ -337,7 +341,12 @@ class RoutingTap:
                 practically never with top-1 over every layer and token).
         """
         b = self.buf[:, :n_tokens]
-        out = b.cpu().numpy().copy() if hasattr(b, "cpu") else np.array(b)
+        if hasattr(b, "cpu"):
+            out = b.numpy() if b.device.type == "cpu" else b.cpu().numpy()
+            if copy and b.device.type == "cpu":
+                out = out.copy()
+        else:
+            out = np.array(b) if copy else np.asarray(b)
         if out.size and not out.any():
             raise RoutingMissing(
                 f"specenv routing tap: the target's routing buffer is all zero for the step's {n_tokens} tokens "
