@@ -98,3 +98,31 @@ def test_cli_takes_a_recording_folder(tmp_path):
     res = CliRunner().invoke(app, ["oracle", folder])
     assert res.exit_code == 2 and "no positions table" in res.output  # loads; rounds alone cannot back the oracle
     assert "missing manifest" not in res.output
+
+
+def test_deferred_rows_are_built_by_the_writer_in_their_place(tmp_path):
+    import threading
+
+    built_on = []
+
+    def build(rows):
+        def make():
+            built_on.append(threading.current_thread().name)
+            return rows
+
+        return make
+
+    rec = PartRecorder(tmp_path / "rec", FACTS, kmax=4, meta={}, source="vllm", part_rounds=64)
+    rec.add(_row(0, 0))
+    rec.add_deferred(2, build([_row(0, 1), _row(1, 0)]))
+    rec.add(_row(0, 2))
+    rec.add_deferred(1, build([_row(1, 1)]))
+    assert rec.rows_buffered == 4 and not built_on  # nothing built on the serving side
+    rec.flush()
+    rec.add_deferred(2, build([_row(2, 0)]))  # announced 2, builds 1: its part is lost, reported
+    rec.close()
+    assert built_on[:2] == ["specenv-recorder"] * 2
+    r = load_recording(tmp_path / "rec").rounds
+    assert list(zip(r["generation_id"], r["round"], strict=True)) == [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1)]
+    errors = json.loads((tmp_path / "rec" / "recording.json").read_text())["summary"]["errors"]
+    assert len(errors) == 1 and "1 rows, 2 announced" in errors[0]

@@ -5,9 +5,9 @@ dicts and rows, a routing copy and two routing reads per step, ``span_expert_sta
 ``python tests/vllm/test_lean_path.py OUT.json`` on the shipped ``small-moe-v1``: the same workload on a
 fresh engine of the same settings (batch 1, then 4 concurrent requests; greedy; no prefix caching), a
 policy whose k depends on every bit of the observation it gets, rounds priced by the ``live-cpu`` cost
-model fitted on its train split (so that no observation depends on the machine's clock). The test replays the workload through
-the current controller and compares every recorded column that does not depend on the clock, every
-observation vector and the batch features the policy saw, and the generated tokens.
+model fitted on its train split (so that no observation depends on the machine's clock). The test
+replays the workload through the current controller and compares every recorded column that does not
+depend on the clock, every observation vector and the batch features the policy saw, and the generated tokens.
 
 One in-process engine of its own (``max_num_seqs=4``).
 """
