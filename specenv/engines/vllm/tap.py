@@ -340,19 +340,34 @@ class RoutingTap:
                 experts are distinct, so real routing is never all expert 0 with top_k >= 2, and
                 practically never with top-1 over every layer and token).
         """
-        b = self.buf[:, :n_tokens]
-        if hasattr(b, "cpu"):
-            out = b.numpy() if b.device.type == "cpu" else b.cpu().numpy()
-            if copy and b.device.type == "cpu":
+        host = self._host()
+        if host is not None:  # a numpy view of a host buffer: slicing it costs no torch call
+            out = host[:, :n_tokens]
+            if copy:
                 out = out.copy()
-        else:
-            out = np.array(b) if copy else np.asarray(b)
+        else:  # on an accelerator
+            out = self.buf[:, :n_tokens].cpu().numpy()
         if out.size and not out.any():
             raise RoutingMissing(
                 f"specenv routing tap: the target's routing buffer is all zero for the step's {n_tokens} tokens "
                 f"({self.n_layers} MoE layers): the routers' capture did not run, so U_r cannot be recorded"
             )
         return out
+
+    def _host(self) -> np.ndarray | None:
+        """A numpy view of :attr:`buf` when it lives on the host (kept while ``buf`` is the same object)."""
+        buf = self.buf
+        cached = self.__dict__.get("_host_view")
+        if cached is not None and cached[0] is buf:
+            return cached[1]
+        if isinstance(buf, np.ndarray):
+            view = buf
+        elif buf.device.type == "cpu":
+            view = buf.numpy()
+        else:
+            return None
+        self.__dict__["_host_view"] = (buf, view)
+        return view
 
 
 def _layout(n_layers: int, capacity: int, top_k: int, sig_steps: int = 0, sig_rows: int = 0) -> int:
