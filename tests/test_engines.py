@@ -117,7 +117,7 @@ def test_deferred_rows_are_built_by_the_writer_in_their_place(tmp_path):
     rec.add_deferred(2, build([_row(0, 1), _row(1, 0)]))
     rec.add(_row(0, 2))
     rec.add_deferred(1, build([_row(1, 1)]))
-    assert rec.rows_buffered == 4 and not built_on  # nothing built on the serving side
+    assert rec.rows_buffered == 5 and not built_on  # nothing built on the serving side
     rec.flush()
     rec.add_deferred(2, build([_row(2, 0)]))  # announced 2, builds 1: its part is lost, reported
     rec.close()
