@@ -10,7 +10,10 @@ One engine step in synchronous scheduling (``EngineCore.step`` + ``post_step``) 
 methods of the V1 scheduler (plus ``add_request``/``finish_requests`` to number and forget requests,
 and ``shutdown`` to close the recording):
 
-* ``update_from_output``: before the base class consumes the step, every request that ran a
+* ``update_from_output``: once per step, the batch offsets are sorted, the routing is read in place
+  and one bincount gives every round's ``U_r``/``E_max`` and the step's expert union
+  (:class:`specenv.engines.base.StepExperts`); the recording's rows are built by the recorder's
+  writer thread. Before the base class consumes the step, every request that ran a
   verification round (``1 + K`` tokens scheduled after its prefill; K = 0 is a plain decoding step)
   yields its outcome: K drafted, ``accepted = len(sampled) - 1`` (vLLM's own count), context length,
   observed ``U_r``/``E_max`` from the routing tap, and the step's timings. The outcome updates the
@@ -597,10 +600,9 @@ class SpecControlScheduler(Recording, Scheduler):
             L = request.num_tokens
             td, td_cpu = (st.td_ms, st.td_cpu_ms) if hooked else (0.0, 0.0)
             cost = self._cost_units(K, U, L, clock.t_ms, td)
-            st.out = (
-                K, rnd.n, acc, raw, L, request.num_output_tokens, U, E, clock.t_ms, td, clock.t_cpu, td_cpu,
-                clock.step_ms, cost, rnd.gen, st.full_drafts,
-            )  # fmt: skip
+            # the values of OUTCOME_FIELDS, then the round's sampled tokens and its drafts (Req.last)
+            st.out = (K, rnd.n, acc, raw, L, request.num_output_tokens, U, E, clock.t_ms, td, clock.t_cpu, td_cpu)
+            st.out += (clock.step_ms, cost, rnd.gen, st.full_drafts)
             slots[i], ks[i], accs[i], costs[i] = st.slot, K, acc, cost
             st.last_U[K] = U
             if callback is not None:
@@ -612,8 +614,10 @@ class SpecControlScheduler(Recording, Scheduler):
                 verified = (
                     [int(request.all_token_ids[-1]), *map(int, rnd.drafts)] if self.settings.record_tokens else None
                 )
-                rec.append((st.gid, st.rounds, rnd.req_id, st.out, st.drafted, st.policy_k, st.fallback, st.capped,
-                            st.greedy, verified))  # fmt: skip
+                rec.append(
+                    (st.gid, st.rounds, rnd.req_id, st.out, st.drafted, st.policy_k, st.fallback, st.capped)
+                    + (st.greedy, verified)
+                )
             st.rounds += 1
             st.td_ms, st.td_cpu_ms = clock.d_ms, clock.d_cpu
         self.stats["rounds"] += n
