@@ -4,6 +4,8 @@ Run ``python -m scripts.vllm_bench overhead --out DIR`` and ``python -m scripts.
 --out DIR`` (in the ``vllm`` environment; each configuration runs in a fresh process, one engine at a
 time, so several minutes each). Results go to ``DIR/*.json`` and a Markdown table on stdout.
 
+``floor``: the draft floor, a k = 0 step against a plain engine's step (:func:`floor`).
+
 ``overhead``: the same greedy workload (prompts of the live prompt set, a fixed number of tokens,
 ``max_num_seqs`` requests at a time) on (a) vLLM's stock scheduler, (b) the controller with a numpy
 MLP policy that always answers ``num_speculative_tokens`` plus the routing tap, and (c) (b) plus the
@@ -127,6 +129,57 @@ def overhead(args: argparse.Namespace) -> None:
     print(f"identical outputs: {same}")
 
 
+def floor(args: argparse.Namespace) -> None:
+    """The draft floor: a k = 0 step through the controller against a plain engine's step, same workload.
+
+    vLLM's drafter runs its first forward at every step (``num_speculative_tokens`` must be > 0, and
+    ``num_spec_tokens_to_schedule = 0`` still runs it to keep the draft's KV cache in sync), so a
+    controller that verifies nothing still pays it. Configurations (each in a fresh process, interleaved
+    ``--rounds`` times): ``plain`` (no speculation, stock scheduler), ``plain+controller`` (no
+    speculation, the controller and tap: its own cost), ``k=0, draft 0`` (one draft token allowed, the
+    policy always 0, draft horizon ``policy``: the drafter runs its first forward only) and ``k=0,
+    draft 1`` (horizon ``max``: the drafter also samples the one token that is then cut). Every step
+    emits one token per request, so ms per step = batch / tokens per second.
+    """
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = {
+        "models": args.models,
+        "max_num_seqs": args.batch,
+        "max_tokens": args.tokens,
+        "prompt_ids": list(range(args.prompts)),
+        "reps": args.reps,
+        "warmup": 1,
+        "ignore_eos": True,
+    }
+    pol = {"kind": "fixed", "k": 0, "kmax": 1, "max_new_tokens": args.tokens}
+    configs = {
+        "plain": {**base, "k": 0, "controller": False},
+        "plain+controller": {**base, "k": 0},
+        "k=0, draft 0": {**base, "k": 1, "policy": pol, "settings": {"draft_horizon": "policy"}},
+        "k=0, draft 1": {**base, "k": 1, "policy": pol},
+    }
+    res: dict[str, list[dict[str, Any]]] = {}
+    for rnd in range(args.rounds):
+        for name, cfg in configs.items():
+            tag = name.replace(" ", "").replace(",", "-").replace("=", "")
+            res.setdefault(name, []).append(_spawn(cfg, out, f"floor-{tag}-{rnd}"))
+    ms = {name: [1e3 * args.batch / r["tok_per_s"] for r in rs] for name, rs in res.items()}
+    plain = statistics.median(ms["plain"])
+    rows = [
+        {"config": n, "ms_per_step": statistics.median(v), "all": [round(x, 3) for x in v],
+         "vs_plain_ms": statistics.median(v) - plain, "ratio": statistics.median(v) / plain}
+        for n, v in ms.items()
+    ]  # fmt: skip
+    same = all(r["outputs"] == res["plain"][0]["outputs"] for rs in res.values() for r in rs)
+    (out / "floor.json").write_text(json.dumps({"rows": rows, "identical_outputs": same, "args": vars(args)}, indent=2))
+    print(f"batch {args.batch}: | config | ms per step (median) | all rounds | minus plain | / plain |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['config']} | {r['ms_per_step']:.3f} | {r['all']} | {r['vs_plain_ms']:+.3f} | {r['ratio']:.3f} |")
+    print(f"identical outputs: {same}")
+
+
 def speedup(args: argparse.Namespace) -> None:
     """Plain decoding, fixed k = 1..Kmax and the delta-space rule, B = 1, live-cpu test prompts."""
     from oracle.delta import boundary_slope
@@ -242,6 +295,14 @@ def main() -> None:
     o.add_argument("--tokens", type=int, default=96)
     o.add_argument("--reps", type=int, default=3)
     o.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of the three processes")
+    f = sub.add_parser("floor", help="the draft floor: a k = 0 step against a plain engine's step")
+    f.add_argument("--out", required=True)
+    f.add_argument("--models", default="small-moe-v1")
+    f.add_argument("--batch", type=int, default=1, help="max_num_seqs")
+    f.add_argument("--prompts", type=int, default=8)
+    f.add_argument("--tokens", type=int, default=64)
+    f.add_argument("--reps", type=int, default=2)
+    f.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of the four processes")
     s = sub.add_parser("speedup", help="delta-space rule vs fixed k vs plain decoding, B = 1")
     s.add_argument("--out", required=True)
     s.add_argument("--models", default="small-moe-v1")
@@ -252,7 +313,7 @@ def main() -> None:
     s.add_argument("--reps", type=int, default=1, help="timed passes per process (after one warm-up pass)")
     s.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of every configuration")
     args = ap.parse_args()
-    overhead(args) if args.cmd == "overhead" else speedup(args)
+    {"overhead": overhead, "floor": floor, "speedup": speedup}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -98,3 +98,67 @@ def test_cli_takes_a_recording_folder(tmp_path):
     res = CliRunner().invoke(app, ["oracle", folder])
     assert res.exit_code == 2 and "no positions table" in res.output  # loads; rounds alone cannot back the oracle
     assert "missing manifest" not in res.output
+
+
+def test_deferred_rows_are_built_by_the_writer_in_their_place(tmp_path):
+    import threading
+
+    built_on = []
+
+    def build(rows):
+        def make():
+            built_on.append(threading.current_thread().name)
+            return rows
+
+        return make
+
+    rec = PartRecorder(tmp_path / "rec", FACTS, kmax=4, meta={}, source="vllm", part_rounds=64)
+    rec.add(_row(0, 0))
+    rec.add_deferred(2, build([_row(0, 1), _row(1, 0)]))
+    rec.add(_row(0, 2))
+    rec.add_deferred(1, build([_row(1, 1)]))
+    assert rec.rows_buffered == 5 and not built_on  # nothing built on the serving side
+    rec.flush()
+    rec.add_deferred(2, build([_row(2, 0)]))  # announced 2, builds 1: its part is lost, reported
+    rec.close()
+    assert built_on[:2] == ["specenv-recorder"] * 2
+    r = load_recording(tmp_path / "rec").rounds
+    assert list(zip(r["generation_id"], r["round"], strict=True)) == [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1)]
+    errors = json.loads((tmp_path / "rec" / "recording.json").read_text())["summary"]["errors"]
+    assert len(errors) == 1 and "1 rows, 2 announced" in errors[0]
+
+
+def _brute_force(routing, spans, n_experts):
+    """U_r, E_max of each span and the forward's union, one layer and one expert at a time."""
+    L = routing.shape[0]
+    U, E = [], []
+    for o, m in spans:
+        per_layer = [[int((routing[layer, o : o + m] == e).sum()) for e in range(n_experts)] for layer in range(L)]
+        U.append(sum(sum(c > 0 for c in row) for row in per_layer) / L)
+        E.append(sum(max(row) for row in per_layer) / L)
+    union = sum(len(set(routing[layer].ravel().tolist())) for layer in range(L)) / L
+    return U, E, union
+
+
+@pytest.mark.parametrize("layout", ["one pass", "passes and a prefill", "passes with gaps"])
+def test_step_experts_equal_span_expert_stats_and_a_brute_force(layout):
+    import numpy as np
+
+    from specenv.engines.base import StepExperts, span_expert_stats
+
+    rng = np.random.default_rng(7)
+    L, n_experts, top_k = 3, 16, 2
+    spans = {"one pass": [(0, 5)], "passes and a prefill": [(0, 3), (3, 1), (4, 5), (9, 2)]}.get(
+        layout, [(2, 3), (7, 1), (11, 4)]
+    )
+    T = {"one pass": 5, "passes and a prefill": 24}.get(layout, 17)  # tokens of no pass: prefills
+    experts = StepExperts(L, n_experts, top_k, capacity=4)  # smaller than the forward: grows
+    for _ in range(5):
+        routing = np.stack([[rng.choice(n_experts, top_k, replace=False) for _ in range(T)] for _ in range(L)])
+        routing = routing.astype(np.int32)
+        U, E, union = experts.step(routing, [o for o, _ in spans], [m for _, m in spans])
+        want_U, want_E, want_union = _brute_force(routing, spans, n_experts)
+        assert U.tolist() == pytest.approx(want_U, abs=0) and E.tolist() == pytest.approx(want_E, abs=0)
+        assert union == want_union
+        ref_U, ref_E = span_expert_stats(routing, spans, n_experts)  # bit for bit the function it replaces
+        assert np.array_equal(U, ref_U) and np.array_equal(E, ref_E)

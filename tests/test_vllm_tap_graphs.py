@@ -144,6 +144,22 @@ def test_a_written_routing_buffer_is_returned_as_a_copy():
     assert (buf[:, :5, 1] == 3).all()
 
 
+def test_routing_in_place_is_a_view_of_the_host_buffer():
+    buf = np.zeros((3, 16, 2), dtype=np.int32)
+    buf[:, :5] = [1, 3]
+    tap = _tap(buf)
+    out = tap.routing(5, copy=False)
+    buf[0, 0, 0] = 9  # the next forward's capture writes the buffer: a view sees it
+    assert out.shape == (3, 5, 2) and out[0, 0, 0] == 9
+    tap.buf = torch.from_numpy(buf)
+    assert tap.routing(5, copy=False)[0, 0, 0] == 9
+    buf[0, 0, 0] = 4
+    assert tap.routing(5, copy=False)[0, 0, 0] == 4 and tap.routing(5)[0, 0, 0] == 4
+    copied = tap.routing(5)
+    buf[0, 0, 0] = 5
+    assert copied[0, 0, 0] == 4
+
+
 def test_torch_routing_buffer_checked_too():
     tap = _tap(np.zeros((2, 8, 2), dtype=np.int32))
     tap.buf = torch.zeros((2, 8, 2), dtype=torch.int32)

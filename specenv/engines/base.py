@@ -8,7 +8,8 @@ at a time). Each round yields a :class:`RoundResult`.
 The routing statistics of a verification pass (``U_r``: unique experts, mean over MoE layers;
 ``E_max``: the largest number of verified positions routed to one expert, mean over layers) are
 computed here for every engine: :func:`prefix_expert_stats` for every prefix of one chain (the
-counterfactual sweep), :func:`span_expert_stats` for several passes packed in one forward (a batch).
+counterfactual sweep), :func:`span_expert_stats` for several passes packed in one forward (a batch), and
+:class:`StepExperts`, the same figures from preallocated buffers for a server's every step.
 
 Engines are chosen by name (:data:`BACKENDS`, :func:`make_backend`): each name maps to the factory
 of one engine folder, imported only when that engine is asked for (the engines' dependencies are
@@ -34,6 +35,7 @@ __all__ = [
     "run_fixed_k",
     "prefix_expert_stats",
     "span_expert_stats",
+    "StepExperts",
     "u_prior",
 ]
 
@@ -188,6 +190,66 @@ def span_expert_stats(routing: np.ndarray, spans: list[tuple[int, int]], n_exper
     counts = np.bincount(key.ravel(), minlength=len(spans) * n_layers * n_experts)
     counts = counts.reshape(len(spans), n_layers, n_experts)
     return (counts > 0).sum(axis=2).mean(axis=1), counts.max(axis=2).mean(axis=1)
+
+
+class StepExperts:
+    """U_r and E_max of the passes of one forward, and the forward's expert union, from preallocated buffers.
+
+    The per-step form of :func:`span_expert_stats` for a server (the same numbers, bit for bit): the
+    routing is read in place, the bincount keys are written into a buffer kept across steps, and a
+    forward holding one pass only (batch 1, no prefill beside it) skips the token-owner map.
+
+    Args:
+        n_layers: MoE layers of the routing.
+        n_experts: Experts per layer.
+        top_k: Experts per token.
+        capacity: Most tokens of one forward (the buffers' size; a larger forward grows them).
+    """
+
+    def __init__(self, n_layers: int, n_experts: int, top_k: int, capacity: int):
+        self.n_layers, self.n_experts, self.top_k = int(n_layers), int(n_experts), int(top_k)
+        self._layer_key = (np.arange(self.n_layers, dtype=np.int64) * self.n_experts)[:, None, None]
+        self._alloc(int(capacity))
+
+    def _alloc(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._key = np.empty(self.n_layers * capacity * self.top_k, dtype=np.int64)
+        self._owner = np.empty(capacity, dtype=np.int64)
+
+    def step(self, routing: np.ndarray, offsets: list[int], lens: list[int]) -> tuple[np.ndarray, np.ndarray, float]:
+        """``(U, E, union)`` of one forward.
+
+        Args:
+            routing: ``(n_layers, tokens, top_k)`` expert ids of every token of the forward.
+            offsets: Each pass's first token among them.
+            lens: Each pass's number of verified positions.
+
+        Returns:
+            ``U`` and ``E`` (one value per pass, as :func:`span_expert_stats`) and the mean over layers of
+            the experts any token of the forward was routed to.
+        """
+        L, T, k = routing.shape
+        E = self.n_experts
+        n = len(lens)
+        if T > self.capacity:
+            self._alloc(T)
+        key = self._key[: L * T * k].reshape(L, T, k)
+        # integer sums divided by L: the float64 of numpy's mean over the layers, bit for bit
+        if n == 1 and offsets[0] == 0 and lens[0] == T:  # one pass, nothing else in the forward
+            np.add(routing, self._layer_key, out=key)
+            counts = np.bincount(key.ravel(), minlength=L * E).reshape(L, E)
+            U = np.count_nonzero(counts) / L
+            return np.array([U]), np.array([counts.max(axis=1).sum() / L]), float(U)
+        owner = self._owner[:T]
+        owner.fill(n * L * E)  # tokens of no pass: bucket n
+        for i, (o, m) in enumerate(zip(offsets, lens, strict=True)):
+            owner[o : o + m] = i * L * E
+        np.add(owner[None, :, None], self._layer_key, out=key)
+        key += routing
+        counts = np.bincount(key.ravel(), minlength=(n + 1) * L * E).reshape(n + 1, L, E)
+        union = np.count_nonzero(counts.sum(axis=0)) / L
+        counts = counts[:n]
+        return (counts > 0).sum(axis=(1, 2)) / L, counts.max(axis=2).sum(axis=1) / L, float(union)
 
 
 @dataclass(frozen=True)

@@ -192,9 +192,12 @@ class PartRecorder:
         # The buffer and the part numbering are shared by the serving loop and the writer thread.
         self._lock = threading.Lock()
         self._cols: dict[str, list[Any]] = {c: [] for c in self.columns}
+        self._deferred: list[
+            tuple[int, int, Callable[[], list[dict[str, Any]]]]
+        ] = []  # (rows of _cols before, n, build)
         self._oldest = 0.0  # time.monotonic() of the oldest buffered row
         self._flush_requested = False  # set by request_flush (a plain store: safe in a signal handler)
-        self._queue: queue.Queue[tuple[int, dict[str, list[Any]]] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[int, dict[str, list[Any]], list[Any]] | None] = queue.Queue()
         self.rows_buffered = 0
         self.rows_written = 0
         self.parts_written = 0
@@ -216,6 +219,20 @@ class PartRecorder:
                 col.append(v)
             self.rows_buffered += 1
 
+    def add_deferred(self, n: int, build: Callable[[], list[dict[str, Any]]]) -> None:
+        """Append ``n`` rounds whose rows ``build()`` makes later, on the writer thread.
+
+        The serving loop hands over what it already holds (``build`` must capture values, never state
+        that changes afterwards); building the row dicts and checking their keys happen when the part is
+        written. A ``build`` that fails or returns another number of rows loses its part (the error is
+        kept in :attr:`errors` and the run summary), never the server.
+        """
+        with self._lock:
+            if not self.rows_buffered:
+                self._oldest = time.monotonic()
+            self._deferred.append((len(self._cols["step"]), int(n), build))
+            self.rows_buffered += n
+
     def maybe_flush(self) -> None:
         """Hand the buffer to the writer when it is full or old enough (the writer also does the latter)."""
         n = self.rows_buffered
@@ -228,8 +245,9 @@ class PartRecorder:
             if not self.rows_buffered:
                 return
             cols, self._cols = self._cols, {c: [] for c in self.columns}
+            deferred, self._deferred = self._deferred, []
             # numbered and queued under the lock: parts are written in the order their rows came
-            self._queue.put((self.next_part, cols))
+            self._queue.put((self.next_part, cols, deferred))
             self.next_part += 1
             self.rows_buffered = 0
 
@@ -293,12 +311,34 @@ class PartRecorder:
         except Exception as exc:  # the real parts will report it
             self.errors.append(f"warm-up: {exc.__class__.__name__}: {exc}")
 
-    def _write_job(self, job: tuple[int, dict[str, list[Any]]]) -> None:
-        index, cols = job
+    def _write_job(self, job: tuple[int, dict[str, list[Any]], list[Any]]) -> None:
+        index, cols, deferred = job
         try:
-            self._write_part(index, cols)
+            self._write_part(index, self._merged(cols, deferred))
         except Exception as exc:  # never take the server down; keep the message
             self.errors.append(f"part {index}: {exc.__class__.__name__}: {exc}")
+
+    def _merged(self, cols: dict[str, list[Any]], deferred: list[Any]) -> dict[str, list[Any]]:
+        """The part's columns: the rows added directly, with the deferred ones built in their places."""
+        if not deferred:
+            return cols
+        names = list(self.columns)
+        out: dict[str, list[Any]] = {c: [] for c in names}
+        lists = list(out.values())
+        done = 0
+        for pos, n, build in [*deferred, (len(cols["step"]), 0, None)]:
+            if pos > done:
+                for col, src in zip(lists, cols.values(), strict=True):
+                    col.extend(src[done:pos])
+                done = pos
+            if build is not None:
+                rows = build()
+                if len(rows) != n:
+                    raise ValueError(f"a deferred build made {len(rows)} rows, {n} announced")
+                for row in rows:
+                    for col, c in zip(lists, names, strict=True):
+                        col.append(row[c])
+        return out
 
     def _write_part(self, index: int, cols: dict[str, list[Any]]) -> None:
         table = columns_to_table(cols, self.columns)

@@ -22,7 +22,7 @@ import numpy as np
 
 from specenv.observation.single import ObservationSpec, ObservationState
 
-__all__ = ["ObsSlots", "Req", "Round", "StepClock", "StepLog", "batch_offsets", "committed_len"]
+__all__ = ["OUTCOME_FIELDS", "ObsSlots", "Req", "Round", "StepClock", "StepLog", "batch_offsets", "committed_len"]
 
 
 class ObsSlots:
@@ -70,8 +70,11 @@ class ObsSlots:
         np.take(st.first, slots, out=sub.first)
         return sub
 
-    def update(self, slots: list[int], k: list[int], acc: list[int], U: list[float], cost: list[float]) -> None:
-        """Fold one round per listed slot into the statistics (gather, one vectorised update, scatter)."""
+    def update(self, slots: Any, k: Any, acc: Any, U: Any, cost: Any) -> None:
+        """Fold one round per listed slot into the statistics (gather, one vectorised update, scatter).
+
+        Arguments are sequences or arrays of one value per slot (``k`` and ``acc`` integers).
+        """
         sub = self.subset(slots)
         acc_a = np.asarray(acc, dtype=np.float64)
         sub.update(np.asarray(k), np.asarray(acc), np.asarray(U, dtype=np.float64), np.asarray(cost), acc_a + 1)
@@ -147,7 +150,41 @@ class Req:
     last_U: dict[int, float] = field(default_factory=dict)
     full_drafts: list[int] = field(default_factory=list)
     signals: np.ndarray | None = None  # (drafts, 3) q, entropy, margin of full_drafts (when captured)
-    last: dict[str, Any] | None = None
+    greedy: bool | None = None  # the request's sampling is greedy (known from its first round)
+    #: The last round's outcome: the values of :data:`OUTCOME_FIELDS`, then the round's sampled tokens
+    #: and the drafts proposed for it (what :attr:`last` is made of, on demand).
+    out: tuple[Any, ...] | None = None
+
+    @property
+    def last(self) -> dict[str, Any] | None:
+        """The last round's outcome as a dict (:data:`OUTCOME_FIELDS`, ``committed``, ``drafted``), or None."""
+        out = self.out
+        if out is None:
+            return None
+        d = dict(zip(OUTCOME_FIELDS, out, strict=False))
+        d["committed"] = list(out[-2][: d["accepted"] + 1])
+        d["drafted"] = list(out[-1])
+        return d
+
+
+#: The scalar fields of a round's outcome (``Req.out``), in order; ``T_D_ms``/``T_D_cpu_ms`` are the
+#: drafting that fed the round (0 when the step was not timed by the forward hooks).
+OUTCOME_FIELDS = (
+    "K",
+    "m",
+    "accepted",
+    "accepted_raw",
+    "L",
+    "t",
+    "U_r",
+    "E_max",
+    "T_T_ms",
+    "T_D_ms",
+    "T_T_cpu_ms",
+    "T_D_cpu_ms",
+    "step_ms",
+    "cost_units",
+)
 
 
 @dataclass

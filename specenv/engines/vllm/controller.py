@@ -10,7 +10,10 @@ One engine step in synchronous scheduling (``EngineCore.step`` + ``post_step``) 
 methods of the V1 scheduler (plus ``add_request``/``finish_requests`` to number and forget requests,
 and ``shutdown`` to close the recording):
 
-* ``update_from_output``: before the base class consumes the step, every request that ran a
+* ``update_from_output``: once per step, the batch offsets are sorted, the routing is read in place
+  and one bincount gives every round's ``U_r``/``E_max`` and the step's expert union
+  (:class:`specenv.engines.base.StepExperts`); the recording's rows are built by the recorder's
+  writer thread. Before the base class consumes the step, every request that ran a
   verification round (``1 + K`` tokens scheduled after its prefill; K = 0 is a plain decoding step)
   yields its outcome: K drafted, ``accepted = len(sampled) - 1`` (vLLM's own count), context length,
   observed ``U_r``/``E_max`` from the routing tap, and the step's timings. The outcome updates the
@@ -79,7 +82,7 @@ from typing import Any
 import numpy as np
 
 from specenv.cost.model import drafted_tokens
-from specenv.engines.base import span_expert_stats, u_prior
+from specenv.engines.base import StepExperts, u_prior
 from specenv.engines.vllm.bookkeeping import (
     ObsSlots,
     Req,
@@ -220,6 +223,8 @@ class SpecControlScheduler(Recording, Scheduler):
         self._step = 0
         self._t_sched = 0.0
         self._steplog = StepLog()
+        self._experts: StepExperts | None = None  # the per-step expert statistics' buffers (made on first use)
+        self._cols = np.zeros((4, 16))  # per-step columns of the rounds: slot, K, accepted, cost
         self._ar_ema: float | None = None
         self._min_tt: float | None = None
         self.cost_model = None
@@ -539,18 +544,21 @@ class SpecControlScheduler(Recording, Scheduler):
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         """Learn every request's round outcome (and record it), then the base behaviour."""
         t0, c0 = time.perf_counter(), time.thread_time()
+        sched = scheduler_output.num_scheduled_tokens
+        # where each request's tokens sit in the step's flattened batch: sorted once per step
+        layout = batch_offsets(sched, model_runner_output.req_id_to_index) if sched else None
         try:
-            self._observe(scheduler_output, model_runner_output)
+            self._observe(scheduler_output, model_runner_output, layout)
         except RoutingMissing:  # the tap records nothing: fail loudly, never record U_r from an empty buffer
             raise
         except Exception as exc:  # bookkeeping must never take the server down
             self._error(exc)
-        if self.forward_callback is not None:
-            self._forward(scheduler_output, model_runner_output)
+        if self.forward_callback is not None and layout is not None:
+            self._forward(scheduler_output, layout)
         ms = self._steplog.add(t0, c0)
         out = super().update_from_output(scheduler_output, model_runner_output)
         t2, c2 = time.perf_counter(), time.thread_time()
-        for req_id in scheduler_output.num_scheduled_tokens:
+        for req_id in sched:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 self._drop(req_id)
@@ -559,61 +567,80 @@ class SpecControlScheduler(Recording, Scheduler):
         self.stats["overhead_ms"] += ms + self._steplog.add(t2, c2)
         return out
 
-    def _observe(self, so: Any, mro: Any) -> None:
-        """Fold the verification rounds of the step just run into the statistics, callback and recording."""
+    def _observe(self, so: Any, mro: Any, layout: tuple[dict[str, int], int] | None) -> None:
+        """Fold the verification rounds of the step just run into the statistics, callback and recording.
+
+        Per step: one read of the routing in place, one bincount for every round's ``U_r``/``E_max`` and
+        the step's expert union (:class:`specenv.engines.base.StepExperts`), one vectorised update of
+        the observation slots from preallocated columns; the recording's rows are built by the
+        recorder's writer thread (:meth:`Recording._defer_rows`).
+        """
         clock = self._step_clock(mro)
-        sched = so.num_scheduled_tokens
-        if not sched:
+        if layout is None:
             return
-        offsets, batch_tokens = batch_offsets(sched, mro.req_id_to_index)
+        offsets, batch_tokens = layout
         rounds = self._rounds_of_step(so, mro, clock)
         if not rounds:
             return
-        stats = self._routing_stats(rounds, offsets, batch_tokens)
-        batch = {"batch_size": len(sched), "batch_tokens": batch_tokens}
-        upd: tuple[list[Any], ...] = ([], [], [], [], [])
-        for rnd, (U, E) in zip(rounds, stats, strict=True):
-            out = self._outcome(rnd, U, E, clock)
-            st = rnd.st
-            for col, v in zip(upd, (st.slot, rnd.K, out["accepted"], U, out["cost_units"]), strict=True):
-                col.append(v)
-            st.last_U[rnd.K] = U
-            st.last = out
-            if self.round_callback is not None:
-                self.round_callback(rnd.req_id, st.last)
-            self.stats["rounds"] += 1
-            if self.recorder is not None:
-                self.recorder.add(self._row(rnd, out, clock, batch))
+        n = len(rounds)
+        Us, Es, union = self._routing_stats(rounds, offsets, batch_tokens)
+        cols = self._cols
+        if cols.shape[1] < n:
+            cols = self._cols = np.zeros((4, 2 * n))
+        slots, ks, accs, costs = cols[:, :n]
+        hooked = clock.hooked
+        max_len = self.max_model_len
+        callback = self.round_callback
+        rec = [] if self.recorder is not None else None
+        for i, rnd in enumerate(rounds):
+            request, st, K = rnd.request, rnd.st, rnd.K
+            U, E = float(Us[i]), float(Es[i])
+            raw = min(len(rnd.gen) - 1, K)
+            acc = min(committed_len(request, rnd.gen, max_len) - 1, raw)
+            L = request.num_tokens
+            td, td_cpu = (st.td_ms, st.td_cpu_ms) if hooked else (0.0, 0.0)
+            cost = self._cost_units(K, U, L, clock.t_ms, td)
+            # the values of OUTCOME_FIELDS, then the round's sampled tokens and its drafts (Req.last)
+            st.out = (K, rnd.n, acc, raw, L, request.num_output_tokens, U, E, clock.t_ms, td, clock.t_cpu, td_cpu)
+            st.out += (clock.step_ms, cost, rnd.gen, st.full_drafts)
+            slots[i], ks[i], accs[i], costs[i] = st.slot, K, acc, cost
+            st.last_U[K] = U
+            if callback is not None:
+                callback(rnd.req_id, st.last)
+            if rec is not None:
+                if st.greedy is None:
+                    sp = request.sampling_params
+                    st.greedy = bool(sp is None or sp.temperature == 0.0)
+                verified = (
+                    [int(request.all_token_ids[-1]), *map(int, rnd.drafts)] if self.settings.record_tokens else None
+                )
+                rec.append(
+                    (st.gid, st.rounds, rnd.req_id, st.out, st.drafted, st.policy_k, st.fallback, st.capped)
+                    + (st.greedy, verified)
+                )
             st.rounds += 1
             st.td_ms, st.td_cpu_ms = clock.d_ms, clock.d_cpu
-        if upd[0]:
-            self._slots.update(*upd)
+        self.stats["rounds"] += n
+        if rec is not None:
+            self._defer_rows(rec, clock, len(so.num_scheduled_tokens), batch_tokens)
+        self._slots.update(slots.astype(np.intp), ks.astype(np.int64), accs.astype(np.int64), Us, costs.copy())
         if self.policy is not None:
-            self._prev_batch = self._batch_facts(batch_tokens, clock)
+            self._prev_batch = self._batch_facts(union, batch_tokens, clock)
 
-    def _batch_facts(self, batch_tokens: int, clock: StepClock) -> tuple[float, float]:
+    def _batch_facts(self, union: float | None, batch_tokens: int, clock: StepClock) -> tuple[float, float]:
         """The step's ``(prev_U_batch, prev_step_cost)`` for the next :class:`BatchStep` (:mod:`.served`)."""
-        u_b = 0.0
-        tap = self.tap
-        if tap is not None and self.n_experts and 0 < batch_tokens <= tap.capacity:
-            routing = np.asarray(tap.routing(batch_tokens))  # (n_layers, tokens, top_k) expert ids
-            hit = np.zeros((routing.shape[0], self.n_experts), dtype=bool)
-            hit[np.arange(routing.shape[0])[:, None, None], routing] = True
-            u_b = float(hit.sum(axis=1).mean()) / self.n_experts
+        u_b = union / self.n_experts if union is not None and self.n_experts else 0.0
         ref = self._ar_ema if self._ar_ema is not None else self._min_tt
         cost = 0.0
         if ref and ref > 0:
             cost = min((clock.t_ms + clock.d_ms) / ref / (self.spec.kmax + 1), float(self.spec.cost_high))
         return u_b, cost
 
-    def _forward(self, so: Any, mro: Any) -> None:
-        """Hand the step's spans and routing to :attr:`forward_callback`."""
-        sched = so.num_scheduled_tokens
-        if not sched:
-            return
-        offsets, batch_tokens = batch_offsets(sched, mro.req_id_to_index)
+    def _forward(self, so: Any, layout: tuple[dict[str, int], int]) -> None:
+        """Hand the step's spans and routing (a copy: the callback may keep it) to :attr:`forward_callback`."""
+        offsets, batch_tokens = layout
         spans = {}
-        for req_id, n in sched.items():
+        for req_id, n in so.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is not None:
                 spans[req_id] = (offsets[req_id], request.num_computed_tokens - n, n)
@@ -673,42 +700,20 @@ class SpecControlScheduler(Recording, Scheduler):
 
     def _routing_stats(
         self, rounds: list[Round], offsets: dict[str, int], batch_tokens: int
-    ) -> list[tuple[float, float]]:
-        """``(U_r, E_max)`` of every round: from the tap's routing of the step, else the U prior and 1."""
+    ) -> tuple[np.ndarray, np.ndarray, float | None]:
+        """``(U_r, E_max)`` of every round and the step's expert union (mean over layers; None without routing).
+
+        From the tap's routing of the step, read in place; without it, the U prior and 1.
+        """
         tap = self.tap
         if tap is not None and batch_tokens <= tap.capacity:
-            routing = tap.routing(batch_tokens)
-            Us, Es = span_expert_stats(routing, [(offsets[r.req_id], r.n) for r in rounds], self.n_experts)
-            return [(float(U), float(E)) for U, E in zip(Us, Es, strict=True)]
-        return [(float(u_prior(r.K, self.top_k or 1, self.n_experts or 1)), 1.0) for r in rounds]
-
-    def _outcome(self, rnd: Round, U: float, E: float, clock: StepClock) -> dict[str, Any]:
-        """The round's outcome as the live backend sees it (``request_state()["last"]``)."""
-        request, st, K = rnd.request, rnd.st, rnd.K
-        raw = min(len(rnd.gen) - 1, K)
-        acc = min(committed_len(request, rnd.gen, self.max_model_len) - 1, raw)
-        L = request.num_tokens
-        hooked = clock.hooked
-        td = st.td_ms if hooked else 0.0
-        td_cpu = st.td_cpu_ms if hooked else 0.0
-        return {
-            "K": K,
-            "m": rnd.n,
-            "accepted": acc,
-            "accepted_raw": raw,
-            "L": L,
-            "t": request.num_output_tokens,
-            "U_r": U,
-            "E_max": E,
-            "T_T_ms": clock.t_ms,
-            "T_D_ms": td,
-            "T_T_cpu_ms": clock.t_cpu,
-            "T_D_cpu_ms": td_cpu,
-            "step_ms": clock.step_ms,
-            "cost_units": self._cost_units(K, U, L, clock.t_ms, td),
-            "committed": list(rnd.gen[: acc + 1]),
-            "drafted": list(st.full_drafts),
-        }
+            routing = tap.routing(batch_tokens, copy=False)
+            experts = self._experts
+            if experts is None or experts.n_layers != routing.shape[0]:
+                experts = self._experts = StepExperts(routing.shape[0], self.n_experts, routing.shape[2], tap.capacity)
+            return experts.step(routing, [offsets[r.req_id] for r in rounds], [r.n for r in rounds])
+        prior = [float(u_prior(r.K, self.top_k or 1, self.n_experts or 1)) for r in rounds]
+        return np.array(prior), np.ones(len(rounds)), None
 
     def _cost_units(self, K: int, U: float, L: int, t_ms: float, d_ms: float) -> float:
         if K == 0:  # the measured AR step (also the reference of BatchStep.prev_step_cost)
@@ -801,15 +806,18 @@ class SpecControlScheduler(Recording, Scheduler):
         )
         t0 = time.perf_counter()
         ks: list[Any] = [None] * len(live)
+        fast = False  # every k an integer in 0..kmax: no per-row check
         assert self._served is not None
         try:  # the one call path: every request of the step at once
-            ks = list(self._served.act(obs, [req_ids[j] for j in live], self._batch_step(len(live))))
+            arr = self._served.act(obs, [req_ids[j] for j in live], self._batch_step(len(live)))
+            fast = arr.dtype.kind in "iu" and 0 <= int(arr.min()) and int(arr.max()) <= self.spec.kmax
+            ks = arr.tolist() if fast else list(arr)
         except Exception as exc:
             self._error(exc)
         self.stats["policy_ms"] += (time.perf_counter() - t0) * 1e3
         for pos, j in enumerate(live):
             st = self._reqs[req_ids[j]]
-            k, ok = self._valid(ks[pos])
+            k, ok = (ks[pos], True) if fast else self._valid(ks[pos])
             if not ok:
                 if ks[pos] is not None:
                     self._error(ValueError(f"invalid k {ks[pos]!r} (need an integer in 0..{self.spec.kmax})"))

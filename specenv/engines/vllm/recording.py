@@ -3,18 +3,20 @@
 :class:`Recording` is the part of :class:`specenv.engines.vllm.controller.SpecControlScheduler` that
 writes what the server ran (one row per request and round, :mod:`specenv.engines.recorder` for the
 columns) into a recording folder: start, flush and stop, the engine's provenance and the row of a round.
-It reads the controller's settings, tap, step counter and policy; the controller calls :meth:`_row`
-for every round of a step while recording.
+It reads the controller's settings, tap, step counter and policy; while recording, the controller hands
+each step's rounds (values only) to :meth:`_defer_rows`, and the recorder's writer thread builds their
+rows (:func:`step_rows`) when it writes the part.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
-from specenv.engines.vllm.bookkeeping import Round, StepClock
+from specenv.engines.vllm.bookkeeping import OUTCOME_FIELDS, StepClock
 from specenv.engines.vllm.settings import SpecenvSettings
 
-__all__ = ["Recording"]
+__all__ = ["Recording", "step_rows"]
 
 
 class Recording:
@@ -121,31 +123,47 @@ class Recording:
             "policy": None if self.policy is None else str(getattr(self.policy, "name", type(self.policy).__name__)),
         }
 
-    def _row(self, rnd: Round, out: dict[str, Any], clock: StepClock, batch: dict[str, int]) -> dict[str, Any]:
-        """The round's row of the recording (see :mod:`specenv.engines.recorder` for the columns)."""
-        st, request = rnd.st, rnd.request
-        sp = request.sampling_params
+    def _defer_rows(self, rounds: list[tuple[Any, ...]], clock: StepClock, batch_size: int, batch_tokens: int) -> None:
+        """Hand one step's rounds to the recorder; their rows are built on its writer thread (:func:`step_rows`).
+
+        ``rounds``: per round ``(generation_id, round, request_id, outcome, drafted, policy_k, fallback,
+        capped, greedy, verified_tokens)``, ``outcome`` the values of
+        :data:`specenv.engines.vllm.bookkeeping.OUTCOME_FIELDS` (``Req.out``); values only, never live state.
+        """
+        s = self.settings
+        step = (self._step, batch_size, batch_tokens, clock.timing, s.category, s.run, s.record_tokens)
+        self.recorder.add_deferred(len(rounds), partial(step_rows, step, rounds))
+
+
+def step_rows(step: tuple[Any, ...], rounds: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """The rows of one step's rounds (see :mod:`specenv.engines.recorder` for the columns)."""
+    number, batch_size, batch_tokens, timing, category, run, with_tokens = step
+    rows = []
+    for gid, rnd, req_id, out, drafted, policy_k, fallback, capped, greedy, verified in rounds:
+        o = dict(zip(OUTCOME_FIELDS, out, strict=False))
         row = {
-            "generation_id": st.gid,
-            "category": self.settings.category,
-            "round": st.rounds,
-            **{c: out[c] for c in ("K", "m", "accepted", "L", "U_r", "E_max", "T_T_ms", "T_D_ms")},
-            "request_id": rnd.req_id,
-            "t": out["t"],
-            "step": self._step,
-            **batch,
-            "drafted": st.drafted,
-            "policy_k": st.policy_k,
-            "fallback": st.fallback,
-            "capped": st.capped,
-            "greedy": bool(sp is None or sp.temperature == 0.0),
-            "step_ms": clock.step_ms,
-            "T_T_cpu_ms": clock.t_cpu,
-            "T_D_cpu_ms": out["T_D_cpu_ms"],
-            "timing": clock.timing,
-            "run": self.settings.run,
-            "accepted_raw": out["accepted_raw"],
+            "generation_id": gid,
+            "category": category,
+            "round": rnd,
+            **{c: o[c] for c in ("K", "m", "accepted", "L", "U_r", "E_max", "T_T_ms", "T_D_ms")},
+            "request_id": req_id,
+            "t": o["t"],
+            "step": number,
+            "batch_size": batch_size,
+            "batch_tokens": batch_tokens,
+            "drafted": drafted,
+            "policy_k": policy_k,
+            "fallback": fallback,
+            "capped": capped,
+            "greedy": greedy,
+            "step_ms": o["step_ms"],
+            "T_T_cpu_ms": o["T_T_cpu_ms"],
+            "T_D_cpu_ms": o["T_D_cpu_ms"],
+            "timing": timing,
+            "run": run,
+            "accepted_raw": o["accepted_raw"],
         }
-        if self.settings.record_tokens:
-            row["verified_tokens"] = [int(request.all_token_ids[-1]), *map(int, rnd.drafts)]
-        return row
+        if with_tokens:
+            row["verified_tokens"] = verified
+        rows.append(row)
+    return rows

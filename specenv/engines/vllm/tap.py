@@ -328,22 +328,46 @@ class RoutingTap:
         b = self.sig[:calls, :n]
         return b.cpu().numpy().copy() if hasattr(b, "cpu") else np.array(b)
 
-    def routing(self, n_tokens: int) -> np.ndarray:
+    def routing(self, n_tokens: int, copy: bool = True) -> np.ndarray:
         """``(n_layers, n_tokens, top_k)`` int32 copy of the last forward's routing.
+
+        With ``copy=False`` a buffer on the host is returned in place (no copy): valid until the next
+        forward, for a reader that is done with it within the step (the controller's statistics). A
+        buffer on an accelerator is always copied to the host.
 
         Raises:
             RoutingMissing: When the copy is all zero: no capture callback wrote it (a token's top-k
                 experts are distinct, so real routing is never all expert 0 with top_k >= 2, and
                 practically never with top-1 over every layer and token).
         """
-        b = self.buf[:, :n_tokens]
-        out = b.cpu().numpy().copy() if hasattr(b, "cpu") else np.array(b)
+        host = self._host()
+        if host is not None:  # a numpy view of a host buffer: slicing it costs no torch call
+            out = host[:, :n_tokens]
+            if copy:
+                out = out.copy()
+        else:  # on an accelerator
+            out = self.buf[:, :n_tokens].cpu().numpy()
         if out.size and not out.any():
             raise RoutingMissing(
                 f"specenv routing tap: the target's routing buffer is all zero for the step's {n_tokens} tokens "
                 f"({self.n_layers} MoE layers): the routers' capture did not run, so U_r cannot be recorded"
             )
         return out
+
+    def _host(self) -> np.ndarray | None:
+        """A numpy view of :attr:`buf` when it lives on the host (kept while ``buf`` is the same object)."""
+        buf = self.buf
+        cached = self.__dict__.get("_host_view")
+        if cached is not None and cached[0] is buf:
+            return cached[1]
+        if isinstance(buf, np.ndarray):
+            view = buf
+        elif buf.device.type == "cpu":
+            view = buf.numpy()
+        else:
+            return None
+        self.__dict__["_host_view"] = (buf, view)
+        return view
 
 
 def _layout(n_layers: int, capacity: int, top_k: int, sig_steps: int = 0, sig_rows: int = 0) -> int:
