@@ -439,17 +439,22 @@ def _show(v: Any) -> str:
 # The running statistics, vectorised
 # --------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=64)
-def _ema_tables(k_top: int, kmax: int, ema: float) -> tuple[np.ndarray, np.ndarray]:
-    """Per-(k, a) multiplier and addend of the EMA block for budgets 0..k_top (read-only).
+def _ema_tables(k_top: int, kmax: int, ema: float) -> np.ndarray:
+    """Per-(k, a) multiplier and addend of the statistics block for budgets 0..k_top (read-only).
 
-    Row ``k * (k_top + 1) + a``; columns ``[acc_rate, acc_len, acc_depth_1..kmax]``. Where a round
-    updates a statistic with value x: ``M = ema, A = (1 - ema) * x``; elsewhere ``M = 1, A = 0``
-    (``s * 1.0 + 0.0 == s`` exactly).
+    ``T[k * (k_top + 1) + a] = (M, A)``, each over the columns ``[acc_rate, acc_len, cost_per_token,
+    first_round, acc_depth_1..kmax]`` (:class:`ObservationState`'s block). Where a round updates a
+    statistic with value x: ``M = ema, A = (1 - ema) * x``; elsewhere ``M = 1, A = 0`` (``s * 1.0 + 0.0
+    == s`` exactly). ``cost_per_token`` gets ``M = ema, A = 0`` (its addend depends on the cost and is
+    added by the update), ``first_round`` ``M = A = 0``.
     """
     K = k_top + 1
     w = 1 - ema
-    M = np.ones((K * K, 2 + kmax))
-    A = np.zeros((K * K, 2 + kmax))
+    T = np.zeros((K * K, 2, 4 + kmax))
+    M, A = T[:, 0], T[:, 1]
+    M[:] = 1.0
+    M[:, 2] = ema
+    M[:, 3] = 0.0
     for k in range(K):
         for a in range(k + 1):
             row = k * K + a
@@ -459,11 +464,10 @@ def _ema_tables(k_top: int, kmax: int, ema: float) -> tuple[np.ndarray, np.ndarr
                 A[row, 1] = w * (float(a) / kmax)
             for j in range(1, kmax + 1):
                 if k >= j and a >= j - 1:  # depth j reached; success when a >= j
-                    M[row, 1 + j] = ema
-                    A[row, 1 + j] = w * (1.0 if a >= j else 0.0)
-    M.flags.writeable = False
-    A.flags.writeable = False
-    return M, A
+                    M[row, 3 + j] = ema
+                    A[row, 3 + j] = w * (1.0 if a >= j else 0.0)
+    T.flags.writeable = False
+    return T
 
 
 def _column(block: str, col: int | slice, doc: str) -> property:
@@ -481,13 +485,18 @@ def _column(block: str, col: int | slice, doc: str) -> property:
 class ObservationState:
     """Running statistics of a batch of n independent streams, and the observation builder.
 
-    The statistics live in blocks: ``P = [prev_k, prev_acc, prev_U, prev_cost]`` (the last round as
-    it was), ``E = [acc_rate, acc_len, acc_depth_1..kmax]`` and the vectors ``cost_per_token`` and
-    ``first``; the attributes of those names are views into the blocks. Every statistic in ``E`` is
-    an EMA gated by the round's (k, accepted) only, so one update is ``E = E * M[k, a] + A[k, a]``
-    with tables precomputed per (k, a) (:func:`_ema_tables`): the same float operations as updating
-    each statistic on its own, at a fraction of the numpy calls. Budgets above the table (a vLLM
-    server verifying more drafts than the policy's kmax) extend the table on first use.
+    Everything the vector is made of lives, unscaled and in float64, in one ``(n, dim)`` block laid
+    out as the vector itself: the context L and position t of the last :meth:`build`, ``P = [prev_k,
+    prev_acc, prev_U, prev_cost]`` (the last round as it was), ``E = [acc_rate, acc_len,
+    cost_per_token, first_round, acc_depth_1..kmax]``, then the draft signals and per-token features
+    of the last :meth:`build`. ``P``, ``E`` and the attributes named after the statistics are views
+    into it. Every statistic in ``E`` is an EMA (or, for ``first_round``, a reset) gated by the
+    round's (k, accepted) only, so one update is ``E = E * M[k, a] + A[k, a]`` with tables
+    precomputed per (k, a) (:func:`_ema_tables`), plus the cost term of ``cost_per_token``: the same
+    float operations as updating each statistic on its own, at a fraction of the numpy calls. Budgets
+    above the table (a vLLM server verifying more drafts than the policy's kmax) extend the table on
+    first use. :meth:`build` is then one division of the block by the scaling row, written (rounded
+    to float32) into the output, and the clip to the Box.
 
     Rounds must satisfy ``0 <= accepted <= k``.
 
@@ -501,31 +510,40 @@ class ObservationState:
         self.n = n
         km = spec.kmax
         self._ema = spec.ema
-        self._P = np.zeros((n, 4))
-        self._E_init = np.array([spec.prior_rate, 0.0] + [spec.prior_rate] * km)
-        self._E = np.empty((n, 2 + km))
-        self._E[:] = self._E_init
-        self.cost_per_token = np.ones(n)
-        self.first = np.ones(n)
-        self._scale = np.array([km, km, spec.n_experts, km + 1], dtype=np.float64)
-        self._hi_row = spec.high()[None, :]
-        self._set_tables(km)
+        self._w = 1 - spec.ema
+        self._dim = d = spec.dim
         # column layout of the vector, read from the spec once
         idx = spec.index
         self._c_context = idx("context")
         self._c_progress = idx("progress")
-        self._c_prev = _block(spec, _PREV_BLOCK)
-        self._c_rate = _block(spec, _RATE_BLOCK)
-        self._c_cpt = idx("cost_per_token")
-        self._c_first = idx("first_round")
-        self._c_depth = _block(spec, tuple(f"acc_depth_{j}" for j in range(1, km + 1)))
+        c_prev = _block(spec, _PREV_BLOCK)
+        stats = [*_RATE_BLOCK, "cost_per_token", "first_round"] + [f"acc_depth_{j}" for j in range(1, km + 1)]
+        c_stats = _block(spec, tuple(stats))
         self._c_conf = _lookahead_block(spec)
         self._c_token = _block(spec, tuple(token_feature_names(spec.signals)) if spec.per_token else ())
-        self._token_scale = np.array([1.0, km, 1.0] + [1.0] * (spec.n_token_features - 3 if spec.per_token else 0))
+        self._raw = np.zeros((n, d))
+        self._P = self._raw[:, c_prev]
+        self._E = self._raw[:, c_stats]
+        self._E_init = np.array([spec.prior_rate, 0.0, 1.0, 1.0] + [spec.prior_rate] * km)
+        self._E[:] = self._E_init
+        # the divisor of every column (1 where the value enters as it is: exact)
+        scale = np.ones(d)
+        scale[self._c_context] = spec.context_scale
+        scale[self._c_progress] = spec.max_new_tokens
+        scale[c_prev] = (km, km, spec.n_experts, km + 1)
+        if spec.per_token:
+            scale[self._c_token.start + 1] = km  # drafted / kmax
+        self._scale_row = scale[None, :]
+        self._hi_row = spec.high()[None, :]
+        self._lookahead = spec.lookahead
+        self._per_token = spec.per_token
+        self._set_tables(km)
+        self._idx = np.empty(n, dtype=np.intp)
+        self._f = np.empty(n)
 
     def _set_tables(self, k_top: int) -> None:
         self._K = k_top + 1
-        self._M, self._A = _ema_tables(k_top, self.spec.kmax, self._ema)
+        self._T = _ema_tables(k_top, self.spec.kmax, self._ema)
 
     # -- the statistics by name (views into the blocks; assigning writes into them)
     prev_k = _column("_P", 0, "Previous round's budget per stream.")
@@ -534,15 +552,15 @@ class ObservationState:
     prev_cost = _column("_P", 3, "Previous round's cost per stream (units of ``prev_cost_norm``).")
     acc_rate = _column("_E", 0, "EMA of accepted/k per stream.")
     acc_len = _column("_E", 1, "EMA of accepted/kmax per stream.")
-    acc_depth = _column("_E", slice(2, None), "(n, kmax) EMA of the conditional acceptance per depth.")
+    cost_per_token = _column("_E", 2, "EMA of the round cost per committed token per stream.")
+    first = _column("_E", 3, "1 before a stream's first round, else 0.")
+    acc_depth = _column("_E", slice(4, None), "(n, kmax) EMA of the conditional acceptance per depth.")
 
     def reset(self, mask: np.ndarray | None = None) -> None:
         """Forget the history of the streams in ``mask`` (all when None)."""
         m = slice(None) if mask is None else np.asarray(mask, dtype=bool)
         self._P[m] = 0.0
         self._E[m] = self._E_init
-        self.cost_per_token[m] = 1.0
-        self.first[m] = 1.0
 
     def update(
         self,
@@ -565,37 +583,43 @@ class ObservationState:
         """
         if mask is not None:  # update everything, then restore the streams not selected
             keep = ~np.asarray(mask, dtype=bool)
-            saved = (self._P[keep], self._E[keep], self.cost_per_token[keep], self.first[keep])
+            saved = (self._P[keep], self._E[keep])
             self.update(k, accepted, U_r, cost_units, committed)
-            self._P[keep], self._E[keep], self.cost_per_token[keep], self.first[keep] = saved
+            self._P[keep], self._E[keep] = saved
             return
-        k = np.asarray(k)
-        accepted = np.asarray(accepted)
-        k_i = k.astype(np.intp)
-        idx = k_i * self._K + accepted.astype(np.intp)
+        idx = self._idx
+        np.multiply(k, self._K, out=idx, casting="unsafe")
+        np.add(idx, accepted, out=idx, casting="unsafe")
         try:
-            Mk = self._M.take(idx, axis=0)
+            MA = self._T.take(idx, axis=0)  # (take with out= is buffered, several times slower)
         except IndexError:  # a budget above the table: extend it
-            self._set_tables(max(int(k_i.max()), self.spec.kmax))
-            idx = k_i * self._K + accepted.astype(np.intp)
-            Mk = self._M.take(idx, axis=0)
+            self._set_tables(max(int(np.max(k)), self.spec.kmax))
+            np.multiply(k, self._K, out=idx, casting="unsafe")
+            np.add(idx, accepted, out=idx, casting="unsafe")
+            MA = self._T.take(idx, axis=0)
         E = self._E
-        E *= Mk
-        E += self._A.take(idx, axis=0)
-        ema = self._ema
-        cost_units = np.asarray(cost_units, dtype=np.float64)
-        cpt = cost_units / np.maximum(np.asarray(committed, dtype=np.float64), 1.0)
-        self.cost_per_token *= ema
-        self.cost_per_token += (1 - ema) * cpt
+        E *= MA[:, 0]
+        E += MA[:, 1]
+        # cost_per_token = ema * cost_per_token + (1 - ema) * cost / max(committed, 1); the ema
+        # factor is in M above
+        cpt = self._f
+        np.maximum(committed, 1.0, out=cpt)
+        np.divide(cost_units, cpt, out=cpt)
+        cpt *= self._w
+        E[:, 2] += cpt
         P = self._P
         P[:, 0] = k
         P[:, 1] = accepted
         P[:, 2] = U_r
         P[:, 3] = cost_units
-        self.first[:] = 0.0
 
     def build(
-        self, L: np.ndarray, t: np.ndarray, conf: np.ndarray | None = None, token: np.ndarray | None = None
+        self,
+        L: np.ndarray,
+        t: np.ndarray,
+        conf: np.ndarray | None = None,
+        token: np.ndarray | None = None,
+        out: np.ndarray | None = None,
     ) -> np.ndarray:
         """The (n, dim) float32 observations at context ``L`` after ``t`` generated tokens.
 
@@ -607,26 +631,23 @@ class ObservationState:
             token: (n, 3 + extra) per-token features ``[q of the draft just drafted, drafted so far,
                 product of the round's drafted q, then its entropy / margin for those signals]``,
                 unscaled (required iff ``spec.per_token``); ``drafted`` is divided by kmax here.
+            out: An (n, dim) float32 array to write the observations into (and return); a new one
+                when None.
         """
-        s = self.spec
-        E = self._E
-        obs = np.empty((self.n, s.dim), dtype=np.float32)
-        obs[:, self._c_context] = np.asarray(L, dtype=np.float64) / s.context_scale
-        obs[:, self._c_progress] = np.minimum(np.asarray(t, dtype=np.float64) / s.max_new_tokens, 1.0)
-        obs[:, self._c_prev] = self._P / self._scale
-        obs[:, self._c_rate] = E[:, :2]
-        obs[:, self._c_cpt] = self.cost_per_token
-        obs[:, self._c_first] = self.first
-        obs[:, self._c_depth] = E[:, 2:]
-        if s.lookahead:
+        raw = self._raw
+        raw[:, self._c_context] = L
+        raw[:, self._c_progress] = t
+        if self._lookahead:
             if conf is None:
                 raise ValueError("conf is required when lookahead > 0")
-            obs[:, self._c_conf] = conf
-        if s.per_token:
+            raw[:, self._c_conf] = conf
+        if self._per_token:
             if token is None:
                 raise ValueError("token is required when spec.per_token")
-            token = np.asarray(token, dtype=np.float64)
-            obs[:, self._c_token] = token / self._token_scale
+            raw[:, self._c_token] = token
+        obs = np.empty((self.n, self._dim), dtype=np.float32) if out is None else out
+        # every feature computed in float64, rounded once to float32 (the division by 1.0 is exact)
+        np.divide(raw, self._scale_row, out=obs)
         np.minimum(obs, self._hi_row, out=obs)  # == np.clip(obs, 0, hi): no NaN can occur
         np.maximum(obs, 0.0, out=obs)
         return obs
@@ -636,8 +657,6 @@ class ObservationState:
         sub = ObservationState(self.spec, len(np.arange(self.n)[rows]))
         sub._P[:] = self._P[rows]
         sub._E[:] = self._E[rows]
-        sub.cost_per_token[:] = self.cost_per_token[rows]
-        sub.first[:] = self.first[rows]
         return sub
 
     def resized(self, n: int) -> ObservationState:
@@ -646,8 +665,6 @@ class ObservationState:
         m = min(n, self.n)
         new._P[:m] = self._P[:m]
         new._E[:m] = self._E[:m]
-        new.cost_per_token[:m] = self.cost_per_token[:m]
-        new.first[:m] = self.first[:m]
         return new
 
 
