@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -283,3 +284,30 @@ def test_bad_inputs_raise() -> None:
         oracle.delta_analysis(arrays, model, states="nope")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="method"):
         oracle.boundary_slope(arrays, model, method="nope")  # type: ignore[arg-type]
+
+
+def test_step_tables_are_built_once_per_positions_model_and_mode() -> None:
+    from oracle import dp
+
+    arrays, model = make_instance(5, [6, 3, 8], 3, greedy=False)
+    lay, Ct, St = dp.step_tables(arrays, model)
+    assert dp.step_tables(arrays, model)[1] is Ct  # the same tables, not rebuilt
+    assert not Ct.flags.writeable and not St.flags.writeable
+    # what a table depends on is in the key: the lookahead/drafting mode and the cost model's content
+    assert dp.step_tables(arrays, model, 2, "block")[1] is not Ct
+    assert dp.step_tables(arrays, model, 0, "sequential")[1] is not Ct
+    other = dataclasses.replace(model, beta0=model.beta0 + 1.0)
+    assert not np.array_equal(dp.step_tables(arrays, other)[1], Ct)
+    # a copy of the positions is another table (identity), with equal contents
+    copy = arrays.with_kmax(arrays.kmax)
+    assert dp.step_tables(copy, model)[1] is not Ct and np.array_equal(dp.step_tables(copy, model)[1], Ct)
+    # an entry goes with its positions table
+    n = len(dp._TABLES)
+    del copy
+    assert len(dp._TABLES) == n - 1
+    # a solve on cached tables equals one that builds them
+    cached = oracle.solve(arrays, model)
+    dp._TABLES.clear()
+    fresh = oracle.solve(arrays, model)
+    assert np.array_equal(cached.value, fresh.value) and np.array_equal(cached.k, fresh.k)
+    assert np.array_equal(cached.occupancy, fresh.occupancy)
