@@ -175,6 +175,7 @@ class MoESpecVectorEnv(VectorEnv):
 
         self._rngs: list[np.random.Generator] | None = None
         self._obs_state = ObservationState(d.spec, n)
+        self._obs_state.clip = not d.within_box  # the same vectors, without the clip when in range
         self._ar = np.arange(n)
         self._width = d.kmax + 1
         self._offsets = d.offsets.tolist()

@@ -540,6 +540,9 @@ class ObservationState:
         self._set_tables(km)
         self._idx = np.empty(n, dtype=np.intp)
         self._f = np.empty(n)
+        #: Clip every vector to the Box; a caller whose rounds keep every feature in range (the replay
+        #: environments when :attr:`specenv.replay.tables.ReplayData.within_box`) may turn it off.
+        self.clip = True
 
     def _set_tables(self, k_top: int) -> None:
         self._K = k_top + 1
@@ -648,8 +651,9 @@ class ObservationState:
         obs = np.empty((self.n, self._dim), dtype=np.float32) if out is None else out
         # every feature computed in float64, rounded once to float32 (the division by 1.0 is exact)
         np.divide(raw, self._scale_row, out=obs)
-        np.minimum(obs, self._hi_row, out=obs)  # == np.clip(obs, 0, hi): no NaN can occur
-        np.maximum(obs, 0.0, out=obs)
+        if self.clip:
+            np.minimum(obs, self._hi_row, out=obs)  # == np.clip(obs, 0, hi): no NaN can occur
+            np.maximum(obs, 0.0, out=obs)
         return obs
 
     def take(self, rows: Any) -> ObservationState:
@@ -701,6 +705,7 @@ class ScalarObservation:
 
     __slots__ = (
         "spec",
+        "clip",
         "kmax",
         "ema",
         "prior",
@@ -719,6 +724,7 @@ class ScalarObservation:
 
     def __init__(self, spec: ObservationSpec):
         self.spec = spec
+        self.clip = True  # as ObservationState.clip
         self.hi_context = float(np.float32(spec.context_high))  # the Box's float32 bounds
         self.hi_cost = float(np.float32(spec.cost_high))
         self.kmax = spec.kmax
@@ -770,23 +776,38 @@ class ScalarObservation:
         """
         s = self.spec
         kmax = self.kmax
-        # Clipping to the Box in float64 before the float32 cast equals ObservationState's cast-then-clip
-        # (the bounds 0, 1, 16, 64 are exact in float32 and rounding is monotone). Only these four
-        # features can leave their range; the others stay in [0, 1] by construction. The list follows
-        # BASE_FEATURES (checked in __init__).
-        vals = [
-            min(max(L / s.context_scale, 0.0), self.hi_context),
-            min(t / s.max_new_tokens, 1.0),
-            self.prev_k / kmax,
-            self.prev_acc / kmax,
-            min(max(self.prev_U / s.n_experts, 0.0), 1.0),
-            min(max(self.prev_cost / (kmax + 1), 0.0), self.hi_cost),
-            self.acc_rate,
-            self.acc_len,
-            min(max(self.cost_per_token, 0.0), self.hi_cost),
-            self.first,
-            *self.acc_depth,
-        ]
+        if self.clip:
+            # Clipping to the Box in float64 before the float32 cast equals ObservationState's
+            # cast-then-clip (the bounds 0, 1, 16, 64 are exact in float32 and rounding is monotone).
+            # Only these features can leave their range; the others stay in [0, 1] by construction.
+            # The list follows BASE_FEATURES (checked in __init__).
+            vals = [
+                min(max(L / s.context_scale, 0.0), self.hi_context),
+                min(t / s.max_new_tokens, 1.0),
+                self.prev_k / kmax,
+                self.prev_acc / kmax,
+                min(max(self.prev_U / s.n_experts, 0.0), 1.0),
+                min(max(self.prev_cost / (kmax + 1), 0.0), self.hi_cost),
+                self.acc_rate,
+                self.acc_len,
+                min(max(self.cost_per_token, 0.0), self.hi_cost),
+                self.first,
+                *self.acc_depth,
+            ]
+        else:  # the same values, known to be in range
+            vals = [
+                L / s.context_scale,
+                t / s.max_new_tokens,
+                self.prev_k / kmax,
+                self.prev_acc / kmax,
+                self.prev_U / s.n_experts,
+                self.prev_cost / (kmax + 1),
+                self.acc_rate,
+                self.acc_len,
+                self.cost_per_token,
+                self.first,
+                *self.acc_depth,
+            ]
         if conf is not None:
             vals.extend(conf)
         if token is not None:
