@@ -190,13 +190,12 @@ class MoESpecVectorEnv(VectorEnv):
         self._N = np.ones(n, dtype=np.int64)
         self._L0 = np.zeros(n, dtype=np.int64)
         self._t = np.zeros(n, dtype=np.int64)
-        self._round = np.zeros(n, dtype=np.int64)
         self._ep_cost = np.zeros(n, dtype=np.float64)
         self._u = np.zeros((n, d.max_len + 1), dtype=np.float64)
         self._u_flat = self._u.reshape(-1)
         self._u_stride = d.max_len + 1
         self._u_base = self._ar * self._u_stride
-        self._u_pos = self._u_base.copy()  # flat index of each sub-environment's next uniform
+        self._u_pos = self._u_base.copy()  # flat index of the next uniform: u_base + rounds played
         self._N1 = self._N - 1
         self._unit = float(d.ar_unit_ms)
         self._surv_take = d.survival.take
@@ -216,7 +215,8 @@ class MoESpecVectorEnv(VectorEnv):
     def _start(self, i: int, gid: Any = None) -> None:
         """Begin a new episode in sub-environment i, drawing from its generator like Env.reset."""
         d = self.data
-        g, u = draw(self._rngs[i], d.lengths, None if gid is None else d.index_of(gid))
+        # the episode's uniforms, drawn as the single environment's, straight into its row
+        g, _ = draw(self._rngs[i], d.lengths, None if gid is None else d.index_of(gid), out=self._u[i])
         n = self._lengths[g]
         self._gen[i] = g
         self._row0[i] = self._offsets[g]
@@ -224,10 +224,8 @@ class MoESpecVectorEnv(VectorEnv):
         self._L0[i] = self._L0s[g]
         self._t[i] = 0
         self._N1[i] = n - 1
-        self._round[i] = 0
         self._u_pos[i] = self._u_base[i]
         self._ep_cost[i] = 0.0
-        self._u[i, :n] = u  # the episode's uniforms, drawn as the single environment's
         if self.render_mode == "ansi":
             self._lines[i] = f"gen {int(d.generation_ids[g])} [{d.categories[g]}] t=0"
         elif self._strip is not None:
@@ -353,7 +351,6 @@ class MoESpecVectorEnv(VectorEnv):
         r = settle(k, t, a, N, rows, self._width, self._cost_take, self._U_take, self._ctx_take, self._unit, np.minimum)
         a, committed, cost, U_r, t_new, terminated = r.accepted, r.committed, r.cost_ms, r.U_r, r.t_next, r.terminated
         self._t = t_new
-        self._round += 1
         self._u_pos += 1
         self._ep_cost += cost
         self._obs_state.update(k, a, U_r, r.ctx_units, committed)
@@ -371,7 +368,7 @@ class MoESpecVectorEnv(VectorEnv):
         step_mask = self._all
         if any_reset:  # NEXT_STEP autoreset: these sub-environments start a new episode instead
             step_mask = ~done_prev
-            for i in np.flatnonzero(done_prev).tolist():
+            for i in done_prev.nonzero()[0].tolist():
                 self._start(i)
             self._obs_state.reset(done_prev)
             reward[done_prev] = 0.0
@@ -387,6 +384,10 @@ class MoESpecVectorEnv(VectorEnv):
         self._prev_done = terminated
         self._any_done = any_done
         return self._observe(), reward, terminated, np.zeros(self.num_envs, dtype=bool), info
+
+    def _rounds(self) -> np.ndarray:
+        """Rounds played in each sub-environment's episode (its uniforms used)."""
+        return self._u_pos - self._u_base
 
     def _observe(self) -> np.ndarray:
         """The observations at every sub-environment's current position (a new array)."""
@@ -433,16 +434,17 @@ class MoESpecVectorEnv(VectorEnv):
             info["speedup"] = np.divide(ar, ep, out=np.zeros(self.num_envs), where=terminated)
             info["episode_cost_ms"] = np.where(terminated, ep, 0.0)
             info["ar_cost_ms"] = np.where(terminated, ar, 0.0)
-            info["rounds"] = np.where(terminated, self._round, 0)
+            info["rounds"] = np.where(terminated, self._rounds(), 0)
             for key in _END_KEYS:
                 info["_" + key] = terminated
 
     def _render_lines(self, k, a, committed, cost, U_r, t, terminated, step_mask) -> None:  # noqa: ANN001
         d = self.data
+        rounds = self._rounds()
         for i in np.flatnonzero(step_mask):
             self._lines[i] = (
                 f"gen {int(d.generation_ids[self._gen[i]])} [{d.categories[self._gen[i]]}] round "
-                f"{int(self._round[i]) - 1}: t={int(t[i])} k={int(k[i])} accepted={int(a[i])} +{int(committed[i])} "
+                f"{int(rounds[i]) - 1}: t={int(t[i])} k={int(k[i])} accepted={int(a[i])} +{int(committed[i])} "
                 f"cost={float(cost[i]):.3f}ms U_r={float(U_r[i]):.2f}" + (" (done)" if terminated[i] else "")
             )
 

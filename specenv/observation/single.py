@@ -439,20 +439,19 @@ def _show(v: Any) -> str:
 # The running statistics, vectorised
 # --------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=64)
-def _ema_tables(k_top: int, kmax: int, ema: float) -> np.ndarray:
+def _ema_tables(k_top: int, kmax: int, ema: float) -> tuple[np.ndarray, np.ndarray]:
     """Per-(k, a) multiplier and addend of the statistics block for budgets 0..k_top (read-only).
 
-    ``T[k * (k_top + 1) + a] = (M, A)``, each over the columns ``[acc_rate, acc_len, cost_per_token,
-    first_round, acc_depth_1..kmax]`` (:class:`ObservationState`'s block). Where a round updates a
-    statistic with value x: ``M = ema, A = (1 - ema) * x``; elsewhere ``M = 1, A = 0`` (``s * 1.0 + 0.0
-    == s`` exactly). ``cost_per_token`` gets ``M = ema, A = 0`` (its addend depends on the cost and is
-    added by the update), ``first_round`` ``M = A = 0``.
+    Row ``k * (k_top + 1) + a``; columns ``[acc_rate, acc_len, cost_per_token, first_round,
+    acc_depth_1..kmax]`` (:class:`ObservationState`'s block ``E``). Where a round updates a statistic
+    with value x: ``M = ema, A = (1 - ema) * x``; elsewhere ``M = 1, A = 0`` (``s * 1.0 + 0.0 == s``
+    exactly). ``cost_per_token`` gets ``M = ema, A = 0`` (its addend depends on the cost: the update
+    adds it), ``first_round`` ``M = A = 0``.
     """
     K = k_top + 1
     w = 1 - ema
-    T = np.zeros((K * K, 2, 4 + kmax))
-    M, A = T[:, 0], T[:, 1]
-    M[:] = 1.0
+    M = np.ones((K * K, 4 + kmax))
+    A = np.zeros((K * K, 4 + kmax))
     M[:, 2] = ema
     M[:, 3] = 0.0
     for k in range(K):
@@ -466,8 +465,9 @@ def _ema_tables(k_top: int, kmax: int, ema: float) -> np.ndarray:
                 if k >= j and a >= j - 1:  # depth j reached; success when a >= j
                     M[row, 3 + j] = ema
                     A[row, 3 + j] = w * (1.0 if a >= j else 0.0)
-    T.flags.writeable = False
-    return T
+    M.flags.writeable = False
+    A.flags.writeable = False
+    return M, A
 
 
 def _column(block: str, col: int | slice, doc: str) -> property:
@@ -485,18 +485,17 @@ def _column(block: str, col: int | slice, doc: str) -> property:
 class ObservationState:
     """Running statistics of a batch of n independent streams, and the observation builder.
 
-    Everything the vector is made of lives, unscaled and in float64, in one ``(n, dim)`` block laid
-    out as the vector itself: the context L and position t of the last :meth:`build`, ``P = [prev_k,
-    prev_acc, prev_U, prev_cost]`` (the last round as it was), ``E = [acc_rate, acc_len,
-    cost_per_token, first_round, acc_depth_1..kmax]``, then the draft signals and per-token features
-    of the last :meth:`build`. ``P``, ``E`` and the attributes named after the statistics are views
-    into it. Every statistic in ``E`` is an EMA (or, for ``first_round``, a reset) gated by the
-    round's (k, accepted) only, so one update is ``E = E * M[k, a] + A[k, a]`` with tables
-    precomputed per (k, a) (:func:`_ema_tables`), plus the cost term of ``cost_per_token``: the same
-    float operations as updating each statistic on its own, at a fraction of the numpy calls. Budgets
-    above the table (a vLLM server verifying more drafts than the policy's kmax) extend the table on
-    first use. :meth:`build` is then one division of the block by the scaling row, written (rounded
-    to float32) into the output, and the clip to the Box.
+    The statistics live in two contiguous float64 blocks, in the order of the vector: ``P = [prev_k,
+    prev_acc, prev_U, prev_cost]`` (the last round as it was, unscaled) and ``E = [acc_rate,
+    acc_len, cost_per_token, first_round, acc_depth_1..kmax]``; the attributes of those names are
+    views into the blocks. Every statistic in ``E`` is an EMA (or, for ``first_round``, a reset)
+    gated by the round's (k, accepted) only, so one update is ``E = E * M[k, a] + A[k, a]`` with
+    tables precomputed per (k, a) (:func:`_ema_tables`), plus the cost term of ``cost_per_token``:
+    the same float operations as updating each statistic on its own, at a fraction of the numpy
+    calls. Budgets above the table (a vLLM server verifying more drafts than the policy's kmax)
+    extend the table on first use. :meth:`build` writes the vector with one operation per block
+    (each feature computed in float64 and rounded once to float32), then clips it to the Box unless
+    :attr:`clip` is off.
 
     Rounds must satisfy ``0 <= accepted <= k``.
 
@@ -511,33 +510,26 @@ class ObservationState:
         km = spec.kmax
         self._ema = spec.ema
         self._w = 1 - spec.ema
-        self._dim = d = spec.dim
+        self._P = np.zeros((n, 4))
+        self._E_init = np.array([spec.prior_rate, 0.0, 1.0, 1.0] + [spec.prior_rate] * km)
+        self._E = np.empty((n, 4 + km))
+        self._E[:] = self._E_init
+        self._scale = np.array([km, km, spec.n_experts, km + 1], dtype=np.float64)
+        self._hi_row = spec.high()[None, :]
+        self._set_tables(km)
         # column layout of the vector, read from the spec once
         idx = spec.index
         self._c_context = idx("context")
         self._c_progress = idx("progress")
-        c_prev = _block(spec, _PREV_BLOCK)
-        stats = [*_RATE_BLOCK, "cost_per_token", "first_round"] + [f"acc_depth_{j}" for j in range(1, km + 1)]
-        c_stats = _block(spec, tuple(stats))
+        self._c_prev = _block(spec, _PREV_BLOCK)
+        stats = (*_RATE_BLOCK, "cost_per_token", "first_round", *(f"acc_depth_{j}" for j in range(1, km + 1)))
+        self._c_stats = _block(spec, stats)  # E is written as one block
         self._c_conf = _lookahead_block(spec)
         self._c_token = _block(spec, tuple(token_feature_names(spec.signals)) if spec.per_token else ())
-        self._raw = np.zeros((n, d))
-        self._P = self._raw[:, c_prev]
-        self._E = self._raw[:, c_stats]
-        self._E_init = np.array([spec.prior_rate, 0.0, 1.0, 1.0] + [spec.prior_rate] * km)
-        self._E[:] = self._E_init
-        # the divisor of every column (1 where the value enters as it is: exact)
-        scale = np.ones(d)
-        scale[self._c_context] = spec.context_scale
-        scale[self._c_progress] = spec.max_new_tokens
-        scale[c_prev] = (km, km, spec.n_experts, km + 1)
-        if spec.per_token:
-            scale[self._c_token.start + 1] = km  # drafted / kmax
-        self._scale_row = scale[None, :]
-        self._hi_row = spec.high()[None, :]
-        self._lookahead = spec.lookahead
-        self._per_token = spec.per_token
-        self._set_tables(km)
+        self._token_scale = np.array([1.0, km, 1.0] + [1.0] * (spec.n_token_features - 3 if spec.per_token else 0))
+        self._dim = spec.dim
+        self._ctx_scale = float(spec.context_scale)
+        self._mnt = float(spec.max_new_tokens)
         self._idx = np.empty(n, dtype=np.intp)
         self._f = np.empty(n)
         #: Clip every vector to the Box; a caller whose rounds keep every feature in range (the replay
@@ -546,7 +538,7 @@ class ObservationState:
 
     def _set_tables(self, k_top: int) -> None:
         self._K = k_top + 1
-        self._T = _ema_tables(k_top, self.spec.kmax, self._ema)
+        self._M, self._A = _ema_tables(k_top, self.spec.kmax, self._ema)
 
     # -- the statistics by name (views into the blocks; assigning writes into them)
     prev_k = _column("_P", 0, "Previous round's budget per stream.")
@@ -594,15 +586,15 @@ class ObservationState:
         np.multiply(k, self._K, out=idx, casting="unsafe")
         np.add(idx, accepted, out=idx, casting="unsafe")
         try:
-            MA = self._T.take(idx, axis=0)  # (take with out= is buffered, several times slower)
+            Mk = self._M.take(idx, axis=0)  # (take with out= is buffered, several times slower)
         except IndexError:  # a budget above the table: extend it
             self._set_tables(max(int(np.max(k)), self.spec.kmax))
             np.multiply(k, self._K, out=idx, casting="unsafe")
             np.add(idx, accepted, out=idx, casting="unsafe")
-            MA = self._T.take(idx, axis=0)
+            Mk = self._M.take(idx, axis=0)
         E = self._E
-        E *= MA[:, 0]
-        E += MA[:, 1]
+        E *= Mk
+        E += self._A.take(idx, axis=0)
         # cost_per_token = ema * cost_per_token + (1 - ema) * cost / max(committed, 1); the ema
         # factor is in M above
         cpt = self._f
@@ -637,20 +629,21 @@ class ObservationState:
             out: An (n, dim) float32 array to write the observations into (and return); a new one
                 when None.
         """
-        raw = self._raw
-        raw[:, self._c_context] = L
-        raw[:, self._c_progress] = t
-        if self._lookahead:
+        s = self.spec
+        obs = np.empty((self.n, self._dim), dtype=np.float32) if out is None else out
+        # each feature in float64, rounded once to float32 on the write
+        np.divide(L, self._ctx_scale, out=obs[:, self._c_context], dtype=np.float64)
+        np.divide(t, self._mnt, out=obs[:, self._c_progress], dtype=np.float64)
+        np.divide(self._P, self._scale, out=obs[:, self._c_prev])
+        obs[:, self._c_stats] = self._E
+        if s.lookahead:
             if conf is None:
                 raise ValueError("conf is required when lookahead > 0")
-            raw[:, self._c_conf] = conf
-        if self._per_token:
+            obs[:, self._c_conf] = conf
+        if s.per_token:
             if token is None:
                 raise ValueError("token is required when spec.per_token")
-            raw[:, self._c_token] = token
-        obs = np.empty((self.n, self._dim), dtype=np.float32) if out is None else out
-        # every feature computed in float64, rounded once to float32 (the division by 1.0 is exact)
-        np.divide(raw, self._scale_row, out=obs)
+            np.divide(token, self._token_scale, out=obs[:, self._c_token], dtype=np.float64)
         if self.clip:
             np.minimum(obs, self._hi_row, out=obs)  # == np.clip(obs, 0, hi): no NaN can occur
             np.maximum(obs, 0.0, out=obs)
