@@ -311,3 +311,17 @@ def test_step_tables_are_built_once_per_positions_model_and_mode() -> None:
     fresh = oracle.solve(arrays, model)
     assert np.array_equal(cached.value, fresh.value) and np.array_equal(cached.k, fresh.k)
     assert np.array_equal(cached.occupancy, fresh.occupancy)
+
+
+def test_survival_and_expected_accepted_of_one_row_equal_the_table_forms() -> None:
+    from specenv.traces.traceset import expected_accepted_table, survival_table
+
+    rng = np.random.default_rng(2)
+    rho = rng.uniform(-0.1, 1.1, (6, 9))  # out of [0, 1] on purpose: clipped the same way
+    table = expected_accepted_table(rho)
+    for i in range(len(rho)):
+        row = expected_accepted_table(rho[i])  # the 1-D path
+        assert row.shape == (10,) and row[0] == 0.0 and np.array_equal(row, table[i])
+        assert np.array_equal(survival_table(rho[i].copy()), survival_table(rho.T.copy(), axis=0)[:, i])
+        want = np.cumsum(np.cumprod(np.clip(rho[i], 0.0, 1.0)))  # by hand: the sequential sums of products
+        assert np.array_equal(row[1:], want)
