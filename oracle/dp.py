@@ -18,13 +18,14 @@ step reads contiguous slices. The value function of all generations lives in one
 ``W[nmax - x, g]`` (V at distance x; the rows for x <= 0 stay zero), so the values after
 ``a = 0..K`` accepted drafts are the contiguous block ``W[nmax-s+1 : nmax-s+K+2]``. One sweep of
 ``max(N)`` steps, each a dozen numpy operations on a ``(K+1, G_active)`` block into preallocated
-buffers (no temporaries; the cumulative sum row by row and the argmin as a min, an equality and a
-max, both several times faster than their axis-0 forms), solves every generation at once. The
-forward sweep for the occupancy probabilities uses the same layout. The layout and the permuted
-tables are built once per (positions table, cost model, lookahead, drafting mode) and cached
-(:func:`step_tables`), so the evaluations of many policies on one positions table, the delta-space analysis and
-the repeated solves of the CLI and the benchmark pay for them once. ``scripts/bench_oracle.py`` times
-each part on a pool of the paper's size (641 generations x 1000 positions x Kmax 10).
+buffers, solves every generation at once (on blocks of at least ``_WIDE`` generations the
+cumulative sum runs row by row and the argmin as a min, an equality and a max, several times faster
+there than their axis-0 forms; the floats are the same). The forward sweep for the occupancy
+probabilities uses the same layout. The layout and the permuted tables are built once per
+(positions table, cost model, lookahead, drafting mode) and cached (:func:`step_tables`), so the
+evaluations of many policies on one positions table, the delta-space analysis and the repeated
+solves of the CLI and the benchmark pay for them once. ``scripts/bench_oracle.py`` times each part
+on a pool of the paper's size (641 generations x 1000 positions x Kmax 10).
 
 The expectation uses summation by parts (Abel): with ``V_a`` the value after accepting a drafts,
 ``sum_{a=0..k} P(a) V_a = V_0 + sum_{i=1..k} S_i (V_i - V_{i-1})``, so the expected next value for
@@ -243,6 +244,12 @@ def step_tables(
     return lay, Ct, St
 
 
+#: Active generations from which a backward step takes its wide form (row-wise cumulative sum, argmin
+#: as min/equal/max: fewer passes over memory, more numpy calls); narrower steps keep cumsum/argmin.
+#: Both forms give the same floats (the cumulative sum is sequential either way).
+_WIDE = 256
+
+
 def _backward(
     Ct: np.ndarray, St: np.ndarray, lay: _Layout, policy: np.ndarray | None, extra: Any = None
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -285,12 +292,20 @@ def _backward(
             # d[i-1] = V after i accepted - V after i-1 accepted; times P(a >= i); cumulate (Abel)
             np.subtract(W[b + 2 : b + K1 + 1, :na], W[b + 1 : b + K1, :na], out=d)
             np.multiply(d, St[:, p : p + na], out=d)
-            for i in range(1, K):  # the cumulative sum row by row (cumsum along axis 0 is slower)
-                np.add(d[i - 1], d[i], out=d[i])
-            np.add(d, Cs[1:], out=q[1:])
+            if na >= _WIDE:  # the cumulative sum row by row (cumsum along axis 0 is slower on wide blocks)
+                for i in range(1, K):
+                    np.add(d[i - 1], d[i], out=d[i])
+                np.add(d, Cs[1:], out=q[1:])
+            else:
+                np.cumsum(d, axis=0, out=q[1:])
+                q[1:] += Cs[1:]
         v = Vp[p : p + na]
         if extra is not None:
             k, v[:] = extra(p, na, b, q, W)
+            kp[p : p + na] = k
+        elif policy is None and na < _WIDE:
+            k = q.argmin(axis=0)
+            v[:] = q[k, cols[:na]]
             kp[p : p + na] = k
         elif policy is None:
             # the smallest budget of least value (argmin's choice), without argmin along axis 0

@@ -7,7 +7,11 @@
 draws from it in the same order (the generation with ``integers(G)``, then the episode's ``N``
 acceptance uniforms with ``random(N)``), so trajectories match the single environment bit for bit
 for the same seeds and actions, across autoresets too. Random draws happen only at (auto)reset; the
-step itself is pure array arithmetic on the shared :class:`specenv.replay.tables.ReplayData` tables.
+step itself is pure array arithmetic on the shared :class:`specenv.replay.tables.ReplayData` tables:
+a fixed sequence of whole-array numpy operations (no loop over sub-environments but the per-episode
+draws of those being reset), into preallocated work buffers where numpy allows it; the arrays a step
+returns are new ones. Where the tables keep every feature in range
+(:attr:`specenv.replay.tables.ReplayData.within_box`) the observation is not clipped (the same vectors).
 
 Autoreset follows gymnasium's ``AutoresetMode.NEXT_STEP``: the step after a sub-environment
 terminates resets it (its action is ignored, reward 0, terminated False) and returns the first
