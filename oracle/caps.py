@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from oracle.dp import Evaluation, _backward, _forward, _Layout, _mode, _step_tables, ar_costs
+from oracle.dp import Evaluation, _backward, _forward, _Layout, _mode, ar_costs, step_tables
 from specenv.cost.model import CostModel
 from specenv.replay.caps import JointTables, joint_tables
 from specenv.traces.traceset import PositionArrays
@@ -268,8 +268,7 @@ def solve_joint(
     """
     tab = tables if tables is not None else joint_tables(arrays, cost_model, lookahead, drafting, caps)
     lam = _lam(quality_weight, tab.unit_ms)
-    lay = _Layout.of(arrays)
-    Ct, St = _step_tables(arrays, cost_model, lookahead, lay, drafting)
+    lay, Ct, St = step_tables(arrays, cost_model, lookahead, drafting)
     K1 = tab.kmax + 1
     C = tab.n_levels
     n = len(arrays.L)
@@ -341,8 +340,7 @@ def evaluate_joint(
     tab = tables if tables is not None else joint_tables(arrays, cost_model, lookahead, drafting, caps)
     n = len(arrays.L)
     k, c = _policy_arrays(policy, n, tab.kmax, tab.n_levels)
-    lay = _Layout.of(arrays)
-    Ct, St = _step_tables(arrays, cost_model, lookahead, lay, drafting)
+    lay, Ct, St = step_tables(arrays, cost_model, lookahead, drafting)
     kp, cp = k[lay.perm], c[lay.perm]
     ch = _chosen(tab, Ct, St, lay, kp, cp)
     return _result(label, None, arrays, tab, cost_model, lay, ch, Ct, None, kp, cp, lookahead, drafting)

@@ -17,9 +17,15 @@ and survival tables are permuted once into that step order (``(K+1, n)`` and ``(
 step reads contiguous slices. The value function of all generations lives in one 2-D buffer
 ``W[nmax - x, g]`` (V at distance x; the rows for x <= 0 stay zero), so the values after
 ``a = 0..K`` accepted drafts are the contiguous block ``W[nmax-s+1 : nmax-s+K+2]``. One sweep of
-``max(N)`` steps, each about ten numpy operations on a ``(K+1, G_active)`` block, solves every
-generation at once (641 generations x 1000 positions x Kmax 10 in ~0.15 s; see
-``scripts/bench_oracle.py``). The forward sweep for the occupancy probabilities uses the same layout.
+``max(N)`` steps, each a dozen numpy operations on a ``(K+1, G_active)`` block into preallocated
+buffers, solves every generation at once (on blocks of at least ``_WIDE`` generations the
+cumulative sum runs row by row and the argmin as a min, an equality and a max, several times faster
+there than their axis-0 forms; the floats are the same). The forward sweep for the occupancy
+probabilities uses the same layout. The layout and the permuted tables are built once per
+(positions table, cost model, lookahead, drafting mode) and cached (:func:`step_tables`), so the
+evaluations of many policies on one positions table, the delta-space analysis and the repeated
+solves of the CLI and the benchmark pay for them once. ``scripts/bench_oracle.py`` times each part
+on a pool of the paper's size (641 generations x 1000 positions x Kmax 10).
 
 The expectation uses summation by parts (Abel): with ``V_a`` the value after accepting a drafts,
 ``sum_{a=0..k} P(a) V_a = V_0 + sum_{i=1..k} S_i (V_i - V_{i-1})``, so the expected next value for
@@ -43,12 +49,15 @@ every k is one cumulative sum.
 
 from __future__ import annotations
 
+import json
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from specenv.cost.model import DRAFTING_MODES, Charge, drafting_mode
+from specenv.cost.model import DRAFTING_MODES, Charge, CostModel, drafting_mode
 from specenv.stats import mean_ci, ratio_ci
 from specenv.traces.traceset import PositionArrays, expected_accepted_table, survival_table
 
@@ -63,6 +72,7 @@ __all__ = [
     "simulate",
     "solve",
     "survival",
+    "step_tables",
 ]
 
 
@@ -188,6 +198,58 @@ def _step_tables(
     return Ct, St
 
 
+#: Entries of the in-memory cache of :func:`step_tables` (each holds about ``(2 Kmax + 1) n`` floats).
+TABLES_CACHE_SIZE = 4
+_TABLES: OrderedDict[tuple[Any, ...], tuple[weakref.ref, _Layout, np.ndarray, np.ndarray]] = OrderedDict()
+
+
+def _tables_key(arrays: PositionArrays, cost_model: Charge, lookahead: int, drafting: str | None) -> tuple | None:
+    """The cache key of a solve's tables, or None for a charge that is not a :class:`CostModel`.
+
+    The positions table by identity (it is immutable: a frozen dataclass of arrays loaded once per
+    trace set, ``PositionArrays.with_kmax`` makes a new one), the cost model by its content (its
+    JSON, which round-trips every float exactly), the lookahead and the drafting mode.
+    """
+    if type(cost_model) is not CostModel:
+        return None  # other charges (the batch bound's) are built per call: one solve each
+    model = json.dumps(cost_model.to_json(), sort_keys=True)
+    return (id(arrays), model, int(lookahead), _mode(lookahead, drafting))
+
+
+def step_tables(
+    arrays: PositionArrays, cost_model: Charge, lookahead: int = 0, drafting: str | None = None
+) -> tuple[_Layout, np.ndarray, np.ndarray]:
+    """The layout and the step-order cost (K+1, n) and survival (K, n) tables of a solve, built once.
+
+    Every :func:`solve`, :func:`evaluate_policy`, the joint oracle (:mod:`oracle.caps`) and the sweeps
+    built on them read the tables through here: built by :func:`_step_tables` on first use for a
+    (positions table, cost model, lookahead, drafting mode) and kept, read-only, in a small in-memory
+    LRU cache (:data:`TABLES_CACHE_SIZE` entries; an entry goes when its positions table is freed).
+    """
+    _check_inputs(arrays, cost_model, lookahead, drafting)
+    key = _tables_key(arrays, cost_model, lookahead, drafting)
+    hit = _TABLES.get(key) if key is not None else None
+    if hit is not None and hit[0]() is arrays:
+        _TABLES.move_to_end(key)
+        return hit[1], hit[2], hit[3]
+    lay = _Layout.of(arrays)
+    Ct, St = _step_tables(arrays, cost_model, lookahead, lay, drafting)
+    if key is None:
+        return lay, Ct, St
+    for x in (lay.order, lay.lengths, lay.n_active, lay.start, lay.perm, Ct, St):
+        x.flags.writeable = False
+    _TABLES[key] = (weakref.ref(arrays, lambda _, key=key: _TABLES.pop(key, None)), lay, Ct, St)
+    while len(_TABLES) > TABLES_CACHE_SIZE:
+        _TABLES.popitem(last=False)
+    return lay, Ct, St
+
+
+#: Active generations from which a backward step takes its wide form (row-wise cumulative sum, argmin
+#: as min/equal/max: fewer passes over memory, more numpy calls); narrower steps keep cumsum/argmin.
+#: Both forms give the same floats (the cumulative sum is sequential either way).
+_WIDE = 256
+
+
 def _backward(
     Ct: np.ndarray, St: np.ndarray, lay: _Layout, policy: np.ndarray | None, extra: Any = None
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -210,8 +272,13 @@ def _backward(
     W = np.zeros((nm + K1, G))
     Vp = np.empty(n)
     kp = np.empty(n, dtype=np.int64)
+    # work buffers: the step's budget values, value differences, and the argmin's
     Q = np.empty((K1, G))
     D = np.empty((max(K, 1), G))
+    eq = np.empty((K1, G), dtype=bool)
+    rank = np.empty((K1, G), dtype=np.int16)
+    top = np.empty(G, dtype=np.int16)
+    first = np.arange(K1, 0, -1, dtype=np.int16)[:, None]  # K1 - k: largest at the smallest budget
     cols = np.arange(G)
     for s in range(1, nm + 1):
         na = int(lay.n_active[s])
@@ -225,17 +292,35 @@ def _backward(
             # d[i-1] = V after i accepted - V after i-1 accepted; times P(a >= i); cumulate (Abel)
             np.subtract(W[b + 2 : b + K1 + 1, :na], W[b + 1 : b + K1, :na], out=d)
             np.multiply(d, St[:, p : p + na], out=d)
-            np.cumsum(d, axis=0, out=q[1:])
-            q[1:] += Cs[1:]
+            if na >= _WIDE:  # the cumulative sum row by row (cumsum along axis 0 is slower on wide blocks)
+                for i in range(1, K):
+                    np.add(d[i - 1], d[i], out=d[i])
+                np.add(d, Cs[1:], out=q[1:])
+            else:
+                np.cumsum(d, axis=0, out=q[1:])
+                q[1:] += Cs[1:]
+        v = Vp[p : p + na]
         if extra is not None:
-            k, v = extra(p, na, b, q, W)
+            k, v[:] = extra(p, na, b, q, W)
+            kp[p : p + na] = k
+        elif policy is None and na < _WIDE:
+            k = q.argmin(axis=0)
+            v[:] = q[k, cols[:na]]
+            kp[p : p + na] = k
+        elif policy is None:
+            # the smallest budget of least value (argmin's choice), without argmin along axis 0
+            np.minimum.reduce(q, axis=0, out=v)
+            e, r, m = eq[:, :na], rank[:, :na], top[:na]
+            np.equal(q, v, out=e)
+            np.multiply(e, first, out=r)
+            np.maximum.reduce(r, axis=0, out=m)
+            np.subtract(K1, m, out=kp[p : p + na])
         else:
-            k = q.argmin(axis=0) if policy is None else policy[p : p + na]
-            v = q[k, cols[:na]]
+            k = policy[p : p + na]
+            v[:] = q[k, cols[:na]]
+            kp[p : p + na] = k
         v += W[b + 1, :na]
         W[b, :na] = v
-        Vp[p : p + na] = v
-        kp[p : p + na] = k
     return Vp, kp
 
 
@@ -247,7 +332,8 @@ def _forward(St: np.ndarray, kp: np.ndarray, lay: _Layout) -> np.ndarray:
     occ_buf = np.zeros((nm + K + 1, G))
     occ_buf[nm - lay.lengths, np.arange(G)] = 1.0
     occp = np.empty(n)
-    F = np.empty((K + 2, G))
+    F = np.zeros((K + 2, G))  # row K + 1 stays 0
+    within = np.empty((K, G), dtype=bool)
     depth = np.arange(1, K + 1)[:, None]
     for s in range(nm, 0, -1):
         na = int(lay.n_active[s])
@@ -260,9 +346,10 @@ def _forward(St: np.ndarray, kp: np.ndarray, lay: _Layout) -> np.ndarray:
         f = F[:, :na]  # f[i] = occupancy * P(a >= i), zero beyond the budget
         f[0] = o
         if K:
-            np.multiply(St[:, p : p + na], depth <= kp[p : p + na], out=f[1 : K + 1])
+            w = within[:, :na]
+            np.less_equal(depth, kp[p : p + na], out=w)
+            np.multiply(St[:, p : p + na], w, out=f[1 : K + 1])
             f[1 : K + 1] *= o
-        f[K + 1] = 0.0
         tgt = occ_buf[b + 1 : b + K + 2, :na]  # distance s - a - 1 for a = 0..K
         tgt += f[:-1]
         tgt -= f[1:]
@@ -400,8 +487,7 @@ def _evaluate(
     lookahead: int,
     drafting: str | None = None,
 ) -> Evaluation:
-    lay = _Layout.of(arrays)
-    Ct, St = _step_tables(arrays, cost_model, lookahead, lay, drafting)
+    lay, Ct, St = step_tables(arrays, cost_model, lookahead, drafting)
     Vp, kp = _backward(Ct, St, lay, None if policy is None else policy[lay.perm])
     occp = _forward(St, kp, lay)
     n = len(arrays.L)

@@ -192,7 +192,8 @@ class UPredictor:
         seen = self.n > 0
         pred = self.prior.copy()
         if seen[1:].any():
-            ratio = np.mean((self.sum[seen] / self.n[seen]) / self.prior[seen])
+            r = (self.sum[seen] / self.n[seen]) / self.prior[seen]
+            ratio = r.sum() / r.size  # np.mean's own arithmetic, without its Python wrapper
             pred = pred * ratio
             pred[seen] = self.sum[seen] / self.n[seen]
         pred[0] = self.prior[0]
@@ -220,6 +221,7 @@ class AcceptanceEstimator:
         self.strength = strength
         self.forget = forget
         self.j = np.arange(1, kmax + 1)
+        self._j1 = self.j - 1
         self.reset()
 
     def reset(self) -> None:
@@ -231,7 +233,7 @@ class AcceptanceEstimator:
         """Fold in one round (evidence of every depth ages by ``forget`` each round, k = 0 included)."""
         self.s *= self.forget
         self.n *= self.forget
-        reached = (k >= self.j) & (a >= self.j - 1)
+        reached = (k >= self.j) & (a >= self._j1)
         self.s += reached & (a >= self.j)
         self.n += reached
 

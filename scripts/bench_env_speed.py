@@ -5,10 +5,11 @@ Prints four throughputs and two ratios:
 * single env: ``gymnasium.make("specenv/MoESpec-v1")`` vs ``gymnasium.make("CartPole-v1")``
   (both with gymnasium's default wrappers), measured with
   :func:`gymnasium.utils.performance.benchmark_step` (random actions, resets included);
-  target ratio >= 0.7;
+  aim: ratio >= 2.0 (the action sampling and the wrappers, about a quarter of CartPole's step, are
+  the same on both sides);
 * vector env: ``MoESpecVectorEnv(num_envs=N)`` vs ``CartPoleVectorEnv(num_envs=N)`` (N = 256 by
   default), measured with :func:`gymnasium.utils.performance.benchmark_vector_step`
-  (sub-environment steps per second); target ratio >= 0.5.
+  (sub-environment steps per second); aim: ratio >= 1.0.
 
 Each pair is measured in alternation, ``--repeats`` times, and the best of each is kept, so that a
 busy machine penalises both sides alike.
@@ -29,6 +30,9 @@ from gymnasium.utils.performance import benchmark_step, benchmark_vector_step
 
 import specenv  # noqa: F401  (registers specenv/MoESpec-v1)
 from specenv.envs.vector import MoESpecVectorEnv
+
+SINGLE_AIM = 2.0
+VECTOR_AIM = 1.0
 
 
 def main() -> None:
@@ -59,18 +63,18 @@ def main() -> None:
         "single_ratio": best["single"] / best["cartpole"],
         "vector_ratio": best["vector"] / best["cartpole_vector"],
         "num_envs": args.num_envs,
-        "single_target": 0.7,
-        "vector_target": 0.5,
+        "single_target": SINGLE_AIM,
+        "vector_target": VECTOR_AIM,
     }
     if args.json:
         print(json.dumps(res))
         return
     print(f"single  specenv/MoESpec-v1   {best['single']:>12,.0f} steps/s")
     print(f"single  CartPole-v1          {best['cartpole']:>12,.0f} steps/s")
-    print(f"        ratio                {res['single_ratio']:>12.2f}x   (target >= 0.7x)")
+    print(f"        ratio                {res['single_ratio']:>12.2f}x   (aim >= {SINGLE_AIM}x)")
     print(f"vector  MoESpecVectorEnv     {best['vector']:>12,.0f} steps/s  (N={args.num_envs})")
     print(f"vector  CartPoleVectorEnv    {best['cartpole_vector']:>12,.0f} steps/s  (N={args.num_envs})")
-    print(f"        ratio                {res['vector_ratio']:>12.2f}x   (target >= 0.5x)")
+    print(f"        ratio                {res['vector_ratio']:>12.2f}x   (aim >= {VECTOR_AIM}x)")
 
 
 if __name__ == "__main__":

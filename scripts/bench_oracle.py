@@ -10,8 +10,10 @@ Usage::
     python scripts/bench_oracle.py [--seed 0] [--repeats 5] [--generations 641] [--json]
 
 Prints the best and median time of: the cost table + layout, the backward sweep (the DP proper),
-the forward occupancy sweep, and the whole ``oracle.solve`` (all of them), plus exact policy
-evaluation of a fixed k.
+the forward occupancy sweep, the whole ``oracle.solve`` with its tables cached (every solve after
+the first on a positions table and cost model: :func:`oracle.dp.step_tables`) and building them
+(the first), plus exact policy evaluation of a fixed k (tables cached). The target (< 0.1 s) is the
+cached solve's.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
+from oracle import dp
 from oracle.dp import _backward, _forward, _Layout, _step_tables, evaluate_policy, solve
 from specenv.cost.model import CostModel
 from specenv.generator import generate_paper
 from specenv.traces.traceset import TraceSet
 
-TARGET_S = 0.5
+TARGET_S = 0.1
 
 
 def load_pool(n: int, kmax: int, seed: int, cache_dir: Path) -> TraceSet:
@@ -79,6 +82,12 @@ def main() -> None:
     _, kp = back[2]  # type: ignore[misc]
     fwd = timed(lambda: _forward(St, kp, lay), args.repeats)
     full = timed(lambda: solve(arrays, model), args.repeats)
+
+    def cold() -> object:
+        dp._TABLES.clear()
+        return solve(arrays, model)
+
+    first = timed(cold, args.repeats)
     ev = timed(lambda: evaluate_policy(arrays, model, 4), args.repeats)
     res = full[2]
     report = {
@@ -91,6 +100,7 @@ def main() -> None:
         "dp_backward_s": {"min": back[0], "median": back[1]},
         "occupancy_forward_s": {"min": fwd[0], "median": fwd[1]},
         "solve_total_s": {"min": full[0], "median": full[1]},
+        "solve_building_tables_s": {"min": first[0], "median": first[1]},
         "evaluate_fixed_k4_s": {"min": ev[0], "median": ev[1]},
         "s_max_pooled": res.speedup_pooled,  # type: ignore[attr-defined]
         "target_s": TARGET_S,
@@ -108,14 +118,15 @@ def main() -> None:
         ("prepare_s", "cost/survival tables + layout"),
         ("dp_backward_s", "DP backward sweep"),
         ("occupancy_forward_s", "occupancy forward sweep"),
-        ("solve_total_s", "oracle.solve total"),
-        ("evaluate_fixed_k4_s", "evaluate_policy(k=4) total"),
+        ("solve_total_s", "oracle.solve (tables cached)"),
+        ("solve_building_tables_s", "oracle.solve (building tables)"),
+        ("evaluate_fixed_k4_s", "evaluate_policy(k=4) (cached)"),
     ):
         print(f"  {label:32s} {report[key]['min']:.3f} s / {report[key]['median']:.3f} s")
     print(f"  S_max (pooled, paper profile)    {report['s_max_pooled']:.4f}")
     print(
         f"target < {TARGET_S} s: DP {'met' if report['dp_within_target'] else 'MISSED'}, "
-        f"whole solve {'met' if report['solve_within_target'] else 'MISSED'}"
+        f"whole solve (tables cached) {'met' if report['solve_within_target'] else 'MISSED'}"
     )
 
 

@@ -475,3 +475,36 @@ def test_paper_default_test_split_loads():
     env = MoESpecEnv(split="test", cost_model="profile")
     assert env.data.n_generations == 26
     assert env.data.dataset == "paper-default"
+
+
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_unclipped_observations_equal_clipped_ones_where_the_data_stay_in_the_box(lookahead):
+    """Where the tables keep every feature in range the envs skip the clip: the same vectors, bit for bit."""
+    import dataclasses
+
+    from specenv.envs.vector import MoESpecVectorEnv
+
+    data = replay_data("paper-default", None, "test", "fit", lookahead, None, ("q",))
+    assert data.within_box
+    # a set whose generations run past max_new_tokens is not in the Box (progress would be clipped)
+    short = dataclasses.replace(data, spec=dataclasses.replace(data.spec, max_new_tokens=int(data.max_len) - 1))
+    assert not short.within_box
+    fast, ref = (MoESpecEnv(split="test", lookahead=lookahead) for _ in range(2))
+    assert not fast._obs.clip
+    ref._obs.clip = True
+    vfast, vref = (MoESpecVectorEnv(num_envs=5, split="test", lookahead=lookahead) for _ in range(2))
+    assert not vfast._obs_state.clip
+    vref._obs_state.clip = True
+    rng = np.random.default_rng(1)
+    for env_pair, vec in (((fast, ref), False), ((vfast, vref), True)):
+        a, b = env_pair
+        oa, _ = a.reset(seed=3)
+        ob, _ = b.reset(seed=3)
+        for _ in range(600):
+            assert oa.dtype == np.float32 and oa.tobytes() == ob.tobytes()
+            act = rng.integers(0, a.kmax + 1, size=5) if vec else int(rng.integers(0, a.kmax + 1))
+            oa, _, term, _, _ = a.step(act)
+            ob, _, _, _, _ = b.step(act)
+            if not vec and term:
+                oa, _ = a.reset()
+                ob, _ = b.reset()

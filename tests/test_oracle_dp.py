@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -283,3 +284,64 @@ def test_bad_inputs_raise() -> None:
         oracle.delta_analysis(arrays, model, states="nope")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="method"):
         oracle.boundary_slope(arrays, model, method="nope")  # type: ignore[arg-type]
+
+
+def test_step_tables_are_built_once_per_positions_model_and_mode() -> None:
+    from oracle import dp
+
+    arrays, model = make_instance(5, [6, 3, 8], 3, greedy=False)
+    lay, Ct, St = dp.step_tables(arrays, model)
+    assert dp.step_tables(arrays, model)[1] is Ct  # the same tables, not rebuilt
+    assert not Ct.flags.writeable and not St.flags.writeable
+    # what a table depends on is in the key: the lookahead/drafting mode and the cost model's content
+    assert dp.step_tables(arrays, model, 2, "block")[1] is not Ct
+    assert dp.step_tables(arrays, model, 0, "sequential")[1] is not Ct
+    other = dataclasses.replace(model, beta0=model.beta0 + 1.0)
+    assert not np.array_equal(dp.step_tables(arrays, other)[1], Ct)
+    # a copy of the positions is another table (identity), with equal contents
+    copy = arrays.with_kmax(arrays.kmax)
+    assert dp.step_tables(copy, model)[1] is not Ct and np.array_equal(dp.step_tables(copy, model)[1], Ct)
+    # an entry goes with its positions table
+    n = len(dp._TABLES)
+    del copy
+    assert len(dp._TABLES) == n - 1
+    # a solve on cached tables equals one that builds them
+    cached = oracle.solve(arrays, model)
+    dp._TABLES.clear()
+    fresh = oracle.solve(arrays, model)
+    assert np.array_equal(cached.value, fresh.value) and np.array_equal(cached.k, fresh.k)
+    assert np.array_equal(cached.occupancy, fresh.occupancy)
+
+
+def test_survival_and_expected_accepted_of_one_row_equal_the_table_forms() -> None:
+    from specenv.traces.traceset import expected_accepted_table, survival_table
+
+    rng = np.random.default_rng(2)
+    rho = rng.uniform(-0.1, 1.1, (6, 9))  # out of [0, 1] on purpose: clipped the same way
+    table = expected_accepted_table(rho)
+    for i in range(len(rho)):
+        row = expected_accepted_table(rho[i])  # the 1-D path
+        assert row.shape == (10,) and row[0] == 0.0 and np.array_equal(row, table[i])
+        assert np.array_equal(survival_table(rho[i].copy()), survival_table(rho.T.copy(), axis=0)[:, i])
+        want = np.cumsum(np.cumprod(np.clip(rho[i], 0.0, 1.0)))  # by hand: the sequential sums of products
+        assert np.array_equal(row[1:], want)
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_wide_and_narrow_backward_steps_give_the_same_floats(monkeypatch, greedy) -> None:
+    """The wide form of a backward step (row-wise cumsum, min/equal/max argmin) equals cumsum/argmin bit for bit."""
+    from oracle import dp
+
+    rng = np.random.default_rng(7)
+    arrays, model = make_instance(11, [int(x) for x in rng.integers(1, 40, 60)], 6, greedy)
+    out = {}
+    for wide in (1, 10**9):  # every step wide; every step narrow
+        monkeypatch.setattr(dp, "_WIDE", wide)
+        dp._TABLES.clear()
+        best = oracle.solve(arrays, model)
+        fixed = oracle.evaluate_policy(arrays, model, best.k)
+        out[wide] = (best.value, best.k, best.occupancy, fixed.value)
+    for a, b in zip(out[1], out[10**9], strict=True):
+        assert a.tobytes() == b.tobytes()
+    # ties (greedy tables have many): the smallest budget of least value in both forms
+    assert np.array_equal(out[1][1], out[10**9][1])

@@ -243,6 +243,7 @@ class MoESpecEnv(RoundEnv):
         self.action_space = spaces.Discrete(self.kmax + 1)
         self.observation_space = self.data.spec.space()
         self._obs = ScalarObservation(self.data.spec)
+        self._obs.clip = not self.data.within_box  # the same vectors, without the clip when in range
         self._tables = RoundTables.of(self.data)
         self._episode: Episode | None = None
         self._done = True

@@ -7,7 +7,11 @@
 draws from it in the same order (the generation with ``integers(G)``, then the episode's ``N``
 acceptance uniforms with ``random(N)``), so trajectories match the single environment bit for bit
 for the same seeds and actions, across autoresets too. Random draws happen only at (auto)reset; the
-step itself is pure array arithmetic on the shared :class:`specenv.replay.tables.ReplayData` tables.
+step itself is pure array arithmetic on the shared :class:`specenv.replay.tables.ReplayData` tables:
+a fixed sequence of whole-array numpy operations (no loop over sub-environments but the per-episode
+draws of those being reset), into preallocated work buffers where numpy allows it; the arrays a step
+returns are new ones. Where the tables keep every feature in range
+(:attr:`specenv.replay.tables.ReplayData.within_box`) the observation is not clipped (the same vectors).
 
 Autoreset follows gymnasium's ``AutoresetMode.NEXT_STEP``: the step after a sub-environment
 terminates resets it (its action is ignored, reward 0, terminated False) and returns the first
@@ -175,6 +179,7 @@ class MoESpecVectorEnv(VectorEnv):
 
         self._rngs: list[np.random.Generator] | None = None
         self._obs_state = ObservationState(d.spec, n)
+        self._obs_state.clip = not d.within_box  # the same vectors, without the clip when in range
         self._ar = np.arange(n)
         self._width = d.kmax + 1
         self._offsets = d.offsets.tolist()
@@ -189,13 +194,21 @@ class MoESpecVectorEnv(VectorEnv):
         self._N = np.ones(n, dtype=np.int64)
         self._L0 = np.zeros(n, dtype=np.int64)
         self._t = np.zeros(n, dtype=np.int64)
-        self._round = np.zeros(n, dtype=np.int64)
         self._ep_cost = np.zeros(n, dtype=np.float64)
         self._u = np.zeros((n, d.max_len + 1), dtype=np.float64)
         self._u_flat = self._u.reshape(-1)
         self._u_stride = d.max_len + 1
         self._u_base = self._ar * self._u_stride
+        self._u_pos = self._u_base.copy()  # flat index of the next uniform: u_base + rounds played
+        self._N1 = self._N - 1
+        self._unit = float(d.ar_unit_ms)
+        self._surv_take = d.survival.take
+        # work buffers of a step (the arrays a step returns are new ones)
+        self._rows = np.zeros(n, dtype=np.int64)
+        self._ctx = np.zeros(n, dtype=np.int64)
+        self._lead = np.empty((n, d.survival.shape[1]), dtype=bool)
         self._prev_done = np.zeros(n, dtype=bool)
+        self._any_done = False
         self._started = False
         self._lines = [""] * n
         self._strip = RoundStrip(d.kmax, n) if render_mode == "rgb_array" else None
@@ -206,16 +219,17 @@ class MoESpecVectorEnv(VectorEnv):
     def _start(self, i: int, gid: Any = None) -> None:
         """Begin a new episode in sub-environment i, drawing from its generator like Env.reset."""
         d = self.data
-        g, u = draw(self._rngs[i], d.lengths, None if gid is None else d.index_of(gid))
+        # the episode's uniforms, drawn as the single environment's, straight into its row
+        g, _ = draw(self._rngs[i], d.lengths, None if gid is None else d.index_of(gid), out=self._u[i])
         n = self._lengths[g]
         self._gen[i] = g
         self._row0[i] = self._offsets[g]
         self._N[i] = n
         self._L0[i] = self._L0s[g]
         self._t[i] = 0
-        self._round[i] = 0
+        self._N1[i] = n - 1
+        self._u_pos[i] = self._u_base[i]
         self._ep_cost[i] = 0.0
-        self._u[i, :n] = u  # the episode's uniforms, drawn as the single environment's
         if self.render_mode == "ansi":
             self._lines[i] = f"gen {int(d.generation_ids[g])} [{d.categories[g]}] t=0"
         elif self._strip is not None:
@@ -267,8 +281,8 @@ class MoESpecVectorEnv(VectorEnv):
         self._started = True
         self._obs_state.reset(mask)
         self._prev_done[mask] = False
-        obs = self._obs_state.build(self._L0 + self._t, self._t, self._conf())
-        return obs, self._reset_info(mask)
+        self._any_done = bool(self._prev_done.any())
+        return self._observe(), self._reset_info(mask)
 
     def _reset_options(self, options: dict[str, Any] | None) -> tuple[np.ndarray, list[Any]]:
         """Validate ``reset``'s options: the (num_envs,) mask to reset and one generation id (or None) each."""
@@ -327,47 +341,44 @@ class MoESpecVectorEnv(VectorEnv):
         if not self._started:
             raise RuntimeError("step() called before reset()")
         k = self._check_actions(actions)
-        d = self.data
         done_prev = self._prev_done
-        any_reset = bool(done_prev.any())
+        any_reset = self._any_done
         N = self._N
-        t = np.minimum(self._t, N - 1) if any_reset else self._t
-        rows = self._row0 + t
-        u = self._u_flat.take(self._u_base + self._round)
+        t = np.minimum(self._t, self._N1) if any_reset else self._t
+        rows = np.add(self._row0, t, out=self._rows)
+        u = self._u_flat.take(self._u_pos)
         # a = number of leading j <= k with u < P(a >= j) (the survival table ends with a 0 column)
-        a = (d.survival.take(rows, axis=0) > u[:, None]).argmin(axis=1)
+        np.greater(self._surv_take(rows, axis=0), u[:, None], out=self._lead)
+        a = self._lead.argmin(axis=1)
         np.minimum(a, k, out=a)
         # the charge/commit rule of the single environment's rounds, on arrays (specenv.replay.episode.settle)
-        r = settle(
-            k, t, a, N, rows, self._width, self._cost_take, self._U_take, self._ctx_take, self.ar_unit_ms, np.minimum
-        )
+        r = settle(k, t, a, N, rows, self._width, self._cost_take, self._U_take, self._ctx_take, self._unit, np.minimum)
         a, committed, cost, U_r, t_new, terminated = r.accepted, r.committed, r.cost_ms, r.U_r, r.t_next, r.terminated
         self._t = t_new
-        self._round += 1
+        self._u_pos += 1
         self._ep_cost += cost
         self._obs_state.update(k, a, U_r, r.ctx_units, committed)
-        reward = -r.units
-        if self._savings:
-            reward += committed
-        L = self._L0 + t
+        # committed - units, as the single environment computes it (== -units + committed exactly)
+        reward = np.subtract(committed, r.units) if self._savings else np.negative(r.units)
         info: dict[str, Any] = {
             "k": k,
             "accepted": a,
             "committed": committed,
             "cost_ms": cost,
             "U_r": U_r,
-            "L": L,
+            "L": self._L0 + t,
             "t": t_new,  # self._t: an autoreset below sets its entry to 0
         }
         step_mask = self._all
         if any_reset:  # NEXT_STEP autoreset: these sub-environments start a new episode instead
             step_mask = ~done_prev
-            for i in np.flatnonzero(done_prev).tolist():
+            for i in done_prev.nonzero()[0].tolist():
                 self._start(i)
             self._obs_state.reset(done_prev)
             reward[done_prev] = 0.0
             terminated[done_prev] = False
-        self._complete_info(info, step_mask, terminated)
+        any_done = bool(terminated.any())
+        self._complete_info(info, step_mask, terminated, any_done)
         if self.render_mode == "ansi":
             self._render_lines(k, a, committed, cost, U_r, t, terminated, step_mask)
         elif self._strip is not None:
@@ -375,8 +386,17 @@ class MoESpecVectorEnv(VectorEnv):
             if any_reset:
                 self._strip.clear(done_prev)
         self._prev_done = terminated
-        obs = self._obs_state.build(self._L0 + self._t, self._t, self._conf())
-        return obs, reward, terminated, np.zeros(self.num_envs, dtype=bool), info
+        self._any_done = any_done
+        return self._observe(), reward, terminated, np.zeros(self.num_envs, dtype=bool), info
+
+    def _rounds(self) -> np.ndarray:
+        """Rounds played in each sub-environment's episode (its uniforms used)."""
+        return self._u_pos - self._u_base
+
+    def _observe(self) -> np.ndarray:
+        """The observations at every sub-environment's current position (a new array)."""
+        t = self._t
+        return self._obs_state.build(np.add(self._L0, t, out=self._ctx), t, self._conf())
 
     def _check_actions(self, actions: Any) -> np.ndarray:
         """``actions`` as a new (num_envs,) int64 array (``info["k"]`` returns it).
@@ -393,13 +413,16 @@ class MoESpecVectorEnv(VectorEnv):
             raise ValueError(f"actions: out of range 0..{self.kmax} ({k.min()}..{k.max()})")
         return k
 
-    def _complete_info(self, info: dict[str, Any], step_mask: np.ndarray, terminated: np.ndarray) -> None:
+    def _complete_info(
+        self, info: dict[str, Any], step_mask: np.ndarray, terminated: np.ndarray, any_done: bool
+    ) -> None:
         """Add to a step's ``info`` the masks of the round keys, the generation and category, and the episode's end.
 
         Args:
             info: The round keys (``_STEP_KEYS``); completed in place.
             step_mask: Sub-environments that played a round (not autoreset) this step.
             terminated: Sub-environments whose episode ended this step (they get ``_END_KEYS``).
+            any_done: ``terminated.any()``.
         """
         for key in _STEP_KEYS:
             info["_" + key] = step_mask
@@ -409,22 +432,23 @@ class MoESpecVectorEnv(VectorEnv):
         info["_generation_id"] = self._all
         info["category"] = d.categories.take(gen)
         info["_category"] = self._all
-        if terminated.any():
+        if any_done:
             ep = self._ep_cost
             ar = d.ar_total_ms.take(gen)
             info["speedup"] = np.divide(ar, ep, out=np.zeros(self.num_envs), where=terminated)
             info["episode_cost_ms"] = np.where(terminated, ep, 0.0)
             info["ar_cost_ms"] = np.where(terminated, ar, 0.0)
-            info["rounds"] = np.where(terminated, self._round, 0)
+            info["rounds"] = np.where(terminated, self._rounds(), 0)
             for key in _END_KEYS:
                 info["_" + key] = terminated
 
     def _render_lines(self, k, a, committed, cost, U_r, t, terminated, step_mask) -> None:  # noqa: ANN001
         d = self.data
+        rounds = self._rounds()
         for i in np.flatnonzero(step_mask):
             self._lines[i] = (
                 f"gen {int(d.generation_ids[self._gen[i]])} [{d.categories[self._gen[i]]}] round "
-                f"{int(self._round[i]) - 1}: t={int(t[i])} k={int(k[i])} accepted={int(a[i])} +{int(committed[i])} "
+                f"{int(rounds[i]) - 1}: t={int(t[i])} k={int(k[i])} accepted={int(a[i])} +{int(committed[i])} "
                 f"cost={float(cost[i]):.3f}ms U_r={float(U_r[i]):.2f}" + (" (done)" if terminated[i] else "")
             )
 

@@ -440,16 +440,20 @@ def _show(v: Any) -> str:
 # --------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=64)
 def _ema_tables(k_top: int, kmax: int, ema: float) -> tuple[np.ndarray, np.ndarray]:
-    """Per-(k, a) multiplier and addend of the EMA block for budgets 0..k_top (read-only).
+    """Per-(k, a) multiplier and addend of the statistics block for budgets 0..k_top (read-only).
 
-    Row ``k * (k_top + 1) + a``; columns ``[acc_rate, acc_len, acc_depth_1..kmax]``. Where a round
-    updates a statistic with value x: ``M = ema, A = (1 - ema) * x``; elsewhere ``M = 1, A = 0``
-    (``s * 1.0 + 0.0 == s`` exactly).
+    Row ``k * (k_top + 1) + a``; columns ``[acc_rate, acc_len, cost_per_token, first_round,
+    acc_depth_1..kmax]`` (:class:`ObservationState`'s block ``E``). Where a round updates a statistic
+    with value x: ``M = ema, A = (1 - ema) * x``; elsewhere ``M = 1, A = 0`` (``s * 1.0 + 0.0 == s``
+    exactly). ``cost_per_token`` gets ``M = ema, A = 0`` (its addend depends on the cost: the update
+    adds it), ``first_round`` ``M = A = 0``.
     """
     K = k_top + 1
     w = 1 - ema
-    M = np.ones((K * K, 2 + kmax))
-    A = np.zeros((K * K, 2 + kmax))
+    M = np.ones((K * K, 4 + kmax))
+    A = np.zeros((K * K, 4 + kmax))
+    M[:, 2] = ema
+    M[:, 3] = 0.0
     for k in range(K):
         for a in range(k + 1):
             row = k * K + a
@@ -459,8 +463,8 @@ def _ema_tables(k_top: int, kmax: int, ema: float) -> tuple[np.ndarray, np.ndarr
                 A[row, 1] = w * (float(a) / kmax)
             for j in range(1, kmax + 1):
                 if k >= j and a >= j - 1:  # depth j reached; success when a >= j
-                    M[row, 1 + j] = ema
-                    A[row, 1 + j] = w * (1.0 if a >= j else 0.0)
+                    M[row, 3 + j] = ema
+                    A[row, 3 + j] = w * (1.0 if a >= j else 0.0)
     M.flags.writeable = False
     A.flags.writeable = False
     return M, A
@@ -481,13 +485,17 @@ def _column(block: str, col: int | slice, doc: str) -> property:
 class ObservationState:
     """Running statistics of a batch of n independent streams, and the observation builder.
 
-    The statistics live in blocks: ``P = [prev_k, prev_acc, prev_U, prev_cost]`` (the last round as
-    it was), ``E = [acc_rate, acc_len, acc_depth_1..kmax]`` and the vectors ``cost_per_token`` and
-    ``first``; the attributes of those names are views into the blocks. Every statistic in ``E`` is
-    an EMA gated by the round's (k, accepted) only, so one update is ``E = E * M[k, a] + A[k, a]``
-    with tables precomputed per (k, a) (:func:`_ema_tables`): the same float operations as updating
-    each statistic on its own, at a fraction of the numpy calls. Budgets above the table (a vLLM
-    server verifying more drafts than the policy's kmax) extend the table on first use.
+    The statistics live in two contiguous float64 blocks, in the order of the vector: ``P = [prev_k,
+    prev_acc, prev_U, prev_cost]`` (the last round as it was, unscaled) and ``E = [acc_rate,
+    acc_len, cost_per_token, first_round, acc_depth_1..kmax]``; the attributes of those names are
+    views into the blocks. Every statistic in ``E`` is an EMA (or, for ``first_round``, a reset)
+    gated by the round's (k, accepted) only, so one update is ``E = E * M[k, a] + A[k, a]`` with
+    tables precomputed per (k, a) (:func:`_ema_tables`), plus the cost term of ``cost_per_token``:
+    the same float operations as updating each statistic on its own, at a fraction of the numpy
+    calls. Budgets above the table (a vLLM server verifying more drafts than the policy's kmax)
+    extend the table on first use. :meth:`build` writes the vector with one operation per block
+    (each feature computed in float64 and rounded once to float32), then clips it to the Box unless
+    :attr:`clip` is off.
 
     Rounds must satisfy ``0 <= accepted <= k``.
 
@@ -501,12 +509,11 @@ class ObservationState:
         self.n = n
         km = spec.kmax
         self._ema = spec.ema
+        self._w = 1 - spec.ema
         self._P = np.zeros((n, 4))
-        self._E_init = np.array([spec.prior_rate, 0.0] + [spec.prior_rate] * km)
-        self._E = np.empty((n, 2 + km))
+        self._E_init = np.array([spec.prior_rate, 0.0, 1.0, 1.0] + [spec.prior_rate] * km)
+        self._E = np.empty((n, 4 + km))
         self._E[:] = self._E_init
-        self.cost_per_token = np.ones(n)
-        self.first = np.ones(n)
         self._scale = np.array([km, km, spec.n_experts, km + 1], dtype=np.float64)
         self._hi_row = spec.high()[None, :]
         self._set_tables(km)
@@ -515,13 +522,19 @@ class ObservationState:
         self._c_context = idx("context")
         self._c_progress = idx("progress")
         self._c_prev = _block(spec, _PREV_BLOCK)
-        self._c_rate = _block(spec, _RATE_BLOCK)
-        self._c_cpt = idx("cost_per_token")
-        self._c_first = idx("first_round")
-        self._c_depth = _block(spec, tuple(f"acc_depth_{j}" for j in range(1, km + 1)))
+        stats = (*_RATE_BLOCK, "cost_per_token", "first_round", *(f"acc_depth_{j}" for j in range(1, km + 1)))
+        self._c_stats = _block(spec, stats)  # E is written as one block
         self._c_conf = _lookahead_block(spec)
         self._c_token = _block(spec, tuple(token_feature_names(spec.signals)) if spec.per_token else ())
         self._token_scale = np.array([1.0, km, 1.0] + [1.0] * (spec.n_token_features - 3 if spec.per_token else 0))
+        self._dim = spec.dim
+        self._ctx_scale = float(spec.context_scale)
+        self._mnt = float(spec.max_new_tokens)
+        self._idx = np.empty(n, dtype=np.intp)
+        self._f = np.empty(n)
+        #: Clip every vector to the Box; a caller whose rounds keep every feature in range (the replay
+        #: environments when :attr:`specenv.replay.tables.ReplayData.within_box`) may turn it off.
+        self.clip = True
 
     def _set_tables(self, k_top: int) -> None:
         self._K = k_top + 1
@@ -534,15 +547,15 @@ class ObservationState:
     prev_cost = _column("_P", 3, "Previous round's cost per stream (units of ``prev_cost_norm``).")
     acc_rate = _column("_E", 0, "EMA of accepted/k per stream.")
     acc_len = _column("_E", 1, "EMA of accepted/kmax per stream.")
-    acc_depth = _column("_E", slice(2, None), "(n, kmax) EMA of the conditional acceptance per depth.")
+    cost_per_token = _column("_E", 2, "EMA of the round cost per committed token per stream.")
+    first = _column("_E", 3, "1 before a stream's first round, else 0.")
+    acc_depth = _column("_E", slice(4, None), "(n, kmax) EMA of the conditional acceptance per depth.")
 
     def reset(self, mask: np.ndarray | None = None) -> None:
         """Forget the history of the streams in ``mask`` (all when None)."""
         m = slice(None) if mask is None else np.asarray(mask, dtype=bool)
         self._P[m] = 0.0
         self._E[m] = self._E_init
-        self.cost_per_token[m] = 1.0
-        self.first[m] = 1.0
 
     def update(
         self,
@@ -565,37 +578,43 @@ class ObservationState:
         """
         if mask is not None:  # update everything, then restore the streams not selected
             keep = ~np.asarray(mask, dtype=bool)
-            saved = (self._P[keep], self._E[keep], self.cost_per_token[keep], self.first[keep])
+            saved = (self._P[keep], self._E[keep])
             self.update(k, accepted, U_r, cost_units, committed)
-            self._P[keep], self._E[keep], self.cost_per_token[keep], self.first[keep] = saved
+            self._P[keep], self._E[keep] = saved
             return
-        k = np.asarray(k)
-        accepted = np.asarray(accepted)
-        k_i = k.astype(np.intp)
-        idx = k_i * self._K + accepted.astype(np.intp)
+        idx = self._idx
+        np.multiply(k, self._K, out=idx, casting="unsafe")
+        np.add(idx, accepted, out=idx, casting="unsafe")
         try:
-            Mk = self._M.take(idx, axis=0)
+            Mk = self._M.take(idx, axis=0)  # (take with out= is buffered, several times slower)
         except IndexError:  # a budget above the table: extend it
-            self._set_tables(max(int(k_i.max()), self.spec.kmax))
-            idx = k_i * self._K + accepted.astype(np.intp)
+            self._set_tables(max(int(np.max(k)), self.spec.kmax))
+            np.multiply(k, self._K, out=idx, casting="unsafe")
+            np.add(idx, accepted, out=idx, casting="unsafe")
             Mk = self._M.take(idx, axis=0)
         E = self._E
         E *= Mk
         E += self._A.take(idx, axis=0)
-        ema = self._ema
-        cost_units = np.asarray(cost_units, dtype=np.float64)
-        cpt = cost_units / np.maximum(np.asarray(committed, dtype=np.float64), 1.0)
-        self.cost_per_token *= ema
-        self.cost_per_token += (1 - ema) * cpt
+        # cost_per_token = ema * cost_per_token + (1 - ema) * cost / max(committed, 1); the ema
+        # factor is in M above
+        cpt = self._f
+        np.maximum(committed, 1.0, out=cpt)
+        np.divide(cost_units, cpt, out=cpt)
+        cpt *= self._w
+        E[:, 2] += cpt
         P = self._P
         P[:, 0] = k
         P[:, 1] = accepted
         P[:, 2] = U_r
         P[:, 3] = cost_units
-        self.first[:] = 0.0
 
     def build(
-        self, L: np.ndarray, t: np.ndarray, conf: np.ndarray | None = None, token: np.ndarray | None = None
+        self,
+        L: np.ndarray,
+        t: np.ndarray,
+        conf: np.ndarray | None = None,
+        token: np.ndarray | None = None,
+        out: np.ndarray | None = None,
     ) -> np.ndarray:
         """The (n, dim) float32 observations at context ``L`` after ``t`` generated tokens.
 
@@ -607,17 +626,16 @@ class ObservationState:
             token: (n, 3 + extra) per-token features ``[q of the draft just drafted, drafted so far,
                 product of the round's drafted q, then its entropy / margin for those signals]``,
                 unscaled (required iff ``spec.per_token``); ``drafted`` is divided by kmax here.
+            out: An (n, dim) float32 array to write the observations into (and return); a new one
+                when None.
         """
         s = self.spec
-        E = self._E
-        obs = np.empty((self.n, s.dim), dtype=np.float32)
-        obs[:, self._c_context] = np.asarray(L, dtype=np.float64) / s.context_scale
-        obs[:, self._c_progress] = np.minimum(np.asarray(t, dtype=np.float64) / s.max_new_tokens, 1.0)
-        obs[:, self._c_prev] = self._P / self._scale
-        obs[:, self._c_rate] = E[:, :2]
-        obs[:, self._c_cpt] = self.cost_per_token
-        obs[:, self._c_first] = self.first
-        obs[:, self._c_depth] = E[:, 2:]
+        obs = np.empty((self.n, self._dim), dtype=np.float32) if out is None else out
+        # each feature in float64, rounded once to float32 on the write
+        np.divide(L, self._ctx_scale, out=obs[:, self._c_context], dtype=np.float64)
+        np.divide(t, self._mnt, out=obs[:, self._c_progress], dtype=np.float64)
+        np.divide(self._P, self._scale, out=obs[:, self._c_prev])
+        obs[:, self._c_stats] = self._E
         if s.lookahead:
             if conf is None:
                 raise ValueError("conf is required when lookahead > 0")
@@ -625,10 +643,10 @@ class ObservationState:
         if s.per_token:
             if token is None:
                 raise ValueError("token is required when spec.per_token")
-            token = np.asarray(token, dtype=np.float64)
-            obs[:, self._c_token] = token / self._token_scale
-        np.minimum(obs, self._hi_row, out=obs)  # == np.clip(obs, 0, hi): no NaN can occur
-        np.maximum(obs, 0.0, out=obs)
+            np.divide(token, self._token_scale, out=obs[:, self._c_token], dtype=np.float64)
+        if self.clip:
+            np.minimum(obs, self._hi_row, out=obs)  # == np.clip(obs, 0, hi): no NaN can occur
+            np.maximum(obs, 0.0, out=obs)
         return obs
 
     def take(self, rows: Any) -> ObservationState:
@@ -636,8 +654,6 @@ class ObservationState:
         sub = ObservationState(self.spec, len(np.arange(self.n)[rows]))
         sub._P[:] = self._P[rows]
         sub._E[:] = self._E[rows]
-        sub.cost_per_token[:] = self.cost_per_token[rows]
-        sub.first[:] = self.first[rows]
         return sub
 
     def resized(self, n: int) -> ObservationState:
@@ -646,8 +662,6 @@ class ObservationState:
         m = min(n, self.n)
         new._P[:m] = self._P[:m]
         new._E[:m] = self._E[:m]
-        new.cost_per_token[:m] = self.cost_per_token[:m]
-        new.first[:m] = self.first[:m]
         return new
 
 
@@ -684,6 +698,7 @@ class ScalarObservation:
 
     __slots__ = (
         "spec",
+        "clip",
         "kmax",
         "ema",
         "prior",
@@ -702,6 +717,7 @@ class ScalarObservation:
 
     def __init__(self, spec: ObservationSpec):
         self.spec = spec
+        self.clip = True  # as ObservationState.clip
         self.hi_context = float(np.float32(spec.context_high))  # the Box's float32 bounds
         self.hi_cost = float(np.float32(spec.cost_high))
         self.kmax = spec.kmax
@@ -753,23 +769,38 @@ class ScalarObservation:
         """
         s = self.spec
         kmax = self.kmax
-        # Clipping to the Box in float64 before the float32 cast equals ObservationState's cast-then-clip
-        # (the bounds 0, 1, 16, 64 are exact in float32 and rounding is monotone). Only these four
-        # features can leave their range; the others stay in [0, 1] by construction. The list follows
-        # BASE_FEATURES (checked in __init__).
-        vals = [
-            min(max(L / s.context_scale, 0.0), self.hi_context),
-            min(t / s.max_new_tokens, 1.0),
-            self.prev_k / kmax,
-            self.prev_acc / kmax,
-            min(max(self.prev_U / s.n_experts, 0.0), 1.0),
-            min(max(self.prev_cost / (kmax + 1), 0.0), self.hi_cost),
-            self.acc_rate,
-            self.acc_len,
-            min(max(self.cost_per_token, 0.0), self.hi_cost),
-            self.first,
-            *self.acc_depth,
-        ]
+        if self.clip:
+            # Clipping to the Box in float64 before the float32 cast equals ObservationState's
+            # cast-then-clip (the bounds 0, 1, 16, 64 are exact in float32 and rounding is monotone).
+            # Only these features can leave their range; the others stay in [0, 1] by construction.
+            # The list follows BASE_FEATURES (checked in __init__).
+            vals = [
+                min(max(L / s.context_scale, 0.0), self.hi_context),
+                min(t / s.max_new_tokens, 1.0),
+                self.prev_k / kmax,
+                self.prev_acc / kmax,
+                min(max(self.prev_U / s.n_experts, 0.0), 1.0),
+                min(max(self.prev_cost / (kmax + 1), 0.0), self.hi_cost),
+                self.acc_rate,
+                self.acc_len,
+                min(max(self.cost_per_token, 0.0), self.hi_cost),
+                self.first,
+                *self.acc_depth,
+            ]
+        else:  # the same values, known to be in range
+            vals = [
+                L / s.context_scale,
+                t / s.max_new_tokens,
+                self.prev_k / kmax,
+                self.prev_acc / kmax,
+                self.prev_U / s.n_experts,
+                self.prev_cost / (kmax + 1),
+                self.acc_rate,
+                self.acc_len,
+                self.cost_per_token,
+                self.first,
+                *self.acc_depth,
+            ]
         if conf is not None:
             vals.extend(conf)
         if token is not None:

@@ -119,7 +119,9 @@ def settle(
 _new_round = tuple.__new__
 
 
-def draw(rng: np.random.Generator, lengths: Any, generation: int | None = None) -> tuple[int, np.ndarray]:
+def draw(
+    rng: np.random.Generator, lengths: Any, generation: int | None = None, out: np.ndarray | None = None
+) -> tuple[int, np.ndarray]:
     """The random draws of an episode: its generation index, then its acceptance uniforms.
 
     ``g = rng.integers(G)`` unless ``generation`` is given, then ``u = rng.random(N_g)`` (one uniform
@@ -130,12 +132,15 @@ def draw(rng: np.random.Generator, lengths: Any, generation: int | None = None) 
         rng: The episode's generator (after seeding).
         lengths: (G,) positions N of each generation of the split.
         generation: A generation index to replay instead of drawing one.
+        out: A contiguous float64 buffer of at least ``max(lengths)`` entries to draw the uniforms
+            into (the same numbers; ``u`` is then its first N_g entries).
 
     Returns:
         ``(g, u)``.
     """
     g = int(rng.integers(len(lengths))) if generation is None else int(generation)
-    return g, rng.random(int(lengths[g]))
+    n = int(lengths[g])
+    return g, rng.random(n) if out is None else rng.random(n, out=out[:n])
 
 
 @dataclass(frozen=True, eq=False)

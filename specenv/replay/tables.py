@@ -14,6 +14,7 @@ table from :meth:`specenv.traces.traceset.PositionArrays.survival`.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -168,6 +169,35 @@ class ReplayData:
     def n_generations(self) -> int:
         """Number of generations G in the split."""
         return int(len(self.generation_ids))
+
+    @functools.cached_property
+    def within_box(self) -> bool:
+        """True when every observation an episode of the split can show lies in the Box unclipped.
+
+        Then clipping to the Box changes no observation, and the environments skip it (the vectors
+        are bit-identical either way). The bounds come from the tables: the largest context ``L0 + N``
+        and length N (``context``, ``progress``), the unique experts U (``prev_U``), the round cost in
+        AR steps at its context, ``cost / ar_ctx`` (``prev_cost``; and ``cost_per_token``, an EMA of
+        it per committed token from the prior 1, kept 0.1% below the bound so that no rounding of
+        the EMA can reach it) and the draft signals (``conf_j``, ``ent_j``, ``margin_j``). The other
+        features lie in [0, 1] by construction for budgets 0..kmax.
+        """
+        s = self.spec
+        ctx = self.cost / self.ar_ctx_ms[:, None]
+        conf_ok = True
+        if self.conf.shape[1]:
+            first = s.index("conf_1")  # the signal blocks follow each other
+            conf_hi = s.high()[first : first + self.conf.shape[1]].astype(np.float64)
+            conf_ok = bool(self.conf.min() >= 0.0) and bool((self.conf <= conf_hi).all())
+        return bool(
+            int((self.L0 + self.lengths).max()) / s.context_scale <= s.context_high
+            and self.max_len <= s.max_new_tokens
+            and self.U.min() >= 0.0
+            and self.U.max() <= s.n_experts
+            and ctx.min(initial=0.0) >= 0.0
+            and max(float(ctx.max(initial=0.0)), 1.0) <= 0.999 * s.cost_high  # prev_cost <= this / (kmax + 1)
+            and conf_ok
+        )
 
     def index_of(self, generation_id: Any) -> int:
         """Index in the split of a generation id.

@@ -180,6 +180,8 @@ def survival_table(rho: np.ndarray, axis: int = -1, out: np.ndarray | None = Non
         The survival probabilities, same shape as ``rho``.
     """
     out = np.clip(rho, 0.0, 1.0, out=out)
+    if out.ndim == 1:  # one row (a policy's online estimates): the same products, in one call
+        return np.multiply.accumulate(out, out=out)
     by_depth = np.moveaxis(out, axis, 0)  # a view: depth-by-depth products run over whole slices
     for j in range(1, by_depth.shape[0]):
         by_depth[j] *= by_depth[j - 1]
@@ -196,7 +198,10 @@ def expected_accepted_table(rho: np.ndarray) -> np.ndarray:
         ``(..., K + 1)``; entry 0 is 0 (a plain AR step accepts nothing).
     """
     S = survival_table(np.asarray(rho, dtype=np.float64))
-    return np.concatenate([np.zeros((*S.shape[:-1], 1)), np.cumsum(S, axis=-1)], axis=-1)
+    out = np.empty((*S.shape[:-1], S.shape[-1] + 1))
+    out[..., 0] = 0.0
+    np.cumsum(S, axis=-1, out=out[..., 1:])
+    return out
 
 
 @dataclass(frozen=True)
