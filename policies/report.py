@@ -232,13 +232,11 @@ def _models() -> dict[str, Any]:
 
 def _read_png(path: Path) -> bytes:
     """The bytes of a PNG file, or ValueError ``FILE: problem`` (too big, not a PNG, unreadable)."""
+    from specenv.io import read_limited
     from specenv.validation import value_error
 
     try:
-        size = path.stat().st_size
-        if size > FIGURE_MAX_BYTES:
-            raise value_error(str(path), f"cannot embed figure: {size} bytes (more than {FIGURE_MAX_BYTES})")
-        data = path.read_bytes()
+        data = read_limited(path, FIGURE_MAX_BYTES)  # regular files only, at most the cap + 1 bytes read
     except IsADirectoryError:
         raise value_error(str(path), "cannot embed figure: is a folder, not a file") from None
     except OSError as exc:

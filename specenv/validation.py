@@ -134,15 +134,12 @@ def parse_json(text: str, file: str, error: ErrorFactory = value_error, what: st
 
 def read_json(path: str | os.PathLike[str], error: ErrorFactory = value_error, what: str = "file") -> Any:
     """Read and parse a JSON file; every failure (missing, unreadable, too big, not UTF-8, bad JSON) is one line."""
+    from specenv.io import read_limited
+
     path = Path(path)
     file = str(path)
     try:
-        size = path.stat().st_size
-        if path.is_dir():
-            _raise(error, file, f"cannot read {what}: is a folder, not a file")
-        if size > JSON_MAX_BYTES:
-            _raise(error, file, f"cannot read {what}: {size} bytes (more than {JSON_MAX_BYTES})")
-        data = path.read_bytes()
+        data = read_limited(path, JSON_MAX_BYTES)  # regular files only, at most JSON_MAX_BYTES + 1 bytes read
     except FileNotFoundError:
         _raise(error, file, f"cannot read {what}: no such file")
     except PermissionError:
@@ -453,10 +450,12 @@ def npz_headers(
     import numpy as np
     from numpy.lib import format as npf
 
+    from specenv.io import NotRegularFile, open_regular
+
     file = str(path)
     out: dict[str, tuple[tuple[int, ...], Any]] = {}
     try:
-        with zipfile.ZipFile(path) as zf:
+        with open_regular(path) as raw, zipfile.ZipFile(raw) as zf:
             members = zf.infolist()
             if len(members) > max_members:
                 _raise(error, file, f"holds {len(members)} arrays (more than {max_members})")
@@ -481,6 +480,8 @@ def npz_headers(
         _raise(error, file, "cannot read (permission denied)")
     except IsADirectoryError:
         _raise(error, file, "is a folder, not a file")
+    except NotRegularFile as exc:
+        _raise(error, file, f"cannot read ({exc.strerror})")
     except zipfile.BadZipFile as exc:
         _raise(error, file, f"not a valid npz (zip) file ({exc})")
     except (OSError, ValueError, EOFError, zlib.error, TypeError) as exc:

@@ -87,6 +87,12 @@ def bench(
     for folder in joint_policy or []:
         if not folder.is_dir():
             fail(f"--joint-policy: {folder} is not a folder")
+        from policies.caps.controllers import JointMLP
+
+        try:
+            JointMLP.load(folder)  # its files read before any fitting; the contract is checked at its row
+        except ValueError as exc:
+            fail(f"--joint-policy: {exc}")
     ts = load_traces(traces)
     k_eff = check_budget(ts, kmax)
     if joint_lookahead > k_eff:
