@@ -176,8 +176,11 @@ def exported_by_specenv(folder: Path) -> bool:
     meta = folder / "data" / "metadata.json"
     if folder.is_symlink() or not meta.is_file():
         return False
+    from specenv.io import read_limited
+    from specenv.validation import JSON_MAX_BYTES
+
     try:
-        doc = json.loads(meta.read_text())
+        doc = json.loads(read_limited(meta, JSON_MAX_BYTES))
     except (OSError, ValueError):
         return False
     return isinstance(doc, dict) and isinstance(doc.get(METADATA_KEY), dict)

@@ -224,8 +224,11 @@ def write_steps(
 
 def recording_format(path: Path) -> Any:
     """The ``format`` field of a JSON file (None when it is unreadable or has none)."""
+    from specenv.io import read_limited
+    from specenv.validation import JSON_MAX_BYTES
+
     try:
-        obj = json.loads(path.read_text())
+        obj = json.loads(read_limited(path, JSON_MAX_BYTES))
     except (OSError, ValueError):
         return None
     return obj.get("format") if isinstance(obj, dict) else None
