@@ -320,6 +320,8 @@ def plan_policy(
         try:
             registry.check(policy)
         except ValueError as exc:
+            if policy.partition(":")[0] in registry.names():  # a registered name with a bad parameter
+                raise ValueError(f"--policy: {exc}") from None
             shipped = sorted(p.parent.name for p in shipped_policy_dir(traces).glob("*/policy.json"))
             raise ValueError(
                 f"--policy: {exc}; nor 'oracle' or a policy shipped for this set ({', '.join(shipped) or 'none'})"
