@@ -65,6 +65,9 @@ MAX_NEW_TOKENS_MAX = 1 << 24
 VOCAB_MAX = 1 << 24
 #: Longest context (tokens) over which a cost model must charge positive costs.
 CONTEXT_MAX = 1 << 20
+#: Longest time (ms) one round or batch step may record (about 2.8 hours): a larger value is not a timing,
+#: and its squares would overflow a least-squares fit.
+TIME_MS_MAX = 1e7
 #: Largest JSON file read (bytes): manifests, cost models, policies and prompt sets are far smaller.
 JSON_MAX_BYTES = 64 << 20
 #: Most layers of a policy MLP, and most float elements in all its arrays together (64 MiB of float32).
