@@ -104,7 +104,7 @@ def _ols_cv(X: np.ndarray, y: np.ndarray, groups: np.ndarray, n_splits: int) -> 
 def clustered_ols(
     y: np.ndarray, X: np.ndarray, groups: np.ndarray, where: str, group_col: str = "generation_id"
 ) -> Any:
-    """statsmodels OLS with standard errors clustered by ``groups``; degenerate inputs are one line.
+    """OLS (statsmodels) with standard errors clustered by ``groups``; degenerate inputs are one line.
 
     Args:
         y: The timings.
