@@ -74,6 +74,22 @@ FIGURES: dict[str, tuple[str, str, str]] = {
 }
 #: Largest figure embedded (bytes).
 FIGURE_MAX_BYTES = 32 << 20
+#: The mark of a page this module wrote (``specenv report`` replaces such a page without ``--overwrite``).
+GENERATOR_META = '<meta name="generator" content="specenv report">'
+
+
+def written_by_report(path: Path) -> bool:
+    """Whether ``path`` is a page :func:`render_html` wrote (its head carries :data:`GENERATOR_META`)."""
+    from specenv.io import open_regular
+
+    try:
+        with open_regular(path) as fh:
+            head = fh.read(4096)
+    except OSError:
+        return False
+    return GENERATOR_META.encode() in head
+
+
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -638,6 +654,7 @@ def render_html(inputs: ReportInputs) -> str:
         "<!DOCTYPE html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"{GENERATOR_META}"
         f"<title>{_e(title)}</title><style>{_CSS}</style></head>"
         f"<body><main><h1>{_e(title)}</h1>"
         f'<p class="lead">Speculation-length control on a Mixture-of-Experts target: the cost model, the exact '

@@ -464,3 +464,61 @@ def cache_dir() -> Path | None:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "specenv"
+
+
+#: The hidden file in which a folder records the files specenv wrote into it (name -> sha256).
+OUTPUTS_MARK = ".specenv-outputs.json"
+_MARK_MAX = 1 << 20
+
+
+def _read_mark(folder: Path) -> dict[str, str]:
+    try:
+        obj = json.loads(read_limited(folder / OUTPUTS_MARK, _MARK_MAX))
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in obj.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(obj, dict) else {}
+
+
+def foreign_files(paths: list[Any], mine: Any = None) -> list[Path]:
+    """Of ``paths``, those that exist and that specenv did not write (or that changed since it did).
+
+    A file is specenv's when its folder's :data:`OUTPUTS_MARK` lists it with its current sha256
+    (:func:`record_written`), or when ``mine(path)`` says so (a file that carries its own marker, e.g. a
+    cost model's ``format``). Anything else that exists (a user's file, a folder, a link, a FIFO) is
+    foreign: the output rule is that no command replaces it without ``--overwrite``.
+    """
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if not os.path.lexists(p):
+            continue
+        if p.is_symlink() or not p.is_file():
+            out.append(p)
+            continue
+        try:
+            if _read_mark(p.parent).get(p.name) == sha256_file(p):
+                continue
+        except OSError:
+            out.append(p)
+            continue
+        if mine is not None and mine(p):
+            continue
+        out.append(p)
+    return out
+
+
+def record_written(paths: list[Any]) -> None:
+    """Record the regular files ``paths`` as written by specenv in their folders' :data:`OUTPUTS_MARK`."""
+    by_folder: dict[Path, list[Path]] = {}
+    for p in map(Path, paths):
+        by_folder.setdefault(p.parent, []).append(p)
+    for folder, files in by_folder.items():
+        mark = _read_mark(folder)
+        for p in files:
+            try:
+                mark[p.name] = sha256_file(p)
+            except OSError:
+                mark.pop(p.name, None)
+        try:
+            atomic_write_json(folder / OUTPUTS_MARK, dict(sorted(mark.items())))
+        except OSError:
+            pass  # a folder that cannot take the mark: its files are merely not recognised later

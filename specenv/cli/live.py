@@ -128,6 +128,10 @@ def _parse_caps(caps: str | None, engine: str) -> list[int] | str | None:
         fail(f"--caps: expected 'auto' or comma-separated whole numbers like 9,12,16 (got {caps!r})")
     if any(b < 1 for b in grid) or any(b >= a for a, b in zip(grid[1:], grid[:-1], strict=False)):
         fail(f"--caps: caps must be positive and strictly ascending (got {caps!r})")
+    from specenv.validation import CAP_LEVELS_MAX
+
+    if len(grid) > CAP_LEVELS_MAX:
+        fail(f"--caps: {len(grid)} caps given, a trace set holds at most {CAP_LEVELS_MAX} cap levels (caps-v1)")
     return grid
 
 
