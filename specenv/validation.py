@@ -68,6 +68,8 @@ CONTEXT_MAX = 1 << 20
 #: Longest time (ms) one round or batch step may record (about 2.8 hours): a larger value is not a timing,
 #: and its squares would overflow a least-squares fit.
 TIME_MS_MAX = 1e7
+#: Longest step a batch cost model may charge at the corners of its domain (every request at CONTEXT_MAX).
+BATCH_TIME_MS_MAX = TIME_MS_MAX * 1024
 #: Largest JSON file read (bytes): manifests, cost models, policies and prompt sets are far smaller.
 JSON_MAX_BYTES = 64 << 20
 #: Most layers of a policy MLP, and most float elements in all its arrays together (64 MiB of float32).
@@ -872,9 +874,19 @@ def cost_problem(
                         f"field 'target.{k}': charges a verification time {t:.4g} ms <= 0 "
                         f"(U={u}, L={L}; beta0={beta0[k]}, alpha={alpha[k]}, c={c[k]})"
                     )
+                if t > TIME_MS_MAX:
+                    return (
+                        f"field 'target.{k}': charges a verification time {t:.4g} ms > {TIME_MS_MAX:g} "
+                        f"(U={u}, L={L}; beta0={beta0[k]}, alpha={alpha[k]}, c={c[k]}): not a plausible time"
+                    )
     for n in (1, max(1, kmax)):
         if d1 * n + d0 < 0:
             return f"field 'draft': charges a draft time {d1 * n + d0:.4g} ms < 0 for {n} tokens (d1={d1}, d0={d0})"
+        if d1 * n + d0 > TIME_MS_MAX:
+            return (
+                f"field 'draft': charges a draft time {d1 * n + d0:.4g} ms > {TIME_MS_MAX:g} for {n} tokens "
+                f"(d1={d1}, d0={d0}): not a plausible time"
+            )
     return None
 
 
@@ -908,6 +920,11 @@ def batch_cost_problem(
             for u in (top_k, u_hi):
                 for L in (B, B * CONTEXT_MAX):
                     t = beta0[i] + alpha[i] * u + c[i] * L + b_req * (B - 1)
+                    if t > BATCH_TIME_MS_MAX:
+                        return (
+                            f"field 'verify': charges a verification time {t:.4g} ms > {BATCH_TIME_MS_MAX:g} at "
+                            f"P={P} positions (B={B}, U={u}, sum L={L}): not a plausible time"
+                        )
                     if not t > 0:
                         return (
                             f"field 'verify': charges a verification time {t:.4g} ms <= 0 at P={P} positions "
@@ -917,6 +934,8 @@ def batch_cost_problem(
     for top in (1, kmax):
         for total in (top, max_batch * top):
             t = d0 + d_step * top + d_tok * total
+            if not t <= BATCH_TIME_MS_MAX:
+                return f"field 'draft': charges a draft time {t:.4g} ms > {BATCH_TIME_MS_MAX:g}: not a plausible time"
             if t < 0:
                 return f"field 'draft': charges a draft time {t:.4g} ms < 0 (max {top}, sum {total} drafted tokens)"
     return None

@@ -51,9 +51,8 @@ def fit(
     Prints the coefficients with SEs clustered by group, the verification forms and the U_batch
     predictors with their GroupKFold out-of-sample errors (specenv.cost.batchfit).
     """
-    from specenv.cost.batch import FORMAT
+    from specenv.cost.batch import FORMAT, BatchCostModel
     from specenv.cost.batchfit import TIMINGS, fit_batch_cost, format_report, load_steps
-    from specenv.io import record_written
 
     if not recording.strip():
         fail("RECORDING: empty (a steps recording folder, or live-vllm-batch-v1)")
@@ -73,10 +72,13 @@ def fit(
         rep = fit_batch_cost(steps, manifest, folds, source={"recording": str(manifest["name"])}, timing=timing)
     except ValueError as exc:
         fail(f"{recording}: {exc}")
+    try:  # what loading the model would refuse is refused before anything is written
+        BatchCostModel.from_json(rep.model.to_json(), f"{recording}: fitted batch cost model")
+    except ValueError as exc:
+        fail(str(exc))
     text = strict_json(rep.to_json())  # a non-finite figure is refused before anything is written
     if save is not None:
         rep.model.save(save)
-        record_written([save])
     if as_json:
         sys.stdout.write(text + "\n")
         return

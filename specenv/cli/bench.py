@@ -234,7 +234,7 @@ def report(
     garbled one, is an error.
     """
     from policies.report import REPORT_FILE, read_inputs, render_html, written_by_report
-    from specenv.io import atomic_write_text, record_written
+    from specenv.io import atomic_write_text
 
     if os.path.lexists(folder) and not folder.is_dir():
         fail(f"DIR: {folder} is not a folder")
@@ -248,7 +248,6 @@ def report(
         fail(str(exc))
     path = folder / REPORT_FILE
     atomic_write_text(path, render_html(inputs))
-    record_written([path])
     summary = {"report": str(path), "missing": inputs.missing}
     if as_json:
         print_json(summary)

@@ -33,8 +33,7 @@ def fit(
 ) -> None:
     """Fit the per-K cost model T_T = beta0 + alpha*U_r + c*L (and T_D, AR step) on the rounds table."""
     from specenv.cost.fit import fit_cost_model
-    from specenv.cost.model import FORMAT
-    from specenv.io import record_written
+    from specenv.cost.model import FORMAT, CostModel
 
     if save is not None:
         check_out_file("--out", save)
@@ -58,10 +57,13 @@ def fit(
     except ValueError as exc:
         fail(f"{traces}: {exc}")
     rep.model.n_experts, rep.model.n_layers = ts.facts.n_experts, ts.facts.n_layers  # recorded in the JSON
+    try:  # what loading the model would refuse is refused before anything is written
+        CostModel.from_json(rep.model.to_json(), f"{traces}: fitted cost model")
+    except ValueError as exc:
+        fail(str(exc))
     text = strict_json(rep.to_json())  # a non-finite figure is refused before anything is written
     if save is not None:
         rep.model.save(save)
-        record_written([save])
     if as_json:
         sys.stdout.write(text + "\n")
         return

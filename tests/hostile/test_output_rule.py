@@ -1,8 +1,9 @@
 """The output rule: no command replaces a file it did not write without ``--overwrite``.
 
-A file is specenv's when its folder's mark (:data:`specenv.io.OUTPUTS_MARK`) lists it with its
-current sha256, or when it carries specenv's own marker (a cost model's ``format``, the report's
-generator tag). A user's file of the same name is refused before any work, one line, nothing changed.
+A file is specenv's when it carries specenv's own marker (a cost model's ``format``, the report's
+generator tag) or, for the files of a result folder (CSV, figures), when the folder's mark
+(:data:`specenv.io.OUTPUTS_MARK`) lists it with its current sha256. A user's file of the same name is refused before any work, one
+line, nothing changed.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ def test_fit_out_replaces_its_own_model_and_a_file_given_overwrite(tmp_path, sma
     assert run_cli(["fit", small_traces, "--out", target, "--overwrite"]).exit_code == 0
     assert json.loads(target.read_text())["format"] == "specenv.costmodel/1"
     first = target.read_bytes()
-    (tmp_path / OUTPUTS_MARK).unlink()  # a model written before marks existed: its format says it is specenv's
-    assert run_cli(["fit", small_traces, "--out", target]).exit_code == 0
+    assert run_cli(["fit", small_traces, "--out", target]).exit_code == 0  # its format says it is specenv's
     assert target.read_bytes() == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.json"]  # no mark beside a single file
 
 
 CASES = [
@@ -80,8 +81,7 @@ def test_report_keeps_a_users_page_and_replaces_its_own(tmp_path):
     reject_cleanly(["report", folder], [str(page), *REFUSED], [tmp_path])
     assert run_cli(["report", folder, "--overwrite"]).exit_code == 0
     assert page.read_text() != USER
-    (folder / OUTPUTS_MARK).unlink()  # its own page, recognised by the generator tag
-    assert run_cli(["report", folder]).exit_code == 0
+    assert run_cli(["report", folder]).exit_code == 0  # its own page, recognised by the generator tag
 
 
 def test_overwrite_never_replaces_a_folder_or_link(tmp_path, small_traces):
