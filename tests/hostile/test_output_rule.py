@@ -2,8 +2,8 @@
 
 A file is specenv's when it carries specenv's own marker (a cost model's ``format``, the report's
 generator tag) or, for the files of a result folder (CSV, figures), when the folder's mark
-(:data:`specenv.io.OUTPUTS_MARK`) lists it with its current sha256. A user's file of the same name is refused before any work, one
-line, nothing changed.
+(:data:`specenv.io.OUTPUTS_MARK`) lists it with its current sha256. A user's file of the same name
+is refused before any work, one line, nothing changed.
 """
 
 from __future__ import annotations
