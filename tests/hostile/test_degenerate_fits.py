@@ -146,3 +146,48 @@ def test_write_steps_still_writes_good_steps(tmp_path):
     steps, manifest = load_steps(RECORDING)
     write_steps(tmp_path / "rec", steps, manifest, fit=False)
     assert load_steps(tmp_path / "rec")[0].shape == steps.shape
+
+
+# ---------------------------------------------------------------------- cost models given as files
+@pytest.fixture(scope="module")
+def fitted_model(small_traces, tmp_path_factory) -> dict:
+    from specenv.cost.source import fresh_fit
+    from specenv.traces.traceset import TraceSet
+
+    return fresh_fit(TraceSet.load(small_traces)).to_json()
+
+
+MODEL_CASES = [
+    ("huge-intercept", ("target", 2, "beta0", 1e308), "'target.2'"),
+    ("huge-context-slope", ("target", 1, "c", 1e3), "'target.1'"),
+    ("huge-draft", ("draft", None, "d0", 1e300), "'draft'"),
+]
+
+
+@pytest.mark.parametrize(("case", "edit", "named"), MODEL_CASES, ids=[c[0] for c in MODEL_CASES])
+def test_implausible_cost_model_refused_before_any_output(tmp_path, small_traces, fitted_model, case, edit, named):
+    obj = json.loads(json.dumps(fitted_model))
+    part, k, key, value = edit
+    if k is None:
+        obj[part][key] = value
+    else:
+        obj[part][str(k)][key] = value
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(obj))
+    reject_cleanly(
+        ["oracle", small_traces, "--cost-model", path, "--json"], [str(path), named, "plausible"], [tmp_path]
+    )
+
+
+def test_held_stderr_drops_a_library_s_fd2_noise_unless_released(capfd):
+    import os
+
+    from policies.distributed import _stderr_held
+
+    with _stderr_held():
+        os.write(2, b"gcs_client.cc: retrying\n")
+    assert capfd.readouterr().err == ""
+    with _stderr_held() as held:
+        os.write(2, b"kept\n")
+    held.release()
+    assert capfd.readouterr().err == "kept\n"
