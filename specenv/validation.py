@@ -505,6 +505,14 @@ def check_name(value: str) -> str:
     return value
 
 
+def check_set_name(value: str) -> str:
+    """A trace set's name: a :func:`check_name` that can be one part of a path (datasets are named after it)."""
+    check_name(value)
+    if not value or value in (".", "..") or "/" in value or "\\" in value:
+        raise ValueError(f"must not hold a path separator nor be '.' or '..' (got {value!r})")
+    return value
+
+
 def check_file_name(value: str) -> str:
     """A plain file name inside the folder: no separator, not hidden, not ``..``, not absolute."""
     check_name(value)
@@ -530,6 +538,7 @@ def _models() -> dict[str, Any]:
     from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
     Name = Annotated[str, AfterValidator(check_name)]
+    SetName = Annotated[str, AfterValidator(check_set_name)]
     FileName = Annotated[str, AfterValidator(check_file_name)]
     RelPath = Annotated[str, AfterValidator(check_relative_path)]
     Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -568,7 +577,7 @@ def _models() -> dict[str, Any]:
 
         format: Literal["specenv.traces"]
         schema_version: int
-        name: Name
+        name: SetName
         version: Count = 1
         description: str = ""
         source: Name

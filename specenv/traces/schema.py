@@ -311,6 +311,7 @@ def validate_rounds(table: pa.Table, facts: ModelFacts, kmax: int, file: str = "
             f"above {TIME_MS_MAX:g} ms (not a plausible round time)",
         )
     gid = _num(table, "generation_id", np.int64)
+    _require(gid < 0, file, "generation_id", "negative generation id")
     _, first, inverse = np.unique(gid, return_index=True, return_inverse=True)
     cats = column_strings(table, "category")
     _require(cats != cats[first][inverse], file, "category", "category changes inside a generation")
@@ -420,6 +421,7 @@ def validate_positions(
     _check_columns(table, positions_columns(kmax, signals=signals), file)
     _beyond_kmax(table, kmax, file, n_caps=len(caps) if caps else 0)
     gid = _num(table, "generation_id", np.int64)
+    _require(gid < 0, file, "generation_id", "negative generation id")
     t = _num(table, "t", np.int64)
     L = _num(table, "L", np.int64)
     new_gen = np.ones(len(gid), dtype=bool)

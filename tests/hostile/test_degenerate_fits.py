@@ -191,3 +191,22 @@ def test_held_stderr_drops_a_library_s_fd2_noise_unless_released(capfd):
         os.write(2, b"kept\n")
     held.release()
     assert capfd.readouterr().err == "kept\n"
+
+
+# ---------------------------------------------------------------------- validate refuses what later commands refuse
+def test_validate_refuses_a_negative_generation_id(tmp_path, small_traces):
+    def edit(df: pd.DataFrame) -> None:
+        df.loc[df["generation_id"] == df["generation_id"].min(), "generation_id"] = -1
+
+    traces = _with_rounds(small_traces, tmp_path / "set", edit)
+    reject_cleanly(["validate", traces], ["rounds.parquet", "'generation_id'", "negative"], [tmp_path])
+
+
+@pytest.mark.parametrize("name", ["..", ".", "a/b"])
+def test_validate_refuses_a_set_name_that_is_not_one_path_part(tmp_path, small_traces, name):
+    traces = tmp_path / "set"
+    shutil.copytree(small_traces, traces)
+    manifest = json.loads((traces / "manifest.json").read_text())
+    manifest["name"] = name
+    (traces / "manifest.json").write_text(json.dumps(manifest))
+    reject_cleanly(["validate", traces], ["manifest.json", "'name'"], [tmp_path])
