@@ -467,6 +467,7 @@ def export_minari(
     ep_gid = np.repeat(gids, episodes)
     ep_r = np.tile(np.arange(episodes, dtype=np.int64), len(gids))
     seeds = episode_seeds(seed, ep_gid, ep_r)
+    created = [p for p in (root, *root.parents) if not os.path.lexists(p)]  # removed again if this fails
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(root / STAGING)  # what a killed export left (its process is gone)
     staging = temp_sibling(root / STAGING)  # .specenv-staging.<pid>.<8 hex>
@@ -559,6 +560,14 @@ def export_minari(
         with atomic_dir(dest, replace=overwrite) as tmp:
             os.rename(built / "data", tmp / "data")
         _mark_namespaces(root, ident)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for p in created:  # a failed export leaves no folder it created (innermost first; only empty ones)
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        raise
     finally:
         env.close()
         shutil.rmtree(staging, ignore_errors=True)

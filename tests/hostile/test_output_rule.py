@@ -115,3 +115,24 @@ ARG_CASES = [
 def test_argument_refused_before_work(tmp_path, small_traces, case, args, names):
     fill = {"{T}": str(small_traces), "{W}": str(tmp_path)}
     reject_cleanly([fill.get(a, a.replace("{W}", str(tmp_path))) for a in args], names, [tmp_path])
+
+
+def test_failed_export_leaves_no_root_behind(tmp_path, small_traces):
+    """A policy that fails on its first action: the export fails after the root was made; it is removed again."""
+    from specenv.policy import registry
+    from specenv.policy.base import Policy
+
+    class Boom(Policy):
+        name = "boom"
+
+        def _act(self, obs):
+            raise ValueError("policy 'boom': cannot act")
+
+    registry.register("boom-test", lambda spec: Boom(spec), replace=True)
+    try:
+        root = tmp_path / "a" / "root"
+        args = ["export", "minari", "--dataset", small_traces, "--policy", "boom-test", "--root", root]
+        reject_cleanly(args, ["boom"], [tmp_path, small_traces])
+        assert not (tmp_path / "a").exists()
+    finally:
+        registry.unregister("boom-test")
