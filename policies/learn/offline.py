@@ -326,6 +326,8 @@ def plan_policy(
             raise ValueError(
                 f"--policy: {exc}; nor 'oracle' or a policy shipped for this set ({', '.join(shipped) or 'none'})"
             ) from None
+    if drafting == "block" and lookahead is None:  # as oracle and train: the block size is never guessed
+        raise ValueError("--lookahead: --drafting block needs the block size h in 1..Kmax (e.g. --lookahead 3)")
     try:
         mode, h = check_drafting(drafting, lookahead, kmax)
     except ValueError as exc:

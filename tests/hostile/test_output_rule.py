@@ -108,6 +108,11 @@ ARG_CASES = [
         ["bench", "{T}", "--batch", "2", "--no-learners", "--learners", "survival", "--out", "{W}/o"],
         ["--learners"],
     ),
+    (
+        "export-block-without-lookahead",
+        ["export", "minari", "--dataset", "{T}", "--policy", "oracle", "--drafting", "block", "--root", "{W}/r"],
+        ["--lookahead", "block"],
+    ),
 ]
 
 
