@@ -96,3 +96,19 @@ def test_export_refuses_in_one_line(tmp_path, small_traces, text):
 def test_serve_refuses_before_start(tmp_path, text):
     named = text.split(":")[1].split("=")[0]
     reject_cleanly(["serve", "--policy", text, "--print-command", "--models", "small-moe-v1"], [named], [tmp_path])
+
+
+@pytest.mark.parametrize("mode", ["zzz", "sequential", "block"])
+def test_bench_refuses_a_policy_whose_recorded_drafting_mode_it_would_not_run(tmp_path, small_traces, mode):
+    """A lookahead-0 policy that records another drafting mode is not run; ``--only`` it names the reason."""
+    from specenv.observation.single import ObservationSpec as Spec
+    from specenv.policy.mlp import MLPPolicy
+    from specenv.traces.traceset import TraceSet
+
+    facts = TraceSet.load(small_traces).facts
+    spec = Spec(kmax=6, lookahead=0, n_experts=facts.n_experts)
+    rng = np.random.default_rng(0)
+    policy = MLPPolicy(spec, [(rng.normal(size=(spec.dim, 7)), np.zeros(7))], meta={"drafting": mode})
+    policy.save(tmp_path / "pols" / "odd")
+    args = ["bench", small_traces, "--policies", tmp_path / "pols", "--only", "odd", "--out", tmp_path / "o"]
+    reject_cleanly(args, ["no policy matches", "'odd'", "drafting mode", mode], [tmp_path, small_traces])
