@@ -189,7 +189,10 @@ def abtest(
     from specenv.abtest import ARM_GROUPS, FIT_MODES, AbtestOptions
 
     try:
-        batches = sorted({int(x) for x in batch.split(",") if x.strip()})
+        parts = batch.split(",")
+        if any(not x.strip() for x in parts):  # "1,,8" or a trailing comma: a typo, never a silent skip
+            raise ValueError(batch)
+        batches = sorted({int(x) for x in parts})
     except ValueError:
         fail(f"--batch: {batch!r} is not a comma-separated list of integers")
     if not batches or min(batches) < 1 or max(batches) > 256:

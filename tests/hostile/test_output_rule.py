@@ -108,6 +108,8 @@ ARG_CASES = [
         ["bench", "{T}", "--batch", "2", "--no-learners", "--learners", "survival", "--out", "{W}/o"],
         ["--learners"],
     ),
+    ("abtest-batch-empty-item", ["abtest", "--batch", "1,,8"], ["--batch", "1,,8"]),
+    ("abtest-batch-trailing-comma", ["abtest", "--batch", "2,"], ["--batch"]),
     (
         "export-block-without-lookahead",
         ["export", "minari", "--dataset", "{T}", "--policy", "oracle", "--drafting", "block", "--root", "{W}/r"],
