@@ -590,6 +590,37 @@ def _mark_namespaces(root: Path, ident: str) -> None:
 
 
 # ------------------------------------------------------------------ reading back
+def _dataset_problem(ds: Any, meta: dict[str, Any], obs: list[np.ndarray], act: list[np.ndarray]) -> str | None:
+    """Why a dataset's episodes are not what it recorded, or None.
+
+    The episodes read must be as many, with as many steps, as the dataset's metadata says (a missing
+    or truncated part otherwise trains on less than was exported), and the trace set it was recorded
+    on must still have the manifest it had (a regenerated set replays other rounds).
+    """
+    n_eps, n_steps = len(act), int(sum(len(a) for a in act))
+    if n_eps != int(ds.total_episodes) or n_steps != int(ds.total_steps):
+        return (
+            f"holds {n_steps} steps in {n_eps} episodes, its metadata records {int(ds.total_steps)} in "
+            f"{int(ds.total_episodes)} (a part is missing or damaged: export it again)"
+        )
+    ts = meta.get("trace_set") if isinstance(meta.get("trace_set"), dict) else {}
+    want = ts.get("manifest_sha256")
+    if isinstance(want, str) and isinstance(ts.get("dataset"), str):
+        from specenv.io import sha256_file
+        from specenv.traces.datasets import resolve
+
+        try:
+            got = sha256_file(resolve(ts["dataset"]) / "manifest.json")
+        except (OSError, ValueError) as exc:
+            return f"its trace set {ts['dataset']!r} cannot be read ({exc})"
+        if got != want:
+            return (
+                f"recorded on trace set {ts['dataset']!r} with manifest sha256 {want[:16]}..., which now has "
+                f"{got[:16]}... (the set changed since the export: export it again)"
+            )
+    return None
+
+
 @dataclass
 class OfflineData:
     """A Minari dataset of specenv, checked, with its transitions.
@@ -672,6 +703,10 @@ def open_dataset(ident: str, root: Path) -> OfflineData:
         env.close()
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         raise ValueError(f"--dataset: {ident}: an episode cannot be read ({type(exc).__name__}: {first})") from None
+    problem = _dataset_problem(ds, meta, obs, act)
+    if problem is not None:
+        env.close()
+        raise ValueError(f"--dataset: {ident}: {problem}")
     return OfflineData(
         ident,
         ds,
