@@ -149,6 +149,52 @@ def _unfit_reason(X: np.ndarray, y: np.ndarray, names: tuple[str, ...], time_col
     return None
 
 
+def _design_k(grp: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    y = grp["T_T_ms"].to_numpy(np.float64)
+    X = np.column_stack([np.ones(len(grp)), grp["U_r"].to_numpy(np.float64), grp["L"].to_numpy(np.float64)])
+    return X, y
+
+
+def unfit_budgets(rounds: pd.DataFrame) -> dict[int, str]:
+    """The budgets K >= 1 whose rounds cannot identify the per-K form, with why (numpy only, no fitting)."""
+    out: dict[int, str] = {}
+    for K, grp in rounds[rounds["K"] >= 1].groupby("K", sort=True):
+        reason = _unfit_reason(*_design_k(grp), ("U_r", "L"), "T_T_ms")
+        if reason is not None:
+            out[int(K)] = reason
+    return out
+
+
+def _too_few_budgets(fitted: int, skipped: dict[int, str]) -> ValueError:
+    by_reason: dict[str, list[int]] = {}
+    for k, r in sorted(skipped.items()):
+        by_reason.setdefault(r, []).append(k)
+    why = "; ".join(f"K={','.join(map(str, ks))}: {r}" for r, ks in by_reason.items())
+    return ValueError(
+        "rounds table: cost-model fit needs rounds at two or more budgets K >= 1 that identify "
+        f"T_T = beta0 + alpha*U_r + c*L, {fitted} do" + (f" ({why})" if why else "")
+    )
+
+
+def check_fittable(rounds: pd.DataFrame) -> None:
+    """Refuse, before any fitting, a rounds table with fewer than two budgets that identify the form.
+
+    Raises:
+        ValueError: One line naming the table and, per budget, the column at fault.
+    """
+    skipped = unfit_budgets(rounds)
+    fitted = int(rounds.loc[rounds["K"] >= 1, "K"].nunique()) - len(skipped)
+    if fitted < 2:
+        raise _too_few_budgets(fitted, skipped)
+    n = int(rounds["generation_id"].nunique())
+    if n < 2:
+        raise ValueError(
+            "rounds table: column 'generation_id': standard errors clustered by generation_id need rows of two "
+            f"or more groups, this fit has {n} (use a trace set with more generations)"
+        )
+    _draft_rows(rounds)
+
+
 def fit_per_k(rounds: pd.DataFrame, n_splits: int = 5, progress: Callable[[str], None] | None = None) -> pd.DataFrame:
     """Per-K OLS with clustered SEs and GroupKFold out-of-sample errors (K >= 1 only).
 
@@ -161,8 +207,7 @@ def fit_per_k(rounds: pd.DataFrame, n_splits: int = 5, progress: Callable[[str],
     for K, grp in rounds[rounds["K"] >= 1].groupby("K", sort=True):
         if progress:
             progress(f"K={K}")
-        y = grp["T_T_ms"].to_numpy(np.float64)
-        X = np.column_stack([np.ones(len(grp)), grp["U_r"].to_numpy(np.float64), grp["L"].to_numpy(np.float64)])
+        X, y = _design_k(grp)
         groups = grp["generation_id"].to_numpy()
         reason = _unfit_reason(X, y, ("U_r", "L"), "T_T_ms")
         if reason is not None:
@@ -238,13 +283,9 @@ def compare_forms(
     return pd.DataFrame(rows)
 
 
-def fit_draft(rounds: pd.DataFrame) -> dict[str, Any]:
-    """T_D = d1*K + d0 on K >= 1 rounds with a recorded (non-zero) draft time."""
-    import statsmodels.api as sm
-
-    data = rounds[rounds["K"] >= 1]
-    missing = int((data["T_D_ms"] <= 0).sum())
-    data = data[data["T_D_ms"] > 0]
+def _draft_rows(rounds: pd.DataFrame) -> pd.DataFrame:
+    """The rounds the draft-time fit uses (K >= 1 with a recorded time), or ValueError when they cannot fit it."""
+    data = rounds[(rounds["K"] >= 1) & (rounds["T_D_ms"] > 0)]
     if data["K"].nunique() < 2:
         raise ValueError("draft-time fit needs rounds at two or more budgets K >= 1 with draft timings")
     if np.ptp(data["T_D_ms"].to_numpy(np.float64)) == 0:
@@ -252,6 +293,15 @@ def fit_draft(rounds: pd.DataFrame) -> dict[str, Any]:
             f"rounds table: column 'T_D_ms' is constant ({float(data['T_D_ms'].iloc[0]):g} ms in every round "
             "with K >= 1): no draft-time variation to fit"
         )
+    return data
+
+
+def fit_draft(rounds: pd.DataFrame) -> dict[str, Any]:
+    """T_D = d1*K + d0 on K >= 1 rounds with a recorded (non-zero) draft time."""
+    import statsmodels.api as sm
+
+    data = _draft_rows(rounds)
+    missing = int((rounds.loc[rounds["K"] >= 1, "T_D_ms"] <= 0).sum())
     X = sm.add_constant(data["K"].to_numpy(np.float64))
     res = clustered_ols(
         data["T_D_ms"].to_numpy(np.float64), X, data["generation_id"].to_numpy(), "rounds table (draft times, K >= 1)"
@@ -300,6 +350,7 @@ def fit_cost_model(
     Raises:
         ValueError: If fewer than two budgets K >= 1 can be fitted.
     """
+    check_fittable(rounds)  # before any fitting (and before a progress line): one line naming the column
     step: Callable[[str], None] | None = None
     if progress is not None:
         report, total = progress, int(rounds.loc[rounds["K"] >= 1, "K"].nunique()) + len(FORMS)
@@ -322,14 +373,7 @@ def _assemble(
     import statsmodels.api as sm
 
     if len(per_k) < 2:
-        by_reason: dict[str, list[int]] = {}
-        for k, r in sorted(per_k.attrs.get("skipped", {}).items()):
-            by_reason.setdefault(r, []).append(k)
-        why = "; ".join(f"K={','.join(map(str, ks))}: {r}" for r, ks in by_reason.items())
-        raise ValueError(
-            "rounds table: cost-model fit needs rounds at two or more budgets K >= 1 that identify "
-            f"T_T = beta0 + alpha*U_r + c*L, {len(per_k)} do" + (f" ({why})" if why else "")
-        )
+        raise _too_few_budgets(len(per_k), per_k.attrs.get("skipped", {}))
     beta0 = np.full(kmax + 1, np.nan)
     alpha = np.full(kmax + 1, np.nan)
     c = np.full(kmax + 1, np.nan)
@@ -390,6 +434,7 @@ def fit_replay_model(rounds: pd.DataFrame, kmax: int, top_k: int, source: dict[s
     Raises:
         ValueError: If fewer than two budgets K >= 1 can be fitted.
     """
+    check_fittable(rounds)
     return _assemble(fit_per_k(rounds, n_splits=0), rounds, kmax, top_k, source)
 
 
