@@ -110,5 +110,5 @@ def test_bench_refuses_a_policy_whose_recorded_drafting_mode_it_would_not_run(tm
     rng = np.random.default_rng(0)
     policy = MLPPolicy(spec, [(rng.normal(size=(spec.dim, 7)), np.zeros(7))], meta={"drafting": mode})
     policy.save(tmp_path / "pols" / "odd")
-    args = ["bench", small_traces, "--policies", tmp_path / "pols", "--only", "odd", "--out", tmp_path / "o"]
+    args = ["bench", small_traces, "--policies", tmp_path / "pols", "--only", "odd", "--out", tmp_path / "o", "-q"]
     reject_cleanly(args, ["no policy matches", "'odd'", "drafting mode", mode], [tmp_path, small_traces])
