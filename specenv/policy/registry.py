@@ -248,8 +248,12 @@ def parse(name: str) -> tuple[str, dict[str, Any]]:
 
 
 def is_folder(name_or_folder: str | os.PathLike[str]) -> bool:
-    """Whether the string names a policy folder (one holding ``policy.json``)."""
-    return (Path(name_or_folder) / "policy.json").is_file()
+    """Whether the string names a policy folder (one holding ``policy.json``, of any file type).
+
+    A ``policy.json`` that is a FIFO, a device or a dangling link still makes the folder a policy
+    folder: loading it then says what is wrong with the file (never "not a policy folder").
+    """
+    return os.path.lexists(Path(name_or_folder) / "policy.json")
 
 
 def check(name_or_folder: str | os.PathLike[str]) -> None:

@@ -96,6 +96,27 @@ CLI_CASES = [
         "fit-batch-steps",
         lambda t, k: (["fit-batch", _recording(t, "steps.parquet", k), "--out", t / "m.json"], "steps.parquet"),
     ),
+    (
+        "serve-policy-json",
+        lambda t, k: (
+            ["serve", "--policy", _policy_dir(t, "policy.json", k), "--print-command", "--models", "small-moe-v1"],
+            "policy.json",
+        ),
+    ),
+    (
+        "serve-policy-weights",
+        lambda t, k: (
+            ["serve", "--policy", _policy_dir(t, "weights.npz", k), "--print-command", "--models", "small-moe-v1"],
+            "weights.npz",
+        ),
+    ),
+    (
+        "export-policy-json",
+        lambda t, k: (
+            ["export", "minari", "--policy", _policy_dir(t, "policy.json", k), "--root", t / "root"],
+            "policy.json",
+        ),
+    ),
     ("report-json", lambda t, k: (["report", _report_dir(t, "fit.json", k)], "fit.json")),
     ("report-png", lambda t, k: (["report", _report_dir(t, "speedup.png", k)], "speedup.png")),
 ]
