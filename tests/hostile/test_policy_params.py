@@ -75,8 +75,14 @@ def test_good_parameters_keep_their_values():
 
 
 @pytest.mark.parametrize("name", ["specdec-pp", "disco", "adaedl", "svip"])
-def test_stop_rule_without_signals_is_refused_before_fitting(name):
+def test_stop_rule_without_signals_is_refused_before_fitting(name, monkeypatch):
     """A stop rule in drafting mode none (lookahead 0): one line, no StopIteration, no fitting."""
+    import policies.peers
+
+    def no_fit(*args, **kwargs):
+        raise AssertionError("fitted on the train split before refusing")
+
+    monkeypatch.setattr(policies.peers, "_train_fit", no_fit)
     msg = _message(registry.resolve, name, SPEC)
     assert "lookahead >= 1" in msg and msg.startswith(f"policy {name!r}")
 
