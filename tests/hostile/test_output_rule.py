@@ -143,3 +143,9 @@ def test_failed_export_leaves_no_root_behind(tmp_path, small_traces):
         assert not (tmp_path / "a").exists()
     finally:
         registry.unregister("boom-test")
+
+
+def test_export_names_the_variable_that_gave_its_root(tmp_path, small_traces, monkeypatch):
+    monkeypatch.setenv("MINARI_DATASETS_PATH", "/proc/x")
+    args = ["export", "minari", "--dataset", small_traces, "--policy", "fixed-k:k=2"]
+    reject_cleanly(args, ["MINARI_DATASETS_PATH", "/proc/x"], [tmp_path, small_traces])
