@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -94,7 +95,9 @@ def ray_cluster(address: str, num_cpus: int | None = None) -> Iterator[Any]:
             os.environ["PYTHONPATH"] = os.pathsep.join(_code_path())
             ray.init(num_cpus=num_cpus or os.cpu_count() or 1, **kw)
         else:
-            ray.init(address=address, **kw)
+            with _stderr_held() as held:  # Ray's core logs its retries to fd 2: shown only if it connects
+                ray.init(address=address, **kw)
+            held.release()
     except Exception as exc:  # ConnectionError, ValueError, RuntimeError: Ray raises several for a bad address
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise RayUnavailable(f"--ray: cannot connect to the Ray cluster at {address!r}: {first}") from None
@@ -107,6 +110,40 @@ def ray_cluster(address: str, num_cpus: int | None = None) -> Iterator[Any]:
         yield ray
     finally:
         ray.shutdown()
+
+
+class _Held:
+    """What :func:`_stderr_held` caught: :meth:`release` writes it to the real stderr."""
+
+    def __init__(self) -> None:
+        self.file = tempfile.TemporaryFile()
+
+    def release(self) -> None:
+        self.file.seek(0)
+        data = self.file.read()
+        self.file.close()
+        if data:
+            sys.stderr.flush()
+            os.write(2, data)
+
+
+@contextmanager
+def _stderr_held() -> Iterator[_Held]:
+    """Redirect file descriptor 2 (C++ libraries log there, past Python) into a temporary file for the block.
+
+    The caught text is dropped unless the caller releases it: a failure is then one line, not a
+    page of a library's retry warnings before it.
+    """
+    held = _Held()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(held.file.fileno(), 2)
+    try:
+        yield held
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 #: Seconds a ``HOST:PORT`` address may take to accept a TCP connection (Ray itself would retry for minutes).

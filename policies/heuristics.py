@@ -14,8 +14,10 @@ from specenv.cost.model import CostModel
 from specenv.engines.base import u_prior
 from specenv.observation.single import ObservationSpec
 from specenv.policy.base import Policy
+from specenv.policy.registry import BUDGET, COUNT, FLAG, NONNEGATIVE, PROBABILITY, declare
 
 
+@declare(k=BUDGET)
 class FixedK(Policy):
     """Always verify k drafts (vLLM's ``num_speculative_tokens``; k = 0 is plain decoding).
 
@@ -41,6 +43,7 @@ class FixedK(Policy):
         return np.full(len(obs), self.k, dtype=np.int64)
 
 
+@declare(start=COUNT)
 class TransformersHeuristic(Policy):
     """transformers' assisted-generation ``num_assistant_tokens_schedule="heuristic"``.
 
@@ -108,6 +111,7 @@ def roc_threshold(labels: np.ndarray | list[int], scores: np.ndarray | list[floa
     return math.inf if i == 0 else float(thr[i - 1])
 
 
+@declare(threshold=PROBABILITY, adaptive=FLAG)
 class ConfidenceThreshold(Policy):
     """Stop drafting when the draft's probability of its token falls below a threshold.
 
@@ -327,6 +331,7 @@ class GoodputRule(_CostAware):
         return int(np.argmax(tokens / self._round_ms(obs)))
 
 
+@declare(test_rounds=COUNT, set_rounds=COUNT)
 class CascadeUtility(Policy):
     """Cascade-style utility controller with test and set phases.
 
@@ -387,6 +392,7 @@ class CascadeUtility(Policy):
         return k
 
 
+@declare(c=NONNEGATIVE)
 class UCBBandit(Policy):
     """UCB1 bandit over the budget (BanditSpec's UCBSpec).
 

@@ -44,6 +44,7 @@ from specenv.cost.model import CostModel
 from specenv.observation.single import SIGNALS as OBS_SIGNALS
 from specenv.observation.single import ObservationSpec
 from specenv.policy.base import Policy
+from specenv.policy.registry import BUDGET, COUNT, FLAG, NONNEGATIVE, PROBABILITY, REAL, TEXT, Param, declare
 from specenv.traces.traceset import PositionArrays
 
 __all__ = [
@@ -723,6 +724,13 @@ def _train_fit(spec: ObservationSpec, dataset: str, cost_model: str) -> tuple[Po
     return select_positions(ts, spec.kmax, "train"), cost_model_for(ts, cost_model)
 
 
+def _need_lookahead(spec: ObservationSpec, cls: type) -> None:
+    """A stop rule reads the draft's signals: refuse a spec without them before anything is fitted."""
+    if spec.lookahead < 1:
+        raise ValueError(f"{cls.__name__} needs an observation with lookahead >= 1 (drafting mode sequential or block)")
+
+
+@declare(lam=PROBABILITY, gamma=Param(float, 0.0, open_lo=True), dataset=TEXT, cost_model=TEXT)
 def make_adaedl(
     spec: ObservationSpec,
     lam: float | None = None,
@@ -731,16 +739,19 @@ def make_adaedl(
     cost_model: str = "fit-train",
 ) -> AdaEDL:
     """``adaedl[:lam=..,gamma=..]``: lambda as given, else fitted on ``dataset``'s train split."""
+    _need_lookahead(spec, AdaEDL)
     if lam is None:
         train, model = _train_fit(spec, dataset, cost_model)
         lam = fit_peers(train, model, ("q", "ent"), best_fixed_k=0, gamma=gamma).adaedl_lam
     return AdaEDL(spec, lam=float(lam), gamma=gamma)  # type: ignore[arg-type]
 
 
+@declare(h=NONNEGATIVE, dataset=TEXT, cost_model=TEXT)
 def make_svip(
     spec: ObservationSpec, h: float | None = None, dataset: str = DEFAULT_FIT_DATASET, cost_model: str = "fit-train"
 ) -> SVIP:
     """``svip[:h=..]``: h as given, else fitted on ``dataset``'s train split."""
+    _need_lookahead(spec, SVIP)
     if h is None:
         train, model = _train_fit(spec, dataset, cost_model)
         h = fit_peers(train, model, ("q", "ent"), best_fixed_k=0).svip_h
@@ -760,6 +771,7 @@ def _head_factory(kind: str) -> Callable[..., StopRule]:
         bad = [w for w in weights if w not in ("w_q", "w_ent", "w_margin", "w_depth", "bias")]
         if bad:
             raise ValueError(f"unknown parameter(s) {', '.join(bad)}")
+        _need_lookahead(spec, cls)
         shown = spec_signals(spec)
         if weights:  # a head given by its weights
             feats = tuple(s for s in SIGNALS if f"w_{s}" in weights)
@@ -778,10 +790,14 @@ def _head_factory(kind: str) -> Callable[..., StopRule]:
     return make
 
 
-make_specdecpp = _head_factory("specdec++")
-make_disco = _head_factory("disco")
+_HEAD_PARAMS = dict(
+    threshold=PROBABILITY, dataset=TEXT, cost_model=TEXT, w_q=REAL, w_ent=REAL, w_margin=REAL, w_depth=REAL, bias=REAL
+)
+make_specdecpp = declare(**_HEAD_PARAMS)(_head_factory("specdec++"))
+make_disco = declare(**_HEAD_PARAMS)(_head_factory("disco"))
 
 
+@declare(stale=FLAG, dataset=TEXT, cost_model=TEXT)
 def make_vllm_adaptive(
     spec: ObservationSpec, stale: bool = True, dataset: str = DEFAULT_FIT_DATASET, cost_model: str = "fit-train"
 ) -> VLLMAdaptiveVerification:
@@ -790,6 +806,7 @@ def make_vllm_adaptive(
     return VLLMAdaptiveVerification(spec, model, u_prior=train.U.mean(axis=0), stale=stale)
 
 
+@declare(k=BUDGET, schedule=TEXT, batch_size=COUNT, dataset=TEXT, cost_model=TEXT)
 def make_vllm_dsd(
     spec: ObservationSpec,
     k: int | None = None,

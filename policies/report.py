@@ -74,6 +74,22 @@ FIGURES: dict[str, tuple[str, str, str]] = {
 }
 #: Largest figure embedded (bytes).
 FIGURE_MAX_BYTES = 32 << 20
+#: The mark of a page this module wrote (``specenv report`` replaces such a page without ``--overwrite``).
+GENERATOR_META = '<meta name="generator" content="specenv report">'
+
+
+def written_by_report(path: Path) -> bool:
+    """Whether ``path`` is a page :func:`render_html` wrote (its head carries :data:`GENERATOR_META`)."""
+    from specenv.io import open_regular
+
+    try:
+        with open_regular(path) as fh:
+            head = fh.read(4096)
+    except OSError:
+        return False
+    return GENERATOR_META.encode() in head
+
+
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -232,13 +248,11 @@ def _models() -> dict[str, Any]:
 
 def _read_png(path: Path) -> bytes:
     """The bytes of a PNG file, or ValueError ``FILE: problem`` (too big, not a PNG, unreadable)."""
+    from specenv.io import read_limited
     from specenv.validation import value_error
 
     try:
-        size = path.stat().st_size
-        if size > FIGURE_MAX_BYTES:
-            raise value_error(str(path), f"cannot embed figure: {size} bytes (more than {FIGURE_MAX_BYTES})")
-        data = path.read_bytes()
+        data = read_limited(path, FIGURE_MAX_BYTES)  # regular files only, at most the cap + 1 bytes read
     except IsADirectoryError:
         raise value_error(str(path), "cannot embed figure: is a folder, not a file") from None
     except OSError as exc:
@@ -640,6 +654,7 @@ def render_html(inputs: ReportInputs) -> str:
         "<!DOCTYPE html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"{GENERATOR_META}"
         f"<title>{_e(title)}</title><style>{_CSS}</style></head>"
         f"<body><main><h1>{_e(title)}</h1>"
         f'<p class="lead">Speculation-length control on a Mixture-of-Experts target: the cost model, the exact '

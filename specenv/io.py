@@ -17,6 +17,10 @@ Temporaries are named ``.<name>.<pid>.<8 hex>`` (folders) and ``.<name>.<pid>.<8
 write to the same destination removes those whose process is gone (:func:`remove_stale_temporaries`),
 and nothing else.
 
+Files are read through :func:`open_regular` / :func:`read_limited` (and hashed through
+:func:`sha256_file`): regular files only (a FIFO, a device, a socket or a link to one is refused
+before anything blocks), and at most a cap + 1 bytes read, whatever size the file reports.
+
 Only the standard library is imported here: this module is on the ``import specenv`` path.
 """
 
@@ -30,12 +34,13 @@ import os
 import platform
 import re
 import shutil
+import stat
 import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, NoReturn
 
 #: Environment variable naming specenv's cache folder; empty, ``0`` or ``off`` disables the disk cache.
 CACHE_ENV = "SPECENV_CACHE"
@@ -351,10 +356,90 @@ def package_data(*parts: str) -> Path:
     return out
 
 
+class NotRegularFile(OSError):
+    """A path that specenv will not read: a folder, a FIFO, a device or a socket (or a link to one)."""
+
+
+class FileTooLarge(OSError):
+    """A file holding more bytes than its reader's cap (counted by reading, not from the reported size)."""
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a special file"
+
+
+def _refuse(mode: int, path: str | os.PathLike[str]) -> NoReturn:
+    kind = _kind(mode)
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "is a folder, not a file", str(path))
+    raise NotRegularFile(errno.EINVAL, f"is {kind}, not a regular file", str(path))
+
+
+def check_regular(path: str | os.PathLike[str]) -> None:
+    """Refuse anything but a regular file (a link is followed): folders, FIFOs, devices, sockets.
+
+    For a reader that takes a path (pyarrow, numpy, PIL): called before handing it the path.
+
+    Raises:
+        FileNotFoundError, PermissionError: As :func:`os.stat`.
+        IsADirectoryError: A folder.
+        NotRegularFile: A FIFO, a device or a socket (``strerror`` says which).
+    """
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        _refuse(mode, path)
+
+
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """Open a regular file for binary reading; anything else is refused without blocking.
+
+    The path is checked before it is opened (a device is never opened) and the open file again
+    (``fstat``); a FIFO is opened non-blocking, so a FIFO without a writer cannot hang the check.
+
+    Raises:
+        As :func:`check_regular`.
+    """
+    check_regular(path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            _refuse(mode, path)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_limited(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The bytes of a regular file holding at most ``limit`` bytes (at most ``limit + 1`` are read).
+
+    The reported size is not trusted (``/proc`` files and devices report 0).
+
+    Raises:
+        FileTooLarge: The file holds more than ``limit`` bytes.
+        As :func:`open_regular` otherwise.
+    """
+    with open_regular(path) as fh:
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise FileTooLarge(errno.EFBIG, f"more than {limit} bytes", str(path))
+    return data
+
+
 def sha256_file(path: str | os.PathLike[str]) -> str:
-    """Hex sha256 of a file's bytes."""
+    """Hex sha256 of a regular file's bytes (anything else refused as by :func:`open_regular`)."""
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -379,3 +464,61 @@ def cache_dir() -> Path | None:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "specenv"
+
+
+#: The hidden file in which a folder records the files specenv wrote into it (name -> sha256).
+OUTPUTS_MARK = ".specenv-outputs.json"
+_MARK_MAX = 1 << 20
+
+
+def _read_mark(folder: Path) -> dict[str, str]:
+    try:
+        obj = json.loads(read_limited(folder / OUTPUTS_MARK, _MARK_MAX))
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in obj.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(obj, dict) else {}
+
+
+def foreign_files(paths: list[Any], mine: Any = None) -> list[Path]:
+    """Of ``paths``, those that exist and that specenv did not write (or that changed since it did).
+
+    A file is specenv's when its folder's :data:`OUTPUTS_MARK` lists it with its current sha256
+    (:func:`record_written`), or when ``mine(path)`` says so (a file that carries its own marker, e.g. a
+    cost model's ``format``). Anything else that exists (a user's file, a folder, a link, a FIFO) is
+    foreign: the output rule is that no command replaces it without ``--overwrite``.
+    """
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if not os.path.lexists(p):
+            continue
+        if p.is_symlink() or not p.is_file():
+            out.append(p)
+            continue
+        try:
+            if _read_mark(p.parent).get(p.name) == sha256_file(p):
+                continue
+        except OSError:
+            out.append(p)
+            continue
+        if mine is not None and mine(p):
+            continue
+        out.append(p)
+    return out
+
+
+def record_written(paths: list[Any]) -> None:
+    """Record the regular files ``paths`` as written by specenv in their folders' :data:`OUTPUTS_MARK`."""
+    by_folder: dict[Path, list[Path]] = {}
+    for p in map(Path, paths):
+        by_folder.setdefault(p.parent, []).append(p)
+    for folder, files in by_folder.items():
+        mark = _read_mark(folder)
+        for p in files:
+            try:
+                mark[p.name] = sha256_file(p)
+            except OSError:
+                mark.pop(p.name, None)
+        try:
+            atomic_write_json(folder / OUTPUTS_MARK, dict(sorted(mark.items())))
+        except OSError:
+            pass  # a folder that cannot take the mark: its files are merely not recognised later

@@ -65,6 +65,11 @@ MAX_NEW_TOKENS_MAX = 1 << 24
 VOCAB_MAX = 1 << 24
 #: Longest context (tokens) over which a cost model must charge positive costs.
 CONTEXT_MAX = 1 << 20
+#: Longest time (ms) one round or batch step may record (about 2.8 hours): a larger value is not a timing,
+#: and its squares would overflow a least-squares fit.
+TIME_MS_MAX = 1e7
+#: Longest step a batch cost model may charge at the corners of its domain (every request at CONTEXT_MAX).
+BATCH_TIME_MS_MAX = TIME_MS_MAX * 1024
 #: Largest JSON file read (bytes): manifests, cost models, policies and prompt sets are far smaller.
 JSON_MAX_BYTES = 64 << 20
 #: Most layers of a policy MLP, and most float elements in all its arrays together (64 MiB of float32).
@@ -134,15 +139,12 @@ def parse_json(text: str, file: str, error: ErrorFactory = value_error, what: st
 
 def read_json(path: str | os.PathLike[str], error: ErrorFactory = value_error, what: str = "file") -> Any:
     """Read and parse a JSON file; every failure (missing, unreadable, too big, not UTF-8, bad JSON) is one line."""
+    from specenv.io import read_limited
+
     path = Path(path)
     file = str(path)
     try:
-        size = path.stat().st_size
-        if path.is_dir():
-            _raise(error, file, f"cannot read {what}: is a folder, not a file")
-        if size > JSON_MAX_BYTES:
-            _raise(error, file, f"cannot read {what}: {size} bytes (more than {JSON_MAX_BYTES})")
-        data = path.read_bytes()
+        data = read_limited(path, JSON_MAX_BYTES)  # regular files only, at most JSON_MAX_BYTES + 1 bytes read
     except FileNotFoundError:
         _raise(error, file, f"cannot read {what}: no such file")
     except PermissionError:
@@ -453,10 +455,12 @@ def npz_headers(
     import numpy as np
     from numpy.lib import format as npf
 
+    from specenv.io import NotRegularFile, open_regular
+
     file = str(path)
     out: dict[str, tuple[tuple[int, ...], Any]] = {}
     try:
-        with zipfile.ZipFile(path) as zf:
+        with open_regular(path) as raw, zipfile.ZipFile(raw) as zf:
             members = zf.infolist()
             if len(members) > max_members:
                 _raise(error, file, f"holds {len(members)} arrays (more than {max_members})")
@@ -481,6 +485,8 @@ def npz_headers(
         _raise(error, file, "cannot read (permission denied)")
     except IsADirectoryError:
         _raise(error, file, "is a folder, not a file")
+    except NotRegularFile as exc:
+        _raise(error, file, f"cannot read ({exc.strerror})")
     except zipfile.BadZipFile as exc:
         _raise(error, file, f"not a valid npz (zip) file ({exc})")
     except (OSError, ValueError, EOFError, zlib.error, TypeError) as exc:
@@ -496,6 +502,14 @@ def check_name(value: str) -> str:
         raise ValueError("contains a control character (newline, tab, escape...)")
     if len(value) > NAME_MAX:
         raise ValueError(f"longer than {NAME_MAX} characters")
+    return value
+
+
+def check_set_name(value: str) -> str:
+    """A trace set's name: a :func:`check_name` that can be one part of a path (datasets are named after it)."""
+    check_name(value)
+    if not value or value in (".", "..") or "/" in value or "\\" in value:
+        raise ValueError(f"must not hold a path separator nor be '.' or '..' (got {value!r})")
     return value
 
 
@@ -524,6 +538,7 @@ def _models() -> dict[str, Any]:
     from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
     Name = Annotated[str, AfterValidator(check_name)]
+    SetName = Annotated[str, AfterValidator(check_set_name)]
     FileName = Annotated[str, AfterValidator(check_file_name)]
     RelPath = Annotated[str, AfterValidator(check_relative_path)]
     Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -562,7 +577,7 @@ def _models() -> dict[str, Any]:
 
         format: Literal["specenv.traces"]
         schema_version: int
-        name: Name
+        name: SetName
         version: Count = 1
         description: str = ""
         source: Name
@@ -874,9 +889,19 @@ def cost_problem(
                         f"field 'target.{k}': charges a verification time {t:.4g} ms <= 0 "
                         f"(U={u}, L={L}; beta0={beta0[k]}, alpha={alpha[k]}, c={c[k]})"
                     )
+                if t > TIME_MS_MAX:
+                    return (
+                        f"field 'target.{k}': charges a verification time {t:.4g} ms > {TIME_MS_MAX:g} "
+                        f"(U={u}, L={L}; beta0={beta0[k]}, alpha={alpha[k]}, c={c[k]}): not a plausible time"
+                    )
     for n in (1, max(1, kmax)):
         if d1 * n + d0 < 0:
             return f"field 'draft': charges a draft time {d1 * n + d0:.4g} ms < 0 for {n} tokens (d1={d1}, d0={d0})"
+        if d1 * n + d0 > TIME_MS_MAX:
+            return (
+                f"field 'draft': charges a draft time {d1 * n + d0:.4g} ms > {TIME_MS_MAX:g} for {n} tokens "
+                f"(d1={d1}, d0={d0}): not a plausible time"
+            )
     return None
 
 
@@ -910,6 +935,11 @@ def batch_cost_problem(
             for u in (top_k, u_hi):
                 for L in (B, B * CONTEXT_MAX):
                     t = beta0[i] + alpha[i] * u + c[i] * L + b_req * (B - 1)
+                    if t > BATCH_TIME_MS_MAX:
+                        return (
+                            f"field 'verify': charges a verification time {t:.4g} ms > {BATCH_TIME_MS_MAX:g} at "
+                            f"P={P} positions (B={B}, U={u}, sum L={L}): not a plausible time"
+                        )
                     if not t > 0:
                         return (
                             f"field 'verify': charges a verification time {t:.4g} ms <= 0 at P={P} positions "
@@ -919,6 +949,8 @@ def batch_cost_problem(
     for top in (1, kmax):
         for total in (top, max_batch * top):
             t = d0 + d_step * top + d_tok * total
+            if not t <= BATCH_TIME_MS_MAX:
+                return f"field 'draft': charges a draft time {t:.4g} ms > {BATCH_TIME_MS_MAX:g}: not a plausible time"
             if t < 0:
                 return f"field 'draft': charges a draft time {t:.4g} ms < 0 (max {top}, sum {total} drafted tokens)"
     return None

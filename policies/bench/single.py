@@ -77,7 +77,7 @@ from policies.peers import (
 )
 from specenv.cost.model import drafting_mode
 from specenv.observation.single import ObservationSpec
-from specenv.policy.base import Policy
+from specenv.policy.base import Policy, policy_drafting
 from specenv.policy.mlp import MLPPolicy
 
 __all__ = [
@@ -198,12 +198,21 @@ def default_entries(ctx: Context) -> list[Entry]:
                 ctx.notes.append(f"no trained '{name}' policy in {ctx.policy_dir} (run `specenv train --algo {name}`)")
         for name, folder in found.items():
             try:  # the benchmark's contract, with the lookahead the policy reads
-                stored = MLPPolicy.load(folder).spec
+                raw = MLPPolicy.load(folder)
+                stored = raw.spec
                 sig = {"signals": stored.signals}
                 if stored.per_token:  # a stop rule of the per-token env: runs in sequential mode
                     pol: Policy = load_stop_rule(folder, expect=replace(ctx.spec, lookahead=ctx.kmax, **sig))
                 else:
                     pol = MLPPolicy.load(folder, expect=replace(ctx.spec, lookahead=stored.lookahead, **sig))
+                # the mode it records (policy_drafting: an unknown one is an error) is the mode it runs in here
+                runs = "sequential" if stored.per_token else drafting_mode(stored.lookahead)
+                recorded = policy_drafting(raw)
+                if recorded != runs:
+                    raise ValueError(
+                        f"{folder / 'policy.json'}: records drafting mode {recorded!r}, but its observation "
+                        f"contract runs in mode {runs} here"
+                    )
             except ValueError as exc:  # listed with the reason, never dropped silently
                 _skip(ctx, name, folder, str(exc))
                 continue
@@ -555,7 +564,10 @@ class SingleFamily:
             frames.append(got)
             gens.append(generation_table(got))
         if not gens:
-            raise ValueError(f"only={list(self.setup.only or ())}: no policy matches")
+            only = list(self.setup.only or ())
+            hit = [sk for sk in ctx.skipped if any(o in sk["policy"] for o in only)]
+            why = f" (skipped {hit[0]['policy']!r}: {hit[0]['reason']})" if hit else ""
+            raise ValueError(f"only={only}: no policy matches{why}")
         episodes_df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
         gen_df = pd.concat(gens, ignore_index=True)
         summary, cats = summarise(gen_df, oracle_df, n_boot=self.n_boot, seed=self.seed)

@@ -176,8 +176,11 @@ def exported_by_specenv(folder: Path) -> bool:
     meta = folder / "data" / "metadata.json"
     if folder.is_symlink() or not meta.is_file():
         return False
+    from specenv.io import read_limited
+    from specenv.validation import JSON_MAX_BYTES
+
     try:
-        doc = json.loads(meta.read_text())
+        doc = json.loads(read_limited(meta, JSON_MAX_BYTES))
     except (OSError, ValueError):
         return False
     return isinstance(doc, dict) and isinstance(doc.get(METADATA_KEY), dict)
@@ -317,10 +320,14 @@ def plan_policy(
         try:
             registry.check(policy)
         except ValueError as exc:
+            if policy.partition(":")[0] in registry.names():  # a registered name with a bad parameter
+                raise ValueError(f"--policy: {exc}") from None
             shipped = sorted(p.parent.name for p in shipped_policy_dir(traces).glob("*/policy.json"))
             raise ValueError(
                 f"--policy: {exc}; nor 'oracle' or a policy shipped for this set ({', '.join(shipped) or 'none'})"
             ) from None
+    if drafting == "block" and lookahead is None:  # as oracle and train: the block size is never guessed
+        raise ValueError("--lookahead: --drafting block needs the block size h in 1..Kmax (e.g. --lookahead 3)")
     try:
         mode, h = check_drafting(drafting, lookahead, kmax)
     except ValueError as exc:
@@ -462,6 +469,7 @@ def export_minari(
     ep_gid = np.repeat(gids, episodes)
     ep_r = np.tile(np.arange(episodes, dtype=np.int64), len(gids))
     seeds = episode_seeds(seed, ep_gid, ep_r)
+    created = [p for p in (root, *root.parents) if not os.path.lexists(p)]  # removed again if this fails
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(root / STAGING)  # what a killed export left (its process is gone)
     staging = temp_sibling(root / STAGING)  # .specenv-staging.<pid>.<8 hex>
@@ -554,6 +562,14 @@ def export_minari(
         with atomic_dir(dest, replace=overwrite) as tmp:
             os.rename(built / "data", tmp / "data")
         _mark_namespaces(root, ident)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for p in created:  # a failed export leaves no folder it created (innermost first; only empty ones)
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        raise
     finally:
         env.close()
         shutil.rmtree(staging, ignore_errors=True)
@@ -574,6 +590,37 @@ def _mark_namespaces(root: Path, ident: str) -> None:
 
 
 # ------------------------------------------------------------------ reading back
+def _dataset_problem(ds: Any, meta: dict[str, Any], obs: list[np.ndarray], act: list[np.ndarray]) -> str | None:
+    """Why a dataset's episodes are not what it recorded, or None.
+
+    The episodes read must be as many, with as many steps, as the dataset's metadata says (a missing
+    or truncated part otherwise trains on less than was exported), and the trace set it was recorded
+    on must still have the manifest it had (a regenerated set replays other rounds).
+    """
+    n_eps, n_steps = len(act), int(sum(len(a) for a in act))
+    if n_eps != int(ds.total_episodes) or n_steps != int(ds.total_steps):
+        return (
+            f"holds {n_steps} steps in {n_eps} episodes, its metadata records {int(ds.total_steps)} in "
+            f"{int(ds.total_episodes)} (a part is missing or damaged: export it again)"
+        )
+    ts = meta.get("trace_set") if isinstance(meta.get("trace_set"), dict) else {}
+    want = ts.get("manifest_sha256")
+    if isinstance(want, str) and isinstance(ts.get("dataset"), str):
+        from specenv.io import sha256_file
+        from specenv.traces.datasets import resolve
+
+        try:
+            got = sha256_file(resolve(ts["dataset"]) / "manifest.json")
+        except (OSError, ValueError) as exc:
+            return f"its trace set {ts['dataset']!r} cannot be read ({exc})"
+        if got != want:
+            return (
+                f"recorded on trace set {ts['dataset']!r} with manifest sha256 {want[:16]}..., which now has "
+                f"{got[:16]}... (the set changed since the export: export it again)"
+            )
+    return None
+
+
 @dataclass
 class OfflineData:
     """A Minari dataset of specenv, checked, with its transitions.
@@ -656,6 +703,10 @@ def open_dataset(ident: str, root: Path) -> OfflineData:
         env.close()
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         raise ValueError(f"--dataset: {ident}: an episode cannot be read ({type(exc).__name__}: {first})") from None
+    problem = _dataset_problem(ds, meta, obs, act)
+    if problem is not None:
+        env.close()
+        raise ValueError(f"--dataset: {ident}: {problem}")
     return OfflineData(
         ident,
         ds,

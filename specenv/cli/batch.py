@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -14,16 +15,19 @@ from specenv.cli.common import (
     MAX_EPISODES,
     JsonOpt,
     KmaxOpt,
+    OverwriteOpt,
     SeedOpt,
     TrainCostOpt,
     check_budget,
+    check_not_foreign,
     check_out_file,
     check_out_folder,
     fail,
     finish,
+    json_format_is,
     load_traces,
     out,
-    print_json,
+    strict_json,
 )
 from specenv.progress import Progress
 
@@ -40,12 +44,14 @@ def fit(
     timing: Annotated[str, typer.Option(help="cpu (forwards' thread CPU time, default) or wall.")] = "cpu",
     folds: Annotated[int, typer.Option(min=2, max=1000, help="GroupKFold folds (by group of requests).")] = 5,
     as_json: JsonOpt = False,
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Fit the batch cost model (verification, draft, U_batch predictors) on recorded vLLM batch steps.
 
     Prints the coefficients with SEs clustered by group, the verification forms and the U_batch
     predictors with their GroupKFold out-of-sample errors (specenv.cost.batchfit).
     """
+    from specenv.cost.batch import FORMAT, BatchCostModel
     from specenv.cost.batchfit import TIMINGS, fit_batch_cost, format_report, load_steps
 
     if not recording.strip():
@@ -54,6 +60,7 @@ def fit(
         fail(f"--timing: {timing!r} is not one of {', '.join(TIMINGS)}")
     if save is not None:
         check_out_file("--out", save)
+        check_not_foreign("--out", [save], overwrite, mine=lambda p: json_format_is(p, FORMAT))
     try:
         steps, manifest = load_steps(recording)
     except ValueError as exc:
@@ -65,10 +72,15 @@ def fit(
         rep = fit_batch_cost(steps, manifest, folds, source={"recording": str(manifest["name"])}, timing=timing)
     except ValueError as exc:
         fail(f"{recording}: {exc}")
+    try:  # what loading the model would refuse is refused before anything is written
+        BatchCostModel.from_json(rep.model.to_json(), f"{recording}: fitted batch cost model")
+    except ValueError as exc:
+        fail(str(exc))
+    text = strict_json(rep.to_json())  # a non-finite figure is refused before anything is written
     if save is not None:
         rep.model.save(save)
     if as_json:
-        print_json(rep.to_json())
+        sys.stdout.write(text + "\n")
         return
     out.print(format_report(rep), markup=False, highlight=False)
     if save is not None:
@@ -103,6 +115,7 @@ def bench(
         ),
     ] = None,
     as_json: JsonOpt = False,
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Benchmark the batch controllers in specenv/MoESpecBatch-v0 beside the batch bound (held-out split).
 
@@ -110,10 +123,14 @@ def bench(
     learned ones (trained on the train split).
     """
     from policies.bench.batch import LEARNERS, run_batch_benchmark
+    from policies.bench.outputs import planned_files
     from policies.bench.outputs import write_outputs as write_batch_outputs
     from policies.bench.tables import batch_table as batch_markdown
 
     check_out_folder("--out", out_dir)
+    check_not_foreign("--out", planned_files("batch", out_dir, batch), overwrite)
+    if no_learners and learners is not None:
+        fail("--learners: the learned controllers to train, but --no-learners trains none (give one of them)")
     rows = LEARNERS if learners is None else tuple(x.strip() for x in learners.split(",") if x.strip())
     if not rows or set(rows) - set(LEARNERS):
         fail(f"--learners: {learners!r}: give a comma-separated subset of {', '.join(LEARNERS)}")
@@ -133,6 +150,7 @@ def bench(
             )
     except ValueError as exc:
         fail(str(exc))
+    strict_json(res.to_json())  # a non-finite figure is refused before any file is written
     paths = write_batch_outputs(res, out_dir)
     finish(res, paths, out_dir, as_json, lambda: [_header(res.context), batch_markdown(res)])
 

@@ -17,11 +17,13 @@ from specenv.cli.common import (
     MAX_GENERATIONS,
     JsonOpt,
     KmaxOpt,
+    OverwriteOpt,
     RayCpusOpt,
     RayOpt,
     SeedOpt,
     TrainCostOpt,
     check_budget,
+    check_not_foreign,
     check_out_file,
     check_out_folder,
     check_ray_cpus,
@@ -31,6 +33,7 @@ from specenv.cli.common import (
     maybe_ray,
     out,
     print_json,
+    strict_json,
 )
 from specenv.progress import Progress
 
@@ -76,6 +79,7 @@ def bench(
     learners: Annotated[
         str | None, typer.Option("--learners", help="With --batch: as in `specenv batch bench --learners`.")
     ] = None,
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Benchmark every policy on the held-out split against the exact oracle bound.
 
@@ -84,7 +88,7 @@ def bench(
     (policies.distributed); the outputs are the same as without it (per-episode seeds).
     With --batch B it runs `specenv batch bench --batch B` instead (the older spelling).
     """
-    from policies.bench.outputs import write_outputs
+    from policies.bench.outputs import planned_files, write_outputs
     from policies.bench.single import run_benchmark
     from policies.bench.tables import category_table, markdown_table
     from specenv.cost.model import DRAFTING_MODES
@@ -99,8 +103,11 @@ def bench(
             "--only": only,
             "--drafting": drafting,
         }
-        _batch_alias(traces, out_dir, episodes, seed, kmax, cost_model, batch, no_learners, learners, as_json, others)
+        _batch_alias(
+            traces, out_dir, episodes, seed, kmax, cost_model, batch, no_learners, learners, as_json, others, overwrite
+        )
         return
+    check_not_foreign("--out", planned_files("single", out_dir), overwrite)
     if policies is not None and not policies.is_dir():
         fail(f"--policies: {policies} is not a folder")
     if drafting is not None and drafting not in DRAFTING_MODES:
@@ -133,6 +140,7 @@ def bench(
             )
     except ValueError as exc:
         fail(str(exc))
+    strict_json(res.to_json())  # a non-finite figure is refused before any file is written
     paths = write_outputs(res, out_dir)
     finish(
         res,
@@ -175,6 +183,7 @@ def _batch_alias(
     learners: str | None,
     as_json: bool,
     others: dict[str, Any],
+    overwrite: bool = False,
 ) -> None:
     """``specenv bench --batch B ...``: the older spelling of ``specenv batch bench --batch B ...``.
 
@@ -203,6 +212,7 @@ def _batch_alias(
         no_learners=no_learners,
         learners=learners,
         as_json=as_json,
+        overwrite=overwrite,
     )
 
 
@@ -211,6 +221,7 @@ def report(
         Path, typer.Argument(metavar="DIR", help="Folder holding what fit, oracle and bench wrote (see below).")
     ],
     as_json: JsonOpt = False,
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Write DIR/report.html: the fit, the oracle and the benchmark on one self-contained page.
 
@@ -222,7 +233,7 @@ def report(
     input is named on the page with the command that writes it; none of the three JSON files, or a
     garbled one, is an error.
     """
-    from policies.report import REPORT_FILE, read_inputs, render_html
+    from policies.report import REPORT_FILE, read_inputs, render_html, written_by_report
     from specenv.io import atomic_write_text
 
     if os.path.lexists(folder) and not folder.is_dir():
@@ -230,6 +241,7 @@ def report(
     if not folder.exists():
         fail(f"DIR: {folder}: no such folder")
     check_out_file("DIR", folder / REPORT_FILE)
+    check_not_foreign("DIR", [folder / REPORT_FILE], overwrite, mine=written_by_report)
     try:
         inputs = read_inputs(folder)
     except ValueError as exc:

@@ -13,12 +13,15 @@ from specenv.cli.common import (
     MAX_SEED,
     JsonOpt,
     KmaxOpt,
+    OverwriteOpt,
     TrainCostOpt,
     check_budget,
+    check_not_foreign,
     check_out_folder,
     fail,
     finish,
     load_traces,
+    strict_json,
 )
 from specenv.progress import Progress
 
@@ -65,6 +68,7 @@ def bench(
     ] = None,
     seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Base seed of the episodes, bootstrap, training.")] = 0,
     as_json: JsonOpt = False,
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Joint (k, expert cap) benchmark: speedup beside token mismatches, and the joint oracle's frontier.
 
@@ -72,10 +76,11 @@ def bench(
     (a sweep of the quality weight) and the joint learned controllers, on the held-out split.
     """
     from policies.bench.caps import DEFAULT_WEIGHTS, run_cap_bench
-    from policies.bench.outputs import write_outputs
+    from policies.bench.outputs import planned_files, write_outputs
     from policies.bench.tables import frontier_table, markdown_table
 
     check_out_folder("--out", out_dir)
+    check_not_foreign("--out", planned_files("caps", out_dir), overwrite)
     if policies is not None and not policies.is_dir():
         fail(f"--policies: {policies} is not a folder")
     for w in (weight or []) + (train_joint or []):
@@ -87,6 +92,12 @@ def bench(
     for folder in joint_policy or []:
         if not folder.is_dir():
             fail(f"--joint-policy: {folder} is not a folder")
+        from policies.caps.controllers import JointMLP
+
+        try:
+            JointMLP.load(folder)  # its files read before any fitting; the contract is checked at its row
+        except ValueError as exc:
+            fail(f"--joint-policy: {exc}")
     ts = load_traces(traces)
     k_eff = check_budget(ts, kmax)
     if joint_lookahead > k_eff:
@@ -112,6 +123,7 @@ def bench(
             )
     except ValueError as exc:
         fail(str(exc))
+    strict_json(res.to_json())  # a non-finite figure is refused before any file is written
     paths = write_outputs(res, out_dir)
     finish(res, paths, out_dir, as_json, lambda: _text(res, max_mismatch, markdown_table, frontier_table))
 

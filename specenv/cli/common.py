@@ -288,6 +288,29 @@ def check_out_file(opt: str, path: Path) -> None:
         fail(f"{opt}: {os_message(exc)}")
 
 
+#: The ``--overwrite`` option of the commands that write a user-named file or into a user-named folder.
+OverwriteOpt = Annotated[
+    bool, typer.Option("--overwrite", help="Replace existing output files that specenv did not write.")
+]
+
+
+def check_not_foreign(
+    opt: str, paths: Sequence[Path], overwrite: bool, mine: Callable[[Path], bool] | None = None
+) -> None:
+    """The output rule: a file specenv did not write (:func:`specenv.io.foreign_files`) is kept unless ``overwrite``."""
+    from specenv.io import foreign_files
+
+    if overwrite:
+        bad = [p for p in paths if os.path.lexists(p) and (p.is_symlink() or not p.is_file())]
+    else:
+        bad = foreign_files(list(paths), mine)
+    if bad:
+        p = bad[0]
+        if overwrite or p.is_symlink() or not p.is_file():
+            fail(f"{opt}: {p} exists and is not a regular file: refusing to replace it")
+        fail(f"{opt}: {p} exists and specenv did not write it (or it changed since): give --overwrite to replace it")
+
+
 def check_budget(ts: Any, kmax: int | None, lookahead: int | None = None) -> int:
     """``--kmax`` in 1..the trace set's Kmax and ``--lookahead`` in 0..kmax; returns the effective kmax."""
     from specenv.replay.tables import SelectionError, check_kmax
@@ -336,13 +359,28 @@ def nonfinite_field(obj: Any, path: str = "") -> str | None:
     return None
 
 
-def print_json(obj: Any) -> None:
-    """Print ``obj`` as strict JSON (never NaN/Infinity: such a value is an error naming its field)."""
+def strict_json(obj: Any) -> str:
+    """``obj`` as strict JSON text (never NaN/Infinity: such a value is an error naming its field, exit 2)."""
     try:
-        text = json.dumps(obj, indent=2, default=float, allow_nan=False)
+        return json.dumps(obj, indent=2, default=float, allow_nan=False)
     except ValueError:
-        fail(f"result field '{nonfinite_field(obj)}' is not a finite number: no JSON written")
-    sys.stdout.write(text + "\n")
+        fail(f"result field '{nonfinite_field(obj)}' is not a finite number: nothing written")
+
+
+def print_json(obj: Any) -> None:
+    """Print ``obj`` as strict JSON (see :func:`strict_json`)."""
+    sys.stdout.write(strict_json(obj) + "\n")
+
+
+def json_format_is(path: Path, *formats: str) -> bool:
+    """Whether ``path`` is a JSON object whose ``format`` is one of ``formats`` (a file specenv wrote)."""
+    from specenv.validation import read_json
+
+    try:
+        obj = read_json(path)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and obj.get("format") in formats
 
 
 def check_ray_cpus(address: str | None, cpus: int | None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -10,12 +11,15 @@ from rich.table import Table
 
 from specenv.cli.common import (
     JsonOpt,
+    OverwriteOpt,
     Traces,
+    check_not_foreign,
     check_out_file,
     fail,
+    json_format_is,
     load_traces,
     out,
-    print_json,
+    strict_json,
 )
 from specenv.progress import Progress
 
@@ -25,12 +29,15 @@ def fit(
     save: Annotated[Path | None, typer.Option("--out", "-o", help="Write the cost model JSON here.")] = None,
     folds: Annotated[int, typer.Option(min=2, max=1000, help="GroupKFold folds (by generation).")] = 5,
     as_json: JsonOpt = False,
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Fit the per-K cost model T_T = beta0 + alpha*U_r + c*L (and T_D, AR step) on the rounds table."""
     from specenv.cost.fit import fit_cost_model
+    from specenv.cost.model import FORMAT, CostModel
 
     if save is not None:
         check_out_file("--out", save)
+        check_not_foreign("--out", [save], overwrite, mine=lambda p: json_format_is(p, FORMAT))
     ts = load_traces(traces)
     if not ts.has_rounds:
         fail(f"{traces}: trace set has no rounds table to fit on")
@@ -57,10 +64,15 @@ def fit(
     except ValueError as exc:
         fail(f"{traces}: {exc}")
     rep.model.n_experts, rep.model.n_layers = ts.facts.n_experts, ts.facts.n_layers  # recorded in the JSON
+    try:  # what loading the model would refuse is refused before anything is written
+        CostModel.from_json(rep.model.to_json(), f"{traces}: fitted cost model")
+    except ValueError as exc:
+        fail(str(exc))
+    text = strict_json(rep.to_json())  # a non-finite figure is refused before anything is written
     if save is not None:
         rep.model.save(save)
     if as_json:
-        print_json(rep.to_json())
+        sys.stdout.write(text + "\n")
         return
     _print_fit(rep, ts.manifest.name, paper_profile=_is_paper_profile(ts.manifest))
     if save is not None:

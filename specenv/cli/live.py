@@ -128,6 +128,10 @@ def _parse_caps(caps: str | None, engine: str) -> list[int] | str | None:
         fail(f"--caps: expected 'auto' or comma-separated whole numbers like 9,12,16 (got {caps!r})")
     if any(b < 1 for b in grid) or any(b >= a for a, b in zip(grid[1:], grid[:-1], strict=False)):
         fail(f"--caps: caps must be positive and strictly ascending (got {caps!r})")
+    from specenv.validation import CAP_LEVELS_MAX
+
+    if len(grid) > CAP_LEVELS_MAX:
+        fail(f"--caps: {len(grid)} caps given, a trace set holds at most {CAP_LEVELS_MAX} cap levels (caps-v1)")
     return grid
 
 
@@ -194,7 +198,10 @@ def abtest(
     from specenv.abtest import ARM_GROUPS, FIT_MODES, AbtestOptions
 
     try:
-        batches = sorted({int(x) for x in batch.split(",") if x.strip()})
+        parts = batch.split(",")
+        if any(not x.strip() for x in parts):  # "1,,8" or a trailing comma: a typo, never a silent skip
+            raise ValueError(batch)
+        batches = sorted({int(x) for x in parts})
     except ValueError:
         fail(f"--batch: {batch!r} is not a comma-separated list of integers")
     if not batches or min(batches) < 1 or max(batches) > 256:

@@ -274,7 +274,7 @@ def export(
     """
     if fmt != "minari":
         fail(f"FORMAT: unknown dataset format {fmt!r} (known: minari)")
-    from policies.learn.offline import check_destination, dataset_id, export_minari, plan_policy, resolve_root
+    from policies.learn.offline import ROOT_ENV, check_destination, dataset_id, export_minari, plan_policy, resolve_root
     from specenv.traces.splits import check_split
 
     try:
@@ -283,10 +283,12 @@ def export(
         fail(f"--split: {exc}")
     ts = load_traces(dataset)
     k = check_budget(ts, kmax)
+    # the option the folder came from: --root, else $MINARI_DATASETS_PATH, else the specenv cache
+    where = "--root" if root is not None else ROOT_ENV if os.environ.get(ROOT_ENV) else "--root (the specenv cache)"
     try:
         base = resolve_root(root)
         if os.path.lexists(base) and not base.is_dir():
-            fail(f"--root: {base} exists and is not a folder")
+            fail(f"{where}: {base} exists and is not a folder")
         sig = None if signals is None else tuple(x.strip() for x in signals.split(","))
         plan = plan_policy(policy, dataset, k, drafting, lookahead, sig)
         ident = dataset_id(dataset, policy, plan=plan)
@@ -294,7 +296,7 @@ def export(
     except FileExistsError as exc:
         fail(str(exc))
     except OSError as exc:
-        fail(f"--root: {os_message(exc)}")
+        fail(f"{where}: {os_message(exc)}")
     except ValueError as exc:
         fail(str(exc))
     try:

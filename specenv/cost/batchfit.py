@@ -168,12 +168,17 @@ def check_steps(steps: pd.DataFrame, manifest: dict[str, Any], file: str = STEPS
             raise _err(file, f"{u_b} outside [max U_i, min(n, sum U_i)] = [{U.max()}, {min(n, U.sum())}]", "U_batch", r)
         if abs(ub.mean() - u_b) > 1e-6 * max(1.0, u_b):
             raise _err(file, "must be the mean of U_batch_layer", "U_batch", r)
+    from specenv.validation import TIME_MS_MAX
+
     for col in ("T_T_ms", "step_ms"):
         if (bad := steps[col].to_numpy() <= 0).any():
             raise _err(file, "must be > 0", col, _first_bad(bad))
     for col in ("T_D_ms", "T_T_cpu_ms", "T_D_cpu_ms", "draft_calls"):
         if (bad := steps[col].to_numpy() < 0).any():
             raise _err(file, "must be >= 0", col, _first_bad(bad))
+    for col in ("T_T_ms", "step_ms", "T_D_ms", "T_T_cpu_ms", "T_D_cpu_ms"):
+        if (bad := steps[col].to_numpy(np.float64) > TIME_MS_MAX).any():
+            raise _err(file, f"must be at most {TIME_MS_MAX:g} ms (not a plausible step time)", col, _first_bad(bad))
 
 
 def write_steps(
@@ -224,8 +229,11 @@ def write_steps(
 
 def recording_format(path: Path) -> Any:
     """The ``format`` field of a JSON file (None when it is unreadable or has none)."""
+    from specenv.io import read_limited
+    from specenv.validation import JSON_MAX_BYTES
+
     try:
-        obj = json.loads(path.read_text())
+        obj = json.loads(read_limited(path, JSON_MAX_BYTES))
     except (OSError, ValueError):
         return None
     return obj.get("format") if isinstance(obj, dict) else None
@@ -444,6 +452,11 @@ def fit_batch_cost(
     col_t, col_d = TIMINGS[timing]
     y_t = steps[col_t].to_numpy(np.float64)
     y_d = steps[col_d].to_numpy(np.float64)
+    if (bad := y_t <= 0).any():
+        raise _err(STEPS_FILE, f"must be > 0 to fit with timing={timing}", col_t, _first_bad(bad))
+    for col, y in ((col_t, y_t), (col_d, y_d)):
+        if np.ptp(y) == 0:
+            raise _err(STEPS_FILE, f"is constant ({y[0]:g} ms in every step): no timing variation to fit", col)
     y_s = y_t + y_d
     u = _u_matrix(steps)
     ub = steps["U_batch"].to_numpy(np.float64)

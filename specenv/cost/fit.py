@@ -101,23 +101,119 @@ def _ols_cv(X: np.ndarray, y: np.ndarray, groups: np.ndarray, n_splits: int) -> 
     }
 
 
+def clustered_ols(
+    y: np.ndarray, X: np.ndarray, groups: np.ndarray, where: str, group_col: str = "generation_id"
+) -> Any:
+    """OLS (statsmodels) with standard errors clustered by ``groups``; degenerate inputs are one line.
+
+    Args:
+        y: The timings.
+        X: The design (intercept first).
+        groups: One cluster label per row.
+        where: The table (and subset) for the message: ``"rounds table, K=3"``.
+        group_col: The column the clusters come from.
+
+    Raises:
+        ValueError: Fewer than two clusters (the clustered covariance divides by G - 1), or
+            non-finite coefficients (timings too large to square).
+    """
+    import warnings
+
+    import statsmodels.api as sm
+
+    n = len(np.unique(groups))
+    if n < 2:
+        raise ValueError(
+            f"{where}: column '{group_col}': standard errors clustered by {group_col} need rows of two or more "
+            f"groups, this fit has {n} (use a trace set with more generations)"
+        )
+    with warnings.catch_warnings():  # a degenerate fit is refused below, in one line, not warned about
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = sm.OLS(y, X).fit(cov_type="cluster", cov_kwds={"groups": groups})
+    if not np.all(np.isfinite(res.params)):
+        raise ValueError(f"{where}: the least-squares fit gives non-finite coefficients (timings too large?)")
+    return res
+
+
+def _unfit_reason(X: np.ndarray, y: np.ndarray, names: tuple[str, ...], time_col: str) -> str | None:
+    """Why the rows of one budget cannot identify ``y = X b``, or None."""
+    if len(y) < 5:
+        return f"{len(y)} rounds (at least 5 needed)"
+    for j, name in enumerate(names, start=1):
+        if np.ptp(X[:, j]) == 0:
+            return f"column '{name}' is constant ({X[0, j]:g} in every round): collinear with the intercept"
+    if np.linalg.matrix_rank(X) < X.shape[1]:
+        return f"columns {', '.join(repr(n) for n in names)} are collinear"
+    if np.ptp(y) == 0:
+        return f"column '{time_col}' is constant ({y[0]:g} ms in every round): no timing variation to fit"
+    return None
+
+
+def _design_k(grp: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    y = grp["T_T_ms"].to_numpy(np.float64)
+    X = np.column_stack([np.ones(len(grp)), grp["U_r"].to_numpy(np.float64), grp["L"].to_numpy(np.float64)])
+    return X, y
+
+
+def unfit_budgets(rounds: pd.DataFrame) -> dict[int, str]:
+    """The budgets K >= 1 whose rounds cannot identify the per-K form, with why (numpy only, no fitting)."""
+    out: dict[int, str] = {}
+    for K, grp in rounds[rounds["K"] >= 1].groupby("K", sort=True):
+        reason = _unfit_reason(*_design_k(grp), ("U_r", "L"), "T_T_ms")
+        if reason is not None:
+            out[int(K)] = reason
+    return out
+
+
+def _too_few_budgets(fitted: int, skipped: dict[int, str]) -> ValueError:
+    by_reason: dict[str, list[int]] = {}
+    for k, r in sorted(skipped.items()):
+        by_reason.setdefault(r, []).append(k)
+    why = "; ".join(f"K={','.join(map(str, ks))}: {r}" for r, ks in by_reason.items())
+    return ValueError(
+        "rounds table: cost-model fit needs rounds at two or more budgets K >= 1 that identify "
+        f"T_T = beta0 + alpha*U_r + c*L, {fitted} do" + (f" ({why})" if why else "")
+    )
+
+
+def check_fittable(rounds: pd.DataFrame) -> None:
+    """Refuse, before any fitting, a rounds table with fewer than two budgets that identify the form.
+
+    Raises:
+        ValueError: One line naming the table and, per budget, the column at fault.
+    """
+    skipped = unfit_budgets(rounds)
+    fitted = int(rounds.loc[rounds["K"] >= 1, "K"].nunique()) - len(skipped)
+    if fitted < 2:
+        raise _too_few_budgets(fitted, skipped)
+    n = int(rounds["generation_id"].nunique())
+    if n < 2:
+        raise ValueError(
+            "rounds table: column 'generation_id': standard errors clustered by generation_id need rows of two "
+            f"or more groups, this fit has {n} (use a trace set with more generations)"
+        )
+    _draft_rows(rounds)
+
+
 def fit_per_k(rounds: pd.DataFrame, n_splits: int = 5, progress: Callable[[str], None] | None = None) -> pd.DataFrame:
     """Per-K OLS with clustered SEs and GroupKFold out-of-sample errors (K >= 1 only).
 
-    ``progress``, if given, is called with ``"K=<k>"`` as each budget's fit starts.
+    ``progress``, if given, is called with ``"K=<k>"`` as each budget's fit starts. A budget whose
+    rounds cannot identify the form (fewer than 5, a constant or collinear column) is skipped; why is
+    kept in ``attrs["skipped"]`` (``{K: reason}``) for the message of a fit that has too few budgets.
     """
-    import statsmodels.api as sm
-
     rows = []
+    skipped: dict[int, str] = {}
     for K, grp in rounds[rounds["K"] >= 1].groupby("K", sort=True):
         if progress:
             progress(f"K={K}")
-        y = grp["T_T_ms"].to_numpy(np.float64)
-        X = np.column_stack([np.ones(len(grp)), grp["U_r"].to_numpy(np.float64), grp["L"].to_numpy(np.float64)])
+        X, y = _design_k(grp)
         groups = grp["generation_id"].to_numpy()
-        if len(grp) < 5 or np.ptp(X[:, 1]) == 0 or np.ptp(X[:, 2]) == 0:
+        reason = _unfit_reason(X, y, ("U_r", "L"), "T_T_ms")
+        if reason is not None:
+            skipped[int(K)] = reason
             continue
-        res = sm.OLS(y, X).fit(cov_type="cluster", cov_kwds={"groups": groups})
+        res = clustered_ols(y, X, groups, f"rounds table, K={K}")
         rows.append(
             {
                 "K": int(K),
@@ -137,7 +233,9 @@ def fit_per_k(rounds: pd.DataFrame, n_splits: int = 5, progress: Callable[[str],
                 **{f"{k}_u_only": v for k, v in _ols_cv(X[:, :2], y, groups, n_splits).items() if k == "oos_r2"},
             }
         )
-    return pd.DataFrame(rows)
+    out = pd.DataFrame(rows)
+    out.attrs["skipped"] = skipped
+    return out
 
 
 def _form_design(rounds: pd.DataFrame, form: str) -> np.ndarray:
@@ -187,18 +285,28 @@ def compare_forms(
     return pd.DataFrame(rows)
 
 
+def _draft_rows(rounds: pd.DataFrame) -> pd.DataFrame:
+    """The rounds the draft-time fit uses (K >= 1 with a recorded time), or ValueError when they cannot fit it."""
+    data = rounds[(rounds["K"] >= 1) & (rounds["T_D_ms"] > 0)]
+    if data["K"].nunique() < 2:
+        raise ValueError("draft-time fit needs rounds at two or more budgets K >= 1 with draft timings")
+    if np.ptp(data["T_D_ms"].to_numpy(np.float64)) == 0:
+        raise ValueError(
+            f"rounds table: column 'T_D_ms' is constant ({float(data['T_D_ms'].iloc[0]):g} ms in every round "
+            "with K >= 1): no draft-time variation to fit"
+        )
+    return data
+
+
 def fit_draft(rounds: pd.DataFrame) -> dict[str, Any]:
     """T_D = d1*K + d0 on K >= 1 rounds with a recorded (non-zero) draft time."""
     import statsmodels.api as sm
 
-    data = rounds[rounds["K"] >= 1]
-    missing = int((data["T_D_ms"] <= 0).sum())
-    data = data[data["T_D_ms"] > 0]
-    if data["K"].nunique() < 2:
-        raise ValueError("draft-time fit needs rounds at two or more budgets K >= 1 with draft timings")
+    data = _draft_rows(rounds)
+    missing = int((rounds.loc[rounds["K"] >= 1, "T_D_ms"] <= 0).sum())
     X = sm.add_constant(data["K"].to_numpy(np.float64))
-    res = sm.OLS(data["T_D_ms"].to_numpy(np.float64), X).fit(
-        cov_type="cluster", cov_kwds={"groups": data["generation_id"].to_numpy()}
+    res = clustered_ols(
+        data["T_D_ms"].to_numpy(np.float64), X, data["generation_id"].to_numpy(), "rounds table (draft times, K >= 1)"
     )
     # the draft floor of k = 0: an engine that drafts at every step (vLLM 0.32 keeps the draft's KV cache
     # in sync with one draft forward per request even at k = 0) records T_D > 0 on its K = 0 rounds;
@@ -244,6 +352,7 @@ def fit_cost_model(
     Raises:
         ValueError: If fewer than two budgets K >= 1 can be fitted.
     """
+    check_fittable(rounds)  # before any fitting (and before a progress line): one line naming the column
     step: Callable[[str], None] | None = None
     if progress is not None:
         report, total = progress, int(rounds.loc[rounds["K"] >= 1, "K"].nunique()) + len(FORMS)
@@ -266,7 +375,7 @@ def _assemble(
     import statsmodels.api as sm
 
     if len(per_k) < 2:
-        raise ValueError("cost-model fit needs rounds at two or more budgets K >= 1")
+        raise _too_few_budgets(len(per_k), per_k.attrs.get("skipped", {}))
     beta0 = np.full(kmax + 1, np.nan)
     alpha = np.full(kmax + 1, np.nan)
     c = np.full(kmax + 1, np.nan)
@@ -281,9 +390,7 @@ def _assemble(
     ar0 = rounds[rounds["K"] == 0]
     if len(ar0) >= 5 and ar0["L"].nunique() > 1:
         X = sm.add_constant(ar0["L"].to_numpy(np.float64))
-        res = sm.OLS(ar0["T_T_ms"].to_numpy(np.float64), X).fit(
-            cov_type="cluster", cov_kwds={"groups": ar0["generation_id"].to_numpy()}
-        )
+        res = clustered_ols(ar0["T_T_ms"].to_numpy(np.float64), X, ar0["generation_id"].to_numpy(), "rounds table, K=0")
         beta0[0], alpha[0], c[0] = float(res.params[0]), 0.0, float(res.params[1])
         ar = {
             "extrapolated": False,
@@ -329,6 +436,7 @@ def fit_replay_model(rounds: pd.DataFrame, kmax: int, top_k: int, source: dict[s
     Raises:
         ValueError: If fewer than two budgets K >= 1 can be fitted.
     """
+    check_fittable(rounds)
     return _assemble(fit_per_k(rounds, n_splits=0), rounds, kmax, top_k, source)
 
 

@@ -153,6 +153,8 @@ def fresh_fit(traces: Any, split: str = "all") -> CostModel:
     else:
         model = fit_replay_model(rounds, traces.kmax, traces.facts.top_k, source)
     model.n_experts, model.n_layers = traces.facts.n_experts, traces.facts.n_layers
+    # what loading it would refuse (a time <= 0 or implausibly large at a corner of its domain) is refused now
+    CostModel.from_json(model.to_json(), f"cost model fitted on the rounds table of '{traces.manifest.name}'")
     return model
 
 

@@ -41,6 +41,13 @@ name                        policy                                      paramete
 The peers (:mod:`policies.peers`) fit what is not given on the train split of ``dataset`` (a
 registered set or a folder; default ``paper-default``) with ``cost_model`` (default ``fit-train``).
 
+A factory declares its parameters in an attribute ``parameters`` (``{name: Param(...)}``, see
+:class:`Param` and :func:`declare`): :func:`check` and :func:`resolve` refuse a value of the wrong type
+(``k=4.5``, ``k=true``, ``k=``), out of range (a count below 1, a probability outside [0, 1]) or not
+finite before the factory runs, with one line ``policy 'NAME:...': parameter 'k': ...``, so every
+caller (the Python API, ``serve``, ``export``, ``bench``, the vLLM controller) refuses the same
+things with the same line. A key given twice is refused by :func:`parse`.
+
 Policies that need more than a spec (a fitted cost model, an oracle's lambda: ``goodput``,
 ``delta-space``) are built in Python, not by name. A string is never imported: a dotted path or
 ``module:attribute`` is just an unknown name.
@@ -48,9 +55,12 @@ Policies that need more than a spec (a fitted cost model, an oracle's lambda: ``
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -64,6 +74,87 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 _REGISTERED: dict[str, Callable[..., Any]] = {}
 
 Factory = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Param:
+    """The declaration of one policy parameter: its type and its range (bounds included unless open).
+
+    Attributes:
+        kind: ``int`` (an integer, never a bool or a float), ``float`` (a finite number, never a bool),
+            ``bool`` or ``str`` (non-empty text).
+        lo: Smallest value allowed (None: unbounded).
+        hi: Largest value allowed (None: unbounded).
+        open_lo: ``lo`` itself excluded (e.g. a scale ``> 0``).
+        what: What the value is, for the message (``"a probability"``).
+    """
+
+    kind: type
+    lo: float | None = None
+    hi: float | None = None
+    open_lo: bool = False
+    what: str = ""
+
+    def check(self, key: str, value: Any) -> Any:
+        """``value`` as the declared type, or ValueError ``parameter 'KEY': PROBLEM``."""
+
+        def bad(problem: str) -> ValueError:
+            return ValueError(f"parameter {key!r}: {problem} (got {value!r})")
+
+        if self.kind is bool:
+            if not isinstance(value, bool):
+                raise bad("must be true or false")
+            return value
+        if self.kind is str:
+            if not isinstance(value, str) or not value:
+                raise bad("must be a non-empty name")
+            return value
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise bad("must be an integer" if self.kind is int else "must be a number")
+        if self.kind is int:
+            if not isinstance(value, numbers.Integral):
+                raise bad("must be an integer")
+            value = int(value)
+        else:
+            value = float(value)
+            if not math.isfinite(value):
+                raise bad("must be finite")
+        too_low = self.lo is not None and (value <= self.lo if self.open_lo else value < self.lo)
+        if too_low or (self.hi is not None and value > self.hi):
+            lo = "" if self.lo is None else f"{'>' if self.open_lo else '>='} {self.lo:g}"
+            hi = "" if self.hi is None else f"<= {self.hi:g}"
+            raise bad(f"must be {' and '.join(x for x in (lo, hi) if x)}{f' ({self.what})' if self.what else ''}")
+        return value
+
+
+#: Shorthands of the common declarations.
+COUNT = Param(int, 1, what="a count")
+BUDGET = Param(int, 0, what="a draft budget")
+PROBABILITY = Param(float, 0.0, 1.0, what="a probability")
+NONNEGATIVE = Param(float, 0.0)
+REAL = Param(float)
+FLAG = Param(bool)
+TEXT = Param(str)
+
+
+def declare(**params: Param) -> Callable[[Factory], Factory]:
+    """Decorator: declare a factory's parameters (its attribute ``parameters``), checked by :func:`resolve`."""
+
+    def mark(factory: Factory) -> Factory:
+        factory.parameters = dict(params)  # type: ignore[attr-defined]
+        return factory
+
+    return mark
+
+
+def check_params(factory: Factory, params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` with every declared one checked and converted (see :class:`Param`); others as given.
+
+    Raises:
+        ValueError: ``parameter 'KEY': PROBLEM`` for the first bad declared parameter.
+    """
+    declared: Mapping[str, Param] = getattr(factory, "parameters", None) or {}
+    return {k: (declared[k].check(k, v) if k in declared else v) for k, v in params.items()}
 
 
 def register(name: str, factory: Factory, *, replace: bool = False) -> str:
@@ -150,13 +241,19 @@ def parse(name: str) -> tuple[str, dict[str, Any]]:
             key = key.strip()
             if not eq or not key.isidentifier():
                 raise ValueError(f"policy {name!r}: parameters must read key=value[,key=value...]")
+            if key in params:
+                raise ValueError(f"policy {name!r}: parameter {key!r} given twice")
             params[key] = _value(val.strip())
     return base, params
 
 
 def is_folder(name_or_folder: str | os.PathLike[str]) -> bool:
-    """Whether the string names a policy folder (one holding ``policy.json``)."""
-    return (Path(name_or_folder) / "policy.json").is_file()
+    """Whether the string names a policy folder (one holding ``policy.json``, of any file type).
+
+    A ``policy.json`` that is a FIFO, a device or a dangling link still makes the folder a policy
+    folder: loading it then says what is wrong with the file (never "not a policy folder").
+    """
+    return os.path.lexists(Path(name_or_folder) / "policy.json")
 
 
 def check(name_or_folder: str | os.PathLike[str]) -> None:
@@ -171,8 +268,12 @@ def check(name_or_folder: str | os.PathLike[str]) -> None:
         resolve(name_or_folder)
         return
     name = os.fspath(name_or_folder)
-    _factory(name.partition(":")[0])
-    parse(name)
+    factory = _factory(name.partition(":")[0])
+    _, parsed = parse(name)
+    try:
+        check_params(factory, parsed)
+    except ValueError as exc:
+        raise ValueError(f"policy {name!r}: {exc}") from None
 
 
 def resolve(name_or_folder: str | os.PathLike[str], spec: ObservationSpec | None = None, **params: Any) -> Any:
@@ -206,7 +307,7 @@ def resolve(name_or_folder: str | os.PathLike[str], spec: ObservationSpec | None
     if spec is None:
         raise ValueError(f"policy {name_or_folder!r}: a registered name needs the observation spec to build it")
     try:
-        policy = factory(spec, **{**parsed, **params})
+        policy = factory(spec, **check_params(factory, {**parsed, **params}))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"policy {name_or_folder!r}: {exc}") from None
     if not hasattr(policy, "act"):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from specenv.validation import CAP_LEVELS_MAX, KMAX_MAX, one_line
+from specenv.validation import CAP_LEVELS_MAX, KMAX_MAX, TIME_MS_MAX, one_line
 
 #: The version this specenv writes.
 SCHEMA_VERSION = 2
@@ -303,7 +303,15 @@ def validate_rounds(table: pa.Table, facts: ModelFacts, kmax: int, file: str = "
     _require((E < 1 - eps) | (E > m + eps), file, "E_max", "must lie in [1, m]")
     _require(_num(table, "T_T_ms", np.float64) <= 0, file, "T_T_ms", "target time must be > 0")
     _require(_num(table, "T_D_ms", np.float64) < 0, file, "T_D_ms", "draft time must be >= 0")
+    for col in ("T_T_ms", "T_D_ms"):
+        _require(
+            _num(table, col, np.float64) > TIME_MS_MAX,
+            file,
+            col,
+            f"above {TIME_MS_MAX:g} ms (not a plausible round time)",
+        )
     gid = _num(table, "generation_id", np.int64)
+    _require(gid < 0, file, "generation_id", "negative generation id")
     _, first, inverse = np.unique(gid, return_index=True, return_inverse=True)
     cats = column_strings(table, "category")
     _require(cats != cats[first][inverse], file, "category", "category changes inside a generation")
@@ -413,6 +421,7 @@ def validate_positions(
     _check_columns(table, positions_columns(kmax, signals=signals), file)
     _beyond_kmax(table, kmax, file, n_caps=len(caps) if caps else 0)
     gid = _num(table, "generation_id", np.int64)
+    _require(gid < 0, file, "generation_id", "negative generation id")
     t = _num(table, "t", np.int64)
     L = _num(table, "L", np.int64)
     new_gen = np.ones(len(gid), dtype=bool)

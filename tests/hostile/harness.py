@@ -65,6 +65,16 @@ def run_limited(args: Sequence[str], memory_bytes: int = 1 << 30, seconds: float
     return Outcome(p.returncode, p.stdout, p.stderr)
 
 
+def run_python_limited(code: str, memory_bytes: int = 1 << 30, seconds: float = 30.0) -> Outcome:
+    """Run ``python -c CODE`` in a subprocess under an address-space and a time limit (API cases)."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=seconds, preexec_fn=limit)
+    return Outcome(p.returncode, p.stdout, p.stderr)
+
+
 from specenv.validation import MEMO_SUBDIR as MEMO  # noqa: E402
 
 
@@ -83,6 +93,8 @@ def snapshot(*roots: str | os.PathLike[str]) -> dict[str, tuple[str, str]]:
                 out[str(p)] = ("link", os.readlink(p))
             elif p.is_dir():
                 out[str(p)] = ("dir", "")
+            elif not p.is_file():  # a FIFO, device or socket: never opened (a FIFO would block)
+                out[str(p)] = ("special", oct(p.stat().st_mode))
             else:
                 out[str(p)] = ("file", hashlib.sha256(p.read_bytes()).hexdigest())
     return out

@@ -1,0 +1,56 @@
+"""BC on a Minari dataset that is not what was exported: a missing part, or a trace set changed since.
+
+Both are one line naming the dataset, exit 2, before any training (before, BC trained on what was
+left, or on a dataset whose rounds the regenerated set no longer replays).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.hostile.harness import reject_cleanly, run_cli
+
+IDENT = "specenv/small/fixed-k-k-2-v0"
+
+
+@pytest.fixture(scope="module")
+def exported(small_traces, tmp_path_factory) -> tuple[Path, Path]:
+    base = tmp_path_factory.mktemp("bc")
+    traces = base / "set"
+    shutil.copytree(small_traces, traces)
+    root = base / "root"
+    res = run_cli(["export", "minari", "--dataset", traces, "--policy", "fixed-k:k=2", "--root", root])
+    assert res.exit_code == 0, res.stderr
+    return traces, root
+
+
+def _copy(exported: tuple[Path, Path], tmp_path: Path) -> tuple[Path, Path]:
+    traces, root = exported
+    shutil.copytree(root, tmp_path / "root")
+    return traces, tmp_path / "root"
+
+
+def test_bc_refuses_a_dataset_with_a_missing_part(tmp_path, exported):
+    _, root = _copy(exported, tmp_path)
+    parts = sorted((root / IDENT / "data").glob("*/part-0.arrow"))
+    parts[len(parts) // 2].unlink()
+    args = ["train", "--algo", "bc", "--dataset", IDENT, "--root", root, "--out", tmp_path / "run"]
+    reject_cleanly(args, ["--dataset", IDENT, "steps", "metadata records"], [tmp_path])
+
+
+def test_bc_refuses_a_dataset_whose_trace_set_changed(tmp_path, exported):
+    traces, root = _copy(exported, tmp_path)
+    manifest = traces / "manifest.json"
+    before = manifest.read_text()
+    try:
+        obj = json.loads(before)
+        obj["description"] = "regenerated"
+        manifest.write_text(json.dumps(obj))
+        args = ["train", "--algo", "bc", "--dataset", IDENT, "--root", root, "--out", tmp_path / "run"]
+        reject_cleanly(args, ["--dataset", IDENT, "manifest sha256", "export it again"], [tmp_path])
+    finally:
+        manifest.write_text(before)
