@@ -119,9 +119,15 @@ def workload(llm, folder) -> dict:
             "tokens": tokens, "timed": timed}  # fmt: skip
 
 
+#: Engines of this module kept alive for the whole session: garbage-collecting an in-process vLLM engine
+#: tears down the process-wide distributed state that the session's shared engine still uses.
+_ALIVE: list = []
+
+
 @pytest.fixture(scope="module")
 def lean_llm(model_dirs):
     llm = make_engine(model_dirs)
+    _ALIVE.append(llm)
     yield llm
     controller_of(llm).stop_recording()
 
