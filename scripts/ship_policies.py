@@ -79,15 +79,8 @@ BUDGET: dict[str, dict[str, Any]] = {
         "seq_epochs": 30,
         "bc_epochs": 30,
     },
-    "live-vllm-wide": {
-        "sb3_steps": 300_000,
-        "seq_steps": 300_000,
-        "iterations": 8,
-        "epochs": 30,
-        "seq_epochs": 30,
-        "bc_epochs": 30,
-    },
 }
+BUDGET["live-vllm-wide"] = BUDGET["live-vllm"]  # the same prompts and budgets, on the widened target
 
 
 def recipes(budget: dict[str, Any]) -> dict[str, Callable[[str, Path], Any]]:
