@@ -42,6 +42,11 @@ _STEP_KEYS = ("k", "accepted", "committed", "cost_ms", "U_r", "L", "t")
 _END_KEYS = ("speedup", "episode_cost_ms", "ar_cost_ms", "rounds")
 
 
+#: Most sub-environments of one vector env: checked before anything is allocated (each costs a few
+#: hundred bytes of buffers per step; 2**20 of them is ~0.5 GB, far beyond what a learner batches).
+NUM_ENVS_MAX = 1 << 20
+
+
 class MoESpecVectorEnv(VectorEnv):
     """``num_envs`` independent replays of :class:`specenv.envs.replay.MoESpecEnv`, vectorised in numpy.
 
@@ -117,7 +122,8 @@ class MoESpecVectorEnv(VectorEnv):
         signals: As for the single environment.
 
     Raises:
-        ValueError: Naming the argument, as for the single environment, or ``num_envs`` < 1.
+        ValueError: Naming the argument, as for the single environment, or ``num_envs`` outside
+            1..:data:`NUM_ENVS_MAX`.
 
     ## Version History
 
@@ -161,8 +167,12 @@ class MoESpecVectorEnv(VectorEnv):
         drafting: str | None = None,
         signals: Any = ("q",),
     ):
-        if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
-            raise ValueError(f"num_envs={num_envs!r}: must be an integer >= 1")
+        if (
+            isinstance(num_envs, bool)
+            or not isinstance(num_envs, (int, np.integer))
+            or not 1 <= num_envs <= NUM_ENVS_MAX
+        ):
+            raise ValueError(f"num_envs={num_envs!r}: must be an integer in 1..{NUM_ENVS_MAX}")
         self.render_mode = check_render_mode(render_mode)
         self._savings = check_reward(reward)
         self.reward = reward

@@ -94,3 +94,21 @@ def test_intercept_splits_equal_all_pairs_and_run_at_batch_64():
         assert intercept_splits(big, B, 6) == _all_pairs_splits(big, B, 6, False), B
     splits = intercept_splits(big, 64, 6)
     assert splits and all(np.isfinite(s).all() for s in splits)
+
+
+@pytest.mark.parametrize("n", [10**8, 2**20 + 1, 0, -3])
+def test_vector_env_size_is_bounded_before_allocation(n: int) -> None:
+    """``make_vec(num_envs=10**8)`` allocated 22 GB with no exception: now one line, under 1 GiB of address space."""
+    from tests.hostile.harness import run_python_limited
+
+    code = (
+        "import gymnasium as gym, specenv\n"
+        "try:\n"
+        f"    gym.make_vec('specenv/MoESpec-v1', num_envs={n}, vectorization_mode='vector_entry_point',"
+        " dataset='paper-default', split='test')\n"
+        "except ValueError as e:\n"
+        "    print('REFUSED', e)\n"
+    )
+    out = run_python_limited(code, memory_bytes=3 << 30, seconds=120)
+    assert out.exit_code == 0 and "REFUSED" in out.stdout, out.stderr[-800:]
+    assert f"num_envs={n}" in out.stdout and "1..1048576" in out.stdout
