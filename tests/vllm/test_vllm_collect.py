@@ -159,8 +159,12 @@ def test_set_validates_and_backs_env_oracle_and_fit(collected):
         _, _, term, trunc, info = env.step(2)
         done = term or trunc
     assert info["speedup"] > 0
-    res = oracle.solve(select_positions(ts, None, "all"), cost_model_for(ts, "fit"))
-    assert np.isfinite(res.speedup_pooled) and res.speedup_pooled >= 1.0 - 1e-9  # k = 0 everywhere is allowed
+    arrays, cm = select_positions(ts, None, "all"), cost_model_for(ts, "fit")
+    res = oracle.solve(arrays, cm)
+    # The 1.0 of a step-timed set is the plain engine (no drafter loaded), which k = 0 in the speculative
+    # engine need not match, so S_max may be below 1; the bound holds against every fixed budget instead.
+    fixed = [oracle.evaluate_policy(arrays, cm, k).speedup_pooled for k in range(arrays.kmax + 1)]
+    assert np.isfinite(res.speedup_pooled) and res.speedup_pooled >= max(fixed) - 1e-9
     fit = CliRunner().invoke(app, ["fit", str(out), "--json", "--folds", "2"])
     assert fit.exit_code == 0, fit.output
     assert json.loads(fit.stdout)["ar"]["extrapolated"] is False  # the AR step is measured (K = 0 rounds)
