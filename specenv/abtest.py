@@ -704,12 +704,26 @@ def _f(x: Any, fmt: str) -> str:
     return "-" if x is None or (isinstance(x, float) and not np.isfinite(x)) else format(x, fmt)
 
 
+def _pages_line(engines: Any) -> str:
+    """One line on the engines' memory pages (huge pages make engine instances time alike)."""
+    infos = list(engines.values()) if isinstance(engines, dict) else list(engines or [])
+    pages = [i["pages"] for i in infos if isinstance(i, dict) and isinstance(i.get("pages"), dict)]
+    if not pages:
+        return "Engine pages: not recorded."
+    kb = [p.get("this_process_anon_hugepages_kb") for p in pages]
+    kb = [x for x in kb if isinstance(x, int)]
+    span = f"{min(kb) / 1024:.0f}-{max(kb) / 1024:.0f} MB on huge pages per engine" if kb else "huge pages unknown"
+    return f"Engine pages: transparent huge pages '{pages[0].get('thp_mode')}', {span} ({len(pages)} engines)."
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """The A/B table (and its notes) as Markdown."""
     lines = [
         f"specenv abtest: {len(doc['test_prompts'])} test prompts x {doc['options']['max_tokens']} tokens, "
         f"{doc['options']['repeats']} repeats (median), kmax {doc['kmax']}, models {doc['options']['models']}, "
         f"{doc['duration_s']:.0f} s",
+        "",
+        _pages_line(doc.get("engines")),
         "",
         "| arm | batch | tokens/s | live speedup [95% CI, repeats] | predicted | live/pred | identical to plain "
         "| controller CPU/step |",

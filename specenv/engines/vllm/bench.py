@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from specenv.engines.vllm.hugepages import backing, with_hugepages
+
 #: Environment of an engine process on CPU (each set only when the caller has not set it).
 ENGINE_ENV = {
     "VLLM_LOGGING_LEVEL": "WARNING",
@@ -211,7 +213,7 @@ def engine_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override engine_options' kv_cache_memory_bytes
     for k, v in ENGINE_ENV.items():
         env.setdefault(k, v)
-    return env
+    return with_hugepages(env)  # malloc on huge pages from the start (specenv.engines.vllm.hugepages)
 
 
 class EngineError(RuntimeError):
@@ -334,7 +336,14 @@ def worker_main(cfg_json: str, make_policy: PolicyFactory | None = None) -> None
         answer({"error": f"engine start failed: {type(exc).__name__}: {exc}"})
         raise
     ctl = scheduler_of(llm)
-    answer({"startup_s": startup, "rss_mb": _rss_mb(), "controller": hasattr(ctl, "step_log")})
+    answer(
+        {
+            "startup_s": startup,
+            "rss_mb": _rss_mb(),
+            "controller": hasattr(ctl, "step_log"),
+            "pages": backing(),  # this engine process's huge pages (specenv.engines.vllm.hugepages)
+        }
+    )
     encoded: dict[tuple[str, int], list[int]] = {}
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -60,6 +60,7 @@ from specenv.engines.counterfactual import (
     run_provenance,
 )
 from specenv.engines.hf.models import PROMPT_SET, Prompt, load_prompts
+from specenv.engines.vllm.hugepages import advise_model, backing
 from specenv.traces.schema import ModelFacts
 from specenv.traces.traceset import Manifest, TraceSet
 
@@ -292,6 +293,7 @@ def _plain_llm(dirs: Any) -> Any:
             enable_prefix_caching=False,
             async_scheduling=False,
         )
+        advise_model(_model_runner(_PLAIN[key]).model)  # huge pages, as the speculative engine's loader does
     return _PLAIN[key]
 
 
@@ -373,7 +375,7 @@ def _draft_llm(dirs: Any, batch: int) -> Any:
     """The draft model alone in an in-process engine (prefix caching on: the contexts share prefixes)."""
     from vllm import LLM
 
-    return LLM(
+    llm = LLM(
         model=str(dirs.draft),
         tokenizer=str(dirs.draft),
         dtype="float32",
@@ -383,6 +385,8 @@ def _draft_llm(dirs: Any, batch: int) -> Any:
         seed=0,
         enable_prefix_caching=True,
     )
+    advise_model(_model_runner(llm).model)
+    return llm
 
 
 def _model_runner(llm: Any) -> Any:
@@ -630,6 +634,7 @@ def _manifest(
             "vllm": vllm.__version__,
             "torch": torch.__version__,
             **run_provenance(load_before, wall),
+            "pages": backing(),  # after every engine loaded: its AnonHugePages say the weights' pages
             "lossless_note": "every fixed-K run compared with the K=0 output (the reference y)",
             "lossless": lossless_summary(n_runs, mismatches),
             "near_ties": {"threshold": NEAR_TIE, **ties},

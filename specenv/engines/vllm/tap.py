@@ -61,6 +61,8 @@ from typing import Any
 
 import numpy as np
 
+from specenv.engines.vllm.hugepages import advise_model
+
 #: The load format name the recorder uses (``--load-format specenv``).
 LOAD_FORMAT = "specenv"
 _MAGIC = 7101.0
@@ -637,6 +639,7 @@ def _make_loader_cls() -> type:
                 bind_draft(model)
             else:
                 bind_target(model, vllm_config)
+            advise_model(model)  # the weights on huge pages: step times alike from engine to engine
             return model
 
     return SpecenvModelLoader
