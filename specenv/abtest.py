@@ -569,11 +569,19 @@ def _rows(
     batches: list[int],
 ) -> list[dict[str, Any]]:
     fixed_of = {a.engine: a.name for a in arms if a.engine.startswith("k=")}
+    best_arm = next((a for a in arms if a.group == "best" and a.k_by_batch), None)
+    dyn_arm = next((a for a in arms if a.group == "dynamic"), None)
     rows = []
     for b in batches:
         plain = results.get(("plain (no speculation)", b), [])
         plain_tps = statistics.median(r["tok_per_s"] for r in plain) if plain else float("nan")
         ref = plain[0]["outputs"] if plain else None
+        refs = {
+            "best fixed k (train)": results.get((fixed_of.get(f"k={best_arm.k_by_batch[b]}", ""), b))
+            if best_arm
+            else None,
+            "vLLM dynamic SD (train)": results.get((dyn_arm.name, b)) if dyn_arm else None,
+        }
         for arm in arms:
             rs = results.get((arm.name, b))
             pred = preds.get(arm.name, 1.0 if arm.group == "plain" else None)
@@ -603,12 +611,75 @@ def _rows(
                 live_over_pred=None if pred is None else live / pred,
                 identical=None if ref is None else all(r["outputs"] == ref for r in rs),
             )
+            row["latency"] = _latency(rs)
+            row["paired"] = {name: _paired(rs, ref_rs) for name, ref_rs in refs.items() if ref_rs}
             ovh = _pooled([r for r in rs if r.get("overhead", {}).get("steps")])
             if ovh:
                 row["ctl_cpu_frac"] = ovh
             row["fallbacks"] = sum(r.get("fallbacks", 0) for r in rs)
             rows.append(row)
     return rows
+
+
+#: The smallest throughput difference the A/B is sized to resolve (``repeats_for_5pct``).
+RESOLVE = 0.05
+
+
+def _paired(rs: list[dict[str, Any]], ref: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """An arm's throughput over a reference arm's, paired by (repeat, request group), with a 95% bootstrap CI.
+
+    Repeat r of both arms ran in the same interleaved round, on the same prompts in the same groups
+    of ``batch`` requests, so each (repeat, group) cell is a pair: its unit has numerator the
+    reference's wall time (scaled by the arm's tokens over the reference's, 1 when both are lossless)
+    and denominator the arm's; :func:`specenv.stats.bootstrap_ratio_ci` resamples the cells.
+    ``repeats_for_5pct`` is how many repeats the spread of the per-repeat ratios needs for a 95%
+    interval of half-width :data:`RESOLVE` (normal approximation on the log ratio).
+    None when the passes hold no group timings (an older engine) or fewer than two cells.
+    """
+    from specenv.stats import bootstrap_ratio_ci
+
+    n = min(len(rs), len(ref))
+    num, den, per_rep = [], [], []
+    for a, r in zip(rs[:n], ref[:n], strict=True):
+        ga, gr = a.get("groups"), r.get("groups")
+        if not ga or not gr or len(ga) != len(gr):
+            return None
+        nn = [x["wall_s"] * y["tokens"] / max(x["tokens"], 1) for x, y in zip(gr, ga, strict=True)]
+        dd = [y["wall_s"] for y in ga]
+        num += nn
+        den += dd
+        per_rep.append(sum(nn) / sum(dd))
+    if len(num) < 2:
+        return None
+    ci = bootstrap_ratio_ci(np.asarray(num), np.asarray(den))["pooled"]
+    logs = np.log(per_rep)
+    need = None
+    if len(logs) >= 2:
+        sd = float(np.std(logs, ddof=1))
+        need = max(2, int(np.ceil((1.96 * sd / np.log1p(RESOLVE)) ** 2)))
+    return {
+        "ratio": ci["value"],
+        "ci95": [ci["low"], ci["high"]],
+        "per_repeat": per_rep,
+        "cells": len(num),
+        "repeats_for_5pct": need,
+        "excludes_1": bool(ci["low"] > 1.0 or ci["high"] < 1.0),
+    }
+
+
+def _latency(rs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """TTFT p50 and TPOT p50/p99 (ms) over every request of every repeat (None without request timings)."""
+    reqs = [q for r in rs for q in r.get("requests", []) if q]
+    if not reqs:
+        return None
+    ttft = np.asarray([q["ttft_ms"] for q in reqs], dtype=np.float64)
+    tpot = np.asarray([q["tpot_ms"] for q in reqs if q.get("tpot_ms") is not None], dtype=np.float64)
+    return {
+        "ttft_ms_p50": float(np.median(ttft)),
+        "tpot_ms_p50": float(np.median(tpot)) if len(tpot) else None,
+        "tpot_ms_p99": float(np.quantile(tpot, 0.99)) if len(tpot) else None,
+        "requests": len(reqs),
+    }
 
 
 def _fidelity(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -716,6 +787,37 @@ def _pages_line(engines: Any) -> str:
     return f"Engine pages: transparent huge pages '{pages[0].get('thp_mode')}', {span} ({len(pages)} engines)."
 
 
+def _paired_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Latency and the paired throughput ratios to the best fixed k and to vLLM's dynamic SD (both fitted on train)."""
+    have = [r for r in rows if r.get("latency") or r.get("paired")]
+    if not have:
+        return []
+
+    def cell(p: dict[str, Any] | None) -> str:
+        if not p:
+            return "-"
+        star = " *" if p["excludes_1"] else ""
+        return f"{p['ratio']:.3f} [{p['ci95'][0]:.3f}, {p['ci95'][1]:.3f}]{star} (n={p['repeats_for_5pct']})"
+
+    out = [
+        "",
+        "Latency and paired ratios (95% bootstrap CI over repeat x request-group cells; * = excludes 1; "
+        f"n = repeats the per-repeat spread needs for a +-{RESOLVE:.0%} interval):",
+        "",
+        "| arm | batch | TTFT p50 ms | TPOT p50 / p99 ms | / best fixed k (train) | / vLLM dynamic SD (train) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in have:
+        lat = r.get("latency") or {}
+        pr = r.get("paired") or {}
+        out.append(
+            f"| {r['arm']} | {r['batch']} | {_f(lat.get('ttft_ms_p50'), '.1f')} | "
+            f"{_f(lat.get('tpot_ms_p50'), '.1f')} / {_f(lat.get('tpot_ms_p99'), '.1f')} | "
+            f"{cell(pr.get('best fixed k (train)'))} | {cell(pr.get('vLLM dynamic SD (train)'))} |"
+        )
+    return out
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """The A/B table (and its notes) as Markdown."""
     lines = [
@@ -745,6 +847,7 @@ def markdown(doc: dict[str, Any]) -> str:
         )
     if doc.get("adaptive_verification"):
         lines.append(f"| vLLM adaptive verification | - | {doc['adaptive_verification']} | | | | | |")
+    lines += _paired_table(doc["rows"])
     for r in doc["refused"]:
         lines.append(f"| {r['policy']} (learned) | - | refused: {r['reason']} | | | | | |")
     ov = doc.get("overhead") or {}

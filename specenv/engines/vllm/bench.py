@@ -20,6 +20,7 @@ Importing this module does not import vLLM; the functions that run an engine do.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import select
@@ -140,33 +141,76 @@ def step_overhead(ctl: Any, since: int) -> dict[str, Any]:
 def timed_pass(
     llm: Any, prompts: list[list[int]], max_tokens: int, batch: int = 1, ignore_eos: bool = False
 ) -> dict[str, Any]:
-    """One greedy pass over ``prompts``, ``batch`` concurrent requests at a time.
+    """One greedy pass over ``prompts``, ``batch`` concurrent requests at a time (a *group*).
+
+    The engine is stepped here (``llm_engine.step()``, as ``LLM.generate`` does) so that every
+    request's first and last token are timed: TTFT is from the group's start to the step that
+    returned the request's first token, TPOT the time from that step to its last token over the
+    tokens in between.
 
     Returns:
-        ``wall_s``, ``tokens``, ``tok_per_s``, ``outputs`` (token ids per prompt) and, on a controller
-        engine, ``overhead`` (:func:`step_overhead` over the pass) and the controller's counters
-        (``decisions``, ``fallbacks``, ``capped``).
+        ``wall_s``, ``tokens``, ``tok_per_s``, ``outputs`` (token ids per prompt), ``groups`` (per
+        group: ``wall_s`` and ``tokens``: the unit a paired bootstrap resamples), ``requests`` (per
+        prompt: ``group``, ``ttft_ms``, ``tpot_ms`` (None for a single token), ``tokens``) and, on a
+        controller engine, ``overhead`` (:func:`step_overhead` over the pass) and the controller's
+        counters (``decisions``, ``fallbacks``, ``capped``).
     """
     from vllm import SamplingParams
 
     ctl = scheduler_of(llm)
     has_ctl = hasattr(ctl, "step_log")
-    sp = SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=bool(ignore_eos))
+    sp = SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=bool(ignore_eos), detokenize=False)
     step0 = ctl.steps_logged if has_ctl else 0
     counts0 = {k: ctl.stats[k] for k in ("decisions", "fallbacks", "capped")} if has_ctl else {}
-    outputs: list[list[int]] = []
+    engine = llm.llm_engine
+    b = max(int(batch), 1)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    requests: list[dict[str, Any]] = [{} for _ in prompts]
+    groups: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    for i in range(0, len(prompts), max(int(batch), 1)):
-        group = [{"prompt_token_ids": ids} for ids in prompts[i : i + batch]]
-        outs = llm.generate(group, sp, use_tqdm=False)
-        outputs += [list(o.outputs[0].token_ids) for o in outs]
+    for g, i0 in enumerate(range(0, len(prompts), b)):
+        members = {f"specenv-ab-{next(_PASS_IDS)}": i for i in range(i0, min(i0 + b, len(prompts)))}
+        first: dict[str, float] = {}
+        tg = time.perf_counter()
+        for rid, i in members.items():
+            engine.add_request(rid, {"prompt_token_ids": list(prompts[i])}, sp)
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            now = time.perf_counter()
+            for out in outs:
+                i = members.get(out.request_id)
+                if i is None:
+                    continue
+                outputs[i] = list(out.outputs[0].token_ids)
+                if outputs[i] and out.request_id not in first:
+                    first[out.request_id] = now
+                if out.finished:
+                    n = len(outputs[i])
+                    t1 = first.get(out.request_id, now)
+                    requests[i] = {
+                        "group": g,
+                        "ttft_ms": (t1 - tg) * 1e3,
+                        "tpot_ms": (now - t1) * 1e3 / (n - 1) if n > 1 else None,
+                        "tokens": n,
+                    }
+        groups.append({"wall_s": time.perf_counter() - tg, "tokens": sum(len(outputs[i]) for i in members.values())})
     wall = time.perf_counter() - t0
     tokens = sum(len(o) for o in outputs)
-    res: dict[str, Any] = {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall, "outputs": outputs}
+    res: dict[str, Any] = {
+        "wall_s": wall,
+        "tokens": tokens,
+        "tok_per_s": tokens / wall,
+        "outputs": outputs,
+        "groups": groups,
+        "requests": requests,
+    }
     if has_ctl:
         res["overhead"] = step_overhead(ctl, step0)
         res.update({k: ctl.stats[k] - v for k, v in counts0.items()})
     return res
+
+
+_PASS_IDS = itertools.count()
 
 
 def run_config(cfg: dict[str, Any], make_policy: PolicyFactory | None = None) -> dict[str, Any]:

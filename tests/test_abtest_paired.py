@@ -1,0 +1,49 @@
+"""The A/B's live statistics without engines: per-request timing of a pass, paired ratios, latency."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specenv import abtest
+
+
+def _pass(group_walls: list[float], tokens: int = 10) -> dict:
+    return {"groups": [{"wall_s": w, "tokens": tokens} for w in group_walls], "tok_per_s": 1.0}
+
+
+def test_paired_ratio_of_hand_built_repeats() -> None:
+    ref = [_pass([1.0, 2.0]), _pass([1.2, 1.8])]
+    arm = [_pass([0.5, 1.0]), _pass([0.8, 1.2])]
+    p = abtest._paired(arm, ref)
+    # pooled over the four cells: (1 + 2 + 1.2 + 1.8) / (0.5 + 1 + 0.8 + 1.2) = 6 / 3.5
+    assert p["ratio"] == pytest.approx(6.0 / 3.5)
+    assert p["per_repeat"] == pytest.approx([3.0 / 1.5, 3.0 / 2.0])
+    assert p["cells"] == 4
+    assert p["ci95"][0] <= p["ratio"] <= p["ci95"][1]
+    # the interval spans the cell ratios' range at most: each cell ratio lies in [1.5, 2.0]
+    assert 1.5 - 1e-9 <= p["ci95"][0] and p["ci95"][1] <= 2.0 + 1e-9
+    assert p["excludes_1"] is True
+    # repeats for +-5%: sd of log(2), log(1.5) with ddof 1, by hand
+    sd = abs(np.log(2.0) - np.log(1.5)) / np.sqrt(2.0)
+    assert p["repeats_for_5pct"] == int(np.ceil((1.96 * sd / np.log(1.05)) ** 2))
+
+
+def test_paired_scales_by_tokens_and_refuses_unpaired_passes() -> None:
+    ref = [_pass([1.0, 1.0], tokens=10), _pass([1.0, 1.0], tokens=10)]
+    arm = [_pass([1.0, 1.0], tokens=20), _pass([1.0, 1.0], tokens=20)]  # twice the tokens in the same time
+    assert abtest._paired(arm, ref)["ratio"] == pytest.approx(2.0)
+    assert abtest._paired(arm, [_pass([1.0])]) is None  # different groupings: no pairs
+    assert abtest._paired([{"tok_per_s": 1.0}], [{"tok_per_s": 1.0}]) is None  # no group timings
+    same = abtest._paired(ref, ref)
+    assert same["ratio"] == pytest.approx(1.0) and same["excludes_1"] is False
+
+
+def test_latency_percentiles_over_requests_of_every_repeat() -> None:
+    reqs = [{"group": i, "ttft_ms": float(i), "tpot_ms": 10.0 + i, "tokens": 5} for i in range(100)]
+    lat = abtest._latency([{"requests": reqs[:50]}, {"requests": reqs[50:] + [{}]}])
+    assert lat["requests"] == 100
+    assert lat["ttft_ms_p50"] == pytest.approx(49.5)
+    assert lat["tpot_ms_p50"] == pytest.approx(59.5)
+    assert lat["tpot_ms_p99"] == pytest.approx(np.quantile(np.arange(100) + 10.0, 0.99))
+    assert abtest._latency([{"tok_per_s": 1.0}]) is None
