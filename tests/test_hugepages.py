@@ -77,10 +77,12 @@ def test_advise_ranges_puts_an_anonymous_buffer_on_huge_pages():
     if hp.thp_mode() in ("always", "madvise"):
         assert res["collapsed"] == res["bytes"], res
         assert _anon_huge_kb(lo, lo + 16 * MiB) * 1024 >= res["bytes"]
-    else:
-        pytest.skip(f"transparent huge pages are {hp.thp_mode()!r} here: the collapse itself is not checked")
+        assert hp.huge_kb_at(lo + 8 * MiB) >= 2048  # the mapping holding the middle of the buffer
+    assert hp.huge_kb_at(0) is None  # no mapping at address 0
     del lo
     buf.close()
+    if hp.thp_mode() not in ("always", "madvise"):
+        pytest.skip(f"transparent huge pages are {hp.thp_mode()!r} here: the collapse itself is not checked")
 
 
 def test_advise_model_covers_the_parameters():

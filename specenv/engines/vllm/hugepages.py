@@ -139,6 +139,26 @@ def process_hugepage_kb(pid: int | str = "self") -> int | None:
     return None
 
 
+def huge_kb_at(address: int, pid: int | str = "self") -> int | None:
+    """``AnonHugePages`` (kB) of the mapping of a process that holds ``address`` (None: no such mapping)."""
+    inside = False
+    try:
+        lines = Path(f"/proc/{pid}/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:
+            lo, _, hi = head.partition("-")
+            try:
+                inside = int(lo, 16) <= address < int(hi, 16)
+            except ValueError:
+                inside = False
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return None
+
+
 def backing(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """What a manifest or an A/B document records about the engines' pages."""
     env = os.environ if environ is None else environ
