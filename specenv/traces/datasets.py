@@ -75,11 +75,12 @@ REGISTRY: tuple[Dataset, ...] = (
         description="48 stdlib code prompts x 128 greedy tokens collected with vLLM 0.32 on CPU on wide-moe-v1 (the "
         "small Qwen3-MoE target with every expert widened by zeros to 3072: verification pays for the experts it "
         "reads, the paper's regime) + the dense draft, Kmax=8, measured rounds K=0..8 with whole-step wall times, a "
-        "plain engine's steps as the AR reference (the step-time cost model), counterfactual positions from vLLM. "
+        "plain engine's steps as the AR reference (the step-time cost model), counterfactual positions from vLLM; "
+        "every engine's weights on transparent huge pages, collected on a quiet machine (load ~1). "
         "Made by: specenv collect --engine vllm --models wide-moe-v1 -n 48 --max-new-tokens 128 --kmax 8 "
         "--name live-vllm-wide",
         folder="live-vllm-wide-v1",
-        manifest_sha256="9cf10fe80bf35178974c1946a19274275577922c7a0e5c79bb815c622298f34c",
+        manifest_sha256="3b02a64ac8f314b06af78f895f7463d36501eecdf66b3c8b84e632fd666e1bfa",
     ),
     Dataset(
         name="live-cpu-caps",
