@@ -36,11 +36,11 @@ def child(args: argparse.Namespace) -> None:
     from specenv.engines.hf.models import load_prompts
     from specenv.engines.vllm import hugepages
     from specenv.engines.vllm.bench import build_llm
-    from specenv.engines.vllm.collect import _model_runner, plain_steps
+    from specenv.engines.vllm.collect import plain_steps
     from specenv.engines.vllm.models import vllm_model_dirs
 
     engines = [build_llm({"models": args.models, "k": 0, "controller": False}) for _ in range(args.engines)]
-    advised = [hugepages.advise_model(_model_runner(e).model) for e in engines]
+    advised = [hugepages.advise_engine(e) for e in engines]
     tok = Tokenizer.from_file(str(vllm_model_dirs(args.models).target / "tokenizer.json"))
     enc = [tok.encode(p.text).ids for p in load_prompts("stdlib-code-v1")[: args.prompts]]
     for e in engines:

@@ -64,11 +64,10 @@ def test_live_env_with_the_vllm_backend(backend, model_dirs):
 def test_the_engines_weights_are_on_huge_pages(backend):
     """The tap's loader put the target's largest weight on transparent huge pages (specenv.engines.vllm.hugepages)."""
     from specenv.engines.vllm import hugepages
-    from specenv.engines.vllm.collect import _model_runner
 
     if hugepages.thp_mode() not in ("always", "madvise"):
         pytest.skip(f"transparent huge pages are {hugepages.thp_mode()!r} on this machine")
-    model = _model_runner(backend.llm).model
+    model = hugepages.engine_models(backend.llm)[0]
     big = max(model.parameters(), key=lambda t: t.untyped_storage().nbytes())
     assert big.untyped_storage().nbytes() >= 4 * hugepages.HUGE  # the check needs whole huge pages inside
     kb = hugepages.huge_kb_at(big.untyped_storage().data_ptr())

@@ -60,7 +60,7 @@ from specenv.engines.counterfactual import (
     run_provenance,
 )
 from specenv.engines.hf.models import PROMPT_SET, Prompt, load_prompts
-from specenv.engines.vllm.hugepages import advise_model, backing
+from specenv.engines.vllm.hugepages import advise_engine, backing
 from specenv.traces.schema import ModelFacts
 from specenv.traces.traceset import Manifest, TraceSet
 
@@ -293,7 +293,7 @@ def _plain_llm(dirs: Any) -> Any:
             enable_prefix_caching=False,
             async_scheduling=False,
         )
-        advise_model(_model_runner(_PLAIN[key]).model)  # huge pages, as the speculative engine's loader does
+        advise_engine(_PLAIN[key])  # huge pages, as the speculative engine's loader does
     return _PLAIN[key]
 
 
@@ -385,7 +385,7 @@ def _draft_llm(dirs: Any, batch: int) -> Any:
         seed=0,
         enable_prefix_caching=True,
     )
-    advise_model(_model_runner(llm).model)
+    advise_engine(llm)
     return llm
 
 

@@ -128,6 +128,27 @@ def advise_model(model: Any) -> dict[str, Any]:
     return advise_ranges(ranges)
 
 
+def engine_models(llm: Any) -> list[Any]:
+    """The torch modules of an in-process ``vllm.LLM``: its target, and its drafter's model if it has one."""
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    models = [runner.model]
+    drafter = getattr(runner, "drafter", None)
+    if drafter is not None and getattr(drafter, "model", None) is not None:
+        models.append(drafter.model)
+    return models
+
+
+def advise_engine(llm: Any) -> dict[str, Any]:
+    """:func:`advise_model` over every model of an in-process engine (:func:`engine_models`), summed."""
+    total: dict[str, Any] = {"bytes": 0, "collapsed": 0, "errors": []}
+    for model in engine_models(llm):
+        res = advise_model(model)
+        total["bytes"] += res["bytes"]
+        total["collapsed"] += res["collapsed"]
+        total["errors"] = sorted(set(total["errors"]) | set(res["errors"]))
+    return total
+
+
 def process_hugepage_kb(pid: int | str = "self") -> int | None:
     """``AnonHugePages`` of a process in kB (``/proc/PID/smaps_rollup``), None if unreadable."""
     try:
