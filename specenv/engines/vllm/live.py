@@ -66,7 +66,9 @@ class VLLMBackend:
     """Speculative decoding of one generation at a time on an in-process vLLM engine.
 
     Args:
-        models: Model set: shipped name (``small-moe-v1``) or folder (see :mod:`specenv.engines.vllm.models`).
+        models: Model set: shipped name (``small-moe-v1``) or folder, or resolved target and draft
+            folders (:class:`specenv.engines.vllm.models.VLLMModelDirs`, the draft's method included;
+            see :mod:`specenv.engines.vllm.models`).
         kmax: Largest budget (the engine's ``num_speculative_tokens``).
         max_new_tokens: Generation cap (vLLM's ``max_tokens``; the prefill's token counts).
         temperature: 0 = greedy; > 0 = sampling (vLLM's rejection sampler), seeded by :meth:`seed`.
@@ -83,7 +85,7 @@ class VLLMBackend:
 
     def __init__(
         self,
-        models: str | os.PathLike[str] = "small-moe-v1",
+        models: str | os.PathLike[str] | VLLMModelDirs = "small-moe-v1",
         kmax: int = 8,
         max_new_tokens: int = 128,
         temperature: float = 0.0,
@@ -364,7 +366,7 @@ def _tokenizer_models(dirs: VLLMModelDirs) -> TokenizerModels:
 def _llm_kwargs(
     dirs: VLLMModelDirs, kmax: int, dtype: str, seed: int, settings: SpecenvSettings, llm_kwargs: dict[str, Any]
 ) -> dict[str, Any]:
-    """``vllm.LLM`` arguments: one sequence, the draft model proposing ``kmax`` tokens, the specenv controller.
+    """``vllm.LLM`` arguments: one sequence, the draft (``dirs.method``) proposing ``kmax`` tokens, specenv's controller.
 
     ``llm_kwargs`` override the defaults.
     """
@@ -376,7 +378,7 @@ def _llm_kwargs(
         max_model_len=dirs.max_model_len,
         max_num_seqs=1,
         seed=seed,
-        speculative_config={"method": "draft_model", "model": str(dirs.draft), "num_speculative_tokens": kmax},
+        speculative_config={"method": dirs.method, "model": str(dirs.draft), "num_speculative_tokens": kmax},
     )
     kw.update(engine_kwargs(settings, tap=True))
     kw.update(llm_kwargs)
