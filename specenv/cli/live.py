@@ -119,6 +119,7 @@ def collect(
 
             mdl = pair if pair is not None else models
             common |= {"device": device, "gpu_memory_utilization": gpu_memory_utilization}
+            _check_vllm(mdl, device, clock)
     except ImportError as exc:
         extra = "live" if engine == "hf" else "vllm"
         fail(f"--engine {engine} needs the {extra} extra (pip install 'specenv[{extra}]'): {exc}")
@@ -143,6 +144,17 @@ def collect(
         out.print(f"wrote {out_dir}: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k != "path"))
 
 
+def _check_vllm(models: Any, device: str, clock: str) -> None:
+    """The vLLM collector's refusals that need no engine (device, clock, model runner and method): exit 2."""
+    from specenv.engines.vllm.collect import check_collect
+    from specenv.engines.vllm.models import vllm_model_dirs
+
+    try:
+        check_collect(vllm_model_dirs(models), device, clock)
+    except ValueError as exc:
+        fail(str(exc))
+
+
 def _model_pair(
     engine: str, models: str | None, target: Path | None, draft: Path | None, method: str | None, device: str
 ) -> Any:
@@ -160,6 +172,10 @@ def _model_pair(
             if val is not None:
                 fail(f"{opt}: vllm only (the hf engine loads a model set: --models)")
         return None
+    from specenv.engines.vllm.support import METHODS
+
+    if method is not None and method not in METHODS:
+        fail(f"--method: unknown method '{method}' (known: {', '.join(METHODS)})")
     if target is None and draft is None:
         if method not in (None, "draft_model"):
             fail(f"--method {method}: a model set's draft is a draft_model; name an EAGLE-3 head with --target/--draft")

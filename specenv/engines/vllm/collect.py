@@ -77,7 +77,7 @@ from specenv.traces.traceset import Manifest, TraceSet
 if TYPE_CHECKING:
     from specenv.engines.vllm.models import VLLMModelDirs
 
-__all__ = ["collect_vllm", "draft_chains", "verify_chains"]
+__all__ = ["check_collect", "collect_vllm", "draft_chains", "verify_chains"]
 
 #: Requests per engine step in the batched passes (chains and verdicts).
 BATCH = 32
@@ -129,7 +129,7 @@ def collect_vllm(
         ValueError: One line on bad arguments, an unsupported device, model runner or method, models
             that do not fit the memory asked, or prompts that do not fit the model's context.
     """
-    from specenv.engines.vllm.devices import check_device, memory_split, select_runner
+    from specenv.engines.vllm.devices import memory_split
     from specenv.engines.vllm.models import vllm_model_dirs
     from specenv.engines.vllm.support import collect_refusal
 
@@ -142,13 +142,7 @@ def collect_vllm(
     if not prompts:
         raise ValueError("no prompts to run")
     dirs = vllm_model_dirs(models)
-    check_device(device)
-    if device == "cuda" and clock == "cpu":
-        raise ValueError("--clock cpu times the host thread, not the GPU: use --clock wall on cuda (CUDA-event times)")
-    runner = select_runner(device)
-    why = collect_refusal(runner, dirs.method)
-    if why is not None:
-        raise ValueError(why)
+    check_collect(dirs, device, clock)
     from specenv.engines.vllm.live import _tokenizer_models
 
     encoded = [_tokenizer_models(dirs).encode(p.text) for p in prompts]
@@ -240,6 +234,30 @@ def collect_vllm(
     if ar_reference is not None:
         manifest.extra["ar_reference"] = ar_reference
     return TraceSet(manifest, pd.concat(pos_frames, ignore_index=True), pd.concat(round_frames, ignore_index=True))
+
+
+def check_collect(dirs: VLLMModelDirs, device: str, clock: str) -> str:
+    """Refuse, before any engine starts, a device, clock or (model runner, method) the collector cannot run.
+
+    Selects vLLM's V1 model runner on cuda (:func:`specenv.engines.vllm.devices.select_runner`).
+
+    Returns:
+        The model runner the engines will use.
+
+    Raises:
+        ValueError: One line (for the runner and method, :func:`specenv.engines.vllm.support.collect_refusal`'s).
+    """
+    from specenv.engines.vllm.devices import check_device, select_runner
+    from specenv.engines.vllm.support import collect_refusal
+
+    check_device(device)
+    if device == "cuda" and clock == "cpu":
+        raise ValueError("--clock cpu times the host thread, not the GPU: use --clock wall on cuda (CUDA-event times)")
+    runner = select_runner(device)
+    why = collect_refusal(runner, dirs.method)
+    if why is not None:
+        raise ValueError(why)
+    return runner
 
 
 #: A top-1/top-2 gap (target: log-prob; draft: probability margin) below this counts as a near-tie.

@@ -366,7 +366,7 @@ def _tokenizer_models(dirs: VLLMModelDirs) -> TokenizerModels:
 def _llm_kwargs(
     dirs: VLLMModelDirs, kmax: int, dtype: str, seed: int, settings: SpecenvSettings, llm_kwargs: dict[str, Any]
 ) -> dict[str, Any]:
-    """``vllm.LLM`` arguments: one sequence, the draft (``dirs.method``) proposing ``kmax`` tokens, specenv's controller.
+    """``vllm.LLM`` arguments: one sequence, the draft (``dirs.method``) proposing ``kmax`` tokens, the controller.
 
     ``llm_kwargs`` override the defaults.
     """
