@@ -54,7 +54,7 @@ def _shipped() -> bool:
 
 @pytest.fixture(scope="session")
 def small_collection(tmp_path_factory):
-    """``specenv collect --engine vllm --models small-moe-v1`` at the size of ``vhelpers.collect_args``: (folder, set)."""
+    """``specenv collect --engine vllm --models small-moe-v1`` at ``vhelpers.collect_args``'s size: (folder, set)."""
     if not _shipped():
         pytest.skip("needs the shipped small-moe-v1 models")
     from typer.testing import CliRunner

@@ -15,10 +15,10 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 
 from typer.testing import CliRunner  # noqa: E402
-
-from specenv.cli import app  # noqa: E402
 from vhelpers import COLLECT_KMAX as KMAX  # noqa: E402
 from vhelpers import COLLECT_TOKENS as N_TOKENS  # noqa: E402
+
+from specenv.cli import app  # noqa: E402
 
 #: Positions whose vLLM row may differ from the transformers row (each one explained by a near-tie).
 MAX_DIFFERING = 2

@@ -17,10 +17,10 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 
 from typer.testing import CliRunner  # noqa: E402
+from vhelpers import collect_args  # noqa: E402
 
 from specenv.cli import app  # noqa: E402
 from specenv.traces.traceset import TraceSet  # noqa: E402
-from vhelpers import collect_args  # noqa: E402
 
 #: tokenizer_config.json of the copied target (what a Hugging Face folder of a fast tokenizer carries).
 TOKENIZER_CONFIG = {
@@ -76,7 +76,10 @@ def test_a_pair_of_folders_gives_the_model_sets_tables(small_collection, pair_co
         assert len(a) == len(b) > 0, table
         for col in a.columns:
             if a[col].dtype.kind == "f":
-                assert np.allclose(a[col].to_numpy(), b[col].to_numpy(), rtol=0, atol=1e-6, equal_nan=True), (table, col)
+                assert np.allclose(a[col].to_numpy(), b[col].to_numpy(), rtol=0, atol=1e-6, equal_nan=True), (
+                    table,
+                    col,
+                )
             else:
                 assert (a[col].to_numpy() == b[col].to_numpy()).all(), (table, col)
     assert got.manifest.extra["reference_tokens"] == ref.manifest.extra["reference_tokens"]

@@ -145,7 +145,8 @@ def collect_vllm(
     check_collect(dirs, device, clock)
     from specenv.engines.vllm.live import _tokenizer_models
 
-    encoded = [_tokenizer_models(dirs).encode(p.text) for p in prompts]
+    tok = _tokenizer_models(dirs)
+    encoded = [tok.encode(p.text) for p in prompts]
     limit = dirs.max_model_len - max_new_tokens - kmax - 2
     for p, ids in zip(prompts, encoded, strict=True):
         if len(ids) > limit:

@@ -70,7 +70,7 @@ def check_device(device: str, platform: str | None = None) -> None:
         ValueError: One line naming the device and the build's.
     """
     if device not in DEVICES:
-        raise ValueError(f"--device {device!r}: expected one of {', '.join(DEVICES)}")
+        raise ValueError(f"--device {device}: unknown device (known: {', '.join(DEVICES)})")
     have = platform_device() if platform is None else platform
     if have != device:
         raise ValueError(f"--device {device}: the installed vLLM build runs on {have} (install vLLM's {device} build)")
