@@ -9,7 +9,7 @@ runs on the CPU, a CUDA build on the GPU); :func:`check_device` refuses a ``--de
   cache sized from the models' configs (:func:`kv_bytes_per_token`): the plain engine one sequence of
   ``max_model_len`` tokens, the speculative engine ``batch`` of them for the target and the draft
   (twice that, at least 64 MiB), passed as vLLM's ``kv_cache_memory_bytes`` (vLLM's legacy
-  ``VLLM_CPU_KVCACHE_SPACE``, which would give every engine the same space, is blanked while the
+  ``VLLM_CPU_KVCACHE_SPACE``, which would give every engine the same space, is unset while the
   engines start);
 * **cuda**: the checkpoint's dtype, CUDA graphs (as served), and the GPU memory split between the two
   engines as vLLM's per-engine ``gpu_memory_utilization`` (:func:`memory_split`): the plain engine
@@ -174,17 +174,18 @@ def engine_settings(device: str) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def explicit_kv_cache(device: str) -> Iterator[None]:
-    """While engines start on cpu: blank ``VLLM_CPU_KVCACHE_SPACE`` (it would override each engine's own size)."""
+    """While engines start on cpu: no ``VLLM_CPU_KVCACHE_SPACE`` (it would override each engine's own size).
+
+    The variable is removed, not blanked (vLLM parses every variable it knows as it hashes its
+    config), and put back afterwards.
+    """
     key = "VLLM_CPU_KVCACHE_SPACE"
     if device != "cpu":
         yield
         return
-    old = os.environ.get(key)
-    os.environ[key] = ""
+    old = os.environ.pop(key, None)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop(key, None)
-        else:
+        if old is not None:
             os.environ[key] = old

@@ -100,7 +100,7 @@ class VLLMBackend:
             raise ValueError(f"kmax={kmax}: must be >= 1")
         if max_new_tokens < 2:
             raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 2 (the prefill makes the first)")
-        _require_in_process_engine()
+        _require_in_process_engine(sized_kv_cache="kv_cache_memory_bytes" in llm_kwargs)
         from vllm import LLM
 
         from specenv.engines.vllm.models import vllm_model_dirs
@@ -340,8 +340,12 @@ class VLLMBackend:
         self.controller.stop_recording()
 
 
-def _require_in_process_engine() -> None:
-    """Make vLLM run its engine in this process (and give its CPU KV cache a default size).
+def _require_in_process_engine(sized_kv_cache: bool = False) -> None:
+    """Make vLLM run its engine in this process (and give its CPU KV cache a default size unless sized).
+
+    Args:
+        sized_kv_cache: The caller passes ``kv_cache_memory_bytes`` (no ``VLLM_CPU_KVCACHE_SPACE``
+            default then: vLLM's CPU platform would let it override the size).
 
     Raises:
         RuntimeError: If ``VLLM_ENABLE_V1_MULTIPROCESSING`` is set to something else than 0.
@@ -351,7 +355,8 @@ def _require_in_process_engine() -> None:
         raise RuntimeError(
             "VLLMBackend runs the engine in this process: unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
         )
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if not sized_kv_cache:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def _tokenizer_models(dirs: VLLMModelDirs) -> TokenizerModels:
