@@ -13,7 +13,15 @@ from types import SimpleNamespace
 import pytest
 
 from specenv.engines.vllm.settings import SpecenvSettings
-from specenv.engines.vllm.support import METHODS, RUNNERS, SUPPORT, runner_of, signals_refusal, start_refusal
+from specenv.engines.vllm.support import (
+    METHODS,
+    RUNNERS,
+    SUPPORT,
+    collect_refusal,
+    runner_of,
+    signals_refusal,
+    start_refusal,
+)
 
 
 def _config(runner: str, method: str | None):
@@ -61,3 +69,13 @@ def test_methods_outside_the_table():
     assert "ngram" in signals_refusal("V1", "ngram")
     assert signals_refusal("V1", None) == "the server does not speculate"
     assert start_refusal(_config("V1", None), SpecenvSettings(record_tokens=True)) is None
+
+
+@pytest.mark.parametrize(("runner", "method"), list(product(RUNNERS, METHODS)))
+def test_the_collector_runs_on_v1_only(runner, method):
+    """The collector needs a per-step draft length, the draft ids and their signals: V1 gives all three."""
+    line = collect_refusal(runner, method)
+    assert (line is None) == (runner == "V1")
+    if line is not None:
+        assert "\n" not in line and f"{runner} model runner + {method}" in line and "VLLM_USE_V2_MODEL_RUNNER=0" in line
+    assert "ngram" in collect_refusal(runner, "ngram")

@@ -35,8 +35,32 @@ def collect(
     kmax: Annotated[int, typer.Option(min=1, max=16, help="Fixed-K runs K=0..Kmax; sweep chain length.")] = 8,
     max_new_tokens: Annotated[int, typer.Option(min=2, max=32768, help="Tokens generated per prompt.")] = 128,
     threads: Annotated[int, typer.Option(min=1, max=1024, help="Torch threads of the engine.")] = 1,
-    clock: Annotated[str, typer.Option(help="T_T/T_D clock: cpu (thread CPU time, needs 1 thread) or wall.")] = "cpu",
-    models: Annotated[str, typer.Option(help="Model set: shipped name or folder.")] = "small-moe-v1",
+    clock: Annotated[
+        str | None,
+        typer.Option(
+            help="T_T/T_D clock: cpu (thread CPU time, needs 1 thread) or wall (on cuda: CUDA events). "
+            "Default: cpu on cpu, wall on cuda."
+        ),
+    ] = None,
+    models: Annotated[
+        str | None, typer.Option(help="Model set: shipped name or folder (default small-moe-v1).")
+    ] = None,
+    target: Annotated[
+        Path | None,
+        typer.Option(help="vllm only: a Hugging Face MoE target folder (config, weights, tokenizer); with --draft."),
+    ] = None,
+    draft: Annotated[
+        Path | None,
+        typer.Option(help="vllm only: the draft's folder (a model of the target's vocabulary, or an EAGLE-3 head)."),
+    ] = None,
+    method: Annotated[
+        str | None, typer.Option(help="vllm only: the draft's speculative method, draft_model (default) or eagle3.")
+    ] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda (vllm: the installed vLLM build's device).")] = "cpu",
+    gpu_memory_utilization: Annotated[
+        float,
+        typer.Option(min=0.05, max=1.0, help="vllm on cuda: fraction of the GPU both engines together use."),
+    ] = 0.9,
     name: Annotated[
         str | None, typer.Option(help="Name written to the manifest (default: live-cpu for hf, live-vllm for vllm).")
     ] = None,
@@ -55,6 +79,7 @@ def collect(
     if engine not in ("hf", "vllm"):
         fail(f"--engine: unknown engine '{engine}' (known: hf, vllm)")
     cap_grid = _parse_caps(caps, engine)
+    clock = clock or ("wall" if device == "cuda" else "cpu")
     if clock not in ("cpu", "wall"):
         fail(f"--clock: unknown clock '{clock}' (known: cpu, wall)")
     if clock == "cpu" and threads != 1:
@@ -64,10 +89,13 @@ def collect(
     check_traceset_out(out_dir, overwrite)
     from specenv.engines.hf.models import load_prompts, model_dir
 
-    try:
-        model_dir(models)
-    except ValueError as exc:
-        fail(f"--models: {exc}")
+    pair = _model_pair(engine, models, target, draft, method, device)
+    models = models or "small-moe-v1"
+    if pair is None:
+        try:
+            model_dir(models)
+        except ValueError as exc:
+            fail(f"--models: {exc}")
     try:
         plist = load_prompts(prompts)
     except ValueError as exc:
@@ -89,7 +117,9 @@ def collect(
 
             from specenv.engines.vllm.collect import collect_vllm as run
 
-            mdl = models
+            mdl = pair if pair is not None else models
+            common |= {"device": device, "gpu_memory_utilization": gpu_memory_utilization}
+            _check_vllm(mdl, device, clock)
     except ImportError as exc:
         extra = "live" if engine == "hf" else "vllm"
         fail(f"--engine {engine} needs the {extra} extra (pip install 'specenv[{extra}]'): {exc}")
@@ -112,6 +142,54 @@ def collect(
         print_json(summary)
     else:
         out.print(f"wrote {out_dir}: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k != "path"))
+
+
+def _check_vllm(models: Any, device: str, clock: str) -> None:
+    """The vLLM collector's refusals that need no engine (device, clock, model runner and method): exit 2."""
+    from specenv.engines.vllm.collect import check_collect
+    from specenv.engines.vllm.models import vllm_model_dirs
+
+    try:
+        check_collect(vllm_model_dirs(models), device, clock)
+    except ValueError as exc:
+        fail(str(exc))
+
+
+def _model_pair(
+    engine: str, models: str | None, target: Path | None, draft: Path | None, method: str | None, device: str
+) -> Any:
+    """The ``--target``/``--draft``/``--method`` pair of ``collect`` (None when a model set names the models).
+
+    Exits 2 with one line on a combination that names the models twice or half, or on folders that are
+    not a MoE target and a draft of its vocabulary (:func:`specenv.engines.vllm.models.vllm_pair_dirs`).
+    """
+    if device not in ("cpu", "cuda"):
+        fail(f"--device: unknown device '{device}' (known: cpu, cuda)")
+    if engine == "hf":
+        if device != "cpu":
+            fail(f"--device {device}: the hf engine runs on cpu only (use --engine vllm)")
+        for opt, val in (("--target", target), ("--draft", draft), ("--method", method)):
+            if val is not None:
+                fail(f"{opt}: vllm only (the hf engine loads a model set: --models)")
+        return None
+    from specenv.engines.vllm.support import METHODS
+
+    if method is not None and method not in METHODS:
+        fail(f"--method: unknown method '{method}' (known: {', '.join(METHODS)})")
+    if target is None and draft is None:
+        if method not in (None, "draft_model"):
+            fail(f"--method {method}: a model set's draft is a draft_model; name an EAGLE-3 head with --target/--draft")
+        return None
+    if models is not None:
+        fail("--models and --target/--draft: name the models one way")
+    if target is None or draft is None:
+        fail(f"--{'draft' if draft is None else 'target'}: needed with --{'target' if draft is None else 'draft'}")
+    from specenv.engines.vllm.models import vllm_pair_dirs
+
+    try:
+        return vllm_pair_dirs(target, draft, method or "draft_model")
+    except ValueError as exc:
+        fail(f"--target/--draft: {exc}")
 
 
 def _parse_caps(caps: str | None, engine: str) -> list[int] | str | None:

@@ -11,7 +11,8 @@ draft) when present; otherwise, or with ``SPECENV_VLLM_TEST_MODELS=tiny``, the t
 One in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) is shared by the session: tests swap
 its policy and recording through the controller, which keeps the number of vLLM start-ups small.
 A plain greedy engine (no speculation) runs once in a subprocess, started at the beginning, to give
-the reference outputs.
+the reference outputs. ``small_collection`` is the session's ``specenv collect --engine vllm`` on the
+shipped set (its engines stay alive for the session, like every in-process engine here).
 """
 
 from __future__ import annotations
@@ -31,13 +32,17 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from vhelpers import HERE, KMAX, MAX_TOKENS, PROMPTS  # noqa: E402
+from vhelpers import HERE, KMAX, MAX_TOKENS, PROMPTS, collect_args  # noqa: E402
 
 
 def _use_shipped() -> bool:
     choice = os.environ.get("SPECENV_VLLM_TEST_MODELS", "auto")
     if choice != "auto":
         return choice == "shipped"
+    return _shipped()
+
+
+def _shipped() -> bool:
     from specenv.engines.hf.models import model_dir
 
     try:
@@ -45,6 +50,22 @@ def _use_shipped() -> bool:
     except ValueError:
         return False
     return True
+
+
+@pytest.fixture(scope="session")
+def small_collection(tmp_path_factory):
+    """``specenv collect --engine vllm --models small-moe-v1`` at ``vhelpers.collect_args``'s size: (folder, set)."""
+    if not _shipped():
+        pytest.skip("needs the shipped small-moe-v1 models")
+    from typer.testing import CliRunner
+
+    from specenv.cli import app
+    from specenv.traces.traceset import TraceSet
+
+    out = tmp_path_factory.mktemp("vcollect") / "set"
+    res = CliRunner().invoke(app, [*collect_args(out, "--models", "small-moe-v1"), "--json"])
+    assert res.exit_code == 0, res.output
+    return out, TraceSet.load(out)
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,8 @@
 """``specenv collect --engine vllm``: the counterfactual trace set from vLLM itself, against the transformers engine.
 
-Two vLLM engines are started in this module (the speculative engine and the draft engine of
-:mod:`specenv.engines.vllm.collect`), once: two prompts x 16 tokens, kmax 4, on the shipped
-``small-moe-v1`` models. The transformers engine's sweep runs over the same reference output.
+The collection is the session's (``small_collection`` in ``conftest.py``: the speculative engine and the
+plain engine of :mod:`specenv.engines.vllm.collect`, two prompts x 16 tokens, kmax 4, on the shipped
+``small-moe-v1`` models). The transformers engine's sweep runs over the same reference output.
 """
 
 from __future__ import annotations
@@ -15,38 +15,20 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 
 from typer.testing import CliRunner  # noqa: E402
+from vhelpers import COLLECT_KMAX as KMAX  # noqa: E402
+from vhelpers import COLLECT_TOKENS as N_TOKENS  # noqa: E402
 
 from specenv.cli import app  # noqa: E402
-from specenv.traces.traceset import TraceSet  # noqa: E402
 
-KMAX = 4
-N_TOKENS = 16
-N_PROMPTS = 2
 #: Positions whose vLLM row may differ from the transformers row (each one explained by a near-tie).
 MAX_DIFFERING = 2
 #: A draft margin or a target top-1/top-2 log-prob gap below this is a near-tie between the kernels.
 TIE = 2e-3
 
 
-def _shipped() -> bool:
-    from specenv.engines.hf.models import model_dir
-
-    try:
-        model_dir("small-moe-v1")
-    except ValueError:
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
-def collected(tmp_path_factory):
-    if not _shipped():
-        pytest.skip("needs the shipped small-moe-v1 models")
-    out = tmp_path_factory.mktemp("vcollect") / "set"
-    args = ["collect", "--engine", "vllm", "--out", str(out), "-n", str(N_PROMPTS), "--kmax", str(KMAX)]
-    res = CliRunner().invoke(app, [*args, "--max-new-tokens", str(N_TOKENS), "--json"])
-    assert res.exit_code == 0, res.output
-    return out, TraceSet.load(out)
+def collected(small_collection):
+    return small_collection
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +106,7 @@ def test_recorded_accepted_never_exceeds_max_tokens(collected, tmp_path):
     from specenv.engines.recorder import load_recording
     from specenv.engines.vllm.collect import _ENGINES
 
-    be = next(iter(_ENGINES.values()))[0]
+    be = next(b for key, b in _ENGINES.items() if key[3] == KMAX)
     ctl = be.controller
     ctl.start_recording(str(tmp_path / "rec"), run="cap")
     try:

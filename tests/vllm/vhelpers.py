@@ -15,6 +15,16 @@ PROMPTS = [
     "# Copyright 2001 Python Software Foundation\n",
     "def test_parse(self):\n    self.assertEqual(",
 ]
+#: The session's vLLM collection (``small_collection``): budgets, tokens and prompts, kept tiny.
+COLLECT_KMAX = 4
+COLLECT_TOKENS = 16
+COLLECT_PROMPTS = 2
+
+
+def collect_args(out, *models: str) -> list[str]:
+    """``specenv collect --engine vllm`` arguments of the session's collection size, writing to ``out``."""
+    n, k, tok = str(COLLECT_PROMPTS), str(COLLECT_KMAX), str(COLLECT_TOKENS)
+    return ["collect", "--engine", "vllm", "--out", str(out), "-n", n, "--kmax", k, "--max-new-tokens", tok, *models]
 
 
 def llm_kwargs(dirs, **extra):

@@ -1,29 +1,39 @@
 """Record a trace set (schema v2) with vLLM itself: executed fixed-K rounds and the counterfactual table.
 
 The vLLM counterpart of :mod:`specenv.engines.hf.collect` (``specenv collect --engine vllm``); the
-tables are built by the same code (:mod:`specenv.engines.counterfactual`). Two in-process engines
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on the shipped small models (or any model set of that layout):
+tables are built by the same code (:mod:`specenv.engines.counterfactual`). One collector for every
+pair of models and device: a MoE target folder and a draft of either speculative method
+(``draft_model``: a small model of the target's vocabulary; ``eagle3``: an EAGLE-3 head), named by
+:func:`specenv.engines.vllm.models.vllm_pair_dirs` or, for a model set (the shipped small models),
+by :func:`specenv.engines.vllm.models.vllm_model_dirs`. Two in-process engines
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), with the device's settings and memory split
+(:mod:`specenv.engines.vllm.devices`):
 
-* the **speculative engine**: the MoE target with the draft model as vLLM's ``draft_model`` drafter
-  (``num_speculative_tokens = kmax``), specenv's controller and routing tap (``load_format
-  specenv``), prefix caching off (cached tokens are not routed);
-* the **draft engine**: the draft model alone (no speculation), with a forward pre-hook on its
-  sampler.
+* the **speculative engine**: the target with the draft as vLLM's drafter (``num_speculative_tokens
+  = kmax``), specenv's controller and routing tap (``load_format specenv``), prefix caching off
+  (cached tokens are not routed);
+* the **plain engine**: the target alone (no speculative config), the measured no-drafter AR baseline
+  (``manifest.extra.ar_reference``, :func:`summarize_plain`).
 
-For every prompt:
+An unsupported (model runner, method) combination is refused at start with the one line of
+:func:`specenv.engines.vllm.support.collect_refusal`. For every prompt:
 
 1. **Fixed-K runs** K = 0..kmax at batch 1 through :class:`specenv.engines.vllm.live.VLLMBackend`
-   (one engine step per round). The drafter proposes K tokens per step (vLLM's dynamic-SD field
-   ``num_spec_tokens_to_schedule``, set by the controller's ``draft_tokens``), so ``T_D_ms`` is the
-   measured drafting of K tokens; at K = 0 vLLM still runs one draft forward to keep the draft's KV
-   cache in sync, and ``T_D_ms`` says so. The K = 0 run is plain greedy decoding: its output is the
-   reference y (vLLM's prefill samples y_0; the rounds commit the rest). Greedy speculative decoding
-   is lossless, so every other run must reproduce y; mismatches are counted (``extra.lossless``).
-2. **Draft chains**: at every position t of y, the draft engine decodes ``kmax`` tokens greedily
-   from ``prompt + y_<t`` (``ignore_eos``; many positions per engine step). The sampler hook sees
-   the draft's logits of every decoding step: q (probability of the drafted token), the entropy
-   and the top-1/top-2 margin are computed from them in float64 (exact, like
-   :func:`specenv.engines.hf.engine.draft_signals`; no top-20 logprob approximation).
+   (one engine step per round), after a warm-up of every budget. The drafter proposes K tokens per
+   step (vLLM's dynamic-SD field ``num_spec_tokens_to_schedule``, set by the controller's
+   ``draft_tokens``), so ``T_D_ms`` is the measured drafting of K tokens; at K = 0 vLLM still runs one
+   draft forward to keep the draft's KV cache in sync, and ``T_D_ms`` says so. The K = 0 run is plain
+   greedy decoding: its output is the reference y (vLLM's prefill samples y_0; the rounds commit the
+   rest). Greedy speculative decoding is lossless, so every other run must reproduce y; mismatches
+   are counted (``extra.lossless``). The plain engine decodes the same prompt, interleaved (the same
+   load), timing each step.
+2. **Draft chains** from the speculative engine itself (:func:`draft_chains`), so that an EAGLE head,
+   which drafts from the target's hidden states, works as it is served: at every position t of y, a
+   request for ``prompt + y_<t-1`` whose sampled token is forced to y_{t-1} (``allowed_token_ids``);
+   its prefill step runs the target over the context and the drafter proposes ``kmax`` tokens
+   after it. The request is aborted when its drafts arrive (nothing is verified). The draft's
+   signals of every drafted token (q, entropy, top-1/top-2 margin) come from the routing tap's
+   capture of the draft's logits (float32), checked against the drafts by the controller.
 3. **Verdicts and routing**: every chain is verified teacher-forced by the speculative engine's
    target: the prompt ``prompt + y_<t + d_1..d_kmax`` with ``prompt_logprobs=2`` and
    ``max_tokens=1``. ``rho_{t,j} = 1`` iff d_j is the target's argmax after ``d_<j`` (its log-prob
@@ -35,7 +45,8 @@ For every prompt:
    prefills (prefix caching is off), batched many per step.
 
 The positions table equals the transformers engine's on the same reference up to argmax near-ties
-between the two engines' kernels (tested in ``tests/vllm/test_vllm_collect.py``).
+between the two engines' kernels, and a pair of folders gives the tables of the model set they were
+copied from (tested in ``tests/vllm/test_vllm_collect.py``).
 """
 
 from __future__ import annotations
@@ -45,7 +56,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -64,7 +75,10 @@ from specenv.engines.vllm.hugepages import advise_engine, backing
 from specenv.traces.schema import ModelFacts
 from specenv.traces.traceset import Manifest, TraceSet
 
-__all__ = ["collect_vllm", "draft_chains", "verify_chains"]
+if TYPE_CHECKING:
+    from specenv.engines.vllm.models import VLLMModelDirs
+
+__all__ = ["check_collect", "collect_vllm", "draft_chains", "verify_chains"]
 
 #: Requests per engine step in the batched passes (chains and verdicts).
 BATCH = 32
@@ -73,7 +87,7 @@ BATCH_TOKENS = 4096
 
 
 def collect_vllm(
-    models: str | os.PathLike[str] = "small-moe-v1",
+    models: str | os.PathLike[str] | VLLMModelDirs = "small-moe-v1",
     prompts: Sequence[Prompt] | None = None,
     n_prompts: int = 8,
     kmax: int = 8,
@@ -85,11 +99,14 @@ def collect_vllm(
     threads: int = 1,
     batch: int = BATCH,
     plain: bool = True,
+    device: str = "cpu",
+    gpu_memory_utilization: float = 0.9,
 ) -> TraceSet:
     """Run both vLLM engines over a prompt set and build an in-memory trace set (``source="vllm"``).
 
     Args:
-        models: Model set: shipped name or folder.
+        models: Model set (shipped name or folder) or a target and draft pair
+            (:func:`specenv.engines.vllm.models.vllm_pair_dirs`).
         prompts: Prompts (default: the first ``n_prompts`` of ``prompt_set``).
         n_prompts: Number of prompts when ``prompts`` is None.
         kmax: Largest budget: fixed-K runs K = 0..kmax, chain length of the sweep.
@@ -97,20 +114,26 @@ def collect_vllm(
         name: Name written to the manifest.
         prompt_set: Name or path of the prompt set (when ``prompts`` is None).
         progress: Called as progress(done, total) after each stage of each prompt.
-        clock: ``"cpu"`` (thread CPU time of the forwards) or ``"wall"`` into ``T_T_ms``/``T_D_ms``;
-            both are kept as extra columns.
+        clock: ``"cpu"`` (thread CPU time of the forwards; cpu device only) or ``"wall"`` (on cuda:
+            CUDA-event times of the forwards) into ``T_T_ms``/``T_D_ms``; both are kept as extra columns.
         threads: Torch threads (set before vLLM starts; vLLM's CPU worker then forbids changing it).
         batch: Requests per engine step in the chain and verdict passes.
         plain: Also decode every prompt with a plain engine (no drafter loaded) and keep its measured
-            step times as the speedup reference (``manifest.extra.ar_reference``,
-            :func:`plain_reference`).
+            step times as the speedup reference (``manifest.extra.ar_reference``, :func:`summarize_plain`).
+        device: ``cpu`` or ``cuda`` (the installed vLLM build's device; :mod:`specenv.engines.vllm.devices`).
+        gpu_memory_utilization: On cuda, the fraction of the GPU both engines together use.
 
     Returns:
         A :class:`TraceSet` with both tables.
 
     Raises:
-        ValueError: On bad arguments or prompts that do not fit the model's context.
+        ValueError: One line on bad arguments, an unsupported device, model runner or method, models
+            that do not fit the memory asked, or prompts that do not fit the model's context.
     """
+    from specenv.engines.vllm.devices import memory_split
+    from specenv.engines.vllm.models import vllm_model_dirs
+    from specenv.engines.vllm.support import collect_refusal
+
     if clock not in CLOCKS:
         raise ValueError(f"clock={clock!r}: expected one of {CLOCKS}")
     if kmax < 1 or max_new_tokens < 2:
@@ -119,22 +142,30 @@ def collect_vllm(
         prompts = load_prompts(prompt_set)[:n_prompts]
     if not prompts:
         raise ValueError("no prompts to run")
-    _quiet_cpu_defaults(threads)
-    from specenv.engines.vllm.models import vllm_model_dirs
-
     dirs = vllm_model_dirs(models)
+    check_collect(dirs, device, clock)
+    from specenv.engines.vllm.live import _tokenizer_models
+
+    tok = _tokenizer_models(dirs)
+    encoded = [tok.encode(p.text) for p in prompts]
+    limit = dirs.max_model_len - max_new_tokens - kmax - 2
+    for p, ids in zip(prompts, encoded, strict=True):
+        if len(ids) > limit:
+            raise ValueError(f"prompt {p.id}: {len(ids)} tokens, at most {limit} fit the context")
+        if len(ids) < 2:
+            raise ValueError(f"prompt {p.id}: {len(ids)} token(s); the draft chain at t=0 needs at least 2")
+    split = memory_split(device, dirs, batch, gpu_memory_utilization)
+    _quiet_cpu_defaults(threads)
     wall0 = time.perf_counter()
     load_before = os.getloadavg()
-    be, draft = _engines(dirs, models, kmax, max_new_tokens, batch)
-    plain_llm = _plain_llm(dirs) if plain else None
+    be = _engines(dirs, kmax, max_new_tokens, batch, device, split[0])
+    why = collect_refusal(be.controller.runner, dirs.method)  # the runner vLLM actually picked
+    if why is not None:
+        raise ValueError(why)
+    plain_llm = _plain_llm(dirs, device, split[1]) if plain else None
     total = 3 * len(prompts)
     done = 0
     try:
-        encoded = [be.models.encode(p.text) for p in prompts]
-        limit = dirs.max_model_len - max_new_tokens - kmax - 2
-        for p, ids in zip(prompts, encoded, strict=True):
-            if len(ids) > limit:
-                raise ValueError(f"prompt {p.id}: {len(ids)} tokens, at most {limit} fit the context")
         gc_was = gc.isenabled()
         gc.collect()
         gc.disable()  # no collector pauses inside timed rounds
@@ -161,17 +192,16 @@ def collect_vllm(
                 gc.enable()
         chains = []
         for ids, ref in zip(encoded, references, strict=True):
-            chains.append(draft_chains(draft, ids, ref, kmax))
+            chains.append(draft_chains(be, ids, ref, kmax))
             done += 1
             if progress:
                 progress(done, total)
-        pos_frames, ties = [], {"target_near_ties": 0, "draft_near_ties": 0, "draft_argmax_mismatch": 0}
+        pos_frames, ties = [], {"target_near_ties": 0, "draft_near_ties": 0}
         for p, ids, ref, ch in zip(prompts, encoded, references, chains, strict=True):
             sw = verify_chains(be, ids, ref, ch["tokens"], kmax)
             sw |= {k: ch[k] for k in ("q", "ent", "margin")}
             ties["target_near_ties"] += int(np.sum(sw["target_gap_min"] < NEAR_TIE))
             ties["draft_near_ties"] += int(np.sum(ch["margin"] < NEAR_TIE))
-            ties["draft_argmax_mismatch"] += int(ch["mismatch"])
             pos_frames.append(
                 positions_frame(p.id, p.category, sw, kmax, extra={"target_gap_min": sw["target_gap_min"]})
             )
@@ -199,43 +229,75 @@ def collect_vllm(
         references=references,
         load_before=load_before,
         wall=time.perf_counter() - wall0,
+        device=device,
+        runner=be.controller.runner,
+        memory={"speculative": split[0], "plain": split[1] if plain else None},
     )
     if ar_reference is not None:
         manifest.extra["ar_reference"] = ar_reference
     return TraceSet(manifest, pd.concat(pos_frames, ignore_index=True), pd.concat(round_frames, ignore_index=True))
 
 
+def check_collect(dirs: VLLMModelDirs, device: str, clock: str) -> str:
+    """Refuse, before any engine starts, a device, clock or (model runner, method) the collector cannot run.
+
+    Selects vLLM's V1 model runner on cuda (:func:`specenv.engines.vllm.devices.select_runner`).
+
+    Returns:
+        The model runner the engines will use.
+
+    Raises:
+        ValueError: One line (for the runner and method, :func:`specenv.engines.vllm.support.collect_refusal`'s).
+    """
+    from specenv.engines.vllm.devices import check_device, select_runner
+    from specenv.engines.vllm.support import collect_refusal
+
+    check_device(device)
+    if device == "cuda" and clock == "cpu":
+        raise ValueError("--clock cpu times the host thread, not the GPU: use --clock wall on cuda (CUDA-event times)")
+    runner = select_runner(device)
+    why = collect_refusal(runner, dirs.method)
+    if why is not None:
+        raise ValueError(why)
+    return runner
+
+
 #: A top-1/top-2 gap (target: log-prob; draft: probability margin) below this counts as a near-tie.
 NEAR_TIE = 1e-4
 
 
-#: The engines of this process, by (model set, kmax, batch): vLLM's in-process engines cannot be shut
-#: down one by one (shutting one down tears down the process-wide distributed state the others use,
-#: and so does garbage-collecting it), so they live as long as the process, like
-#: :meth:`specenv.engines.vllm.live.VLLMBackend.shared`.
-_ENGINES: dict[tuple[str, int, int], tuple[Any, Any]] = {}
+#: The speculative engines of this process, by (target, draft, method, kmax, batch, device): vLLM's
+#: in-process engines cannot be shut down one by one (shutting one down tears down the process-wide
+#: distributed state the others use, and so does garbage-collecting it), so they live as long as the
+#: process, like :meth:`specenv.engines.vllm.live.VLLMBackend.shared`.
+_ENGINES: dict[tuple[str, str, str, int, int, str], Any] = {}
 
 
-def _engines(dirs: Any, models: Any, kmax: int, max_new_tokens: int, batch: int) -> tuple[Any, Any]:
-    """The speculative engine (a VLLMBackend, prefix caching off) and the draft engine of this process."""
+def _engines(dirs: VLLMModelDirs, kmax: int, max_new_tokens: int, batch: int, device: str, memory: dict) -> Any:
+    """The speculative engine of this process (a VLLMBackend, prefix caching off) for these models and device."""
+    from specenv.engines.vllm.devices import engine_settings, explicit_kv_cache
     from specenv.engines.vllm.live import VLLMBackend
 
-    key = (str(dirs.target.resolve()), int(kmax), int(batch))
+    key = (str(dirs.target.resolve()), str(dirs.draft.resolve()), dirs.method, int(kmax), int(batch), device)
     if key not in _ENGINES:
-        be = VLLMBackend(
-            models,
-            kmax=kmax,
-            max_new_tokens=max_new_tokens,
-            stop_at_eos=True,
-            enable_prefix_caching=False,
-            max_num_seqs=batch,
-            max_num_batched_tokens=BATCH_TOKENS,
-        )
-        _ENGINES[key] = (be, _draft_llm(dirs, batch))
-    be, draft = _ENGINES[key]
+        settings = engine_settings(device)
+        with explicit_kv_cache(device):
+            _ENGINES[key] = VLLMBackend(
+                dirs,
+                kmax=kmax,
+                max_new_tokens=max_new_tokens,
+                stop_at_eos=True,
+                dtype=settings["dtype"],
+                enable_prefix_caching=False,
+                max_num_seqs=batch,
+                max_num_batched_tokens=BATCH_TOKENS,
+                enforce_eager=settings["enforce_eager"],
+                **memory,
+            )
+    be = _ENGINES[key]
     be.abort()
     be.max_new_tokens = int(max_new_tokens)
-    return be, draft
+    return be
 
 
 def _quiet_cpu_defaults(threads: int) -> None:
@@ -276,28 +338,31 @@ def _fixed_k_runs(
 
 
 # ---------------------------------------------------------------------- the plain engine (AR reference)
-def _plain_llm(dirs: Any) -> Any:
+def _plain_llm(dirs: VLLMModelDirs, device: str, memory: dict) -> Any:
     """The target alone in an in-process engine, no speculative config: plain decoding, batch 1."""
     from vllm import LLM
 
-    key = ("plain", str(dirs.target.resolve()))
+    from specenv.engines.vllm.devices import engine_settings, explicit_kv_cache
+
+    key = ("plain", str(dirs.target.resolve()), device)
     if key not in _PLAIN:
-        _PLAIN[key] = LLM(
-            model=str(dirs.target),
-            tokenizer=str(dirs.target),
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=dirs.max_model_len,
-            max_num_seqs=1,
-            seed=0,
-            enable_prefix_caching=False,
-            async_scheduling=False,
-        )
+        with explicit_kv_cache(device):
+            _PLAIN[key] = LLM(
+                model=str(dirs.target),
+                tokenizer=str(dirs.target),
+                **engine_settings(device),
+                max_model_len=dirs.max_model_len,
+                max_num_seqs=1,
+                seed=0,
+                enable_prefix_caching=False,
+                async_scheduling=False,
+                **memory,
+            )
         advise_engine(_PLAIN[key])  # huge pages, as the speculative engine's loader does
     return _PLAIN[key]
 
 
-_PLAIN: dict[tuple[str, str], Any] = {}
+_PLAIN: dict[tuple[str, str, str], Any] = {}
 
 
 def plain_steps(llm: Any, ids: list[int], ref: list[int]) -> tuple[list[int], list[float], bool]:
@@ -371,110 +436,87 @@ def summarize_plain(runs: Sequence[tuple[list[int], list[float], bool]]) -> dict
 
 
 # ---------------------------------------------------------------------- draft chains
-def _draft_llm(dirs: Any, batch: int) -> Any:
-    """The draft model alone in an in-process engine (prefix caching on: the contexts share prefixes)."""
-    from vllm import LLM
+def draft_chains(be: Any, prompt_ids: list[int], reference: list[int], kmax: int) -> dict[str, Any]:
+    """The speculative engine's own draft chain of ``kmax`` tokens at every position of a reference.
 
-    llm = LLM(
-        model=str(dirs.draft),
-        tokenizer=str(dirs.draft),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=dirs.max_model_len,
-        max_num_seqs=batch,
-        seed=0,
-        enable_prefix_caching=True,
-    )
-    advise_engine(llm)
-    return llm
-
-
-def _model_runner(llm: Any) -> Any:
-    """The model runner of an in-process engine (single-process executor)."""
-    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-
-
-class _SignalHook:
-    """Forward pre-hook on a model runner's sampler: per request, the drafted token and q, entropy, margin.
-
-    The logits reaching the sampler are the draft's raw logits (greedy: no processor applies), one row
-    per request of the runner's input batch, in its order. Signals are computed in float64.
-    """
-
-    def __init__(self, runner: Any):
-        self.runner = runner
-        self.rows: dict[str, list[tuple[int, float, float, float]]] = {}
-        self.handle = runner.sampler.register_forward_pre_hook(self, with_kwargs=True)
-
-    def __call__(self, module: Any, args: Any, kwargs: Any) -> None:
-        import torch
-
-        logits = kwargs["logits"] if "logits" in kwargs else args[0]
-        req_ids = self.runner.input_batch.req_ids[: logits.shape[0]]
-        lg = logits.detach().to(torch.float32)
-        tok = lg.argmax(-1)
-        p = torch.softmax(lg.double(), -1)
-        q = p.gather(1, tok[:, None])[:, 0]
-        ent = torch.special.entr(p).sum(-1)
-        top = torch.topk(p, 2, dim=-1).values
-        margin = top[:, 0] - top[:, 1]
-        for i, r in enumerate(req_ids):
-            if r is not None:
-                self.rows.setdefault(r, []).append((int(tok[i]), float(q[i]), float(ent[i]), float(margin[i])))
-
-    def remove(self) -> None:
-        self.handle.remove()
-
-
-def _run_requests(llm: Any, prompts: list[list[int]], params: Any) -> tuple[list[str], dict[str, Any]]:
-    """Add every prompt to an in-process engine, step until all finish; internal ids and final outputs."""
-    engine = llm.llm_engine
-    base = f"specenv-cf-{time.monotonic_ns()}"
-    ids = [engine.add_request(f"{base}-{i}", {"prompt_token_ids": p}, params) for i, p in enumerate(prompts)]
-    ext = {f"{base}-{i}": r for i, r in enumerate(ids)}
-    outs: dict[str, Any] = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                outs[ext.get(o.request_id, o.request_id)] = o
-    return ids, outs
-
-
-def draft_chains(llm: Any, prompt_ids: list[int], reference: list[int], kmax: int) -> dict[str, Any]:
-    """The draft's greedy chain of ``kmax`` tokens at every position of a reference, with exact signals.
+    The chain at position t is what the drafter proposes once the target has seen ``prompt + y_<t``: a
+    request for ``prompt + y_<t-1`` (at t = 0 the prompt without its last token) whose one sampled
+    token is forced to y_{t-1} (``allowed_token_ids``, greedy), so its prefill step runs the target
+    over the context and the drafter (draft model or EAGLE head, as served) proposes ``kmax`` tokens
+    after it. A request is aborted as soon as its drafts reach the controller, before anything is
+    verified. The requests run ``batch`` at a time (the engine's ``max_num_seqs``).
 
     Args:
-        llm: The draft engine (``vllm.LLM`` of the draft model, in process).
-        prompt_ids: The prompt.
+        be: The speculative engine (:class:`specenv.engines.vllm.live.VLLMBackend`, its tap capturing the
+            draft's logits).
+        prompt_ids: The prompt (at least 2 tokens).
         reference: The reference output y (N tokens).
-        kmax: Chain length.
+        kmax: Chain length (the engine's ``num_speculative_tokens``).
 
     Returns:
-        ``tokens`` (N, kmax) int64, ``q``, ``ent``, ``margin`` (N, kmax) float32, and ``mismatch``:
-        positions where a hooked argmax differs from the token vLLM returned (expected 0).
+        ``tokens`` (N, kmax) int64, and the draft's ``q``, ``ent``, ``margin`` (N, kmax) float32 of each
+        drafted token: the routing tap's capture of the draft's logits, kept by the controller only
+        where the captured top-1 ids equal the drafts.
+
+    Raises:
+        RuntimeError: When the engine does not capture the draft's signals, the forced token is not
+            the one sampled, or a chain or its signals did not arrive.
     """
     from vllm import SamplingParams
 
-    N = len(reference)
-    params = SamplingParams(temperature=0.0, max_tokens=kmax, ignore_eos=True, detokenize=False)
-    hook = _SignalHook(_model_runner(llm))
-    try:
-        ctx = [list(prompt_ids) + list(reference[:t]) for t in range(N)]
-        req_ids, outs = _run_requests(llm, ctx, params)
-    finally:
-        hook.remove()
+    ctl = be.controller
+    tap = ctl.tap
+    if tap is None or not tap.has_signals:
+        raise RuntimeError("draft chains: the speculative engine does not capture the draft's logits")
+    P, N = len(prompt_ids), len(reference)
+    seq = [*map(int, prompt_ids), *map(int, reference)]
     tokens = np.zeros((N, kmax), dtype=np.int64)
     sig = np.zeros((3, N, kmax), dtype=np.float32)
-    mismatch = 0
-    for t, r in enumerate(req_ids):
-        got = list(outs[r].outputs[0].token_ids)
-        rows = hook.rows.get(r, [])[-kmax:]
-        if len(got) != kmax or len(rows) != kmax:
-            raise RuntimeError(f"draft chain at t={t}: {len(got)} tokens, {len(rows)} hooked samples (need {kmax})")
-        tokens[t] = got
-        mismatch += int(any(row[0] != g for row, g in zip(rows, got, strict=True)))
-        sig[:, t] = np.array([row[1:] for row in rows], dtype=np.float64).T
-    return {"tokens": tokens, "q": sig[0], "ent": sig[1], "margin": sig[2], "mismatch": mismatch}
+    got = np.zeros(N, dtype=bool)
+    be.abort()
+    engine = be.engine
+    base = f"specenv-chain-{time.monotonic_ns()}"
+    of: dict[str, int] = {}  # external and internal request id -> t
+    internal: list[str] = []
+    ctl.draft_tokens = kmax
+    tap.want_signals(True)
+    try:
+        for t in range(N):
+            sp = SamplingParams(
+                temperature=0.0, max_tokens=2, ignore_eos=True, allowed_token_ids=[seq[P + t - 1]], detokenize=False
+            )
+            r = engine.add_request(f"{base}-{t}", {"prompt_token_ids": seq[: P + t - 1]}, sp)
+            of[f"{base}-{t}"] = of[r] = t
+            internal.append(r)
+        while engine.has_unfinished_requests():
+            arrived = []
+            for o in engine.step():
+                t = of.get(o.request_id)
+                if t is None or got[t] or not o.outputs[0].token_ids:
+                    continue
+                if int(o.outputs[0].token_ids[0]) != seq[P + t - 1]:
+                    raise RuntimeError(f"draft chain at t={t}: the forced token {seq[P + t - 1]} was not sampled")
+                st = ctl.request_state(internal[t])
+                sg = None if st is None else st["signals"]
+                if st is None or len(st["drafts"]) != kmax or sg is None or len(sg) != kmax:
+                    n_d, n_s = (0 if st is None else len(st["drafts"])), (0 if sg is None else len(sg))
+                    raise RuntimeError(f"draft chain at t={t}: {n_d} drafts, {n_s} captured signals (need {kmax})")
+                tokens[t] = st["drafts"]
+                sig[:, t] = np.asarray(sg, dtype=np.float32).T
+                got[t] = True
+                arrived.append(f"{base}-{t}")
+            if arrived:
+                engine.abort_request(arrived)
+    finally:
+        tap.want_signals(False)
+        ctl.draft_tokens = None
+        if engine.has_unfinished_requests():
+            engine.abort_request([f"{base}-{t}" for t in range(N)])
+            while engine.has_unfinished_requests():
+                engine.step()
+    if not got.all():
+        raise RuntimeError(f"draft chains: no drafts at t={np.flatnonzero(~got).tolist()}")
+    return {"tokens": tokens, "q": sig[0], "ent": sig[1], "margin": sig[2]}
 
 
 # ---------------------------------------------------------------------- verdicts and routing
@@ -572,7 +614,7 @@ def verify_chains(
 
 
 def _manifest(
-    dirs: Any,
+    dirs: VLLMModelDirs,
     prompts: Sequence[Prompt],
     facts: ModelFacts,
     *,
@@ -587,8 +629,11 @@ def _manifest(
     references: list[list[int]],
     load_before: tuple[float, float, float],
     wall: float,
+    device: str,
+    runner: str,
+    memory: dict[str, Any],
 ) -> Manifest:
-    """The trace set's manifest: models, prompts, engines, clocks, machine, lossless check and near-ties."""
+    """The trace set's manifest: models, prompts, engines, device, clocks, machine, lossless check and near-ties."""
     import torch
     import vllm
 
@@ -596,28 +641,43 @@ def _manifest(
 
     mpath = dirs.source / "manifest.json"
     mm = read_json(mpath, what="model manifest") if mpath.is_file() else {}
-    cfg = read_json(dirs.draft / "config.json", what="model config")
+    pair = dirs.source == dirs.target  # a target and draft pair of folders (vllm_pair_dirs), not a model set
+    cfg = read_json(dirs.target / "config.json", what="model config")
+    vocab = cfg.get("vocab_size") if isinstance(cfg, dict) else None
     n_runs = len(prompts) * kmax
+    models_name = dirs.target.name if pair else mm.get("name", dirs.name)
+    profile = f"{models_name}-v{mm.get('version', 1)}" if not pair else f"{dirs.target.name}+{dirs.draft.name}"
+    where = "CPU" if device == "cpu" else "CUDA"
+    drafter = "EAGLE-3 head" if dirs.method == "eagle3" else "draft"
+    models: dict[str, Any] = {"name": models_name, "version": mm.get("version")}
+    if pair:
+        models = {"target": str(dirs.target), "draft": str(dirs.draft)}
     return Manifest(
         name=name,
         source="vllm",
-        profile=f"{mm.get('name', dirs.name)}-v{mm.get('version', 1)} (vLLM {vllm.__version__}, CPU)",
+        profile=f"{profile} (vLLM {vllm.__version__}, {where})",
         model=facts,
         kmax=kmax,
         greedy=True,
         description=(
-            f"vLLM {vllm.__version__} on CPU: {len(prompts)} prompts x up to {max_new_tokens} greedy tokens on the "
-            f"Qwen3-MoE target of {dirs.name} ({facts.n_experts} experts, top-{facts.top_k}, {facts.n_layers} "
-            f"layers) with its draft as vLLM's draft_model drafter; fixed-K rounds K=0..{kmax} at batch 1 with "
-            "measured times and routing (routing tap); counterfactual positions from a draft engine's greedy chains "
-            "verified teacher-forced by the target (prompt log-probs, routing tap)."
+            f"vLLM {vllm.__version__} on {where}: {len(prompts)} prompts x up to {max_new_tokens} greedy tokens on the "
+            f"MoE target {models_name} ({facts.n_experts} experts, top-{facts.top_k}, {facts.n_layers} layers) with "
+            f"its {drafter} as vLLM's {dirs.method} drafter; fixed-K rounds K=0..{kmax} at batch 1 with measured "
+            "times and routing (routing tap), a plain engine's measured AR steps; counterfactual positions from the "
+            "speculative engine's own draft chains verified teacher-forced by the target (prompt log-probs, "
+            "routing tap)."
         ),
         max_new_tokens=max_new_tokens,
-        vocab_size=int(cfg.get("vocab_size", 0)) or None,
+        vocab_size=int(vocab) if isinstance(vocab, int) and vocab > 0 else None,
         extra={
-            "engine": "specenv.engines.vllm.live.VLLMBackend (fixed-K rounds, verification) + draft-only vllm.LLM",
+            "engine": "specenv.engines.vllm.live.VLLMBackend (fixed-K rounds, draft chains, verification) "
+            "+ plain vllm.LLM",
             "collector": "specenv.engines.vllm.collect.collect_vllm",
-            "models": {"name": mm.get("name", dirs.name), "version": mm.get("version")},
+            "models": models,
+            "method": dirs.method,
+            "device": device,
+            "model_runner": runner,
+            "memory": memory,
             "prompt_set": prompt_set if isinstance(prompt_set, str) else str(prompt_set),
             "prompts": [p.id for p in prompts],
             "threads": threads,
@@ -625,7 +685,12 @@ def _manifest(
             "timing": (
                 "T_T_ms/T_D_ms are thread CPU times of the forwards (routing tap's forward hooks, time.thread_time)"
                 if clock == "cpu"
-                else "T_T_ms/T_D_ms are wall-clock times of the forwards (time.perf_counter)"
+                else (
+                    "T_T_ms/T_D_ms are wall-clock times of the forwards (time.perf_counter)"
+                    if device == "cpu"
+                    else "T_T_ms/T_D_ms are CUDA-event times of the forwards; a replayed FULL graph fires no hook "
+                    "(then T_T_ms is the step's wall time and T_D_ms 0: the timing column says which)"
+                )
             ),
             "draft_at_K0": "vLLM runs one draft forward at K=0 (keeps the draft's KV cache in sync): T_D_ms > 0",
             "temperature": 0.0,
@@ -647,6 +712,7 @@ def _manifest(
                 "to its first rejected draft (near-ties of the verdicts)",
             },
             "signals": "q_j, ent_j, margin_j: the draft's probability of d_j, entropy (nats) and top-1 minus top-2 "
-            "probability of its softmax at d_j, from the draft engine's logits (sampler pre-hook, float64): exact",
+            "probability of its softmax at d_j, captured from the speculative engine's draft logits by the routing "
+            "tap (float32)",
         },
     )

@@ -66,7 +66,9 @@ class VLLMBackend:
     """Speculative decoding of one generation at a time on an in-process vLLM engine.
 
     Args:
-        models: Model set: shipped name (``small-moe-v1``) or folder (see :mod:`specenv.engines.vllm.models`).
+        models: Model set: shipped name (``small-moe-v1``) or folder, or resolved target and draft
+            folders (:class:`specenv.engines.vllm.models.VLLMModelDirs`, the draft's method included;
+            see :mod:`specenv.engines.vllm.models`).
         kmax: Largest budget (the engine's ``num_speculative_tokens``).
         max_new_tokens: Generation cap (vLLM's ``max_tokens``; the prefill's token counts).
         temperature: 0 = greedy; > 0 = sampling (vLLM's rejection sampler), seeded by :meth:`seed`.
@@ -83,7 +85,7 @@ class VLLMBackend:
 
     def __init__(
         self,
-        models: str | os.PathLike[str] = "small-moe-v1",
+        models: str | os.PathLike[str] | VLLMModelDirs = "small-moe-v1",
         kmax: int = 8,
         max_new_tokens: int = 128,
         temperature: float = 0.0,
@@ -98,7 +100,7 @@ class VLLMBackend:
             raise ValueError(f"kmax={kmax}: must be >= 1")
         if max_new_tokens < 2:
             raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 2 (the prefill makes the first)")
-        _require_in_process_engine()
+        _require_in_process_engine(sized_kv_cache="kv_cache_memory_bytes" in llm_kwargs)
         from vllm import LLM
 
         from specenv.engines.vllm.models import vllm_model_dirs
@@ -338,8 +340,12 @@ class VLLMBackend:
         self.controller.stop_recording()
 
 
-def _require_in_process_engine() -> None:
-    """Make vLLM run its engine in this process (and give its CPU KV cache a default size).
+def _require_in_process_engine(sized_kv_cache: bool = False) -> None:
+    """Make vLLM run its engine in this process (and give its CPU KV cache a default size unless sized).
+
+    Args:
+        sized_kv_cache: The caller passes ``kv_cache_memory_bytes`` (no ``VLLM_CPU_KVCACHE_SPACE``
+            default then: vLLM's CPU platform would let it override the size).
 
     Raises:
         RuntimeError: If ``VLLM_ENABLE_V1_MULTIPROCESSING`` is set to something else than 0.
@@ -349,7 +355,8 @@ def _require_in_process_engine() -> None:
         raise RuntimeError(
             "VLLMBackend runs the engine in this process: unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
         )
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if not sized_kv_cache:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def _tokenizer_models(dirs: VLLMModelDirs) -> TokenizerModels:
@@ -364,7 +371,7 @@ def _tokenizer_models(dirs: VLLMModelDirs) -> TokenizerModels:
 def _llm_kwargs(
     dirs: VLLMModelDirs, kmax: int, dtype: str, seed: int, settings: SpecenvSettings, llm_kwargs: dict[str, Any]
 ) -> dict[str, Any]:
-    """``vllm.LLM`` arguments: one sequence, the draft model proposing ``kmax`` tokens, the specenv controller.
+    """``vllm.LLM`` arguments: one sequence, the draft (``dirs.method``) proposing ``kmax`` tokens, the controller.
 
     ``llm_kwargs`` override the defaults.
     """
@@ -376,7 +383,7 @@ def _llm_kwargs(
         max_model_len=dirs.max_model_len,
         max_num_seqs=1,
         seed=seed,
-        speculative_config={"method": "draft_model", "model": str(dirs.draft), "num_speculative_tokens": kmax},
+        speculative_config={"method": dirs.method, "model": str(dirs.draft), "num_speculative_tokens": kmax},
     )
     kw.update(engine_kwargs(settings, tap=True))
     kw.update(llm_kwargs)

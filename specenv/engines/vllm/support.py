@@ -37,7 +37,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["METHODS", "RUNNERS", "SUPPORT", "Support", "runner_of", "signals_refusal", "start_refusal"]
+__all__ = [
+    "METHODS",
+    "RUNNERS",
+    "SUPPORT",
+    "Support",
+    "collect_refusal",
+    "runner_of",
+    "signals_refusal",
+    "start_refusal",
+]
 
 #: The model runners of vLLM 0.32 (``VllmConfig.use_v2_model_runner`` False / True).
 RUNNERS = ("V1", "V2")
@@ -128,4 +137,29 @@ def start_refusal(vllm_config: Any, settings: Any) -> str | None:
         return f"draft_horizon='policy' is not supported on the {where}: {row.policy_horizon} (use 'max')"
     if settings.record_tokens and row.draft_tokens:
         return f"record_tokens is not supported on the {where}: {row.draft_tokens}"
+    return None
+
+
+def collect_refusal(runner: str, method: str) -> str | None:
+    """Why the vLLM collector (:mod:`specenv.engines.vllm.collect`) cannot run here (one line), or None.
+
+    The collector needs all three of a row: the drafter proposing K tokens per step (its fixed-K
+    runs set the step's draft length, as ``draft_horizon="policy"`` does), the drafted token ids (the
+    positions table's draft chains) and their signals (q, entropy, margin).
+    """
+    if method not in METHODS:
+        return f"specenv collect --engine vllm: speculative method {method!r} (expected one of {', '.join(METHODS)})"
+    row = SUPPORT.get((runner, method))
+    if row is None:
+        return f"specenv collect --engine vllm: unknown model runner {runner!r} (expected one of {', '.join(RUNNERS)})"
+    for what, why in (
+        ("a per-step draft length", row.policy_horizon),
+        ("the drafted token ids", row.draft_tokens),
+        ("the draft signals", row.signals),
+    ):
+        if why:
+            return (
+                f"specenv collect --engine vllm needs {what}, not supported on the {runner} model runner + {method}: "
+                f"{why} (VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner)"
+            )
     return None
