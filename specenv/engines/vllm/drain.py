@@ -51,7 +51,7 @@ __all__ = ["DrainGate", "SHUTTING_DOWN_MESSAGE"]
 try:  # vLLM's log format and level (VLLM_LOGGING_LEVEL) where vLLM is installed
     from vllm.logger import init_logger
 
-    logger = init_logger("specenv.engines.vllm.drain")
+    logger = init_logger("vllm.specenv.drain")  # under vLLM's logger: printed with the server's messages
 except ImportError:  # pragma: no cover - the gate is only installed in a vLLM server
     logger = logging.getLogger("specenv.engines.vllm.drain")
 
