@@ -278,7 +278,7 @@ def run_level(
     """
     import openai
 
-    client = openai.OpenAI(base_url=base_url, api_key="EMPTY", max_retries=0, timeout=max(time_limit, 60.0) * 2)
+    client = openai.OpenAI(base_url=base_url, api_key="EMPTY", max_retries=0, timeout=600.0)
     model = model_name(base_url)
     reqs = [Request(i, i % len(prompts), "chat" if i % 2 else "completions") for i in range(n_requests)]
     lock, nxt = threading.Lock(), [0]

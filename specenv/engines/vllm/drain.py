@@ -20,7 +20,7 @@ the order a load balancer expects:
    client still tracks, runs to its normal end on the still-running engine, for up to
    ``--shutdown-timeout`` seconds (0: no wait, vLLM's abort);
 3. with nothing left in flight, the engine client's output handler is cancelled (an idle handler:
-   nothing is lost), then vLLM's own shutdown runs: the engine core gets SIGTERM with an empty
+   nothing is lost), then vLLM's own shutdown runs (with its whole ``--shutdown-timeout``): the engine core gets SIGTERM with an empty
    scheduler, the controller closes the recording (its last part written), the engine core tears its
    worker down and the process exits 0 -- no traceback.
 
@@ -116,22 +116,24 @@ class DrainGate:
         original = engine.shutdown
 
         def shutdown(timeout: float | None = None) -> None:
-            left = self.drain(timeout)
-            original(timeout=timeout if left is None else left)
+            self.drain(timeout)
+            # vLLM's own shutdown keeps its whole timeout: an engine core still holding requests (a drain
+            # cut short) must not be killed before it writes the recording's last part
+            original(timeout=timeout)
 
         engine.shutdown = shutdown
 
-    def drain(self, timeout: float | None) -> float | None:
+    def drain(self, timeout: float | None) -> bool:
         """Close the gate, let what is in flight finish (up to ``timeout`` s), then quiet the output handler.
 
         Runs on the thread vLLM's launcher calls ``engine_client.shutdown`` from (not the event loop's).
 
         Returns:
-            The seconds left of ``timeout`` for vLLM's own shutdown (None when ``timeout`` is None).
+            Whether nothing was left in flight (False also on a second call).
         """
         with self._lock:
             if self._drained:
-                return timeout
+                return False
             self._drained = True
         self.closed = True
         t0 = time.monotonic()
@@ -161,7 +163,7 @@ class DrainGate:
                 "[shutdown] specenv drain gate: drained in %.2f s (%d refused); stopping the engine", spent, self.refused
             )
             self._quiet_output_handler()
-        return None if timeout is None else max(float(timeout) - spent, 0.0)
+        return not any(busy)
 
     def _busy(self) -> tuple[int, int]:
         """(HTTP requests in flight, requests the engine client still tracks)."""
