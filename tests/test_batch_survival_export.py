@@ -91,16 +91,20 @@ def test_exported_controller_gives_the_same_budgets_as_the_in_memory_one(trained
 def test_served_by_name_like_every_policy(trained, tmp_path):
     _, pol = trained
     folder = export_survival(pol, tmp_path / "ctl")
-    registry.register("batch-survival", make_batch_survival, replace=True)  # what the entry point declares
-    server = ObservationSpec(kmax=pol.kmax, n_experts=pol.spec.request.n_experts)
-    got = registry.resolve(f"batch-survival:folder={folder}", server)
+    # what the entry point of pyproject.toml declares, under a test name (forgotten afterwards)
+    registry.register("test-batch-survival", make_batch_survival, replace=True)
+    try:
+        server = ObservationSpec(kmax=pol.kmax, n_experts=pol.spec.request.n_experts)
+        got = registry.resolve(f"test-batch-survival:folder={folder}", server)
+        with pytest.raises(ValueError, match="kmax"):
+            registry.resolve(f"test-batch-survival:folder={folder}", ObservationSpec(kmax=pol.kmax + 1))
+    finally:
+        registry.unregister("test-batch-survival")
     assert got.spec == pol.spec  # its own trained contract, the server's kmax and experts
     from specenv.engines.vllm.settings import policy_refusal
 
     assert policy_refusal(got, num_spec_tokens=pol.kmax, max_num_seqs=B) is None
     assert "max-num-seqs" in policy_refusal(got, num_spec_tokens=pol.kmax, max_num_seqs=B + 1)
-    with pytest.raises(ValueError, match="kmax"):
-        registry.resolve(f"batch-survival:folder={folder}", ObservationSpec(kmax=pol.kmax + 1))
 
 
 def test_bad_exports_are_refused_with_one_line(trained, tmp_path):
