@@ -446,8 +446,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     prompts = DEFAULT_PROMPTS
     ref = reference(args, prompts, out)
-    print("| arm | C | repeat | tokens/s | TTFT ms p50 / p99 | TPOT ms p50 / p99 | ok | mismatch | refused | lost "
-          "| not sent |")
+    print(
+        "| arm | C | repeat | tokens/s | TTFT ms p50 / p99 | TPOT ms p50 / p99 | ok | mismatch | refused | lost "
+        "| not sent |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     levels: list[Level] = []
     for rep in range(args.repeats):

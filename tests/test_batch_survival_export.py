@@ -38,8 +38,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory):
     pos = pos[pos["t"] < 30].copy()
     rng = np.random.default_rng(0)
     rate = rng.uniform(0.0, 1.0, size=int(pos["generation_id"].max()) + 1)[pos["generation_id"].to_numpy()]
-    for j in range(1, K + 1):
-        pos[f"rho_{j}"] = rate**j
+    for j in range(1, K + 1):  # greedy: each draft accepted or not, more often in high-rate generations
+        pos[f"rho_{j}"] = (rng.uniform(0.0, 1.0, size=len(pos)) < rate).astype(np.float64)
     path = tmp_path_factory.mktemp("traces") / "mixed"
     TraceSet(ts.manifest, positions=pos).save(path)
     surv = train_batch_survival(str(path), B, iterations=1, episodes=2, hidden=(16,), cost_model="profile", seed=0)

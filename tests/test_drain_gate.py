@@ -57,7 +57,9 @@ def test_sigterm_refuses_new_requests_drains_the_running_one_then_stops_the_engi
         engine = _Engine()
         engine.output_handler = asyncio.create_task(asyncio.sleep(3600))
         gate = DrainGate(app)
-        await gate({"type": "lifespan", "app": SimpleNamespace(state=SimpleNamespace(engine_client=engine))}, None, None)
+        await gate(
+            {"type": "lifespan", "app": SimpleNamespace(state=SimpleNamespace(engine_client=engine))}, None, None
+        )
         running = asyncio.create_task(_call(gate))
         await asyncio.sleep(0.01)
         assert gate.in_flight == 1
@@ -74,7 +76,7 @@ def test_sigterm_refuses_new_requests_drains_the_running_one_then_stops_the_engi
         assert ok[0]["status"] == 200
         await stopping
         assert order == ["request finished"]
-        (timeout, handler_done), = engine.calls  # vLLM's shutdown, once, after the drain
+        ((timeout, handler_done),) = engine.calls  # vLLM's shutdown, once, after the drain
         assert handler_done and engine.output_handler.cancelled()
         assert timeout == 10.0  # vLLM's own shutdown keeps its whole grace period
         assert gate.refused == 1 and gate.in_flight == 0
@@ -90,7 +92,9 @@ def test_zero_timeout_keeps_vllms_abort_and_leaves_the_output_handler_running():
         engine = _Engine()
         engine.output_handler = asyncio.create_task(asyncio.sleep(3600))
         gate = DrainGate(app)
-        await gate({"type": "lifespan", "app": SimpleNamespace(state=SimpleNamespace(engine_client=engine))}, None, None)
+        await gate(
+            {"type": "lifespan", "app": SimpleNamespace(state=SimpleNamespace(engine_client=engine))}, None, None
+        )
         gate.in_flight = 1  # a request still running: with --shutdown-timeout 0 nothing waits for it
         await asyncio.get_running_loop().run_in_executor(None, engine.shutdown, 0)
         assert engine.calls == [(0, False)] and not engine.output_handler.done()  # it answers the aborts

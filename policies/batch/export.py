@@ -59,6 +59,7 @@ class NumpyRegressor:
         return cls(list(zip(reg.coefs_, reg.intercepts_, strict=True)), str(reg.activation))
 
     def predict(self, X: np.ndarray) -> np.ndarray:
+        """(n, out) outputs of the rows ``X`` (n, in): scikit-learn's forward pass, in float64."""
         x = np.asarray(X, dtype=np.float64)
         act = _ACTIVATIONS[self.activation]
         for i, (W, b) in enumerate(self.weights):
@@ -171,5 +172,7 @@ def make_batch_survival(spec: ObservationSpec, folder: str) -> SurvivalGoodputBa
     got = pol.spec.request
     for field in ("kmax", "n_experts"):
         if getattr(got, field) != getattr(spec, field):
-            raise ValueError(f"{folder}: trained for {field} {getattr(got, field)}, the caller has {getattr(spec, field)}")
+            raise ValueError(
+                f"{folder}: trained for {field} {getattr(got, field)}, the caller has {getattr(spec, field)}"
+            )
     return pol

@@ -74,7 +74,9 @@ def test_sigterm_drains_in_flight_requests_and_exits_cleanly(model_dirs, plain_r
         srv.kill()
     text = srv.log.read_text(errors="replace")
     started = sum(r.first_token_at is not None and r.first_token_at < srv.t_term for r in reqs)
-    print(f"SIGTERM with {started} streaming and {6 - started} waiting; exit {stopped.rc} after {stopped.seconds:.1f} s")
+    print(
+        f"SIGTERM with {started} streaming and {6 - started} waiting; exit {stopped.rc} after {stopped.seconds:.1f} s"
+    )
     assert stopped.rc == 0, text[-6000:]
     assert TRACEBACK not in text and "EngineDeadError" not in text, text[-6000:]
     assert "force killing" not in text, text[-6000:]  # the engine core stopped within its grace period

@@ -20,9 +20,9 @@ the order a load balancer expects:
    client still tracks, runs to its normal end on the still-running engine, for up to
    ``--shutdown-timeout`` seconds (0: no wait, vLLM's abort);
 3. with nothing left in flight, the engine client's output handler is cancelled (an idle handler:
-   nothing is lost), then vLLM's own shutdown runs (with its whole ``--shutdown-timeout``): the engine core gets SIGTERM with an empty
-   scheduler, the controller closes the recording (its last part written), the engine core tears its
-   worker down and the process exits 0 -- no traceback.
+   nothing is lost), then vLLM's own shutdown runs (with its whole ``--shutdown-timeout``): the
+   engine core gets SIGTERM with an empty scheduler, the controller closes the recording (its last
+   part written), the engine core tears its worker down and the process exits 0 -- no traceback.
 
 If requests are still running when the timeout ends, vLLM's shutdown runs as without the gate (the
 engine core aborts what it holds: those clients get ``finish_reason="abort"``) and the gate logs how
@@ -84,6 +84,7 @@ class DrainGate:
         self._drained = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI entry: binds at the lifespan start, counts HTTP requests, refuses them once closed."""
         if scope["type"] == "lifespan":
             self._bind(scope)
             await self.app(scope, receive, send)
@@ -160,7 +161,9 @@ class DrainGate:
             )
         else:
             logger.info(
-                "[shutdown] specenv drain gate: drained in %.2f s (%d refused); stopping the engine", spent, self.refused
+                "[shutdown] specenv drain gate: drained in %.2f s (%d refused); stopping the engine",
+                spent,
+                self.refused,
             )
             self._quiet_output_handler()
         return not any(busy)
