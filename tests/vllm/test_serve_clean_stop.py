@@ -34,6 +34,21 @@ sys.path.insert(0, str(ROOT))
 from scripts.load_test import TRACEBACK, Request, Server, send  # noqa: E402
 
 
+def in_server(srv: Server) -> int:
+    """Requests the engine holds (running + waiting), from the server's Prometheus metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))
+        )
+    )
+
+
 def test_sigterm_drains_in_flight_requests_and_exits_cleanly(model_dirs, plain_reference, tmp_path):
     rec, name = tmp_path / "rec", "served"
     cmd = [sys.executable, "-c", "import sys; sys.argv[0] = 'specenv'; from specenv.cli import main; main()"]
@@ -53,14 +68,19 @@ def test_sigterm_drains_in_flight_requests_and_exits_cleanly(model_dirs, plain_r
         srv.wait_ready()
         client = openai.OpenAI(base_url=srv.base_url, api_key="EMPTY", max_retries=0, timeout=300)
         prompts = PROMPTS[:3]
+        # one chat completion alone first: the sequential answer the concurrent ones must repeat
+        alone = Request(-1, 0, "chat")
+        send(client, name, prompts, alone, MAX_TOKENS)
+        assert alone.outcome == "finished", alone
         # 3 completions + 3 chat completions at once; the server runs 2 at a time, the others wait
         reqs = [Request(i, i % 3, "chat" if i >= 3 else "completions") for i in range(6)]
         threads = [threading.Thread(target=send, args=(client, name, prompts, r, MAX_TOKENS)) for r in reqs]
         for t in threads:
             t.start()
         t0 = time.monotonic()
-        while not any(r.first_token_at for r in reqs) and time.monotonic() - t0 < 300:
-            time.sleep(0.01)
+        # SIGTERM once all six are in the server (2 running, 4 waiting) and the first is streaming
+        while (in_server(srv) < len(reqs) or not any(r.first_token_at for r in reqs)) and time.monotonic() - t0 < 300:
+            time.sleep(0.02)
         assert any(r.first_token_at for r in reqs), "no request started streaming"
         srv.sigterm()  # to the API server (`specenv serve`), as a process manager sends it
         while srv.proc.poll() is None and time.monotonic() - srv.t_term < 1.0:
@@ -86,8 +106,8 @@ def test_sigterm_drains_in_flight_requests_and_exits_cleanly(model_dirs, plain_r
         assert r.outcome == "finished" and r.finish_reason == "length" and r.tokens == MAX_TOKENS, r
         if r.api == "completions":
             assert r.text == plain_reference[prompts[r.prompt]]["text"], r
-        else:
-            assert r.text, r
+        elif r.prompt == 0:
+            assert r.text == alone.text, r  # concurrent = sequential
     # the one sent after it: HTTP 503 with the gate's message, or no connection once the server had gone
     assert late.outcome == "refused", late
     assert late.error.startswith("APIConnectionError") or SHUTTING_DOWN_MESSAGE in late.error, late
@@ -97,7 +117,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_cleanly(model_dirs, plain_r
     man = json.loads((rec / RUN_MANIFEST).read_text())
     assert man["summary"]["closed_by"] == "signal" and man["summary"]["rows"] == st["rows"], man["summary"]
     df = load_recording(rec).rounds
-    assert df["generation_id"].nunique() == len(reqs)
+    assert df["generation_id"].nunique() == len(reqs) + 1  # and the one sent alone
     for rid, g in df.groupby("request_id"):
         g = g.sort_values("round")
         rounds, t, acc = list(g["round"]), list(g["t"]), list(g["accepted"])
