@@ -84,7 +84,7 @@ def serve(
     user_args = _vllm_args(list(ctx.args), models is not None)
     settings, folder = _serve_settings(policy, record, fallback_k, draft_horizon, cost_model, part_rounds)
     args = [*user_args, *_serve_model_args(models, kmax, settings.policy, folder, user_args)]
-    args += vs.shutdown_args(settings, args)  # SIGTERM/SIGINT: the engine core closes the recording
+    args += vs.shutdown_args(args)  # SIGTERM/SIGINT: drain, close the recording, exit 0 (engines.vllm.drain)
     args += vs.serve_args(settings)
     dist = vs.vllm_distribution()
     env = vs.serve_env(os.environ, args, on_cpu=vs.vllm_on_cpu(dist))

@@ -29,7 +29,7 @@ from specenv.engines.recorder import (
     load_recording,
     recording_status,
 )
-from specenv.engines.vllm.settings import RECORD_SHUTDOWN_TIMEOUT_S, SpecenvSettings, shutdown_args
+from specenv.engines.vllm.settings import DRAIN_MIDDLEWARE, SHUTDOWN_TIMEOUT_S, SpecenvSettings, shutdown_args
 from specenv.traces.schema import ModelFacts
 from tests.rows import recorder_row
 
@@ -183,20 +183,19 @@ def test_interpreter_exit_closes_an_open_recorder(tmp_path):
     assert man["summary"]["closed_by"] == "atexit" and man["summary"]["rows"] == 6
 
 
-def test_serve_gives_a_recording_engine_time_to_close_it(tmp_path):
-    rec = SpecenvSettings(record=str(tmp_path))
-    assert shutdown_args(rec, ["MODEL"]) == ["--shutdown-timeout", str(RECORD_SHUTDOWN_TIMEOUT_S)]
-    assert shutdown_args(rec, ["MODEL", "--shutdown-timeout", "60"]) == []
-    assert shutdown_args(rec, ["MODEL", "--shutdown-timeout=60"]) == []
-    assert shutdown_args(SpecenvSettings(), ["MODEL"]) == []
+def test_serve_gives_the_engine_time_to_drain_and_close_the_recording(tmp_path):
+    gate = ["--middleware", DRAIN_MIDDLEWARE]
+    assert shutdown_args(["MODEL"]) == [*gate, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+    assert shutdown_args(["MODEL", "--shutdown-timeout", "60"]) == gate
+    assert shutdown_args(["MODEL", "--shutdown-timeout=0"]) == gate
     from specenv.cli import app
 
     args = ["serve", "--policy", "none", "--print-command"]
     res = CliRunner().invoke(app, [*args, "--record", str(tmp_path / "rec"), "--", "M"])
     assert res.exit_code == 0, res.output
-    assert f"--shutdown-timeout {RECORD_SHUTDOWN_TIMEOUT_S}" in res.output
-    res = CliRunner().invoke(app, [*args, "--", "M"])
-    assert res.exit_code == 0 and "--shutdown-timeout" not in res.output
+    assert f"--shutdown-timeout {SHUTDOWN_TIMEOUT_S}" in res.output and f"--middleware {DRAIN_MIDDLEWARE}" in res.output
+    res = CliRunner().invoke(app, [*args, "--", "M"])  # a drain without a recording too
+    assert res.exit_code == 0 and f"--shutdown-timeout {SHUTDOWN_TIMEOUT_S}" in res.output
     res = CliRunner().invoke(app, [*args, "--record", str(tmp_path / "rec"), "--", "M", "--shutdown-timeout", "3"])
     assert res.exit_code == 0 and res.output.count("--shutdown-timeout") == 1 and "--shutdown-timeout 3" in res.output
 
@@ -269,7 +268,7 @@ def test_serve_sigterm_after_idle_keeps_every_round(model_dirs, tmp_path):
         send(PROMPTS[2:4])
         t_term = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=RECORD_SHUTDOWN_TIMEOUT_S + 60)
+        rc = proc.wait(timeout=SHUTDOWN_TIMEOUT_S + 60)
         t_exit = time.monotonic() - t_term
     finally:
         if proc.poll() is None:

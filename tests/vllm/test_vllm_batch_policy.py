@@ -85,3 +85,63 @@ def test_batch_policy_wrong_shape_falls_back(engine):
     assert fell_back > 0
     if len(errors) < 5:  # the controller logs its first five errors
         assert any(re.search(r"act returned shape \((\d+),\) for (\d+) observations", e) for e in logged), logged
+
+
+def test_exported_survival_controller_serves_and_decides_as_the_in_memory_one(engine, plain_reference, tmp_path):
+    """The learned-survival batch controller, exported in numpy form, served on the live engine.
+
+    The in-memory controller (a fitted scikit-learn regressor) is served first, every call recorded;
+    the exported one (``policy.json`` + ``weights.npz``, numpy only) replays those calls -- the live
+    engine's rows, request ids and batch features -- with the same budgets, and served itself it
+    stays lossless.
+    """
+    from sklearn.neural_network import MLPRegressor
+
+    from policies.batch.export import NumpyRegressor, export_survival, load_survival
+    from policies.batch.learn import SurvivalGoodputBatch
+    from specenv.cost.batch import BatchCostModel
+    from specenv.observation.batch import BatchObservationSpec
+
+    ctl = controller_of(engine)
+    base = ctl.spec
+    K, B = int(ctl.num_spec_tokens), int(ctl.vllm_config.scheduler_config.max_num_seqs)
+    spec = BatchObservationSpec(base, B)
+    rng = np.random.default_rng(0)
+    X = rng.uniform(0, 1, size=(256, base.dim))
+    Y = np.cumprod(rng.uniform(0.3, 1.0, size=(256, K)), axis=1)
+    reg = MLPRegressor(hidden_layer_sizes=(16,), max_iter=50, random_state=0).fit(X, Y)
+    bc = BatchCostModel.linear(
+        b0=10.0, b_pos=0.5, alpha=0.1, c=0.0, b_req=0.2, d0=0.1, d_step=0.3, d_tok=0.05,
+        kmax=K, max_batch=B, top_k=max(ctl.top_k, 1), n_experts=max(ctl.n_experts, 2), n_layers=2,
+    )  # fmt: skip
+    mem = SurvivalGoodputBatch(spec, bc, np.full(K + 1, float(max(ctl.top_k, 1))), reg)
+    calls: list[tuple[np.ndarray, list[str], object, np.ndarray]] = []
+
+    class Recorded:
+        """The in-memory controller, each call's arguments and budgets kept."""
+
+        name, spec, drafting, stateless = mem.name, mem.spec, mem.drafting, True
+
+        def reset(self) -> None:
+            mem.reset()
+
+        def act(self, obs, ids=None, step=None):  # noqa: ANN001, ANN201
+            k = mem.act(obs, ids, step)
+            calls.append((np.array(obs, copy=True), list(ids), step, np.array(k, copy=True)))
+            return k
+
+    back = load_survival(export_survival(mem, tmp_path / "ctl"))
+    assert isinstance(back.model, NumpyRegressor)
+    outs = {}
+    for name, pol in (("memory", Recorded()), ("exported", back)):
+        ctl.set_policy(pol)
+        try:
+            outs[name] = engine.generate(PROMPTS[:4], greedy(24), use_tqdm=False)
+        finally:
+            ctl.set_policy(None)
+    assert calls and max(len(ids) for _, ids, _, _ in calls) > 1  # the live steps held several requests
+    for obs, ids, step, k in calls:
+        np.testing.assert_array_equal(back.act(obs, ids, step), k)
+    for name, res in outs.items():
+        for p, o in zip(PROMPTS[:4], res, strict=True):
+            assert list(o.outputs[0].token_ids) == plain_reference[p]["token_ids"][:24], name

@@ -35,11 +35,14 @@ SCHEDULER_CLS = "specenv.engines.vllm.controller.SpecControlScheduler"
 #: Key in ``additional_config``.
 CONFIG_KEY = "specenv"
 DRAFT_HORIZONS = ("max", "policy")
-#: vLLM's ``--shutdown-timeout`` that ``specenv serve --record`` passes when none is given: on SIGTERM/SIGINT
-#: vLLM then lets in-flight requests finish and the engine-core process (where the recorder runs) close
-#: the recording and tear down for up to this many seconds, instead of killing it at once (vLLM's
-#: default, 0). Tearing down took 7 s on CPU with the shipped models.
-RECORD_SHUTDOWN_TIMEOUT_S = 30
+#: vLLM's ``--shutdown-timeout`` that ``specenv serve`` passes when none is given: on SIGTERM/SIGINT the
+#: server answers every request accepted before the signal (:mod:`specenv.engines.vllm.drain`) and the
+#: engine-core process (where the recorder runs) closes the recording and tears down, for up to this many
+#: seconds, instead of aborting them at once (vLLM's default, 0). Tearing down took 7 s on CPU with the
+#: shipped models.
+SHUTDOWN_TIMEOUT_S = 30
+#: The ASGI middleware of the clean stop (vLLM's ``--middleware``): :class:`specenv.engines.vllm.drain.DrainGate`.
+DRAIN_MIDDLEWARE = "specenv.engines.vllm.drain.DrainGate"
 #: ``num_speculative_tokens`` that ``specenv serve --models`` gives vLLM when neither ``--kmax`` nor the
 #: policy (an exported folder's ``kmax``) says otherwise.
 DEFAULT_SPEC_TOKENS = 8
@@ -182,21 +185,23 @@ def serve_args(settings: SpecenvSettings, tap: bool = True) -> list[str]:
     return args
 
 
-def shutdown_args(settings: SpecenvSettings, vllm_args: list[str]) -> list[str]:
-    """``--shutdown-timeout`` for a recording server, unless the vLLM arguments already set one.
+def shutdown_args(vllm_args: list[str]) -> list[str]:
+    """The clean stop of ``specenv serve``: the drain gate, and ``--shutdown-timeout`` unless given.
 
-    vLLM's default (0) has the API server kill the engine-core process right after SIGTERM, before the
-    recorder there writes its last part; a grace period lets the engine shut down and close it.
+    vLLM's default ``--shutdown-timeout`` (0) aborts the requests in flight at SIGTERM and kills the
+    engine-core process before the recorder there writes its last part; with a grace period and
+    :class:`specenv.engines.vllm.drain.DrainGate` every request accepted before the signal is answered,
+    the recording is closed and the server exits 0 (``--shutdown-timeout 0`` given after ``--`` keeps
+    vLLM's abort).
 
     Returns:
-        ``["--shutdown-timeout", "30"]`` (:data:`RECORD_SHUTDOWN_TIMEOUT_S`) when recording without a
-        ``--shutdown-timeout`` among ``vllm_args``, else ``[]``.
+        ``["--middleware", DRAIN_MIDDLEWARE]``, plus ``["--shutdown-timeout", "30"]``
+        (:data:`SHUTDOWN_TIMEOUT_S`) when ``vllm_args`` set none.
     """
-    if settings.record is None or any(
-        a == "--shutdown-timeout" or a.startswith("--shutdown-timeout=") for a in vllm_args
-    ):
-        return []
-    return ["--shutdown-timeout", str(RECORD_SHUTDOWN_TIMEOUT_S)]
+    args = ["--middleware", DRAIN_MIDDLEWARE]
+    if not has_flag(vllm_args, "--shutdown-timeout"):
+        args += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+    return args
 
 
 #: Draft signals the controller supplies to a policy's lookahead block (captured by the tap from the
