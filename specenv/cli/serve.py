@@ -84,6 +84,13 @@ def serve(
     user_args = _vllm_args(list(ctx.args), models is not None)
     settings, folder = _serve_settings(policy, record, fallback_k, draft_horizon, cost_model, part_rounds)
     args = [*user_args, *_serve_model_args(models, kmax, settings.policy, folder, user_args)]
+    from specenv.engines.vllm.facts import served_facts, served_refusal  # the cost model, --fallback-k
+    from specenv.engines.vllm.models import check_model_set
+
+    served = served_facts(check_model_set(models)) if models is not None else None
+    why = served_refusal(served, num_spec_tokens=_user_spec_tokens(args), cost_model=cost_model, fallback_k=fallback_k)
+    if why is not None:
+        fail(why)
     args += vs.shutdown_args(settings, args)  # SIGTERM/SIGINT: the engine core closes the recording
     args += vs.serve_args(settings)
     dist = vs.vllm_distribution()
