@@ -606,7 +606,7 @@ def _nonfinite_row(obs: np.ndarray) -> tuple[int, int] | None:
 
 def _episode_file(folder: Path, episode_id: Any) -> str:
     """The stored file of episode ``episode_id`` of the dataset in ``folder`` (its folder if the file is unknown)."""
-    where = folder / "data" / f"episode_id={int(episode_id)}"
+    where = folder / "data" / str(int(episode_id))  # Minari's arrow storage: one folder per episode id
     files = sorted(where.glob("*")) if where.is_dir() else []
     return str(files[0] if len(files) == 1 else where)
 

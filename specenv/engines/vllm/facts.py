@@ -120,6 +120,8 @@ def served_refusal(
 
         try:
             model = CostModel.load(cost_model)
+        except OSError as exc:
+            return f"--cost-model: {exc.filename or cost_model}: {exc.strerror or exc}"
         except ValueError as exc:
             return f"--cost-model: {exc}"
         for name in ("top_k", "n_experts", "n_layers"):
