@@ -162,7 +162,10 @@ class Progress:
         """The plain progress line of the current state (``final``: the closing ``done in`` line)."""
         with self._lock:
             done, total, what, t_done = self.done, self.total, self.what, self._t_done
-            label, phase_start = (f"{self.label} {self.phase_name}" if self.phase_name else self.label), self._phase_start
+            label, phase_start = (
+                (f"{self.label} {self.phase_name}" if self.phase_name else self.label),
+                self._phase_start,
+            )
         unit = f" {self.unit}" if self.unit else ""
         count = f"{done}/{total}{unit}" if total is not None else (f"{done}{unit}" if done else "")
         parts = [p for p in (count, f"({what})" if what and not final else "") if p]

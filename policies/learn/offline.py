@@ -607,7 +607,7 @@ def _nonfinite_row(obs: np.ndarray) -> tuple[int, int] | None:
 def _episode_file(folder: Path, episode_id: Any) -> str:
     """The stored file of episode ``episode_id`` of the dataset in ``folder`` (its folder if the file is unknown)."""
     where = folder / "data" / str(int(episode_id))  # Minari's arrow storage: one folder per episode id
-    files = sorted(where.glob("*")) if where.is_dir() else []
+    files = sorted(f for f in where.iterdir() if f.name != "metadata.json") if where.is_dir() else []
     return str(files[0] if len(files) == 1 else where)
 
 

@@ -277,6 +277,7 @@ def abtest(
         ignore_eos=ignore_eos,
         max_engines=max_engines,
     )
+
     def progress(phase: str, done: int, total: int) -> None:
         if prog.phase_name != phase:
             prog.phase(phase, total)

@@ -180,9 +180,9 @@ def _check_trainable(ts: Any, traces: str, kmax: int | None, cost_model: str) ->
     if counts["train"] < MIN_TRAIN_GENERATIONS or counts["test"] < 1:
         fail(
             f"--traces: {traces}: its generations split into {counts['train']} train and {counts['test']} test "
-            f"({n_all} in all); training needs at least {MIN_TRAIN_GENERATIONS} train generations (the fit-train cost model "
-            "clusters standard errors by generation) and 1 test generation (the benchmark's): use a trace set "
-            "of 3 or more generations"
+            f"({n_all} in all); training needs at least {MIN_TRAIN_GENERATIONS} train generations (the fit-train "
+            "cost model clusters standard errors by generation) and 1 test generation (the benchmark's): use a "
+            "trace set of 3 or more generations"
         )
     try:
         cost_model_for(ts, cost_model)

@@ -62,8 +62,7 @@ def _poison(part: Path, row: int, col: int, value: float) -> None:
     import numpy as np
     import pyarrow as pa
 
-    with pa.ipc.open_file(part) as f:
-        table = f.read_all()
+    table = pa.ipc.open_file(pa.BufferReader(part.read_bytes())).read_all()
     i = table.schema.get_field_index("observations")
     obs = np.array(table.column(i).to_pylist(), dtype=np.float32)
     obs[row, col] = value
@@ -78,4 +77,5 @@ def test_bc_refuses_non_finite_observations_naming_file_and_row(tmp_path, export
     part = sorted((root / IDENT / "data").glob("*/part-0.arrow"))[1]
     _poison(part, 3, 2, value)
     args = ["train", "--algo", "bc", "--dataset", IDENT, "--root", root, "--out", tmp_path / "run"]
-    reject_cleanly(args, ["--dataset", IDENT, str(part), "observation row 3", str(value)], [tmp_path])
+    where = f"{part.parent.parent.name}/{part.parent.name}/{part.name}"  # data/EPISODE/part-0.arrow
+    reject_cleanly(args, ["--dataset", IDENT, where, "observation row 3", str(value)], [tmp_path])

@@ -75,7 +75,18 @@ def test_serve_refuses_a_fallback_above_the_drafted_tokens(tmp_path, fallback):
 
 def test_serve_refuses_a_fallback_above_the_users_speculative_config(tmp_path):
     spec = json.dumps({"method": "draft_model", "model": "d", "num_speculative_tokens": 3})
-    args = ["serve", "--policy", "none", "--print-command", "--fallback-k", "5", "--", "m", "--speculative-config", spec]
+    args = [
+        "serve",
+        "--policy",
+        "none",
+        "--print-command",
+        "--fallback-k",
+        "5",
+        "--",
+        "m",
+        "--speculative-config",
+        spec,
+    ]
     reject_cleanly(args, ["--fallback-k", "5", "num_speculative_tokens=3"], _roots(tmp_path))
 
 
@@ -105,9 +116,7 @@ def _live_copy(tmp_path: Path, **extra: object) -> Path:
 
 def test_abtest_refuses_a_trace_set_of_another_model_set(tmp_path):
     traces = _live_copy(tmp_path, models={"name": "other-moe", "version": 3})
-    reject_cleanly(
-        [*ABTEST, "--traces", traces], ["--traces", "other-moe-v3", "small-moe-v1"], _roots(tmp_path)
-    )
+    reject_cleanly([*ABTEST, "--traces", traces], ["--traces", "other-moe-v3", "small-moe-v1"], _roots(tmp_path))
 
 
 def test_abtest_refuses_a_trace_set_without_prompts(tmp_path):
