@@ -43,6 +43,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -270,8 +271,15 @@ def _log(msg: str, quiet: bool) -> None:
         print(f"[abtest {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def run_abtest(opts: AbtestOptions, quiet: bool = False) -> dict[str, Any]:
-    """Run the A/B (see the module docstring); returns the JSON document behind the table."""
+def run_abtest(
+    opts: AbtestOptions, quiet: bool = False, progress: Callable[[str, int, int], None] | None = None
+) -> dict[str, Any]:
+    """Run the A/B (see the module docstring); returns the JSON document behind the table.
+
+    ``progress(phase, done, total)`` is called as each measured run ends: phase ``train fit`` (the
+    train prompts through every fixed-k engine, ``--fit measured``), then ``repeats`` (every arm at
+    every batch size, ``--repeats`` times).
+    """
     from policies import shipped_policy_dir
     from policies.bench.context import build_context
     from policies.bench.single import find_policies
@@ -338,10 +346,13 @@ def run_abtest(opts: AbtestOptions, quiet: bool = False) -> dict[str, Any]:
         if groups & {"best", "dynamic", "overhead"}:
             if opts.fit == "measured":
                 tps: dict[int, dict[int, float]] = {}
+                n_fit = len(opts.batches) * (kmax + 1)
                 for b in opts.batches:
                     for k in range(0, kmax + 1):
                         eng = engines.get("plain" if k == 0 else f"k={k}")
                         tps.setdefault(b, {})[k] = run(eng, train_ids, b, opts.max_tokens)["tok_per_s"]
+                        if progress is not None:
+                            progress("train fit", sum(map(len, tps.values())), n_fit)
                     best_k[b] = max(range(1, kmax + 1), key=lambda k, b=b: tps[b][k])
                     _log(f"train fit, batch {b}: best fixed k={best_k[b]}", quiet)
                 fit_detail["train_tok_per_s"] = {str(b): {str(k): v for k, v in d.items()} for b, d in tps.items()}
@@ -437,6 +448,7 @@ def run_abtest(opts: AbtestOptions, quiet: bool = False) -> dict[str, Any]:
         # ---- interleaved repeats on the test prompts
         runs = [a for a in arms if a.engine]  # best: measured by its fixed-k engine
         results: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        n_runs, done = opts.repeats * len(runs) * len(opts.batches), 0
         for rep in range(opts.repeats):
             order = runs[rep % len(runs) :] + runs[: rep % len(runs)]
             _log(f"repeat {rep + 1}/{opts.repeats}: {len(order)} arms x batches {opts.batches}", quiet)
@@ -450,10 +462,14 @@ def run_abtest(opts: AbtestOptions, quiet: bool = False) -> dict[str, Any]:
                     if "refused" in ans:
                         refused.append({"policy": arm.name, "folder": "", "reason": ans["refused"]})
                         arm.engine = ""
+                        n_runs -= (opts.repeats - rep) * len(opts.batches)  # this arm's runs will not come
                         continue
                     cur_policy["ctl"] = arm.name
                 for b in opts.batches:
                     results.setdefault((arm.name, b), []).append(run(eng, test_ids, b, opts.max_tokens))
+                    done += 1
+                    if progress is not None:
+                        progress("repeats", done, n_runs)
         # ---- predictions
         preds: dict[str, float] = {}
         for arm in arms:

@@ -109,7 +109,9 @@ class Progress:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lines = 0
-        self._t_done = 0.0  # elapsed seconds when ``done`` last changed (the rate behind the ETA)
+        self._t_done = 0.0  # seconds into the phase when ``done`` last changed (the rate behind the ETA)
+        self._phase_start = 0.0  # elapsed seconds when the current phase began (:meth:`phase`)
+        self.phase_name = ""
         self._bar: Any = None
         self._task: Any = None
 
@@ -120,12 +122,23 @@ class Progress:
         with self._lock:
             if done is not None and int(done) != self.done:
                 self.done = int(done)
-                self._t_done = self.elapsed
+                self._t_done = self.elapsed - self._phase_start
             if total is not None:
                 self.total = int(total)
             if what is not None:
                 self.what = what
         self._refresh_bar()
+
+    def phase(self, name: str, total: int | None = None) -> None:
+        """Begin a new phase of the work (``train fit``, ``repeats``): its own count, total and ETA.
+
+        The elapsed time stays the whole step's; the ETA is the phase's, from its own rate.
+        """
+        with self._lock:
+            self.phase_name, self.done, self.total, self.what = name, 0, total, ""
+            self._phase_start, self._t_done = self.elapsed, 0.0
+        if self._bar is not None:  # the bar's own clock and time left start again too
+            self._bar.reset(self._task, total=total, completed=0, description=self._description())
 
     def advance(self, n: int = 1, what: str | None = None) -> None:
         """Count ``n`` more items done (and set what runs now)."""
@@ -149,16 +162,21 @@ class Progress:
         """The plain progress line of the current state (``final``: the closing ``done in`` line)."""
         with self._lock:
             done, total, what, t_done = self.done, self.total, self.what, self._t_done
+            label, phase_start = (
+                (f"{self.label} {self.phase_name}" if self.phase_name else self.label),
+                self._phase_start,
+            )
         unit = f" {self.unit}" if self.unit else ""
         count = f"{done}/{total}{unit}" if total is not None else (f"{done}{unit}" if done else "")
         parts = [p for p in (count, f"({what})" if what and not final else "") if p]
-        head = f"{self.label}: {' '.join(parts)}" if parts else f"{self.label}:"
+        head = f"{label}: {' '.join(parts)}" if parts else f"{label}:"
         if final:
             return f"{head}{',' if parts else ''} done in {format_duration(self.elapsed)}"
         elapsed = self.elapsed
         tail = f"{format_duration(elapsed)} elapsed"
         if total and 0 < done < total:  # the rate up to the last item done, counted down since then
-            tail += f", ETA {format_duration(max(t_done * (total - done) / done - (elapsed - t_done), 0.0))}"
+            since = elapsed - phase_start - t_done
+            tail += f", ETA {format_duration(max(t_done * (total - done) / done - since, 0.0))}"
         return f"{head}, {tail}" if parts else f"{head} {tail}"
 
     # ---------------------------------------------------------------- context
@@ -219,7 +237,8 @@ class Progress:
         self._bar.start()
 
     def _description(self) -> str:
-        return f"{self.label} ({self.what})" if self.what else self.label
+        label = f"{self.label} {self.phase_name}" if self.phase_name else self.label
+        return f"{label} ({self.what})" if self.what else label
 
     def _refresh_bar(self) -> None:
         if self._bar is not None:

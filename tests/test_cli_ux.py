@@ -70,6 +70,21 @@ def test_progress_line_counts_eta_and_final_line() -> None:
     assert stream.getvalue() == ""  # no timer line was due: no closing line either
 
 
+def test_progress_phases_have_their_own_count_and_eta() -> None:
+    stream = io.StringIO()
+    with Progress("abtest", unit="runs", stream=stream, interval=3600) as prog:
+        prog.phase("train fit", 4)
+        prog._start -= 20
+        prog.update(2)
+        assert prog.line() == "abtest train fit: 2/4 runs, 20 s elapsed, ETA 20 s"
+        prog._start -= 10  # 30 s in all: the second phase starts here, its rate is its own
+        prog.phase("repeats", 10)
+        assert prog.line() == "abtest repeats: 0/10 runs, 30 s elapsed"
+        prog._start -= 4
+        prog.update(1)
+        assert prog.line() == "abtest repeats: 1/10 runs, 34 s elapsed, ETA 36 s"
+
+
 def test_progress_timer_writes_lines_and_a_closing_line() -> None:
     stream = io.StringIO()
     with Progress("fit", stream=stream, interval=0.01) as prog:

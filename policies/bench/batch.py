@@ -97,6 +97,8 @@ class BatchFamily:
     closing: str | None = "bound"
     notes: list[str] = field(default_factory=list)
     block_envs: dict[int, MoESpecBatchEnv] = field(default_factory=dict)
+    #: ``fit_progress(done, total, what)`` as each fit on train ends (the DSD table, the block rules' h).
+    fit_progress: Progress | None = None
 
     def __post_init__(self) -> None:
         self.env_none = self.env_for("none")
@@ -128,16 +130,24 @@ class BatchFamily:
         rng = np.random.default_rng(self.seed)
         train_seeds = [int(s) for s in rng.integers(0, 2**31, size=3)]
 
+        # the block rules: vLLM drafts num_speculative_tokens = h for the whole batch; h is tuned on train
+        grid = sorted({h for h in (1, 2, 3, 4, 6, K) if 1 <= h <= K})
+        fits = [0, self.batch_size * (K + 1) + 2 * len(grid)]  # done, total: the fits on train below
+
+        def fitted(what: str) -> None:
+            fits[0] += 1
+            if self.fit_progress is not None:
+                self.fit_progress(fits[0], fits[1], what)
+
         # the dynamic-SD table: best fixed k per batch size on train episodes
         def dsd_score(n: int, k: int) -> float:
             env = self.env_for("none", "train", n)
             res = _episodes(env, FixedBatch(env.spec_batch, k), train_seeds)
+            fitted(f"DSD table n={n}")
             return float(res["ar"].sum() / res["cost"].sum())
 
         self.schedule = fit_dsd_table(dsd_score, self.batch_size, K)
         up, rp = ctx.u_prior, ctx.rho_prior
-        # the block rules: vLLM drafts num_speculative_tokens = h for the whole batch; h is tuned on train
-        grid = sorted({h for h in (1, 2, 3, 4, 6, K) if 1 <= h <= K})
 
         def tuned(make: Callable[[Any], BatchPolicy]) -> tuple[BatchPolicy, int]:
             scores = []
@@ -145,6 +155,7 @@ class BatchFamily:
                 env = self.env_for("block", "train", h=h)
                 res = _episodes(env, make(env.spec_batch), train_seeds)
                 scores.append(float(res["ar"].sum() / res["cost"].sum()))
+                fitted(f"block rule h={h}")
             h = grid[int(np.argmax(scores))]
             self.block_envs.setdefault(h, self.env_for("block", h=h))
             pol = make(self.block_envs[h].spec_batch)
@@ -331,6 +342,7 @@ def run_batch_benchmark(
     ppo_timesteps: int = 50_000,
     learner_rows: tuple[str, ...] = LEARNERS,
     progress: Progress | None = None,
+    fit_progress: Progress | None = None,
 ) -> BenchResult:
     """Run every batch controller on ``episodes`` held-out episodes beside the bound (module docstring).
 
@@ -347,6 +359,7 @@ def run_batch_benchmark(
         ppo_timesteps: PPO's training budget.
         learner_rows: Which learned controllers to train with ``learners`` (:data:`LEARNERS`).
         progress: Called with ``(done, total, row name)``.
+        fit_progress: Called with ``(done, total, what)`` as each fit on train (before the rows) ends.
 
     Returns:
         The :class:`~policies.bench.result.BenchResult` of family ``"batch"`` (``rows``: one dict per policy).
@@ -359,4 +372,5 @@ def run_batch_benchmark(
     family = BatchFamily(
         ctx, batch_size, n_requests, episodes, seed, batch_cost, learners, ppo_timesteps, tuple(learner_rows), t0
     )
+    family.fit_progress = fit_progress
     return run_family(family, progress)

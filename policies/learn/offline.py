@@ -590,6 +590,27 @@ def _mark_namespaces(root: Path, ident: str) -> None:
 
 
 # ------------------------------------------------------------------ reading back
+class _NonFinite(ValueError):
+    """An episode's observations hold NaN or an infinity (the message names the file and row)."""
+
+
+def _nonfinite_row(obs: np.ndarray) -> tuple[int, int] | None:
+    """The first (row, column) of an observation array that is not finite, else None."""
+    bad = ~np.isfinite(obs)
+    if not bad.any():
+        return None
+    row = int(np.flatnonzero(bad.any(axis=tuple(range(1, obs.ndim))))[0]) if obs.ndim > 1 else int(np.argmax(bad))
+    col = int(np.flatnonzero(bad[row])[0]) if obs.ndim > 1 else 0
+    return row, col
+
+
+def _episode_file(folder: Path, episode_id: Any) -> str:
+    """The stored file of episode ``episode_id`` of the dataset in ``folder`` (its folder if the file is unknown)."""
+    where = folder / "data" / str(int(episode_id))  # Minari's arrow storage: one folder per episode id
+    files = sorted(f for f in where.iterdir() if f.name != "metadata.json") if where.is_dir() else []
+    return str(files[0] if len(files) == 1 else where)
+
+
 def _dataset_problem(ds: Any, meta: dict[str, Any], obs: list[np.ndarray], act: list[np.ndarray]) -> str | None:
     """Why a dataset's episodes are not what it recorded, or None.
 
@@ -696,9 +717,21 @@ def open_dataset(ident: str, root: Path) -> OfflineData:
     obs, act, rew = [], [], []
     try:
         for ep in ds.iterate_episodes():
-            obs.append(np.asarray(ep.observations, dtype=np.float32)[:-1])
+            full = np.asarray(ep.observations, dtype=np.float32)
+            bad = _nonfinite_row(full)
+            if bad is not None:  # BC would train on it and report NaN weights: one line naming file and row
+                env.close()
+                row, col = bad
+                raise _NonFinite(
+                    f"--dataset: {ident}: {_episode_file(folder, ep.id)}: observation row {row} (feature "
+                    f"{spec.names[col] if col < len(spec.names) else col!r}) is {full[row, col]}: the dataset is "
+                    "damaged (export it again)"
+                )
+            obs.append(full[:-1])
             act.append(np.asarray(ep.actions, dtype=np.int64))
             rew.append(np.asarray(ep.rewards, dtype=np.float64))
+    except _NonFinite as exc:
+        raise ValueError(str(exc)) from None
     except Exception as exc:  # a missing or damaged episode file: one line naming the dataset
         env.close()
         first = (str(exc).strip().splitlines() or [""])[0][:300]

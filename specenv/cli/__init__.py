@@ -9,6 +9,11 @@ behind either (trace sets and cost models are written atomically), and ``--overw
 only a trace set (:func:`specenv.traces.traceset.check_save_destination`). JSON output never holds NaN or
 Infinity.
 
+Warnings of the libraries underneath (statsmodels, numpy, Ray, gymnasium, Stable-Baselines3, Minari)
+are not shown, so the one error line of a refusal is the only line (:func:`quiet_warnings`); set
+``SPECENV_WARNINGS=1`` (or give Python ``-W`` options) to see them. ``serve`` hands its process over
+to vLLM, whose warnings are its own: it is left alone.
+
 The problem families are reached the same way: the single-request family at the top
 (``specenv fit|oracle|train|bench``), the others as a group each, ``specenv batch fit|bench`` and
 ``specenv caps bench``. The older spellings ``specenv fit-batch``, ``specenv bench --batch B`` and
@@ -24,7 +29,11 @@ reads here: :mod:`~specenv.cli.traces` (generate, validate, datasets), :mod:`~sp
 
 from __future__ import annotations
 
+import os
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated
 
 import typer
@@ -83,6 +92,41 @@ def _root(
     # a refused or failed command writes nothing, not even the validation cache's entries
     hold_memo()
     ctx.call_on_close(lambda: release_memo(_ended_well()))
+    if ctx.invoked_subcommand != "serve":
+        ctx.with_resource(quiet_warnings())
+
+
+#: Set to 1 to see the warnings of the libraries underneath (:func:`quiet_warnings`).
+WARNINGS_ENV = "SPECENV_WARNINGS"
+
+
+@contextmanager
+def quiet_warnings() -> Iterator[None]:
+    """For one command: no Python warnings but specenv's own, and Ray's logs at errors only.
+
+    Off when ``SPECENV_WARNINGS`` is set (not ``0``) or Python was given ``-W`` options
+    (``sys.warnoptions``: the user chose). The filters and the environment are restored at the end.
+    """
+    if sys.warnoptions or os.environ.get(WARNINGS_ENV, "0") not in ("", "0"):
+        yield
+        return
+    import logging
+
+    ray_var = "RAY_BACKEND_LOG_LEVEL"  # Ray's core worker (gcs_client connection retries) logs on stderr
+    had = os.environ.get(ray_var)
+    os.environ.setdefault(ray_var, "error")
+    ray_log = logging.getLogger("ray")  # and its Python side (log_to_driver=False keeps the workers' off)
+    level = ray_log.level
+    ray_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            warnings.filterwarnings("default", message=r"specenv")  # specenv's own notes stay visible
+            yield
+    finally:
+        ray_log.setLevel(level)
+        if had is None:
+            os.environ.pop(ray_var, None)
 
 
 def _ended_well() -> bool:

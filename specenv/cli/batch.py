@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -136,7 +137,17 @@ def bench(
         fail(f"--learners: {learners!r}: give a comma-separated subset of {', '.join(LEARNERS)}")
     check_budget(load_traces(traces), kmax)
     try:
-        with Progress("batch bench", unit="policies") as prog:
+        with Progress("batch bench", unit="fits") as prog:
+
+            def in_phase(name: str, unit: str) -> Callable[[int, int, str], None]:
+                def update(done: int, total: int, what: str) -> None:
+                    if prog.phase_name != name:
+                        prog.phase(name, total)
+                        prog.unit = unit
+                    prog.update(done, total, what)
+
+                return update
+
             res = run_batch_benchmark(
                 traces,
                 batch_size=batch,
@@ -146,7 +157,8 @@ def bench(
                 cost_model=cost_model,
                 learners=not no_learners,
                 learner_rows=rows,
-                progress=lambda done, total, name: prog.update(done, total, name),
+                progress=in_phase("rows", "policies"),
+                fit_progress=in_phase("fit on train", "fits"),
             )
     except ValueError as exc:
         fail(str(exc))

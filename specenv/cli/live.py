@@ -319,12 +319,17 @@ def abtest(
             CostModel.load(cost_model)
         except (OSError, ValueError) as exc:
             fail(f"--cost-model: {exc}")
+    from specenv.engines.vllm.facts import served_facts, served_refusal
     from specenv.engines.vllm.models import check_model_set
 
     try:
-        check_model_set(models)
+        served = served_facts(check_model_set(models))
     except ValueError as exc:
         fail(f"--models: {exc}")
+    json_cm = cost_model if cost_model not in ("vllm", "fit", "fit-train", "profile") else None
+    why = served_refusal(served, num_spec_tokens=k, cost_model=json_cm, traces=ts)
+    if why is not None:  # the cost model and the trace set against the served models, before any engine
+        fail(why)
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -350,8 +355,15 @@ def abtest(
         ignore_eos=ignore_eos,
         max_engines=max_engines,
     )
+
+    def progress(phase: str, done: int, total: int) -> None:
+        if prog.phase_name != phase:
+            prog.phase(phase, total)
+        prog.update(done, total)
+
     try:
-        doc = run_abtest(opts, quiet=is_quiet())
+        with Progress("abtest", unit="runs") as prog:
+            doc = run_abtest(opts, quiet=is_quiet(), progress=progress)
     except (EngineError, ValueError) as exc:  # a bad trace set, cost model or policy folder: one line
         fail(str(exc))
     if as_json:

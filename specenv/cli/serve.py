@@ -83,7 +83,7 @@ def serve(
 
     user_args = _vllm_args(list(ctx.args), models is not None)
     settings, folder = _serve_settings(policy, record, fallback_k, draft_horizon, cost_model, part_rounds)
-    args = [*user_args, *_serve_model_args(models, kmax, settings.policy, folder, user_args)]
+    args = [*user_args, *_serve_model_args(models, kmax, settings.policy, folder, user_args, settings)]
     args += vs.shutdown_args(args)  # SIGTERM/SIGINT: drain, close the recording, exit 0 (engines.vllm.drain)
     args += vs.serve_args(settings)
     dist = vs.vllm_distribution()
@@ -119,7 +119,7 @@ def _vllm_args(args: list[str], have_models: bool) -> list[str]:
 
 
 def _serve_model_args(
-    models: str | None, kmax: int | None, policy: str | None, folder: Any, user_args: list[str]
+    models: str | None, kmax: int | None, policy: str | None, folder: Any, user_args: list[str], settings: Any
 ) -> list[str]:
     """``--model``/``--speculative-config`` of ``--models``, and the policy checked against the served model.
 
@@ -136,6 +136,7 @@ def _serve_model_args(
         if kmax is not None:
             fail("--kmax: only with --models (without it, set num_speculative_tokens in --speculative-config)")
         _check_served_policy(policy, folder, _user_spec_tokens(user_args), None, None)
+        _check_served_facts(None, _user_spec_tokens(user_args), settings)
         return []
     if kmax is not None and own_spec:
         fail("--kmax: the --speculative-config given after -- sets num_speculative_tokens; give one of them")
@@ -148,6 +149,7 @@ def _serve_model_args(
     spec = getattr(folder, "spec", None)
     k = kmax if kmax is not None else (spec.kmax if spec is not None else vs.DEFAULT_SPEC_TOKENS)
     _check_served_policy(policy, folder, _user_spec_tokens(user_args) if own_spec else k, n_experts, top_k)
+    _check_served_facts(check_model_set(models), _user_spec_tokens(user_args) if own_spec else k, settings)
     try:
         dirs = vllm_model_dirs(models)
     except (ValueError, OSError) as exc:
@@ -210,6 +212,16 @@ def _check_served_policy(
     why = vs.policy_refusal(pol, num_spec_tokens=n_spec, n_experts=n_experts, top_k=top_k, exact_kmax=True)
     if why is not None:
         fail(f"--policy: {why}")
+
+
+def _check_served_facts(target: Path | None, n_spec: int | None, settings: Any) -> None:
+    """Exit 2 with one line when the cost model or ``--fallback-k`` does not fit the served models."""
+    from specenv.engines.vllm.facts import served_facts, served_refusal
+
+    served = served_facts(target) if target is not None else None
+    why = served_refusal(served, num_spec_tokens=n_spec, cost_model=settings.cost_model, fallback_k=settings.fallback_k)
+    if why is not None:
+        fail(why)
 
 
 def _serve_settings(

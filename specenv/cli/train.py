@@ -142,6 +142,7 @@ def train(
     for run in runs:
         check_out_folder("--out", out_dir / run.name)
     check_budget(ts, kmax, h)
+    _check_trainable(ts, traces, kmax, cost_model)
     summaries = _train_runs(runs, out_dir, ray, ray_cpus)
     if as_json:
         print_json(summaries[0] if len(summaries) == 1 else summaries)
@@ -152,6 +153,41 @@ def train(
             f"exported {s['algo']} policy ({mode}{f', h={h}' if mode == 'block' else ''}) to {s['policy']} "
             f"(policy.json + weights.npz) in {meta['train_seconds']:.0f} s"
         )
+
+
+#: Generations a trace set's train split must hold for ``specenv train``: standard errors clustered by
+#: generation (the fit-train cost model that prices the trained policy's benchmark) need two clusters.
+MIN_TRAIN_GENERATIONS = 2
+
+
+def _check_trainable(ts: Any, traces: str, kmax: int | None, cost_model: str) -> None:
+    """Refuse, before any training, a set whose splits cannot support a run, and a cost model that cannot be built.
+
+    The train split needs :data:`MIN_TRAIN_GENERATIONS` generations and the test split one (the
+    policy is benchmarked there); the cost model is built here (fitted once, then cached), so its
+    refusal is one line before any progress line or run folder.
+    """
+    from specenv.cost.source import cost_model_for
+    from specenv.replay.tables import SelectionError, select_positions
+
+    counts = {}
+    for split in ("train", "test"):
+        try:
+            counts[split] = select_positions(ts, kmax, split).n_generations
+        except SelectionError:  # an empty split
+            counts[split] = 0
+    n_all = counts["train"] + counts["test"]
+    if counts["train"] < MIN_TRAIN_GENERATIONS or counts["test"] < 1:
+        fail(
+            f"--traces: {traces}: its generations split into {counts['train']} train and {counts['test']} test "
+            f"({n_all} in all); training needs at least {MIN_TRAIN_GENERATIONS} train generations (the fit-train "
+            "cost model clusters standard errors by generation) and 1 test generation (the benchmark's): use a "
+            "trace set of 3 or more generations"
+        )
+    try:
+        cost_model_for(ts, cost_model)
+    except ValueError as exc:
+        fail(f"--cost-model: {exc}")
 
 
 def _train_bc(
