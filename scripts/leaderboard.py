@@ -9,7 +9,7 @@ Usage::
 ``--write`` runs ``specenv bench SET --drafting MODE --json`` for every shipped trace set and drafting
 mode, takes the row with the highest pooled speedup in that mode (every policy the benchmark runs:
 fixed k, heuristics, the peers' controllers, the set's shipped learned policies; never the oracle
-row, nor the belief oracle's reference), and writes ``leaderboard/entries.json`` (per entry: the policy, its file, the exact command that
+row), and writes ``leaderboard/entries.json`` (per entry: the policy, its file, the exact command that
 reproduces it, its pooled speedup with the bootstrap 95% CI and the bound, and its paired differences
 to the best fixed k in hindsight and to the best peer of its mode, the best adaptive row that is not
 learned, each with the bench's paired bootstrap 95% CI) with the full bench JSON of the run beside it
@@ -36,8 +36,6 @@ SETS = ("paper-default", "live-cpu", "live-vllm")
 MODES = ("none", "block", "sequential")
 SEED, EPISODES = 0, 4
 ORACLE = "oracle bound"
-#: The belief oracle's rows (references, not policies: never a leader).
-BELIEF = "belief oracle"
 
 
 def bench_command(dataset: str, mode: str, only: str | None = None) -> list[str]:
@@ -66,8 +64,8 @@ def _row(doc: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def leader(doc: dict[str, Any], mode: str) -> dict[str, Any]:
-    """The row of the highest pooled speedup among the mode's rows (the oracle and belief-oracle rows excluded)."""
-    rows = [r for r in doc["policies"] if not r["policy"].startswith((ORACLE, BELIEF)) and r["drafting"] == mode]
+    """The row of the highest pooled speedup among the mode's rows (the oracle row excluded)."""
+    rows = [r for r in doc["policies"] if not r["policy"].startswith(ORACLE) and r["drafting"] == mode]
     if not rows:
         raise ValueError(f"no row in drafting mode {mode!r}")
     return max(rows, key=lambda r: r["speedup_pooled"])

@@ -20,11 +20,12 @@ policy's budgets were constant over every test state it visited (a learned polic
 is named so, not "learned"). The bound is the exact SSP oracle on the same generations
 (drafting mode ``"none"``, whose bound is also the bound of ``"sequential"``: the true optimum).
 
-**The belief oracle** (:mod:`oracle.belief`, rows :data:`BELIEF_ROWS`): the SSP solved on the
-acceptance probabilities a train-split calibration predicts from the depth alone (mode none's row)
-or from the draft's confidence (sequential's and block's row), evaluated exactly on the true
-acceptances. It is a *reference*, not a bound (the module says why); ``belief_pct`` is every row's
-pooled speedup in % of the belief oracle's (the confidence one when it runs).
+**The belief oracle** (:mod:`oracle.belief`, names :data:`BELIEF_NAMES`, in ``bound["belief_oracle"]``
+and a note): the SSP solved on the acceptance probabilities a train-split calibration predicts from
+the depth alone (mode none's) or from the draft's confidence (sequential's and block's), evaluated
+exactly on the true acceptances. It is a *reference*, not a bound (the module says why), so it is
+no row; ``belief_pct`` is every row's pooled speedup in % of the belief oracle's (the confidence
+one when it runs).
 
 **Paired differences.** Every row also gets its pooled speedup minus that of two references, with a
 paired bootstrap 95% interval (:func:`policies.bench.stats.paired_differences`, on the resamples of
@@ -96,7 +97,7 @@ from specenv.policy.base import Policy, policy_drafting
 from specenv.policy.mlp import MLPPolicy
 
 __all__ = [
-    "BELIEF_ROWS",
+    "BELIEF_NAMES",
     "LEARNED",
     "ORACLE_ROW",
     "BenchExecutor",
@@ -118,8 +119,8 @@ __all__ = [
 
 LEARNED = ("ppo", "dqn", "imitation")
 ORACLE_ROW = "oracle bound (SSP)"
-#: The belief oracle's rows (:mod:`oracle.belief`): references, not bounds; by the signals the belief reads.
-BELIEF_ROWS = {
+#: The belief oracle's names (:mod:`oracle.belief`): references, not bounds; by the signals the belief reads.
+BELIEF_NAMES = {
     (): "belief oracle, depth prior (reference)",
     ("q",): "belief oracle, draft confidence (reference)",
 }
@@ -691,45 +692,18 @@ class SingleFamily:
                         "mean_accepted": bsol.mean_accepted,
                     }
                 )
-        belief_costs: dict[str, np.ndarray] = {}
-        for signals, mode in ((), "none"), (("q",), "sequential"):
-            if self.setup.drafting not in (None, mode, "block" if signals else None):
-                continue
-            from oracle.belief import belief_oracle, fit_belief
-
-            real = belief_oracle(ctx.test, ctx.cost_model, fit_belief(ctx.train, signals)).realised
-            name = BELIEF_ROWS[signals]
-            belief_costs[name] = np.asarray(real.cost, dtype=np.float64)
-            per_gen = pd.DataFrame({"category": ctx.test.categories, "cost_ms": real.cost, "ar_ms": real.ar})
-            bcat = _pooled_by_category(per_gen, "cost_ms")
-            bcat.insert(0, "policy", name)
-            bound_cats.append(bcat)
-            extra.append(
-                oracle_row
-                | {
-                    "policy": name,
-                    "drafting": mode,
-                    "speedup_mean": float(real.speedup.mean()),
-                    "ci95_low": float(real.speedup.mean()),
-                    "ci95_high": float(real.speedup.mean()),
-                    "speedup_pooled": real.speedup_pooled,
-                    "pooled_ci95_low": real.speedup_pooled,
-                    "pooled_ci95_high": real.speedup_pooled,
-                    "oracle_pct": 100.0 * real.speedup_pooled / sol.speedup_pooled,
-                    "mean_k": real.mean_k,
-                    "mean_accepted": real.mean_accepted,
-                }
-            )
+        beliefs = self._beliefs(sol)
         summary = pd.concat([summary, pd.DataFrame(extra)], ignore_index=True)
-        ref = next((n for n in (BELIEF_ROWS[("q",)], BELIEF_ROWS[()]) if n in belief_costs), None)
+        ref = next((n for n in (BELIEF_NAMES[("q",)], BELIEF_NAMES[()]) if n in beliefs), None)
         self.references["belief_reference"] = ref
-        ref_pooled = float(np.sum(sol.ar) / belief_costs[ref].sum()) if ref is not None else float("nan")
-        summary.insert(summary.columns.get_loc("oracle_pct") + 1, "belief_pct", 100.0 * summary["speedup_pooled"] / ref_pooled)
+        ref_pooled = beliefs[ref]["speedup_pooled"] if ref is not None else float("nan")
+        at = summary.columns.get_loc("oracle_pct") + 1
+        summary.insert(at, "belief_pct", 100.0 * summary["speedup_pooled"] / ref_pooled)
         summary["constant_k"] = pd.Series(
             [int(k) if c else None for k, c in zip(summary["constant_k"], summary["constant"], strict=True)],
             dtype=object,
         )
-        self._differences(summary, gen_df, sol, rename, belief_costs)
+        self._differences(summary, gen_df, sol, rename)
         ocat = _pooled_by_category(oracle_df, "v0_ms")
         ocat.insert(0, "policy", ORACLE_ROW)
         cats = pd.concat([cats, ocat, *bound_cats], ignore_index=True)
@@ -738,28 +712,48 @@ class SingleFamily:
             summary,
             self._context(),
             ctx.notes,
-            bound=sol.summary(),
+            bound=sol.summary() | {"belief_oracle": beliefs},
             generations=gen_df,
             categories=cats,
             episodes=episodes_df,
             skipped=ctx.skipped,
         )
 
-    def _differences(
-        self,
-        summary: pd.DataFrame,
-        gen_df: pd.DataFrame,
-        sol: Any,
-        rename: dict[str, str],
-        exact: dict[str, np.ndarray],
-    ) -> None:
-        """The paired-difference columns of ``summary``: to the best fixed k in hindsight and to the peer.
+    def _beliefs(self, sol: Any) -> dict[str, dict[str, Any]]:
+        """The belief oracle (:mod:`oracle.belief`) of the run's modes, by :data:`BELIEF_NAMES` name.
 
-        ``exact`` holds the cost per generation of the exact rows that are not in ``gen_df`` (the
-        belief oracle's), the SSP bound's is ``sol``'s.
+        Mode none's belief reads the draft depth alone, sequential's and block's the draft's
+        confidence; each entry is its plan's exact figures on the true acceptances, the expected
+        speedup its belief promised, and its % of the SSP bound ``sol``. A note says what it is.
         """
+        from oracle.belief import belief_oracle, fit_belief
+
+        ctx, out = self.ctx, {}
+        for signals, modes in (((), ("none",)), (("q",), ("sequential", "block"))):
+            if self.setup.drafting is not None and self.setup.drafting not in modes:
+                continue
+            bo = belief_oracle(ctx.test, ctx.cost_model, fit_belief(ctx.train, signals))
+            real = bo.realised
+            out[BELIEF_NAMES[signals]] = {
+                "modes": list(modes),
+                "speedup_pooled": real.speedup_pooled,
+                "speedup_mean": float(real.speedup.mean()),
+                "oracle_pct": 100.0 * real.speedup_pooled / sol.speedup_pooled,
+                "believed_speedup_pooled": bo.planned.speedup_pooled,
+                "mean_k": real.mean_k,
+                "mean_accepted": real.mean_accepted,
+            }
+        figures = "; ".join(f"{n}: {b['speedup_pooled']:.3f} ({b['oracle_pct']:.1f}% of the bound)" for n, b in out.items())
+        ctx.notes.append(
+            f"belief oracle, the SSP on a train-split calibration's acceptances, evaluated on the true ones (a "
+            f"reference for online controllers, not a bound: oracle/belief.py; column belief_pct): {figures}"
+        )
+        return out
+
+    def _differences(self, summary: pd.DataFrame, gen_df: pd.DataFrame, sol: Any, rename: dict[str, str]) -> None:
+        """The paired-difference columns of ``summary``: to the best fixed k in hindsight and to the peer."""
         gids = np.asarray(self.ctx.test.generation_ids)
-        costs = {ORACLE_ROW: np.asarray(sol.cost, dtype=np.float64), **exact}
+        costs = {ORACLE_ROW: np.asarray(sol.cost, dtype=np.float64)}
         for name, d in gen_df.groupby("policy", sort=False):
             c = d.set_index("generation_id")["cost_ms"].reindex(gids).to_numpy(dtype=np.float64)
             if not np.isnan(c).any():  # a row on every test generation
