@@ -99,6 +99,10 @@ def _fmt_difference(d: dict[str, Any] | None, leader: str) -> str:
     return f"{d['value']:+.3f} [{lo:+.3f}, {hi:+.3f}]{sig} vs {d['reference']}"
 
 
+def _fmt_pct(x: float | None) -> str:
+    return "not recorded" if x is None else f"{x:.1f}%"
+
+
 def write(sets: tuple[str, ...] = SETS, modes: tuple[str, ...] = MODES) -> list[dict[str, Any]]:
     """Bench every (set, mode), record the leaders, write entries.json, the bench JSONs and README.md."""
     import tempfile
@@ -123,6 +127,7 @@ def write(sets: tuple[str, ...] = SETS, modes: tuple[str, ...] = MODES) -> list[
                 "pooled_ci95": [top["pooled_ci95_low"], top["pooled_ci95_high"]],
                 "oracle_pct": top["oracle_pct"],
                 "bound": bound["speedup_pooled"],
+                "belief_pct": top.get("belief_pct"),
                 "vs_best_fixed": _difference(top, "vs_best_fixed", f"fixed k={doc['context']['best_fixed_k_test']}"),
                 "vs_peer": _difference(top, "vs_peer", doc["context"]["vs"]),
                 "bench_json": f"{ds}-{mode}.json",
@@ -144,21 +149,22 @@ def table(entries: list[dict[str, Any]]) -> str:
         "`python scripts/leaderboard.py --write` and re-checked by `python scripts/leaderboard.py --check`",
         "(each entry's command must reproduce its pooled figure within the recorded 95% CI; exact rows",
         "exactly). Each entry's full bench output is `<set>-<mode>.json` here; `entries.json` holds the",
-        "records. Pooled speedup over plain decoding; the bound is the exact SSP oracle's. The last two",
+        "records. Pooled speedup over plain decoding; the bound is the exact SSP oracle's; the belief oracle",
+        "(oracle/belief.py) is a reference for online controllers, not a bound. The last two",
         "columns are the leader's difference in pooled speedup to the best fixed k in hindsight (chosen on the",
         "held-out generations) and to the best peer of its mode (the best adaptive row that is not learned),",
         "with paired bootstrap 95% CIs over the same generations; * marks a CI that excludes 0.",
         "",
-        "| set | drafting | leader | pooled speedup [95% CI] | % of bound | bound | vs best fixed k | vs best peer "
-        "| policy file |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| set | drafting | leader | pooled speedup [95% CI] | % of bound | bound | % of belief oracle | "
+        "vs best fixed k | vs best peer | policy file |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in entries:
         lo, hi = e["pooled_ci95"]
         ci = "(exact)" if e["evaluation"] == "exact" else f"[{lo:.3f}, {hi:.3f}]"
         lines.append(
             f"| {e['dataset']} | {e['drafting']} | {e['policy']} | {e['speedup_pooled']:.3f} {ci} | "
-            f"{e['oracle_pct']:.1f}% | {e['bound']:.3f} | {_fmt_difference(e.get('vs_best_fixed'), e['policy'])} | "
+            f"{e['oracle_pct']:.1f}% | {e['bound']:.3f} | {_fmt_pct(e.get('belief_pct'))} | {_fmt_difference(e.get('vs_best_fixed'), e['policy'])} | "
             f"{_fmt_difference(e.get('vs_peer'), e['policy'])} | `{e['policy_file']}` |"
         )
     lines += ["", "Reproduce one entry: its `command` in `entries.json` (OUT = any output folder).", ""]
