@@ -85,7 +85,11 @@ def _difference(row: dict[str, Any], column: str, reference: str | None) -> dict
     """A row's paired difference to a reference, as the bench JSON has it (None when the run had no reference)."""
     if reference is None or row.get(column) is None:
         return None
-    return {"reference": reference, "value": row[column], "ci95": [row[f"{column}_ci95_low"], row[f"{column}_ci95_high"]]}
+    return {
+        "reference": reference,
+        "value": row[column],
+        "ci95": [row[f"{column}_ci95_low"], row[f"{column}_ci95_high"]],
+    }
 
 
 def _fmt_difference(d: dict[str, Any] | None, leader: str) -> str:
@@ -164,7 +168,8 @@ def table(entries: list[dict[str, Any]]) -> str:
         ci = "(exact)" if e["evaluation"] == "exact" else f"[{lo:.3f}, {hi:.3f}]"
         lines.append(
             f"| {e['dataset']} | {e['drafting']} | {e['policy']} | {e['speedup_pooled']:.3f} {ci} | "
-            f"{e['oracle_pct']:.1f}% | {e['bound']:.3f} | {_fmt_pct(e.get('belief_pct'))} | {_fmt_difference(e.get('vs_best_fixed'), e['policy'])} | "
+            f"{e['oracle_pct']:.1f}% | {e['bound']:.3f} | {_fmt_pct(e.get('belief_pct'))} | "
+            f"{_fmt_difference(e.get('vs_best_fixed'), e['policy'])} | "
             f"{_fmt_difference(e.get('vs_peer'), e['policy'])} | `{e['policy_file']}` |"
         )
     lines += ["", "Reproduce one entry: its `command` in `entries.json` (OUT = any output folder).", ""]

@@ -113,8 +113,10 @@ def paired_difference_ci(
     ``(1 + level)/2`` percentiles (numpy's linear interpolation) of the resampled differences.
 
     Args:
-        num_a, den_a: (n,) numerators and positive denominators of the first estimate.
-        num_b, den_b: (n,) the same of the second, unit for unit.
+        num_a: (n,) numerators of the first estimate.
+        den_a: (n,) its positive denominators.
+        num_b: (n,) numerators of the second estimate, unit for unit.
+        den_b: (n,) its positive denominators.
         n_boot: Number of resamples.
         seed: Seed of the resamples (ignored when ``indices`` is given).
         level: Coverage of the interval.

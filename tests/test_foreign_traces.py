@@ -76,7 +76,10 @@ def test_foreign_set_is_not_the_generators(foreign: Path) -> None:
 def test_learned_policy_trained_on_its_train_split_beats_the_best_fixed_k(foreign: Path, tmp_path: Path) -> None:
     runner = CliRunner()
     runs = tmp_path / "runs"
-    res = runner.invoke(app, ["train", "--traces", str(foreign), "--algo", "imitation", "--iterations", "3", "--out", str(runs), "--json"])
+    res = runner.invoke(
+        app,
+        ["train", "--traces", str(foreign), "--algo", "imitation", "--iterations", "3", "--out", str(runs), "--json"],
+    )
     assert res.exit_code == 0, res.output
     meta = json.loads((runs / "imitation-seed0" / "policy" / "policy.json").read_text())["meta"]
     assert meta["cost_model"] == "fit-train" and meta["trace_set"]["name"] == "foreign-regime"

@@ -561,7 +561,7 @@ class SingleFamily:
     references: dict[str, Any] = field(default_factory=dict, init=False)
 
     def roster(self) -> list[Entry]:
-        """The rows of :func:`select_entries`; ``vs`` resolved to one of them (a ValueError if it names none or several)."""
+        """The rows of :func:`select_entries`; ``vs`` resolved to one of them (a ValueError: none or several)."""
         rows = select_entries(self.ctx, self.setup.only, self.setup.drafting)
         if self.vs is not None:
             names = [e.name for e in rows]
@@ -743,7 +743,9 @@ class SingleFamily:
                 "mean_k": real.mean_k,
                 "mean_accepted": real.mean_accepted,
             }
-        figures = "; ".join(f"{n}: {b['speedup_pooled']:.3f} ({b['oracle_pct']:.1f}% of the bound)" for n, b in out.items())
+        figures = "; ".join(
+            f"{n}: {b['speedup_pooled']:.3f} ({b['oracle_pct']:.1f}% of the bound)" for n, b in out.items()
+        )
         ctx.notes.append(
             f"belief oracle, the SSP on a train-split calibration's acceptances, evaluated on the true ones (a "
             f"reference for online controllers, not a bound: oracle/belief.py; column belief_pct): {figures}"

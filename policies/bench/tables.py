@@ -30,8 +30,9 @@ def single_table(res: BenchResult) -> str:
     """The single-request summary as a Markdown table (exact rows marked "exact", the others with bootstrap 95% CIs).
 
     "% of belief" is the row's pooled speedup in % of the belief oracle's (a reference, not a bound:
-    :mod:`oracle.belief`). The last two columns are each row's paired difference in pooled speedup to the best fixed k in
-    hindsight and to the peer (``context["vs"]``), with paired bootstrap 95% intervals.
+    :mod:`oracle.belief`). The last two columns are each row's paired difference in pooled speedup
+    to the best fixed k in hindsight and to the peer (``context["vs"]``), with paired bootstrap 95%
+    intervals.
     """
     k_best, peer = res.context.get("best_fixed_k_test"), res.context.get("vs")
     lines = [
