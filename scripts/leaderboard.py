@@ -10,8 +10,10 @@ Usage::
 mode, takes the row with the highest pooled speedup in that mode (every policy the benchmark runs:
 fixed k, heuristics, the peers' controllers, the set's shipped learned policies; never the oracle
 row), and writes ``leaderboard/entries.json`` (per entry: the policy, its file, the exact command that
-reproduces it, its pooled speedup with the bootstrap 95% CI and the bound) with the full bench JSON of
-the run beside it (``leaderboard/<set>-<mode>.json``), and the table ``leaderboard/README.md``.
+reproduces it, its pooled speedup with the bootstrap 95% CI and the bound, and its paired differences
+to the best fixed k in hindsight and to the best peer of its mode, the best adaptive row that is not
+learned, each with the bench's paired bootstrap 95% CI) with the full bench JSON of the run beside it
+(``leaderboard/<set>-<mode>.json``), and the table ``leaderboard/README.md``.
 
 ``--check`` re-runs each entry's command and passes when the new pooled figure lies within the
 recorded 95% CI (exact rows: equal to 1e-9). The figures are the leaderboard's record, not a copy of
@@ -79,6 +81,32 @@ def _policy_file(dataset: str, row: dict[str, Any]) -> str:
     return "policies/bench/single.py (default rows: policies/heuristics.py, policies/delta.py, policies/peers.py)"
 
 
+def _difference(row: dict[str, Any], column: str, reference: str | None) -> dict[str, Any] | None:
+    """A row's paired difference to a reference, as the bench JSON has it (None when the run had no reference)."""
+    if reference is None or row.get(column) is None:
+        return None
+    return {
+        "reference": reference,
+        "value": row[column],
+        "ci95": [row[f"{column}_ci95_low"], row[f"{column}_ci95_high"]],
+    }
+
+
+def _fmt_difference(d: dict[str, Any] | None, leader: str) -> str:
+    """A difference for the table: value [CI] vs its reference; '(the leader)' when the reference is the leader."""
+    if d is None:
+        return "not recorded"
+    if d["reference"] == leader:
+        return "(the leader)"
+    lo, hi = d["ci95"]
+    sig = "" if lo <= 0.0 <= hi else " *"
+    return f"{d['value']:+.3f} [{lo:+.3f}, {hi:+.3f}]{sig} vs {d['reference']}"
+
+
+def _fmt_pct(x: float | None) -> str:
+    return "not recorded" if x is None else f"{x:.1f}%"
+
+
 def write(sets: tuple[str, ...] = SETS, modes: tuple[str, ...] = MODES) -> list[dict[str, Any]]:
     """Bench every (set, mode), record the leaders, write entries.json, the bench JSONs and README.md."""
     import tempfile
@@ -103,6 +131,9 @@ def write(sets: tuple[str, ...] = SETS, modes: tuple[str, ...] = MODES) -> list[
                 "pooled_ci95": [top["pooled_ci95_low"], top["pooled_ci95_high"]],
                 "oracle_pct": top["oracle_pct"],
                 "bound": bound["speedup_pooled"],
+                "belief_pct": top.get("belief_pct"),
+                "vs_best_fixed": _difference(top, "vs_best_fixed", f"fixed k={doc['context']['best_fixed_k_test']}"),
+                "vs_peer": _difference(top, "vs_peer", doc["context"]["vs"]),
                 "bench_json": f"{ds}-{mode}.json",
             }
             (BOARD / entry["bench_json"]).write_text(json.dumps(doc, indent=1, default=float) + "\n")
@@ -122,17 +153,24 @@ def table(entries: list[dict[str, Any]]) -> str:
         "`python scripts/leaderboard.py --write` and re-checked by `python scripts/leaderboard.py --check`",
         "(each entry's command must reproduce its pooled figure within the recorded 95% CI; exact rows",
         "exactly). Each entry's full bench output is `<set>-<mode>.json` here; `entries.json` holds the",
-        "records. Pooled speedup over plain decoding; the bound is the exact SSP oracle's.",
+        "records. Pooled speedup over plain decoding; the bound is the exact SSP oracle's; the belief oracle",
+        "(oracle/belief.py) is a reference for online controllers, not a bound. The last two",
+        "columns are the leader's difference in pooled speedup to the best fixed k in hindsight (chosen on the",
+        "held-out generations) and to the best peer of its mode (the best adaptive row that is not learned),",
+        "with paired bootstrap 95% CIs over the same generations; * marks a CI that excludes 0.",
         "",
-        "| set | drafting | leader | pooled speedup [95% CI] | % of bound | bound | policy file |",
-        "|---|---|---|---|---|---|---|",
+        "| set | drafting | leader | pooled speedup [95% CI] | % of bound | bound | % of belief oracle | "
+        "vs best fixed k | vs best peer | policy file |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in entries:
         lo, hi = e["pooled_ci95"]
         ci = "(exact)" if e["evaluation"] == "exact" else f"[{lo:.3f}, {hi:.3f}]"
         lines.append(
             f"| {e['dataset']} | {e['drafting']} | {e['policy']} | {e['speedup_pooled']:.3f} {ci} | "
-            f"{e['oracle_pct']:.1f}% | {e['bound']:.3f} | `{e['policy_file']}` |"
+            f"{e['oracle_pct']:.1f}% | {e['bound']:.3f} | {_fmt_pct(e.get('belief_pct'))} | "
+            f"{_fmt_difference(e.get('vs_best_fixed'), e['policy'])} | "
+            f"{_fmt_difference(e.get('vs_peer'), e['policy'])} | `{e['policy_file']}` |"
         )
     lines += ["", "Reproduce one entry: its `command` in `entries.json` (OUT = any output folder).", ""]
     return "\n".join(lines)

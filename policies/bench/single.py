@@ -20,6 +20,22 @@ policy's budgets were constant over every test state it visited (a learned polic
 is named so, not "learned"). The bound is the exact SSP oracle on the same generations
 (drafting mode ``"none"``, whose bound is also the bound of ``"sequential"``: the true optimum).
 
+**The belief oracle** (:mod:`oracle.belief`, names :data:`BELIEF_NAMES`, in ``bound["belief_oracle"]``
+and a note): the SSP solved on the acceptance probabilities a train-split calibration predicts from
+the depth alone (mode none's) or from the draft's confidence (sequential's and block's), evaluated
+exactly on the true acceptances. It is a *reference*, not a bound (the module says why), so it is
+no row; ``belief_pct`` is every row's pooled speedup in % of the belief oracle's (the confidence
+one when it runs).
+
+**Paired differences.** Every row also gets its pooled speedup minus that of two references, with a
+paired bootstrap 95% interval (:func:`policies.bench.stats.paired_differences`, on the resamples of
+the rows' own intervals): the *best fixed k in hindsight* (the fixed budget of the highest exact
+pooled speedup on the test generations themselves, :func:`best_fixed_in_hindsight`: a reference no
+rule fitted on train can beat by choosing its k better) and a *peer* (``vs``: a row named by the
+caller, by default the best adaptive row that is not learned). The pairing is what makes small
+differences visible: every row replays the same generations with the same seeds, so a generation's
+difficulty cancels in the difference.
+
 **Each policy is charged by the drafting mode it really uses** (``Entry.drafting``, the table's
 ``drafting`` column; :data:`specenv.cost.model.DRAFTING_MODES`): the confidence thresholds stop
 drafting at the first low-confidence token, verifying what they drafted, so they run in
@@ -39,7 +55,7 @@ policies (shipped, trained on the train split by ``specenv train``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +71,7 @@ from policies.bench.context import (
 )
 from policies.bench.result import BenchResult
 from policies.bench.runner import Progress, run_family
-from policies.bench.stats import generation_table, summarise
+from policies.bench.stats import generation_table, paired_differences, summarise
 from policies.delta import DeltaSpaceRule
 from policies.heuristics import (
     CascadeUtility,
@@ -81,12 +97,14 @@ from specenv.policy.base import Policy, policy_drafting
 from specenv.policy.mlp import MLPPolicy
 
 __all__ = [
+    "BELIEF_NAMES",
     "LEARNED",
     "ORACLE_ROW",
     "BenchExecutor",
     "BenchSetup",
     "Entry",
     "SingleFamily",
+    "best_fixed_in_hindsight",
     "default_entries",
     "exact_generations",
     "find_policies",
@@ -101,6 +119,11 @@ __all__ = [
 
 LEARNED = ("ppo", "dqn", "imitation")
 ORACLE_ROW = "oracle bound (SSP)"
+#: The belief oracle's names (:mod:`oracle.belief`): references, not bounds; by the signals the belief reads.
+BELIEF_NAMES = {
+    (): "belief oracle, depth prior (reference)",
+    ("q",): "belief oracle, draft confidence (reference)",
+}
 
 
 @dataclass
@@ -491,6 +514,30 @@ def _pooled_by_category(per_gen: pd.DataFrame, cost: str) -> pd.DataFrame:
     )
 
 
+def best_fixed_in_hindsight(ctx: Context) -> tuple[int, np.ndarray]:
+    """The fixed budget of the highest exact pooled speedup on the test generations, and its cost per generation.
+
+    Chosen on the generations it is evaluated on (a reference, not a rule: the train split's best
+    fixed k is the row a deployment could run); ties go to the smaller k.
+    """
+    from oracle.dp import evaluate_policy
+
+    best: tuple[float, int, np.ndarray] | None = None
+    for k in range(ctx.kmax + 1):
+        ev = evaluate_policy(ctx.test, ctx.cost_model, k)
+        pooled = float(np.sum(ev.ar) / np.sum(ev.cost))
+        if best is None or pooled > best[0]:
+            best = (pooled, k, np.asarray(ev.cost, dtype=np.float64))
+    assert best is not None
+    return best[1], best[2]
+
+
+def _reference_columns(summary: pd.DataFrame, prefix: str, diffs: dict[str, dict[str, float]]) -> None:
+    """``prefix``, ``prefix_ci95_low``, ``prefix_ci95_high`` of every row (NaN where a row has no difference)."""
+    for suffix, key in (("", "value"), ("_ci95_low", "low"), ("_ci95_high", "high")):
+        summary[prefix + suffix] = [diffs[n][key] if n in diffs else float("nan") for n in summary["policy"]]
+
+
 @dataclass
 class SingleFamily:
     """The single-request family: the roster of :func:`select_entries`, the vector replay env, the SSP bound.
@@ -498,6 +545,8 @@ class SingleFamily:
     A fixed-budget row is evaluated exactly (:func:`exact_generations`), any other by Monte Carlo in
     the native vector environment (:func:`run_entry`), here or by the ``executor``
     (:data:`BenchExecutor`, every Monte-Carlo row at once in units of (row, chunk of generations)).
+    ``vs`` names the peer of the paired differences (a row name, or a part of exactly one; None: the
+    best adaptive row that is not learned).
     """
 
     ctx: Context
@@ -507,10 +556,21 @@ class SingleFamily:
     n_boot: int = N_BOOT
     executor: BenchExecutor | None = None
     closing: str | None = None
+    vs: str | None = None
+    vs_row: str | None = field(default=None, init=False)
+    references: dict[str, Any] = field(default_factory=dict, init=False)
 
     def roster(self) -> list[Entry]:
-        """The rows of :func:`select_entries`."""
-        return select_entries(self.ctx, self.setup.only, self.setup.drafting)
+        """The rows of :func:`select_entries`; ``vs`` resolved to one of them (a ValueError: none or several)."""
+        rows = select_entries(self.ctx, self.setup.only, self.setup.drafting)
+        if self.vs is not None:
+            names = [e.name for e in rows]
+            hit = [n for n in names if n == self.vs] or [n for n in names if self.vs in n]
+            if len(hit) != 1:
+                what = "no row of this run is" if not hit else f"{len(hit)} rows are ({', '.join(hit)})"
+                raise ValueError(f"vs={self.vs!r}: {what} named so (rows: {', '.join(names)})")
+            self.vs_row = hit[0]
+        return rows
 
     def row_name(self, row: Entry) -> str:
         """The row's name."""
@@ -632,11 +692,18 @@ class SingleFamily:
                         "mean_accepted": bsol.mean_accepted,
                     }
                 )
+        beliefs = self._beliefs(sol)
         summary = pd.concat([summary, pd.DataFrame(extra)], ignore_index=True)
+        ref = next((n for n in (BELIEF_NAMES[("q",)], BELIEF_NAMES[()]) if n in beliefs), None)
+        self.references["belief_reference"] = ref
+        ref_pooled = beliefs[ref]["speedup_pooled"] if ref is not None else float("nan")
+        at = summary.columns.get_loc("oracle_pct") + 1
+        summary.insert(at, "belief_pct", 100.0 * summary["speedup_pooled"] / ref_pooled)
         summary["constant_k"] = pd.Series(
             [int(k) if c else None for k, c in zip(summary["constant_k"], summary["constant"], strict=True)],
             dtype=object,
         )
+        self._differences(summary, gen_df, sol, rename)
         ocat = _pooled_by_category(oracle_df, "v0_ms")
         ocat.insert(0, "policy", ORACLE_ROW)
         cats = pd.concat([cats, ocat, *bound_cats], ignore_index=True)
@@ -645,12 +712,69 @@ class SingleFamily:
             summary,
             self._context(),
             ctx.notes,
-            bound=sol.summary(),
+            bound=sol.summary() | {"belief_oracle": beliefs},
             generations=gen_df,
             categories=cats,
             episodes=episodes_df,
             skipped=ctx.skipped,
         )
+
+    def _beliefs(self, sol: Any) -> dict[str, dict[str, Any]]:
+        """The belief oracle (:mod:`oracle.belief`) of the run's modes, by :data:`BELIEF_NAMES` name.
+
+        Mode none's belief reads the draft depth alone, sequential's and block's the draft's
+        confidence; each entry is its plan's exact figures on the true acceptances, the expected
+        speedup its belief promised, and its % of the SSP bound ``sol``. A note says what it is.
+        """
+        from oracle.belief import belief_oracle, fit_belief
+
+        ctx, out = self.ctx, {}
+        for signals, modes in (((), ("none",)), (("q",), ("sequential", "block"))):
+            if self.setup.drafting is not None and self.setup.drafting not in modes:
+                continue
+            bo = belief_oracle(ctx.test, ctx.cost_model, fit_belief(ctx.train, signals))
+            real = bo.realised
+            out[BELIEF_NAMES[signals]] = {
+                "modes": list(modes),
+                "speedup_pooled": real.speedup_pooled,
+                "speedup_mean": float(real.speedup.mean()),
+                "oracle_pct": 100.0 * real.speedup_pooled / sol.speedup_pooled,
+                "believed_speedup_pooled": bo.planned.speedup_pooled,
+                "mean_k": real.mean_k,
+                "mean_accepted": real.mean_accepted,
+            }
+        figures = "; ".join(
+            f"{n}: {b['speedup_pooled']:.3f} ({b['oracle_pct']:.1f}% of the bound)" for n, b in out.items()
+        )
+        ctx.notes.append(
+            f"belief oracle, the SSP on a train-split calibration's acceptances, evaluated on the true ones (a "
+            f"reference for online controllers, not a bound: oracle/belief.py; column belief_pct): {figures}"
+        )
+        return out
+
+    def _differences(self, summary: pd.DataFrame, gen_df: pd.DataFrame, sol: Any, rename: dict[str, str]) -> None:
+        """The paired-difference columns of ``summary``: to the best fixed k in hindsight and to the peer."""
+        gids = np.asarray(self.ctx.test.generation_ids)
+        costs = {ORACLE_ROW: np.asarray(sol.cost, dtype=np.float64)}
+        for name, d in gen_df.groupby("policy", sort=False):
+            c = d.set_index("generation_id")["cost_ms"].reindex(gids).to_numpy(dtype=np.float64)
+            if not np.isnan(c).any():  # a row on every test generation
+                costs[name] = c
+        ar = np.asarray(sol.ar, dtype=np.float64)
+        k_best, fixed = best_fixed_in_hindsight(self.ctx)
+        _reference_columns(summary, "vs_best_fixed", paired_differences(costs, ar, fixed, self.n_boot, self.seed))
+        if self.vs_row is not None:
+            peer: str | None = rename.get(self.vs_row, self.vs_row)
+        else:
+            adaptive = summary[(summary["evaluation"] != "exact") & ~summary["learned"].astype(bool)]
+            peer = None if adaptive.empty else str(adaptive.loc[adaptive["speedup_pooled"].idxmax(), "policy"])
+        diffs = {} if peer not in costs else paired_differences(costs, ar, costs[peer], self.n_boot, self.seed)
+        _reference_columns(summary, "vs_peer", diffs)
+        self.references |= {
+            "best_fixed_k_test": k_best,
+            "best_fixed_k_test_pooled": float(ar.sum() / fixed.sum()),
+            "vs": peer,
+        }
 
     def _context(self) -> dict[str, Any]:
         ctx, cost_model = self.ctx, self.ctx.cost_model_arg
@@ -673,6 +797,10 @@ class SingleFamily:
             "test_generations": int(ctx.test.n_generations),
             "train_generations": int(ctx.train.n_generations),
             "best_fixed_k_train": ctx.best_fixed_k,
+            **self.references,
+            "paired_differences": "columns vs_best_fixed and vs_peer: the row's pooled speedup minus the best "
+            "fixed k in hindsight's (best_fixed_k_test, exact, chosen on the test generations) and the peer's "
+            "(vs), with paired percentile-bootstrap 95% intervals over the same resamples of the test generations",
             "delta_lambda_ms": ctx.lam_ms,
             "delta_lambda_ms_h3": ctx.lam_ms_h3,
             "ar_cost_model_extrapolated": bool(ctx.cost_model.ar_extrapolated),
@@ -695,6 +823,7 @@ def run_benchmark(
     n_boot: int = N_BOOT,
     drafting: str | None = None,
     executor: BenchExecutor | None = None,
+    vs: str | None = None,
 ) -> BenchResult:
     """Run the benchmark on the test split of ``dataset``.
 
@@ -721,6 +850,8 @@ def run_benchmark(
             :func:`run_unit` on chunks of generations from the plain-valued :class:`BenchSetup`. The
             result is the same as the local run's (:func:`run_policy`). ``progress`` is then the
             executor's business. None: every row runs here, one after another.
+        vs: The peer of the paired differences: a row's name or a part of exactly one row's name
+            (None: the best adaptive row that is not learned).
 
     Returns:
         The :class:`~policies.bench.result.BenchResult` of family ``"single"``.
@@ -737,4 +868,4 @@ def run_benchmark(
     ctx = build_context(dataset, kmax, cost_model, pdir)
     wanted = tuple(only) if only else None
     setup = BenchSetup(ctx.source, kmax, cost_model, str(pdir), wanted, drafting)
-    return run_family(SingleFamily(ctx, setup, episodes, seed, n_boot, executor), progress)
+    return run_family(SingleFamily(ctx, setup, episodes, seed, n_boot, executor, vs=vs), progress)

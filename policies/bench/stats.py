@@ -2,7 +2,10 @@
 
 Every row of a run is resampled with the same bootstrap indices (:func:`specenv.stats.bootstrap_indices`,
 one draw per run), so two rows' intervals are paired over the same units (generations, or episodes in
-the batch family); the intervals themselves are :func:`specenv.stats.bootstrap_ratio_ci`'s.
+the batch family); the intervals themselves are :func:`specenv.stats.bootstrap_ratio_ci`'s, and each row's difference
+to a reference row (:func:`paired_differences`) is :func:`specenv.stats.paired_difference_ci`'s on the
+same resamples: the rows are paired twice, by common random numbers within a generation and by the
+shared resamples of the generations.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ import numpy as np
 import pandas as pd
 
 from policies.bench.context import N_BOOT
-from specenv.stats import bootstrap_indices, bootstrap_ratio_ci
+from specenv.stats import bootstrap_indices, bootstrap_ratio_ci, paired_difference_ci
 
-__all__ = ["generation_table", "pooled_ci", "summarise", "summarise_pooled"]
+__all__ = ["generation_table", "paired_differences", "pooled_ci", "summarise", "summarise_pooled"]
 
 
 def generation_table(episodes: pd.DataFrame) -> pd.DataFrame:
@@ -140,3 +143,23 @@ def pooled_ci(num: np.ndarray, den: np.ndarray, indices: np.ndarray) -> dict[str
     ``indices`` are the run's shared resamples of the units (:func:`specenv.stats.bootstrap_indices`).
     """
     return bootstrap_ratio_ci(num, den, indices=indices)["pooled"]
+
+
+def paired_differences(
+    costs: dict[str, np.ndarray], ar: np.ndarray, reference: np.ndarray, n_boot: int = N_BOOT, seed: int = 0
+) -> dict[str, dict[str, float]]:
+    """Each row's pooled speedup minus a reference's, with its paired bootstrap 95% interval.
+
+    Args:
+        costs: Per row, its (G,) cost per generation, in the order of ``ar``.
+        ar: (G,) AR cost per generation (the same for every row: the speedup's reference).
+        reference: (G,) the reference row's cost per generation.
+        n_boot: Bootstrap resamples of the generations (the ones :func:`summarise` uses with the same
+            ``n_boot`` and ``seed``).
+        seed: Seed of the resamples.
+
+    Returns:
+        Per row ``{"value", "low", "high"}`` (:func:`specenv.stats.paired_difference_ci`).
+    """
+    idx = bootstrap_indices(len(ar), n_boot, seed)
+    return {name: paired_difference_ci(ar, c, ar, reference, indices=idx) for name, c in costs.items()}

@@ -19,11 +19,27 @@ def markdown_table(res: BenchResult) -> str:
     return {"single": single_table, "batch": batch_table, "caps": caps_table}[res.family](res)
 
 
+def _diff(value: float, low: float, high: float) -> str:
+    """A paired difference with its 95% interval (blank when the row has none)."""
+    if value != value:  # NaN
+        return ""
+    return f"{value:+.3f} [{low:+.3f}, {high:+.3f}]"
+
+
 def single_table(res: BenchResult) -> str:
-    """The single-request summary as a Markdown table (exact rows marked "exact", the others with bootstrap 95% CIs)."""
+    """The single-request summary as a Markdown table (exact rows marked "exact", the others with bootstrap 95% CIs).
+
+    "% of belief" is the row's pooled speedup in % of the belief oracle's (a reference, not a bound:
+    :mod:`oracle.belief`). The last two columns are each row's paired difference in pooled speedup
+    to the best fixed k in hindsight and to the peer (``context["vs"]``), with paired bootstrap 95%
+    intervals.
+    """
+    k_best, peer = res.context.get("best_fixed_k_test"), res.context.get("vs")
     lines = [
-        "| policy | drafting | speedup (mean, 95% CI) | pooled (95% CI) | % of oracle | mean k | mean accepted |",
-        "|---|---|---|---|---|---|---|",
+        "| policy | drafting | speedup (mean, 95% CI) | pooled (95% CI) | % of oracle | % of belief | mean k | "
+        "mean accepted | "
+        f"Δ pooled vs fixed k={k_best} (test, hindsight) [95% CI] | Δ pooled vs {peer or 'peer'} [95% CI] |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res.summary.itertuples():
         if r.evaluation == "exact":
@@ -32,10 +48,15 @@ def single_table(res: BenchResult) -> str:
             mean = f"{r.speedup_mean:.3f} [{r.ci95_low:.3f}, {r.ci95_high:.3f}]"
             pooled = f"{r.speedup_pooled:.3f} [{r.pooled_ci95_low:.3f}, {r.pooled_ci95_high:.3f}]"
         mode = f"{r.drafting} (h={r.lookahead})" if r.drafting == "block" else r.drafting
-        pct = f"{r.oracle_pct:.1f}%"
-        lines.append(f"| {r.policy} | {mode} | {mean} | {pooled} | {pct} | {r.mean_k:.2f} | {r.mean_accepted:.2f} |")
+        pct = f"{r.oracle_pct:.1f}% | " + ("" if r.belief_pct != r.belief_pct else f"{r.belief_pct:.1f}%")
+        d_fixed = _diff(r.vs_best_fixed, r.vs_best_fixed_ci95_low, r.vs_best_fixed_ci95_high)
+        d_peer = _diff(r.vs_peer, r.vs_peer_ci95_low, r.vs_peer_ci95_high)
+        lines.append(
+            f"| {r.policy} | {mode} | {mean} | {pooled} | {pct} | {r.mean_k:.2f} | {r.mean_accepted:.2f} | "
+            f"{d_fixed} | {d_peer} |"
+        )
     for sk in res.skipped:
-        lines.append(f"| {sk['policy']} (not run: {sk['reason'].replace('|', '/')}) | | | | | | |")
+        lines.append(f"| {sk['policy']} (not run: {sk['reason'].replace('|', '/')}) | | | | | | | | | |")
     return "\n".join(lines)
 
 

@@ -34,7 +34,7 @@ __all__ = ["DaggerResult", "split_arrays", "train_dagger"]
 def train_dagger(
     dataset: str,
     kmax: int | None = None,
-    cost_model: str = "fit",
+    cost_model: str = "fit-train",
     lookahead: int = 0,
     iterations: int = 6,
     hidden: tuple[int, ...] = (64, 64),
@@ -50,7 +50,8 @@ def train_dagger(
     Args:
         dataset: Registry name or folder.
         kmax: Largest budget (default: the trace set's Kmax).
-        cost_model: ``"fit"``, ``"profile"`` or a JSON path (as for the environment).
+        cost_model: ``"fit-train"`` (the train split's fit, the default), ``"fit"``, ``"profile"`` or a JSON
+            path (as for the environment).
         lookahead: Draft confidences in the observation: 0 trains for drafting mode ``"none"``, h > 0
             for ``"block"`` (the oracle is solved with the same charge, T_D(max(k, h))).
         iterations: DAgger iterations (beta = 1 at the first, then 0.5**i).

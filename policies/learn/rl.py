@@ -113,7 +113,7 @@ def train_sb3(
     seed: int = 0,
     n_envs: int = 32,
     kmax: int | None = None,
-    cost_model: str = "fit",
+    cost_model: str = "fit-train",
     lookahead: int = 0,
     tensorboard: bool = True,
     reward: str = "savings",
@@ -135,7 +135,7 @@ def train_sb3(
         seed: Seed of SB3, torch and the environments.
         n_envs: Parallel streams of the native vector environment (copies of the per-token env).
         kmax: Largest budget (default: the trace set's Kmax).
-        cost_model: ``"fit"``, ``"profile"`` or a JSON path.
+        cost_model: ``"fit-train"`` (the train split's fit, the default), ``"fit"``, ``"profile"`` or a JSON path.
         lookahead: Draft confidences in the observation (block mode; 0 for none and sequential).
         tensorboard: Write TensorBoard logs under ``run_dir/tb``.
         reward: The environment's reward option used for training: ``"savings"`` (default; see

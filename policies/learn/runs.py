@@ -35,7 +35,7 @@ class TrainRun:
         epochs: Passes over the DAgger aggregate per iteration (None: the learner's default).
         n_envs: Parallel streams (ppo, dqn).
         kmax: Largest budget (None: the set's Kmax).
-        cost_model: ``"fit"``, ``"fit-train"``, ``"profile"`` or a JSON path.
+        cost_model: ``"fit-train"`` (the train split's fit, the default), ``"fit"``, ``"profile"`` or a JSON path.
         gamma: Discount factor (ppo, dqn).
         split: Generations trained on (``"train"``; ``"train-fit"`` in a hyper-parameter search).
         overrides: Hyper-parameters replacing the recipe's: SB3's names for ppo/dqn
@@ -53,7 +53,7 @@ class TrainRun:
     epochs: int | None = None
     n_envs: int = 32
     kmax: int | None = None
-    cost_model: str = "fit"
+    cost_model: str = "fit-train"
     gamma: float = 0.99
     split: str = "train"
     overrides: tuple[tuple[str, Any], ...] = ()

@@ -149,7 +149,7 @@ def load_stop_rule(folder: Any, expect: ObservationSpec | None = None) -> StopRu
 def train_stop_dagger(
     dataset: str,
     kmax: int | None = None,
-    cost_model: str = "fit",
+    cost_model: str = "fit-train",
     iterations: int = 6,
     hidden: tuple[int, ...] = (64, 64),
     epochs: int = 8,
@@ -165,7 +165,8 @@ def train_stop_dagger(
     Args:
         dataset: Registry name or folder.
         kmax: Largest budget (default: the trace set's Kmax).
-        cost_model: ``"fit"``, ``"profile"`` or a JSON path (as for the environment).
+        cost_model: ``"fit-train"`` (the train split's fit, the default), ``"fit"``, ``"profile"`` or a JSON
+            path (as for the environment).
         iterations: DAgger iterations (beta = 1 at the first, then 0.5**i).
         hidden: Hidden layer sizes.
         epochs: Passes over the aggregate per iteration.

@@ -60,6 +60,15 @@ def bench(
             "block adds its own bound per h."
         ),
     ] = None,
+    vs: Annotated[
+        str | None,
+        typer.Option(
+            "--vs",
+            metavar="NAME",
+            help="The peer of the paired differences: a row's name or a part of exactly one (default: the best "
+            "adaptive row that is not learned).",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
     ray: RayOpt = None,
     ray_cpus: RayCpusOpt = None,
@@ -86,6 +95,8 @@ def bench(
     Without --policies it runs the policies shipped for the trace set (policies/shipped/<set>-v<N>/).
     With --ray every Monte-Carlo row runs as Ray tasks over chunks of the held-out generations
     (policies.distributed); the outputs are the same as without it (per-episode seeds).
+    Every row shows its difference in pooled speedup to the best fixed k in hindsight and to a peer
+    (--vs NAME; default the best adaptive row that is not learned), with paired bootstrap 95% CIs.
     With --batch B it runs `specenv batch bench --batch B` instead (the older spelling).
     """
     from policies.bench.outputs import planned_files, write_outputs
@@ -102,6 +113,7 @@ def bench(
             "--policies": policies,
             "--only": only,
             "--drafting": drafting,
+            "--vs": vs,
         }
         _batch_alias(
             traces, out_dir, episodes, seed, kmax, cost_model, batch, no_learners, learners, as_json, others, overwrite
@@ -137,6 +149,7 @@ def bench(
                 progress=lambda done, total, name: prog.update(done, total, name),
                 drafting=drafting,
                 executor=executor,
+                vs=vs,
             )
     except ValueError as exc:
         fail(str(exc))

@@ -55,7 +55,13 @@ def train(
     ] = None,
     n_envs: Annotated[int, typer.Option(min=1, max=4096, help="Parallel streams of the vector env (ppo, dqn).")] = 32,
     kmax: KmaxOpt = None,
-    cost_model: Annotated[str, typer.Option(help="fit, profile or a cost-model JSON.")] = "fit",
+    cost_model: Annotated[
+        str,
+        typer.Option(
+            help="fit-train (fitted on the train split's rounds, the default and the benchmark's), fit (every "
+            "round, the test generations' included), profile or a cost-model JSON; recorded in policy.json."
+        ),
+    ] = "fit-train",
     drafting: Annotated[
         str | None,
         typer.Option(
@@ -86,8 +92,9 @@ def train(
 ) -> None:
     """Train a budget controller on the train split and export it (numpy form, no pickle).
 
-    policy.json records the drafting mode, every hyper-parameter, the trace set (name, version,
-    manifest sha256), the cost model and the observation contract (its version included). Repeated
+    The cost model defaults to the train split's fit (fit-train), so that training without options
+    reads no test round. policy.json records the drafting mode, every hyper-parameter, the trace set
+    (name, version, manifest sha256), the cost model and the observation contract (its version included). Repeated
     --algo/--seed train one run per (learner, seed), one after another, or as Ray tasks with --ray
     (policies.distributed; the same run folders and, on one machine, the same networks). bc fits
     the budgets of a Minari dataset's episodes (exported from the train split) by cross-entropy.
