@@ -107,7 +107,7 @@ def test_dagger_learns_from_oracle_labels(small_greedy_traces: Path) -> None:
     assert res.history[0]["beta"] == 1.0
     # the expert's rollouts (beta = 1) reproduce the oracle's bound on a greedy trace exactly
     arrays = split_arrays(str(small_greedy_traces), 6, "train")
-    model = cost_model_for(load_dataset(str(small_greedy_traces)), "fit")
+    model = cost_model_for(load_dataset(str(small_greedy_traces)), "fit-train")  # the learners' default
     bound = solve(arrays, model)
     assert res.history[0]["rollout_speedup"] == pytest.approx(bound.speedup_pooled, rel=1e-9)
     ar = evaluate_policy(arrays, model, 0).speedup_pooled

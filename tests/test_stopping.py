@@ -92,7 +92,7 @@ def test_stop_dagger_beats_autoregressive(small_greedy_traces: Path) -> None:
     assert res.policy.spec.per_token and res.policy.meta["drafting"] == "sequential"
     # the expert's rollouts (beta = 1) reach the bound of sequential drafting (= none's) on a greedy set
     arrays = split_arrays(str(small_greedy_traces), 6, "train")
-    bound = solve(arrays, cost_model_for(load_dataset(str(small_greedy_traces)), "fit"))
+    bound = solve(arrays, cost_model_for(load_dataset(str(small_greedy_traces)), "fit-train"))  # the default
     assert res.history[0]["rollout_speedup"] == pytest.approx(bound.speedup_pooled, rel=1e-9)
     env = gym.make(ENV_ID, dataset=str(small_greedy_traces), split="train", drafting="sequential")
     pol = StopRulePolicy(res.policy)

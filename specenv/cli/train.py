@@ -175,14 +175,13 @@ def _check_trainable(ts: Any, traces: str, kmax: int | None, cost_model: str) ->
     refusal is one line before any progress line or run folder.
     """
     from specenv.cost.source import cost_model_for
-    from specenv.replay.tables import SelectionError, select_positions
+    from specenv.traces.splits import n_test
 
-    counts = {}
-    for split in ("train", "test"):
-        try:
-            counts[split] = select_positions(ts, kmax, split).n_generations
-        except SelectionError:  # an empty split
-            counts[split] = 0
+    # counted from the generation ids and the split rule alone: no split's rows are selected here
+    # (``train`` without options never reads the test rounds)
+    frame = ts.positions if ts.positions is not None else ts.rounds
+    n_gen = int(frame["generation_id"].nunique())
+    counts = {"test": n_test(n_gen), "train": n_gen - n_test(n_gen)}
     n_all = counts["train"] + counts["test"]
     if counts["train"] < MIN_TRAIN_GENERATIONS or counts["test"] < 1:
         fail(

@@ -274,14 +274,17 @@ def test_serve_env_sets_a_kv_cache_that_fits_on_cpu_only():
     assert vs.serve_env({}, [], on_cpu=True, available_bytes=64 * gib) == {
         "VLLM_CPU_KVCACHE_SPACE": "4",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",  # the weights on huge pages (engines.vllm.hugepages)
     }
     assert vs.serve_env({}, [], on_cpu=True, available_bytes=10 * gib)["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert vs.serve_env({}, [], on_cpu=True, available_bytes=gib)["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert vs.cpu_kvcache_gib(None) == 1
     user = {"VLLM_CPU_KVCACHE_SPACE": "7", "VLLM_CPU_OMP_THREADS_BIND": "0-3"}
+    assert vs.serve_env(user, [], on_cpu=True, available_bytes=64 * gib) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    user["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=0"  # the user's own choice is kept
     assert vs.serve_env(user, [], on_cpu=True, available_bytes=64 * gib) == {}
     sized = vs.serve_env({}, ["--kv-cache-memory-bytes=1000000"], on_cpu=True, available_bytes=64 * gib)
-    assert sized == {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert sized == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
     avail = vs.available_memory_bytes()
     assert avail is None or avail > 0
 
@@ -302,7 +305,8 @@ def test_print_command_names_the_environment_on_a_cpu_install(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     line = _printed(["--policy", "none", "--models", "small-moe-v1", "--print-command"])
     assert line.startswith("VLLM_CPU_KVCACHE_SPACE=")
-    assert f"VLLM_CPU_OMP_THREADS_BIND=nobind {sys.executable} -m {vs.LAUNCHER_MODULE} --model " in line
+    assert "VLLM_CPU_OMP_THREADS_BIND=nobind " in line
+    assert f"GLIBC_TUNABLES=glibc.malloc.hugetlb=1 {sys.executable} -m {vs.LAUNCHER_MODULE} --model " in line
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
     line = _printed(["--policy", "none", "--models", "small-moe-v1", "--print-command"])
     assert "VLLM_CPU_KVCACHE_SPACE" not in line
