@@ -69,6 +69,11 @@ def test_the_engines_weights_are_on_huge_pages(backend):
         pytest.skip(f"transparent huge pages are {hugepages.thp_mode()!r} on this machine")
     model = hugepages.engine_models(backend.llm)[0]
     big = max(model.parameters(), key=lambda t: t.untyped_storage().nbytes())
-    assert big.untyped_storage().nbytes() >= 4 * hugepages.HUGE  # the check needs whole huge pages inside
-    kb = hugepages.huge_kb_at(big.untyped_storage().data_ptr())
-    assert kb is not None and kb * 1024 >= 2 * hugepages.HUGE, kb
+    assert big.untyped_storage().nbytes() >= 2 * hugepages.HUGE  # it holds at least one whole huge page
+    ptr = big.untyped_storage().data_ptr()
+    path = hugepages.mapping_path(ptr)
+    if path:  # a float32 checkpoint is mmap'd as is: page cache, not the anonymous memory advised here
+        pytest.skip(f"the weights are mapped from {path}, not copied into anonymous memory")
+    first = -(-ptr // hugepages.HUGE) * hugepages.HUGE  # its first whole huge page (madvise splits the mapping there)
+    kb = hugepages.huge_kb_at(first)
+    assert kb is not None and kb * 1024 >= hugepages.HUGE, kb

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from specenv.engines.vllm.hugepages import backing, with_hugepages
+from specenv.engines.vllm.hugepages import advise_engine, backing, with_hugepages
 
 #: Environment of an engine process on CPU (each set only when the caller has not set it).
 ENGINE_ENV = {
@@ -375,6 +375,7 @@ def worker_main(cfg_json: str, make_policy: PolicyFactory | None = None) -> None
     try:
         t0 = time.perf_counter()
         llm = build_llm(cfg)
+        advise_engine(llm)  # the weights as the started engine holds them, on huge pages
         startup = time.perf_counter() - t0
     except Exception as exc:
         answer({"error": f"engine start failed: {type(exc).__name__}: {exc}"})

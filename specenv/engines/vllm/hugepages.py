@@ -180,6 +180,20 @@ def huge_kb_at(address: int, pid: int | str = "self") -> int | None:
     return None
 
 
+def mapping_path(address: int, pid: int | str = "self") -> str | None:
+    """The file a process's mapping holding ``address`` maps ("" for anonymous memory, None: no mapping)."""
+    try:
+        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(None, 5)
+        lo, _, hi = parts[0].partition("-")
+        if int(lo, 16) <= address < int(hi, 16):
+            return parts[5].strip() if len(parts) > 5 and not parts[5].startswith("[") else ""
+    return None
+
+
 def backing(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """What a manifest or an A/B document records about the engines' pages."""
     env = os.environ if environ is None else environ

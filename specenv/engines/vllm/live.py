@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specenv.engines.base import BackendConfig, RoundResult, run_fixed_k
+from specenv.engines.vllm.hugepages import advise_engine
 from specenv.engines.vllm.settings import SpecenvSettings, engine_kwargs
 
 if TYPE_CHECKING:
@@ -116,6 +117,9 @@ class VLLMBackend:
         self._seed = int(seed)
         settings = settings if settings is not None else SpecenvSettings(record=record)
         self.llm = LLM(**_llm_kwargs(dirs, self.kmax, dtype, seed, settings, llm_kwargs))
+        # again once the engine is up: its start (profile run, kernel warm-up) may repack the weights
+        # the loader advised (specenv.engines.vllm.hugepages)
+        advise_engine(self.llm)
         self.engine = self.llm.llm_engine
         self.controller = self.engine.engine_core.engine_core.scheduler
         if self.controller.tap is None:
