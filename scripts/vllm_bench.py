@@ -137,8 +137,10 @@ def floor(args: argparse.Namespace) -> None:
     controller that verifies nothing still pays it. Configurations (each in a fresh process, interleaved
     ``--rounds`` times): ``plain`` (no speculation, stock scheduler), ``plain+controller`` (no
     speculation, the controller and tap: its own cost), ``k=0, draft 0`` (one draft token allowed, the
-    policy always 0, draft horizon ``policy``: the drafter runs its first forward only) and ``k=0,
-    draft 1`` (horizon ``max``: the drafter also samples the one token that is then cut). Every step
+    policy always 0, draft horizon ``policy``, the lazy drafter off: the drafter runs its first forward
+    only), ``k=0, lazy draft`` (the same with the lazy drafter, :mod:`specenv.engines.vllm.lazydraft`:
+    no draft forward at all) and ``k=0, draft 1`` (horizon ``max``: the drafter also samples the one
+    token that is then cut). Every step
     emits one token per request, so ms per step = batch / tokens per second.
     """
     out = Path(args.out)
@@ -156,7 +158,8 @@ def floor(args: argparse.Namespace) -> None:
     configs = {
         "plain": {**base, "k": 0, "controller": False},
         "plain+controller": {**base, "k": 0},
-        "k=0, draft 0": {**base, "k": 1, "policy": pol, "settings": {"draft_horizon": "policy"}},
+        "k=0, draft 0": {**base, "k": 1, "policy": pol, "settings": {"draft_horizon": "policy", "lazy_draft": False}},
+        "k=0, lazy draft": {**base, "k": 1, "policy": pol, "settings": {"draft_horizon": "policy"}},
         "k=0, draft 1": {**base, "k": 1, "policy": pol},
     }
     res: dict[str, list[dict[str, Any]]] = {}
@@ -302,7 +305,7 @@ def main() -> None:
     f.add_argument("--prompts", type=int, default=8)
     f.add_argument("--tokens", type=int, default=64)
     f.add_argument("--reps", type=int, default=2)
-    f.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of the four processes")
+    f.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of the five processes")
     s = sub.add_parser("speedup", help="delta-space rule vs fixed k vs plain decoding, B = 1")
     s.add_argument("--out", required=True)
     s.add_argument("--models", default="small-moe-v1")

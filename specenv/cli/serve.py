@@ -112,7 +112,7 @@ def _vllm_args(args: list[str], have_models: bool) -> list[str]:
             "no vLLM arguments: give --models small-moe-v1 (see specenv models), or your model after --, e.g. "
             'specenv serve --policy P -- MODEL --speculative-config \'{"method": "draft_model", ...}\''
         )
-    for flag in ("--scheduler-cls", "--async-scheduling", "--additional-config", "--load-format"):
+    for flag in ("--scheduler-cls", "--async-scheduling", "--additional-config", "--load-format", "--worker-cls"):
         if any(a == flag or a.startswith(flag + "=") for a in args):
             fail(f"{flag}: set by specenv serve, do not pass it to vLLM")
     return args

@@ -32,6 +32,8 @@ from specenv.engines.vllm.hugepages import with_hugepages
 TESTED_VLLM = "0.32.0"
 #: Import path of the scheduler class (``--scheduler-cls``).
 SCHEDULER_CLS = "specenv.engines.vllm.controller.SpecControlScheduler"
+#: ``worker_cls`` of the lazy drafter (:mod:`specenv.engines.vllm.lazydraft`; a string: importing it needs vLLM).
+LAZY_WORKER_CLS = "specenv.engines.vllm.lazydraft.LazyDraftCPUWorker"
 #: Key in ``additional_config``.
 CONFIG_KEY = "specenv"
 DRAFT_HORIZONS = ("max", "policy")
@@ -86,6 +88,11 @@ class SpecenvSettings:
             k is capped and counted (``capped``).
         record_tokens: Also record each round's verified token ids (for checks against another
             engine; makes the recording larger).
+        lazy_draft: Skip the drafter's forward in a step that drafts nothing for any request (every
+            request at k = 0, as ``draft_horizon="policy"`` asks when the policy wants no draft) and catch
+            the skipped tokens up in one draft prefill when the drafter next runs
+            (:mod:`specenv.engines.vllm.lazydraft`; CPU V1 runner, ``method="draft_model"``; elsewhere
+            vLLM's drafter runs every step, as without it).
     """
 
     policy: str | None = None
@@ -100,6 +107,7 @@ class SpecenvSettings:
     cost_model: str | None = None
     draft_horizon: str = "max"
     record_tokens: bool = False
+    lazy_draft: bool = True
 
     def __post_init__(self) -> None:
         if self.draft_horizon not in DRAFT_HORIZONS:
@@ -168,7 +176,18 @@ def engine_kwargs(settings: SpecenvSettings | None = None, tap: bool = True, **o
     }
     if tap or s.record is not None:
         kw["load_format"] = "specenv"
+    if s.lazy_draft and _cpu_platform():
+        kw["worker_cls"] = LAZY_WORKER_CLS
     return kw
+
+
+def _cpu_platform() -> bool:
+    """Whether vLLM runs on the CPU here (the lazy drafter's worker is the CPU V1 worker)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # pragma: no cover - settings are also built without vLLM (CLI checks)
+        return False
+    return bool(current_platform.is_cpu())
 
 
 def serve_args(settings: SpecenvSettings, tap: bool = True) -> list[str]:
@@ -182,6 +201,8 @@ def serve_args(settings: SpecenvSettings, tap: bool = True) -> list[str]:
     ]
     if tap or settings.record is not None:
         args += ["--load-format", "specenv"]
+    if settings.lazy_draft and _cpu_platform():
+        args += ["--worker-cls", LAZY_WORKER_CLS]
     return args
 
 
