@@ -1,0 +1,124 @@
+"""The draft floor, measured in one process: plain decoding vs a k = 0 controller, eager and lazy drafter.
+
+A controller that verifies nothing still pays vLLM's drafter in every step (its first forward "keeps the
+drafter KV cache in sync"); :mod:`specenv.engines.vllm.lazydraft` skips that forward when no request of
+the step drafts. Per batch size, this script builds in one process a plain engine (no speculation,
+stock scheduler) and a controller engine (``num_speculative_tokens = 1``, a policy that always answers
+k = 0, ``draft_horizon="policy"``), and decodes the same prompts (greedy, ``ignore_eos``) on three arms,
+interleaved with the order rotated every repeat:
+
+* ``plain``: the plain engine;
+* ``k=0 eager``: the controller engine with the drafter run every step (vLLM's behaviour);
+* ``k=0 lazy``: the same engine with the lazy drafter (the proposer's ``lazy`` flag, same weights).
+
+Prints per arm the median ms per output token and the throughput ratio to plain with a 95% bootstrap
+interval over the repeats x request groups (paired: every cell ran all arms back to back), checks the
+outputs are identical, and the load average. Both drafter modes are the same engine, so the lazy/eager
+comparison is free of engine-to-engine spread.
+
+Usage (the vLLM environment)::
+
+    python scripts/draft_floor.py                                  # small-moe-v1, batch 1 and 8
+    python scripts/draft_floor.py --models wide-moe-v1 --batch 1,4,8 --repeats 5 --out floor.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="small-moe-v1")
+    ap.add_argument("--batch", default="1,8", help="comma-separated batch sizes (max_num_seqs)")
+    ap.add_argument("--prompts", type=int, default=0, help="prompts per pass (default: 2 x batch)")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    for k, v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}.items():
+        os.environ.setdefault(k, v)
+    from specenv.engines.vllm.bench import ENGINE_ENV
+
+    for k, v in ENGINE_ENV.items():
+        os.environ.setdefault(k, v)
+
+    import numpy as np
+    from vllm import SamplingParams, TokensPrompt
+
+    from policies.heuristics import FixedK
+    from specenv.engines.vllm.bench import build_llm, encode_prompts, scheduler_of
+    from specenv.engines.vllm.lazydraft import LazyDraftProposer
+    from specenv.observation.single import ObservationSpec
+    from specenv.stats import bootstrap_ratio_ci
+
+    results = []
+    for batch in [int(b) for b in args.batch.split(",")]:
+        n = args.prompts or 2 * batch
+        base = {"models": args.models, "max_num_seqs": batch}
+        plain = build_llm({**base, "k": 0, "controller": False})
+        ctl_llm = build_llm({**base, "k": 1, "settings": {"draft_horizon": "policy"}})
+        ctl = scheduler_of(ctl_llm)
+        ctl.set_policy(FixedK(ObservationSpec(kmax=1, max_new_tokens=args.tokens, n_experts=ctl.n_experts), 0))
+        worker = ctl_llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+        drafter = worker.model_runner.drafter
+        if not isinstance(drafter, LazyDraftProposer):
+            raise SystemExit(f"the controller engine's drafter is {type(drafter).__name__}, not the lazy one")
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in encode_prompts(args.models, list(range(n)))]
+        sp = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+
+        def arm_run(name: str) -> tuple[float, list[list[int]]]:
+            llm = plain if name == "plain" else ctl_llm
+            drafter.lazy = name == "k=0 lazy"
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+
+        arms = ["plain", "k=0 eager", "k=0 lazy"]
+        for a in arms:  # warm-up
+            arm_run(a)
+        walls: dict[str, list[float]] = {a: [] for a in arms}
+        outputs: dict[str, list[list[int]]] = {}
+        skipped0 = drafter.stats["skipped"]
+        for rep in range(args.repeats):
+            for j in range(len(arms)):
+                a = arms[(j + rep) % len(arms)]
+                wall, out = arm_run(a)
+                walls[a].append(wall)
+                outputs.setdefault(a, out)
+        same = all(outputs[a] == outputs["plain"] for a in arms)
+        tokens = n * args.tokens
+        row = {"batch": batch, "prompts": n, "tokens": args.tokens, "repeats": args.repeats, "identical": same}
+        row["skipped_steps"] = drafter.stats["skipped"] - skipped0
+        p = np.asarray(walls["plain"])
+        for a in arms:
+            w = np.asarray(walls[a])
+            ci = bootstrap_ratio_ci(p, w)["pooled"]  # plain time / arm time = the arm's speed vs plain
+            row[a] = {"ms_per_token": 1e3 * float(np.median(w)) * batch / tokens, "vs_plain": ci, "walls": w.tolist()}
+        results.append(row)
+        del plain, ctl_llm, ctl, worker, drafter
+        import gc
+
+        gc.collect()
+    load = os.getloadavg()
+    print(f"{args.models}, greedy, {args.tokens} tokens, {args.repeats} interleaved repeats; load {load[0]:.1f}")
+    print("| batch | arm | ms per step (median) | speed vs plain [95% CI] | outputs identical | skipped draft steps |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        for a in ("plain", "k=0 eager", "k=0 lazy"):
+            c = r[a]["vs_plain"]
+            sk = r["skipped_steps"] if a == "k=0 lazy" else ""
+            print(
+                f"| {r['batch']} | {a} | {r[a]['ms_per_token']:.3f} | {c['value']:.3f} [{c['low']:.3f}, {c['high']:.3f}]"
+                f" | {r['identical']} | {sk} |"
+            )
+    if args.out:
+        Path(args.out).write_text(json.dumps({"rows": results, "load": load, "args": vars(args)}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
