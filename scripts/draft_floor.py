@@ -30,6 +30,66 @@ import os
 import time
 from pathlib import Path
 
+ARMS = ("plain", "k=0 eager", "k=0 lazy")
+
+
+def _timed(llm, prompts, sp) -> tuple[float, list[list[int]]]:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def measure(batch: int, args: argparse.Namespace) -> dict:
+    """One batch size: the three arms interleaved, as the module docstring says."""
+    import numpy as np
+    from vllm import SamplingParams, TokensPrompt
+
+    from policies.heuristics import FixedK
+    from specenv.engines.vllm.bench import build_llm, encode_prompts, scheduler_of
+    from specenv.engines.vllm.lazydraft import LazyDraftProposer
+    from specenv.observation.single import ObservationSpec
+    from specenv.stats import bootstrap_ratio_ci
+
+    n = args.prompts or 2 * batch
+    base = {"models": args.models, "max_num_seqs": batch}
+    plain = build_llm({**base, "k": 0, "controller": False})
+    ctl_llm = build_llm({**base, "k": 1, "settings": {"draft_horizon": "policy"}})
+    ctl = scheduler_of(ctl_llm)
+    ctl.set_policy(FixedK(ObservationSpec(kmax=1, max_new_tokens=args.tokens, n_experts=ctl.n_experts), 0))
+    worker = ctl_llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    drafter = worker.model_runner.drafter
+    if not isinstance(drafter, LazyDraftProposer):
+        raise SystemExit(f"the controller engine's drafter is {type(drafter).__name__}, not the lazy one")
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in encode_prompts(args.models, list(range(n)))]
+    sp = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    engines = {"plain": plain, "k=0 eager": ctl_llm, "k=0 lazy": ctl_llm}
+
+    def arm_run(name: str) -> tuple[float, list[list[int]]]:
+        drafter.lazy = name == "k=0 lazy"
+        return _timed(engines[name], prompts, sp)
+
+    for a in ARMS:  # warm-up
+        arm_run(a)
+    walls: dict[str, list[float]] = {a: [] for a in ARMS}
+    outputs: dict[str, list[list[int]]] = {}
+    skipped0 = drafter.stats["skipped"]
+    for rep in range(args.repeats):
+        for j in range(len(ARMS)):
+            a = ARMS[(j + rep) % len(ARMS)]
+            wall, out = arm_run(a)
+            walls[a].append(wall)
+            outputs.setdefault(a, out)
+    tokens = n * args.tokens
+    row: dict = {"batch": batch, "prompts": n, "tokens": args.tokens, "repeats": args.repeats}
+    row["identical"] = all(outputs[a] == outputs["plain"] for a in ARMS)
+    row["skipped_steps"] = drafter.stats["skipped"] - skipped0
+    p = np.asarray(walls["plain"])
+    for a in ARMS:
+        w = np.asarray(walls[a])
+        ci = bootstrap_ratio_ci(p, w)["pooled"]  # plain time / arm time = the arm's speed vs plain
+        row[a] = {"ms_per_token": 1e3 * float(np.median(w)) * batch / tokens, "vs_plain": ci, "walls": w.tolist()}
+    return row  # the engines go with this frame (main collects)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -47,75 +107,22 @@ def main() -> None:
     for k, v in ENGINE_ENV.items():
         os.environ.setdefault(k, v)
 
-    import numpy as np
-    from vllm import SamplingParams, TokensPrompt
-
-    from policies.heuristics import FixedK
-    from specenv.engines.vllm.bench import build_llm, encode_prompts, scheduler_of
-    from specenv.engines.vllm.lazydraft import LazyDraftProposer
-    from specenv.observation.single import ObservationSpec
-    from specenv.stats import bootstrap_ratio_ci
+    import gc
 
     results = []
-    for batch in [int(b) for b in args.batch.split(",")]:
-        n = args.prompts or 2 * batch
-        base = {"models": args.models, "max_num_seqs": batch}
-        plain = build_llm({**base, "k": 0, "controller": False})
-        ctl_llm = build_llm({**base, "k": 1, "settings": {"draft_horizon": "policy"}})
-        ctl = scheduler_of(ctl_llm)
-        ctl.set_policy(FixedK(ObservationSpec(kmax=1, max_new_tokens=args.tokens, n_experts=ctl.n_experts), 0))
-        worker = ctl_llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
-        drafter = worker.model_runner.drafter
-        if not isinstance(drafter, LazyDraftProposer):
-            raise SystemExit(f"the controller engine's drafter is {type(drafter).__name__}, not the lazy one")
-        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in encode_prompts(args.models, list(range(n)))]
-        sp = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-
-        def arm_run(name: str) -> tuple[float, list[list[int]]]:
-            llm = plain if name == "plain" else ctl_llm
-            drafter.lazy = name == "k=0 lazy"
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, sp, use_tqdm=False)
-            return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
-
-        arms = ["plain", "k=0 eager", "k=0 lazy"]
-        for a in arms:  # warm-up
-            arm_run(a)
-        walls: dict[str, list[float]] = {a: [] for a in arms}
-        outputs: dict[str, list[list[int]]] = {}
-        skipped0 = drafter.stats["skipped"]
-        for rep in range(args.repeats):
-            for j in range(len(arms)):
-                a = arms[(j + rep) % len(arms)]
-                wall, out = arm_run(a)
-                walls[a].append(wall)
-                outputs.setdefault(a, out)
-        same = all(outputs[a] == outputs["plain"] for a in arms)
-        tokens = n * args.tokens
-        row = {"batch": batch, "prompts": n, "tokens": args.tokens, "repeats": args.repeats, "identical": same}
-        row["skipped_steps"] = drafter.stats["skipped"] - skipped0
-        p = np.asarray(walls["plain"])
-        for a in arms:
-            w = np.asarray(walls[a])
-            ci = bootstrap_ratio_ci(p, w)["pooled"]  # plain time / arm time = the arm's speed vs plain
-            row[a] = {"ms_per_token": 1e3 * float(np.median(w)) * batch / tokens, "vs_plain": ci, "walls": w.tolist()}
-        results.append(row)
-        del plain, ctl_llm, ctl, worker, drafter
-        import gc
-
+    for b in args.batch.split(","):
+        results.append(measure(int(b), args))
         gc.collect()
     load = os.getloadavg()
     print(f"{args.models}, greedy, {args.tokens} tokens, {args.repeats} interleaved repeats; load {load[0]:.1f}")
     print("| batch | arm | ms per step (median) | speed vs plain [95% CI] | outputs identical | skipped draft steps |")
     print("|---|---|---|---|---|---|")
     for r in results:
-        for a in ("plain", "k=0 eager", "k=0 lazy"):
+        for a in ARMS:
             c = r[a]["vs_plain"]
             sk = r["skipped_steps"] if a == "k=0 lazy" else ""
-            print(
-                f"| {r['batch']} | {a} | {r[a]['ms_per_token']:.3f} | {c['value']:.3f} [{c['low']:.3f}, {c['high']:.3f}]"
-                f" | {r['identical']} | {sk} |"
-            )
+            ci = f"{c['value']:.3f} [{c['low']:.3f}, {c['high']:.3f}]"
+            print(f"| {r['batch']} | {a} | {r[a]['ms_per_token']:.3f} | {ci} | {r['identical']} | {sk} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"rows": results, "load": load, "args": vars(args)}, indent=2))
 
