@@ -100,7 +100,7 @@ class Server:
     """One ``specenv serve`` (or stock vLLM) process on loopback, its log in a file; started in a new session.
 
     Args:
-        argv: The command (from :func:`serve_command` / :func:`plain_command`); ``--port`` is appended.
+        argv: The command (from :func:`serve_command` / :func:`stock_command`); ``--port`` is appended.
         log: Log file.
         env: Environment (default this process's, less ``VLLM_ENABLE_V1_MULTIPROCESSING``).
         extra_env: Variables set on top of ``env`` (e.g. :func:`stock_env`).
