@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -29,11 +25,8 @@ from specenv.policy.mlp import MLPPolicy  # noqa: E402
 from specenv.traces.schema import validate_rounds  # noqa: E402
 from specenv.traces.traceset import TraceSet  # noqa: E402
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scripts.load_test import Server  # noqa: E402  - the server process of the load test, on loopback
 
 
 def post(port: int, body: dict, timeout: float = 120) -> dict:
@@ -44,21 +37,6 @@ def post(port: int, body: dict, timeout: float = 120) -> dict:
     )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
-
-
-def wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float = 600) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}:\n{log.read_text()[-12000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"server not ready after {timeout} s:\n{log.read_text()[-4000:]}")
 
 
 def test_serve_records_and_sigkill_leaves_only_complete_parts(model_dirs, plain_reference, tmp_path):
@@ -72,7 +50,7 @@ def test_serve_records_and_sigkill_leaves_only_complete_parts(model_dirs, plain_
         spec,
         [(rng.normal(size=(spec.dim, 8)), rng.normal(size=8)), (rng.normal(size=(8, KMAX + 1)), np.zeros(KMAX + 1))],
     ).save(tmp_path / "policy")
-    rec, port, log = tmp_path / "rec", free_port(), tmp_path / "server.log"
+    rec = tmp_path / "rec"
     specenv_bin = Path(sys.executable).parent / "specenv"
     cmd = [
         str(specenv_bin),
@@ -96,18 +74,13 @@ def test_serve_records_and_sigkill_leaves_only_complete_parts(model_dirs, plain_
         "2",
         "--seed",
         "0",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
         "--speculative-config",
         json.dumps({"method": "draft_model", "model": str(model_dirs.draft), "num_speculative_tokens": KMAX}),
     ]
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # engine core spawned
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    srv = Server(cmd, tmp_path / "server.log")  # its engine core in a process of its own, as deployed
+    port = srv.port
     try:
-        wait_ready(proc, port, log)
+        srv.wait_ready(timeout=600)
         # lossless through the server: greedy completions equal plain greedy vLLM
         for p in PROMPTS[:2]:
             out = post(
@@ -151,13 +124,10 @@ def test_serve_records_and_sigkill_leaves_only_complete_parts(model_dirs, plain_
         while len(recording_status(rec)["parts"]) < 4 and time.monotonic() - t0 < 180:
             time.sleep(0.2)
         time.sleep(0.35)  # land somewhere inside the next part
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        srv.kill()  # SIGKILL to the whole process group
         stop.set()
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        srv.kill()
     time.sleep(1.0)  # let the killed engine-core process disappear
 
     st = recording_status(rec)
