@@ -162,16 +162,20 @@ def test_sb3_trial_takes_every_hyper_parameter_of_its_space(tmp_path: Path) -> N
     assert (hp["ent_coef"], hp["gamma"], hp["learning_rate"]) == (0.003, 0.95, 0.0007)
 
 
-def test_tune_writes_result_grid_csv_and_parquet(cluster, tmp_path: Path) -> None:
+def test_tune_writes_result_grid_csv_and_parquet(cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import pyarrow.parquet as pq
 
     out = tmp_path / "tune"
-    best = json.loads(
-        _ok(
-            ["tune", "--algo", "imitation", "--samples", "2", "--iterations", "1", "--episodes", "1"]
-            + ["--out", str(out), "--quiet", "--json"]
-        )
+    monkeypatch.setenv("SPECENV_PROGRESS_INTERVAL", "0.2")
+    res = runner.invoke(
+        app,
+        ["tune", "--algo", "imitation", "--samples", "2", "--iterations", "1", "--episodes", "1"]
+        + ["--out", str(out), "--json"],
     )
+    assert res.exit_code == 0, res.output
+    best = json.loads(res.stdout)
+    # the trials are counted as Tune ends them (a callback in the driver): the count, then the closing line
+    assert "tune: 2/2 trials, done in" in res.stderr, res.stderr[-2000:]
     table = pq.read_table(out / "results.parquet").to_pandas()
     csv = (out / "results.csv").read_text().splitlines()
     assert len(table) == 2 and len(csv) == 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,16 +55,15 @@ def pathwise_costs(
     u = np.asarray(uniforms, dtype=np.float64)[:N]
     # V[t, j]: least charge from position t at round j (j <= t); V[N, :] = 0
     V = np.zeros((N + 1, N + 1))
+    ks = np.arange(K + 1)
     for t in range(N - 1, -1, -1):
         j = np.arange(t + 1)
         # accepted drafts for each k and each round j: count of leading u_j < S[t, i]
         passes = u[j][:, None] < S[t][None, :]  # (t+1, K)
         lead = np.cumprod(passes, axis=1).sum(axis=1)  # leading run length (0..K)
-        best = np.full(t + 1, np.inf)
-        for k in range(K + 1):
-            a = np.minimum(np.minimum(lead, k), N - t - 1)
-            val = C[t, k] + V[t + a + 1, j + 1]
-            np.minimum(best, val, out=best)
+        # every budget at once: (t+1, K+1) accepted drafts, then the least charge over k (a minimum: exact)
+        a = np.minimum(np.minimum(lead[:, None], ks[None, :]), N - t - 1)
+        best = (C[t][None, :] + V[t + a + 1, j[:, None] + 1]).min(axis=1)
         if exit is not None:
             np.minimum(best, exit[t, : t + 1], out=best)
         V[t, : t + 1] = best
@@ -143,6 +143,7 @@ def batch_bound(
     seeds: np.ndarray,
     pathwise: bool = True,
     method: str = "lagrangian",
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> BatchBound:
     """The expected and pathwise bounds of the episodes with these request seeds.
 
@@ -162,6 +163,7 @@ def batch_bound(
         method: ``"lagrangian"`` (default): per episode the larger of the split rule's bound and the
             Lagrangian splits' (:func:`lagrangian_costs`), so never looser than ``"linear"``, the split
             rule alone (:func:`expected_costs`, the bound before the Lagrangian splits).
+        progress: ``progress(done, total, what)`` as each request's pathwise bound ends (the long part).
 
     Returns:
         The :class:`BatchBound`.
@@ -187,6 +189,8 @@ def batch_bound(
         if arrays.greedy:
             paths, linear_paths = expected.copy(), linear_expected.copy()
         else:
+            total = len(charges) * len({int(s) for s in seeds.ravel()})
+            done = 0
             for cf, ct, switch in charges:  # every pair of valid charges bounds every episode: keep the larger
                 pf = np.empty((E, R))
                 pt = np.empty((E, R))
@@ -202,6 +206,9 @@ def batch_bound(
                                 memo[key] = (vf, min(vf, pathwise_costs(arrays, cf, g, u, exit=vt)))
                             else:
                                 memo[key] = (vf, pathwise_costs(arrays, ct, g, u))
+                            done += 1
+                            if progress is not None:
+                                progress(done, total, "pathwise bound" + (" (lagrangian)" if switch else ""))
                         pf[e, r], pt[e, r] = memo[key]
                 cand = _episode_costs(pf, pt, B)
                 paths = cand if paths is None else np.maximum(paths, cand)

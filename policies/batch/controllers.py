@@ -46,7 +46,7 @@ from specenv.cost.batch import BatchCostModel
 from specenv.observation.batch import BatchObservationSpec
 from specenv.observation.single import ObsView
 from specenv.policy.base import BatchStep, act_batch_obs
-from specenv.replay.batch import allocate_budget
+from specenv.replay.batch import allocate_budgets
 
 __all__ = [
     "AdaptiveVerificationBatch",
@@ -245,7 +245,7 @@ class AdaptiveVerificationBatch(_CostBatch):
         drafted = np.full(n, h, dtype=np.int64)
         flat = np.sort(scores.ravel())[::-1]
         gain = n + np.concatenate([[0.0], np.cumsum(flat)])
-        ks = np.stack([allocate_budget(scores, b) for b in range(n * h + 1)])
+        ks = allocate_budgets(scores)  # allocate_budget(scores, b) for every b = 0..n h
         val = gain / self.step_ms_many(ks, drafted, ctx)
         return ks[int(np.argmax(val))]
 

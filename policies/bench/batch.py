@@ -46,6 +46,7 @@ from policies.bench.runner import Progress, run_family
 from policies.bench.stats import pooled_ci
 from policies.delta import DeltaSpaceRule
 from specenv.envs.batch import MoESpecBatchEnv
+from specenv.replay.batch import FixedBudgetEpisodes
 from specenv.stats import bootstrap_indices
 
 __all__ = ["LEARNERS", "VLLM_RULES", "BatchFamily", "run_batch_benchmark"]
@@ -97,8 +98,11 @@ class BatchFamily:
     closing: str | None = "bound"
     notes: list[str] = field(default_factory=list)
     block_envs: dict[int, MoESpecBatchEnv] = field(default_factory=dict)
-    #: ``fit_progress(done, total, what)`` as each fit on train ends (the DSD table, the block rules' h).
+    #: ``fit_progress(done, total, what)`` as each fit on train ends: ``what`` is ``DSD table n=N`` or ``block
+    #: rule h=H``, each part counted from 0 to its own total.
     fit_progress: Progress | None = None
+    #: ``bound_progress(done, total, what)`` as each request's pathwise bound ends (:func:`oracle.batch.batch_bound`).
+    bound_progress: Progress | None = None
 
     def __post_init__(self) -> None:
         self.env_none = self.env_for("none")
@@ -132,20 +136,18 @@ class BatchFamily:
 
         # the block rules: vLLM drafts num_speculative_tokens = h for the whole batch; h is tuned on train
         grid = sorted({h for h in (1, 2, 3, 4, 6, K) if 1 <= h <= K})
-        fits = [0, self.batch_size * (K + 1) + 2 * len(grid)]  # done, total: the fits on train below
+        # done, total of the fits on train below, by part (each its own count and ETA: their items differ)
+        fits = {"DSD table": [0, self.batch_size * (K + 1)], "block rule": [0, 2 * len(grid)]}
 
         def fitted(what: str) -> None:
-            fits[0] += 1
+            count = fits[what.split(" ")[0] + " " + what.split(" ")[1]]
+            count[0] += 1
             if self.fit_progress is not None:
-                self.fit_progress(fits[0], fits[1], what)
+                self.fit_progress(count[0], count[1], what)
 
-        # the dynamic-SD table: best fixed k per batch size on train episodes
-        def dsd_score(n: int, k: int) -> float:
-            env = self.env_for("none", "train", n)
-            res = _episodes(env, FixedBatch(env.spec_batch, k), train_seeds)
-            fitted(f"DSD table n={n}")
-            return float(res["ar"].sum() / res["cost"].sum())
-
+        # the dynamic-SD table: best fixed k per batch size on train episodes, the episodes of every fixed k
+        # computed without stepping (FixedBudgetEpisodes: the environment's figures, B (K+1) episodes each)
+        dsd_score = self._dsd_scores(train_seeds, fitted)
         self.schedule = fit_dsd_table(dsd_score, self.batch_size, K)
         up, rp = ctx.u_prior, ctx.rho_prior
 
@@ -203,6 +205,36 @@ class BatchFamily:
         if self.learners:
             rows += self._learned_rows(spec_none, h_tetris)
         return rows
+
+    def _dsd_scores(self, train_seeds: list[int], fitted: Callable[[str], None]) -> Callable[[int, int], float]:
+        """``score(n, k)`` of :func:`fit_dsd_table`: pooled train speedup of fixed k at batch size n.
+
+        The episodes are the train environment's of batch size n (reset with ``train_seeds``), as
+        stepping it with :class:`FixedBatch` gives them (:class:`FixedBudgetEpisodes`).
+        """
+        K = self.ctx.kmax
+        setting: dict[int, tuple[Any, int, str | None, list[list[int]]]] = {}
+        fixed: FixedBudgetEpisodes | None = None
+        for n in range(1, self.batch_size + 1):
+            env = self.env_for("none", "train", n)
+            seeds = [env.reset(seed=s)[1]["seeds"] for s in train_seeds]
+            setting[n] = (env.batch_cost, env.lookahead, env.drafting, seeds)
+            fixed = fixed or FixedBudgetEpisodes(env.data)
+        assert fixed is not None
+        every = [s for *_, seeds in setting.values() for episode in seeds for s in episode]
+        for k in range(K + 1):  # the requests' rounds at k, all at once
+            fixed.prepare(every, k)
+        ar: dict[int, np.ndarray] = {}  # the AR reference of the episodes of batch size n (any k)
+
+        def score(n: int, k: int) -> float:
+            model, h, mode, seeds = setting[n]
+            cost = np.array([fixed.episode(model, n, sd, k, h, mode)[0] for sd in seeds])
+            if n not in ar:
+                ar[n] = np.array([fixed.ar_ms(model, n, sd) for sd in seeds])
+            fitted(f"DSD table n={n}")
+            return float(ar[n].sum() / cost.sum())
+
+        return score
 
     def _learned_rows(self, spec_none: Any, h_tetris: int) -> list[BatchRow]:
         """The learned batch controllers of ``learner_rows``, trained on the train split."""
@@ -286,7 +318,15 @@ class BatchFamily:
         for r in runs[1:]:
             if not np.array_equal(r["seeds"], request_seeds):  # pragma: no cover - common random numbers
                 raise RuntimeError("batch bench: rows served different requests")
-        bb = batch_bound(arrays, self.env_none.data.L0, self.bcm, self.batch_size, request_seeds, pathwise=True)
+        bb = batch_bound(
+            arrays,
+            self.env_none.data.L0,
+            self.bcm,
+            self.batch_size,
+            request_seeds,
+            pathwise=True,
+            progress=self.bound_progress,
+        )
         path_speedup = bb.speedup_pathwise
         for row, res in zip(out, runs, strict=True):
             row["bound_violations"] = int(np.sum(res["ar"] / res["cost"] > path_speedup * (1 + 1e-9)))
@@ -343,6 +383,7 @@ def run_batch_benchmark(
     learner_rows: tuple[str, ...] = LEARNERS,
     progress: Progress | None = None,
     fit_progress: Progress | None = None,
+    bound_progress: Progress | None = None,
 ) -> BenchResult:
     """Run every batch controller on ``episodes`` held-out episodes beside the bound (module docstring).
 
@@ -360,6 +401,7 @@ def run_batch_benchmark(
         learner_rows: Which learned controllers to train with ``learners`` (:data:`LEARNERS`).
         progress: Called with ``(done, total, row name)``.
         fit_progress: Called with ``(done, total, what)`` as each fit on train (before the rows) ends.
+        bound_progress: Called with ``(done, total, what)`` as each request's pathwise bound (after the rows) ends.
 
     Returns:
         The :class:`~policies.bench.result.BenchResult` of family ``"batch"`` (``rows``: one dict per policy).
@@ -373,4 +415,5 @@ def run_batch_benchmark(
         ctx, batch_size, n_requests, episodes, seed, batch_cost, learners, ppo_timesteps, tuple(learner_rows), t0
     )
     family.fit_progress = fit_progress
+    family.bound_progress = bound_progress
     return run_family(family, progress)

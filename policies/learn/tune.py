@@ -32,6 +32,7 @@ import contextlib
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -136,8 +137,35 @@ def _trial(config: dict[str, Any], base: TrainRun, episodes: int, seed: int) -> 
     tune.report(validation_score(folder / "policy", run, episodes, seed))
 
 
+def _trials_progress(progress: Callable[[int, int, str], None], samples: int) -> Any:
+    """A Tune callback that reports every ended trial to ``progress`` (the CLI's count and ETA)."""
+    from ray.tune import Callback
+
+    class TrialsProgress(Callback):
+        def __init__(self) -> None:
+            self.ended = 0
+
+        def _ended(self, trial: Any, how: str) -> None:
+            self.ended += 1
+            progress(self.ended, samples, f"trial {trial.trial_id} {how}")
+
+        def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+            self._ended(trial, "done")
+
+        def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+            self._ended(trial, "failed")
+
+    return TrialsProgress()
+
+
 def run_tune(
-    base: TrainRun, out_dir: Path, samples: int, episodes: int = 2, seed: int = 0, cpus_per_trial: float = 1.0
+    base: TrainRun,
+    out_dir: Path,
+    samples: int,
+    episodes: int = 2,
+    seed: int = 0,
+    cpus_per_trial: float = 1.0,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> dict[str, Any]:
     """Search the hyper-parameters of ``base``'s learner; write the ResultGrid as CSV and Parquet.
 
@@ -150,6 +178,7 @@ def run_tune(
         episodes: Validation episodes per generation.
         seed: Seed of the random search and of the validation episodes.
         cpus_per_trial: CPUs Ray reserves per trial.
+        progress: ``progress(done, total, what)`` as each trial ends (completed or failed), in the driver.
 
     Returns:
         The content of ``best.json``.
@@ -183,7 +212,12 @@ def run_tune(
             num_samples=samples,
             search_alg=BasicVariantGenerator(random_state=seed),
         ),
-        run_config=tune.RunConfig(name=f"{base.name}", storage_path=str(out_dir / "ray_results"), verbose=0),
+        run_config=tune.RunConfig(
+            name=f"{base.name}",
+            storage_path=str(out_dir / "ray_results"),
+            verbose=0,
+            callbacks=[] if progress is None else [_trials_progress(progress, samples)],
+        ),
     )
     with contextlib.redirect_stdout(sys.stderr):  # Tune's tables go to stderr: stdout stays the command's
         grid = tuner.fit()

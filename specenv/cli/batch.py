@@ -139,10 +139,12 @@ def bench(
     try:
         with Progress("batch bench", unit="fits") as prog:
 
-            def in_phase(name: str, unit: str) -> Callable[[int, int, str], None]:
+            def in_phase(name: str, unit: str, by_part: bool = False) -> Callable[[int, int, str], None]:
                 def update(done: int, total: int, what: str) -> None:
-                    if prog.phase_name != name:
-                        prog.phase(name, total)
+                    # by_part: each part of the fits (``DSD table n=3``, ``block rule h=2``) is its own phase
+                    phase = f"{name} ({what.rsplit(' ', 1)[0]})" if by_part else name
+                    if prog.phase_name != phase:
+                        prog.phase(phase, total)
                         prog.unit = unit
                     prog.update(done, total, what)
 
@@ -158,7 +160,8 @@ def bench(
                 learners=not no_learners,
                 learner_rows=rows,
                 progress=in_phase("rows", "policies"),
-                fit_progress=in_phase("fit on train", "fits"),
+                fit_progress=in_phase("fit on train", "fits", by_part=True),
+                bound_progress=in_phase("bound", "request bounds"),
             )
     except ValueError as exc:
         fail(str(exc))

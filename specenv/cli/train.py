@@ -480,8 +480,10 @@ def tune(
     from policies.learn.tune import run_tune
 
     try:
-        with maybe_ray(ray or "local", ray_cpus):
-            best = run_tune(base, out_dir, samples, episodes=episodes, seed=seed)
+        with maybe_ray(ray or "local", ray_cpus), Progress("tune", total=samples, unit="trials") as prog:
+            best = run_tune(
+                base, out_dir, samples, episodes=episodes, seed=seed, progress=lambda d, t, w: prog.update(d, t, w)
+            )
     except ValueError as exc:
         fail(str(exc))
     if as_json:

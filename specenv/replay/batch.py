@@ -26,21 +26,30 @@ plain-decoding reference:
   (:func:`fitted_batch_cost`: the shipped ``live-vllm-batch-v1`` fit prices ``live-vllm``), else the scaled form
   :meth:`specenv.cost.batch.BatchCostModel.from_cost_model` of the set's single-request model
   (``"scaled"`` forces it; a path loads a batch-cost JSON);
-* **the global token budget rule** (:func:`allocate_budget`): vLLM adaptive verification's
-  ranking of (request, draft position) pairs by the draft's survival estimate, spending one budget
-  for the whole batch (the action of ``specenv/MoESpecBatchBudget-v0`` and the batch
-  adaptive-verification baseline).
+* **the global token budget rule** (:func:`allocate_budget`, every budget at once:
+  :func:`allocate_budgets`): vLLM adaptive verification's ranking of (request, draft position) pairs
+  by the draft's survival estimate, spending one budget for the whole batch (the action of
+  ``specenv/MoESpecBatchBudget-v0`` and the batch adaptive-verification baseline);
+* **episodes at one fixed budget** (:class:`FixedBudgetEpisodes`): when every request verifies the
+  same k at every step, a request's rounds do not depend on the others, so its positions are
+  computed once per (request, k) for many requests at once, the schedule from the rounds' counts,
+  and every step priced in one call per number of active requests. The figures are the
+  environment's own (the same numbers in the same operations; tests/test_batch_fixed_replay.py
+  compares them with stepping ``specenv/MoESpecBatch-v0``), at a small share of its cost: the
+  dynamic-SD table's fit (:func:`policies.batch.controllers.fit_dsd_table`) prices every fixed k at
+  every batch size 1..B on train episodes.
 """
 
 from __future__ import annotations
 
+import heapq
 import os
 from typing import Any
 
 import numpy as np
 
 from specenv.cost.batch import SHIPPED, BatchCostModel, load_batch_cost_model
-from specenv.cost.model import CostModel
+from specenv.cost.model import CostModel, drafted_tokens
 from specenv.io import package_data
 from specenv.replay.episode import draw
 from specenv.validation import read_json
@@ -48,7 +57,9 @@ from specenv.validation import read_json
 __all__ = [
     "BATCH_COSTS",
     "SEED_HIGH",
+    "FixedBudgetEpisodes",
     "allocate_budget",
+    "allocate_budgets",
     "ar_schedule_ms",
     "batch_cost_for",
     "fitted_batch_cost",
@@ -215,3 +226,158 @@ def allocate_budget(scores: np.ndarray, budget: int) -> np.ndarray:
     k = np.zeros(B, dtype=np.int64)
     np.add.at(k, order // h, 1)
     return k
+
+
+def allocate_budgets(scores: np.ndarray) -> np.ndarray:
+    """:func:`allocate_budget` of every budget ``0..B*h`` at once: row b is ``allocate_budget(scores, b)``.
+
+    The same ranking (one stable sort of the same running-minimum scores), so the same budgets; a
+    budget above the finite scores verifies all of them, as there.
+
+    Returns:
+        (B*h + 1, B) int64.
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    B, h = s.shape
+    flat = np.where(np.isfinite(s), s, -np.inf).ravel()
+    flat = np.minimum.accumulate(flat.reshape(B, h), axis=1).ravel()
+    usable = int(np.isfinite(flat).sum())
+    order = np.argsort(-flat, kind="stable")[:usable]
+    steps = np.zeros((B * h + 1, B), dtype=np.int64)
+    steps[np.arange(1, usable + 1), order // h] = 1
+    return np.cumsum(steps, axis=0)
+
+
+class FixedBudgetEpisodes:
+    """Episodes of ``specenv/MoESpecBatch-v0`` where every request verifies the same k (module docstring).
+
+    Built on the environment's replay tables (``env.data``); :meth:`episode` takes what else the
+    environment holds: its batch cost model, B, drafting mode and lookahead, and the R request seeds
+    of the episode (``reset``'s ``info["seeds"]``). The rounds of each (request seed, k) are computed
+    once and kept, so the episodes of many batch sizes that serve the same requests share them.
+
+    Args:
+        data: The replay tables (:class:`specenv.replay.tables.ReplayData`).
+    """
+
+    def __init__(self, data: Any):
+        self.data = data
+        self._draws: dict[int, tuple[int, np.ndarray]] = {}
+        #: (seed, k) -> the positions t of the request's rounds
+        self._rounds: dict[tuple[int, int], np.ndarray] = {}
+
+    def _draw(self, seed: int) -> tuple[int, np.ndarray]:
+        d = self._draws.get(seed)
+        if d is None:
+            d = self._draws[seed] = request_draws(seed, self.data.lengths)
+        return d
+
+    def prepare(self, seeds: Any, k: int) -> None:
+        """Compute the rounds of every request seed in ``seeds`` (an iterable of ints) at budget ``k``, all at once.
+
+        Round r of a request at position t accepts the leading run of ``u_r < P(a >= j | t)``,
+        ``j = 1..k`` (``Episode.play``), and commits ``min(a + 1, N - t)``.
+        """
+        k = int(k)
+        todo = sorted({int(s) for s in seeds if (int(s), k) not in self._rounds})
+        if not todo:
+            return
+        d = self.data
+        draws = [self._draw(s) for s in todo]
+        g = np.array([gg for gg, _ in draws], dtype=np.int64)
+        N = np.asarray(d.lengths, dtype=np.int64)[g]
+        if k == 0:  # one token a round
+            for s, n in zip(todo, N.tolist(), strict=True):
+                self._rounds[(s, 0)] = np.arange(n, dtype=np.int64)
+            return
+        row0 = np.asarray(d.offsets, dtype=np.int64)[g]
+        u = np.zeros((len(todo), int(N.max())))
+        for i, (_, uu) in enumerate(draws):
+            u[i, : len(uu)] = uu
+        surv = np.asarray(d.survival)[:, :k]
+        t = np.zeros(len(todo), dtype=np.int64)
+        alive = np.flatnonzero(N > 0)
+        visited: list[tuple[np.ndarray, np.ndarray]] = []  # per round: (requests alive, their t)
+        r = 0
+        while len(alive):
+            ta = t[alive]
+            passes = u[alive, r][:, None] < surv[row0[alive] + ta]
+            lead = np.cumprod(passes, axis=1).sum(axis=1)
+            visited.append((alive, ta))
+            t[alive] = ta + np.minimum(lead + 1, N[alive] - ta)
+            alive = alive[t[alive] < N[alive]]
+            r += 1
+        counts = np.zeros(len(todo), dtype=np.int64)
+        for idx, _ in visited:
+            counts[idx] += 1
+        ts = np.zeros((len(todo), int(counts.max(initial=0))), dtype=np.int64)
+        for j, (idx, ta) in enumerate(visited):
+            ts[idx, j] = ta
+        for i, s in enumerate(todo):
+            self._rounds[(s, k)] = ts[i, : counts[i]]
+
+    def episode(
+        self,
+        model: BatchCostModel,
+        batch_size: int,
+        seeds: Any,
+        k: int,
+        lookahead: int = 0,
+        drafting: str | None = "none",
+    ) -> tuple[float, int]:
+        """One episode with budget ``k`` for every request: ``(cost ms, steps)``, as the environment's info.
+
+        The episode's AR reference does not depend on k: :meth:`ar_ms`.
+
+        Args:
+            model: The environment's batch cost model.
+            batch_size: B, the slots.
+            seeds: (R,) the request seeds, in arrival order.
+            k: The budget of every request at every step.
+            lookahead: The environment's lookahead (the draft term of mode ``block``).
+            drafting: The environment's drafting mode.
+        """
+        d = self.data
+        seeds = [int(s) for s in np.asarray(seeds).ravel()]
+        self.prepare(seeds, k)
+        B = int(batch_size)
+        rounds = [self._rounds[(s, k)] for s in seeds]
+        gens = np.array([self._draw(s)[0] for s in seeds], dtype=np.int64)
+        # the schedule: a request starts at the step after its slot's last one ended, lowest free slot first
+        free = [(0, s) for s in range(min(B, len(seeds)))]
+        start = np.empty(len(seeds), dtype=np.int64)
+        slot = np.empty(len(seeds), dtype=np.int64)
+        for r, ts in enumerate(rounds):
+            step, s = heapq.heappop(free)
+            start[r], slot[r] = step, s
+            heapq.heappush(free, (step + len(ts), s))
+        n_steps = int(max(start[r] + len(ts) for r, ts in enumerate(rounds)))
+        U = np.zeros((n_steps, B))
+        ctx = np.zeros((n_steps, B), dtype=np.int64)
+        active = np.zeros((n_steps, B), dtype=bool)
+        Ucol = np.asarray(d.U)[:, k]
+        offsets = np.asarray(d.offsets, dtype=np.int64)
+        L0 = np.asarray(d.L0, dtype=np.int64)
+        for r, ts in enumerate(rounds):
+            a, s, g = int(start[r]), int(slot[r]), int(gens[r])
+            U[a : a + len(ts), s] = Ucol[offsets[g] + ts]
+            ctx[a : a + len(ts), s] = L0[g] + ts
+            active[a : a + len(ts), s] = True
+        m = active.sum(axis=1)
+        ctx_sum = ctx.sum(axis=1).astype(np.float64)
+        step_ms = np.empty(n_steps)
+        for n in np.unique(m).tolist():
+            sel = np.flatnonzero(m == n)
+            u_rows = U[sel][active[sel]].reshape(len(sel), n)  # the active slots' U, in slot order
+            u_batch = model.predict_u_batch_many(u_rows)
+            verify = model.verify_from_totals(np.full(len(sel), n * (k + 1)), n, u_batch, ctx_sum[sel])
+            step_ms[sel] = verify + model.draft_ms(drafted_tokens(np.full(n, k), lookahead, drafting))
+        cost = 0.0
+        for x in step_ms.tolist():  # the environment's running sum, step by step
+            cost += x
+        return cost, n_steps
+
+    def ar_ms(self, model: BatchCostModel, batch_size: int, seeds: Any) -> float:
+        """The episode's plain-decoding reference (the environment's ``info["ar_cost_ms"]``, :func:`ar_schedule_ms`)."""
+        gens = np.array([self._draw(int(s))[0] for s in seeds], dtype=np.int64)
+        return ar_schedule_ms(model, gens, self.data.lengths, self.data.L0, int(batch_size))
