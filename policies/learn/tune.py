@@ -138,16 +138,25 @@ def _trial(config: dict[str, Any], base: TrainRun, episodes: int, seed: int) -> 
 
 
 def _trials_progress(progress: Callable[[int, int, str], None], samples: int) -> Any:
-    """A Tune callback that reports every ended trial to ``progress`` (the CLI's count and ETA)."""
+    """A Tune callback that reports every ended trial to ``progress`` (the CLI's count and ETA).
+
+    Tune pickles its callbacks with the experiment state; ``progress`` (a terminal writer) stays out of
+    the pickle: a restored copy counts but reports nothing.
+    """
     from ray.tune import Callback
 
     class TrialsProgress(Callback):
-        def __init__(self) -> None:
-            self.ended = 0
+        def __init__(self, report: Callable[[int, int, str], None], total: int) -> None:
+            self.ended, self.total = 0, total
+            self.progress: Callable[[int, int, str], None] | None = report  # no closure: see above
+
+        def __getstate__(self) -> dict[str, Any]:
+            return {**self.__dict__, "progress": None}
 
         def _ended(self, trial: Any, how: str) -> None:
             self.ended += 1
-            progress(self.ended, samples, f"trial {trial.trial_id} {how}")
+            if self.progress is not None:
+                self.progress(self.ended, self.total, f"trial {trial.trial_id} {how}")
 
         def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
             self._ended(trial, "done")
@@ -155,7 +164,7 @@ def _trials_progress(progress: Callable[[int, int, str], None], samples: int) ->
         def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
             self._ended(trial, "failed")
 
-    return TrialsProgress()
+    return TrialsProgress(progress, samples)
 
 
 def run_tune(
