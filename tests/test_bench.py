@@ -136,6 +136,25 @@ def test_fixed_k_monte_carlo_matches_exact_evaluation(bench_set: Path) -> None:
     assert mc == pytest.approx(exact, rel=0.02)
 
 
+def test_missing_learner_notes_follow_only(bench_set: Path, tmp_path: Path) -> None:
+    """``--only imitation`` on a folder without PPO or DQN runs does not tell the user to train them."""
+    from policies.bench.single import select_entries
+
+    empty = tmp_path / "runs"
+    empty.mkdir()
+
+    def missing(only: list[str] | None) -> list[str]:
+        ctx = build_context(str(bench_set), None, "fit", empty)
+        select_entries(ctx, only, None)
+        return [n.split("'")[1] for n in ctx.notes if n.startswith("no trained")]
+
+    assert missing(None) == ["ppo", "dqn", "imitation"]
+    assert missing(["imitation"]) == ["imitation"]
+    assert missing(["(learned)"]) == ["ppo", "dqn", "imitation"]
+    assert missing(["fixed k=1", "dqn"]) == ["dqn"]
+    assert missing(["fixed k=1"]) == []
+
+
 def test_bench_bad_arguments_exit_2(bench_set: Path, tmp_path: Path) -> None:
     runner = CliRunner()
     r = runner.invoke(app, ["bench", str(bench_set), "--kmax", "99", "--out", str(tmp_path / "o")])

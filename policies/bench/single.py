@@ -54,7 +54,7 @@ policies (shipped, trained on the train split by ``specenv train``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -158,8 +158,12 @@ class Entry:
         return drafting_mode(self.lookahead) if self.drafting is None else self.drafting
 
 
-def default_entries(ctx: Context) -> list[Entry]:
-    """Every policy of the benchmark, in display order."""
+def default_entries(ctx: Context, only: Sequence[str] | None = None) -> list[Entry]:
+    """Every policy of the benchmark, in display order.
+
+    ``only`` (the name substrings of ``--only``) does not select rows here (:func:`select_entries`
+    does); it keeps the notes on missing learned policies to the learners a row of ``only`` could be.
+    """
     m, up, rp = ctx.cost_model, ctx.u_prior, ctx.rho_prior
     k4, best = min(4, ctx.kmax), ctx.best_fixed_k
     if m.d_floor and not any(n.startswith("draft floor") for n in ctx.notes):
@@ -217,7 +221,8 @@ def default_entries(ctx: Context) -> list[Entry]:
     if ctx.policy_dir is not None and ctx.policy_dir.is_dir():
         found = find_policies(ctx.policy_dir)
         for name in LEARNED:
-            if not any(n == name or n.startswith(name + "-") for n in found):
+            wanted = not only or any(o in f"{name} (learned)" for o in only)
+            if wanted and not any(n == name or n.startswith(name + "-") for n in found):
                 ctx.notes.append(f"no trained '{name}' policy in {ctx.policy_dir} (run `specenv train --algo {name}`)")
         for name, folder in found.items():
             try:  # the benchmark's contract, with the lookahead the policy reads
@@ -380,7 +385,7 @@ BenchExecutor = Callable[[BenchSetup, list[tuple[int, str]], np.ndarray, int, in
 
 def select_entries(ctx: Context, only: Any, drafting: str | None) -> list[Entry]:
     """The rows a run benchmarks, in display order: ``only`` (name substrings) and ``drafting`` applied."""
-    entries = [e for e in default_entries(ctx) if not only or any(o in e.name for o in only)]
+    entries = [e for e in default_entries(ctx, only) if not only or any(o in e.name for o in only)]
     if drafting is not None:
         entries = [e for e in entries if e.exact_k is not None or e.mode == drafting]
     return entries
