@@ -78,7 +78,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from gymnasium import spaces
@@ -482,6 +482,23 @@ def _column(block: str, col: int | slice, doc: str) -> property:
     return property(get, put, doc=doc)
 
 
+class StateView(NamedTuple):
+    """:meth:`ObservationState.kernel_view`: what a compiled stepper reads and writes."""
+
+    P: np.ndarray
+    E: np.ndarray
+    E_init: np.ndarray
+    M: np.ndarray
+    A: np.ndarray
+    K: int
+    w: float
+    scale: np.ndarray
+    ctx_scale: float
+    mnt: float
+    cols: np.ndarray
+    hi: np.ndarray
+
+
 class ObservationState:
     """Running statistics of a batch of n independent streams, and the observation builder.
 
@@ -648,6 +665,22 @@ class ObservationState:
             np.minimum(obs, self._hi_row, out=obs)  # == np.clip(obs, 0, hi): no NaN can occur
             np.maximum(obs, 0.0, out=obs)
         return obs
+
+    def kernel_view(self) -> StateView:
+        """The blocks and constants of the statistics, for a compiled stepper (:mod:`specenv.envs.vector_kernel`).
+
+        ``P`` and ``E`` are the live blocks (a stepper writes the update into them); the tables ``M``,
+        ``A`` cover budgets 0..``K - 1`` (0..kmax). The stepper must do :meth:`update`'s and
+        :meth:`build`'s float operations in their order (it is tested bit for bit against them).
+        """
+        cols = np.array(
+            [self._c_context, self._c_progress, self._c_prev.start, self._c_stats.start, self._c_conf.start],
+            dtype=np.int64,
+        )
+        return StateView(
+            self._P, self._E, self._E_init, self._M, self._A, self._K, self._w, self._scale, self._ctx_scale, self._mnt, cols,
+            np.ascontiguousarray(self._hi_row[0]),
+        )  # fmt: skip
 
     def take(self, rows: Any) -> ObservationState:
         """A copy of the statistics of some streams, as a state of its own (rows in the given order)."""
