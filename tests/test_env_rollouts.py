@@ -10,7 +10,9 @@ from the code *before* the speed work of issue 28 (main at eeb7668) with::
 
 so a later optimisation of ``step`` / the observation builder that changes any bit (a float's
 rounding, an info value at a masked-off entry, a dtype, a Python type) fails here, naming the case,
-the step and the field. Re-record only for an intended change of the environment's results.
+the step and the field. The vector cases run twice: as the env runs by default (its compiled step
+when numba is installed, :mod:`specenv.envs.vector_kernel`) and on its numpy path. Re-record only
+for an intended change of the environment's results.
 """
 
 from __future__ import annotations
@@ -163,8 +165,14 @@ def recorded() -> dict[str, np.ndarray]:
     return data
 
 
-@pytest.mark.parametrize("name", [*VECTOR_CASES, *SINGLE_CASES])
-def test_rollout_matches_recording(recorded, name):
+@pytest.mark.parametrize(
+    "name, numpy_only",
+    [*((name, False) for name in [*VECTOR_CASES, *SINGLE_CASES]), *((name, True) for name in VECTOR_CASES)],
+)
+def test_rollout_matches_recording(recorded, monkeypatch, name, numpy_only):
+    """Each case as recorded; the vector cases also on the vector env's numpy path (``SPECENV_NUMBA=0``)."""
+    if numpy_only:
+        monkeypatch.setenv("SPECENV_NUMBA", "0")
     want = recorded[name]
     got = _rollout(name)
     assert got.shape == want.shape, f"{name}: {got.shape[0]} rows, recorded {want.shape[0]}"

@@ -41,6 +41,8 @@ from specenv.traces.datasets import DEFAULT_DATASET
 
 _STEP_KEYS = ("k", "accepted", "committed", "cost_ms", "U_r", "L", "t")
 _END_KEYS = ("speedup", "episode_cost_ms", "ar_cost_ms", "rounds")
+_STEP_MASKS = tuple("_" + key for key in _STEP_KEYS)
+_END_MASKS = tuple("_" + key for key in _END_KEYS)
 
 
 #: Most sub-environments of one vector env: checked before anything is allocated (each costs a few
@@ -467,8 +469,7 @@ class MoESpecVectorEnv(VectorEnv):
             "L": L,
             "t": t_new,  # self._t: an autoreset below sets its entry to 0
         }
-        for key in _STEP_KEYS:
-            info["_" + key] = step_mask
+        info.update(dict.fromkeys(_STEP_MASKS, step_mask))
         if any_reset:  # NEXT_STEP autoreset: these sub-environments start a new episode instead
             for i in done_prev.nonzero()[0].tolist():
                 self._start(i)
@@ -478,9 +479,8 @@ class MoESpecVectorEnv(VectorEnv):
         info["category"] = d.categories.take(gen)
         info["_category"] = self._all
         if n_done:
-            for key, value in zip(_END_KEYS, (speedup, episode_cost, ar_cost, rounds), strict=True):
-                info[key] = value
-                info["_" + key] = terminated
+            info.update(zip(_END_KEYS, (speedup, episode_cost, ar_cost, rounds), strict=True))
+            info.update(dict.fromkeys(_END_MASKS, terminated))
         if self.render_mode == "ansi":
             t = np.minimum(t_old, self._N1) if any_reset else t_old
             self._render_lines(k, a, committed, cost, U_r, t, terminated, step_mask)
