@@ -33,7 +33,7 @@ from gymnasium.vector.utils import batch_space
 from specenv.envs.common import DEFAULT_REWARD, check_reward
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
 from specenv.envs.replay import ENV_ID
-from specenv.envs.vector_kernel import kernels
+from specenv.envs.vector_kernel import charge_table, kernels
 from specenv.observation.single import ObservationState
 from specenv.replay.episode import draw, settle
 from specenv.replay.tables import replay_data
@@ -232,8 +232,11 @@ class MoESpecVectorEnv(VectorEnv):
         # the compiled form of the step (specenv.envs.vector_kernel) when numba is there: the same floats
         self._kernels = kernels()
         if self._kernels is not None:
-            self._tables = tuple(
-                np.ascontiguousarray(x) for x in (d.survival, d.cost, d.U, d.ar_ctx_ms, d.ar_total_ms, d.conf)
+            self._tables = (
+                np.ascontiguousarray(d.survival),
+                charge_table(d),
+                d.ar_total_ms,
+                np.ascontiguousarray(d.conf),
             )
             self._kview = self._obs_state.kernel_view()
             self._compile()
@@ -248,10 +251,10 @@ class MoESpecVectorEnv(VectorEnv):
     def _round_args(self, k: np.ndarray, e: slice) -> tuple[Any, ...]:
         """The inputs of :func:`specenv.envs.vector_kernel.round_and_update` (the sub-environments ``e``)."""
         v = self._kview
-        surv, cost, U, ctx, ar_total, _ = self._tables
+        surv, charge, ar_total, _ = self._tables
         return (
             k, self._t[e], self._row0[e], self._N[e], self._L0[e], self._u_flat, self._u_pos[e], self._u_base[e],
-            self._ep_cost[e], self._gen[e], self._prev_done[e], surv, cost, U, ctx, ar_total, self._unit,
+            self._ep_cost[e], self._gen[e], self._prev_done[e], surv, charge, ar_total, self._unit,
             self._savings, v.P[e], v.E[e], v.M, v.A, v.K, v.w,
         )  # fmt: skip
 
@@ -260,7 +263,7 @@ class MoESpecVectorEnv(VectorEnv):
         v = self._kview
         return (
             obs, self._L0[e], self._t[e], self._row0[e], self._N[e], v.P[e], v.E[e], v.E_init, reset[e], v.scale,
-            v.ctx_scale, v.mnt, v.cols, self._tables[5], bool(self._obs_state.clip), v.hi,
+            v.ctx_scale, v.mnt, v.cols, self._tables[3], bool(self._obs_state.clip), v.hi,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ helpers

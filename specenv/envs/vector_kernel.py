@@ -28,12 +28,13 @@ so no step pays for it. :func:`kernels` imports numba on first use only: ``impor
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
 import numpy as np
 
-__all__ = ["build", "kernels", "round_and_update"]
+__all__ = ["build", "charge_table", "kernels", "round_and_update"]
 
 _KERNELS: Any = None
 
@@ -54,6 +55,19 @@ def kernels() -> tuple[Any, Any] | None:
     return _KERNELS or None
 
 
+@functools.lru_cache(maxsize=4)
+def charge_table(data: Any) -> np.ndarray:
+    """(rows, kmax+1, 3) float64 ``[C(t, k), U_{t,k}, C(t, k) / C_AR(L_t)]`` of a replay (read-only, cached).
+
+    What a round reads at its (row, k), side by side (one cache line instead of three tables); the
+    last column is the division :func:`specenv.replay.episode.settle` does (``cost / ctx_at(row)``),
+    the same IEEE operation on the same two numbers, so the same bits.
+    """
+    table = np.stack((data.cost, data.U, data.cost / data.ar_ctx_ms[:, None]), axis=-1)
+    table.flags.writeable = False
+    return table
+
+
 def round_and_update(
     k: np.ndarray,
     t: np.ndarray,
@@ -67,9 +81,7 @@ def round_and_update(
     gen: np.ndarray,
     prev_done: np.ndarray,
     surv: np.ndarray,
-    cost: np.ndarray,
-    U: np.ndarray,
-    ar_ctx: np.ndarray,
+    charge: np.ndarray,
     ar_total: np.ndarray,
     unit_ms: float,
     savings: bool,
@@ -89,18 +101,27 @@ def round_and_update(
 
     Args:
         k: (n,) budgets.
-        t, row0, N, L0: (n,) position, first table row, length and prompt length per sub-environment
-            (t is clamped to N - 1 as the numpy path does on an autoreset step; t itself is not written).
-        u_flat, u_pos, u_base: The acceptance uniforms (flat), each sub-environment's index of its
-            next one (incremented) and of its first one.
+        t: (n,) positions (clamped to N - 1 as the numpy path does on an autoreset step; not written).
+        row0: (n,) first table row of each episode.
+        N: (n,) episode lengths.
+        L0: (n,) prompt lengths.
+        u_flat: The acceptance uniforms, flat.
+        u_pos: (n,) index in ``u_flat`` of each sub-environment's next uniform (incremented).
+        u_base: (n,) index of its first one.
         ep_cost: (n,) episode cost so far (the round's cost is added).
-        gen: (n,) generation index of each sub-environment's episode.
+        gen: (n,) generation index of each episode.
         prev_done: (n,) sub-environments autoreset by this step (reward 0, not terminated).
-        surv, cost, U: (rows, kmax+1) survival, charged cost, unique experts; ar_ctx: (rows,) AR step
-            at the row's context; ar_total: (G,) AR cost of each generation; unit_ms: the reward unit.
+        surv: (rows, kmax+1) survival ``P(a >= j)`` (last column 0).
+        charge: (rows, kmax+1, 3) :func:`charge_table`.
+        ar_total: (G,) AR cost of each generation.
+        unit_ms: The reward unit.
         savings: Reward ``committed - units`` (else ``-units``).
-        P, E, M, A, K, w: The observation state's blocks and tables
-            (:meth:`specenv.observation.single.ObservationState.kernel_view`; P and E written in place).
+        P: (n, 4) previous-round block of the observation state (written).
+        E: (n, 4 + kmax) statistics block (written).
+        M: Multipliers per (k, a) row ``k * K + a``.
+        A: Addends per (k, a).
+        K: Rows per budget in M and A.
+        w: ``1 - ema``.
         ints: (5, n) int64 out: accepted, committed, t after the round, context L verified at, rounds
             (where terminated, else 0).
         floats: (6, n) float64 out: cost_ms, U_r, reward, then where terminated (else 0) speedup,
@@ -137,15 +158,15 @@ def round_and_update(
         row = row0[i] + ti
         # settle: committed = min(a + 1, N - t), charged C(t, k)
         committed = min(ints[0, i] + 1, Ni - ti)
-        c = cost[row, ki]
+        c = charge[row, ki, 0]
         t_next = ti + committed
         ints[0, i] = committed - 1
         ints[1, i] = committed
         ints[2, i] = t_next
         ints[3, i] = L0[i] + ti
         floats[0, i] = c
-        floats[1, i] = U[row, ki]
-        floats[3, i] = c / ar_ctx[row]  # ctx_units (overwritten below)
+        floats[1, i] = charge[row, ki, 1]
+        floats[3, i] = charge[row, ki, 2]  # ctx_units (overwritten below)
     done = 0
     for i in range(n):
         ki = k[i]
@@ -218,11 +239,18 @@ def build(
 
     Args:
         obs: (n, dim) float32 out.
-        L0, t, row0, N: (n,) prompt length, position, first row, length (context L = L0 + t).
-        P, E, scale: The previous-round block (divided by ``scale``) and the statistics block.
-        E_init, reset: The streams in ``reset`` first forget their history (:meth:`ObservationState.reset`:
-            P = 0, E = E_init).
-        ctx_scale, mnt: Divisors of the context and of the progress.
+        L0: (n,) prompt lengths (context L = L0 + t).
+        t: (n,) positions.
+        row0: (n,) first table row of each episode.
+        N: (n,) episode lengths.
+        P: (n, 4) previous-round block (divided by ``scale``).
+        E: (n, 4 + kmax) statistics block.
+        E_init: The statistics of a fresh stream.
+        reset: (n,) streams that first forget their history (:meth:`ObservationState.reset`: P = 0,
+            E = E_init).
+        scale: (4,) divisors of the previous-round block.
+        ctx_scale: Divisor of the context.
+        mnt: Divisor of the progress.
         cols: int64 [context, progress, first prev column, first statistics column, first conf column].
         conf: (rows, h) draft signals (h may be 0): row ``row0 + t`` where ``t < N``, else 0.
         clip: Clip to [0, hi] (in float32, as the numpy path).

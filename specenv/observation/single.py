@@ -678,7 +678,8 @@ class ObservationState:
             dtype=np.int64,
         )
         return StateView(
-            self._P, self._E, self._E_init, self._M, self._A, self._K, self._w, self._scale, self._ctx_scale, self._mnt, cols,
+            self._P, self._E, self._E_init, self._M, self._A, self._K, self._w, self._scale, self._ctx_scale,
+            self._mnt, cols,
             np.ascontiguousarray(self._hi_row[0]),
         )  # fmt: skip
 
