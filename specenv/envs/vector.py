@@ -10,7 +10,11 @@ for the same seeds and actions, across autoresets too. Random draws happen only 
 step itself is pure array arithmetic on the shared :class:`specenv.replay.tables.ReplayData` tables:
 a fixed sequence of whole-array numpy operations (no loop over sub-environments but the per-episode
 draws of those being reset), into preallocated work buffers where numpy allows it; the arrays a step
-returns are new ones. Where the tables keep every feature in range
+returns are new ones. With numba installed (a dependency) the env runs the same arithmetic as two
+compiled loops over the sub-environments instead (:mod:`specenv.envs.vector_kernel`: the rounds with
+their statistics, then the observations; compiled or loaded from numba's disk cache when the env is
+built): the same bits, tested against the numpy path, which stays the reference and the fallback
+(``SPECENV_NUMBA=0``). Where the tables keep every feature in range
 (:attr:`specenv.replay.tables.ReplayData.within_box`) the observation is not clipped (the same vectors).
 
 Autoreset follows gymnasium's ``AutoresetMode.NEXT_STEP``: the step after a sub-environment
