@@ -10,7 +10,11 @@ for the same seeds and actions, across autoresets too. Random draws happen only 
 step itself is pure array arithmetic on the shared :class:`specenv.replay.tables.ReplayData` tables:
 a fixed sequence of whole-array numpy operations (no loop over sub-environments but the per-episode
 draws of those being reset), into preallocated work buffers where numpy allows it; the arrays a step
-returns are new ones. Where the tables keep every feature in range
+returns are new ones. With numba installed (a dependency) the env runs the same arithmetic as two
+compiled loops over the sub-environments instead (:mod:`specenv.envs.vector_kernel`: the rounds with
+their statistics, then the observations; compiled or loaded from numba's disk cache when the env is
+built): the same bits, tested against the numpy path, which stays the reference and the fallback
+(``SPECENV_NUMBA=0``). Where the tables keep every feature in range
 (:attr:`specenv.replay.tables.ReplayData.within_box`) the observation is not clipped (the same vectors).
 
 Autoreset follows gymnasium's ``AutoresetMode.NEXT_STEP``: the step after a sub-environment
@@ -33,6 +37,7 @@ from gymnasium.vector.utils import batch_space
 from specenv.envs.common import DEFAULT_REWARD, check_reward
 from specenv.envs.render import RENDER_MODES, RoundStrip, check_render_mode
 from specenv.envs.replay import ENV_ID
+from specenv.envs.vector_kernel import charge_table, kernels
 from specenv.observation.single import ObservationState
 from specenv.replay.episode import draw, settle
 from specenv.replay.tables import replay_data
@@ -40,6 +45,8 @@ from specenv.traces.datasets import DEFAULT_DATASET
 
 _STEP_KEYS = ("k", "accepted", "committed", "cost_ms", "U_r", "L", "t")
 _END_KEYS = ("speedup", "episode_cost_ms", "ar_cost_ms", "rounds")
+_STEP_MASKS = tuple("_" + key for key in _STEP_KEYS)
+_END_MASKS = tuple("_" + key for key in _END_KEYS)
 
 
 #: Most sub-environments of one vector env: checked before anything is allocated (each costs a few
@@ -224,6 +231,44 @@ class MoESpecVectorEnv(VectorEnv):
         self._strip = RoundStrip(d.kmax, n) if render_mode == "rgb_array" else None
         self._all = np.ones(n, dtype=bool)
         self._all.flags.writeable = False
+        self._none = np.zeros(n, dtype=bool)
+        self._none.flags.writeable = False
+        # the compiled form of the step (specenv.envs.vector_kernel) when numba is there: the same floats
+        self._kernels = kernels()
+        if self._kernels is not None:
+            self._tables = (
+                np.ascontiguousarray(d.survival),
+                charge_table(d),
+                d.ar_total_ms,
+                np.ascontiguousarray(d.conf),
+            )
+            self._kview = self._obs_state.kernel_view()
+            self._compile()
+
+    def _compile(self) -> None:
+        """Compile (or load from numba's on-disk cache) both kernels now, on empty slices of this env's arrays."""
+        e = slice(0, 0)
+        ints, floats, flags = np.empty((5, 0), dtype=np.int64), np.empty((6, 0)), np.empty((2, 0), dtype=bool)
+        self._kernels[0](*self._round_args(self._t[e], e), ints, floats, flags)
+        self._kernels[1](*self._build_args(np.empty((0, self._obs_state.spec.dim), dtype=np.float32), self._none, e))
+
+    def _round_args(self, k: np.ndarray, e: slice) -> tuple[Any, ...]:
+        """The inputs of :func:`specenv.envs.vector_kernel.round_and_update` (the sub-environments ``e``)."""
+        v = self._kview
+        surv, charge, ar_total, _ = self._tables
+        return (
+            k, self._t[e], self._row0[e], self._N[e], self._L0[e], self._u_flat, self._u_pos[e], self._u_base[e],
+            self._ep_cost[e], self._gen[e], self._prev_done[e], surv, charge, ar_total, self._unit,
+            self._savings, v.P[e], v.E[e], v.M, v.A, v.K, v.w,
+        )  # fmt: skip
+
+    def _build_args(self, obs: np.ndarray, reset: np.ndarray, e: slice) -> tuple[Any, ...]:
+        """The inputs of :func:`specenv.envs.vector_kernel.build` (the sub-environments ``e``)."""
+        v = self._kview
+        return (
+            obs, self._L0[e], self._t[e], self._row0[e], self._N[e], v.P[e], v.E[e], v.E_init, reset[e], v.scale,
+            v.ctx_scale, v.mnt, v.cols, self._tables[3], bool(self._obs_state.clip), v.hi,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ helpers
     def _start(self, i: int, gid: Any = None) -> None:
@@ -350,6 +395,8 @@ class MoESpecVectorEnv(VectorEnv):
         """
         if not self._started:
             raise RuntimeError("step() called before reset()")
+        if self._kernels is not None:
+            return self._step_compiled(actions)
         k = self._check_actions(actions)
         done_prev = self._prev_done
         any_reset = self._any_done
@@ -399,6 +446,61 @@ class MoESpecVectorEnv(VectorEnv):
         self._any_done = any_done
         return self._observe(), reward, terminated, np.zeros(self.num_envs, dtype=bool), info
 
+    def _step_compiled(self, actions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """:meth:`step` with the rounds and the observations in two compiled loops (:mod:`specenv.envs.vector_kernel`).
+
+        The same results as the numpy path of :meth:`step`, bit for bit (the masked-off entries of
+        ``info`` included); the autoresets' draws stay in Python (one generator per sub-environment).
+        """
+        k = self._check_actions(actions, check_range=False)
+        n = self.num_envs
+        ints, floats, flags = np.empty((5, n), dtype=np.int64), np.empty((6, n)), np.empty((2, n), dtype=bool)
+        done_prev = self._prev_done
+        any_reset = self._any_done
+        t_old = self._t
+        n_done = self._kernels[0](*self._round_args(k, slice(None)), ints, floats, flags)
+        if n_done < 0:  # nothing was changed
+            raise ValueError(f"actions: out of range 0..{self.kmax} ({k.min()}..{k.max()})")
+        a, committed, t_new, L, rounds = ints
+        cost, U_r, reward, speedup, episode_cost, ar_cost = floats
+        terminated, played = flags
+        self._t = t_new
+        step_mask = played if any_reset else self._all
+        d = self.data
+        info: dict[str, Any] = {
+            "k": k,
+            "accepted": a,
+            "committed": committed,
+            "cost_ms": cost,
+            "U_r": U_r,
+            "L": L,
+            "t": t_new,  # self._t: an autoreset below sets its entry to 0
+        }
+        info.update(dict.fromkeys(_STEP_MASKS, step_mask))
+        if any_reset:  # NEXT_STEP autoreset: these sub-environments start a new episode instead
+            for i in done_prev.nonzero()[0].tolist():
+                self._start(i)
+        gen = self._gen
+        info["generation_id"] = d.generation_ids.take(gen)
+        info["_generation_id"] = self._all
+        info["category"] = d.categories.take(gen)
+        info["_category"] = self._all
+        if n_done:
+            info.update(zip(_END_KEYS, (speedup, episode_cost, ar_cost, rounds), strict=True))
+            info.update(dict.fromkeys(_END_MASKS, terminated))
+        if self.render_mode == "ansi":
+            t = np.minimum(t_old, self._N1) if any_reset else t_old
+            self._render_lines(k, a, committed, cost, U_r, t, terminated, step_mask)
+        elif self._strip is not None:
+            self._strip.push(k, a)
+            if any_reset:
+                self._strip.clear(done_prev)
+        self._prev_done = terminated
+        self._any_done = n_done > 0
+        obs = np.empty((n, self._obs_state.spec.dim), dtype=np.float32)
+        self._kernels[1](*self._build_args(obs, done_prev if any_reset else self._none, slice(None)))
+        return obs, reward, terminated, np.zeros(n, dtype=bool), info
+
     def _rounds(self) -> np.ndarray:
         """Rounds played in each sub-environment's episode (its uniforms used)."""
         return self._u_pos - self._u_base
@@ -406,10 +508,14 @@ class MoESpecVectorEnv(VectorEnv):
     def _observe(self) -> np.ndarray:
         """The observations at every sub-environment's current position (a new array)."""
         t = self._t
-        return self._obs_state.build(np.add(self._L0, t, out=self._ctx), t, self._conf())
+        if self._kernels is None:
+            return self._obs_state.build(np.add(self._L0, t, out=self._ctx), t, self._conf())
+        obs = np.empty((self.num_envs, self._obs_state.spec.dim), dtype=np.float32)
+        self._kernels[1](*self._build_args(obs, self._none, slice(None)))
+        return obs
 
-    def _check_actions(self, actions: Any) -> np.ndarray:
-        """``actions`` as a new (num_envs,) int64 array (``info["k"]`` returns it).
+    def _check_actions(self, actions: Any, check_range: bool = True) -> np.ndarray:
+        """``actions`` as a new (num_envs,) int64 array (``info["k"]`` returns it); the range is checked unless told.
 
         Raises:
             ValueError: If ``actions`` has the wrong shape, is not integer, or is out of range.
@@ -419,7 +525,7 @@ class MoESpecVectorEnv(VectorEnv):
         if k.shape != (n,) or k.dtype.kind not in "iu":
             raise ValueError(f"actions: expected an integer array of shape ({n},), got {k.dtype} {k.shape}")
         k = k.astype(np.int64)  # a copy: info["k"] is returned
-        if k.view(np.uint64).max() > self.kmax:  # negative values wrap to huge unsigned ones
+        if check_range and k.view(np.uint64).max() > self.kmax:  # negative values wrap to huge unsigned ones
             raise ValueError(f"actions: out of range 0..{self.kmax} ({k.min()}..{k.max()})")
         return k
 

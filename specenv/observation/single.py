@@ -78,7 +78,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from gymnasium import spaces
@@ -482,6 +482,23 @@ def _column(block: str, col: int | slice, doc: str) -> property:
     return property(get, put, doc=doc)
 
 
+class StateView(NamedTuple):
+    """:meth:`ObservationState.kernel_view`: what a compiled stepper reads and writes."""
+
+    P: np.ndarray
+    E: np.ndarray
+    E_init: np.ndarray
+    M: np.ndarray
+    A: np.ndarray
+    K: int
+    w: float
+    scale: np.ndarray
+    ctx_scale: float
+    mnt: float
+    cols: np.ndarray
+    hi: np.ndarray
+
+
 class ObservationState:
     """Running statistics of a batch of n independent streams, and the observation builder.
 
@@ -649,6 +666,23 @@ class ObservationState:
             np.maximum(obs, 0.0, out=obs)
         return obs
 
+    def kernel_view(self) -> StateView:
+        """The blocks and constants of the statistics, for a compiled stepper (:mod:`specenv.envs.vector_kernel`).
+
+        ``P`` and ``E`` are the live blocks (a stepper writes the update into them); the tables ``M``,
+        ``A`` cover budgets 0..``K - 1`` (0..kmax). The stepper must do :meth:`update`'s and
+        :meth:`build`'s float operations in their order (it is tested bit for bit against them).
+        """
+        cols = np.array(
+            [self._c_context, self._c_progress, self._c_prev.start, self._c_stats.start, self._c_conf.start],
+            dtype=np.int64,
+        )
+        return StateView(
+            self._P, self._E, self._E_init, self._M, self._A, self._K, self._w, self._scale, self._ctx_scale,
+            self._mnt, cols,
+            np.ascontiguousarray(self._hi_row[0]),
+        )  # fmt: skip
+
     def take(self, rows: Any) -> ObservationState:
         """A copy of the statistics of some streams, as a state of its own (rows in the given order)."""
         sub = ObservationState(self.spec, len(np.arange(self.n)[rows]))
@@ -684,36 +718,25 @@ def _block(spec: ObservationSpec, names: tuple[str, ...]) -> slice:
 # --------------------------------------------------------------------------------------------------
 # One stream in Python floats (the single environments' fast path)
 # --------------------------------------------------------------------------------------------------
+_FLOAT32 = np.dtype(np.float32)
+
+
 class ScalarObservation:
     """:class:`ObservationState` for one stream, in Python floats.
 
     Same features, same arithmetic in the same order, hence bit-identical float32 vectors (tested on
     random rounds against :class:`ObservationState`); it exists because per-step numpy calls on
-    length-1 arrays would dominate a single environment's step time. Rounds must satisfy
+    length-1 arrays would dominate a single environment's step time. The statistics are kept as one
+    list in the order of the vector (:attr:`values`: ``prev_k`` .. ``acc_depth_kmax``, the previous
+    round's figures already divided by their scales, the division :meth:`ObservationState.build`
+    does), so that :meth:`build` is one list and one conversion. Rounds must satisfy
     ``0 <= accepted <= k <= kmax``.
 
     Args:
         spec: The observation layout.
     """
 
-    __slots__ = (
-        "spec",
-        "clip",
-        "kmax",
-        "ema",
-        "prior",
-        "prev_k",
-        "prev_acc",
-        "prev_U",
-        "prev_cost",
-        "acc_rate",
-        "acc_len",
-        "cost_per_token",
-        "first",
-        "acc_depth",
-        "hi_context",
-        "hi_cost",
-    )
+    __slots__ = ("spec", "clip", "kmax", "ema", "w", "prior", "values", "hi_context", "hi_cost", "_scales")
 
     def __init__(self, spec: ObservationSpec):
         self.spec = spec
@@ -722,41 +745,44 @@ class ScalarObservation:
         self.hi_cost = float(np.float32(spec.cost_high))
         self.kmax = spec.kmax
         self.ema = spec.ema
+        self.w = 1 - spec.ema
         self.prior = spec.prior_rate
+        # the divisors of the context, the progress, prev_U and prev_cost, as build() used them
+        self._scales = (spec.context_scale, spec.max_new_tokens, spec.n_experts, spec.kmax + 1)
         if spec.names[: len(BASE_FEATURES)] != list(BASE_FEATURES):
             raise ValueError("ScalarObservation: unexpected layout")  # build() lists the features in order
         self.reset()
 
     def reset(self) -> None:
         """Forget the stream's history."""
-        self.prev_k = 0.0
-        self.prev_acc = 0.0
-        self.prev_U = 0.0
-        self.prev_cost = 0.0
-        self.acc_rate = self.prior
-        self.acc_len = 0.0
-        self.cost_per_token = 1.0
-        self.first = 1.0
-        self.acc_depth = [self.prior] * self.kmax
+        p = self.prior
+        #: [prev_k / kmax, prev_accepted / kmax, prev_U / n_experts, prev_cost / (kmax + 1), acc_rate,
+        #: acc_len, cost_per_token, first_round, acc_depth_1..kmax]: the vector's features 2.. as floats
+        self.values = [0.0, 0.0, 0.0, 0.0, p, 0.0, 1.0, 1.0] + [p] * self.kmax
 
     def update(self, k: int, a: int, U_r: float, cost_units: float, committed: int) -> None:
         """Fold one executed round into the statistics (see :meth:`ObservationState.update`)."""
+        v = self.values
         ema = self.ema
+        w = self.w
+        kmax = self.kmax
         kf = float(k)
         af = float(a)
-        self.prev_k = kf
-        self.prev_acc = af
-        self.prev_U = U_r
-        self.prev_cost = cost_units
-        self.first = 0.0
-        w = 1 - ema
+        _, _, n_experts, width = self._scales
+        v[0] = kf / kmax
+        v[1] = af / kmax
+        v[2] = U_r / n_experts
+        v[3] = cost_units / width
         if k >= 1:
-            self.acc_rate = ema * self.acc_rate + w * (af / kf)
-            self.acc_len = ema * self.acc_len + w * (af / self.kmax)
-        self.cost_per_token = ema * self.cost_per_token + w * (cost_units / max(float(committed), 1.0))
-        depth = self.acc_depth
-        for j in range(min(k, a + 1)):  # depth j+1 reached: k >= j+1 and a >= j; success: a >= j+1
-            depth[j] = ema * depth[j] + w * (1.0 if a > j else 0.0)
+            v[4] = ema * v[4] + w * (af / kf)
+            v[5] = ema * v[5] + w * (af / kmax)
+        v[6] = ema * v[6] + w * (cost_units / max(float(committed), 1.0))
+        v[7] = 0.0
+        # depth j+1 is reached for j < min(k, a + 1); success (x = 1) for j < a, failure (x = 0) at j = a < k
+        for j in range(8, 8 + a):
+            v[j] = ema * v[j] + w
+        if a < k:
+            v[8 + a] = ema * v[8 + a] + 0.0  # w * 0.0
 
     def build(
         self, L: float, t: int, conf: list[float] | None, token: tuple[float, int, float] | None = None
@@ -767,45 +793,32 @@ class ScalarObservation:
         just drafted, drafted so far, product of the round's drafted q, then its entropy / margin for
         those signals)`` iff ``spec.per_token`` (see :meth:`ObservationState.build`).
         """
-        s = self.spec
-        kmax = self.kmax
+        context_scale, max_new_tokens, _, _ = self._scales
         if self.clip:
             # Clipping to the Box in float64 before the float32 cast equals ObservationState's
             # cast-then-clip (the bounds 0, 1, 16, 64 are exact in float32 and rounding is monotone).
             # Only these features can leave their range; the others stay in [0, 1] by construction.
             # The list follows BASE_FEATURES (checked in __init__).
+            v = self.values
             vals = [
-                min(max(L / s.context_scale, 0.0), self.hi_context),
-                min(t / s.max_new_tokens, 1.0),
-                self.prev_k / kmax,
-                self.prev_acc / kmax,
-                min(max(self.prev_U / s.n_experts, 0.0), 1.0),
-                min(max(self.prev_cost / (kmax + 1), 0.0), self.hi_cost),
-                self.acc_rate,
-                self.acc_len,
-                min(max(self.cost_per_token, 0.0), self.hi_cost),
-                self.first,
-                *self.acc_depth,
+                min(max(L / context_scale, 0.0), self.hi_context),
+                min(t / max_new_tokens, 1.0),
+                v[0],
+                v[1],
+                min(max(v[2], 0.0), 1.0),
+                min(max(v[3], 0.0), self.hi_cost),
+                v[4],
+                v[5],
+                min(max(v[6], 0.0), self.hi_cost),
+                *v[7:],
             ]
         else:  # the same values, known to be in range
-            vals = [
-                L / s.context_scale,
-                t / s.max_new_tokens,
-                self.prev_k / kmax,
-                self.prev_acc / kmax,
-                self.prev_U / s.n_experts,
-                self.prev_cost / (kmax + 1),
-                self.acc_rate,
-                self.acc_len,
-                self.cost_per_token,
-                self.first,
-                *self.acc_depth,
-            ]
+            vals = [L / context_scale, t / max_new_tokens, *self.values]
         if conf is not None:
             vals.extend(conf)
         if token is not None:
-            vals.extend((token[0], token[1] / kmax, token[2], *token[3:]))
-        return np.array(vals, dtype=np.float32)
+            vals.extend((token[0], token[1] / self.kmax, token[2], *token[3:]))
+        return np.array(vals, _FLOAT32)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -318,7 +318,8 @@ class Episode:
             RuntimeError: If the episode is done.
         """
         t = self._t
-        if t >= self.N:
+        N = self.N
+        if t >= N:
             raise RuntimeError("Episode.play: the episode is done")
         row = self.row0 + t
         width = self._width
@@ -329,7 +330,7 @@ class Episode:
             a = 0
             while a < k and u < surv(j + a):
                 a += 1
-            r = settle(k, t, a, self.N, row, width, self._cost, self._U, self._ctx, self.unit_ms)
+            r = settle(k, t, a, N, row, width, self._cost, self._U, self._ctx, self.unit_ms)
         else:
             if tables.cost.shape != self.tables.cost.shape:
                 raise ValueError(
@@ -345,9 +346,9 @@ class Episode:
             else:
                 a = tables.accepted.item(row * width + k)
             r = settle(k, t, a, self.N, row, width, tables.cost.item, tables.U.item, tables.ar_ctx.item, self.unit_ms)
-        self._t = r.t_next
+        self._t = r[4]  # t_next
         self._rounds += 1
-        self._cost_ms += r.cost_ms
+        self._cost_ms += r[5]  # cost_ms
         return r
 
     def info(self, r: Round) -> dict[str, Any]:
