@@ -27,6 +27,13 @@ evaluations of many policies on one positions table, the delta-space analysis an
 solves of the CLI and the benchmark pay for them once. ``scripts/bench_oracle.py`` times each part
 on a pool of the paper's size (641 generations x 1000 positions x Kmax 10).
 
+**Compiled sweeps.** Where numba is installed (and ``SPECENV_NUMBA`` is not ``0``) the two sweeps and
+the gather into step order run as the compiled loops of :mod:`oracle.kernels` (several times faster:
+no per-step numpy calls, no temporaries); they do the numpy forms' floating-point operations in the
+same order, so the results are the same bit for bit (``tests/test_oracle_kernels.py``). The numpy
+forms here (:func:`_backward_numpy`, :func:`_forward_numpy`) are the reference and the fallback, and
+the joint oracle's ``extra`` hook always runs in them.
+
 The expectation uses summation by parts (Abel): with ``V_a`` the value after accepting a drafts,
 ``sum_{a=0..k} P(a) V_a = V_0 + sum_{i=1..k} S_i (V_i - V_{i-1})``, so the expected next value for
 every k is one cumulative sum.
@@ -174,8 +181,12 @@ class _Layout:
         return cls(order, ls, n_active, start, perm, nmax)
 
     def to_steps(self, x: np.ndarray) -> np.ndarray:
-        """Per-row (n, m) table -> (m, n) contiguous table in step order."""
+        """Per-row (n, m) table -> (m, n) contiguous table in step order (compiled where numba is there)."""
         out = np.empty((x.shape[1], len(self.perm)), dtype=x.dtype)
+        kern = _kernels()
+        if kern is not None and x.dtype == np.float64:
+            kern.take_columns(_readonly(x.T, np.float64), _readonly(self.perm, np.int64), out)
+            return out
         for j in range(x.shape[1]):
             np.take(x[:, j], self.perm, out=out[j])
         return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["backward", "forward"]
+__all__ = ["backward", "forward", "take_columns"]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -125,3 +125,13 @@ def forward(
                 for j in range(na):
                     tgt[j] = (tgt[j] + f[j]) - 0.0
     return occp
+
+
+@numba.njit(cache=True, nogil=True)
+def take_columns(xt: np.ndarray, perm: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``out[j] = xt[j, perm]`` for every row j: a per-row table, column-major, gathered into step order."""
+    for j in range(xt.shape[0]):
+        src = xt[j]
+        dst = out[j]
+        for c in range(perm.shape[0]):
+            dst[c] = src[perm[c]]

@@ -103,3 +103,16 @@ def test_specenv_numba_0_selects_the_numpy_sweeps(monkeypatch) -> None:
     monkeypatch.setattr(dp, "_KERNELS", False)
     monkeypatch.setenv("SPECENV_NUMBA", "1")
     assert dp._kernels() is kernels
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_compiled_gather_into_step_order_equals_numpy_take(numpy_only, order) -> None:
+    arrays, _ = make_instance(4, [3, 1, 12, 7, 7], 5, False)
+    lay = dp._Layout.of(arrays)
+    x = np.asarray(np.random.default_rng(4).normal(size=(len(arrays.L), 6)), order=order)
+    numpy_only(False)
+    got = lay.to_steps(x)
+    numpy_only(True)
+    want = lay.to_steps(x)
+    assert got.tobytes() == want.tobytes()
+    assert np.array_equal(want, x[lay.perm].T)  # by hand: row perm[c] of x is column c
