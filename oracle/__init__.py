@@ -9,7 +9,8 @@
 * :func:`delta_analysis` and :func:`boundary_slope`: the delta space of rejected candidates and the
   slope lambda the delta-space heuristic uses (paper Figure 3).
 
-The oracle is numpy only: it never imports Gymnasium or the environments. Costs and survival
+The oracle is numpy only (its sweeps compiled by numba where installed, :mod:`oracle.kernels`): it
+never imports Gymnasium or the environments. Costs and survival
 probabilities come from their single owners, :meth:`specenv.cost.model.CostModel.charged_table` and
 :meth:`specenv.traces.traceset.PositionArrays.survival`. Online policies are played through the
 environment by :mod:`specenv.envs.rollout`.

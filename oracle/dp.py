@@ -27,6 +27,13 @@ evaluations of many policies on one positions table, the delta-space analysis an
 solves of the CLI and the benchmark pay for them once. ``scripts/bench_oracle.py`` times each part
 on a pool of the paper's size (641 generations x 1000 positions x Kmax 10).
 
+**Compiled sweeps.** Where numba is installed (and ``SPECENV_NUMBA`` is not ``0``) the two sweeps and
+the gather into step order run as the compiled loops of :mod:`oracle.kernels` (several times faster:
+no per-step numpy calls, no temporaries); they do the numpy forms' floating-point operations in the
+same order, so the results are the same bit for bit (``tests/test_oracle_kernels.py``). The numpy
+forms here (:func:`_backward_numpy`, :func:`_forward_numpy`) are the reference and the fallback, and
+the joint oracle's ``extra`` hook always runs in them.
+
 The expectation uses summation by parts (Abel): with ``V_a`` the value after accepting a drafts,
 ``sum_{a=0..k} P(a) V_a = V_0 + sum_{i=1..k} S_i (V_i - V_{i-1})``, so the expected next value for
 every k is one cumulative sum.
@@ -50,6 +57,7 @@ every k is one cumulative sum.
 from __future__ import annotations
 
 import json
+import os
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -173,8 +181,12 @@ class _Layout:
         return cls(order, ls, n_active, start, perm, nmax)
 
     def to_steps(self, x: np.ndarray) -> np.ndarray:
-        """Per-row (n, m) table -> (m, n) contiguous table in step order."""
+        """Per-row (n, m) table -> (m, n) contiguous table in step order (compiled where numba is there)."""
         out = np.empty((x.shape[1], len(self.perm)), dtype=x.dtype)
+        kern = _kernels()
+        if kern is not None and x.dtype == np.float64:
+            kern.take_columns(_readonly(x.T, np.float64), _readonly(self.perm, np.int64), out)
+            return out
         for j in range(x.shape[1]):
             np.take(x[:, j], self.perm, out=out[j])
         return out
@@ -250,10 +262,69 @@ def step_tables(
 _WIDE = 256
 
 
+def _kernels() -> Any:
+    """The compiled sweeps (:mod:`oracle.kernels`), or None: numba missing, or ``SPECENV_NUMBA=0``.
+
+    Imported on the first sweep (numba's import costs a few tenths of a second: ``import oracle``
+    does not pay it).
+    """
+    global _KERNELS
+    if _KERNELS is False:
+        _KERNELS = None
+        if os.environ.get("SPECENV_NUMBA", "1") != "0":
+            try:
+                from oracle import kernels
+            except ImportError:  # numba not installed: the numpy forms
+                pass
+            else:
+                _KERNELS = kernels
+    return _KERNELS
+
+
+_KERNELS: Any = False  # not looked up yet
+
+
 def _backward(
     Ct: np.ndarray, St: np.ndarray, lay: _Layout, policy: np.ndarray | None, extra: Any = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Backward sweep in step order: value and chosen k per state (optimal if policy is None).
+
+    The compiled kernel (:func:`oracle.kernels.backward`) where numba is there and no ``extra`` is
+    given, else :func:`_backward_numpy`; the same floats either way.
+    """
+    kern = _kernels() if extra is None else None
+    if kern is None:
+        return _backward_numpy(Ct, St, lay, policy, extra)
+    optimal = policy is None
+    pol = _NO_POLICY if optimal else _readonly(policy, np.int64)
+    return kern.backward(
+        _readonly(Ct, np.float64),
+        _readonly(St, np.float64),
+        _readonly(lay.n_active, np.int64),
+        _readonly(lay.start, np.int64),
+        len(lay.order),
+        pol,
+        optimal,
+    )
+
+
+def _readonly(x: np.ndarray, dtype: type) -> np.ndarray:
+    """A read-only C-contiguous view (a copy only where the dtype or layout differ) of a kernel's input.
+
+    Every call then has the same argument types, so numba compiles (and caches) each kernel once.
+    """
+    v = np.ascontiguousarray(x, dtype=dtype).view()
+    v.flags.writeable = False
+    return v
+
+
+_NO_POLICY = _readonly(np.zeros(0, dtype=np.int64), np.int64)
+
+
+def _backward_numpy(
+    Ct: np.ndarray, St: np.ndarray, lay: _Layout, policy: np.ndarray | None, extra: Any = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Backward sweep in step order, in numpy: value and chosen k per state (optimal if policy is None).
 
     ``Ct`` (K+1, n) and ``St`` (K, n) are the cost and survival tables in step order
     (:meth:`_Layout.to_steps`); ``policy`` (n,) budgets in step order or None. ``W[nmax - x]``
@@ -325,7 +396,25 @@ def _backward(
 
 
 def _forward(St: np.ndarray, kp: np.ndarray, lay: _Layout) -> np.ndarray:
-    """Occupancy in step order: probability that each state is visited under the budgets ``kp``."""
+    """Occupancy in step order: probability that each state is visited under the budgets ``kp``.
+
+    The compiled kernel (:func:`oracle.kernels.forward`) where numba is there, else
+    :func:`_forward_numpy`; the same floats either way.
+    """
+    kern = _kernels()
+    if kern is None:
+        return _forward_numpy(St, kp, lay)
+    return kern.forward(
+        _readonly(St, np.float64),
+        _readonly(kp, np.int64),
+        _readonly(lay.n_active, np.int64),
+        _readonly(lay.start, np.int64),
+        _readonly(lay.lengths, np.int64),
+    )
+
+
+def _forward_numpy(St: np.ndarray, kp: np.ndarray, lay: _Layout) -> np.ndarray:
+    """Occupancy in step order, in numpy (the reference form of :func:`_forward`)."""
     K, n = St.shape
     G = len(lay.order)
     nm = lay.nmax

@@ -27,7 +27,7 @@ from specenv.traces.traceset import PositionArrays, TraceSet
 from specenv.validation import MEMO_SUBDIR
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("statsmodels", "sklearn", "pandas", "scipy", "matplotlib", "torch", "typer", "rich", "ray")
+HEAVY = ("statsmodels", "sklearn", "pandas", "scipy", "matplotlib", "torch", "typer", "rich", "ray", "numba")
 ARRAY_FIELDS = ("generation_ids", "categories", "offsets", "L", "rho", "q", "U")
 
 

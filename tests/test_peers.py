@@ -228,3 +228,56 @@ def test_registry_factories_fit_on_a_data_set(declared: dict[str, EntryPoint], p
     va = registry.resolve(f"vllm-adaptive-verification:dataset={peer_sets[0]},stale=false", SPEC_Q)
     assert isinstance(va, VLLMAdaptiveVerification) and not va.stale
     assert registry.resolve(f"vllm-dsd-table:dataset={peer_sets[0]}", SPEC_Q).k in range(KMAX + 1)
+
+
+# ------------------------------------------------------------------ the peers' fit, cached per train split
+def test_the_peers_fit_is_cached_in_the_process_and_on_disk(
+    peer_sets: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from policies.bench import context
+    from policies.peers import fit_peers
+
+    monkeypatch.setenv("SPECENV_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(context, "_PEERS", {})
+    fits: list[int] = []
+
+    def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        fits.append(1)
+        return fit_peers(*args, **kwargs)
+
+    monkeypatch.setattr(context, "fit_peers", counting)
+    ctx = context.build_context(str(peer_sets[0]), None, "fit-train", None)
+    fresh = fit_peers(ctx.train, ctx.cost_model, best_fixed_k=ctx.best_fixed_k)  # by hand, no cache
+    assert ctx.peers == fresh and len(fits) == 1
+    entries = list((tmp_path / "cache" / context.PEERS_CACHE_SUBDIR).glob("peers-*.json"))
+    assert len(entries) == 1
+    # a new context in the same process, then in a fresh one (process cache emptied): no new fit
+    assert context.build_context(str(peer_sets[0]), None, "fit-train", None).peers == fresh and len(fits) == 1
+    monkeypatch.setattr(context, "_PEERS", {})
+    again = context.build_context(str(peer_sets[0]), None, "fit-train", None)
+    assert again.peers == fresh and len(fits) == 1
+    # every float exactly as fitted (repr round trip), the heads' too
+    assert again.peers.specdecpp.weights == fresh.specdecpp.weights and again.peers.svip_h == fresh.svip_h
+    # another cost model is another key: refitted
+    monkeypatch.setattr(context, "_PEERS", {})
+    other = context.build_context(str(peer_sets[0]), None, "profile", None)
+    assert other.peers is not None and len(fits) == 2
+    assert len(list(entries[0].parent.glob("peers-*.json"))) == 2
+    # a damaged entry is ignored and rewritten
+    monkeypatch.setattr(context, "_PEERS", {})
+    entries[0].write_text(entries[0].read_text()[:-40])
+    assert context.build_context(str(peer_sets[0]), None, "fit-train", None).peers == fresh and len(fits) == 3
+    assert context._read_peers(entries[0], context.peers_cache_key(ctx)) == fresh
+
+
+def test_a_set_not_loaded_from_verified_files_is_fitted_every_time(peer_sets: tuple[Path, Path], monkeypatch) -> None:
+    from policies.bench import context
+    from specenv.traces.traceset import TraceSet
+
+    ts = TraceSet.load(peer_sets[0], verify_hashes=False)
+    ctx = context.build_context(ts, None, "fit-train", None)
+    assert context.peers_cache_key(ctx) is None
+    calls: list[int] = []
+    real = context.fit_peers
+    monkeypatch.setattr(context, "fit_peers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert context.cached_peers(ctx) == context.cached_peers(ctx) and len(calls) == 2

@@ -303,7 +303,9 @@ def _nonneg_ols(
     Returns:
         ``(result, keep)``: the statsmodels result on the kept columns and the kept column indices.
     """
-    import statsmodels.api as sm
+    from specenv.cost.fit import statsmodels_ols
+
+    sm = statsmodels_ols()
 
     keep = np.arange(X.shape[1])
     while True:
@@ -437,7 +439,9 @@ def fit_batch_cost(
     Raises:
         ValueError: Fewer than ``n_splits`` groups, or no step with B >= 2.
     """
-    import statsmodels.api as sm
+    from specenv.cost.fit import statsmodels_ols
+
+    sm = statsmodels_ols()
     from sklearn.model_selection import GroupKFold
 
     model_facts = manifest["model"]

@@ -101,6 +101,20 @@ def _ols_cv(X: np.ndarray, y: np.ndarray, groups: np.ndarray, n_splits: int) -> 
     }
 
 
+def statsmodels_ols() -> Any:
+    """The ``OLS`` and ``add_constant`` of statsmodels, imported from their own modules.
+
+    The same objects as ``statsmodels.api.OLS`` and ``statsmodels.api.add_constant``, without the
+    import of every statsmodels model that ``statsmodels.api`` does (about 0.6 s of CPU).
+    """
+    from types import SimpleNamespace
+
+    from statsmodels.regression.linear_model import OLS
+    from statsmodels.tools.tools import add_constant
+
+    return SimpleNamespace(OLS=OLS, add_constant=add_constant)
+
+
 def clustered_ols(
     y: np.ndarray, X: np.ndarray, groups: np.ndarray, where: str, group_col: str = "generation_id"
 ) -> Any:
@@ -119,7 +133,7 @@ def clustered_ols(
     """
     import warnings
 
-    import statsmodels.api as sm
+    sm = statsmodels_ols()
 
     n = len(np.unique(groups))
     if n < 2:
@@ -261,7 +275,7 @@ def compare_forms(
 
     ``progress``, if given, is called with the name of each form as its fit starts.
     """
-    import statsmodels.api as sm
+    sm = statsmodels_ols()
 
     data = rounds[rounds["K"] >= 1]
     y = data["T_T_ms"].to_numpy(np.float64)
@@ -300,7 +314,7 @@ def _draft_rows(rounds: pd.DataFrame) -> pd.DataFrame:
 
 def fit_draft(rounds: pd.DataFrame) -> dict[str, Any]:
     """T_D = d1*K + d0 on K >= 1 rounds with a recorded (non-zero) draft time."""
-    import statsmodels.api as sm
+    sm = statsmodels_ols()
 
     data = _draft_rows(rounds)
     missing = int((rounds.loc[rounds["K"] >= 1, "T_D_ms"] <= 0).sum())
@@ -372,7 +386,7 @@ def _assemble(
     per_k: pd.DataFrame, rounds: pd.DataFrame, kmax: int, top_k: int, source: dict[str, Any] | None
 ) -> CostModel:
     """Per-K fits + AR step + draft fit -> a CostModel covering K = 0..kmax."""
-    import statsmodels.api as sm
+    sm = statsmodels_ols()
 
     if len(per_k) < 2:
         raise _too_few_budgets(len(per_k), per_k.attrs.get("skipped", {}))
