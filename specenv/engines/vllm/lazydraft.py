@@ -107,49 +107,36 @@ class LazyDraftProposer(DraftModelProposer):
         slot_mappings: Any = None,
     ) -> torch.Tensor:
         cad = common_attn_metadata
-        n = cad.batch_size()
-        if not self.lazy or target_positions.dim() != 1:
-            return super().propose(
-                num_speculative_tokens,
-                target_token_ids,
-                target_positions,
-                target_hidden_states,
-                next_token_ids,
-                token_indices_to_sample,
-                cad,
-                sampling_metadata,
-                mm_embed_inputs,
-                num_rejected_tokens_gpu,
-                slot_mappings,
-            )
-        ids = self._req_ids(n)
-        qsl = cad.query_start_loc_cpu.numpy()
-        qlen = np.diff(qsl[: n + 1])
-        # the first position of each request's query: its computed context before this step
-        start = target_positions.cpu().numpy()[qsl[:n]].astype(np.int64)
-        missing = self._missing
-        if missing:  # requests that left the batch with a gap: it can no longer be caught up
-            present = set(ids)
-            for rid in [r for r in missing if r not in present]:
-                del missing[rid]
-                self.stats["stale"] += 1
-        idle = num_speculative_tokens == 0 and int(cad.max_query_len) == 1 and mm_embed_inputs is None
-        if idle and all(start[i] - missing.get(r, start[i]) < MAX_GAP for i, r in enumerate(ids)):
-            for i, r in enumerate(ids):
-                missing.setdefault(r, int(start[i]))
-            self.stats["skipped"] += 1
-            return torch.empty(n, 0, device=next_token_ids.device, dtype=torch.int64)
-        gap = np.array([start[i] - missing.pop(r, start[i]) for i, r in enumerate(ids)], dtype=np.int64)
-        if gap.any() and self.catch_up:
-            target_token_ids, target_positions, cad = self._catch_up(
-                target_token_ids, target_positions, cad, qsl[: n + 1], qlen, start, gap
-            )
-            target_hidden_states = target_hidden_states.new_zeros(
-                (target_token_ids.shape[0], *target_hidden_states.shape[1:])
-            )
-            token_indices_to_sample = None  # the first pass computes each request's last slot from the new query starts
-            self.stats["catchups"] += 1
-            self.stats["caught_up"] += int(gap.sum())
+        if self.lazy and target_positions.dim() == 1:
+            n = cad.batch_size()
+            ids = self._req_ids(n)
+            qsl = cad.query_start_loc_cpu.numpy()
+            qlen = np.diff(qsl[: n + 1])
+            # the first position of each request's query: its computed context before this step
+            start = target_positions.cpu().numpy()[qsl[:n]].astype(np.int64)
+            missing = self._missing
+            if missing:  # requests that left the batch with a gap: it can no longer be caught up
+                present = set(ids)
+                for rid in [r for r in missing if r not in present]:
+                    del missing[rid]
+                    self.stats["stale"] += 1
+            idle = num_speculative_tokens == 0 and int(cad.max_query_len) == 1 and mm_embed_inputs is None
+            if idle and all(start[i] - missing.get(r, start[i]) < MAX_GAP for i, r in enumerate(ids)):
+                for i, r in enumerate(ids):
+                    missing.setdefault(r, int(start[i]))
+                self.stats["skipped"] += 1
+                return torch.empty(n, 0, device=next_token_ids.device, dtype=torch.int64)
+            gap = np.array([start[i] - missing.pop(r, start[i]) for i, r in enumerate(ids)], dtype=np.int64)
+            if gap.any() and self.catch_up:
+                target_token_ids, target_positions, cad = self._catch_up(
+                    target_token_ids, target_positions, cad, qsl[: n + 1], qlen, start, gap
+                )
+                target_hidden_states = target_hidden_states.new_zeros(
+                    (target_token_ids.shape[0], *target_hidden_states.shape[1:])
+                )
+                token_indices_to_sample = None  # the first pass finds each request's last slot from the new starts
+                self.stats["catchups"] += 1
+                self.stats["caught_up"] += int(gap.sum())
         return super().propose(
             num_speculative_tokens,
             target_token_ids,
