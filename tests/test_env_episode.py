@@ -88,6 +88,8 @@ def test_single_and_vector_env_call_the_one_rule(monkeypatch):
     env.reset(seed=0)
     for _ in range(5):
         env.step(2)
+    # the numpy step (the compiled one, specenv.envs.vector_kernel, is tested equal to it bit for bit)
+    monkeypatch.setenv("SPECENV_NUMBA", "0")
     venv = vector_module.MoESpecVectorEnv(num_envs=3, split="test")
     venv.reset(seed=0)
     for _ in range(4):

@@ -193,7 +193,7 @@ def test_collect_cli_vllm_needs_the_extra(tmp_path):
         pytest.skip("vLLM is installed here (tests/vllm/test_vllm_collect.py runs the collection)")
     res = CliRunner().invoke(app, ["collect", "--engine", "vllm", "--out", str(tmp_path / "x")])
     assert res.exit_code == 2
-    assert res.stderr.strip().count("\n") == 0 and "vllm extra" in res.stderr
+    assert res.stderr.strip().count("\n") == 0 and "make venv-vllm" in res.stderr and "--engine vllm" in res.stderr
 
 
 def test_live_vllm_set_validates_and_measures_the_ar_step():

@@ -86,6 +86,7 @@ def test_stock_arms_commands(lt, monkeypatch):
 
     monkeypatch.setattr(vs, "vllm_on_cpu", lambda dist: True)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # another test of the worker may have set it
     env = lt.stock_env(plain)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and int(env["VLLM_CPU_KVCACHE_SPACE"]) >= 1
 
