@@ -132,3 +132,24 @@ def reject_cleanly(
     out = run_cli(args, cwd=cwd)
     assert_rejected(out, *names)
     assert_unchanged(before, snapshot(*roots))
+
+
+def private_cache(monkeypatch, dst: Path) -> Path:
+    """A copy of the session's cache at ``dst``, made this test's ``$SPECENV_CACHE``; returns it.
+
+    The session cache (tests/conftest.py) is shared by the pytest-xdist workers: a fit another
+    worker caches while a case runs would read as the case writing it. A case that snapshots the
+    cache snapshots its own copy (the fits already cached stay cached: the command under test sees
+    the cache it would see).
+    """
+    import shutil
+
+    from specenv.io import CACHE_ENV, cache_dir
+
+    src = cache_dir()
+    if src is not None and src.is_dir():
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.tmp*", ".*"))
+    else:
+        dst.mkdir(parents=True)
+    monkeypatch.setenv(CACHE_ENV, str(dst))
+    return dst

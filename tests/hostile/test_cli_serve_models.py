@@ -22,8 +22,7 @@ import pytest
 from specenv.engines.hf.models import model_dir, model_set_info
 from specenv.engines.vllm import settings as vs
 from specenv.engines.vllm.models import CHAT_TEMPLATE, vllm_model_dirs
-from specenv.io import cache_dir
-from tests.hostile.harness import reject_cleanly, run_cli
+from tests.hostile.harness import private_cache, reject_cleanly, run_cli
 
 HUGE = str(10**30)
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,11 +121,9 @@ def _fill(items: list[str], subs: dict[str, str]) -> list[str]:
 
 
 @pytest.mark.parametrize(("case", "args", "names"), CASES, ids=[c[0] for c in CASES])
-def test_bad_models_or_kmax_is_one_line_and_writes_nothing(sets, case, args, names):
+def test_bad_models_or_kmax_is_one_line_and_writes_nothing(sets, case, args, names, monkeypatch, tmp_path):
     root, subs = sets
-    cache = cache_dir()
-    assert cache is not None  # tests/conftest.py gives the session a private cache
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = private_cache(monkeypatch, tmp_path / "cache")  # no other worker writes into it
     reject_cleanly(_fill(args, subs), _fill(names, subs), [root, cache])
 
 

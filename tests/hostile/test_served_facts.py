@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from specenv.io import cache_dir
-from tests.hostile.harness import reject_cleanly, run_cli
+from tests.hostile.harness import private_cache, reject_cleanly, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 LIVE_VLLM = ROOT / "specenv" / "data" / "live-vllm-v1"  # recorded on small-moe-v1 (6 layers, 64 experts, top-4)
@@ -37,6 +37,12 @@ def _edited(src: Path, dst: Path, **fields: object) -> Path:
     obj.update(fields)
     dst.write_text(json.dumps(obj))
     return dst
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(monkeypatch, tmp_path: Path) -> None:
+    """Each case snapshots a cache of its own (other xdist workers write into the session's)."""
+    private_cache(monkeypatch, tmp_path / "cache")
 
 
 def _roots(tmp_path: Path) -> list[Path]:
