@@ -47,7 +47,7 @@ from policies.bench.single import Entry, _learned, default_entries
 from policies.bench.stats import summarise_pooled
 from policies.caps.controllers import FixedCap, JointMLP, train_joint_dagger
 
-__all__ = ["DEFAULT_WEIGHTS", "K_ORACLE", "CapRow", "CapsFamily", "run_cap_bench"]
+__all__ = ["DEFAULT_WEIGHTS", "K_ORACLE", "CapRow", "CapsFamily", "cap_bench_family", "run_cap_bench"]
 
 K_ORACLE = "k-only oracle (SSP)"
 
@@ -377,6 +377,45 @@ def run_cap_bench(
     Raises:
         ValueError: One line naming the argument (a set without caps columns names ``dataset``).
     """
+    family = cap_bench_family(
+        dataset,
+        kmax,
+        cost_model,
+        policy_dir,
+        weights,
+        train_weights,
+        joint_policies,
+        episodes,
+        seed,
+        n_boot,
+        max_mismatch,
+        train_kwargs,
+        only,
+    )
+    return run_family(family, progress)
+
+
+def cap_bench_family(
+    dataset: Any,
+    kmax: int | None = None,
+    cost_model: str = "fit-train",
+    policy_dir: Path | None = None,
+    weights: Sequence[float] = DEFAULT_WEIGHTS,
+    train_weights: Sequence[float] = (),
+    joint_policies: Sequence[Path] = (),
+    episodes: int = 1,
+    seed: int = 0,
+    n_boot: int = 2000,
+    max_mismatch: float = 0.01,
+    train_kwargs: dict[str, Any] | None = None,
+    only: Sequence[str] | None = None,
+) -> CapsFamily:
+    """The :class:`CapsFamily` :func:`run_cap_bench` runs (same arguments), its roster checked.
+
+    Everything that can refuse the run before a row is evaluated (the set, the cost model, ``only``)
+    is checked here: the CLI builds the family before it starts its progress lines, so a refusal is
+    its one line.
+    """
     from specenv.replay.caps import joint_tables
 
     pdir = policy_dir if policy_dir is not None else shipped_policy_dir(dataset)
@@ -388,7 +427,8 @@ def run_cap_bench(
     family = CapsFamily(
         ctx, tab, weights, train_weights, joint_policies, episodes, seed, n_boot, max_mismatch, train_kwargs, only
     )
-    return run_family(family, progress)
+    family.roster()  # a ValueError for an --only that keeps no k-policy
+    return family
 
 
 def _best(rows: pd.DataFrame) -> dict[str, Any] | None:

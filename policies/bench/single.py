@@ -391,6 +391,14 @@ def select_entries(ctx: Context, only: Any, drafting: str | None) -> list[Entry]
     return entries
 
 
+def _no_match(ctx: Context, only: Sequence[str]) -> str:
+    """The refusal of an ``only`` that keeps no row (with the skip reason of a row it would have kept)."""
+    only = list(only)
+    hit = [sk for sk in ctx.skipped if any(o in sk["policy"] for o in only)]
+    why = f" (skipped {hit[0]['policy']!r}: {hit[0]['reason']})" if hit else ""
+    return f"only={only}: no policy matches{why}"
+
+
 def setup_entries(setup: BenchSetup) -> tuple[Context, list[Entry]]:
     """The context and rows of a run from its :class:`BenchSetup` (what :func:`run_benchmark` builds)."""
     pdir = Path(setup.policy_dir) if setup.policy_dir is not None else shipped_policy_dir(setup.dataset)
@@ -568,6 +576,8 @@ class SingleFamily:
     def roster(self) -> list[Entry]:
         """The rows of :func:`select_entries`; ``vs`` resolved to one of them (a ValueError: none or several)."""
         rows = select_entries(self.ctx, self.setup.only, self.setup.drafting)
+        if self.setup.only and not rows:  # refused before the oracle rows run, not after them
+            raise ValueError(_no_match(self.ctx, self.setup.only))
         if self.vs is not None:
             names = [e.name for e in rows]
             hit = [n for n in names if n == self.vs] or [n for n in names if self.vs in n]
@@ -629,10 +639,7 @@ class SingleFamily:
             frames.append(got)
             gens.append(generation_table(got))
         if not gens:
-            only = list(self.setup.only or ())
-            hit = [sk for sk in ctx.skipped if any(o in sk["policy"] for o in only)]
-            why = f" (skipped {hit[0]['policy']!r}: {hit[0]['reason']})" if hit else ""
-            raise ValueError(f"only={only}: no policy matches{why}")
+            raise ValueError(_no_match(ctx, self.setup.only or ()))
         episodes_df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
         gen_df = pd.concat(gens, ignore_index=True)
         summary, cats = summarise(gen_df, oracle_df, n_boot=self.n_boot, seed=self.seed)

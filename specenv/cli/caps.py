@@ -75,8 +75,9 @@ def bench(
     Every k-policy at every cap level, MoE-Spec's fixed cap with fixed k, the k-only and joint oracles
     (a sweep of the quality weight) and the joint learned controllers, on the held-out split.
     """
-    from policies.bench.caps import DEFAULT_WEIGHTS, run_cap_bench
+    from policies.bench.caps import DEFAULT_WEIGHTS, cap_bench_family
     from policies.bench.outputs import planned_files, write_outputs
+    from policies.bench.runner import run_family
     from policies.bench.tables import frontier_table, markdown_table
 
     check_out_folder("--out", out_dir)
@@ -105,22 +106,22 @@ def bench(
     if not ts.manifest.caps:
         fail(f"{traces}: trace set '{ts.manifest.name}' has no expert-cap columns (extension caps-v1)")
     try:
+        family = cap_bench_family(  # the refusals before any row (one line, no progress line before it)
+            traces,
+            kmax=kmax,
+            cost_model=cost_model,
+            policy_dir=policies,
+            weights=tuple(weight) if weight else DEFAULT_WEIGHTS,
+            train_weights=tuple(train_joint or ()),
+            joint_policies=tuple(joint_policy or ()),
+            episodes=episodes,
+            seed=seed,
+            max_mismatch=max_mismatch,
+            only=only,
+            train_kwargs={"lookahead": joint_lookahead} if joint_lookahead else None,
+        )
         with Progress("caps bench", unit="rows") as prog:
-            res = run_cap_bench(
-                traces,
-                kmax=kmax,
-                cost_model=cost_model,
-                policy_dir=policies,
-                weights=tuple(weight) if weight else DEFAULT_WEIGHTS,
-                train_weights=tuple(train_joint or ()),
-                joint_policies=tuple(joint_policy or ()),
-                episodes=episodes,
-                seed=seed,
-                max_mismatch=max_mismatch,
-                only=only,
-                train_kwargs={"lookahead": joint_lookahead} if joint_lookahead else None,
-                progress=lambda done, total, name: prog.update(done, total, name),
-            )
+            res = run_family(family, lambda done, total, name: prog.update(done, total, name))
     except ValueError as exc:
         fail(str(exc))
     strict_json(res.to_json())  # a non-finite figure is refused before any file is written
