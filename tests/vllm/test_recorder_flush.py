@@ -204,10 +204,12 @@ def test_serve_gives_the_engine_time_to_drain_and_close_the_recording(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not _has_vllm(), reason="needs vLLM (.venv-vllm)")
 def test_serve_sigterm_after_idle_keeps_every_round(model_dirs, tmp_path):
-    from test_serve import free_port, post, wait_ready
+    from test_serve import post
     from vhelpers import KMAX, PROMPTS
 
-    rec, port, log = tmp_path / "rec", free_port(), tmp_path / "server.log"
+    from scripts.load_test import Server
+
+    rec, log = tmp_path / "rec", tmp_path / "server.log"
     specenv_bin = Path(sys.executable).parent / "specenv"
     cmd = [
         str(specenv_bin),
@@ -229,10 +231,6 @@ def test_serve_sigterm_after_idle_keeps_every_round(model_dirs, tmp_path):
         "2",
         "--seed",
         "0",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
         "--speculative-config",
         json.dumps({"method": "draft_model", "model": str(model_dirs.draft), "num_speculative_tokens": KMAX}),
     ]
@@ -240,10 +238,10 @@ def test_serve_sigterm_after_idle_keeps_every_round(model_dirs, tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # this checkout's specenv
     env["VLLM_LOGGING_LEVEL"] = "INFO"  # vLLM's shutdown messages
     tokens = 16
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    srv = Server(cmd, log, env=env)  # appends --host 127.0.0.1 --port, a session of its own
+    proc, port = srv.proc, srv.port
     try:
-        wait_ready(proc, port, log)
+        srv.wait_ready()
         body = {"model": str(model_dirs.target), "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
         usage: list[int] = []
 

@@ -24,8 +24,8 @@ openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.slow  # a live vLLM engine
 
-from test_serve import free_port, wait_ready  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scripts.load_test import Server  # noqa: E402  - the load test's server process, on loopback
 from specenv.engines.vllm.models import vllm_model_dirs  # noqa: E402
 
 KMAX = 3
@@ -42,7 +42,7 @@ def _drafts(port: int) -> float:
 
 
 def test_serve_models_answers_completion_and_chat_then_exits_on_sigterm(tmp_path):
-    port, log = free_port(), tmp_path / "server.log"
+    log = tmp_path / "server.log"
     specenv_bin = Path(sys.executable).parent / "specenv"
     cmd = [
         str(specenv_bin),
@@ -61,10 +61,6 @@ def test_serve_models_answers_completion_and_chat_then_exits_on_sigterm(tmp_path
         "2",
         "--seed",
         "0",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
     ]
     env = {k: v for k, v in os.environ.items() if k not in UNSET}
     sep = cmd.index("--")
@@ -77,10 +73,10 @@ def test_serve_models_answers_completion_and_chat_then_exits_on_sigterm(tmp_path
     assert '"num_speculative_tokens": 3' in line and "--served-model-name small-moe-v1" in line, line
 
     t0 = time.monotonic()
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    srv = Server(cmd, log, env=env)  # appends --host 127.0.0.1 --port, a session of its own
+    proc, port = srv.proc, srv.port
     try:
-        wait_ready(proc, port, log)
+        srv.wait_ready()
         start_s = time.monotonic() - t0
         text = log.read_text()
         assert re.search(r"VLLM_CPU_KVCACHE_SPACE=[1-4] \(set by specenv serve", text), text[-4000:]
