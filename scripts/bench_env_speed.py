@@ -17,6 +17,13 @@ busy machine penalises both sides alike.
 Usage::
 
     python scripts/bench_env_speed.py [--seconds 2] [--repeats 3] [--num-envs 256] [--dataset paper-default]
+    python scripts/bench_env_speed.py --profile     # + where the single env's step time goes
+
+``--profile`` adds a subtractive breakdown of one step of the single env, in microseconds (each stage
+timed as a loop over the same pre-drawn actions, best of ``--repeats``; a stage's cost is the
+difference to the stage above it): gymnasium's wrappers, the action check, the episode's round
+(``Episode.play``: tables, acceptance, cost), the observation's update (running statistics), the info
+dict, the observation vector -- beside CartPole-v1's step with and without its wrappers.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ def main() -> None:
     ap.add_argument("--cost-model", default="fit")
     ap.add_argument("--lookahead", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    ap.add_argument("--profile", action="store_true", help="also print where the single env's step time goes")
     args = ap.parse_args()
     kw = {"dataset": args.dataset, "cost_model": args.cost_model, "lookahead": args.lookahead}
 
@@ -66,6 +74,8 @@ def main() -> None:
         "single_target": SINGLE_AIM,
         "vector_target": VECTOR_AIM,
     }
+    if args.profile:
+        res["profile_us"] = profile_single(kw, args.seconds / 2, args.repeats)
     if args.json:
         print(json.dumps(res))
         return
@@ -75,6 +85,114 @@ def main() -> None:
     print(f"vector  MoESpecVectorEnv     {best['vector']:>12,.0f} steps/s  (N={args.num_envs})")
     print(f"vector  CartPoleVectorEnv    {best['cartpole_vector']:>12,.0f} steps/s  (N={args.num_envs})")
     print(f"        ratio                {res['vector_ratio']:>12.2f}x   (aim >= {VECTOR_AIM}x)")
+    if args.profile:
+        prof = res["profile_us"]
+        print("\nwhere a single step goes (us per step; a stage = its loop minus the loop above it)")
+        for name, us in prof["stages"].items():
+            print(f"  {name:<48} {us:>7.2f}")
+        print(f"  {'= specenv/MoESpec-v1 step (gym.make)':<48} {prof['total']:>7.2f}")
+        print(f"  {'CartPole-v1 step (gym.make)':<48} {prof['cartpole']:>7.2f}")
+        print(f"  {'CartPole-v1 step (unwrapped)':<48} {prof['cartpole_unwrapped']:>7.2f}")
+        print(
+            f"  {'aim: specenv step <= CartPole step / ' + str(SINGLE_AIM):<48} {prof['cartpole'] / SINGLE_AIM:>7.2f}"
+        )
+
+
+def _loop_us(step, reset, actions, seconds: float, repeats: int) -> float:
+    """Best-of-``repeats`` microseconds per call of ``step(a)`` over ``actions`` (``reset()`` when it returns True)."""
+    import time
+
+    best = float("inf")
+    n_act = len(actions)
+    for _ in range(repeats):
+        reset()
+        n, i, t0 = 0, 0, time.perf_counter()
+        deadline = t0 + seconds
+        while True:
+            for _ in range(1000):
+                if step(actions[i]):
+                    reset()
+                i = (i + 1) % n_act
+            n += 1000
+            t = time.perf_counter()
+            if t >= deadline:
+                break
+        best = min(best, (t - t0) / n * 1e6)
+    return best
+
+
+def profile_single(kw: dict, seconds: float, repeats: int) -> dict:
+    """The subtractive per-stage breakdown of the single env's step (module docstring), in microseconds."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    env = gym.make("specenv/MoESpec-v1", **kw)
+    raw = env.unwrapped
+    actions = [int(a) for a in rng.integers(0, raw.action_space.n, size=4096)]
+    cart = gym.make("CartPole-v1")
+    cart_actions = [int(a) for a in rng.integers(0, 2, size=4096)]
+
+    def reset_env() -> None:
+        env.reset(seed=0)
+
+    def wrapped(a: int) -> bool:
+        _, _, term, trunc, _ = env.step(a)
+        return term or trunc
+
+    def unwrapped(a: int) -> bool:
+        return raw.step(a)[2]
+
+    def play(a: int) -> bool:
+        return raw._play(a)[2]
+
+    def stages(upto: int):
+        def f(a: int) -> bool:  # Episode.play, then (upto >= 2) obs.update, (upto >= 3) info
+            ep = raw._episode
+            r = ep.play(a)
+            if upto >= 2:
+                raw._obs.update(a, r[2], r[6], r[8], r[3])
+            if upto >= 3:
+                ep.info(r)
+            if r[9]:
+                return True
+            return False
+
+        return f
+
+    t = {
+        "wrapped": _loop_us(wrapped, reset_env, actions, seconds, repeats),
+        "unwrapped": _loop_us(unwrapped, reset_env, actions, seconds, repeats),
+        "play": _loop_us(play, reset_env, actions, seconds, repeats),
+        "round": _loop_us(stages(1), reset_env, actions, seconds, repeats),
+        "update": _loop_us(stages(2), reset_env, actions, seconds, repeats),
+        "info": _loop_us(stages(3), reset_env, actions, seconds, repeats),
+    }
+    cart.reset(seed=0)
+    craw = cart.unwrapped
+
+    def cart_wrapped(a: int) -> bool:
+        _, _, term, trunc, _ = cart.step(a)
+        return term or trunc
+
+    def cart_raw(a: int) -> bool:
+        return craw.step(a)[2]
+
+    c_w = _loop_us(cart_wrapped, lambda: cart.reset(seed=0), cart_actions, seconds, repeats)
+    c_u = _loop_us(cart_raw, lambda: craw.reset(seed=0), cart_actions, seconds, repeats)
+    st = {
+        "gymnasium wrappers (order, env checker)": t["wrapped"] - t["unwrapped"],
+        "action check": t["unwrapped"] - t["play"],
+        "Episode.play (round: tables, acceptance, cost)": t["round"],
+        "observation update (running statistics)": t["update"] - t["round"],
+        "info dict": t["info"] - t["update"],
+        "observation vector, render, reward (rest)": t["play"] - t["info"],
+    }
+    return {
+        "stages": {k: round(v, 3) for k, v in st.items()},
+        "total": t["wrapped"],
+        "cartpole": c_w,
+        "cartpole_unwrapped": c_u,
+    }
 
 
 if __name__ == "__main__":
