@@ -20,6 +20,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from specenv.numba_support import guard_llvmlite
+
+guard_llvmlite()  # vLLM in the same process scans llvmlite's ffi wrapper (specenv.numba_support)
+
 __all__ = ["backward", "forward", "take_columns"]
 
 

@@ -29,10 +29,11 @@ so no step pays for it. :func:`kernels` imports numba on first use only: ``impor
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import numpy as np
+
+from specenv import numba_support
 
 __all__ = ["build", "charge_table", "kernels", "round_and_update"]
 
@@ -42,12 +43,11 @@ _KERNELS: Any = None
 def kernels() -> tuple[Any, Any] | None:
     """The compiled ``(round_and_update, build)``, or None without numba (or with ``SPECENV_NUMBA=0``)."""
     global _KERNELS
-    if os.environ.get("SPECENV_NUMBA", "1") == "0":
+    if not numba_support.enabled():
         return None
     if _KERNELS is None:
-        try:
-            import numba
-        except ImportError:
+        numba = numba_support.numba_module()
+        if numba is None:
             _KERNELS = False
         else:
             jit = numba.njit(cache=True, nogil=True)

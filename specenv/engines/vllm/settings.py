@@ -166,6 +166,9 @@ def engine_kwargs(settings: SpecenvSettings | None = None, tap: bool = True, **o
         seeing the previous round, which asynchronous scheduling does not allow),
         ``additional_config`` and, with the tap, ``load_format``.
     """
+    from specenv.numba_support import guard_llvmlite
+
+    guard_llvmlite()  # numba loaded in this process would break vLLM's worker start (specenv.numba_support)
     s = settings if settings is not None else SpecenvSettings()
     if overrides:
         s = SpecenvSettings(**{**s.to_json(), **overrides})
