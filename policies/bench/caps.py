@@ -43,7 +43,7 @@ from policies import shipped_policy_dir
 from policies.bench.context import Context, build_context
 from policies.bench.result import BenchResult
 from policies.bench.runner import Progress, run_family
-from policies.bench.single import Entry, _learned, default_entries
+from policies.bench.single import Entry, _learned, default_entries, skip_reason
 from policies.bench.stats import summarise_pooled
 from policies.caps.controllers import FixedCap, JointMLP, train_joint_dagger
 
@@ -137,7 +137,7 @@ class CapsFamily:
         if self.only:
             entries = [e for e in entries if any(o in e.name for o in self.only)]
             if not entries:  # as the k-only benchmark: a filter that keeps nothing is a typo, not a request
-                raise ValueError(f"--only: {list(self.only)} matches no k-policy")
+                raise ValueError(f"--only: {list(self.only)} matches no k-policy{skip_reason(ctx, self.only)}")
         if self.train_weights:  # the k-only learner of the same recipe, for an apples-to-apples learned row
             entries.append(self._k_only_learner())
         rows = [CapRow("k-oracle", K_ORACLE, "oracle", "none")]

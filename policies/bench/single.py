@@ -391,12 +391,16 @@ def select_entries(ctx: Context, only: Any, drafting: str | None) -> list[Entry]
     return entries
 
 
+def skip_reason(ctx: Context, only: Sequence[str]) -> str:
+    """`` (skipped 'NAME': REASON)`` for the first skipped policy ``only`` would have kept, else ``""``."""
+    hit = [sk for sk in ctx.skipped if any(o in sk["policy"] for o in only)]
+    return f" (skipped {hit[0]['policy']!r}: {hit[0]['reason']})" if hit else ""
+
+
 def _no_match(ctx: Context, only: Sequence[str]) -> str:
     """The refusal of an ``only`` that keeps no row (with the skip reason of a row it would have kept)."""
     only = list(only)
-    hit = [sk for sk in ctx.skipped if any(o in sk["policy"] for o in only)]
-    why = f" (skipped {hit[0]['policy']!r}: {hit[0]['reason']})" if hit else ""
-    return f"only={only}: no policy matches{why}"
+    return f"only={only}: no policy matches{skip_reason(ctx, only)}"
 
 
 def setup_entries(setup: BenchSetup) -> tuple[Context, list[Entry]]:

@@ -55,6 +55,7 @@ Policies that need more than a spec (a fitted cost model, an oracle's lambda: ``
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import os
@@ -154,7 +155,25 @@ def check_params(factory: Factory, params: Mapping[str, Any]) -> dict[str, Any]:
         ValueError: ``parameter 'KEY': PROBLEM`` for the first bad declared parameter.
     """
     declared: Mapping[str, Param] = getattr(factory, "parameters", None) or {}
+    accepted = _keywords(factory)
+    for key in params:
+        if key not in declared and accepted is not None and key not in accepted:
+            known = ", ".join(sorted(set(declared) | accepted)) or "none"
+            raise ValueError(f"parameter {key!r}: unknown (known: {known})")
     return {k: (declared[k].check(k, v) if k in declared else v) for k, v in params.items()}
+
+
+def _keywords(factory: Factory) -> set[str] | None:
+    """The keyword parameters ``factory(spec, **params)`` accepts after ``spec`` (None: any, or unknown)."""
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return None
+    ps = list(sig.parameters.values())
+    if any(p.kind is p.VAR_KEYWORD for p in ps):
+        return None
+    positional = [p for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return {p.name for p in ps[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} if positional else None
 
 
 def register(name: str, factory: Factory, *, replace: bool = False) -> str:

@@ -45,6 +45,10 @@ BAD: list[tuple[str, str]] = [
     ("vllm-dsd-table:k=1.5", "'k'"),
     ("vllm-dsd-table:k=2,batch_size=0", "'batch_size'"),
     ("vllm-adaptive-verification:stale=1", "'stale'"),
+    ("fixed-k:zz=3", "'zz': unknown (known: k)"),
+    ("fixed-k:k=3,zz=1", "'zz': unknown"),
+    ("ucb:c=1,zz=1", "'zz': unknown (known: arms, c)"),
+    ("cascade:zz=1", "'zz': unknown"),
 ]
 
 
@@ -98,10 +102,28 @@ def test_export_refuses_in_one_line(tmp_path, small_traces, text):
     assert not (tmp_path / "root").exists()
 
 
-@pytest.mark.parametrize("text", ["cascade:test_rounds=0", "fixed-k:k=true", "ucb:c=nan"])
+@pytest.mark.parametrize("text", ["cascade:test_rounds=0", "fixed-k:k=true", "ucb:c=nan", "fixed-k:zz=3", "ucb:zz=1"])
 def test_serve_refuses_before_start(tmp_path, text):
     named = text.split(":")[1].split("=")[0]
     reject_cleanly(["serve", "--policy", text, "--print-command", "--models", "small-moe-v1"], [named], [tmp_path])
+
+
+def _plain_factory(spec, k=2):
+    return registry.resolve(f"fixed-k:k={k}", spec)
+
+
+def test_a_registered_policy_with_an_unknown_key_is_refused_by_check_serve_and_resolve(tmp_path):
+    """An undeclared factory's keyword names are its parameters: an unknown key is one line, before start."""
+    name = registry.register("hostile26-plain", _plain_factory, replace=True)
+    try:
+        line = "policy 'hostile26-plain:zz=1': parameter 'zz': unknown (known: k)"
+        assert _message(registry.check, f"{name}:zz=1") == line
+        assert _message(registry.resolve, f"{name}:zz=1", SPEC) == line
+        assert registry.resolve(f"{name}:k=3", SPEC) is not None
+        args = ["serve", "--policy", f"{name}:zz=1", "--print-command", "--models", "small-moe-v1"]
+        reject_cleanly(args, ["--policy", "'zz'"], [tmp_path])
+    finally:
+        registry.unregister(name)
 
 
 @pytest.mark.parametrize("mode", ["zzz", "sequential", "block"])
