@@ -110,21 +110,23 @@ def main() -> None:
     import gc
 
     results = []
-    for b in args.batch.split(","):
+    for b in args.batch.split(","):  # each batch size printed and written as soon as it is measured
         results.append(measure(int(b), args))
         gc.collect()
-    load = os.getloadavg()
-    print(f"{args.models}, greedy, {args.tokens} tokens, {args.repeats} interleaved repeats; load {load[0]:.1f}")
-    print("| batch | arm | ms per step (median) | speed vs plain [95% CI] | outputs identical | skipped draft steps |")
-    print("|---|---|---|---|---|---|")
-    for r in results:
+        load = os.getloadavg()
+        print(f"{args.models}, greedy, {args.tokens} tokens, {args.repeats} interleaved repeats; load {load[0]:.1f}")
+        print(
+            "| batch | arm | ms per step (median) | speed vs plain [95% CI] | outputs identical | skipped draft steps |"
+        )
+        print("|---|---|---|---|---|---|")
+        r = results[-1]
         for a in ARMS:
             c = r[a]["vs_plain"]
             sk = r["skipped_steps"] if a == "k=0 lazy" else ""
             ci = f"{c['value']:.3f} [{c['low']:.3f}, {c['high']:.3f}]"
-            print(f"| {r['batch']} | {a} | {r[a]['ms_per_token']:.3f} | {ci} | {r['identical']} | {sk} |")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"rows": results, "load": load, "args": vars(args)}, indent=2))
+            print(f"| {r['batch']} | {a} | {r[a]['ms_per_token']:.3f} | {ci} | {r['identical']} | {sk} |", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"rows": results, "load": load, "args": vars(args)}, indent=2))
 
 
 if __name__ == "__main__":
