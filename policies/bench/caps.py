@@ -335,41 +335,11 @@ class CapsFamily:
         )
 
 
-def run_cap_bench(
-    dataset: Any,
-    kmax: int | None = None,
-    cost_model: str = "fit-train",
-    policy_dir: Path | None = None,
-    weights: Sequence[float] = DEFAULT_WEIGHTS,
-    train_weights: Sequence[float] = (),
-    joint_policies: Sequence[Path] = (),
-    episodes: int = 1,
-    seed: int = 0,
-    n_boot: int = 2000,
-    max_mismatch: float = 0.01,
-    train_kwargs: dict[str, Any] | None = None,
-    only: Sequence[str] | None = None,
-    progress: Progress | None = None,
-) -> BenchResult:
+def run_cap_bench(dataset: Any, progress: Progress | None = None, **options: Any) -> BenchResult:
     """Every joint baseline, the joint learners and the frontier on the held-out split of a caps set.
 
-    Args:
-        dataset: Registry name or folder of a set with the ``caps-v1`` extension, or the loaded
-            :class:`~specenv.traces.traceset.TraceSet`.
-        kmax: Largest budget (default the set's).
-        cost_model: ``"fit-train"`` (default), ``"fit"``, ``"profile"`` or a cost-model JSON.
-        policy_dir: Folder of trained k-policies (default: those shipped for the set, if any).
-        weights: Quality weights of the joint oracle's frontier (AR steps per mismatched token).
-        train_weights: Weights at which to train a joint learned controller here (train split).
-        joint_policies: Folders of trained joint policies to evaluate.
-        episodes: Rollout episodes per held-out generation.
-        seed: Seed of the episodes and the bootstrap.
-        n_boot: Bootstrap resamples.
-        max_mismatch: The quality constraint of the headline comparison (mismatched-token rate).
-        train_kwargs: Extra arguments of :func:`policies.caps.controllers.train_joint_dagger`.
-        only: Keep only the k-policies whose name contains one of these (the oracles and the fixed
-            cap x fixed k grid always run); a filter that keeps no k-policy is refused.
-        progress: Called with (done, total, row name) as each row starts.
+    ``options`` are :func:`cap_bench_family`'s (kmax, cost model, weights, learners, episodes, ...);
+    ``progress`` is called with (done, total, row name) as each row starts.
 
     Returns:
         The :class:`~policies.bench.result.BenchResult` of family ``"caps"``.
@@ -377,22 +347,7 @@ def run_cap_bench(
     Raises:
         ValueError: One line naming the argument (a set without caps columns names ``dataset``).
     """
-    family = cap_bench_family(
-        dataset,
-        kmax,
-        cost_model,
-        policy_dir,
-        weights,
-        train_weights,
-        joint_policies,
-        episodes,
-        seed,
-        n_boot,
-        max_mismatch,
-        train_kwargs,
-        only,
-    )
-    return run_family(family, progress)
+    return run_family(cap_bench_family(dataset, **options), progress)
 
 
 def cap_bench_family(
@@ -410,11 +365,31 @@ def cap_bench_family(
     train_kwargs: dict[str, Any] | None = None,
     only: Sequence[str] | None = None,
 ) -> CapsFamily:
-    """The :class:`CapsFamily` :func:`run_cap_bench` runs (same arguments), its roster checked.
+    """The :class:`CapsFamily` :func:`run_cap_bench` runs, its roster checked.
 
     Everything that can refuse the run before a row is evaluated (the set, the cost model, ``only``)
     is checked here: the CLI builds the family before it starts its progress lines, so a refusal is
     its one line.
+
+    Args:
+        dataset: Registry name or folder of a set with the ``caps-v1`` extension, or the loaded
+            :class:`~specenv.traces.traceset.TraceSet`.
+        kmax: Largest budget (default the set's).
+        cost_model: ``"fit-train"`` (default), ``"fit"``, ``"profile"`` or a cost-model JSON.
+        policy_dir: Folder of trained k-policies (default: those shipped for the set, if any).
+        weights: Quality weights of the joint oracle's frontier (AR steps per mismatched token).
+        train_weights: Weights at which to train a joint learned controller here (train split).
+        joint_policies: Folders of trained joint policies to evaluate.
+        episodes: Rollout episodes per held-out generation.
+        seed: Seed of the episodes and the bootstrap.
+        n_boot: Bootstrap resamples.
+        max_mismatch: The quality constraint of the headline comparison (mismatched-token rate).
+        train_kwargs: Extra arguments of :func:`policies.caps.controllers.train_joint_dagger`.
+        only: Keep only the k-policies whose name contains one of these (the oracles and the fixed
+            cap x fixed k grid always run); a filter that keeps no k-policy is refused.
+
+    Raises:
+        ValueError: One line naming the argument (a set without caps columns names ``dataset``).
     """
     from specenv.replay.caps import joint_tables
 
