@@ -150,3 +150,19 @@ def test_batch_8_idle_steps_skip_the_drafter_lossless_and_kv_consistent(engine8,
     prompts = (PROMPTS + PROMPTS)[:8]  # 8 requests in one batch (two prompts twice)
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     check(engine8, prompts, plain_reference, tmp_path, control=True)
+
+
+def test_engines_above_max_seqs_keep_vllms_drafter():
+    # the lazy drafter is installed up to MAX_SEQS concurrent sequences only (a batch-16 run corrupted the
+    # heap; see lazydraft.MAX_SEQS): a larger runner keeps vLLM's own proposer, untouched
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+    from specenv.engines.vllm import lazydraft
+
+    for n in (lazydraft.MAX_SEQS + 1, 16, 256):
+        drafter = object.__new__(DraftModelProposer)  # no engine needed: make_lazy decides on the runner
+        assert lazydraft.make_lazy(SimpleNamespace(drafter=drafter, max_num_reqs=n)) is None
+        assert type(drafter) is DraftModelProposer
+    assert lazydraft.MAX_SEQS >= 8  # batch 1 and 8 are what test_batch_*_idle_steps_* prove lossless here
