@@ -146,9 +146,15 @@ def private_cache(monkeypatch, dst: Path) -> Path:
 
     from specenv.io import CACHE_ENV, cache_dir
 
+    def link_or_copy(a: str, b: str) -> None:  # hard links: a cache holding built model sets (GBs) costs no disk
+        try:
+            os.link(a, b)
+        except OSError:  # another file system
+            shutil.copy2(a, b)
+
     src = cache_dir()
     if src is not None and src.is_dir():
-        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.tmp*", ".*"))
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.tmp*", ".*"), copy_function=link_or_copy)
     else:
         dst.mkdir(parents=True)
     monkeypatch.setenv(CACHE_ENV, str(dst))
