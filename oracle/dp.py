@@ -57,7 +57,6 @@ every k is one cumulative sum.
 from __future__ import annotations
 
 import json
-import os
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -271,7 +270,9 @@ def _kernels() -> Any:
     global _KERNELS
     if _KERNELS is False:
         _KERNELS = None
-        if os.environ.get("SPECENV_NUMBA", "1") != "0":
+        from specenv.numba_support import enabled
+
+        if enabled():  # SPECENV_NUMBA=0: the numpy forms
             try:
                 from oracle import kernels
             except ImportError:  # numba not installed: the numpy forms
