@@ -138,10 +138,11 @@ class LazyDraftProposer(DraftModelProposer):
                     del missing[rid]
                     self.stats["stale"] += 1
             idle = num_speculative_tokens == 0 and int(cad.max_query_len) == 1 and mm_embed_inputs is None
-            # each request's gap had this step been skipped too; skipped only while the next step of one
-            # token per request could still catch it up in its own forward
-            after = np.array([start[i] - missing.get(r, start[i]) + 1 for i, r in enumerate(ids)], dtype=np.int64)
-            if idle and after.max() <= MAX_GAP and self._fits(int(after.sum()) + n, n):
+            if idle:  # each request's gap had this step been skipped too
+                after = np.array([start[i] - missing.get(r, start[i]) + 1 for i, r in enumerate(ids)], dtype=np.int64)
+                # skipped only while the next step of one token per request could catch it up in its own forward
+                idle = int(after.max()) <= MAX_GAP and self._fits(int(after.sum()) + n, n)
+            if idle:
                 for i, r in enumerate(ids):
                     missing.setdefault(r, int(start[i]))
                 self.stats["skipped"] += 1
@@ -215,10 +216,18 @@ class LazyDraftProposer(DraftModelProposer):
         target token at ``start``): the draft KV of ``[start - gap, start]`` is written as a drafter that
         ran in every skipped step wrote it; the step's own forward then writes ``start`` again (the same
         token over the same context) and goes on as usual.
+
+        Metadata this cannot narrow to the requests with a gap (encoder, decode context parallel,
+        multimodal ranges, padded logits indices: not set for a text drafter on the CPU runner) leaves
+        the gaps as they are (counted ``stale``: lossless, lower acceptance).
         """
+        rows = np.flatnonzero(gap)
+        unsupported = ("encoder_seq_lens", "dcp_local_seq_lens", "mm_req_doc_ranges", "logits_indices_padded")
+        if any(getattr(cad, f) is not None for f in unsupported):
+            self.stats["stale"] += len(rows)
+            return
         batch = self._runner.input_batch
         dev = token_ids.device
-        rows = np.flatnonzero(gap)
         lo, hi, glen = start[rows] - gap[rows], start[rows], gap[rows]
         ids = torch.cat(
             [
@@ -236,13 +245,6 @@ class LazyDraftProposer(DraftModelProposer):
             for f in ("is_prefilling", "req_idx", "rswa_prefix_lens", "replayssm_decode_base_cpu")
             if getattr(cad, f) is not None
         }
-        unsupported = [
-            f
-            for f in ("encoder_seq_lens", "dcp_local_seq_lens", "mm_req_doc_ranges", "logits_indices_padded")
-            if getattr(cad, f) is not None
-        ]
-        if unsupported:  # not set for a decoder-only text drafter on the CPU runner
-            raise NotImplementedError(f"lazy draft catch-up: attention metadata with {unsupported}")
         hi_t = torch.from_numpy(hi.astype(np.int64))
         sub_cad = cad.replace(
             query_start_loc=qsl_cpu.to(cad.query_start_loc.device),
