@@ -3,7 +3,10 @@
 A stateless policy alternates stretches of k = 0 (every request, so the controller's
 ``draft_horizon="policy"`` asks the drafter for nothing and :class:`LazyDraftProposer` skips it) with
 stretches of k = 3 (the drafter runs again and first catches the skipped positions up). Checked at
-batch 1 (the shared engine) and batch 8 (an engine of its own):
+batch 1 (the shared engine), batch 8 and batch 16 (engines of their own; at 16, 32 requests of two
+lengths, so that requests finish and others join while the rest have positions to catch up, and a token
+budget the joining prefills fill, so that the catch-up does not fit the step's forward and runs in one
+of its own):
 
 * lossless: every output equals plain greedy decoding (the reference engine without speculation);
 * KV-consistent: every round's K, accepted count and verified tokens equal those of the same engine
@@ -35,6 +38,11 @@ from specenv.observation.single import ObservationSpec  # noqa: E402
 
 #: Tokens per stretch: k = 0 for STRETCH generated tokens, then k = 3 for STRETCH, and so on.
 STRETCH = 8
+#: Batch 16: k = 3 in the last PHASE_SPEC of every PHASE engine steps, else 0 (:class:`Phases`).
+PHASE, PHASE_SPEC = 8, 2
+#: max_num_batched_tokens of the batch-16 engine: 16 decoding requests verifying k = 3 (64 tokens) and
+#: their drafting slots (16) fit; joining prefills fill the rest.
+BUDGET16 = 96
 
 
 class Stretches:
@@ -56,6 +64,27 @@ class Stretches:
         return np.where((t // STRETCH) % 2 == 0, 0, 3).astype(np.int64)
 
 
+class Phases:
+    """k = 3 in the last PHASE_SPEC of every PHASE steps the policy decides, else 0, for every request.
+
+    The requests of a step share their k whatever their progress (16 requests that started and
+    accepted differently still have k = 0 steps together). Stateful: reset before each run.
+    """
+
+    name = "phases"
+
+    def __init__(self):
+        self.calls = 0
+
+    def reset(self):
+        self.calls = 0
+
+    def act(self, obs, ids=None, step=None):
+        k = 3 if self.calls % PHASE >= PHASE - PHASE_SPEC else 0
+        self.calls += 1
+        return np.full(len(obs), k, dtype=np.int64)
+
+
 def drafter_of(llm) -> LazyDraftProposer:
     worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
     drafter = worker.model_runner.drafter
@@ -75,43 +104,48 @@ def rounds(rec) -> list[tuple]:
     )
 
 
-def run(llm, prompts, rec):
+def run(llm, prompts, rec, params=None):
     ctl = controller_of(llm)
+    ctl.policy.reset()  # every run starts the policy afresh
     shutil.rmtree(rec, ignore_errors=True)
     ctl.start_recording(str(rec))
-    outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    outs = llm.generate(prompts, params or greedy(), use_tqdm=False)
     ctl.stop_recording()
     return [list(o.outputs[0].token_ids) for o in outs], rounds(rec)
 
 
-def check(llm, prompts, reference, tmp_path, control: bool = False):
+def check(llm, prompts, reference, tmp_path, control: bool = False, max_tokens: list[int] | None = None, policy=None):
     """Lazy vs eager drafter on ``prompts``; with ``control``, first a run that skips without catching up.
 
     The control runs first on a fresh engine: the slots its skipped positions leave unwritten hold no
     earlier run's KV (a later run of the same prompts could find the very values an earlier run
-    wrote there, and the control could not tell the difference).
+    wrote there, and the control could not tell the difference). ``max_tokens``: per prompt (default
+    MAX_TOKENS each); greedy, so each output is the first tokens of the reference. ``policy``: default
+    :class:`Stretches`.
     """
+    lengths = max_tokens or [MAX_TOKENS] * len(prompts)
+    params = [greedy(m) for m in lengths]
     ctl = controller_of(llm)
     spec = ObservationSpec(kmax=KMAX, max_new_tokens=MAX_TOKENS, n_experts=ctl.n_experts)
-    ctl.set_policy(Stretches(spec))
+    ctl.set_policy(policy or Stretches(spec))
     ctl.settings.draft_horizon = "policy"
     drafter = drafter_of(llm)
     try:
         if control:
             drafter.catch_up = False
-            gap_out, gap_rounds = run(llm, prompts, tmp_path / "gaps")
+            gap_out, gap_rounds = run(llm, prompts, tmp_path / "gaps", params)
             drafter.catch_up = True
         before = dict(drafter.stats)
-        lazy_out, lazy_rounds = run(llm, prompts, tmp_path / "lazy")
+        lazy_out, lazy_rounds = run(llm, prompts, tmp_path / "lazy", params)
         after = dict(drafter.stats)
         drafter.lazy = False
-        eager_out, eager_rounds = run(llm, prompts, tmp_path / "eager")
+        eager_out, eager_rounds = run(llm, prompts, tmp_path / "eager", params)
     finally:
         drafter.lazy, drafter.catch_up = True, True
         ctl.set_policy(None)
         ctl.settings.draft_horizon = "max"
-    for p, out in zip(prompts, lazy_out, strict=True):
-        assert out == reference[p]["token_ids"], p
+    for p, m, out in zip(prompts, lengths, lazy_out, strict=True):
+        assert out == reference[p]["token_ids"][:m], p
     assert after["skipped"] > before["skipped"] and after["catchups"] > before["catchups"]
     # every skipped step left one position per request to catch up, except the last stretch of k = 0
     # of a request that ends in it (nothing drafts after it)
@@ -120,8 +154,8 @@ def check(llm, prompts, reference, tmp_path, control: bool = False):
     assert lazy_out == eager_out
     assert lazy_rounds == eager_rounds  # the same drafts were accepted, round by round
     if control:
-        for p, out in zip(prompts, gap_out, strict=True):
-            assert out == reference[p]["token_ids"], p  # gaps in the draft KV never change the output
+        for p, m, out in zip(prompts, lengths, gap_out, strict=True):
+            assert out == reference[p]["token_ids"][:m], p  # gaps in the draft KV never change the output
         acc = lambda rs: [r[3] for r in rs]  # noqa: E731
         assert acc(gap_rounds) != acc(eager_rounds), "without the catch-up the drafts should differ"
 
@@ -152,17 +186,48 @@ def test_batch_8_idle_steps_skip_the_drafter_lossless_and_kv_consistent(engine8,
     check(engine8, prompts, plain_reference, tmp_path, control=True)
 
 
-def test_engines_above_max_seqs_keep_vllms_drafter():
-    # the lazy drafter is installed up to MAX_SEQS concurrent sequences only (a batch-16 run corrupted the
-    # heap; see lazydraft.MAX_SEQS): a larger runner keeps vLLM's own proposer, untouched
+@pytest.fixture(scope="module")
+def engine16(model_dirs):
+    from vllm import LLM
+
+    kw = llm_kwargs(dirs=model_dirs, max_num_seqs=16, max_num_batched_tokens=BUDGET16)
+    kw.update(engine_kwargs(SpecenvSettings(record_tokens=True), tap=True))
+    llm = LLM(**kw)
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+def test_batch_16_requests_join_while_others_catch_up_lossless_and_kv_consistent(engine16, plain_reference, tmp_path):
+    # 32 requests, 16 slots, half of them 20 tokens long: requests finish and waiting ones join while
+    # the others have positions to catch up; joining prefills fill the step's token budget, so a catch-up
+    # does not fit the step's forward (before the fix it was written past the drafter's buffers: glibc
+    # "double free or corruption", exit 134)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
+    lengths = [20 if i % 2 == 0 else MAX_TOKENS for i in range(32)]
+    drafter = drafter_of(engine16)
+    assert drafter.max_num_tokens == BUDGET16
+    before = dict(drafter.stats)
+    check(engine16, prompts, plain_reference, tmp_path, control=True, max_tokens=lengths, policy=Phases())
+    after = drafter.stats
+    assert after["split"] > before["split"]  # a catch-up ran in a forward of its own (only the lazy run can)
+    assert after["catchups"] - before["catchups"] > after["split"] - before["split"]  # and some in the step's
+    assert 0 < after["largest"] <= BUDGET16  # no catching-up forward held more than vLLM's buffers
+
+
+def test_engines_of_any_size_get_the_lazy_drafter():
+    # the catch-up keeps every draft forward inside vLLM's buffers whatever the batch (the batch-16 test
+    # above): the lazy drafter goes on engines of any max_num_seqs
     from types import SimpleNamespace
 
     from vllm.v1.spec_decode.draft_model import DraftModelProposer
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
     from specenv.engines.vllm import lazydraft
 
-    for n in (lazydraft.MAX_SEQS + 1, 16, 256):
-        drafter = object.__new__(DraftModelProposer)  # no engine needed: make_lazy decides on the runner
-        assert lazydraft.make_lazy(SimpleNamespace(drafter=drafter, max_num_reqs=n)) is None
-        assert type(drafter) is DraftModelProposer
-    assert lazydraft.MAX_SEQS >= 8  # batch 1 and 8 are what test_batch_*_idle_steps_* prove lossless here
+    assert not hasattr(lazydraft, "MAX_SEQS")
+    for n in (1, 8, 16, 256):
+        drafter = object.__new__(DraftModelProposer)  # no engine needed: make_lazy looks at the drafter only
+        assert lazydraft.make_lazy(SimpleNamespace(drafter=drafter, max_num_reqs=n)) is drafter
+        assert type(drafter) is LazyDraftProposer and drafter.lazy and drafter.catch_up
+    other = object.__new__(SpecDecodeBaseProposer)  # not vLLM's draft-model proposer: left as it is
+    assert lazydraft.make_lazy(SimpleNamespace(drafter=other, max_num_reqs=16)) is None

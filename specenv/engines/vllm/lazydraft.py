@@ -27,8 +27,25 @@ lazy: an EAGLE head drafts from the target's hidden states, which vLLM does not 
 its skipped positions could not be caught up; the GPU's V2 runner has its own drafter loop (not
 changed: ``worker_cls`` is not set there).
 
+The catch-up never makes a draft forward larger than vLLM's own largest. vLLM sizes the drafter's
+buffers (``input_ids``, ``positions``, the slot masks: ``max_num_batched_tokens`` entries,
+``SpecDecodeBaseProposer.__init__``) for the target's tokens plus one drafting slot per request, and its
+scheduler keeps every step inside that (``Scheduler.schedule``: ``input_budget -= num_new_tokens +
+draft_slots``); on the CPU the first pass's copy into them is a C++ op without bounds checks
+(``copy_and_expand_eagle_inputs_kernel_impl``). Catch-up tokens come on top of a step the scheduler
+already filled, so: the catch-up joins the step's forward only when the step's tokens, the caught-up
+tokens and the drafting slots fit in those buffers; otherwise the missing positions are caught up
+first in a forward of their own (the requests with a gap alone, each ending with its step's first token,
+as a step-by-step drafter ran them) and the step's own forward runs unchanged. A step is skipped only
+while a next step of one token per request could catch its gaps up in its own forward (so only a step
+that prefills takes the second forward). (Before this, a step whose
+prefills filled the budget while decoding requests had a gap wrote past the buffers: glibc "double free
+or corruption", found at 16 sequences with requests joining.)
+
 Counters per proposer (``stats``): ``skipped`` draft forwards skipped, ``catchups`` forwards that
-caught up, ``caught_up`` tokens caught up, ``stale`` requests whose missing positions could not be
+caught up (``split`` of them in a forward of their own), ``caught_up`` tokens caught up,
+``largest`` the most tokens (with the drafting slots) a catching-up forward held, ``stale`` requests
+whose missing positions could not be
 caught up (left the batch while decoding, e.g. not scheduled in a step: their draft KV keeps a gap,
 which lowers acceptance and never changes the output). :func:`proposers` lists the live ones of this
 process (tests, in-process engines).
@@ -59,14 +76,6 @@ WORKER_CLS = LAZY_WORKER_CLS
 #: drafter (with the catch-up). Bounds the catch-up prefill (and its buffer use) to MAX_GAP tokens.
 MAX_GAP = 32
 
-#: Most concurrent sequences (``max_num_seqs``) an engine may have for the lazy drafter to be installed;
-#: above it vLLM's own drafter runs. Tested lossless and round-for-round equal to vLLM's drafter at 1 and
-#: 8 (tests/vllm/test_lazy_draft.py); at max_num_seqs = 16 on wide-moe-v1 a k = 0 run died in glibc
-#: ("double free or corruption") within its first pass, with MAX_GAP 32 and 16 alike, while the same
-#: engine with the eager drafter and a plain engine ran (scripts/draft_floor.py --batch 16). Cause not
-#: found yet; until it is, larger engines keep vLLM's drafter.
-MAX_SEQS = 8
-
 _PROPOSERS: list[weakref.ReferenceType[LazyDraftProposer]] = []
 
 
@@ -92,7 +101,7 @@ class LazyDraftProposer(DraftModelProposer):
         #: False: skip without catching up (the draft KV keeps gaps; lossless, lower acceptance). Only
         #: for checks that the catch-up matters (tests/vllm/test_lazy_draft.py).
         self.catch_up = True
-        self.stats = {"skipped": 0, "catchups": 0, "caught_up": 0, "stale": 0}
+        self.stats = {"skipped": 0, "catchups": 0, "split": 0, "caught_up": 0, "largest": 0, "stale": 0}
         #: request id -> first position whose draft KV was not written (a skipped step's target token)
         self._missing = {}
         _PROPOSERS.append(weakref.ref(self))
@@ -129,22 +138,34 @@ class LazyDraftProposer(DraftModelProposer):
                     del missing[rid]
                     self.stats["stale"] += 1
             idle = num_speculative_tokens == 0 and int(cad.max_query_len) == 1 and mm_embed_inputs is None
-            if idle and all(start[i] - missing.get(r, start[i]) < MAX_GAP for i, r in enumerate(ids)):
+            if idle:  # each request's gap had this step been skipped too
+                after = np.array([start[i] - missing.get(r, start[i]) + 1 for i, r in enumerate(ids)], dtype=np.int64)
+                # skipped only while the next step of one token per request could catch it up in its own forward
+                idle = int(after.max()) <= MAX_GAP and self._fits(int(after.sum()) + n, n)
+            if idle:
                 for i, r in enumerate(ids):
                     missing.setdefault(r, int(start[i]))
                 self.stats["skipped"] += 1
                 return torch.empty(n, 0, device=next_token_ids.device, dtype=torch.int64)
             gap = np.array([start[i] - missing.pop(r, start[i]) for i, r in enumerate(ids)], dtype=np.int64)
             if gap.any() and self.catch_up:
-                target_token_ids, target_positions, cad = self._catch_up(
-                    target_token_ids, target_positions, cad, qsl[: n + 1], qlen, start, gap
-                )
-                target_hidden_states = target_hidden_states.new_zeros(
-                    (target_token_ids.shape[0], *target_hidden_states.shape[1:])
-                )
-                token_indices_to_sample = None  # the first pass finds each request's last slot from the new starts
+                caught = int(gap.sum())
                 self.stats["catchups"] += 1
-                self.stats["caught_up"] += int(gap.sum())
+                self.stats["caught_up"] += caught
+                if self._fits(int(target_token_ids.shape[0]) + caught, n):  # in the step's own forward
+                    target_token_ids, target_positions, cad = self._catch_up(
+                        target_token_ids, target_positions, cad, qsl[: n + 1], qlen, start, gap
+                    )
+                    target_hidden_states = target_hidden_states.new_zeros(
+                        (target_token_ids.shape[0], *target_hidden_states.shape[1:])
+                    )
+                    token_indices_to_sample = None  # the first pass finds each request's last slot from the new starts
+                    self._note_size(int(target_token_ids.shape[0]), n)
+                else:  # the step filled the buffers: the gaps in a forward of their own, then the step as it is
+                    self._catch_up_alone(
+                        target_token_ids, target_hidden_states, cad, qsl[: n + 1], start, gap, sampling_metadata
+                    )
+                    self.stats["split"] += 1
         return super().propose(
             num_speculative_tokens,
             target_token_ids,
@@ -157,6 +178,108 @@ class LazyDraftProposer(DraftModelProposer):
             mm_embed_inputs,
             num_rejected_tokens_gpu,
             slot_mappings,
+        )
+
+    def _fits(self, tokens: int, reqs: int) -> bool:
+        """Whether a first pass of ``tokens`` input tokens over ``reqs`` requests fits the drafter's buffers.
+
+        vLLM's first pass writes the inputs and ``net_num_new_slots_per_request`` drafting slots per request
+        into buffers of ``max_num_tokens`` (``max_num_batched_tokens``) entries
+        (``SpecDecodeBaseProposer.set_inputs_first_pass``).
+        """
+        return tokens + reqs * int(self.net_num_new_slots_per_request) <= int(self.max_num_tokens)
+
+    def _note_size(self, tokens: int, reqs: int) -> None:
+        size = tokens + reqs * int(self.net_num_new_slots_per_request)
+        assert size <= int(self.max_num_tokens), (size, self.max_num_tokens)  # _fits decided it
+        self.stats["largest"] = max(self.stats["largest"], size)
+
+    def _slots(self, table: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The KV slots of positions ``pos`` of the requests in block-table rows ``rows``."""
+        blocks = table[rows, (pos // self.block_size).long()]
+        return (blocks.long() * self.block_size + (pos % self.block_size).long()).to(dtype)
+
+    def _catch_up_alone(
+        self,
+        token_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        cad: Any,
+        qsl: np.ndarray,
+        start: np.ndarray,
+        gap: np.ndarray,
+        sampling_metadata: Any,
+    ) -> None:
+        """One draft forward over the missing positions alone (vLLM's own first pass, asked for no draft).
+
+        The requests with a gap, each with the query ``[start - gap, start)`` (token ids from the runner's
+        input batch) and, as the token the first pass appends, the step's first token of the request (the
+        target token at ``start``): the draft KV of ``[start - gap, start]`` is written as a drafter that
+        ran in every skipped step wrote it; the step's own forward then writes ``start`` again (the same
+        token over the same context) and goes on as usual.
+
+        Metadata this cannot narrow to the requests with a gap (encoder, decode context parallel,
+        multimodal ranges, padded logits indices: not set for a text drafter on the CPU runner) leaves
+        the gaps as they are (counted ``stale``: lossless, lower acceptance).
+        """
+        rows = np.flatnonzero(gap)
+        unsupported = ("encoder_seq_lens", "dcp_local_seq_lens", "mm_req_doc_ranges", "logits_indices_padded")
+        if any(getattr(cad, f) is not None for f in unsupported):
+            self.stats["stale"] += len(rows)
+            return
+        batch = self._runner.input_batch
+        dev = token_ids.device
+        lo, hi, glen = start[rows] - gap[rows], start[rows], gap[rows]
+        ids = torch.cat(
+            [
+                torch.from_numpy(batch.token_ids_cpu[r, a:b].astype(np.int64))
+                for r, a, b in zip(rows, lo, hi, strict=True)
+            ]
+        ).to(device=dev, dtype=token_ids.dtype)
+        pos = torch.cat([torch.arange(int(a), int(b), dtype=torch.int64) for a, b in zip(lo, hi, strict=True)]).to(dev)
+        bonus = token_ids[torch.from_numpy(qsl[rows]).to(dev)]  # each request's token at position `start`
+        qsl_cpu = torch.zeros(len(rows) + 1, dtype=cad.query_start_loc_cpu.dtype)
+        qsl_cpu[1:] = torch.from_numpy(np.cumsum(glen).astype(np.int64))
+        sub = torch.from_numpy(rows).to(dev)
+        per_req = {  # the per-request fields of the metadata, for the requests with a gap
+            f: getattr(cad, f)[sub if isinstance(getattr(cad, f), torch.Tensor) else rows]
+            for f in ("is_prefilling", "req_idx", "rswa_prefix_lens", "replayssm_decode_base_cpu")
+            if getattr(cad, f) is not None
+        }
+        hi_t = torch.from_numpy(hi.astype(np.int64))
+        sub_cad = cad.replace(
+            query_start_loc=qsl_cpu.to(cad.query_start_loc.device),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens=hi_t.to(device=cad.seq_lens.device, dtype=cad.seq_lens.dtype),
+            num_reqs=len(rows),
+            num_actual_tokens=int(glen.sum()),
+            max_query_len=int(glen.max()),
+            max_seq_len=int(hi.max()),
+            block_table_tensor=cad.block_table_tensor[sub],
+            slot_mapping=self._slots(
+                cad.block_table_tensor,
+                torch.repeat_interleave(sub, torch.from_numpy(glen).to(dev)),
+                pos,
+                cad.slot_mapping.dtype,
+            ),
+            causal=cad.causal[sub] if isinstance(cad.causal, torch.Tensor) else cad.causal,
+            positions=None if cad.positions is None else pos,
+            seq_lens_cpu_upper_bound=None
+            if cad.seq_lens_cpu_upper_bound is None
+            else hi_t.to(cad.seq_lens_cpu_upper_bound.dtype),
+            _num_computed_tokens_cache=None,
+            _token_to_req_indices_cache=None,
+            **per_req,
+        )
+        self._note_size(int(ids.shape[0]), len(rows))
+        super().propose(
+            0,
+            ids,
+            pos,
+            hidden.new_zeros((ids.shape[0], *hidden.shape[1:])),
+            bonus,
+            None,
+            sub_cad,
+            sampling_metadata,
         )
 
     def _catch_up(
@@ -189,9 +312,7 @@ class LazyDraftProposer(DraftModelProposer):
         qsl_cpu[1:] = torch.from_numpy(np.cumsum(new_len).astype(np.int64))
         # the KV slots of every position of the new queries, from the requests' block tables
         rows = torch.repeat_interleave(torch.arange(len(qlen), device=dev), torch.from_numpy(new_len).to(dev))
-        table = cad.block_table_tensor
-        blocks = table[rows, (new_pos // self.block_size).long()]
-        slots = (blocks.long() * self.block_size + (new_pos % self.block_size).long()).to(cad.slot_mapping.dtype)
+        slots = self._slots(cad.block_table_tensor, rows, new_pos, cad.slot_mapping.dtype)
         new_cad = cad.replace(
             query_start_loc=qsl_cpu.to(cad.query_start_loc.device),
             query_start_loc_cpu=qsl_cpu,
@@ -206,14 +327,9 @@ class LazyDraftProposer(DraftModelProposer):
 
 
 def make_lazy(runner: Any) -> LazyDraftProposer | None:
-    """Make ``runner``'s drafter lazy when it is vLLM's draft-model proposer; returns it (else None).
-
-    Not above :data:`MAX_SEQS` concurrent sequences (the runner's ``max_num_reqs``).
-    """
+    """Make ``runner``'s drafter lazy when it is vLLM's draft-model proposer; returns it (else None)."""
     drafter = getattr(runner, "drafter", None)
     if type(drafter) is not DraftModelProposer:
-        return None
-    if int(getattr(runner, "max_num_reqs", MAX_SEQS + 1)) > MAX_SEQS:  # see MAX_SEQS: not yet safe there
         return None
     drafter.__class__ = LazyDraftProposer
     drafter._lazy_init(runner)
