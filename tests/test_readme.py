@@ -2,8 +2,10 @@
 
 Blocks run from a fresh temporary folder (not the checkout, so nothing relies on the working
 directory), bash blocks with ``bash -euo pipefail`` and the venv's scripts on PATH, Python blocks
-with this interpreter. What cannot run inside the suite (``make demo``, ``make test``, long training,
-serving) is in blocks without the marker, and README says how long each takes.
+with this interpreter and PATH as it is (as ``.venv/bin/python file.py`` runs: a block that calls
+the ``specenv`` script by name fails here). What cannot run inside the suite (``make demo``,
+``make test``, long training, serving) is in blocks without the marker, and README says how long
+each takes.
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ def test_readme_marks_blocks():
 def test_readme_block_runs_as_written(index: int, tmp_path: Path) -> None:
     lang, code = blocks()[index]
     env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["MPLBACKEND"] = "Agg"
-    if lang == "bash":
+    if (
+        lang == "bash"
+    ):  # a shell with the venv active; a Python block runs as `.venv/bin/python file.py` (PATH as it is)
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         cmd = ["bash", "-euo", "pipefail", "-c", code]
     elif lang == "python":
         cmd = [sys.executable, "-c", code]
