@@ -12,6 +12,12 @@ them is composed from three parts:
   (observation, cost-sensitive labels: the regret of every action, in AR steps). An expert whose
   labels depend on the learner (approximate policy iteration) relabels the whole aggregate after
   each fit (:meth:`TableExpert.update`);
+  Which table of the split the expert is solved and labels on is :func:`expert_arrays`'s choice:
+  the true acceptances (``"oracle"``: the clairvoyant SSP oracle, whose k* and action values know
+  which drafts a greedy trace accepts) or a train-split calibration's (``"belief"``: the belief
+  oracle of :mod:`oracle.belief`, whose action values are the cost-to-go of the SSP on the
+  acceptance probabilities the draft's signals predict: what a controller can know, AggreVaTe with
+  the belief's cost-to-go);
 * the *learner* (:class:`RegretMLP`): a torch MLP with tanh hidden layers, one logit per action,
   refitted on the aggregate by the expected regret ``sum_a softmax(logits)_a * regret_a`` plus 0.05
   x cross-entropy towards the expert's best action, exported to the numpy form of
@@ -35,8 +41,13 @@ import numpy as np
 
 from specenv.observation.single import ObservationSpec
 from specenv.policy.mlp import MLPPolicy
+from specenv.traces.traceset import PositionArrays
+
+#: The experts a DAgger learner imitates (:func:`expert_arrays`; ``specenv train --expert``).
+EXPERTS = ("oracle", "belief")
 
 __all__ = [
+    "EXPERTS",
     "DaggerResult",
     "EpisodeSource",
     "Expert",
@@ -46,6 +57,7 @@ __all__ = [
     "TableExpert",
     "Visits",
     "dagger_meta",
+    "expert_arrays",
     "export_net",
     "fit_regret",
     "make_net",
@@ -138,6 +150,38 @@ class TableExpert:
     def update(self, learner: RegretMLP, visits: list[Visits]) -> bool:
         """A fixed expert: nothing to change."""
         return False
+
+
+def expert_arrays(arrays: PositionArrays, expert: str, seen: int) -> tuple[PositionArrays, dict[str, Any], Any]:
+    """The positions table an expert is solved and labels on, what the metadata records of it, its belief.
+
+    Args:
+        arrays: The split trained on (its true acceptances).
+        expert: ``"oracle"`` (the table itself: the clairvoyant oracle) or ``"belief"`` (every
+            ``rho[t, j]`` replaced by what :func:`oracle.belief.fit_draft_belief`, fitted on
+            ``arrays``, the train split, believes having seen the confidences of ``seen`` drafts).
+        seen: Drafts whose confidences the controller sees when it chooses: 0 in mode none, h in
+            mode block, kmax for the rounds after the current one of a stop rule.
+
+    Returns:
+        ``(table, meta, belief)``: ``meta`` is ``{"expert": expert}`` plus, for the belief, the
+        drafts it sees; ``belief`` the fitted :class:`oracle.belief.DraftBelief` (None for the oracle).
+
+    Raises:
+        ValueError: For an unknown expert (one line).
+    """
+    if expert == "oracle":
+        return arrays, {"expert": "oracle"}, None
+    if expert == "belief":
+        from dataclasses import replace
+
+        from oracle.belief import fit_draft_belief
+
+        belief = fit_draft_belief(arrays)
+        rho = belief.predict(arrays, np.arange(len(arrays.L)), seen)
+        meta = {"expert": "belief", "belief_seen_drafts": int(seen), "belief_bins": int(belief.seen.rate.shape[1])}
+        return replace(arrays, rho=rho, greedy=bool(np.all((rho == 0.0) | (rho == 1.0)))), meta, belief
+    raise ValueError(f"expert: unknown expert '{expert}' (known: {', '.join(EXPERTS)})")
 
 
 def make_net(spec: ObservationSpec, hidden: tuple[int, ...], n_out: int | None = None) -> Any:

@@ -23,7 +23,16 @@ from typing import Any
 
 import numpy as np
 
-from policies.learn.dagger import DaggerResult, RegretMLP, ReplayEpisodes, TableExpert, Visits, dagger_meta, run_dagger
+from policies.learn.dagger import (
+    DaggerResult,
+    RegretMLP,
+    ReplayEpisodes,
+    TableExpert,
+    Visits,
+    dagger_meta,
+    expert_arrays,
+    run_dagger,
+)
 from specenv.cost.model import CostModel
 from specenv.observation.single import ObservationSpec
 from specenv.traces.traceset import PositionArrays
@@ -44,6 +53,7 @@ def train_dagger(
     lr: float = 3e-3,
     signals: Any = ("q",),
     split: str = "train",
+    expert: str = "oracle",
 ) -> DaggerResult:
     """Train an MLP policy by DAgger on the train split of ``dataset``.
 
@@ -63,6 +73,9 @@ def train_dagger(
         signals: Draft signals of the lookahead block (``("q",)``; add ``"ent"``, ``"margin"``).
         split: The generations trained on: ``"train"`` (default) or ``"train-fit"`` (train minus the
             validation carve of :mod:`specenv.traces.splits`, for a hyper-parameter search).
+        expert: ``"oracle"`` (the clairvoyant oracle's action values) or ``"belief"`` (the belief
+            oracle's: the SSP on the acceptances a train-split calibration predicts having seen the
+            confidences of the ``lookahead`` drafts, the depth alone in mode none; :func:`expert_arrays`).
 
     Returns:
         The exported numpy policy, per-iteration statistics and the training time in seconds.
@@ -85,7 +98,7 @@ def train_dagger(
     )
     data = env.unwrapped.data
     spec: ObservationSpec = data.spec
-    arrays = split_arrays(dataset, data.kmax, split)
+    arrays, expert_meta, _ = expert_arrays(split_arrays(dataset, data.kmax, split), expert, spec.lookahead)
     model: CostModel = data.cost_model
     sol = solve(arrays, model, lookahead=spec.lookahead)
     unit = env.unwrapped.ar_unit_ms
@@ -101,10 +114,13 @@ def train_dagger(
         "dagger",
         learner,
         history,
-        "expected regret + 0.05 cross-entropy to the oracle's k*",
+        "expected regret + 0.05 cross-entropy to the oracle's k*"
+        if expert == "oracle"
+        else f"expected regret + 0.05 cross-entropy to the {expert}'s k",
         seed,
         drafting="block" if lookahead else "none",
         lookahead=lookahead,
+        **expert_meta,
     )
     return DaggerResult(learner.snapshot(name="imitation", meta=meta), history, time.perf_counter() - t0)
 
