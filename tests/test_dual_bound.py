@@ -101,25 +101,8 @@ def brute_force(inst: HiddenRegime) -> tuple[float, dict[tuple[int, tuple[float,
     return before_signal((), 0), values
 
 
-def clairvoyant(inst: HiddenRegime) -> float:
-    """E over regime paths of the SSP that knows the path (rho[t] = accept[h_t]): the clairvoyant bound."""
-    N, K = inst.n, inst.kmax
-    total = 0.0
-    for h in itertools.product(range(len(inst.init)), repeat=N):
-        p = inst.init[h[0]] * np.prod([inst.trans[x, y] for x, y in zip(h[:-1], h[1:], strict=True)])
-        V = np.zeros(N + 1)
-        for t in range(N - 1, -1, -1):
-            r = inst.accept[h[t]]
-            V[t] = min(
-                inst.cost[k] + sum(_p_accepted(r, k, a) * V[min(t + a + 1, N)] for a in range(k + 1))
-                for k in range(K + 1)
-            )
-        total += p * V[0]
-    return total
-
-
-def fixed_k_cost(inst: HiddenRegime, k: int) -> float:
-    """Exact expected cost of the fixed budget k (a non-anticipative policy), by the same path enumeration."""
+def _path_average(inst: HiddenRegime, budgets: range | list[int]) -> float:
+    """E over regime paths of the SSP that knows the path (rho[t] = accept[h_t]), choosing among ``budgets``."""
     N = inst.n
     total = 0.0
     for h in itertools.product(range(len(inst.init)), repeat=N):
@@ -127,9 +110,21 @@ def fixed_k_cost(inst: HiddenRegime, k: int) -> float:
         V = np.zeros(N + 1)
         for t in range(N - 1, -1, -1):
             r = inst.accept[h[t]]
-            V[t] = inst.cost[k] + sum(_p_accepted(r, k, a) * V[min(t + a + 1, N)] for a in range(k + 1))
+            V[t] = min(
+                inst.cost[k] + sum(_p_accepted(r, k, a) * V[min(t + a + 1, N)] for a in range(k + 1)) for k in budgets
+            )
         total += p * V[0]
     return total
+
+
+def clairvoyant(inst: HiddenRegime) -> float:
+    """The clairvoyant bound: the SSP of each regime path, every budget allowed, averaged over the paths."""
+    return _path_average(inst, range(inst.kmax + 1))
+
+
+def fixed_k_cost(inst: HiddenRegime, k: int) -> float:
+    """Exact expected cost of the fixed budget k (a non-anticipative policy): the path average with k alone."""
+    return _path_average(inst, [k])
 
 
 @pytest.fixture(scope="module", params=list(INSTANCES), ids=list(INSTANCES))
