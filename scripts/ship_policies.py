@@ -15,8 +15,8 @@ folder             drafting    learner
 imitation          none        DAgger on the oracle's action values (policies.learn.imitation)
 imitation-h3       block h=3   the same with the confidences of 3 drafts proposed at once
 imitation-seq      sequential  DAgger stop rule on the oracle's k* (policies.learn.stopping)
-imitation-belief   none        DAgger on the belief oracle's action values (--expert belief: the depth's
-                               acceptance rate, what mode none can know; paper-default only)
+imitation-belief   none        DAgger on the belief oracle's action values (--expert belief: this round's
+                               acceptances believed from the observation; paper-default only)
 imitation-belief-seq
                    sequential  DAgger stop rule on the belief oracle's action values given the confidences
                                drafted so far (oracle.belief.DraftBelief; paper-default only)

@@ -79,3 +79,29 @@ def test_belief_run_is_named_and_recorded(small_traces: Path, tmp_path: Path) ->
     meta = json.loads((tmp_path / "imitation-belief-seq-seed0" / "policy" / "policy.json").read_text())["meta"]
     assert meta["algo"] == "stop-dagger" and meta["expert"] == "belief" and meta["belief_seen_drafts"] >= 1
     assert "belief" in meta["hyperparameters"]["loss"]
+
+
+def test_observation_belief_is_the_conditional_acceptance_given_the_observation() -> None:
+    """Hand-built: one observed feature x; draft 1 accepted w.p. 0.8 if x = 1 else 0.3; draft 2, among the
+    rounds that reach it, w.p. 0.9 whatever x (0.1 where draft 1 was rejected: those rows never reach it)."""
+    from policies.learn.dagger import fit_observation_belief
+
+    n = 4000
+    x = (np.arange(n) % 2).astype(np.float32)[:, None]
+    rho1 = np.where(x[:, 0] == 1, 0.8, 0.3)
+    rho = np.stack([rho1, np.full(n, 0.9)], axis=1)
+    b = fit_observation_belief(x, rho)
+    np.testing.assert_allclose(
+        b.predict(np.array([[1.0], [0.0]], dtype=np.float32)), [[0.8, 0.9], [0.3, 0.9]], atol=0.02
+    )
+    # a constant observation: depth 2's rate counts only the rounds that reach it (0.9, not the plain mean)
+    one = np.ones((n, 1), dtype=np.float32)
+    greedy = np.zeros((n, 2))
+    greedy[: n // 2, 0] = 1.0  # half the rounds accept draft 1
+    greedy[: int(0.45 * n), 1] = 1.0  # 90% of those accept draft 2
+    greedy[n // 2 :, 1] = 1.0  # never reached: must not count
+    np.testing.assert_allclose(fit_observation_belief(one, greedy).predict(one[:1]), [[0.5, 0.9]], atol=1e-3)
+    never = greedy.copy()
+    never[:, 1] = 0.0  # draft 2 rejected in every round that reaches it: nothing to fit
+    with pytest.raises(ValueError, match="depth 2"):
+        fit_observation_belief(one, never)

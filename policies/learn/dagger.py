@@ -49,6 +49,7 @@ EXPERTS = ("oracle", "belief")
 __all__ = [
     "EXPERTS",
     "DaggerResult",
+    "ObservationBelief",
     "EpisodeSource",
     "Expert",
     "RegretMLP",
@@ -59,6 +60,7 @@ __all__ = [
     "dagger_meta",
     "expert_arrays",
     "export_net",
+    "fit_observation_belief",
     "fit_regret",
     "make_net",
     "run_dagger",
@@ -182,6 +184,57 @@ def expert_arrays(arrays: PositionArrays, expert: str, seen: int) -> tuple[Posit
         meta = {"expert": "belief", "belief_seen_drafts": int(seen), "belief_bins": int(belief.seen.rate.shape[1])}
         return replace(arrays, rho=rho, greedy=bool(np.all((rho == 0.0) | (rho == 1.0)))), meta, belief
     raise ValueError(f"expert: unknown expert '{expert}' (known: {', '.join(EXPERTS)})")
+
+
+@dataclass
+class ObservationBelief:
+    """A controller's belief of the current round's acceptances given its observation (mode none's history).
+
+    One logistic regression (scikit-learn) per draft depth j: P(draft j accepted | drafts 1..j-1
+    accepted, the observation), fitted on the states an expert's roll-in visits on the train split.
+
+    Attributes:
+        models: The kmax fitted ``sklearn.linear_model.LogisticRegression`` models, depth 1 first.
+    """
+
+    models: list[Any]
+
+    def predict(self, obs: np.ndarray) -> np.ndarray:
+        """(n, kmax) believed conditional acceptances of (n, dim) observations."""
+        return np.stack([m.predict_proba(obs)[:, 1] for m in self.models], axis=1)
+
+
+def fit_observation_belief(obs: np.ndarray, rho: np.ndarray) -> ObservationBelief:
+    """Fit :class:`ObservationBelief` on visited states: observations and their rounds' true acceptances.
+
+    Depth j's regression sees each state twice, labelled accepted with weight ``rho_j S_{j-1}`` and
+    rejected with weight ``(1 - rho_j) S_{j-1}`` (``S_{j-1}`` the probability that the round reaches
+    depth j; ``rho`` may be 0/1 or a probability): its maximum-likelihood fit is the conditional
+    acceptance among the rounds that reach the depth, as :func:`oracle.belief.fit_belief`'s frequencies.
+
+    Args:
+        obs: (n, dim) observations of the visited states.
+        rho: (n, kmax) the true conditional acceptances of their rounds (train split).
+
+    Raises:
+        ValueError: If some depth is never reached or never (or always) accepted in the visits.
+    """
+    from sklearn.linear_model import LogisticRegression
+
+    from specenv.traces.traceset import survival_table
+
+    reach = np.ones_like(rho)
+    reach[:, 1:] = survival_table(rho)[:, :-1]
+    X = np.concatenate([obs, obs])
+    Y = np.r_[np.ones(len(obs)), np.zeros(len(obs))]
+    models = []
+    for j in range(rho.shape[1]):
+        w = np.r_[rho[:, j] * reach[:, j], (1.0 - rho[:, j]) * reach[:, j]]
+        keep = w > 0.0
+        if len(np.unique(Y[keep])) < 2:
+            raise ValueError(f"observation belief: depth {j + 1} is never reached, or always or never accepted")
+        models.append(LogisticRegression(max_iter=500).fit(X[keep], Y[keep], sample_weight=w[keep]))
+    return ObservationBelief(models)
 
 
 def make_net(spec: ObservationSpec, hidden: tuple[int, ...], n_out: int | None = None) -> Any:

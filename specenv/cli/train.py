@@ -79,8 +79,9 @@ def train(
         str,
         typer.Option(
             help="imitation: the expert imitated: oracle (the clairvoyant SSP oracle, the default) or belief (the "
-            "belief oracle: the SSP on the acceptances a train-split calibration predicts from the draft confidences "
-            "the controller has seen; runs named ALGO-belief[-hH|-seq]-seedS)."
+            "belief oracle: the SSP on the acceptances a train-split calibration predicts from what the controller "
+            "sees: its observation in mode none, the draft confidences drafted so far otherwise; runs named "
+            "ALGO-belief[-hH|-seq]-seedS)."
         ),
     ] = "oracle",
     dataset: Annotated[
