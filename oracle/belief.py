@@ -30,7 +30,15 @@ from oracle.dp import Evaluation, evaluate_policy, solve
 from specenv.cost.model import Charge
 from specenv.traces.traceset import PositionArrays, survival_table
 
-__all__ = ["AcceptanceBelief", "BeliefOracle", "belief_oracle", "fit_belief"]
+__all__ = [
+    "AcceptanceBelief",
+    "BeliefOracle",
+    "DraftBelief",
+    "belief_oracle",
+    "believed",
+    "fit_belief",
+    "fit_draft_belief",
+]
 
 #: Confidence bins per depth of the default belief (quantiles of the train split's confidences).
 N_BINS = 16
@@ -95,6 +103,84 @@ def fit_belief(train: PositionArrays, signals: tuple[str, ...] = ("q",), n_bins:
     return AcceptanceBelief(edges, np.clip(rate, 0.0, 1.0), tuple(signals))
 
 
+@dataclass(frozen=True)
+class DraftBelief:
+    """What a controller can believe of a round's acceptances once it has seen its first n drafts' confidences.
+
+    A stop rule (drafting mode sequential) decides after each draft whether to draft one more; when
+    it has drafted n tokens it has seen their confidences ``q_1..q_n`` and none of the later ones. A
+    controller of mode block with lookahead h decides having seen ``q_1..q_h``, one of mode none
+    having seen none (n = 0). Its belief of the conditional acceptance of depth j is then:
+
+    * j <= n: the calibration of :class:`AcceptanceBelief` on the draft's own confidence ``q_j``;
+    * j > n, n >= 1: the acceptance rate of depth j (among rounds that reached it) in a bin of the
+      last confidence seen, ``q_n`` (the drafts' confidences are correlated along a round);
+    * j > n, n = 0: the depth's overall rate (nothing of the round seen yet).
+
+    At n = kmax it is :class:`AcceptanceBelief`'s on ``("q",)``, at n = 0 its on ``()``.
+
+    Every rate is a train-split frequency (:func:`fit_draft_belief`). The belief does not read the
+    generation's acceptance history (a controller's own past rounds, which depend on the controller).
+
+    Attributes:
+        seen: The calibration on the draft's own confidence (depths already drafted).
+        prior: (kmax,) overall conditional acceptance rate per depth (n = 0).
+        edges: (kmax - 1, n_bins - 1) inner bin edges of ``q_n`` for n = 1..kmax-1 (row n - 1).
+        rate: (kmax - 1, kmax, n_bins) acceptance rate of depth j given ``q_n``'s bin (row n - 1);
+            only the depths j > n are read.
+    """
+
+    seen: AcceptanceBelief
+    prior: np.ndarray
+    edges: np.ndarray
+    rate: np.ndarray
+
+    def predict(self, arrays: PositionArrays, rows: np.ndarray, n: int) -> np.ndarray:
+        """(len(rows), kmax) believed conditional acceptances at ``rows`` having seen ``n`` drafts' confidences."""
+        K = arrays.kmax
+        if not 0 <= n <= K or K > len(self.prior):
+            raise ValueError(f"draft belief: n={n} seen is outside 0..{K} (fitted for Kmax={len(self.prior)})")
+        rows = np.asarray(rows, dtype=np.int64)
+        out = np.empty((len(rows), K))
+        for j in range(n):
+            b = np.searchsorted(self.seen.edges[j], arrays.q[rows, j], side="right")
+            out[:, j] = self.seen.rate[j, b]
+        if n == 0:
+            out[:] = self.prior[None, :K]
+        elif n < K:
+            b = np.searchsorted(self.edges[n - 1], arrays.q[rows, n - 1], side="right")
+            out[:, n:] = self.rate[n - 1, n:K, :][:, b].T
+        return out
+
+
+def fit_draft_belief(train: PositionArrays, n_bins: int = N_BINS) -> DraftBelief:
+    """The :class:`DraftBelief` of a train split: binned acceptance frequencies, as :func:`fit_belief`'s.
+
+    The rate of depth j given the bin of ``q_n`` is ``sum rho_j S_{j-1} / sum S_{j-1}`` over the
+    rows of the bin (the frequency of acceptance among the rounds that reached depth j); an empty
+    bin takes the depth's overall rate.
+
+    Raises:
+        ValueError: If the split reaches some depth never (as :func:`fit_belief`).
+    """
+    seen = fit_belief(train, ("q",), n_bins)
+    K = train.kmax
+    reach = np.ones_like(train.rho)
+    reach[:, 1:] = survival_table(train.rho)[:, :-1]
+    hit = train.rho * reach
+    prior = hit.sum(axis=0) / reach.sum(axis=0)  # > 0 everywhere: fit_belief checked every depth is reached
+    edges = np.zeros((max(K - 1, 0), n_bins - 1))
+    rate = np.zeros((max(K - 1, 0), K, n_bins))
+    for n in range(1, K):
+        edges[n - 1] = np.quantile(train.q[:, n - 1], np.linspace(0.0, 1.0, n_bins + 1)[1:-1])
+        b = np.searchsorted(edges[n - 1], train.q[:, n - 1], side="right")
+        for j in range(n, K):
+            num = np.bincount(b, hit[:, j], minlength=n_bins)
+            den = np.bincount(b, reach[:, j], minlength=n_bins)
+            rate[n - 1, j] = np.where(den > 0.0, num / np.where(den > 0.0, den, 1.0), prior[j])
+    return DraftBelief(seen, np.clip(prior, 0.0, 1.0), edges, np.clip(rate, 0.0, 1.0))
+
+
 @dataclass
 class BeliefOracle:
     """The belief oracle on a positions table.
@@ -110,6 +196,12 @@ class BeliefOracle:
     realised: Evaluation
 
 
+def believed(arrays: PositionArrays, belief: AcceptanceBelief) -> PositionArrays:
+    """The positions table with every ``rho[t, j]`` replaced by ``belief``'s prediction (the rest unchanged)."""
+    rho_hat = belief.predict(arrays)
+    return replace(arrays, rho=rho_hat, greedy=bool(np.all((rho_hat == 0.0) | (rho_hat == 1.0))))
+
+
 def belief_oracle(
     test: PositionArrays,
     cost_model: Charge,
@@ -118,8 +210,6 @@ def belief_oracle(
     drafting: str | None = None,
 ) -> BeliefOracle:
     """Solve the SSP on ``belief``'s acceptances of ``test``, and evaluate that plan on the true ones."""
-    rho_hat = belief.predict(test)
-    believed = replace(test, rho=rho_hat, greedy=bool(np.all((rho_hat == 0.0) | (rho_hat == 1.0))))
-    planned = solve(believed, cost_model, lookahead=lookahead, drafting=drafting)
+    planned = solve(believed(test, belief), cost_model, lookahead=lookahead, drafting=drafting)
     realised = evaluate_policy(test, cost_model, planned.k, lookahead=lookahead, drafting=drafting)
     return BeliefOracle(belief, planned, realised)

@@ -675,6 +675,7 @@ def action_values(
     rows: np.ndarray | None = None,
     lookahead: int = 0,
     drafting: str | None = None,
+    rho: np.ndarray | None = None,
 ) -> np.ndarray:
     """Action values ``Q(t,k) = C(t,k) + sum_a P(a|t,k) V(min(t+a+1, N))`` for every budget.
 
@@ -685,19 +686,26 @@ def action_values(
         rows: Flat position rows to compute (default all).
         lookahead: Draft lookahead h.
         drafting: The drafting mode (as in :func:`solve`).
+        rho: (len(rows), Kmax) conditional acceptances of the round at ``rows`` replacing the
+            table's (e.g. a belief given what a stop rule has seen so far); default the table's.
 
     Returns:
         (len(rows), Kmax+1) float64 action values in ms.
     """
     C = cost_table(arrays, cost_model, lookahead, drafting)
-    S = survival(arrays)
     rows = np.arange(len(arrays.L)) if rows is None else np.asarray(rows, dtype=np.int64)
     K = arrays.kmax
+    if rho is None:
+        S_rows = survival(arrays)[rows]
+    elif np.shape(rho) != (len(rows), K):
+        raise ValueError(f"action_values: rho has shape {np.shape(rho)}, the rows need {(len(rows), K)}")
+    else:
+        S_rows = survival_table(np.asarray(rho, dtype=np.float64))
     gen = np.searchsorted(arrays.offsets, rows, side="right") - 1
     end = arrays.offsets[gen + 1]
     nxt = rows[:, None] + 1 + np.arange(K + 1)[None, :]  # row after accepting a = 0..K
     Vn = np.where(nxt < end[:, None], value[np.minimum(nxt, len(value) - 1)], 0.0)
-    ev = np.concatenate([Vn[:, :1], Vn[:, :1] + np.cumsum(S[rows] * np.diff(Vn, axis=1), axis=1)], axis=1)
+    ev = np.concatenate([Vn[:, :1], Vn[:, :1] + np.cumsum(S_rows * np.diff(Vn, axis=1), axis=1)], axis=1)
     return C[rows] + ev
 
 

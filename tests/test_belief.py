@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from oracle.belief import belief_oracle, fit_belief
+from oracle.belief import belief_oracle, fit_belief, fit_draft_belief
 from oracle.dp import evaluate_policy, solve
 from specenv.traces.traceset import PositionArrays
 
@@ -72,3 +72,58 @@ def test_belief_plan_costs_no_less_than_the_clairvoyant_bound(small_traces: Path
     np.testing.assert_allclose(bo.realised.cost, evaluate_policy(test, model, bo.planned.k).cost)
     fixed = min(evaluate_policy(test, model, k).cost.sum() for k in range(test.kmax + 1))
     assert bo.realised.cost.sum() <= fixed * 1.02  # the belief plan is about as good as any fixed k or better
+
+
+def test_draft_belief_reads_only_the_confidences_seen() -> None:
+    """Hand-built: a round is easy (every draft accepted, every confidence 0.9) or hard (none, 0.1), half each.
+
+    Having seen n >= 1 drafts the belief knows the round: the probability that the first j drafts are
+    all accepted (the product of the conditional acceptances) is 1 for the easy round and 0 for the
+    hard one at every depth; having seen none it knows the depth rates only: depth 1 is accepted in
+    half the rounds, depths 2 and 3, among the rounds that reach them (the easy ones), always.
+    """
+    n, K = 400, 3
+    easy = np.arange(n) % 2 == 0
+    rho = np.where(easy[:, None], 1.0, 0.0) * np.ones((n, K))
+    q = np.where(easy[:, None], 0.9, 0.1) * np.ones((n, K))
+    arrays = _arrays(rho, q, [n])
+    b = fit_draft_belief(arrays, n_bins=4)
+    rows = np.array([0, 1])  # an easy round, a hard round
+    np.testing.assert_allclose(b.predict(arrays, rows, 0), [[0.5, 1.0, 1.0], [0.5, 1.0, 1.0]])
+    for seen in (1, 2, 3):
+        survival = np.cumprod(b.predict(arrays, rows, seen), axis=1)
+        np.testing.assert_allclose(survival, [[1.0] * K, [0.0] * K], err_msg=f"n={seen}")
+
+
+def test_draft_belief_ends_are_the_confidence_and_depth_beliefs() -> None:
+    rng = np.random.default_rng(1)
+    n, K = 3000, 4
+    q = rng.uniform(size=(n, K))
+    rho = (rng.uniform(size=(n, K)) < q).astype(np.float64)
+    arrays = _arrays(rho, q, [n])
+    b = fit_draft_belief(arrays, n_bins=8)
+    rows = np.arange(n)
+    np.testing.assert_array_equal(b.predict(arrays, rows, K), fit_belief(arrays, ("q",), 8).predict(arrays))
+    np.testing.assert_allclose(b.predict(arrays, rows, 0), fit_belief(arrays, (), 8).predict(arrays), rtol=1e-12)
+    with pytest.raises(ValueError, match="outside 0..4"):
+        b.predict(arrays, rows, K + 1)
+
+
+def test_action_values_with_the_tables_own_acceptances_are_unchanged(small_traces: Path) -> None:
+    from oracle.dp import action_values
+    from specenv.cost.source import cost_model_for
+    from specenv.replay.tables import select_positions
+    from specenv.traces.traceset import TraceSet
+
+    ts = TraceSet.load(small_traces)
+    model = cost_model_for(ts, "fit-train")
+    arrays = select_positions(ts, None, "train")
+    sol = solve(arrays, model)
+    rows = np.arange(0, len(arrays.L), 7)
+    base = action_values(arrays, model, sol.value, rows)
+    np.testing.assert_array_equal(action_values(arrays, model, sol.value, rows, rho=arrays.rho[rows]), base)
+    sure = action_values(arrays, model, sol.value, rows, rho=np.ones((len(rows), arrays.kmax)))
+    never = action_values(arrays, model, sol.value, rows, rho=np.zeros((len(rows), arrays.kmax)))
+    assert np.all(never[:, 0] == base[:, 0]) and np.all(sure[:, 0] == base[:, 0])  # k = 0 drafts nothing
+    with pytest.raises(ValueError, match="shape"):
+        action_values(arrays, model, sol.value, rows, rho=np.ones((len(rows), arrays.kmax + 1)))

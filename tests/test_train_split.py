@@ -43,8 +43,10 @@ def _spy_splits(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
     [
         ("--algo", "imitation", "--iterations", "1", "--epochs", "2"),
         ("--algo", "ppo", "--timesteps", "1000", "--n-envs", "4"),
+        ("--algo", "imitation", "--expert", "belief", "--iterations", "1", "--epochs", "2"),
+        ("--algo", "imitation", "--expert", "belief", "--drafting", "sequential", "--iterations", "1", "--epochs", "2"),
     ],
-    ids=["imitation", "ppo"],
+    ids=["imitation", "ppo", "imitation-belief", "imitation-belief-seq"],
 )
 def test_train_without_options_never_reads_test_rounds(
     algo_args: tuple[str, ...], small_traces: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path

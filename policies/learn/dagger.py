@@ -12,6 +12,12 @@ them is composed from three parts:
   (observation, cost-sensitive labels: the regret of every action, in AR steps). An expert whose
   labels depend on the learner (approximate policy iteration) relabels the whole aggregate after
   each fit (:meth:`TableExpert.update`);
+  Which table of the split the expert is solved and labels on is :func:`expert_arrays`'s choice:
+  the true acceptances (``"oracle"``: the clairvoyant SSP oracle, whose k* and action values know
+  which drafts a greedy trace accepts) or a train-split calibration's (``"belief"``: the belief
+  oracle of :mod:`oracle.belief`, whose action values are the cost-to-go of the SSP on the
+  acceptance probabilities the draft's signals predict: what a controller can know, AggreVaTe with
+  the belief's cost-to-go);
 * the *learner* (:class:`RegretMLP`): a torch MLP with tanh hidden layers, one logit per action,
   refitted on the aggregate by the expected regret ``sum_a softmax(logits)_a * regret_a`` plus 0.05
   x cross-entropy towards the expert's best action, exported to the numpy form of
@@ -35,9 +41,15 @@ import numpy as np
 
 from specenv.observation.single import ObservationSpec
 from specenv.policy.mlp import MLPPolicy
+from specenv.traces.traceset import PositionArrays
+
+#: The experts a DAgger learner imitates (:func:`expert_arrays`; ``specenv train --expert``).
+EXPERTS = ("oracle", "belief")
 
 __all__ = [
+    "EXPERTS",
     "DaggerResult",
+    "ObservationBelief",
     "EpisodeSource",
     "Expert",
     "RegretMLP",
@@ -46,7 +58,9 @@ __all__ = [
     "TableExpert",
     "Visits",
     "dagger_meta",
+    "expert_arrays",
     "export_net",
+    "fit_observation_belief",
     "fit_regret",
     "make_net",
     "run_dagger",
@@ -138,6 +152,89 @@ class TableExpert:
     def update(self, learner: RegretMLP, visits: list[Visits]) -> bool:
         """A fixed expert: nothing to change."""
         return False
+
+
+def expert_arrays(arrays: PositionArrays, expert: str, seen: int) -> tuple[PositionArrays, dict[str, Any], Any]:
+    """The positions table an expert is solved and labels on, what the metadata records of it, its belief.
+
+    Args:
+        arrays: The split trained on (its true acceptances).
+        expert: ``"oracle"`` (the table itself: the clairvoyant oracle) or ``"belief"`` (every
+            ``rho[t, j]`` replaced by what :func:`oracle.belief.fit_draft_belief`, fitted on
+            ``arrays``, the train split, believes having seen the confidences of ``seen`` drafts).
+        seen: Drafts whose confidences the controller sees when it chooses: 0 in mode none, h in
+            mode block, kmax for the rounds after the current one of a stop rule.
+
+    Returns:
+        ``(table, meta, belief)``: ``meta`` is ``{"expert": expert}`` plus, for the belief, the
+        drafts it sees; ``belief`` the fitted :class:`oracle.belief.DraftBelief` (None for the oracle).
+
+    Raises:
+        ValueError: For an unknown expert (one line).
+    """
+    if expert == "oracle":
+        return arrays, {"expert": "oracle"}, None
+    if expert == "belief":
+        from dataclasses import replace
+
+        from oracle.belief import fit_draft_belief
+
+        belief = fit_draft_belief(arrays)
+        rho = belief.predict(arrays, np.arange(len(arrays.L)), seen)
+        meta = {"expert": "belief", "belief_seen_drafts": int(seen), "belief_bins": int(belief.seen.rate.shape[1])}
+        return replace(arrays, rho=rho, greedy=bool(np.all((rho == 0.0) | (rho == 1.0)))), meta, belief
+    raise ValueError(f"expert: unknown expert '{expert}' (known: {', '.join(EXPERTS)})")
+
+
+@dataclass
+class ObservationBelief:
+    """A controller's belief of the current round's acceptances given its observation (mode none's history).
+
+    One logistic regression (scikit-learn) per draft depth j: P(draft j accepted | drafts 1..j-1
+    accepted, the observation), fitted on the states an expert's roll-in visits on the train split.
+
+    Attributes:
+        models: The kmax fitted ``sklearn.linear_model.LogisticRegression`` models, depth 1 first.
+    """
+
+    models: list[Any]
+
+    def predict(self, obs: np.ndarray) -> np.ndarray:
+        """(n, kmax) believed conditional acceptances of (n, dim) observations."""
+        return np.stack([m.predict_proba(obs)[:, 1] for m in self.models], axis=1)
+
+
+def fit_observation_belief(obs: np.ndarray, rho: np.ndarray) -> ObservationBelief:
+    """Fit :class:`ObservationBelief` on visited states: observations and their rounds' true acceptances.
+
+    Depth j's regression sees each state twice, labelled accepted with weight ``rho_j S_{j-1}`` and
+    rejected with weight ``(1 - rho_j) S_{j-1}`` (``S_{j-1}`` the probability that the round reaches
+    depth j; ``rho`` may be 0/1 or a probability): its maximum-likelihood fit is the conditional
+    acceptance among the rounds that reach the depth, as :func:`oracle.belief.fit_belief`'s frequencies.
+
+    Args:
+        obs: (n, dim) observations of the visited states.
+        rho: (n, kmax) the true conditional acceptances of their rounds (train split).
+
+    Raises:
+        ValueError: If some depth is never reached or never (or always) accepted in the visits.
+    """
+    from sklearn.linear_model import LogisticRegression
+
+    from specenv.traces.traceset import survival_table
+
+    reach = np.ones_like(rho)
+    reach[:, 1:] = survival_table(rho)[:, :-1]
+    X = np.concatenate([obs, obs])
+    Y = np.r_[np.ones(len(obs)), np.zeros(len(obs))]
+    models = []
+    for j in range(rho.shape[1]):
+        w = np.r_[rho[:, j] * reach[:, j], (1.0 - rho[:, j]) * reach[:, j]]
+        keep = w > 0.0
+        if len(np.unique(Y[keep])) < 2:
+            raise ValueError(f"observation belief: depth {j + 1} is never reached, or always or never accepted")
+        models.append(LogisticRegression(max_iter=500).fit(X[keep], Y[keep], sample_weight=w[keep]))
+    return ObservationBelief(models)
 
 
 def make_net(spec: ObservationSpec, hidden: tuple[int, ...], n_out: int | None = None) -> Any:

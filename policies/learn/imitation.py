@@ -23,7 +23,18 @@ from typing import Any
 
 import numpy as np
 
-from policies.learn.dagger import DaggerResult, RegretMLP, ReplayEpisodes, TableExpert, Visits, dagger_meta, run_dagger
+from policies.learn.dagger import (
+    DaggerResult,
+    ObservationBelief,
+    RegretMLP,
+    ReplayEpisodes,
+    TableExpert,
+    Visits,
+    dagger_meta,
+    expert_arrays,
+    fit_observation_belief,
+    run_dagger,
+)
 from specenv.cost.model import CostModel
 from specenv.observation.single import ObservationSpec
 from specenv.traces.traceset import PositionArrays
@@ -44,6 +55,7 @@ def train_dagger(
     lr: float = 3e-3,
     signals: Any = ("q",),
     split: str = "train",
+    expert: str = "oracle",
 ) -> DaggerResult:
     """Train an MLP policy by DAgger on the train split of ``dataset``.
 
@@ -63,6 +75,12 @@ def train_dagger(
         signals: Draft signals of the lookahead block (``("q",)``; add ``"ent"``, ``"margin"``).
         split: The generations trained on: ``"train"`` (default) or ``"train-fit"`` (train minus the
             validation carve of :mod:`specenv.traces.splits`, for a hyper-parameter search).
+        expert: ``"oracle"`` (the clairvoyant oracle's action values) or ``"belief"`` (the belief
+            oracle's: the SSP on the acceptances a train-split calibration predicts having seen the
+            confidences of the ``lookahead`` drafts, the depth alone in mode none; :func:`expert_arrays`).
+            In mode none the current round's acceptances in the labels are believed from the
+            controller's observation (:func:`fit_observation_belief`, fitted on one roll-in of the
+            belief oracle on the split), the later rounds' from the depth alone.
 
     Returns:
         The exported numpy policy, per-iteration statistics and the training time in seconds.
@@ -85,26 +103,38 @@ def train_dagger(
     )
     data = env.unwrapped.data
     spec: ObservationSpec = data.spec
-    arrays = split_arrays(dataset, data.kmax, split)
+    arrays, expert_meta, _ = expert_arrays(split_arrays(dataset, data.kmax, split), expert, spec.lookahead)
     model: CostModel = data.cost_model
     sol = solve(arrays, model, lookahead=spec.lookahead)
     unit = env.unwrapped.ar_unit_ms
     learner = RegretMLP(spec, hidden, lr=lr, epochs=epochs, seed=seed)
 
+    source = ReplayEpisodes(env, arrays)
+    seen: ObservationBelief | None = None
+
     def label(roll: Visits) -> tuple[np.ndarray, np.ndarray]:
-        Q = action_values(arrays, model, sol.value, roll.rows, lookahead=spec.lookahead)
+        rho = None if seen is None else seen.predict(roll.obs)
+        Q = action_values(arrays, model, sol.value, roll.rows, lookahead=spec.lookahead, rho=rho)
         return roll.obs, ((Q - Q.min(axis=1, keepdims=True)) / unit).astype(np.float32)
 
-    history = run_dagger(ReplayEpisodes(env, arrays), TableExpert(sol.k, label), learner, iterations, rng, log=log)
+    table_expert = TableExpert(sol.k, label)
+    if expert == "belief" and spec.lookahead == 0:  # one roll-in of the belief oracle: the states the belief sees
+        first = source.rollout(table_expert, learner, 1.0, np.random.default_rng([seed, 1]), 0)
+        seen = fit_observation_belief(first.obs, split_arrays(dataset, data.kmax, split).rho[first.rows])
+        expert_meta["labels"] = "this round's acceptances believed from the observation (logistic, per depth)"
+    history = run_dagger(source, table_expert, learner, iterations, rng, log=log)
     env.close()
     meta = dagger_meta(
         "dagger",
         learner,
         history,
-        "expected regret + 0.05 cross-entropy to the oracle's k*",
+        "expected regret + 0.05 cross-entropy to the oracle's k*"
+        if expert == "oracle"
+        else f"expected regret + 0.05 cross-entropy to the {expert}'s k",
         seed,
         drafting="block" if lookahead else "none",
         lookahead=lookahead,
+        **expert_meta,
     )
     return DaggerResult(learner.snapshot(name="imitation", meta=meta), history, time.perf_counter() - t0)
 

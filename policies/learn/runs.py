@@ -38,6 +38,8 @@ class TrainRun:
         cost_model: ``"fit-train"`` (the train split's fit, the default), ``"fit"``, ``"profile"`` or a JSON path.
         gamma: Discount factor (ppo, dqn).
         split: Generations trained on (``"train"``; ``"train-fit"`` in a hyper-parameter search).
+        expert: The expert imitation imitates (``"oracle"`` or ``"belief"``:
+            :func:`policies.learn.dagger.expert_arrays`).
         overrides: Hyper-parameters replacing the recipe's: SB3's names for ppo/dqn
             (:func:`policies.learn.rl.hyperparameters`), ``lr``/``epochs``/``hidden`` for imitation.
     """
@@ -57,6 +59,7 @@ class TrainRun:
     gamma: float = 0.99
     split: str = "train"
     overrides: tuple[tuple[str, Any], ...] = ()
+    expert: str = "oracle"
 
 
 def train_run(
@@ -110,6 +113,7 @@ def train_run(
                 seed=run.seed,
                 log=iteration_done,
                 split=run.split,
+                expert=run.expert,
                 **kw,
             )
         else:
@@ -124,6 +128,7 @@ def train_run(
                 seed=run.seed,
                 log=iteration_done,
                 split=run.split,
+                expert=run.expert,
                 **kw,
             )
         policy = res.policy

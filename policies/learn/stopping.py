@@ -39,7 +39,16 @@ from typing import Any
 
 import numpy as np
 
-from policies.learn.dagger import DaggerResult, RegretMLP, ReplayEpisodes, TableExpert, Visits, dagger_meta, run_dagger
+from policies.learn.dagger import (
+    DaggerResult,
+    RegretMLP,
+    ReplayEpisodes,
+    TableExpert,
+    Visits,
+    dagger_meta,
+    expert_arrays,
+    run_dagger,
+)
 from specenv.observation.single import TOKEN_FEATURES, ObservationSpec, token_feature_names
 from specenv.policy.base import Policy
 from specenv.policy.mlp import MLPPolicy
@@ -159,6 +168,7 @@ def train_stop_dagger(
     log: Callable[[str], None] | None = None,
     signals: Any = ("q",),
     split: str = "train",
+    expert: str = "oracle",
 ) -> DaggerResult:
     """Train a stop rule by DAgger on the oracle's k* (train split of ``dataset``).
 
@@ -177,6 +187,8 @@ def train_stop_dagger(
         signals: Draft signals the rule sees per drafted token (``("q",)``; add ``"ent"``, ``"margin"``).
         split: The generations trained on: ``"train"`` (default) or ``"train-fit"`` (train minus the
             validation carve of :mod:`specenv.traces.splits`, for a hyper-parameter search).
+        expert: ``"oracle"`` (the clairvoyant oracle's k* and action values) or ``"belief"`` (the belief
+            oracle's on the draft's confidence, calibrated on the same split: :func:`expert_arrays`).
 
     Returns:
         The stop rule in numpy form (per-token contract), per-iteration statistics and the training
@@ -201,22 +213,35 @@ def train_stop_dagger(
     )
     data = env.unwrapped.data
     spec = token_spec(data.spec)
-    arrays = split_arrays(dataset, data.kmax, split)
+    split_table = split_arrays(dataset, data.kmax, split)
+    arrays, expert_meta, belief = expert_arrays(split_table, expert, data.kmax)
     sol = solve(arrays, data.cost_model, lookahead=data.lookahead, drafting="sequential")
     unit = env.unwrapped.ar_unit_ms
     K = data.kmax
     learner = RegretMLP(spec, hidden, n_out=2, lr=lr, epochs=epochs, batch_size=batch_size, seed=seed)
     tokens = StopRulePolicy(learner.snapshot(name="stop-rule"))  # its per-token observations (weights unused)
+    if belief is not None:
+        expert_meta["labels"] = "per drafted token n: the belief having seen the confidences of the n drafts"
+
+    def values(rows: np.ndarray, n: int) -> np.ndarray:
+        """Q(t, k) of the per-token state n: the oracle's, or under what the rule believes after n drafts."""
+        rho = None if belief is None else belief.predict(split_table, rows, n)
+        return action_values(arrays, data.cost_model, sol.value, rows, lookahead=K, drafting="sequential", rho=rho)
 
     def label(roll: Visits) -> tuple[np.ndarray, np.ndarray]:
         """Per-token states n = 0..max(k played, k*) (capped at kmax-1) of each visited round, two regrets."""
-        Q = action_values(arrays, data.cost_model, sol.value, roll.rows, lookahead=K, drafting="sequential")
-        m = np.minimum.accumulate(Q[:, ::-1], axis=1)[:, ::-1]  # m[:, n] = min_{k >= n} Q(t, k)
         tok = tokens.token_observations(roll.obs)  # (n, K, dim)
         reach = np.minimum(np.maximum(roll.k, sol.k[roll.rows]), K - 1)
         sel = np.arange(K)[None, :] <= reach[:, None]
-        r_stop = Q[:, :K] - m[:, :K]
-        r_draft = m[:, 1:] - m[:, :K]
+        r_stop = np.empty((len(roll.rows), K))
+        r_draft = np.empty((len(roll.rows), K))
+        for n in range(K if belief is not None else 1):
+            Q = values(roll.rows, n)
+            m = np.minimum.accumulate(Q[:, ::-1], axis=1)[:, ::-1]  # m[:, n] = min_{k >= n} Q(t, k)
+            if belief is None:  # one belief for every n: the oracle's table
+                r_stop[:], r_draft[:] = Q[:, :K] - m[:, :K], m[:, 1:] - m[:, :K]
+            else:
+                r_stop[:, n], r_draft[:, n] = Q[:, n] - m[:, n], m[:, n + 1] - m[:, n]
         return tok[sel], (np.stack([r_stop[sel], r_draft[sel]], axis=1) / unit).astype(np.float32)
 
     source = ReplayEpisodes(env, arrays, lambda lrn: StopRulePolicy(lrn.snapshot(name="stop-rule")), record_k=True)
@@ -226,8 +251,9 @@ def train_stop_dagger(
         "stop-dagger",
         learner,
         history,
-        "expected regret + 0.05 cross-entropy to the oracle's action",
+        f"expected regret + 0.05 cross-entropy to the {expert}'s action",
         seed,
         drafting="sequential",
+        **expert_meta,
     )
     return DaggerResult(learner.snapshot(name="imitation-seq", meta=meta), history, time.perf_counter() - t0)

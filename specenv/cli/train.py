@@ -75,6 +75,15 @@ def train(
     ] = None,
     name: Annotated[str | None, typer.Option(help="Run name (default: ALGO[-hH|-seq]-seedS).")] = None,
     gamma: Annotated[float, typer.Option(min=0.0, max=1.0, help="Discount factor (ppo, dqn).")] = 0.99,
+    expert: Annotated[
+        str,
+        typer.Option(
+            help="imitation: the expert imitated: oracle (the clairvoyant SSP oracle, the default) or belief (the "
+            "belief oracle: the SSP on the acceptances a train-split calibration predicts from what the controller "
+            "sees: its observation in mode none, the draft confidences drafted so far otherwise; runs named "
+            "ALGO-belief[-hH|-seq]-seedS)."
+        ),
+    ] = "oracle",
     dataset: Annotated[
         str | None,
         typer.Option(
@@ -117,6 +126,12 @@ def train(
         _train_bc("bc", dataset, root, out_dir, name, epochs, seeds[0], as_json)
         return
     check_finite("--gamma", gamma)
+    from policies.learn.dagger import EXPERTS
+
+    if expert not in EXPERTS:
+        fail(f"--expert: unknown expert '{expert}' (known: {', '.join(EXPERTS)})")
+    if expert != "oracle" and algos != ["imitation"]:
+        fail(f"--expert: only --algo imitation imitates an expert (got --algo {', '.join(algos)})")
     if name is not None:
         check_name("--name", name)
         if name in (".", "..") or "/" in name or os.sep in name:
@@ -125,7 +140,7 @@ def train(
             fail(f"--name: one name for {len(algos) * len(seeds)} runs (leave it out: each run gets ALGO-seedS)")
     ts = load_traces(traces)
     mode, h = _check_train_drafting(drafting, lookahead, ts)
-    suffix = {"none": "", "block": f"-h{h}", "sequential": "-seq"}[mode]
+    suffix = ("" if expert == "oracle" else f"-{expert}") + {"none": "", "block": f"-h{h}", "sequential": "-seq"}[mode]
     runs = [
         TrainRun(
             algo=a,
@@ -141,6 +156,7 @@ def train(
             kmax=kmax,
             cost_model=cost_model,
             gamma=gamma,
+            expert=expert,
         )
         for a in algos
         for s in seeds
