@@ -83,7 +83,7 @@ class Param:
 
     Attributes:
         kind: ``int`` (an integer, never a bool or a float), ``float`` (a finite number, never a bool),
-            ``bool`` or ``str`` (non-empty text).
+            ``bool``, ``str`` (non-empty text) or ``tuple`` (a non-empty list of integers, each in range).
         lo: Smallest value allowed (None: unbounded).
         hi: Largest value allowed (None: unbounded).
         open_lo: ``lo`` itself excluded (e.g. a scale ``> 0``).
@@ -110,6 +110,10 @@ class Param:
             if not isinstance(value, str) or not value:
                 raise bad("must be a non-empty name")
             return value
+        if self.kind is tuple:  # a non-empty list of integers, each in range (the API's keyword)
+            if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value:
+                raise bad("must be a non-empty list of integers (a keyword of the API: NAME:key=value gives one value)")
+            return tuple(Param(int, self.lo, self.hi, what=self.what).check(key, v) for v in value)
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise bad("must be an integer" if self.kind is int else "must be a number")
         if self.kind is int:
@@ -136,6 +140,7 @@ NONNEGATIVE = Param(float, 0.0)
 REAL = Param(float)
 FLAG = Param(bool)
 TEXT = Param(str)
+BUDGETS = Param(tuple, 0, what="draft budgets")
 
 
 def declare(**params: Param) -> Callable[[Factory], Factory]:
@@ -234,15 +239,20 @@ def _factory(name: str) -> Factory:
         ) from None
 
 
+#: Numbers of the string form: ASCII digits only (Python's int() and float() also take ``1_0``, spaces and
+#: other scripts' digits, which a policy string would then read as a number nobody wrote).
+_INT = re.compile(r"[+-]?[0-9]+\Z")
+_FLOAT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\Z|[+-]?(?:inf|infinity|nan)\Z", re.I)
+
+
 def _value(text: str) -> Any:
     low = text.lower()
     if low in ("true", "false"):
         return low == "true"
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
+    if _INT.match(text):
+        return int(text)
+    if _FLOAT.match(text):
+        return float(text)
     return text
 
 
