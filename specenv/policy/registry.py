@@ -143,11 +143,16 @@ TEXT = Param(str)
 BUDGETS = Param(tuple, 0, what="draft budgets")
 
 
-def declare(**params: Param) -> Callable[[Factory], Factory]:
-    """Decorator: declare a factory's parameters (its attribute ``parameters``), checked by :func:`resolve`."""
+def declare(*exclusive: tuple[str, ...], **params: Param) -> Callable[[Factory], Factory]:
+    """Decorator: declare a factory's parameters (its attribute ``parameters``), checked by :func:`resolve`.
+
+    Each positional tuple names parameters of which at most one may be given (attribute ``exclusive``):
+    where one would override another, giving both is refused rather than one silently ignored.
+    """
 
     def mark(factory: Factory) -> Factory:
         factory.parameters = dict(params)  # type: ignore[attr-defined]
+        factory.exclusive = tuple(exclusive)  # type: ignore[attr-defined]
         return factory
 
     return mark
@@ -165,6 +170,10 @@ def check_params(factory: Factory, params: Mapping[str, Any]) -> dict[str, Any]:
         if key not in declared and accepted is not None and key not in accepted:
             known = ", ".join(sorted(set(declared) | accepted)) or "none"
             raise ValueError(f"parameter {key!r}: unknown (known: {known})")
+    for group in getattr(factory, "exclusive", ()):
+        given = [k for k in group if k in params]
+        if len(given) > 1:
+            raise ValueError(f"parameters {' and '.join(map(repr, given))}: give one of them, not both")
     return {k: (declared[k].check(k, v) if k in declared else v) for k, v in params.items()}
 
 
