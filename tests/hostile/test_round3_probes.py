@@ -180,3 +180,27 @@ def test_a_dsd_table_given_both_k_and_a_schedule_is_refused_not_half_ignored():
     assert checked == resolved == f"policy {text!r}: parameters 'k' and 'schedule': give one of them, not both"
     assert "give one" in _message(VLLMDSDTable, SPEC, 2, "1-4:3")
     assert registry.resolve("vllm-dsd-table:schedule=1-4:3", SPEC).k == 3
+
+
+@pytest.mark.parametrize("address", ["local", "auto"])
+def test_a_failed_ray_start_is_one_line_without_rays_notices(monkeypatch, capfd, address):
+    """``tune`` (a local Ray cluster) printed Ray's token-auth notice before its error line when the start timed
+    out; a remote address already held fd 2. Ray is faked: it writes to fd 2 from "C++" and fails."""
+    from policies import distributed
+
+    class FakeRay:
+        def is_initialized(self) -> bool:
+            return False
+
+        def init(self, **kw) -> None:
+            os.write(2, b"Token authentication is enabled for this Ray cluster.\n")
+            raise RuntimeError("The current node timed out during startup.\nmore")
+
+    monkeypatch.setattr(distributed, "ray_module", FakeRay)
+    with pytest.raises(distributed.RayUnavailable) as info, distributed.ray_cluster(address):
+        pass
+    assert (
+        str(info.value)
+        == f"--ray: cannot connect to the Ray cluster at {address!r}: The current node timed out during startup."
+    )
+    assert capfd.readouterr().err == ""
