@@ -204,3 +204,28 @@ def test_a_failed_ray_start_is_one_line_without_rays_notices(monkeypatch, capfd,
         == f"--ray: cannot connect to the Ray cluster at {address!r}: The current node timed out during startup."
     )
     assert capfd.readouterr().err == ""
+
+
+# ---------------------------------------------------------------------- train --out: the run folder's outputs
+def _train(traces: Path, out: Path, *extra: str) -> list:
+    return ["train", "--algo", "imitation", "--traces", traces, "--out", out, "--iterations", "1", "-q", *extra]
+
+
+def test_train_keeps_a_users_file_in_the_run_folder(tmp_path, small_traces):
+    """``train --out run`` replaced a user's ``run/imitation-seed0/policy/policy.json`` (and a link of that name)."""
+    pol = tmp_path / "run" / "imitation-seed0" / "policy"
+    pol.mkdir(parents=True)
+    (pol / "policy.json").write_text("mine")
+    reject_cleanly(_train(small_traces, tmp_path / "run"), ["--out", "policy.json", "--overwrite"], [tmp_path])
+    (pol / "policy.json").unlink()
+    (tmp_path / "mine.json").write_text("mine")
+    os.symlink("../../../mine.json", pol / "policy.json")
+    names = ["--out", "policy.json", "not a regular file"]
+    reject_cleanly([*_train(small_traces, tmp_path / "run"), "--overwrite"], names, [tmp_path])
+
+
+def test_train_reruns_into_its_own_run_folder(tmp_path, small_traces):
+    first = run_cli(_train(small_traces, tmp_path / "run"))
+    assert first.exit_code == 0, first.stderr
+    again = run_cli(_train(small_traces, tmp_path / "run"))  # specenv's run: replaced without --overwrite
+    assert again.exit_code == 0, again.stderr
