@@ -456,6 +456,7 @@ def tune(
     as_json: JsonOpt = False,
     ray: RayOpt = "local",
     ray_cpus: RayCpusOpt = None,
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Ray Tune search of a learner's hyper-parameters: fit on train-fit, choose on train-val (both carved from train).
 
@@ -472,6 +473,9 @@ def tune(
     ts = load_traces(traces)
     mode, h = _check_train_drafting(drafting, lookahead, ts)
     check_out_folder("--out", out_dir)
+    from policies.learn.tune import OUTPUTS
+
+    check_not_foreign("--out", [out_dir / name for name in OUTPUTS], overwrite)  # before Ray starts
     check_budget(ts, kmax, h)
     from specenv.cost.source import cost_model_for
 

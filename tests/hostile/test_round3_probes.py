@@ -229,3 +229,16 @@ def test_train_reruns_into_its_own_run_folder(tmp_path, small_traces):
     assert first.exit_code == 0, first.stderr
     again = run_cli(_train(small_traces, tmp_path / "run"))  # specenv's run: replaced without --overwrite
     assert again.exit_code == 0, again.stderr
+
+
+def test_tune_keeps_a_users_results_before_ray_starts(tmp_path, small_traces):
+    """``tune --out t`` wrote t/results.csv, results.parquet and best.json over a user's files after the search."""
+    t = tmp_path / "t"
+    t.mkdir()
+    (t / "results.csv").write_text("mine")
+    args = ["tune", "--traces", small_traces, "--out", t, "--samples", "1", "--algo", "imitation", "-q"]
+    reject_cleanly(args, ["--out", "results.csv", "--overwrite"], [tmp_path])
+    (t / "results.csv").unlink()
+    (tmp_path / "mine.json").write_text("mine")
+    os.symlink("../mine.json", t / "best.json")
+    reject_cleanly([*args, "--overwrite"], ["--out", "best.json", "not a regular file"], [tmp_path])
