@@ -41,7 +41,7 @@ marginal along the path, which is the marginal condition dE[Cost]/dE[a] ~ lambda
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
@@ -435,8 +435,8 @@ def boundary_slope(
     raise ValueError(f"method must be 'separating', 'ls', 'v0' or 'policy', got {method!r}")
 
 
-def plot_delta(analysis: DeltaAnalysis, path: str, max_points: int = 20000, seed: int = 0) -> str:
-    """Scatter of dE[Cost] against dE[a] with both fitted lines (paper Figure 3); writes ``path``.
+def plot_delta(analysis: DeltaAnalysis, path: str | BinaryIO, max_points: int = 20000, seed: int = 0) -> str:
+    """Scatter of dE[Cost] against dE[a] with both fitted lines (paper Figure 3); writes ``path`` (file or stream).
 
     Every point is one budget k the oracle rejected at a decision state, placed relative to the
     budget k* it chose there. The legend names each quadrant with its meaning and full count (I:

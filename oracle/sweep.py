@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
@@ -101,8 +101,8 @@ def kmax_sweep(
     return pd.DataFrame(rows, columns=list(SWEEP_COLUMNS))
 
 
-def plot_kmax_sweep(table: pd.DataFrame, path: str, title: str = "") -> str:
-    """Three titled panels against Kmax; writes ``path``.
+def plot_kmax_sweep(table: pd.DataFrame, path: str | BinaryIO, title: str = "") -> str:
+    """Three titled panels against Kmax; writes ``path`` (a file name, or a binary stream: PNG).
 
     Left: the oracle's speedup bound S_max over autoregressive (AR, k = 0) decoding, pooled and mean
     over generations, beside the best fixed budget k <= Kmax. Middle: the mean budget k* the oracle

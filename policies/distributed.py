@@ -89,15 +89,17 @@ def ray_cluster(address: str, num_cpus: int | None = None) -> Iterator[Any]:
     kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
     saved = os.environ.get("PYTHONPATH")
     try:
-        if address == LOCAL:
-            # the workers of a local cluster inherit the driver's environment when it starts: with the
-            # folders of this checkout on PYTHONPATH they import the same code (no runtime_env to build)
-            os.environ["PYTHONPATH"] = os.pathsep.join(_code_path())
-            ray.init(num_cpus=num_cpus or os.cpu_count() or 1, **kw)
-        else:
-            with _stderr_held() as held:  # Ray's core logs its retries to fd 2: shown only if it connects
+        # Ray logs to fd 2 while it starts or connects (its core's retries, the token-auth notice of a local
+        # start): held, and shown only if it succeeds, so that a failure is the one error line
+        with _stderr_held() as held:
+            if address == LOCAL:
+                # the workers of a local cluster inherit the driver's environment when it starts: with the
+                # folders of this checkout on PYTHONPATH they import the same code (no runtime_env to build)
+                os.environ["PYTHONPATH"] = os.pathsep.join(_code_path())
+                ray.init(num_cpus=num_cpus or os.cpu_count() or 1, **kw)
+            else:
                 ray.init(address=address, **kw)
-            held.release()
+        held.release()
     except Exception as exc:  # ConnectionError, ValueError, RuntimeError: Ray raises several for a bad address
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise RayUnavailable(f"--ray: cannot connect to the Ray cluster at {address!r}: {first}") from None

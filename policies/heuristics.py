@@ -14,7 +14,7 @@ from specenv.cost.model import CostModel
 from specenv.engines.base import u_prior
 from specenv.observation.single import ObservationSpec
 from specenv.policy.base import Policy
-from specenv.policy.registry import BUDGET, COUNT, FLAG, NONNEGATIVE, PROBABILITY, declare
+from specenv.policy.registry import BUDGET, BUDGETS, COUNT, FLAG, NONNEGATIVE, PROBABILITY, declare
 
 
 @declare(k=BUDGET)
@@ -331,7 +331,7 @@ class GoodputRule(_CostAware):
         return int(np.argmax(tokens / self._round_ms(obs)))
 
 
-@declare(test_rounds=COUNT, set_rounds=COUNT)
+@declare(candidates=BUDGETS, test_rounds=COUNT, set_rounds=COUNT)
 class CascadeUtility(Policy):
     """Cascade-style utility controller with test and set phases.
 
@@ -358,6 +358,10 @@ class CascadeUtility(Policy):
         set_rounds: int = 24,
     ):
         self.candidates = tuple(k for k in candidates if k <= spec.kmax)
+        if (
+            not self.candidates
+        ):  # it could not act: refused when built (a server's pre-start check), not at its first round
+            raise ValueError(f"candidates={tuple(candidates)}: none is <= kmax={spec.kmax}")
         self.test_rounds = test_rounds
         self.set_rounds = set_rounds
         super().__init__(spec)
@@ -392,7 +396,7 @@ class CascadeUtility(Policy):
         return k
 
 
-@declare(c=NONNEGATIVE)
+@declare(arms=BUDGETS, c=NONNEGATIVE)
 class UCBBandit(Policy):
     """UCB1 bandit over the budget (BanditSpec's UCBSpec).
 
@@ -411,6 +415,8 @@ class UCBBandit(Policy):
 
     def __init__(self, spec: ObservationSpec, arms: tuple[int, ...] | None = None, c: float = 0.5):
         self.arms = tuple(range(spec.kmax + 1)) if arms is None else tuple(arms)
+        if not self.arms or max(self.arms) > spec.kmax:
+            raise ValueError(f"arms={self.arms}: every arm is a budget in 0..kmax={spec.kmax}")
         self.c = c
         super().__init__(spec)
 

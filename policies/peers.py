@@ -540,7 +540,7 @@ class VLLMDSDTable(Policy):
     Args:
         spec: Observation layout.
         k: The budget at batch 1 (shorthand for the schedule ``[(1, 1, k)]``).
-        schedule: The schedule (list or ``"start-end:k;..."`` text); wins over ``k``.
+        schedule: The schedule (list or ``"start-end:k;..."`` text), instead of ``k``.
         batch_size: The batch size to look up (1 here).
     """
 
@@ -557,6 +557,8 @@ class VLLMDSDTable(Policy):
             if k is None:
                 raise ValueError("VLLMDSDTable needs k or a schedule")
             schedule = [(1, 1, int(k))]
+        elif k is not None:  # one of them would be ignored
+            raise ValueError(f"k={k!r} and schedule={schedule!r}: give one (k is the schedule 1-1:k)")
         self.schedule = parse_schedule(schedule)
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: must be >= 1")
@@ -806,7 +808,7 @@ def make_vllm_adaptive(
     return VLLMAdaptiveVerification(spec, model, u_prior=train.U.mean(axis=0), stale=stale)
 
 
-@declare(k=BUDGET, schedule=TEXT, batch_size=COUNT, dataset=TEXT, cost_model=TEXT)
+@declare(("k", "schedule"), k=BUDGET, schedule=TEXT, batch_size=COUNT, dataset=TEXT, cost_model=TEXT)
 def make_vllm_dsd(
     spec: ObservationSpec,
     k: int | None = None,

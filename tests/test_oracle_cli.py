@@ -69,7 +69,11 @@ def test_oracle_sweep_delta_plots_on_test_split(tmp_path) -> None:
     assert obj["kmax"] == 4 and obj["split"] == "test" and obj["mc"] is None
     assert [r["kmax"] for r in obj["sweep"]] == [1, 2, 3, 4]
     assert set(obj["delta"]["quadrants"]) == {"I", "II", "III", "IV", "axis"}
-    assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == ["oracle_delta.png", "oracle_sweep.png"]
+    from specenv.io import OUTPUTS_MARK
+
+    figs = ["oracle_delta.png", "oracle_sweep.png"]
+    assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == sorted([*figs, OUTPUTS_MARK])
+    assert sorted(json.loads((tmp_path / "figs" / OUTPUTS_MARK).read_text())) == figs  # the output rule's record
 
 
 def test_oracle_human_output() -> None:

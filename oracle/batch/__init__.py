@@ -85,7 +85,9 @@ keeps the larger of the two per episode).
 
 from oracle.batch.bound import METHODS, BatchBound, batch_bound, pathwise_costs
 from oracle.batch.lagrangian import (
+    MAX_MULTISETS,
     SplitCharge,
+    check_enumerable,
     expert_share,
     lagrangian_costs,
     lagrangian_split,
@@ -100,11 +102,13 @@ from oracle.batch.split import (
 )
 
 __all__ = [
+    "MAX_MULTISETS",
     "METHODS",
     "BatchBound",
     "FairShare",
     "SplitCharge",
     "batch_bound",
+    "check_enumerable",
     "expected_costs",
     "intercept_splits",
     "expert_share",

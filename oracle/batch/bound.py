@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from oracle.batch.lagrangian import lagrangian_costs
+from oracle.batch.lagrangian import check_enumerable, lagrangian_costs
 from oracle.batch.split import _episode_costs, expected_costs
 from specenv.cost.batch import BatchCostModel
 from specenv.cost.model import Charge
@@ -171,6 +171,8 @@ def batch_bound(
     B = int(batch_size)
     if method not in METHODS:
         raise ValueError(f"method={method!r}: expected one of {', '.join(METHODS)}")
+    if method == "lagrangian":
+        check_enumerable(B, arrays.kmax)  # before the split rule's work, not after
     seeds = np.atleast_2d(np.asarray(seeds, dtype=np.int64))
     E, R = seeds.shape
     lengths = arrays.lengths

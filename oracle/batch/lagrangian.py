@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 import numpy as np
@@ -121,6 +122,36 @@ def expert_share(
         slope, e0 = phi(S) / S, 0.0
     # guard the rounding: the chord must stay below phi at its ends
     return float(e0) * (1 - 1e-12), 0.0, float(slope) * (1 - 1e-12)
+
+
+#: Most budget multisets (full and tail steps, :func:`multiset_count`) the Lagrangian bound enumerates:
+#: each is a Python-built row of its cutting-plane LP, enumerated four times (two expert shares, full and
+#: tail), ~10 s at the limit on a 2-core machine. C(B+K, K) grows as B^K: 8e11 at B = 64, Kmax = 10.
+MAX_MULTISETS = 1_000_000
+
+
+def multiset_count(batch_size: int, kmax: int) -> int:
+    """Budget multisets :func:`_multisets` enumerates: C(B+K, K) full steps and C(n+K, K) tail steps per n < B."""
+    B, K = int(batch_size), int(kmax)
+    tail = math.comb(max(B - 1, 1) + K + 1, K + 1) - 1  # sum over n = 1..max(B-1, 1) of C(n+K, K)
+    return math.comb(B + K, K) + tail
+
+
+def check_enumerable(batch_size: int, kmax: int, what: str = "batch_size") -> None:
+    """Refuse a batch size whose Lagrangian bound would enumerate more than :data:`MAX_MULTISETS` multisets.
+
+    Raises:
+        ValueError: One line naming ``what``, the count and the largest batch size allowed at this Kmax.
+    """
+    B, K = int(batch_size), int(kmax)
+    n = multiset_count(B, K)
+    if n > MAX_MULTISETS:
+        most = max((b for b in range(1, B) if multiset_count(b, K) <= MAX_MULTISETS), default=0)
+        raise ValueError(
+            f"{what}: {B} requests per step at Kmax {K}: the batch bound (Lagrangian) enumerates every step's "
+            f"budget multiset, {n:.3g} of them (at most {MAX_MULTISETS:,}): give a batch size <= {most} at this "
+            "Kmax, or a smaller Kmax"
+        )
 
 
 def _multisets(model: BatchCostModel, B: int, K: int, full: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -326,8 +357,12 @@ def lagrangian_costs(
 
     Returns:
         ``(costs (E,), full-batch charge, tail charge)``; costs are -inf when no candidate exists.
+
+    Raises:
+        ValueError: When B and Kmax have more budget multisets than :data:`MAX_MULTISETS` (:func:`check_enumerable`).
     """
     B = int(batch_size)
+    check_enumerable(B, arrays.kmax)
     gens = np.atleast_2d(np.asarray(generations, dtype=np.int64))
     weights = np.bincount(gens.ravel(), minlength=len(arrays.lengths)).astype(np.float64)
     old_full, old_tail = expected_costs(arrays, model, B, gens)[1:3] if start is None else start

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from policies.batch import tetris
 from policies.heuristics import AcceptanceEstimator
 from policies.peers import parse_schedule
 from specenv.cost.batch import BatchCostModel
@@ -265,27 +266,9 @@ class TetrisBatch(_CostBatch):
     def _act(self, req: np.ndarray, ids: list[Hashable], step: BatchStep | None) -> np.ndarray:
         h = self.spec.request.lookahead
         surv = np.cumprod(req[:, self.view.conf_slice].astype(np.float64), axis=1)
-        ctx = self._contexts(req)
-        n = len(req)
-        drafted = np.full(n, h, dtype=np.int64)
-        k = np.zeros(n, dtype=np.int64)
-        tokens = float(n)
-        cost = float(self.step_ms_many(k[None, :], drafted, ctx)[0])
-        eye = np.eye(n, dtype=np.int64)
-        while True:
-            cand = np.flatnonzero(k < h)
-            if not len(cand):
-                break
-            c = self.step_ms_many(k[None, :] + eye[cand], drafted, ctx)
-            val = (tokens + surv[cand, k[cand]]) / c
-            j = int(np.argmax(val))
-            if val[j] <= tokens / cost:
-                break
-            pick = int(cand[j])
-            tokens += surv[pick, k[pick]]
-            k[pick] += 1
-            cost = float(c[j])
-        return k
+        drafted = np.full(len(req), h, dtype=np.int64)
+        # the greedy loop (policies.batch.tetris.reference), compiled and checked exactly: the same budgets
+        return tetris.select(surv, h, drafted, self._contexts(req), self.step_ms_many, self.batch_cost, self.u_prior)
 
 
 class GoodputBatch(_CostBatch):

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from oracle.batch import batch_bound
+from oracle.batch import batch_bound, check_enumerable
 from policies.batch.controllers import (
     AdaptiveVerificationBatch,
     BatchPolicy,
@@ -49,7 +49,7 @@ from specenv.envs.batch import MoESpecBatchEnv
 from specenv.replay.batch import FixedBudgetEpisodes
 from specenv.stats import bootstrap_indices
 
-__all__ = ["LEARNERS", "VLLM_RULES", "BatchFamily", "run_batch_benchmark"]
+__all__ = ["LEARNERS", "VLLM_RULES", "BatchFamily", "check_enumerable", "run_batch_benchmark"]
 
 #: Rows that are vLLM's own batch rules; the last two are fitted on train (the reference of the learners' gain).
 VLLM_RULES = ("fixed", "vllm-dsd-table", "vllm-adaptive-verification")
@@ -407,10 +407,11 @@ def run_batch_benchmark(
         The :class:`~policies.bench.result.BenchResult` of family ``"batch"`` (``rows``: one dict per policy).
 
     Raises:
-        ValueError: One line naming a bad argument.
+        ValueError: One line naming a bad argument (a batch size too large for the bound: ``check_enumerable``).
     """
     t0 = time.perf_counter()
     ctx = build_context(dataset, kmax, cost_model, None)
+    check_enumerable(batch_size, ctx.kmax)  # the bound's enumeration, refused before the fits on train
     family = BatchFamily(
         ctx, batch_size, n_requests, episodes, seed, batch_cost, learners, ppo_timesteps, tuple(learner_rows), t0
     )

@@ -45,6 +45,10 @@ METRIC = "val_speedup_pooled"
 COST_MODELS_REFUSED = ("fit",)
 
 
+#: The files :func:`run_tune` writes into its ``out_dir`` (``specenv tune`` keeps a user's file of these names).
+OUTPUTS = ("results.csv", "results.parquet", "best.json")
+
+
 def search_space(algo: str, mode: str) -> dict[str, Any]:
     """Ray Tune's search space of a learner (names as :class:`policies.learn.runs.TrainRun` ``overrides`` take them)."""
     from ray import tune
@@ -200,7 +204,7 @@ def run_tune(
     from ray import tune
     from ray.tune.search import BasicVariantGenerator
 
-    from specenv.io import atomic_file, atomic_write_json, atomic_write_text
+    from specenv.io import atomic_file, atomic_write_json, atomic_write_text, record_written
 
     if base.cost_model in COST_MODELS_REFUSED:
         raise ValueError(
@@ -261,4 +265,5 @@ def run_tune(
         k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary["best"].items()
     }
     atomic_write_json(out_dir / "best.json", summary)
+    record_written([out_dir / name for name in OUTPUTS])  # the output rule: a later run may replace them
     return summary

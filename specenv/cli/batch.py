@@ -123,7 +123,7 @@ def bench(
     The rows are the batch controllers of policies/bench/batch.py and, unless --no-learners, the
     learned ones (trained on the train split).
     """
-    from policies.bench.batch import LEARNERS, run_batch_benchmark
+    from policies.bench.batch import LEARNERS, check_enumerable, run_batch_benchmark
     from policies.bench.outputs import planned_files
     from policies.bench.outputs import write_outputs as write_batch_outputs
     from policies.bench.tables import batch_table as batch_markdown
@@ -135,7 +135,10 @@ def bench(
     rows = LEARNERS if learners is None else tuple(x.strip() for x in learners.split(",") if x.strip())
     if not rows or set(rows) - set(LEARNERS):
         fail(f"--learners: {learners!r}: give a comma-separated subset of {', '.join(LEARNERS)}")
-    check_budget(load_traces(traces), kmax)
+    try:  # the bound's enumeration grows as B^Kmax: refused before minutes of fits, not after
+        check_enumerable(batch, check_budget(load_traces(traces), kmax), "--batch")
+    except ValueError as exc:
+        fail(str(exc))
     try:
         with Progress("batch bench", unit="fits") as prog:
 

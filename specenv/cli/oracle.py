@@ -13,9 +13,11 @@ from specenv.cli.common import (
     MAX_SEED,
     JsonOpt,
     KmaxOpt,
+    OverwriteOpt,
     RayCpusOpt,
     RayOpt,
     Traces,
+    check_not_foreign,
     check_out_folder,
     check_ray_cpus,
     fail,
@@ -50,6 +52,7 @@ def oracle_cmd(
     as_json: JsonOpt = False,
     ray: RayOpt = None,
     ray_cpus: RayCpusOpt = None,
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Exact SSP oracle bound: S_max, mean k*, mean accepted (optionally Kmax sweep, delta space).
 
@@ -67,6 +70,8 @@ def oracle_cmd(
     except ValueError as exc:
         fail(f"--split: {exc}")
     _check_oracle_options(lookahead, episodes, plot, sweep=sweep, delta=delta)
+    if plot is not None:  # the output rule: a user's file of the same name is kept unless --overwrite
+        check_not_foreign("--plot", _figures(plot, sweep=sweep, delta=delta), overwrite)
     if ray is not None and not sweep:
         fail("--ray: only the Kmax sweep runs on Ray (add --sweep, or leave --ray out)")
     mode = _check_oracle_drafting(drafting, lookahead)
@@ -118,6 +123,25 @@ def _check_oracle_options(lookahead: int, episodes: int, plot: Path | None, *, s
         fail("--plot: needs --sweep and/or --delta (the figures it writes)")
     if plot is not None:
         check_out_folder("--plot", plot)
+
+
+def _figures(plot: Path, *, sweep: bool, delta: bool) -> list[Path]:
+    """The figures ``--plot`` writes: the Kmax sweep's and the delta space's."""
+    return [plot / name for name, on in (("oracle_sweep.png", sweep), ("oracle_delta.png", delta)) if on]
+
+
+def _write_figure(draw: Any, path: Path) -> str:
+    """``draw(buffer)`` (a PNG) written to ``path`` atomically and recorded as specenv's (the output rule)."""
+    import io
+
+    from specenv.io import atomic_write_bytes, record_written
+
+    buf = io.BytesIO()
+    draw(buf)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, buf.getvalue())
+    record_written([path])
+    return str(path)
 
 
 def _check_oracle_drafting(drafting: str | None, lookahead: int) -> str:
@@ -202,8 +226,7 @@ def _oracle_analyses(
 
     lookahead, mode = report["lookahead"], report["drafting"]
     plots: list[str] = []
-    if plot is not None:
-        plot.mkdir(parents=True, exist_ok=True)
+    sweep_png, delta_png = (plot / "oracle_sweep.png", plot / "oracle_delta.png") if plot is not None else (None, None)
     table = None
     if sweep:
         if prog is not None:
@@ -214,7 +237,7 @@ def _oracle_analyses(
         ]
         if plot is not None:
             title = f"{report['dataset']} ({report['split']}), cost model {report['cost_model']}"
-            plots.append(oracle.plot_kmax_sweep(table, str(plot / "oracle_sweep.png"), title))
+            plots.append(_write_figure(lambda buf: oracle.plot_kmax_sweep(table, buf, title), sweep_png))
     an = None
     if delta:
         if prog is not None:
@@ -222,7 +245,7 @@ def _oracle_analyses(
         an = oracle.delta_analysis(arrays, model, lookahead=lookahead, result=res, drafting=mode)
         report["delta"] = an.to_json()
         if plot is not None:
-            plots.append(oracle.plot_delta(an, str(plot / "oracle_delta.png")))
+            plots.append(_write_figure(lambda buf: oracle.plot_delta(an, buf), delta_png))
     if plots:
         report["plots"] = plots
     return table, an

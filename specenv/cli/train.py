@@ -14,14 +14,17 @@ from specenv.cli.common import (
     MAX_SEED,
     JsonOpt,
     KmaxOpt,
+    OverwriteOpt,
     RayCpusOpt,
     RayOpt,
     check_budget,
     check_finite,
     check_name,
+    check_not_foreign,
     check_out_folder,
     check_ray_cpus,
     fail,
+    json_format_is,
     load_traces,
     maybe_ray,
     os_message,
@@ -98,6 +101,7 @@ def train(
     as_json: JsonOpt = False,
     ray: RayOpt = None,
     ray_cpus: RayCpusOpt = None,
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Train a budget controller on the train split and export it (numpy form, no pickle).
 
@@ -123,7 +127,7 @@ def train(
             fail("--seed: bc trains one run (give one --seed)")
         if ray is not None:
             fail("--ray: bc trains one run in this process (leave --ray out)")
-        _train_bc("bc", dataset, root, out_dir, name, epochs, seeds[0], as_json)
+        _train_bc("bc", dataset, root, out_dir, name, epochs, seeds[0], as_json, overwrite)
         return
     check_finite("--gamma", gamma)
     from policies.learn.dagger import EXPERTS
@@ -164,6 +168,7 @@ def train(
     check_out_folder("--out", out_dir)
     for run in runs:
         check_out_folder("--out", out_dir / run.name)
+        check_run_outputs(out_dir / run.name, run.algo in ("ppo", "dqn"), overwrite)
     check_budget(ts, kmax, h)
     _check_trainable(ts, traces, kmax, cost_model)
     summaries = _train_runs(runs, out_dir, ray, ray_cpus)
@@ -176,6 +181,17 @@ def train(
             f"exported {s['algo']} policy ({mode}{f', h={h}' if mode == 'block' else ''}) to {s['policy']} "
             f"(policy.json + weights.npz) in {meta['train_seconds']:.0f} s"
         )
+
+
+def check_run_outputs(run: Path, sb3: bool, overwrite: bool) -> None:
+    """The output rule in a run folder: its exported policy (and SB3's ``model.zip``) replace only specenv's own.
+
+    A run folder is specenv's when its ``policy/policy.json`` is a specenv policy (the run that wrote it).
+    """
+    from specenv.policy.mlp import FORMAT
+
+    files = [run / "policy" / "policy.json", run / "policy" / "weights.npz"] + ([run / "model.zip"] if sb3 else [])
+    check_not_foreign("--out", files, overwrite, mine=lambda _p: json_format_is(run / "policy" / "policy.json", FORMAT))
 
 
 #: Generations a trace set's train split must hold for ``specenv train``: standard errors clustered by
@@ -221,6 +237,7 @@ def _train_bc(
     epochs: int | None,
     seed: int,
     as_json: bool,
+    overwrite: bool = False,
 ) -> None:
     """``specenv train --algo bc --dataset ID``: behaviour cloning from a Minari dataset (policies/learn/bc.py)."""
     if algo != "bc":
@@ -234,6 +251,7 @@ def _train_bc(
     run = out_dir / (name or f"bc-seed{seed}")
     check_out_folder("--out", out_dir)
     check_out_folder("--out", run)
+    check_run_outputs(run, False, overwrite)
     from policies.learn.offline import open_dataset, resolve_root
 
     try:
@@ -454,6 +472,7 @@ def tune(
     as_json: JsonOpt = False,
     ray: RayOpt = "local",
     ray_cpus: RayCpusOpt = None,
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Ray Tune search of a learner's hyper-parameters: fit on train-fit, choose on train-val (both carved from train).
 
@@ -470,6 +489,9 @@ def tune(
     ts = load_traces(traces)
     mode, h = _check_train_drafting(drafting, lookahead, ts)
     check_out_folder("--out", out_dir)
+    from policies.learn.tune import OUTPUTS
+
+    check_not_foreign("--out", [out_dir / name for name in OUTPUTS], overwrite)  # before Ray starts
     check_budget(ts, kmax, h)
     from specenv.cost.source import cost_model_for
 

@@ -83,7 +83,7 @@ class Param:
 
     Attributes:
         kind: ``int`` (an integer, never a bool or a float), ``float`` (a finite number, never a bool),
-            ``bool`` or ``str`` (non-empty text).
+            ``bool``, ``str`` (non-empty text) or ``tuple`` (a non-empty list of integers, each in range).
         lo: Smallest value allowed (None: unbounded).
         hi: Largest value allowed (None: unbounded).
         open_lo: ``lo`` itself excluded (e.g. a scale ``> 0``).
@@ -110,6 +110,10 @@ class Param:
             if not isinstance(value, str) or not value:
                 raise bad("must be a non-empty name")
             return value
+        if self.kind is tuple:  # a non-empty list of integers, each in range (the API's keyword)
+            if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value:
+                raise bad("must be a non-empty list of integers (a keyword of the API: NAME:key=value gives one value)")
+            return tuple(Param(int, self.lo, self.hi, what=self.what).check(key, v) for v in value)
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise bad("must be an integer" if self.kind is int else "must be a number")
         if self.kind is int:
@@ -136,13 +140,19 @@ NONNEGATIVE = Param(float, 0.0)
 REAL = Param(float)
 FLAG = Param(bool)
 TEXT = Param(str)
+BUDGETS = Param(tuple, 0, what="draft budgets")
 
 
-def declare(**params: Param) -> Callable[[Factory], Factory]:
-    """Decorator: declare a factory's parameters (its attribute ``parameters``), checked by :func:`resolve`."""
+def declare(*exclusive: tuple[str, ...], **params: Param) -> Callable[[Factory], Factory]:
+    """Decorator: declare a factory's parameters (its attribute ``parameters``), checked by :func:`resolve`.
+
+    Each positional tuple names parameters of which at most one may be given (attribute ``exclusive``):
+    where one would override another, giving both is refused rather than one silently ignored.
+    """
 
     def mark(factory: Factory) -> Factory:
         factory.parameters = dict(params)  # type: ignore[attr-defined]
+        factory.exclusive = tuple(exclusive)  # type: ignore[attr-defined]
         return factory
 
     return mark
@@ -160,6 +170,10 @@ def check_params(factory: Factory, params: Mapping[str, Any]) -> dict[str, Any]:
         if key not in declared and accepted is not None and key not in accepted:
             known = ", ".join(sorted(set(declared) | accepted)) or "none"
             raise ValueError(f"parameter {key!r}: unknown (known: {known})")
+    for group in getattr(factory, "exclusive", ()):
+        given = [k for k in group if k in params]
+        if len(given) > 1:
+            raise ValueError(f"parameters {' and '.join(map(repr, given))}: give one of them, not both")
     return {k: (declared[k].check(k, v) if k in declared else v) for k, v in params.items()}
 
 
@@ -234,15 +248,20 @@ def _factory(name: str) -> Factory:
         ) from None
 
 
+#: Numbers of the string form: ASCII digits only (Python's int() and float() also take ``1_0``, spaces and
+#: other scripts' digits, which a policy string would then read as a number nobody wrote).
+_INT = re.compile(r"[+-]?[0-9]+\Z")
+_FLOAT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\Z|[+-]?(?:inf|infinity|nan)\Z", re.I)
+
+
 def _value(text: str) -> Any:
     low = text.lower()
     if low in ("true", "false"):
         return low == "true"
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
+    if _INT.match(text):
+        return int(text)
+    if _FLOAT.match(text):
+        return float(text)
     return text
 
 
