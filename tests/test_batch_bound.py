@@ -337,3 +337,42 @@ def test_pathwise_nan_propagates_as_in_numpy():
     C[3, 1] = 1.5
     V = bound._kernel()(S, C, u, ex, True)
     assert np.isnan(V[2, 1]) and not np.isnan(V[2, 0])
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_multisets_built_as_arrays_equal_the_one_at_a_time_form(full):
+    """The Lagrangian LP's rows and right-hand sides: same numbers, same order as the straightforward loop."""
+    from oracle.batch.lagrangian import _multisets, _multisets_reference
+
+    rng = np.random.default_rng(26)
+    for B, K in [(1, 3), (2, 2), (3, 4), (5, 2), (4, 6)]:
+        for model in _models(K, B, rng):
+            A, b = _multisets(model, B, K, full)
+            A0, b0 = _multisets_reference(model, B, K, full)
+            assert A.dtype == A0.dtype and b.dtype == b0.dtype
+            assert np.array_equal(A, A0) and np.array_equal(b, b0)
+
+
+def test_batch_bound_reports_its_phases_and_matches_the_numpy_forms(monkeypatch):
+    """batch_bound's progress: the Lagrangian splits (done of 4, each LP named), then the pathwise bounds; the
+    compiled pathwise sweep gives the numpy reference's bounds exactly, episode by episode."""
+    rng = np.random.default_rng(2626)
+    K, B = 2, 3
+    L0 = rng.integers(10, 60, size=4)
+    arrays = _arrays(rng, 4, 30, K, False, L0)
+    model = _models(K, B, rng)[0]
+    seeds = rng.integers(0, 2**31, size=(2, 5))
+    calls: list[tuple[int, int, str]] = []
+    bb = batch_bound(arrays, L0, model, B, seeds, progress=lambda d, t, w: calls.append((d, t, w)))
+    lag = [c for c in calls if c[2].startswith("lagrangian:")]
+    path = [c for c in calls if not c[2].startswith("lagrangian:")]
+    assert calls.index(path[0]) == len(lag)  # the splits first, then the pathwise bounds
+    assert {t for _, t, _ in lag} == {4} and lag[-1][0] == 4
+    assert [d for d, _, _ in lag] == sorted(d for d, _, _ in lag)
+    assert any("cutting-plane LP 1" in w for _, _, w in lag)
+    n = len({int(s) for s in seeds.ravel()})
+    assert path[-1] == (2 * n, 2 * n, "pathwise bound")
+    monkeypatch.setenv("SPECENV_NUMBA", "0")
+    ref = batch_bound(arrays, L0, model, B, seeds)
+    assert np.array_equal(bb.pathwise, ref.pathwise) and np.array_equal(bb.linear_pathwise, ref.linear_pathwise)
+    assert np.array_equal(bb.expected, ref.expected)

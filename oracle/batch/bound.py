@@ -328,7 +328,9 @@ def batch_bound(
         method: ``"lagrangian"`` (default): per episode the larger of the split rule's bound and the
             Lagrangian splits' (:func:`lagrangian_costs`), so never looser than ``"linear"``, the split
             rule alone (:func:`expected_costs`, the bound before the Lagrangian splits).
-        progress: ``progress(done, total, what)`` as each request's pathwise bound ends (the long part).
+        progress: ``progress(done, total, what)`` as each Lagrangian split and each of its cutting-plane
+            iterations ends (``what`` starts with ``lagrangian:``, :func:`lagrangian_costs`), then as each
+            request's pathwise bound ends (``what`` is ``pathwise bound``; ``done`` counts charges).
 
     Returns:
         The :class:`BatchBound`.
@@ -346,7 +348,7 @@ def batch_bound(
     charges = [(full, tail, False)]
     linear_expected = expected.copy()
     if method == "lagrangian":
-        lag, lfull, ltail = lagrangian_costs(arrays, model, B, gens, (full, tail))
+        lag, lfull, ltail = lagrangian_costs(arrays, model, B, gens, (full, tail), progress=progress)
         if lfull is not None:
             expected = np.maximum(expected, lag)
             charges.append((lfull, ltail, True))
