@@ -346,10 +346,12 @@ def switch_costs(arrays: PositionArrays, full: Any, tail_values: np.ndarray) -> 
         V = np.zeros(N + K + 2)
         for t in range(N - 1, -1, -1):
             surv = np.concatenate([[1.0], S[lo + t, :K], [0.0]])  # P(a >= i), i = 0..K+1
+            drop = surv[:-1] - surv[1:]  # P(a = i) under budget K, i = 0..K
             nxt = V[t + 1 : t + K + 2].copy()  # V after a = 0..K accepted (beyond N: 0)
             best = float(tail_values[lo + t])
             for k in range(K + 1):
-                p = surv[: k + 1] - np.r_[surv[1 : k + 1], 0.0]  # P(a) for a = 0..k
+                p = drop[: k + 1].copy()  # P(a) for a = 0..k: the same differences, the last one P(a >= k) - 0
+                p[k] = surv[k]
                 best = min(best, float(C[lo + t, k] + p @ nxt[: k + 1]))
             V[t] = best
         out[g] = V[0]
