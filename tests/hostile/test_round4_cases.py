@@ -76,3 +76,69 @@ def test_bench_batch_reports_the_lagrangian_phase_with_an_eta(four_k2, tmp_path)
     assert any(", ETA " in ln for ln in lag), lag[-5:]
     assert any(ln.startswith("batch bench bound: ") and "request bounds" in ln for ln in lines)
     assert "Traceback" not in p.stderr
+
+
+# ---------------------------------------------------------------------- round 4 probes that failed
+@pytest.fixture(scope="module")
+def six_k2(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("six-k2") / "six"
+    generate_paper(6, kmax=2, seed=0, name="six").save(path)
+    return path
+
+
+def test_bench_at_kmax_2_has_one_row_per_fixed_k(six_k2, tmp_path):
+    """At Kmax <= 4 the rows fixed k=min(4, Kmax) and fixed k=Kmax had one name: bench died in its paired
+    differences with "cannot reindex on an axis with duplicate labels" (and wrote nothing)."""
+    import json
+
+    from tests.hostile.harness import run_cli
+
+    out = tmp_path / "out"
+    res = run_cli(["-q", "bench", six_k2, "--episodes", "1", "--only", "fixed", "--out", out])
+    assert res.exit_code == 0, res.stderr[-3000:]
+    rows = [r["policy"] for r in json.loads((out / "bench.json").read_text())["policies"]]
+    fixed = [r for r in rows if r.startswith("fixed k=")]
+    assert fixed == ["fixed k=1", "fixed k=2"] and len(rows) == len(set(rows)), rows
+
+
+@pytest.mark.parametrize("kind", ["fifo", "zero", "folder", "dangling"])
+@pytest.mark.parametrize(
+    ("command", "word"),
+    [
+        (["oracle", "{set}", "--cost-model", "{f}"], "--cost-model"),
+        (["bench", "{set}", "--episodes", "1", "--cost-model", "{f}", "--out", "{d}/o"], "cost_model"),
+        (
+            ["serve", "--print-command", "--models", "small-moe-v1", "--policy", "fixed-k:k=1", "--cost-model", "{f}"],
+            "--cost-model",
+        ),
+        (["collect", "--out", "{d}/c", "--prompts", "{f}", "-n", "1", "--kmax", "1"], "--prompts"),
+    ],
+    ids=["oracle", "bench", "serve", "collect"],
+)
+def test_a_special_file_named_as_a_json_input_says_what_it_is(six_k2, tmp_path, command, word, kind):
+    """Was: "expected 'fit', 'fit-train', 'profile' or an existing .json file" (it exists), "not a shipped
+    prompt set nor a JSON file", "is not a file"; now the file and what it is, in one line."""
+    import os
+
+    from tests.hostile.harness import assert_rejected, assert_unchanged, run_limited, snapshot
+
+    f = tmp_path / "x.json"
+    if kind == "fifo":
+        os.mkfifo(f)
+    elif kind == "zero":
+        f.symlink_to("/dev/zero")
+    elif kind == "folder":
+        f.mkdir()
+    else:
+        f.symlink_to(tmp_path / "missing.json")
+    what = {
+        "fifo": "is a FIFO, not a regular file",
+        "zero": "is a device, not a regular file",
+        "folder": "is a folder, not a file",
+        "dangling": "is a link to a missing file",
+    }[kind]
+    args = [a.format(set=six_k2, f=f, d=tmp_path) for a in command]
+    before = snapshot(tmp_path)
+    res = run_limited(args, memory_bytes=MEMORY, seconds=120.0)
+    assert_rejected(res, word, str(f), what)
+    assert_unchanged(before, snapshot(tmp_path))
