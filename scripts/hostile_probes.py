@@ -583,11 +583,11 @@ def probes() -> list[Probe]:
             write("o/bench.md", "mine"),
         ),
         Probe(
-            "bench --batch --out with a user's bench_batch.json",
+            "bench --batch --out with a user's bench-batch2.json",
             "outputs",
             ["bench", S, "--batch", "2", "--no-learners", "--episodes", "1", "--out", "{d}/o"],
             ["o"],
-            write("o/bench_batch.json", "{}"),
+            write("o/bench-batch2.json", "{}"),
         ),
         Probe(
             "caps bench --out with a user's bench_caps.md",
@@ -636,15 +636,9 @@ def probes() -> list[Probe]:
             "outputs",
             ["export", "minari", "--policy", "fixed-k:k=1", "--dataset", S, "--root", "{d}/root"],
             ["root"],
-            write("root/specenv/set/fixed-k-v0/notes.txt", "mine"),
+            write("root/specenv/set/fixed-k-k-1-v0/notes.txt", "mine"),
         ),
-        Probe(
-            "serve --record into a user's folder",
-            "outputs",
-            [*serve, "--policy", "fixed-k:k=1", "--record", "{d}/u"],
-            ["u"],
-            write("u/notes.txt", "mine"),
-        ),
+        # serve --record into a user's folder: needs vLLM to start (--print-command writes nothing)
         Probe(
             "failed bench leaves no --out",
             "outputs",
