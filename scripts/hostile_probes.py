@@ -538,7 +538,7 @@ def probes() -> list[Probe]:
         ("fixed-k:k=1,", "fixed-k", 2),
         (":k=1", "policy", 2),
         ("fixed-k:k==1", "'k'", 2),
-        ("confidence-threshold:threshold=1e-400", "", 0),  # 0.0, a probability
+        ("confidence-threshold:threshold=1e-400", "lookahead", 2),  # 0.0 is a probability; needs h >= 1
         ("ucb:c=0x10", "'c'", 2),
         ("batch-survival:x=1", "'x'", 2),
         ("fixed-k:K=1", "'K'", 2),
