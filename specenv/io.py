@@ -398,6 +398,23 @@ def check_regular(path: str | os.PathLike[str]) -> None:
         _refuse(mode, path)
 
 
+def not_regular(path: str | os.PathLike[str]) -> str | None:
+    """Why specenv would not read ``path`` as a file, in words (None: a regular file, or a link to one).
+
+    ``"is a FIFO, not a regular file"``, ``"is a folder, not a file"``, ``"is a link to a missing file"``,
+    ``"does not exist"`` or ``"cannot be read (...)"``: the end of a one-line message that names the path.
+    """
+    try:
+        check_regular(path)
+    except FileNotFoundError:
+        return "is a link to a missing file" if os.path.islink(path) else "does not exist"
+    except (IsADirectoryError, NotRegularFile) as exc:
+        return exc.strerror
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc.__class__.__name__})"
+    return None
+
+
 def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
     """Open a regular file for binary reading; anything else is refused without blocking.
 

@@ -244,3 +244,135 @@ def test_bound_is_above_every_policy_on_every_episode(dataset, small_traces):
             assert bb.speedup_pathwise[0] == pytest.approx(bb.speedup_expected[0], rel=1e-12)
     # the draws the bound uses are the environment's
     assert [request_draws(s, arrays.lengths)[0] for s in seeds] == list(bb.generations[0])
+
+
+def _pathwise_by_recursion(S, C, u, exit=None):
+    """The pathwise bound from its definition: a memoised recursion over (t, j), one budget at a time."""
+    import functools
+
+    N, K = S.shape
+
+    @functools.cache
+    def V(t: int, j: int) -> float:
+        if t >= N:
+            return 0.0
+        best = float("inf")
+        for k in range(K + 1):
+            a = 0
+            while a < k and u[j] < S[t, a]:  # draft a+1 is accepted while u_j < P(a >= a+1 | t)
+                a += 1
+            a = min(a, N - t - 1)  # capped at the end
+            best = min(best, float(C[t, k]) + V(t + a + 1, j + 1))
+        return best if exit is None else min(best, float(exit[t, j]))
+
+    import sys
+
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, 10 * N + 100))
+    try:
+        return V(0, 0)
+    finally:
+        sys.setrecursionlimit(old)
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_pathwise_compiled_equals_numpy_bit_for_bit_and_the_recursion(K, monkeypatch):
+    """The compiled pathwise loop (bound._pathwise_loop) gives the numpy reference's floats exactly, and both the
+    definition's (a memoised recursion), with and without an exit table, on stochastic traces."""
+    from oracle.batch import bound
+
+    if bound._kernel() is None:
+        pytest.skip("numba not available (or SPECENV_NUMBA=0): only the numpy form runs")
+    rng = np.random.default_rng(260 + K)
+    L0 = rng.integers(10, 60, size=5)
+    arrays = _arrays(rng, 5, 40, K, False, L0)
+    B = 3
+    for model in _models(K, B, rng):
+        full = share_model(model, B, K, full=True)
+        tail = tail_model(share_model(model, B, K), full)
+        for g in range(len(arrays.lengths)):
+            N = int(arrays.lengths[g])
+            for trial in range(3):
+                u = rng.random(N) if trial else np.full(N, 0.5)
+                fast = pathwise_costs(arrays, full, g, u, table=True)
+                ref = bound.pathwise_costs_numpy(arrays, full, g, u, table=True)
+                assert np.array_equal(fast, ref)
+                S, C, uu = bound._pathwise_inputs(arrays, full, g, u)
+                assert fast[0, 0] == pytest.approx(_pathwise_by_recursion(S, C, uu), rel=1e-12)
+                # with the tail charge's table as the exit (lagrangian phase of batch_bound)
+                vt = pathwise_costs(arrays, tail, g, u, table=True)
+                assert np.array_equal(vt, bound.pathwise_costs_numpy(arrays, tail, g, u, table=True))
+                v = pathwise_costs(arrays, full, g, u, exit=vt)
+                assert v == bound.pathwise_costs_numpy(arrays, full, g, u, exit=vt)
+                assert v == pytest.approx(_pathwise_by_recursion(S, C, uu, vt), rel=1e-12)
+                assert v <= fast[0, 0]
+                # batch_bound's sweep of several charges at once (only the reachable states, K+2 rows kept)
+                flat = [full, tail, full, tail, full]
+                many = bound._pathwise_values(arrays, flat, [-1, -1, -1, -1, 3], g, u)
+                assert many == [fast[0, 0], vt[0, 0], fast[0, 0], vt[0, 0], v]
+    # SPECENV_NUMBA=0: the numpy form runs, same floats
+    u = rng.random(int(arrays.lengths[0]))
+    on = pathwise_costs(arrays, full, 0, u)
+    monkeypatch.setenv("SPECENV_NUMBA", "0")
+    assert bound._kernel() is None
+    assert pathwise_costs(arrays, full, 0, u) == on
+    assert bound._pathwise_values(arrays, [full, tail, full], [-1, -1, 1], 0, u)[0] == on
+
+
+def test_pathwise_nan_propagates_as_in_numpy():
+    """A NaN charge or exit value gives the numpy form's NaN (numpy's min and minimum propagate it)."""
+    from oracle.batch import bound
+
+    if bound._kernel() is None:
+        pytest.skip("numba not available (or SPECENV_NUMBA=0)")
+    rng = np.random.default_rng(7)
+    S = np.sort(rng.random((6, 2)), axis=1)[:, ::-1].copy()
+    C = rng.uniform(1, 2, (6, 3))
+    C[3, 1] = np.nan
+    u = rng.random(6)
+    V = bound._kernel()(S, C, u, np.zeros((0, 0)), False)
+    assert np.isnan(V[3, :4]).all() and np.isfinite(V[4, :5]).all()
+    ex = np.zeros((7, 7))
+    ex[2, 1] = np.nan
+    C[3, 1] = 1.5
+    V = bound._kernel()(S, C, u, ex, True)
+    assert np.isnan(V[2, 1]) and not np.isnan(V[2, 0])
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_multisets_built_as_arrays_equal_the_one_at_a_time_form(full):
+    """The Lagrangian LP's rows and right-hand sides: same numbers, same order as the straightforward loop."""
+    from oracle.batch.lagrangian import _multisets, _multisets_reference
+
+    rng = np.random.default_rng(26)
+    for B, K in [(1, 3), (2, 2), (3, 4), (5, 2), (4, 6)]:
+        for model in _models(K, B, rng):
+            A, b = _multisets(model, B, K, full)
+            A0, b0 = _multisets_reference(model, B, K, full)
+            assert A.dtype == A0.dtype and b.dtype == b0.dtype
+            assert np.array_equal(A, A0) and np.array_equal(b, b0)
+
+
+def test_batch_bound_reports_its_phases_and_matches_the_numpy_forms(monkeypatch):
+    """batch_bound's progress: the Lagrangian splits (done of 4, each LP named), then the pathwise bounds; the
+    compiled pathwise sweep gives the numpy reference's bounds exactly, episode by episode."""
+    rng = np.random.default_rng(2626)
+    K, B = 2, 3
+    L0 = rng.integers(10, 60, size=4)
+    arrays = _arrays(rng, 4, 30, K, False, L0)
+    model = _models(K, B, rng)[0]
+    seeds = rng.integers(0, 2**31, size=(2, 5))
+    calls: list[tuple[int, int, str]] = []
+    bb = batch_bound(arrays, L0, model, B, seeds, progress=lambda d, t, w: calls.append((d, t, w)))
+    lag = [c for c in calls if c[2].startswith("lagrangian:")]
+    path = [c for c in calls if not c[2].startswith("lagrangian:")]
+    assert calls.index(path[0]) == len(lag)  # the splits first, then the pathwise bounds
+    assert {t for _, t, _ in lag} == {4} and lag[-1][0] == 4
+    assert [d for d, _, _ in lag] == sorted(d for d, _, _ in lag)
+    assert any("cutting-plane LP 1" in w for _, _, w in lag)
+    n = len({int(s) for s in seeds.ravel()})
+    assert path[-1] == (2 * n, 2 * n, "pathwise bound")
+    monkeypatch.setenv("SPECENV_NUMBA", "0")
+    ref = batch_bound(arrays, L0, model, B, seeds)
+    assert np.array_equal(bb.pathwise, ref.pathwise) and np.array_equal(bb.linear_pathwise, ref.linear_pathwise)
+    assert np.array_equal(bb.expected, ref.expected)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -129,6 +130,9 @@ def expert_share(
 #: tail), ~10 s at the limit on a 2-core machine. C(B+K, K) grows as B^K: 8e11 at B = 64, Kmax = 10.
 MAX_MULTISETS = 1_000_000
 
+#: Splits :func:`lagrangian_costs` solves (chord and max expert share, each for full and tail steps).
+SPLITS = 4
+
 
 def multiset_count(batch_size: int, kmax: int) -> int:
     """Budget multisets :func:`_multisets` enumerates: C(B+K, K) full steps and C(n+K, K) tail steps per n < B."""
@@ -161,7 +165,24 @@ def _multisets(model: BatchCostModel, B: int, K: int, full: bool) -> tuple[np.nd
 
     The step's shared terms ``beta0(P) + b_req (n-1) + T_D`` with each request drafting its k (the
     least any mode drafts; T_D is nondecreasing in the drafted tokens when d0, d_step, d_tok >= 0).
+    Rows in the order of ``itertools.combinations_with_replacement`` per size (the LP's row order),
+    built as arrays: the same numbers as :func:`_multisets_reference`, the one-multiset-at-a-time form.
     """
+    sizes = [B] if full else range(1, max(B, 2))
+    rows, rhs = [], []
+    for n in sizes:
+        k = np.array(list(itertools.combinations_with_replacement(range(K + 1), n)), dtype=np.int64).reshape(-1, n)
+        rows.append(np.stack([(k == i).sum(axis=1) for i in range(K + 1)], axis=1))
+        ksum = k.sum(axis=1)
+        top = k.max(axis=1)
+        P = ksum + n
+        draft = np.where(top == 0, 0.0, model.d0 + model.d_step * top + model.d_tok * ksum)
+        rhs.append(np.asarray(model.beta0, dtype=np.float64)[P - 1] + model.b_req * (n - 1) + draft)
+    return np.concatenate(rows).astype(np.float64), np.concatenate(rhs).astype(np.float64)
+
+
+def _multisets_reference(model: BatchCostModel, B: int, K: int, full: bool) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_multisets` one multiset at a time (the straightforward form, kept for the tests)."""
     sizes = [B] if full else range(1, max(B, 2))
     rows, rhs = [], []
     for n in sizes:
@@ -209,6 +230,8 @@ def lagrangian_split(
     x0: np.ndarray | None = None,
     max_iter: int = 60,
     tol: float = 1e-9,
+    multisets: tuple[np.ndarray, np.ndarray] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> SplitCharge | None:
     """The best per-budget split of the step's shared terms: the dual of the coupled batch problem.
 
@@ -237,6 +260,8 @@ def lagrangian_split(
         x0: A valid start (e.g. the split rule's intercept + draft charges); default the even split.
         max_iter: Cutting-plane iterations.
         tol: Relative stopping gap.
+        multisets: :func:`_multisets` of this B, Kmax and ``full`` when already built.
+        progress: ``progress(i)`` as cutting-plane iteration i (1, 2, ...) ends.
 
     Returns:
         The :class:`SplitCharge` of the best x found, or None when no valid form exists.
@@ -252,7 +277,7 @@ def lagrangian_split(
     if parts is None:
         return None
     e0, eu, ew, z = parts
-    A, b = _multisets(model, B, K, full)
+    A, b = _multisets(model, B, K, full) if multisets is None else multisets
     scale = float(np.abs(b).max())
     b_safe = b - 1e-12 * scale  # a strict margin for the LP's feasibility tolerance
     w = np.asarray(weights, dtype=np.float64)
@@ -292,6 +317,8 @@ def lagrangian_split(
             best_val, best = val, ch
         cuts_g.append(g)
         cuts_f.append(val - g @ x)
+        if progress is not None:
+            progress(len(cuts_g) - 1)
         if ub - best_val <= tol * abs(best_val):
             break
     best.source["gap"] = float(max(ub - best_val, 0.0) / abs(best_val)) if np.isfinite(ub) else None
@@ -319,10 +346,12 @@ def switch_costs(arrays: PositionArrays, full: Any, tail_values: np.ndarray) -> 
         V = np.zeros(N + K + 2)
         for t in range(N - 1, -1, -1):
             surv = np.concatenate([[1.0], S[lo + t, :K], [0.0]])  # P(a >= i), i = 0..K+1
+            drop = surv[:-1] - surv[1:]  # P(a = i) under budget K, i = 0..K
             nxt = V[t + 1 : t + K + 2].copy()  # V after a = 0..K accepted (beyond N: 0)
             best = float(tail_values[lo + t])
             for k in range(K + 1):
-                p = surv[: k + 1] - np.r_[surv[1 : k + 1], 0.0]  # P(a) for a = 0..k
+                p = drop[: k + 1].copy()  # P(a) for a = 0..k: the same differences, the last one P(a >= k) - 0
+                p[k] = surv[k]
                 best = min(best, float(C[lo + t, k] + p @ nxt[: k + 1]))
             V[t] = best
         out[g] = V[0]
@@ -335,6 +364,7 @@ def lagrangian_costs(
     batch_size: int,
     generations: np.ndarray,
     start: tuple[CostModel, CostModel] | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> tuple[np.ndarray, Any, Any]:
     """Lower bounds on the expected cost of the episodes by the Lagrangian splits (:func:`batch_bound`).
 
@@ -354,6 +384,9 @@ def lagrangian_costs(
         batch_size: B.
         generations: (E, R) generation index of every request.
         start: The split rule's (full-batch, tail) charges when already computed (:func:`expected_costs`).
+        progress: ``progress(done, total, what)`` as each of the :data:`SPLITS` splits ends (``done`` of
+            ``total``) and as each of its cutting-plane iterations ends (``what`` names the split and the
+            iteration), the splits' order: chord then max expert share, each full steps then tail steps.
 
     Returns:
         ``(costs (E,), full-batch charge, tail charge)``; costs are -inf when no candidate exists.
@@ -367,9 +400,29 @@ def lagrangian_costs(
     weights = np.bincount(gens.ravel(), minlength=len(arrays.lengths)).astype(np.float64)
     old_full, old_tail = expected_costs(arrays, model, B, gens)[1:3] if start is None else start
     best: tuple[np.ndarray, Any, Any] = (np.full(len(gens), -np.inf), None, None)
+    rows: dict[bool, tuple[np.ndarray, np.ndarray]] = {}  # the LP's rows, shared by both expert shares
+    done = 0
+
+    def split(expert: str, full: bool, x0: np.ndarray) -> SplitCharge | None:
+        nonlocal done
+        name = f"lagrangian: {expert} expert share, {'full' if full else 'tail'} steps"
+
+        def tick(i: int) -> None:
+            if progress is not None:
+                progress(done, SPLITS, f"{name}, cutting-plane LP {i}")
+
+        tick(0)
+        if full not in rows:
+            rows[full] = _multisets(model, B, arrays.kmax, full)
+        out = lagrangian_split(arrays, model, B, weights, full, expert, x0=x0, multisets=rows[full], progress=tick)
+        done += 1
+        if progress is not None:
+            progress(done, SPLITS, name)
+        return out
+
     for expert in ("chord", "max"):
-        full = lagrangian_split(arrays, model, B, weights, True, expert, x0=old_full.beta0.copy())
-        tail = lagrangian_split(arrays, model, B, weights, False, expert, x0=old_tail.beta0.copy())
+        full = split(expert, True, old_full.beta0.copy())
+        tail = split(expert, False, old_tail.beta0.copy())
         if full is None or tail is None:
             continue
         vf = solve(arrays, full).cost

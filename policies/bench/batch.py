@@ -101,7 +101,8 @@ class BatchFamily:
     #: ``fit_progress(done, total, what)`` as each fit on train ends: ``what`` is ``DSD table n=N`` or ``block
     #: rule h=H``, each part counted from 0 to its own total.
     fit_progress: Progress | None = None
-    #: ``bound_progress(done, total, what)`` as each request's pathwise bound ends (:func:`oracle.batch.batch_bound`).
+    #: ``bound_progress(done, total, what)`` as each Lagrangian split and each request's pathwise bound ends
+    #: (:func:`oracle.batch.batch_bound`).
     bound_progress: Progress | None = None
 
     def __post_init__(self) -> None:
@@ -401,7 +402,8 @@ def run_batch_benchmark(
         learner_rows: Which learned controllers to train with ``learners`` (:data:`LEARNERS`).
         progress: Called with ``(done, total, row name)``.
         fit_progress: Called with ``(done, total, what)`` as each fit on train (before the rows) ends.
-        bound_progress: Called with ``(done, total, what)`` as each request's pathwise bound (after the rows) ends.
+        bound_progress: Called with ``(done, total, what)`` as each Lagrangian split (``what`` starts with
+            ``lagrangian:``) and each request's pathwise bound (after the rows) ends.
 
     Returns:
         The :class:`~policies.bench.result.BenchResult` of family ``"batch"`` (``rows``: one dict per policy).

@@ -153,6 +153,14 @@ def bench(
 
                 return update
 
+            lagrangian, pathwise = in_phase("bound (lagrangian)", "splits"), in_phase("bound", "request bounds")
+
+            def bound_phase(done: int, total: int, what: str) -> None:
+                # the Lagrangian splits (oracle.batch.lagrangian_costs), then the pathwise bound: two phases
+                (lagrangian if what.startswith("lagrangian:") else pathwise)(
+                    done, total, what.removeprefix("lagrangian: ")
+                )
+
             res = run_batch_benchmark(
                 traces,
                 batch_size=batch,
@@ -164,7 +172,7 @@ def bench(
                 learner_rows=rows,
                 progress=in_phase("rows", "policies"),
                 fit_progress=in_phase("fit on train", "fits", by_part=True),
-                bound_progress=in_phase("bound", "request bounds"),
+                bound_progress=bound_phase,
             )
     except ValueError as exc:
         fail(str(exc))

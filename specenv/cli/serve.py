@@ -241,6 +241,7 @@ def _serve_settings(
     """
     from specenv.cost.model import CostModel
     from specenv.engines.vllm.settings import SpecenvSettings
+    from specenv.io import not_regular
     from specenv.policy import registry
 
     if draft_horizon not in ("max", "policy"):
@@ -257,8 +258,9 @@ def _serve_settings(
         except ValueError as exc:
             fail(f"--policy: {exc}")
     if cost_model is not None:
-        if not cost_model.is_file():
-            fail(f"--cost-model: {cost_model} is not a file")
+        why = not_regular(cost_model)
+        if why is not None:
+            fail(f"--cost-model: {cost_model} {why}")
         try:
             CostModel.load(cost_model)
         except ValueError as exc:

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from specenv.cost.model import CostModel
-from specenv.io import atomic_write_text, cache_dir, json_digest
+from specenv.io import atomic_write_text, cache_dir, json_digest, not_regular
 
 #: Bump when the fit behind ``cost_model="fit"`` changes, so that every cached model is refitted.
 FIT_VERSION = 3  # 2: the draft floor of k = 0 rounds (CostModel.d_floor); 3: the step-time model (cost/steptime.py)
@@ -86,6 +86,10 @@ def cost_model_for(traces: Any, which: str = "fit") -> CostModel:
             _FIT_CACHE[key] = _fit_cached(traces, split)
         return _FIT_CACHE[key]
     path = Path(which)
+    if path.suffix == ".json" and (path.exists() or path.is_symlink()):
+        why = not_regular(path)  # a FIFO, device, folder or dangling link named like a cost model
+        if why is not None:
+            raise ValueError(f"cost_model={which!r}: {path} {why}")
     if path.suffix == ".json" and path.is_file():
         model = CostModel.load(path)
         check_model_facts(model, traces, str(path))

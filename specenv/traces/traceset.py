@@ -22,7 +22,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from specenv.io import ReplaceRefused, atomic_dir, atomic_write_json, check_new_path, check_replaceable, sha256_file
+from specenv.io import (
+    NotRegularFile,
+    ReplaceRefused,
+    atomic_dir,
+    atomic_write_json,
+    check_new_path,
+    check_regular,
+    check_replaceable,
+    sha256_file,
+)
 from specenv.traces.schema import (
     CAPS_EXTENSION,
     ROUNDS_COLUMNS,
@@ -750,8 +759,14 @@ def _load_table(
     ``check=False`` skips the table's content checks (:func:`specenv.traces.schema.validate_positions`,
     ``validate_rounds``) for a table whose sha256 was verified and whose checks passed before.
     """
-    if not path.is_file():
-        raise TraceError(str(path), "file named in the manifest is missing")
+    try:
+        check_regular(path)
+    except FileNotFoundError:
+        raise TraceError(str(path), "file named in the manifest is missing") from None
+    except (IsADirectoryError, NotRegularFile) as exc:  # a folder, FIFO, device or socket (or a link to one)
+        raise TraceError(str(path), f"file named in the manifest {exc.strerror}") from None
+    except OSError as exc:
+        raise TraceError(str(path), f"cannot read ({exc.strerror or exc.__class__.__name__})") from None
     if verified is not None:
         try:
             digest = sha256_file(path)

@@ -176,3 +176,26 @@ def test_reader_bound_does_not_trust_the_reported_size(tmp_path):
     link.symlink_to(maps)
     with pytest.raises(FileTooLarge, match="more than 16 bytes"):
         read_limited(link, 16)
+
+
+# ---------------------------------------------------------------------- a trace table named in a manifest
+TRACESET = ROOT / "specenv" / "data" / "live-vllm-v1"
+TABLE_WORD = {"fifo": "is a FIFO, not a regular file", "zero": "is a device, not a regular file"}
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "folder"])
+def test_trace_table_that_is_not_a_regular_file_says_so(tmp_path, kind):
+    """A FIFO, a /dev/zero link or a folder standing in for a trace table: "not a regular file", not "missing"."""
+    folder = tmp_path / "set"
+    shutil.copytree(TRACESET, folder)
+    table = folder / "positions.parquet"
+    if kind == "folder":
+        table.unlink()
+        table.mkdir()
+    else:
+        _special(table, kind)
+    before = snapshot(tmp_path)
+    out = run_limited(["validate", folder], seconds=SECONDS)
+    assert_rejected(out, "positions.parquet", TABLE_WORD.get(kind, "is a folder, not a file"))
+    assert "missing" not in out.stderr
+    assert_unchanged(before, snapshot(tmp_path))

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from specenv.engines.hf.manifest import check_files, read_model_manifest
-from specenv.io import package_data
+from specenv.io import not_regular, package_data
 
 MODEL_NAME = "small-moe-v1"
 PROMPT_SET = "stdlib-code-v1"
@@ -310,6 +310,10 @@ def load_prompts(name_or_path: str | os.PathLike[str] = PROMPT_SET) -> list[Prom
     """
     key = os.fspath(name_or_path)
     path = Path(key)
+    if (path.exists() or path.is_symlink()) and not path.is_dir():
+        why = not_regular(path)  # a FIFO, device or dangling link where the prompts' JSON is named
+        if why is not None:
+            raise ValueError(f"prompts={key!r}: {path} {why}")
     if not path.is_file() and not path.is_dir():
         path = package_data("prompts", key if key.endswith(".json") else key + ".json")
         if not path.is_file():
