@@ -435,7 +435,8 @@ def export_minari(
         episodes: Episodes per generation.
         seed: Base seed of the episodes.
         overwrite: Replace an existing dataset of the same id that specenv exported.
-        progress: Called with (episodes done, total).
+        progress: Called with (episodes done, total): (0, total) once the environment and the policy
+            are built, then after every episode.
 
     Returns:
         The :class:`ExportResult`.
@@ -475,6 +476,8 @@ def export_minari(
     staging = temp_sibling(root / STAGING)  # .specenv-staging.<pid>.<8 hex>
     staging.mkdir()
     buffers, total_cost, total_ar = [], 0.0, 0.0
+    if progress is not None:  # the environment and the policy are built: the episodes start
+        progress(0, len(ep_gid))
     try:
         for e, (gid, s) in enumerate(zip(ep_gid.tolist(), seeds.tolist(), strict=True)):
             options = {"generation_id": int(gid)}

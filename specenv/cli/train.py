@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -376,7 +377,17 @@ def export(
     except ValueError as exc:
         fail(str(exc))
     try:
-        with Progress("export minari", unit="episodes") as prog:
+        with contextlib.ExitStack() as stack:
+            bar: list[Progress] = []
+
+            def report(done: int, total: int) -> None:
+                # the progress lines start once the environment and the policy are built (export_minari
+                # reports 0 episodes then): a policy refused while they are built is one line, with
+                # no "elapsed" line before it
+                if not bar:
+                    bar.append(stack.enter_context(Progress("export minari", unit="episodes")))
+                bar[0].update(done, total)
+
             res = export_minari(
                 dataset,
                 plan,
@@ -388,7 +399,7 @@ def export(
                 episodes=episodes,
                 seed=seed,
                 overwrite=overwrite,
-                progress=lambda done, total: prog.update(done, total),
+                progress=report,
             )
     except FileExistsError as exc:
         fail(str(exc))
