@@ -1,0 +1,89 @@
+"""Speculative sampling at T > 0 as the collectors record it (:mod:`specenv.engines.sampling`).
+
+Expectations are computed here with numpy from the logits, not with the code under test.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from specenv.engines.sampling import acceptance, draft_uniforms, generation_seed, tempered_draw  # noqa: E402
+
+
+def _softmax_t(logits: np.ndarray, T: float) -> np.ndarray:
+    z = logits.astype(np.float64) / T
+    z -= z.max()
+    e = np.exp(z)
+    return e / e.sum()
+
+
+def test_draw_follows_the_tempered_distribution():
+    """On a grid of M uniforms each token is drawn about p_T(x) * M times (inverse transform: within one)."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 2.0, 17).astype(np.float32)
+    T = 0.7
+    p = _softmax_t(logits, T)
+    M = 4000
+    counts = np.zeros(len(p))
+    t = torch.from_numpy(logits)
+    for i in range(M):
+        x, q, _, _ = tempered_draw(t, T, (i + 0.5) / M)
+        counts[x] += 1
+        assert q == pytest.approx(p[x], rel=1e-12)
+    assert np.all(np.abs(counts - p * M) <= 1.0 + 1e-9)
+
+
+def test_draw_signals_are_those_of_the_tempered_distribution():
+    logits = np.array([3.0, 2.5, -1.0, 0.0, 1.0], dtype=np.float32)
+    for T in (0.3, 0.7, 1.0, 2.0):
+        p = _softmax_t(logits, T)
+        x, q, ent, margin = tempered_draw(torch.from_numpy(logits), T, 0.999)
+        assert q == pytest.approx(p[x], rel=1e-12)
+        assert ent == pytest.approx(float(-(p * np.log(p)).sum()), rel=1e-12)
+        top = np.sort(p)[::-1]
+        assert margin == pytest.approx(float(top[0] - top[1]), rel=1e-12)
+    # u at the top of the range still gives a token of positive probability
+    x, q, _, _ = tempered_draw(torch.tensor([0.0, 0.0, -1e4]), 1.0, np.nextafter(1.0, 0.0))
+    assert x in (0, 1) and q > 0
+
+
+def test_draw_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="temperature"):
+        tempered_draw(torch.zeros(3), 0.0, 0.5)
+    with pytest.raises(ValueError, match="u="):
+        tempered_draw(torch.zeros(3), 0.7, 1.0)
+
+
+def test_acceptance_is_min_one_p_over_q():
+    p = np.array([0.0, 0.2, 0.5, 0.9, 1.0])
+    q = np.array([0.1, 0.4, 0.5, 0.3, 1.0])
+    assert np.array_equal(acceptance(p, q), np.array([0.0, 0.5, 1.0, 1.0, 1.0]))
+    with pytest.raises(ValueError, match="q > 0"):
+        acceptance([0.5], [0.0])
+    with pytest.raises(ValueError, match="probability"):
+        acceptance([1.5], [0.5])
+
+
+def test_expected_acceptance_is_one_minus_total_variation():
+    """E_{x~q}[min(1, p/q)] = sum_x min(p, q) = 1 - TV(p, q): the classical identity, on drawn tokens."""
+    rng = np.random.default_rng(0)
+    lp, lq = rng.normal(0, 1.5, 12), rng.normal(0, 1.5, 12)
+    p, q = _softmax_t(lp, 0.7), _softmax_t(lq, 0.7)
+    M = 20000
+    xs = [tempered_draw(torch.from_numpy(lq), 0.7, (i + 0.5) / M)[0] for i in range(M)]
+    mean = float(acceptance(p[xs], q[xs]).mean())
+    assert mean == pytest.approx(float(np.minimum(p, q).sum()), abs=2e-3)
+
+
+def test_seeds_are_reproducible_and_independent_per_generation():
+    assert generation_seed(0, 5) == generation_seed(0, 5)
+    assert len({generation_seed(0, g) for g in range(50)}) == 50
+    assert generation_seed(1, 5) != generation_seed(0, 5)
+    a, b = draft_uniforms(0, 5, 10, 4), draft_uniforms(0, 5, 10, 4)
+    assert a.shape == (10, 4) and np.array_equal(a, b)
+    assert ((a >= 0) & (a < 1)).all()
+    assert not np.array_equal(a, draft_uniforms(0, 6, 10, 4))
+    assert not np.array_equal(a, draft_uniforms(1, 5, 10, 4))
