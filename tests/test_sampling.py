@@ -87,3 +87,66 @@ def test_seeds_are_reproducible_and_independent_per_generation():
     assert ((a >= 0) & (a < 1)).all()
     assert not np.array_equal(a, draft_uniforms(0, 6, 10, 4))
     assert not np.array_equal(a, draft_uniforms(1, 5, 10, 4))
+
+
+def _sampled_copy(tmp_path):
+    """live-vllm-v1 made into a sampled set: fractional rho, ``greedy: false``, T and seed, sampled chain columns.
+
+    Data that obeys the schema of a ``--temperature`` collection (not a model of the engine): rho is
+    moved off {0, 1} deterministically, the chain columns are arbitrary token ids.
+    """
+    import dataclasses
+
+    from specenv.traces.datasets import load_dataset
+    from specenv.traces.schema import rho_columns
+    from specenv.traces.traceset import TraceSet
+
+    ts = load_dataset("live-vllm-v1")
+    m = ts.manifest
+    pos = ts.positions.copy()
+    rng = np.random.default_rng(0)
+    for c in rho_columns(m.kmax):
+        r = pos[c].to_numpy(dtype=np.float64)
+        pos[c] = np.where(r > 0.5, 1.0 - 0.3 * rng.random(len(r)), 0.3 * rng.random(len(r))).astype(np.float32)
+    for j in range(1, m.kmax + 1):
+        pos[f"draft_{j}"] = rng.integers(0, 1000, len(pos)).astype(np.int32)
+    extra = {**m.extra, "temperature": 0.7, "seed": 0, "sampling": "synthetic"}
+    out = tmp_path / "sampled"
+    TraceSet(dataclasses.replace(m, greedy=False, extra=extra), pos, ts.rounds).save(out)
+    return out
+
+
+def test_a_sampled_vllm_set_backs_env_oracle_and_bench(tmp_path):
+    """The schema's stochastic rho (as on paper-default) on a vLLM-shaped set: the readers take it as it is."""
+    import gymnasium
+    from typer.testing import CliRunner
+
+    import oracle
+    import specenv  # noqa: F401 - registers the environments
+    from specenv.cli import app
+    from specenv.cost.source import cost_model_for
+    from specenv.replay.tables import select_positions
+    from specenv.traces.traceset import TraceSet
+
+    out = _sampled_copy(tmp_path)
+    res = CliRunner().invoke(app, ["validate", str(out)])
+    assert res.exit_code == 0, res.output
+    ts = TraceSet.load(out)
+    arrays = select_positions(ts, None, "all")
+    assert not arrays.greedy and 0 < arrays.rho.min() < 0.3 and 0.7 < arrays.rho.max() <= 1.0
+    env = gymnasium.make("specenv/MoESpec-v1", dataset=str(out))
+    env.reset(seed=0)
+    done = False
+    while not done:
+        _, _, term, trunc, info = env.step(3)
+        done = term or trunc
+    assert info["speedup"] > 0
+    cm = cost_model_for(ts, "fit")
+    bound = oracle.solve(arrays, cm)
+    fixed = [oracle.evaluate_policy(arrays, cm, k).speedup_pooled for k in range(arrays.kmax + 1)]
+    assert bound.speedup_pooled >= max(fixed) - 1e-9
+    res = CliRunner().invoke(
+        app, ["bench", str(out), "--episodes", "1", "--only", "fixed k", "--out", str(tmp_path / "b")]
+    )
+    assert res.exit_code == 0, res.output
+    assert "oracle bound (SSP)" in res.output

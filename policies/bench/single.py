@@ -190,9 +190,8 @@ def default_entries(ctx: Context, only: Sequence[str] | None = None) -> list[Ent
         k0_note = f"every k=0 round pays {paid}: plain decoding without speculation is the 1.0 reference"
     entries = [
         Entry(k0_name, lambda s: FixedK(s, 0), exact_k=0, note=k0_note),
-        Entry("fixed k=1", lambda s: FixedK(s, 1), exact_k=1),
-        Entry(f"fixed k={k4}", lambda s: FixedK(s, k4), exact_k=k4),
-        Entry(f"fixed k={ctx.kmax}", lambda s: FixedK(s, ctx.kmax), exact_k=ctx.kmax),
+        # fixed k = 1, min(4, Kmax) and Kmax, each once (a set with Kmax <= 4 names one of them twice)
+        *(Entry(f"fixed k={k}", lambda s, k=k: FixedK(s, k), exact_k=k) for k in dict.fromkeys((1, k4, ctx.kmax))),
         Entry(f"best fixed k={best} (train)", lambda s: FixedK(s, best), exact_k=best),
         Entry("transformers heuristic", lambda s: TransformersHeuristic(s)),
         # the confidence rules stop after the first low-confidence draft and verify what they drafted

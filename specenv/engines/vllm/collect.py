@@ -47,6 +47,38 @@ An unsupported (model runner, method) combination is refused at start with the o
 The positions table equals the transformers engine's on the same reference up to argmax near-ties
 between the two engines' kernels, and a pair of folders gives the tables of the model set they were
 copied from (tested in ``tests/vllm/test_vllm_collect.py``).
+
+Sampling at T > 0 (``temperature``, ``seed``; ``specenv collect --engine vllm --temperature 0.7``). The
+same three steps, with the rule of :mod:`specenv.engines.sampling`:
+
+1. every fixed-K run samples at T with the generation's request seed
+   (:func:`specenv.engines.sampling.generation_seed`: vLLM's per-request generator). The K = 0 run is
+   the **target alone sampling at T**: the reference y. The plain engine samples with the same seed
+   (its ``mismatches`` count the prompts whose output differs: 0 when both engines compute the same
+   logits). The runs at K >= 1 are vLLM's served speculative sampling (greedy drafts, rejection
+   sampling): their times and routing feed the cost fit; their outputs are other samples of the same
+   law and are not compared with y (``extra.lossless.runs_checked`` = 0);
+2. the chain at t is drawn from the **draft's distribution at T** by the engine's own drafter
+   (:func:`sampled_chains`): the drafter model's ``compute_logits`` is wrapped for the pass
+   (:class:`_TemperedDraft`), draws d_j from ``softmax(logits / T)`` by inverse transform of the uniform
+   ``u[t, j]`` (:func:`specenv.engines.sampling.draft_uniforms`: one stream per (seed, generation), so the
+   chain does not depend on batching) and returns the logits with d_j on top, so the greedy drafter
+   proposes d_j and drafts on from it. q, entropy and margin are those of the distribution at T
+   (float64). One request per engine step (every row of the drafter's logits is the chain being drawn);
+3. the verification pass runs with the target's ``compute_logits`` returning ``logits / T``
+   (:class:`_TemperedTarget`), so vLLM's prompt log-probs are the target's full-vocabulary
+   log-probabilities at T, and ``rho_{t,j} = min(1, p(d_j) / q(d_j))``
+   (:func:`specenv.engines.sampling.acceptance`): the exact acceptance probability of the drafted
+   token, no sampling noise. The sampled chains are kept as the positions' extra columns
+   ``draft_1..draft_Kmax`` (int32).
+
+Why the continuation is the target alone's sample and not the output of the accept/reject rule:
+speculative sampling commits text of the target's law at T whatever the drafts, so both choices give
+a y of the same distribution; the target alone gives one y per (seed, generation) that depends neither
+on Kmax nor on the draft, and the table needs a chain at every position t, not only where a round would
+start. Lost either way is the coupling of a round's accepted drafts with the next position (the replay
+moves on along y): the offline approximation of DESIGN.md section 1. A greedy collection (T = 0) runs
+exactly the code it always ran and writes the same manifest fields (no ``seed``).
 """
 
 from __future__ import annotations
