@@ -150,3 +150,21 @@ def test_a_sampled_vllm_set_backs_env_oracle_and_bench(tmp_path):
     )
     assert res.exit_code == 0, res.output
     assert "oracle bound (SSP)" in res.output
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["--engine", "hf", "--temperature", "0.7"], "collected by --engine vllm only"),
+        (["--engine", "vllm", "--temperature", "0.7", "--caps", "auto"], "collect them at --temperature 0"),
+    ],
+)
+def test_collect_refuses_what_sampling_cannot_record(tmp_path, args, msg):
+    """Refused in one line before any engine starts (exit 2)."""
+    from typer.testing import CliRunner
+
+    from specenv.cli import app
+
+    res = CliRunner().invoke(app, ["collect", "--out", str(tmp_path / "x"), *args])
+    assert res.exit_code == 2 and msg in res.output, res.output
+    assert not (tmp_path / "x").exists()

@@ -66,7 +66,7 @@ def hf_probs(sampled):
                 for model, dest in ((models.target, p), (models.draft, q)):
                     logits = model(input_ids=seq).logits[0, n - 1 : n - 1 + KMAX].double()
                     probs = torch.softmax(logits / T, -1)
-                    dest[t] = probs[torch.arange(KMAX), torch.as_tensor(chains[t])].numpy()
+                    dest[t] = probs[torch.arange(KMAX), torch.tensor(chains[t].astype(np.int64))].numpy()
             out[int(gid)] = (g, p, q)
     return out
 
