@@ -89,7 +89,8 @@ REGISTRY: tuple[Dataset, ...] = (
         "small Qwen3-MoE + dense draft as vLLM's draft_model), Kmax=8: reference sampled by the target alone, every "
         "draft chain drawn from the draft at T, rho = min(1, p/q) from the two models' probabilities at T (exact, no "
         "sampling noise), the sampled chains as columns draft_1..draft_8; measured rounds K=0..8 (vLLM's speculative "
-        "sampling: times and routing for the cost fit; their accepted are not acceptance data) and a plain engine's steps, on a shared machine (load 4.7 before, 17 after: the times are noisy). "
+        "sampling: times and routing for the cost fit; their accepted are not acceptance data) and a plain "
+        "engine's steps, on a shared machine (load 4.7 before, 17 after: the times are noisy). "
         "Made by: specenv collect --engine vllm -n 16 --kmax 8 --max-new-tokens 64 --temperature 0.7 --seed 0 "
         "--name live-vllm-t07",
         folder="live-vllm-t07-v1",
