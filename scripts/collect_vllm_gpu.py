@@ -15,7 +15,10 @@ Not run in CI (needs a GPU with ~80 GB, a CUDA build of vLLM 0.32 and the two mo
     python scripts/collect_vllm_gpu.py --prompts stdlib-code-v1 --out collection/ [-n 64] [--ray --gpus 8]
 
 ``--prompts``: a shipped prompt set or a JSON file ``{"prompts": [{"id": 0, "category": "coding",
-"text": "..."}, ...]}``. Decoding is greedy (the positions table's verdicts are the target's argmax).
+"text": "..."}, ...]}``. Decoding is greedy (the positions table's verdicts are the target's argmax), or
+sampled with ``--temperature 0.7 --seed S`` (rho = min(1, p/q) of draft chains drawn at T; every shard
+draws with the same seed, per generation id; not run on a GPU yet: the tempered ``compute_logits``
+wrappers of the collector assume it runs outside CUDA graphs, as on vLLM's V1 runner).
 """
 
 from __future__ import annotations
@@ -49,6 +52,13 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--name", default="vllm-qwen3-coder-30b-a3b-eagle3")
     ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 = greedy; T > 0 (the paper: 0.7) = a sampled set, rho = min(1, p/q) (traces/README.md)",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="with --temperature > 0: seed of the sampling")
+    ap.add_argument(
         "--ray",
         dest="ray_address",
         nargs="?",
@@ -74,6 +84,8 @@ def main() -> None:
         "clock": "wall",
         "gpu_memory_utilization": args.gpu_memory_utilization,
     }
+    if args.temperature > 0:  # a greedy collection passes what it always passed
+        common |= {"temperature": args.temperature, "seed": args.seed}
     if args.ray_address is None:
         ts = collect_vllm(dirs, prompts, name=args.name, **common)
     else:

@@ -77,3 +77,18 @@ def test_merge_refuses_shards_of_other_collections() -> None:
         merge_sets([a], offsets=[0, 1])
     with pytest.raises(ValueError, match="collide"):
         merge_sets([a, _shard(ts, gids[:3])], offsets=[0, 0])
+
+
+def test_merge_refuses_shards_sampled_at_another_temperature_or_seed() -> None:
+    ts = load_dataset("live-vllm-t07")
+    gids = list(dict.fromkeys(ts.positions["generation_id"].tolist()))
+    a, b = _shard(ts, gids[:3]), _shard(ts, gids[3:6])
+    for s in (a, b):
+        s.manifest.extra |= {"temperature": 0.7, "seed": 0}
+    assert merge_sets([a, b]).manifest.extra["seed"] == 0
+    b.manifest.extra["seed"] = 1
+    with pytest.raises(ValueError, match=r"shard 1 .*extra.seed"):
+        merge_sets([a, b])
+    b.manifest.extra |= {"seed": 0, "temperature": 1.0}
+    with pytest.raises(ValueError, match=r"shard 1 .*extra.temperature"):
+        merge_sets([a, b])

@@ -74,11 +74,27 @@ def collect(
             "verification pass per (position, k, cap)."
         ),
     ] = None,
+    temperature: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=100.0,
+            help="vllm only: 0 = greedy (rho in {0,1}); T > 0 = sampling at T: reference sampled by the target, "
+            "draft chains sampled from the draft at T, rho = min(1, p/q) from the two models' probabilities.",
+        ),
+    ] = 0.0,
+    seed: Annotated[
+        int, typer.Option(min=0, max=2**31 - 1, help="vllm, T > 0: seed of the sampling (per generation streams).")
+    ] = 0,
     as_json: JsonOpt = False,
 ) -> None:
     """Record a trace set with a live engine: fixed-K rounds (K=0..Kmax) and the counterfactual sweep."""
     if engine not in ("hf", "vllm"):
         fail(f"--engine: unknown engine '{engine}' (known: hf, vllm)")
+    if temperature > 0 and engine != "vllm":
+        fail(f"--temperature {temperature:g}: sampled trace sets are collected by --engine vllm only (hf is greedy)")
+    if temperature > 0 and caps is not None:
+        fail("--caps: the expert-cap columns are greedy verdicts; collect them at --temperature 0")
     cap_grid = _parse_caps(caps, engine)
     clock = clock or ("wall" if device == "cuda" else "cpu")
     if clock not in ("cpu", "wall"):
@@ -120,6 +136,8 @@ def collect(
 
             mdl = pair if pair is not None else models
             common |= {"device": device, "gpu_memory_utilization": gpu_memory_utilization}
+            if temperature > 0:  # a greedy collection passes exactly what it always passed
+                common |= {"temperature": temperature, "seed": seed}
             _check_vllm(mdl, device, clock)
     except ImportError as exc:
         hint = "pip install -e '.[live]' (make venv does)" if engine == "hf" else VLLM_HINT
@@ -135,6 +153,7 @@ def collect(
         "engine": engine,
         **ts.manifest.counts,
         "kmax": kmax,
+        **({"temperature": temperature, "seed": seed} if temperature > 0 else {}),
         "lossless_mismatches": ts.manifest.extra["lossless"]["mismatched_runs"],
         "wall_seconds": ts.manifest.extra["wall_seconds"],
         **({"caps": ts.manifest.caps} if ts.manifest.caps else {}),

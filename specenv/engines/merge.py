@@ -30,6 +30,8 @@ from specenv.traces.traceset import TraceSet
 
 #: Manifest fields that must agree between the shards of one collection.
 SAME = ("source", "model", "kmax", "greedy", "max_new_tokens")
+#: Fields of ``extra`` every shard must share (a sampled collection's temperature and seed).
+SAME_EXTRA = ("temperature", "seed")
 
 
 def merge_sets(shards: Sequence[TraceSet], name: str | None = None, offsets: Sequence[int] | None = None) -> TraceSet:
@@ -60,6 +62,12 @@ def merge_sets(shards: Sequence[TraceSet], name: str | None = None, offsets: Seq
                 raise ValueError(
                     f"shard {i} ({ts.manifest.name}): {f} = {getattr(ts.manifest, f)!r} differs from shard 0's "
                     f"{getattr(first, f)!r} (not the same collection)"
+                )
+        for key in SAME_EXTRA:  # a sampled collection: the same temperature and seed in every shard
+            if ts.manifest.extra.get(key) != first.extra.get(key):
+                raise ValueError(
+                    f"shard {i} ({ts.manifest.name}): extra.{key} = {ts.manifest.extra.get(key)!r} differs from "
+                    f"shard 0's {first.extra.get(key)!r} (not the same collection)"
                 )
         if ts.has_positions != shards[0].has_positions or ts.has_rounds != shards[0].has_rounds:
             raise ValueError(f"shard {i} ({ts.manifest.name}): has other tables than shard 0")

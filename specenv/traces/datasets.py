@@ -83,6 +83,20 @@ REGISTRY: tuple[Dataset, ...] = (
         manifest_sha256="3b02a64ac8f314b06af78f895f7463d36501eecdf66b3c8b84e632fd666e1bfa",
     ),
     Dataset(
+        name="live-vllm-t07",
+        version=1,
+        description="16 stdlib code prompts x 64 tokens sampled at T=0.7 (seed 0) with vLLM 0.32 on CPU (the shipped "
+        "small Qwen3-MoE + dense draft as vLLM's draft_model), Kmax=8: reference sampled by the target alone, every "
+        "draft chain drawn from the draft at T, rho = min(1, p/q) from the two models' probabilities at T (exact, no "
+        "sampling noise), the sampled chains as columns draft_1..draft_8; measured rounds K=0..8 (vLLM's speculative "
+        "sampling: times and routing for the cost fit; their accepted are not acceptance data) and a plain "
+        "engine's steps, on a shared machine (load 4.7 before, 17 after: the times are noisy). "
+        "Made by: specenv collect --engine vllm -n 16 --kmax 8 --max-new-tokens 64 --temperature 0.7 --seed 0 "
+        "--name live-vllm-t07",
+        folder="live-vllm-t07-v1",
+        manifest_sha256="b851dab4507d7b796ab912fb404a5159d57ed72b61c5f8508c2e68230818a45b",
+    ),
+    Dataset(
         name="live-cpu-caps",
         version=1,
         description="32 stdlib code prompts x 64 greedy tokens on the live CPU engine with verification-time expert "

