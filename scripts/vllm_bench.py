@@ -75,13 +75,14 @@ def _spawn(cfg: dict[str, Any], out: Path, name: str) -> dict[str, Any]:
 
 
 #: Arms of ``overhead`` (``--arms``): the engine configuration and policy of each, built by :func:`_overhead_arms`.
-OVERHEAD_ARMS = ("stock", "specenv", "specenv-kmax", "ctl", "ctl-notap", "nolazy", "norec")
+OVERHEAD_ARMS = ("stock", "stock2", "specenv", "specenv-kmax", "ctl", "ctl-notap", "nolazy", "norec")
 
 
 def _overhead_arms(args: argparse.Namespace, out: Path) -> dict[str, tuple[dict[str, Any], dict[str, Any] | None]]:
     """``{arm: (engine cfg, policy description or None)}`` of the ``overhead`` arms asked for.
 
     * ``stock``: stock vLLM, ``num_speculative_tokens = k``, stock scheduler (``async_scheduling=False``);
+      ``stock2`` a second engine of the same configuration (engine-to-engine spread);
     * ``specenv``: the served path at the same k: controller + routing tap + recorder (+ the lazy drafter,
       on by default on CPU), a numpy MLP policy that always answers k (``constant-mlp``);
     * ``specenv-kmax``: the same with ``num_speculative_tokens = --kmax`` and ``draft_horizon="policy"``
@@ -95,6 +96,7 @@ def _overhead_arms(args: argparse.Namespace, out: Path) -> dict[str, tuple[dict[
     rec = {"record": str(out / "rec"), "run": "overhead", "max_new_tokens": args.tokens}
     arms: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {
         "stock": ({**base, "k": k, "controller": False}, None),
+        "stock2": ({**base, "k": k, "controller": False}, None),
         "specenv": ({**base, "k": k, "settings": rec}, pol),
         "specenv-kmax": (
             {**base, "k": args.kmax, "settings": {**rec, "record": str(out / "rec-kmax"), "draft_horizon": "policy"}},

@@ -37,37 +37,47 @@ class ObsSlots:
         self.state = ObservationState(spec, n)
         self.free = list(range(n - 1, -1, -1))
         self._scratch: dict[int, ObservationState] = {}
+        #: ``(slots, sub)``: the subset the last :meth:`update` folded and scattered back (its rows equal the
+        #: state's), reused by ``subset(slots, reuse=True)`` until any other subset, alloc or release.
+        self._fresh: tuple[tuple[int, ...], ObservationState] | None = None
 
     def alloc(self) -> int:
         """A fresh slot (statistics at their priors)."""
+        self._fresh = None
         if not self.free:
             n = self.state.n
             self.state = self.state.resized(2 * n)
             self.free = list(range(2 * n - 1, n - 1, -1))
         i = self.free.pop()
-        mask = np.zeros(self.state.n, dtype=bool)
-        mask[i] = True
-        self.state.reset(mask)
+        self.state._P[i] = 0.0
+        self.state._E[i] = self.state._E_init
         return i
 
     def release(self, i: int) -> None:
         """Give a slot back."""
+        self._fresh = None
         self.free.append(i)
 
-    def subset(self, slots: list[int]) -> ObservationState:
+    def subset(self, slots: Any, reuse: bool = False) -> ObservationState:
         """The statistics of some slots, as an ObservationState of their own (rows in the given order).
 
         The state is a scratch buffer kept per number of rows (no allocation, no table building per
-        step): valid until the next ``subset`` of the same size.
+        step): valid until the next ``subset`` of the same size. With ``reuse``, the subset the last
+        :meth:`update` left is returned as it is when it holds the same slots in the same order (the
+        controller builds the observations of the rounds it just folded: no second gather); a caller that
+        changes the returned rows (a hypothetical update) must not pass ``reuse``.
         """
+        fresh = self._fresh
+        if reuse and fresh is not None and fresh[0] == _key(slots):
+            return fresh[1]
+        self._fresh = None
         sub = self._scratch.get(len(slots))
         if sub is None:
             sub = self._scratch[len(slots)] = ObservationState(self.spec, len(slots))
         st = self.state
+        # the named statistics (cost_per_token, first, ...) are columns of these two blocks
         np.take(st._P, slots, axis=0, out=sub._P)
         np.take(st._E, slots, axis=0, out=sub._E)
-        np.take(st.cost_per_token, slots, out=sub.cost_per_token)
-        np.take(st.first, slots, out=sub.first)
         return sub
 
     def update(self, slots: Any, k: Any, acc: Any, U: Any, cost: Any) -> None:
@@ -81,8 +91,11 @@ class ObsSlots:
         st = self.state
         st._P[slots] = sub._P
         st._E[slots] = sub._E
-        st.cost_per_token[slots] = sub.cost_per_token
-        st.first[slots] = sub.first
+        self._fresh = (_key(slots), sub)
+
+
+def _key(slots: Any) -> tuple[int, ...]:
+    return tuple(slots.tolist() if isinstance(slots, np.ndarray) else slots)
 
 
 class StepLog:

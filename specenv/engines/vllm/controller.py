@@ -147,6 +147,17 @@ def _chain_signals() -> None:
     _SIGNALS_CHAINED = True
 
 
+class _RoundCols:
+    """One step's per-round columns, preallocated: slot (intp), K and accepted (int64), cost (float64)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.slot = np.zeros(size, dtype=np.intp)
+        self.k = np.zeros(size, dtype=np.int64)
+        self.acc = np.zeros(size, dtype=np.int64)
+        self.cost = np.zeros(size, dtype=np.float64)
+
+
 def active_controller() -> SpecControlScheduler | None:
     """The most recently created controller of this process that is still alive."""
     for ref in reversed(CONTROLLERS):
@@ -224,7 +235,8 @@ class SpecControlScheduler(Recording, Scheduler):
         self._t_sched = 0.0
         self._steplog = StepLog()
         self._experts: StepExperts | None = None  # the per-step expert statistics' buffers (made on first use)
-        self._cols = np.zeros((4, 16))  # per-step columns of the rounds: slot, K, accepted, cost
+        # per-step columns of the rounds (slot, K, accepted, cost), preallocated in the dtypes ObsSlots.update takes
+        self._cols = _RoundCols(16)
         self._ar_ema: float | None = None
         self._min_tt: float | None = None
         self.cost_model = None
@@ -585,9 +597,9 @@ class SpecControlScheduler(Recording, Scheduler):
         n = len(rounds)
         Us, Es, union = self._routing_stats(rounds, offsets, batch_tokens)
         cols = self._cols
-        if cols.shape[1] < n:
-            cols = self._cols = np.zeros((4, 2 * n))
-        slots, ks, accs, costs = cols[:, :n]
+        if cols.size < n:
+            cols = self._cols = _RoundCols(2 * n)
+        slots, ks, accs, costs = cols.slot[:n], cols.k[:n], cols.acc[:n], cols.cost[:n]
         hooked = clock.hooked
         max_len = self.max_model_len
         callback = self.round_callback
@@ -623,7 +635,7 @@ class SpecControlScheduler(Recording, Scheduler):
         self.stats["rounds"] += n
         if rec is not None:
             self._defer_rows(rec, clock, len(so.num_scheduled_tokens), batch_tokens)
-        self._slots.update(slots.astype(np.intp), ks.astype(np.int64), accs.astype(np.int64), Us, costs.copy())
+        self._slots.update(slots, ks, accs, Us, costs)
         if self.policy is not None:
             self._prev_batch = self._batch_facts(union, batch_tokens, clock)
 
@@ -738,7 +750,7 @@ class SpecControlScheduler(Recording, Scheduler):
                 st.full_drafts = list(drafts)
                 st.drafted = len(drafts)
                 st.signals = None
-        if self.tap is not None and self.tap.has_signals:
+        if self.tap is not None and self.tap.wants_signals:  # (off: no step holds signals, every one is None)
             try:
                 self._capture_signals(list(draft_token_ids.req_ids), [list(d) for d in draft_token_ids.draft_token_ids])
             except Exception as exc:  # never fail a step: the lookahead then falls back
@@ -801,7 +813,8 @@ class SpecControlScheduler(Recording, Scheduler):
         if not live:
             return DraftTokenIds(req_ids, drafts)
         conf = np.asarray(confs, dtype=np.float64) if h else None
-        obs = self._slots.subset(slots).build(
+        # the rows _observe just folded, in the same order (batch order): no second gather
+        obs = self._slots.subset(slots, reuse=True).build(
             np.asarray(Ls, dtype=np.float64), np.asarray(ts, dtype=np.float64), conf=conf
         )
         t0 = time.perf_counter()
