@@ -75,7 +75,7 @@ def _spawn(cfg: dict[str, Any], out: Path, name: str) -> dict[str, Any]:
 
 
 #: Arms of ``overhead`` (``--arms``): the engine configuration and policy of each, built by :func:`_overhead_arms`.
-OVERHEAD_ARMS = ("stock", "stock2", "specenv", "specenv-kmax", "ctl", "ctl-notap", "nolazy", "norec")
+OVERHEAD_ARMS = ("stock", "stock2", "specenv", "base", "specenv-kmax", "ctl", "ctl-notap", "nolazy", "norec")
 
 
 def _overhead_arms(args: argparse.Namespace, out: Path) -> dict[str, tuple[dict[str, Any], dict[str, Any] | None]]:
@@ -87,6 +87,9 @@ def _overhead_arms(args: argparse.Namespace, out: Path) -> dict[str, tuple[dict[
       on by default on CPU), a numpy MLP policy that always answers k (``constant-mlp``);
     * ``specenv-kmax``: the same with ``num_speculative_tokens = --kmax`` and ``draft_horizon="policy"``
       (how the learned arms are served: the drafter is asked for k through ``num_spec_tokens_to_schedule``);
+    * ``base``: ``specenv`` run by another source tree (``--base-src``, e.g. an export of the commit before a
+      change: ``git archive REV | tar -x -C DIR``), through its ``specenv.abtest`` engine process: before/after
+      in one run;
     * ablations of ``specenv``: ``ctl`` (no recorder), ``ctl-notap`` (no recorder, no tap: prior U_r),
       ``nolazy`` (vLLM's drafter instead of the lazy one), ``norec`` (= ``ctl``, kept for symmetry of names).
     """
@@ -98,6 +101,7 @@ def _overhead_arms(args: argparse.Namespace, out: Path) -> dict[str, tuple[dict[
         "stock": ({**base, "k": k, "controller": False}, None),
         "stock2": ({**base, "k": k, "controller": False}, None),
         "specenv": ({**base, "k": k, "settings": rec}, pol),
+        "base": ({**base, "k": k, "settings": {**rec, "record": str(out / "rec-base")}}, pol),
         "specenv-kmax": (
             {**base, "k": args.kmax, "settings": {**rec, "record": str(out / "rec-kmax"), "draft_horizon": "policy"}},
             {**pol, "kmax": args.kmax},
@@ -110,6 +114,8 @@ def _overhead_arms(args: argparse.Namespace, out: Path) -> dict[str, tuple[dict[
     unknown = [a for a in args.arms if a not in arms]
     if unknown:
         raise SystemExit(f"unknown arm(s) {unknown}; choose from {', '.join(OVERHEAD_ARMS)}")
+    if "base" in args.arms and not args.base_src:
+        raise SystemExit("arm base needs --base-src DIR")
     if "stock" not in args.arms:
         raise SystemExit("--arms needs stock (the reference)")
     return {a: arms[a] for a in args.arms}
@@ -148,7 +154,10 @@ def overhead(args: argparse.Namespace) -> None:
     try:
         for name, (cfg, pol) in arms.items():
             t0 = time.time()
-            eng = engines[name] = EngineProcess("scripts.vllm_bench", cfg, out / f"engine-{name}.log")
+            module, env = "scripts.vllm_bench", None
+            if name == "base":  # the other tree's own engine process (its scripts/ may not have one)
+                module, env = "specenv.abtest", {"PYTHONPATH": str(Path(args.base_src).resolve())}
+            eng = engines[name] = EngineProcess(module, cfg, out / f"engine-{name}.log", env=env)
             doc["engines"][name] = info = eng.ready()
             if pol is not None:
                 eng.call(op="policy", policy=pol)
@@ -191,13 +200,14 @@ def _overhead_batch(res: dict[str, list[dict[str, Any]]], paired: Any, pooled: A
         "arms": {},
     }
     for name, rs in res.items():
-        ms = [1e3 * r["wall_s"] / max(r["steps"], 1) for r in rs]
+        # an engine of an older tree does not count its steps: stock's (the same outputs, the same steps)
+        ms = [1e3 * r["wall_s"] / max(r.get("steps", s.get("steps", 0)), 1) for r, s in zip(rs, stock, strict=False)]
         ctl = pooled([r for r in rs if r.get("overhead", {}).get("steps")])
         out["arms"][name] = {
             "ms_per_step": statistics.median(ms),
             "ms_per_step_all": ms,
             "tok_per_s": statistics.median(r["tok_per_s"] for r in rs),
-            "steps": rs[0]["steps"],
+            "steps": rs[0].get("steps"),
             "tokens": rs[0]["tokens"],
             "vs_stock": None if name == "stock" else paired(rs, stock),
             "ctl_cpu": None if ctl is None else {k: v for k, v in ctl.items()},
@@ -211,14 +221,17 @@ def _print_overhead_batch(b: int, s: dict[str, Any]) -> None:
     print(f"\n## batch {b} ({s['seconds']:.0f} s; before: {s['load_before']}; after: {s['load_after']})")
     print(f"stock's own spread over repeats: {s['stock_spread']:.1%} (max-min)/median, CV {s['stock_cv'] or 0:.1%}")
     print(
-        "| arm | ms/step | tok/s | steps | vs stock [95% CI] (per repeat) | ctl CPU/step [95% CI] | ctl ms/step | same |"
+        "| arm | ms/step | tok/s | steps | vs stock [95% CI] (per repeat) | ctl CPU/step [95% CI] | ctl ms/step |",
+        end="",
     )
+    print(" same |")
     print("|---|---|---|---|---|---|---|---|")
     for name, a in s["arms"].items():
         p = a["vs_stock"]
         vs = "1 (reference)"
         if p:
-            vs = f"{p['ratio']:.4f} [{p['ci95'][0]:.4f}, {p['ci95'][1]:.4f}] ({', '.join(f'{x:.3f}' for x in p['per_repeat'])})"
+            reps = ", ".join(f"{x:.3f}" for x in p["per_repeat"])
+            vs = f"{p['ratio']:.4f} [{p['ci95'][0]:.4f}, {p['ci95'][1]:.4f}] ({reps})"
         c = a["ctl_cpu"]
         cpu = f"{c['value']:.2%} [{c['ci95'][0]:.2%}, {c['ci95'][1]:.2%}]" if c else "-"
         cms = f"{c['cpu_ms_per_step']:.3f} of {c['step_ms']:.1f}" if c else "-"
@@ -401,6 +414,7 @@ def main() -> None:
     o.add_argument("--groups", type=int, default=3, help="request groups per pass (prompts = groups x batch)")
     o.add_argument("--tokens", type=int, default=48)
     o.add_argument("--repeats", type=int, default=5)
+    o.add_argument("--base-src", default=None, help="source tree of the base arm")
     o.add_argument("--arms", type=lambda s: s.split(","), default=["stock", "specenv"], help=f"of {OVERHEAD_ARMS}")
     f = sub.add_parser("floor", help="the draft floor: a k = 0 step against a plain engine's step")
     f.add_argument("--out", required=True)

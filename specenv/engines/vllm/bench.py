@@ -149,10 +149,10 @@ def timed_pass(
     tokens in between.
 
     Returns:
-        ``wall_s``, ``tokens``, ``tok_per_s``, ``steps`` (engine steps), ``outputs`` (token ids per prompt), ``groups`` (per
-        group: ``wall_s`` and ``tokens``: the unit a paired bootstrap resamples), ``requests`` (per
-        prompt: ``group``, ``ttft_ms``, ``tpot_ms`` (None for a single token), ``tokens``) and, on a
-        controller engine, ``overhead`` (:func:`step_overhead` over the pass) and the controller's
+        ``wall_s``, ``tokens``, ``tok_per_s``, ``steps`` (engine steps), ``outputs`` (token ids per
+        prompt), ``groups`` (per group: ``wall_s`` and ``tokens``: the unit a paired bootstrap
+        resamples), ``requests`` (per prompt: ``group``, ``ttft_ms``, ``tpot_ms`` (None for a single
+        token), ``tokens``) and, on a controller engine, ``overhead`` (:func:`step_overhead` over the pass) and the controller's
         counters (``decisions``, ``fallbacks``, ``capped``).
     """
     from vllm import SamplingParams
@@ -275,12 +275,20 @@ class EngineProcess:
         cfg: The engine configuration (:func:`engine_options`).
         log: File that receives the process's output.
         timeout_s: Longest wait for one answer (start-up included).
+        env: Extra environment variables of the process (e.g. ``PYTHONPATH`` of another source tree).
     """
 
-    def __init__(self, module: str, cfg: dict[str, Any], log: Path, timeout_s: float = 1800.0):
+    def __init__(
+        self,
+        module: str,
+        cfg: dict[str, Any],
+        log: Path,
+        timeout_s: float = 1800.0,
+        env: dict[str, str] | None = None,
+    ):
         self.cfg, self.log, self.timeout_s = cfg, Path(log), timeout_s
         rfd, wfd = os.pipe()
-        env = engine_env()
+        env = {**engine_env(), **(env or {})}
         env[FD_VAR] = str(wfd)
         self._logf = open(self.log, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
