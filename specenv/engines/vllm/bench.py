@@ -152,8 +152,8 @@ def timed_pass(
         ``wall_s``, ``tokens``, ``tok_per_s``, ``steps`` (engine steps), ``outputs`` (token ids per
         prompt), ``groups`` (per group: ``wall_s`` and ``tokens``: the unit a paired bootstrap
         resamples), ``requests`` (per prompt: ``group``, ``ttft_ms``, ``tpot_ms`` (None for a single
-        token), ``tokens``) and, on a controller engine, ``overhead`` (:func:`step_overhead` over the pass) and the controller's
-        counters (``decisions``, ``fallbacks``, ``capped``).
+        token), ``tokens``) and, on a controller engine, ``overhead`` (:func:`step_overhead` over
+        the pass) and the controller's counters (``decisions``, ``fallbacks``, ``capped``).
     """
     from vllm import SamplingParams
 
