@@ -81,3 +81,26 @@ def test_alloc_resets_a_reused_slot_to_the_priors():
     fresh = ObservationState(SPEC, 1)
     np.testing.assert_array_equal(s.state._E[b], fresh._E[0])
     np.testing.assert_array_equal(s.state._P[b], fresh._P[0])
+
+
+def test_mlp_policy_marks_rows_with_non_finite_scores_invalid():
+    """The served MLP's answer: argmax per row, -1 (an invalid k the controller replaces) where a score is not finite."""
+    from specenv.policy.mlp import MLPPolicy
+
+    rng = np.random.default_rng(1)
+    n_out = SPEC.kmax + 1
+    layers = [(rng.normal(size=(SPEC.dim, 8)), np.zeros(8)), (rng.normal(size=(8, n_out)), np.zeros(n_out))]
+    pol = MLPPolicy(SPEC, layers)
+    obs = rng.uniform(0, 1, size=(5, SPEC.dim)).astype(np.float32)
+    want = np.argmax(pol.scores(obs), axis=1)
+    got = pol.act(obs, list(range(5)))
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, want)
+    obs[1, :] = np.nan
+    obs[3, 2] = np.nan
+    got = pol.act(obs, list(range(5)))
+    assert got[1] == -1 and got[3] == -1
+    np.testing.assert_array_equal(got[[0, 2, 4]], want[[0, 2, 4]])
+    huge = [(np.full((SPEC.dim, 8), 1e30), np.zeros(8)), (np.full((8, n_out), 1e30), np.arange(n_out, dtype=float))]
+    ks = MLPPolicy(SPEC, huge, activation="relu").act(np.ones((2, SPEC.dim), dtype=np.float32), [0, 1])
+    assert (ks == -1).all()  # float32 overflow: inf scores are invalid too
