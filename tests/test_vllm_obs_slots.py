@@ -84,7 +84,7 @@ def test_alloc_resets_a_reused_slot_to_the_priors():
 
 
 def test_mlp_policy_marks_rows_with_non_finite_scores_invalid():
-    """The served MLP's answer: argmax per row, -1 (an invalid k the controller replaces) where a score is not finite."""
+    """The served MLP: argmax per row; -1 (an invalid k, replaced by the controller) where a score is not finite."""
     from specenv.policy.mlp import MLPPolicy
 
     rng = np.random.default_rng(1)
