@@ -1,17 +1,26 @@
 """Measurements of the vLLM integration on this machine: controller/recorder overhead, live speedups.
 
 Run ``python -m scripts.vllm_bench overhead --out DIR`` and ``python -m scripts.vllm_bench speedup
---out DIR`` (in the ``vllm`` environment; each configuration runs in a fresh process, one engine at a
-time, so several minutes each). Results go to ``DIR/*.json`` and a Markdown table on stdout.
+--out DIR`` (in the ``vllm`` environment; ``floor`` and ``speedup`` run each configuration in a fresh
+process, one engine at a time, ``overhead`` keeps one engine per arm alive; several minutes each).
+Results go to ``DIR/*.json`` and a Markdown table on stdout.
 
 ``floor``: the draft floor, a k = 0 step against a plain engine's step (:func:`floor`).
 
-``overhead``: the same greedy workload (prompts of the live prompt set, a fixed number of tokens,
-``max_num_seqs`` requests at a time) on (a) vLLM's stock scheduler, (b) the controller with a numpy
-MLP policy that always answers ``num_speculative_tokens`` plus the routing tap, and (c) (b) plus the
-recorder. Reported: throughput (tokens/s, median of ``--reps`` passes after a warm-up pass) and the
-time spent inside specenv's code per step (``stats["overhead_ms"]`` of the controller: policy,
-observation bookkeeping, recorder rows), which does not depend on machine noise.
+``overhead``: the specenv path (controller + routing tap + recorder + a numpy MLP policy that always answers
+k) against stock vLLM at the same ``num_speculative_tokens = k``, in one run: every arm is one engine kept
+alive in its own process, and per batch size (``--batch 1,8,16``) the arms run interleaved, the order
+rotated per repeat, on the same ``--groups x batch`` prompts. Printed per batch size: ms per engine step,
+tokens/s, each arm's throughput over stock's with a paired 95% bootstrap CI over (repeat, request group)
+cells, stock's own repeat-to-repeat spread, the controller's CPU time per step as a share of the step, and
+the machine load before and after. More arms (``--arms``): ``stock2`` (a second stock engine: the
+engine-to-engine spread), ``specenv-kmax`` (``num_speculative_tokens = --kmax``, ``draft_horizon="policy"``:
+as the learned arms are served), ``base`` (the same path from another source tree, ``--base-src``:
+before/after a change in one run) and ablations (``ctl``: no recorder; ``ctl-notap``: no recorder, no tap;
+``nolazy``: vLLM's own drafter)::
+
+    python -m scripts.vllm_bench overhead --out DIR --models wide-moe-v1 --k 3 --batch 1,8,16 \
+        --groups 3 --tokens 48 --repeats 5 --arms stock,stock2,specenv
 
 ``speedup``: batch size 1, greedy, the held-out (test-split) prompts of the ``live-cpu`` trace set,
 its ``max_new_tokens``; configurations: plain decoding (no speculation), fixed k = 1..Kmax
