@@ -164,6 +164,7 @@ class Req:
     full_drafts: list[int] = field(default_factory=list)
     signals: np.ndarray | None = None  # (drafts, 3) q, entropy, margin of full_drafts (when captured)
     greedy: bool | None = None  # the request's sampling is greedy (known from its first round)
+    stops: frozenset[int] | None = None  # the request's stop tokens (:func:`stop_tokens`, from its first round)
     #: The last round's outcome: the values of :data:`OUTCOME_FIELDS`, then the round's sampled tokens
     #: and the drafts proposed for it (what :attr:`last` is made of, on demand).
     out: tuple[Any, ...] | None = None
@@ -235,7 +236,17 @@ class Round:
     K: int
 
 
-def committed_len(request: Any, gen: list[int], max_model_len: int) -> int:
+def stop_tokens(request: Any) -> frozenset[int]:
+    """The token ids that end ``request`` (its ``stop_token_ids`` and end-of-text): fixed for its lifetime."""
+    sp = request.sampling_params
+    stops = set(getattr(sp, "stop_token_ids", None) or ())
+    eos = getattr(sp, "eos_token_id", None)
+    if eos is not None:
+        stops.add(eos)
+    return frozenset(stops)
+
+
+def committed_len(request: Any, gen: list[int], max_model_len: int, stops: frozenset[int] | None = None) -> int:
     """How many of a round's sampled tokens ``gen`` the request keeps (vLLM's ``check_stop``, read only).
 
     vLLM's sampler returns every accepted draft plus the bonus token; the scheduler then appends them
@@ -243,11 +254,8 @@ def committed_len(request: Any, gen: list[int], max_model_len: int) -> int:
     model's length. The controller sees the step before that cut, so it applies the same rule here:
     the recorded ``accepted`` never makes a request commit more tokens than it returns.
     """
-    sp = request.sampling_params
-    stops = set(getattr(sp, "stop_token_ids", None) or ())
-    eos = getattr(sp, "eos_token_id", None)
-    if eos is not None:
-        stops.add(eos)
+    if stops is None:
+        stops = stop_tokens(request)
     out, total = int(request.num_output_tokens), int(request.num_tokens)
     max_tokens = getattr(request, "max_tokens", None)
     for i, tok in enumerate(gen, 1):

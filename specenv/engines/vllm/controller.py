@@ -91,6 +91,7 @@ from specenv.engines.vllm.bookkeeping import (
     StepLog,
     batch_offsets,
     committed_len,
+    stop_tokens,
 )
 from specenv.engines.vllm.recording import Recording
 from specenv.engines.vllm.served import ServedPolicy
@@ -608,7 +609,9 @@ class SpecControlScheduler(Recording, Scheduler):
             request, st, K = rnd.request, rnd.st, rnd.K
             U, E = float(Us[i]), float(Es[i])
             raw = min(len(rnd.gen) - 1, K)
-            acc = min(committed_len(request, rnd.gen, max_len) - 1, raw)
+            if st.stops is None:
+                st.stops = stop_tokens(request)
+            acc = min(committed_len(request, rnd.gen, max_len, st.stops) - 1, raw)
             L = request.num_tokens
             td, td_cpu = (st.td_ms, st.td_cpu_ms) if hooked else (0.0, 0.0)
             cost = self._cost_units(K, U, L, clock.t_ms, td)
