@@ -1,17 +1,26 @@
 """Measurements of the vLLM integration on this machine: controller/recorder overhead, live speedups.
 
 Run ``python -m scripts.vllm_bench overhead --out DIR`` and ``python -m scripts.vllm_bench speedup
---out DIR`` (in the ``vllm`` environment; each configuration runs in a fresh process, one engine at a
-time, so several minutes each). Results go to ``DIR/*.json`` and a Markdown table on stdout.
+--out DIR`` (in the ``vllm`` environment; ``floor`` and ``speedup`` run each configuration in a fresh
+process, one engine at a time, ``overhead`` keeps one engine per arm alive; several minutes each).
+Results go to ``DIR/*.json`` and a Markdown table on stdout.
 
 ``floor``: the draft floor, a k = 0 step against a plain engine's step (:func:`floor`).
 
-``overhead``: the same greedy workload (prompts of the live prompt set, a fixed number of tokens,
-``max_num_seqs`` requests at a time) on (a) vLLM's stock scheduler, (b) the controller with a numpy
-MLP policy that always answers ``num_speculative_tokens`` plus the routing tap, and (c) (b) plus the
-recorder. Reported: throughput (tokens/s, median of ``--reps`` passes after a warm-up pass) and the
-time spent inside specenv's code per step (``stats["overhead_ms"]`` of the controller: policy,
-observation bookkeeping, recorder rows), which does not depend on machine noise.
+``overhead``: the specenv path (controller + routing tap + recorder + a numpy MLP policy that always answers
+k) against stock vLLM at the same ``num_speculative_tokens = k``, in one run: every arm is one engine kept
+alive in its own process, and per batch size (``--batch 1,8,16``) the arms run interleaved, the order
+rotated per repeat, on the same ``--groups x batch`` prompts. Printed per batch size: ms per engine step,
+tokens/s, each arm's throughput over stock's with a paired 95% bootstrap CI over (repeat, request group)
+cells, stock's own repeat-to-repeat spread, the controller's CPU time per step as a share of the step, and
+the machine load before and after. More arms (``--arms``): ``stock2`` (a second stock engine: the
+engine-to-engine spread), ``specenv-kmax`` (``num_speculative_tokens = --kmax``, ``draft_horizon="policy"``:
+as the learned arms are served), ``base`` (the same path from another source tree, ``--base-src``:
+before/after a change in one run) and ablations (``ctl``: no recorder; ``ctl-notap``: no recorder, no tap;
+``nolazy``: vLLM's own drafter)::
+
+    python -m scripts.vllm_bench overhead --out DIR --models wide-moe-v1 --k 3 --batch 1,8,16 \
+        --groups 3 --tokens 48 --repeats 5 --arms stock,stock2,specenv
 
 ``speedup``: batch size 1, greedy, the held-out (test-split) prompts of the ``live-cpu`` trace set,
 its ``max_new_tokens``; configurations: plain decoding (no speculation), fixed k = 1..Kmax
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -73,60 +83,170 @@ def _spawn(cfg: dict[str, Any], out: Path, name: str) -> dict[str, Any]:
     return res
 
 
+#: Arms of ``overhead`` (``--arms``): the engine configuration and policy of each, built by :func:`_overhead_arms`.
+OVERHEAD_ARMS = ("stock", "stock2", "specenv", "base", "specenv-kmax", "ctl", "ctl-notap", "nolazy", "norec")
+
+
+def _overhead_arms(args: argparse.Namespace, out: Path) -> dict[str, tuple[dict[str, Any], dict[str, Any] | None]]:
+    """``{arm: (engine cfg, policy description or None)}`` of the ``overhead`` arms asked for.
+
+    * ``stock``: stock vLLM, ``num_speculative_tokens = k``, stock scheduler (``async_scheduling=False``);
+      ``stock2`` a second engine of the same configuration (engine-to-engine spread);
+    * ``specenv``: the served path at the same k: controller + routing tap + recorder (+ the lazy drafter,
+      on by default on CPU), a numpy MLP policy that always answers k (``constant-mlp``);
+    * ``specenv-kmax``: the same with ``num_speculative_tokens = --kmax`` and ``draft_horizon="policy"``
+      (how the learned arms are served: the drafter is asked for k through ``num_spec_tokens_to_schedule``);
+    * ``base``: ``specenv`` run by another source tree (``--base-src``, e.g. an export of the commit before a
+      change: ``git archive REV | tar -x -C DIR``), through its ``specenv.abtest`` engine process: before/after
+      in one run;
+    * ablations of ``specenv``: ``ctl`` (no recorder), ``ctl-notap`` (no recorder, no tap: prior U_r),
+      ``nolazy`` (vLLM's drafter instead of the lazy one), ``norec`` (= ``ctl``, kept for symmetry of names).
+    """
+    k = args.k
+    base = {"models": args.models, "max_num_seqs": max(args.batch), "max_model_len": 1024}
+    pol = {"kind": "constant-mlp", "k": k, "kmax": k, "max_new_tokens": args.tokens}
+    rec = {"record": str(out / "rec"), "run": "overhead", "max_new_tokens": args.tokens}
+    arms: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {
+        "stock": ({**base, "k": k, "controller": False}, None),
+        "stock2": ({**base, "k": k, "controller": False}, None),
+        "specenv": ({**base, "k": k, "settings": rec}, pol),
+        "base": ({**base, "k": k, "settings": {**rec, "record": str(out / "rec-base")}}, pol),
+        "specenv-kmax": (
+            {**base, "k": args.kmax, "settings": {**rec, "record": str(out / "rec-kmax"), "draft_horizon": "policy"}},
+            {**pol, "kmax": args.kmax},
+        ),
+        "ctl": ({**base, "k": k}, pol),
+        "norec": ({**base, "k": k}, pol),
+        "ctl-notap": ({**base, "k": k, "tap": False}, pol),
+        "nolazy": ({**base, "k": k, "settings": {**rec, "record": str(out / "rec-nolazy"), "lazy_draft": False}}, pol),
+    }
+    unknown = [a for a in args.arms if a not in arms]
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {unknown}; choose from {', '.join(OVERHEAD_ARMS)}")
+    if "base" in args.arms and not args.base_src:
+        raise SystemExit("arm base needs --base-src DIR")
+    if "stock" not in args.arms:
+        raise SystemExit("--arms needs stock (the reference)")
+    return {a: arms[a] for a in args.arms}
+
+
+def _load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load {one:.2f} {five:.2f} {fifteen:.2f} ({os.cpu_count()} cores)"
+
+
 def overhead(args: argparse.Namespace) -> None:
-    """Stock scheduler vs controller (+tap) vs controller + recorder, same workload."""
+    """The specenv path against stock vLLM at the same k, interleaved in one run, per batch size.
+
+    Every arm is one engine kept alive in its own process (:class:`specenv.engines.vllm.bench.EngineProcess`,
+    all started before anything is measured), so the arms run interleaved: per batch size, ``--repeats``
+    repeats, each running every arm once on the same ``--groups x batch`` prompts (``batch`` concurrent
+    requests per group, greedy, ``--tokens`` tokens each, ``ignore_eos``), the arms' order rotated per
+    repeat; one untimed pass per arm and batch size first. Reported per batch size: ms per engine step and
+    tokens/s (medians over repeats), each arm's throughput over stock's paired by (repeat, group) with a
+    95% bootstrap CI (:func:`specenv.abtest._paired`), stock's own repeat-to-repeat spread, the
+    controller's CPU time per step as a share of the step (:func:`specenv.abtest._pooled`: the
+    controller's step log), whether every output equals stock's, and the machine load before and after.
+    """
+    from specenv.abtest import _paired, _pooled
+    from specenv.engines.vllm.bench import EngineProcess
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    base = {
-        "models": args.models,
-        "k": args.k,
-        "max_num_seqs": args.batch,
-        "max_tokens": args.tokens,
-        "prompt_ids": list(range(args.prompts)),
-        "reps": args.reps,
-        "warmup": 1,
-        "ignore_eos": True,
-        "controller": True,
+    arms = _overhead_arms(args, out)
+    t_start = time.time()
+    print(f"# vllm_bench overhead: models {args.models}, k={args.k}, arms {list(arms)}, batches {args.batch}, "
+          f"{args.groups} groups x batch prompts x {args.tokens} tokens, {args.repeats} repeats; {_load()}",
+          flush=True)  # fmt: skip
+    engines: dict[str, EngineProcess] = {}
+    doc: dict[str, Any] = {"args": vars(args), "batches": {}, "engines": {}}
+    try:
+        for name, (cfg, pol) in arms.items():
+            t0 = time.time()
+            module, env = "scripts.vllm_bench", None
+            if name == "base":  # the other tree's own engine process (its scripts/ may not have one)
+                module, env = "specenv.abtest", {"PYTHONPATH": str(Path(args.base_src).resolve())}
+            eng = engines[name] = EngineProcess(module, cfg, out / f"engine-{name}.log", env=env)
+            doc["engines"][name] = info = eng.ready()
+            if pol is not None:
+                eng.call(op="policy", policy=pol)
+            eng.call(op="run", prompt_ids=[0], max_tokens=8, batch=1, ignore_eos=True)  # warm-up
+            print(f"  engine {name} up in {time.time() - t0:.0f} s (rss {info['rss_mb']:.0f} MB)", flush=True)
+        names = list(arms)
+        for b in args.batch:
+            ids = list(range(args.groups * b))
+            load0 = _load()
+            for eng in engines.values():  # untimed pass at this batch size
+                eng.call(op="run", prompt_ids=ids[:b], max_tokens=args.tokens, batch=b, ignore_eos=True)
+            res: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+            t_b = time.time()
+            for rep in range(args.repeats):
+                for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                    res[name].append(
+                        engines[name].call(op="run", prompt_ids=ids, max_tokens=args.tokens, batch=b, ignore_eos=True)
+                    )
+            doc["batches"][str(b)] = summary = _overhead_batch(res, _paired, _pooled)
+            summary.update(load_before=load0, load_after=_load(), seconds=time.time() - t_b)
+            for n, rs in res.items():  # keep the passes (without outputs) for later analysis
+                summary["arms"][n]["passes"] = [{k: v for k, v in r.items() if k not in ("outputs",)} for r in rs]
+            _print_overhead_batch(b, summary)
+            (out / "overhead.json").write_text(json.dumps(doc, indent=2, default=float))
+    finally:
+        for eng in engines.values():
+            eng.close()
+    print(f"# done in {time.time() - t_start:.0f} s; {_load()}; {out / 'overhead.json'}")
+
+
+def _overhead_batch(res: dict[str, list[dict[str, Any]]], paired: Any, pooled: Any) -> dict[str, Any]:
+    """One batch size's figures of ``overhead`` (see :func:`overhead`)."""
+    stock = res["stock"]
+    s_tps = [r["tok_per_s"] for r in stock]
+    med = statistics.median(s_tps)
+    ref = stock[0]["outputs"]
+    out: dict[str, Any] = {
+        "stock_spread": (max(s_tps) - min(s_tps)) / med,
+        "stock_cv": statistics.stdev(s_tps) / statistics.mean(s_tps) if len(s_tps) > 1 else None,
+        "arms": {},
     }
-    pol = {"kind": "constant-mlp", "k": args.k, "kmax": args.k, "max_new_tokens": args.tokens}
-    configs = {
-        "stock": {**base, "controller": False},
-        "controller": {**base, "policy": pol},
-        "controller+recorder": {**base, "policy": pol, "settings": {"record": str(out / "rec"), "part_rounds": 2048}},
-    }
-    res = {}
-    for rnd in range(args.rounds):  # interleave the configurations to spread machine noise
-        for name, cfg in configs.items():
-            res.setdefault(name, []).append(_spawn(cfg, out, f"overhead-{name}-{rnd}"))
-    stock = statistics.median(r["tok_per_s"] for r in res["stock"])
-    rows = []
     for name, rs in res.items():
-        tps = statistics.median(r["tok_per_s"] for r in rs)
-        ovh = [p["overhead"] for r in rs for p in r["passes"] if p.get("overhead", {}).get("steps")]
-        own = [o["frac"] for o in ovh]
-        per_step = [o["specenv_ms"] / o["steps"] for o in ovh]
-        rows.append(
-            {
-                "config": name,
-                "tok_per_s": tps,
-                "vs_stock": tps / stock - 1.0,
-                "tok_per_s_all": [round(r["tok_per_s"], 2) for r in rs],
-                "specenv_share": statistics.median(own) if own else 0.0,
-                "specenv_ms_per_step": statistics.median(per_step) if per_step else 0.0,
-            }
-        )
-    same = all(r["outputs"] == res["stock"][0]["outputs"] for rs in res.values() for r in rs)
-    (out / "overhead.json").write_text(
-        json.dumps({"rows": rows, "identical_outputs": same, "args": vars(args)}, indent=2)
+        # an engine of an older tree does not count its steps: stock's (the same outputs, the same steps)
+        ms = [1e3 * r["wall_s"] / max(r.get("steps", s.get("steps", 0)), 1) for r, s in zip(rs, stock, strict=False)]
+        ctl = pooled([r for r in rs if r.get("overhead", {}).get("steps")])
+        out["arms"][name] = {
+            "ms_per_step": statistics.median(ms),
+            "ms_per_step_all": ms,
+            "tok_per_s": statistics.median(r["tok_per_s"] for r in rs),
+            "steps": rs[0].get("steps"),
+            "tokens": rs[0]["tokens"],
+            "vs_stock": None if name == "stock" else paired(rs, stock),
+            "ctl_cpu": None if ctl is None else {k: v for k, v in ctl.items()},
+            "identical": all(r["outputs"] == ref for r in rs),
+            "fallbacks": sum(r.get("fallbacks", 0) for r in rs),
+        }
+    return out
+
+
+def _print_overhead_batch(b: int, s: dict[str, Any]) -> None:
+    print(f"\n## batch {b} ({s['seconds']:.0f} s; before: {s['load_before']}; after: {s['load_after']})")
+    print(f"stock's own spread over repeats: {s['stock_spread']:.1%} (max-min)/median, CV {s['stock_cv'] or 0:.1%}")
+    print(
+        "| arm | ms/step | tok/s | steps | vs stock [95% CI] (per repeat) | ctl CPU/step [95% CI] | ctl ms/step |",
+        end="",
     )
-    print("| config | tokens/s (median) | vs stock | all passes | time in specenv code | per step |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['config']} | {r['tok_per_s']:.1f} | {r['vs_stock']:+.1%} | {r['tok_per_s_all']} | "
-            f"{r['specenv_share']:.2%} | {r['specenv_ms_per_step']:.3f} ms |"
-        )
-    print(f"identical outputs: {same}")
+    print(" same |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, a in s["arms"].items():
+        p = a["vs_stock"]
+        vs = "1 (reference)"
+        if p:
+            reps = ", ".join(f"{x:.3f}" for x in p["per_repeat"])
+            vs = f"{p['ratio']:.4f} [{p['ci95'][0]:.4f}, {p['ci95'][1]:.4f}] ({reps})"
+        c = a["ctl_cpu"]
+        cpu = f"{c['value']:.2%} [{c['ci95'][0]:.2%}, {c['ci95'][1]:.2%}]" if c else "-"
+        cms = f"{c['cpu_ms_per_step']:.3f} of {c['step_ms']:.1f}" if c else "-"
+        print(f"| {name} | {a['ms_per_step']:.2f} | {a['tok_per_s']:.1f} | {a['steps']} | {vs} | {cpu} | {cms} | "
+              f"{'yes' if a['identical'] else 'NO'} |")  # fmt: skip
+    sys.stdout.flush()
 
 
 def floor(args: argparse.Namespace) -> None:
@@ -283,21 +403,28 @@ def speedup(args: argparse.Namespace) -> None:
 
 def main() -> None:
     """Command line (see the module docstring)."""
+    if len(sys.argv) == 3 and sys.argv[1] == "_engine":  # an engine process of ``overhead``
+        from specenv.engines.vllm.bench import worker_main
+
+        worker_main(sys.argv[2], _make_policy)
+        return
     if len(sys.argv) >= 2 and sys.argv[1] == "_run":
         res = run_config(json.loads(sys.argv[2]))
         Path(sys.argv[3]).write_text(json.dumps(res, default=float))
         return
     ap = argparse.ArgumentParser(prog="python -m scripts.vllm_bench", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    o = sub.add_parser("overhead", help="controller and recorder overhead on throughput")
+    o = sub.add_parser("overhead", help="the specenv path vs stock vLLM at the same k, interleaved, per batch size")
     o.add_argument("--out", required=True)
-    o.add_argument("--models", default="small-moe-v1")
-    o.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    o.add_argument("--batch", type=int, default=4, help="max_num_seqs")
-    o.add_argument("--prompts", type=int, default=8)
-    o.add_argument("--tokens", type=int, default=96)
-    o.add_argument("--reps", type=int, default=3)
-    o.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of the three processes")
+    o.add_argument("--models", default="wide-moe-v1")
+    o.add_argument("--k", type=int, default=3, help="num_speculative_tokens of stock and the fixed k of the policy")
+    o.add_argument("--kmax", type=int, default=8, help="num_speculative_tokens of the specenv-kmax arm")
+    o.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 16])
+    o.add_argument("--groups", type=int, default=3, help="request groups per pass (prompts = groups x batch)")
+    o.add_argument("--tokens", type=int, default=48)
+    o.add_argument("--repeats", type=int, default=5)
+    o.add_argument("--base-src", default=None, help="source tree of the base arm")
+    o.add_argument("--arms", type=lambda s: s.split(","), default=["stock", "specenv"], help=f"of {OVERHEAD_ARMS}")
     f = sub.add_parser("floor", help="the draft floor: a k = 0 step against a plain engine's step")
     f.add_argument("--out", required=True)
     f.add_argument("--models", default="small-moe-v1")

@@ -103,10 +103,11 @@ class MLPPolicy(Policy):
         (the vLLM controller's fail-safe, the environments' action check) refuse it.
         """
         scores = self.scores(obs)
-        ks = np.argmax(scores, axis=1).astype(np.int64)
-        bad = ~np.isfinite(scores).all(axis=1)
-        if bad.any():
-            ks[bad] = -1
+        ks = np.argmax(scores, axis=1)
+        if ks.dtype != np.int64:
+            ks = ks.astype(np.int64)
+        if not np.isfinite(scores.sum()):  # (a finite sum: every score finite) the rows with a non-finite score
+            ks[~np.isfinite(scores).all(axis=1)] = -1
         return ks
 
     # ------------------------------------------------------------------ I/O

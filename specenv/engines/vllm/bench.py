@@ -149,11 +149,11 @@ def timed_pass(
     tokens in between.
 
     Returns:
-        ``wall_s``, ``tokens``, ``tok_per_s``, ``outputs`` (token ids per prompt), ``groups`` (per
-        group: ``wall_s`` and ``tokens``: the unit a paired bootstrap resamples), ``requests`` (per
-        prompt: ``group``, ``ttft_ms``, ``tpot_ms`` (None for a single token), ``tokens``) and, on a
-        controller engine, ``overhead`` (:func:`step_overhead` over the pass) and the controller's
-        counters (``decisions``, ``fallbacks``, ``capped``).
+        ``wall_s``, ``tokens``, ``tok_per_s``, ``steps`` (engine steps), ``outputs`` (token ids per
+        prompt), ``groups`` (per group: ``wall_s`` and ``tokens``: the unit a paired bootstrap
+        resamples), ``requests`` (per prompt: ``group``, ``ttft_ms``, ``tpot_ms`` (None for a single
+        token), ``tokens``) and, on a controller engine, ``overhead`` (:func:`step_overhead` over
+        the pass) and the controller's counters (``decisions``, ``fallbacks``, ``capped``).
     """
     from vllm import SamplingParams
 
@@ -167,6 +167,7 @@ def timed_pass(
     outputs: list[list[int]] = [[] for _ in prompts]
     requests: list[dict[str, Any]] = [{} for _ in prompts]
     groups: list[dict[str, Any]] = []
+    steps = 0
     t0 = time.perf_counter()
     for g, i0 in enumerate(range(0, len(prompts), b)):
         members = {f"specenv-ab-{next(_PASS_IDS)}": i for i in range(i0, min(i0 + b, len(prompts)))}
@@ -176,6 +177,7 @@ def timed_pass(
             engine.add_request(rid, {"prompt_token_ids": list(prompts[i])}, sp)
         while engine.has_unfinished_requests():
             outs = engine.step()
+            steps += 1
             now = time.perf_counter()
             for out in outs:
                 i = members.get(out.request_id)
@@ -200,6 +202,7 @@ def timed_pass(
         "wall_s": wall,
         "tokens": tokens,
         "tok_per_s": tokens / wall,
+        "steps": steps,
         "outputs": outputs,
         "groups": groups,
         "requests": requests,
@@ -272,12 +275,20 @@ class EngineProcess:
         cfg: The engine configuration (:func:`engine_options`).
         log: File that receives the process's output.
         timeout_s: Longest wait for one answer (start-up included).
+        env: Extra environment variables of the process (e.g. ``PYTHONPATH`` of another source tree).
     """
 
-    def __init__(self, module: str, cfg: dict[str, Any], log: Path, timeout_s: float = 1800.0):
+    def __init__(
+        self,
+        module: str,
+        cfg: dict[str, Any],
+        log: Path,
+        timeout_s: float = 1800.0,
+        env: dict[str, str] | None = None,
+    ):
         self.cfg, self.log, self.timeout_s = cfg, Path(log), timeout_s
         rfd, wfd = os.pipe()
-        env = engine_env()
+        env = {**engine_env(), **(env or {})}
         env[FD_VAR] = str(wfd)
         self._logf = open(self.log, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(

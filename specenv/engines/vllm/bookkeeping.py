@@ -37,37 +37,47 @@ class ObsSlots:
         self.state = ObservationState(spec, n)
         self.free = list(range(n - 1, -1, -1))
         self._scratch: dict[int, ObservationState] = {}
+        #: ``(slots, sub)``: the subset the last :meth:`update` folded and scattered back (its rows equal the
+        #: state's), reused by ``subset(slots, reuse=True)`` until any other subset, alloc or release.
+        self._fresh: tuple[tuple[int, ...], ObservationState] | None = None
 
     def alloc(self) -> int:
         """A fresh slot (statistics at their priors)."""
+        self._fresh = None
         if not self.free:
             n = self.state.n
             self.state = self.state.resized(2 * n)
             self.free = list(range(2 * n - 1, n - 1, -1))
         i = self.free.pop()
-        mask = np.zeros(self.state.n, dtype=bool)
-        mask[i] = True
-        self.state.reset(mask)
+        self.state._P[i] = 0.0
+        self.state._E[i] = self.state._E_init
         return i
 
     def release(self, i: int) -> None:
         """Give a slot back."""
+        self._fresh = None
         self.free.append(i)
 
-    def subset(self, slots: list[int]) -> ObservationState:
+    def subset(self, slots: Any, reuse: bool = False) -> ObservationState:
         """The statistics of some slots, as an ObservationState of their own (rows in the given order).
 
         The state is a scratch buffer kept per number of rows (no allocation, no table building per
-        step): valid until the next ``subset`` of the same size.
+        step): valid until the next ``subset`` of the same size. With ``reuse``, the subset the last
+        :meth:`update` left is returned as it is when it holds the same slots in the same order (the
+        controller builds the observations of the rounds it just folded: no second gather); a caller that
+        changes the returned rows (a hypothetical update) must not pass ``reuse``.
         """
+        fresh = self._fresh
+        if reuse and fresh is not None and fresh[0] == _key(slots):
+            return fresh[1]
+        self._fresh = None
         sub = self._scratch.get(len(slots))
         if sub is None:
             sub = self._scratch[len(slots)] = ObservationState(self.spec, len(slots))
         st = self.state
+        # the named statistics (cost_per_token, first, ...) are columns of these two blocks
         np.take(st._P, slots, axis=0, out=sub._P)
         np.take(st._E, slots, axis=0, out=sub._E)
-        np.take(st.cost_per_token, slots, out=sub.cost_per_token)
-        np.take(st.first, slots, out=sub.first)
         return sub
 
     def update(self, slots: Any, k: Any, acc: Any, U: Any, cost: Any) -> None:
@@ -81,8 +91,11 @@ class ObsSlots:
         st = self.state
         st._P[slots] = sub._P
         st._E[slots] = sub._E
-        st.cost_per_token[slots] = sub.cost_per_token
-        st.first[slots] = sub.first
+        self._fresh = (_key(slots), sub)
+
+
+def _key(slots: Any) -> tuple[int, ...]:
+    return tuple(slots.tolist() if isinstance(slots, np.ndarray) else slots)
 
 
 class StepLog:
@@ -151,6 +164,7 @@ class Req:
     full_drafts: list[int] = field(default_factory=list)
     signals: np.ndarray | None = None  # (drafts, 3) q, entropy, margin of full_drafts (when captured)
     greedy: bool | None = None  # the request's sampling is greedy (known from its first round)
+    stops: frozenset[int] | None = None  # the request's stop tokens (:func:`stop_tokens`, from its first round)
     #: The last round's outcome: the values of :data:`OUTCOME_FIELDS`, then the round's sampled tokens
     #: and the drafts proposed for it (what :attr:`last` is made of, on demand).
     out: tuple[Any, ...] | None = None
@@ -222,7 +236,17 @@ class Round:
     K: int
 
 
-def committed_len(request: Any, gen: list[int], max_model_len: int) -> int:
+def stop_tokens(request: Any) -> frozenset[int]:
+    """The token ids that end ``request`` (its ``stop_token_ids`` and end-of-text): fixed for its lifetime."""
+    sp = request.sampling_params
+    stops = set(getattr(sp, "stop_token_ids", None) or ())
+    eos = getattr(sp, "eos_token_id", None)
+    if eos is not None:
+        stops.add(eos)
+    return frozenset(stops)
+
+
+def committed_len(request: Any, gen: list[int], max_model_len: int, stops: frozenset[int] | None = None) -> int:
     """How many of a round's sampled tokens ``gen`` the request keeps (vLLM's ``check_stop``, read only).
 
     vLLM's sampler returns every accepted draft plus the bonus token; the scheduler then appends them
@@ -230,11 +254,8 @@ def committed_len(request: Any, gen: list[int], max_model_len: int) -> int:
     model's length. The controller sees the step before that cut, so it applies the same rule here:
     the recorded ``accepted`` never makes a request commit more tokens than it returns.
     """
-    sp = request.sampling_params
-    stops = set(getattr(sp, "stop_token_ids", None) or ())
-    eos = getattr(sp, "eos_token_id", None)
-    if eos is not None:
-        stops.add(eos)
+    if stops is None:
+        stops = stop_tokens(request)
     out, total = int(request.num_output_tokens), int(request.num_tokens)
     max_tokens = getattr(request, "max_tokens", None)
     for i, tok in enumerate(gen, 1):

@@ -91,6 +91,7 @@ from specenv.engines.vllm.bookkeeping import (
     StepLog,
     batch_offsets,
     committed_len,
+    stop_tokens,
 )
 from specenv.engines.vllm.recording import Recording
 from specenv.engines.vllm.served import ServedPolicy
@@ -145,6 +146,17 @@ def _chain_signals() -> None:
 
     chain_flush_on_signals(_on_signal)
     _SIGNALS_CHAINED = True
+
+
+class _RoundCols:
+    """One step's per-round columns, preallocated: slot (intp), K and accepted (int64), cost (float64)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.slot = np.zeros(size, dtype=np.intp)
+        self.k = np.zeros(size, dtype=np.int64)
+        self.acc = np.zeros(size, dtype=np.int64)
+        self.cost = np.zeros(size, dtype=np.float64)
 
 
 def active_controller() -> SpecControlScheduler | None:
@@ -224,7 +236,8 @@ class SpecControlScheduler(Recording, Scheduler):
         self._t_sched = 0.0
         self._steplog = StepLog()
         self._experts: StepExperts | None = None  # the per-step expert statistics' buffers (made on first use)
-        self._cols = np.zeros((4, 16))  # per-step columns of the rounds: slot, K, accepted, cost
+        # per-step columns of the rounds (slot, K, accepted, cost), preallocated in the dtypes ObsSlots.update takes
+        self._cols = _RoundCols(16)
         self._ar_ema: float | None = None
         self._min_tt: float | None = None
         self.cost_model = None
@@ -585,9 +598,9 @@ class SpecControlScheduler(Recording, Scheduler):
         n = len(rounds)
         Us, Es, union = self._routing_stats(rounds, offsets, batch_tokens)
         cols = self._cols
-        if cols.shape[1] < n:
-            cols = self._cols = np.zeros((4, 2 * n))
-        slots, ks, accs, costs = cols[:, :n]
+        if cols.size < n:
+            cols = self._cols = _RoundCols(2 * n)
+        slots, ks, accs, costs = cols.slot[:n], cols.k[:n], cols.acc[:n], cols.cost[:n]
         hooked = clock.hooked
         max_len = self.max_model_len
         callback = self.round_callback
@@ -596,7 +609,9 @@ class SpecControlScheduler(Recording, Scheduler):
             request, st, K = rnd.request, rnd.st, rnd.K
             U, E = float(Us[i]), float(Es[i])
             raw = min(len(rnd.gen) - 1, K)
-            acc = min(committed_len(request, rnd.gen, max_len) - 1, raw)
+            if st.stops is None:
+                st.stops = stop_tokens(request)
+            acc = min(committed_len(request, rnd.gen, max_len, st.stops) - 1, raw)
             L = request.num_tokens
             td, td_cpu = (st.td_ms, st.td_cpu_ms) if hooked else (0.0, 0.0)
             cost = self._cost_units(K, U, L, clock.t_ms, td)
@@ -623,7 +638,7 @@ class SpecControlScheduler(Recording, Scheduler):
         self.stats["rounds"] += n
         if rec is not None:
             self._defer_rows(rec, clock, len(so.num_scheduled_tokens), batch_tokens)
-        self._slots.update(slots.astype(np.intp), ks.astype(np.int64), accs.astype(np.int64), Us, costs.copy())
+        self._slots.update(slots, ks, accs, Us, costs)
         if self.policy is not None:
             self._prev_batch = self._batch_facts(union, batch_tokens, clock)
 
@@ -660,7 +675,14 @@ class SpecControlScheduler(Recording, Scheduler):
         tap = self.tap
         if tap is None:
             return StepClock(step_ms, step_ms, 0.0, 0.0, 0.0, "step")
-        tc = tap.target_clock
+        tc, dc = tap.target_clock, tap.draft_clock
+        if tc.events is None and tc.mode_fn is None and dc.events is None:  # CPU clocks: one read of both
+            t0, t1, calls, c0, c1 = tc.slots.tolist()
+            d0, d1, d_calls, e0, e1 = dc.slots.tolist()
+            if not calls:
+                return StepClock(step_ms, step_ms, 0.0, 0.0, 0.0, "step")
+            d_ms, d_cpu = ((d1 - d0) * 1e3, (e1 - e0) * 1e3) if d_calls else (0.0, 0.0)
+            return StepClock(step_ms, (t1 - t0) * 1e3, d_ms, (c1 - c0) * 1e3, d_cpu, tc.timing)
         hooked = tc.calls > 0
         timing = tc.timing if hooked else "step"
         if tc.mode_fn is not None:  # an accelerator: say which graph mode the step ran in
@@ -738,7 +760,7 @@ class SpecControlScheduler(Recording, Scheduler):
                 st.full_drafts = list(drafts)
                 st.drafted = len(drafts)
                 st.signals = None
-        if self.tap is not None and self.tap.has_signals:
+        if self.tap is not None and self.tap.wants_signals:  # (off: no step holds signals, every one is None)
             try:
                 self._capture_signals(list(draft_token_ids.req_ids), [list(d) for d in draft_token_ids.draft_token_ids])
             except Exception as exc:  # never fail a step: the lookahead then falls back
@@ -801,7 +823,8 @@ class SpecControlScheduler(Recording, Scheduler):
         if not live:
             return DraftTokenIds(req_ids, drafts)
         conf = np.asarray(confs, dtype=np.float64) if h else None
-        obs = self._slots.subset(slots).build(
+        # the rows _observe just folded, in the same order (batch order): no second gather
+        obs = self._slots.subset(slots, reuse=True).build(
             np.asarray(Ls, dtype=np.float64), np.asarray(ts, dtype=np.float64), conf=conf
         )
         t0 = time.perf_counter()
@@ -810,8 +833,11 @@ class SpecControlScheduler(Recording, Scheduler):
         assert self._served is not None
         try:  # the one call path: every request of the step at once
             arr = self._served.act(obs, [req_ids[j] for j in live], self._batch_step(len(live)))
-            fast = arr.dtype.kind in "iu" and 0 <= int(arr.min()) and int(arr.max()) <= self.spec.kmax
-            ks = arr.tolist() if fast else list(arr)
+            if arr.dtype.kind in "iu":  # Python ints: a per-row check of a few rows costs less than two reductions
+                ks = arr.tolist()
+                fast = 0 <= min(ks) and max(ks) <= self.spec.kmax
+            else:
+                ks = list(arr)
         except Exception as exc:
             self._error(exc)
         self.stats["policy_ms"] += (time.perf_counter() - t0) * 1e3

@@ -124,7 +124,10 @@ class LazyDraftProposer(DraftModelProposer):
         slot_mappings: Any = None,
     ) -> torch.Tensor:
         cad = common_attn_metadata
-        if self.lazy and target_positions.dim() == 1:
+        # nothing to skip (the step drafts, or prefills) and no gap to catch up: vLLM's drafter as it is, with
+        # none of the per-request bookkeeping below (every speculating step of a fixed or positive k)
+        may_skip = num_speculative_tokens == 0 and int(cad.max_query_len) == 1 and mm_embed_inputs is None
+        if self.lazy and target_positions.dim() == 1 and (may_skip or self._missing):
             n = cad.batch_size()
             ids = self._req_ids(n)
             qsl = cad.query_start_loc_cpu.numpy()
@@ -137,7 +140,7 @@ class LazyDraftProposer(DraftModelProposer):
                 for rid in [r for r in missing if r not in present]:
                     del missing[rid]
                     self.stats["stale"] += 1
-            idle = num_speculative_tokens == 0 and int(cad.max_query_len) == 1 and mm_embed_inputs is None
+            idle = may_skip
             if idle:  # each request's gap had this step been skipped too
                 after = np.array([start[i] - missing.get(r, start[i]) + 1 for i, r in enumerate(ids)], dtype=np.int64)
                 # skipped only while the next step of one token per request could catch it up in its own forward

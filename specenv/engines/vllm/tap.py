@@ -304,6 +304,11 @@ class RoutingTap:
         """Draft steps captured so far."""
         return int(self.header[_H_SIG_TOTAL])
 
+    @property
+    def wants_signals(self) -> bool:
+        """Whether the capture is on (:meth:`want_signals`): only then can a step hold draft signals."""
+        return bool(self.header[_H_SIG_WANT]) and self.has_signals
+
     def want_signals(self, on: bool) -> None:
         """Switch the capture on or off (off by default: it costs a softmax over the vocabulary per draft step)."""
         self.header[_H_SIG_WANT] = 1.0 if on else 0.0
