@@ -169,7 +169,8 @@ def _header(ctx: dict[str, Any]) -> str:
     """The first line of ``specenv bench``'s text output: the setting and how the rows are charged."""
     return (
         f"# specenv bench: {ctx['dataset']}, held-out split ({ctx['test_generations']} generations, "
-        f"{ctx['episodes']} episode{'' if ctx['episodes'] == 1 else 's'} each), Kmax={ctx['kmax']}; cost model {ctx['cost_model']} "
+        f"{ctx['episodes']} episode{'' if ctx['episodes'] == 1 else 's'} each), Kmax={ctx['kmax']}; "
+        f"cost model {ctx['cost_model']} "
         f"(fitted on: {ctx['cost_model_fitted_on']}); fixed-k rows exact, the others Monte Carlo with bootstrap "
         f"95% CIs over generations; each row charged by its drafting mode (none: T_D(k); sequential: T_D(drafted) "
         f"= T_D(k); block: T_D(max(k, h))), the bound is none's (= sequential's)\n"
