@@ -622,7 +622,26 @@ def draft_chains(be: Any, prompt_ids: list[int], reference: list[int], kmax: int
     return {"tokens": tokens, "q": sig[0], "ent": sig[1], "margin": sig[2]}
 
 
-class _TemperedDraft:
+class _LogitsPatch:
+    """A model's ``compute_logits`` replaced by this object's ``__call__`` inside a ``with`` block, restored on exit."""
+
+    def __init__(self, model: Any, temperature: float):
+        self.model, self.temperature = model, float(temperature)
+        self.had_own = "compute_logits" in vars(model)
+        self.orig = model.compute_logits
+
+    def __enter__(self) -> Any:
+        self.model.compute_logits = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.had_own:
+            self.model.compute_logits = self.orig
+        else:
+            del self.model.compute_logits
+
+
+class _TemperedDraft(_LogitsPatch):
     """The drafter model's ``compute_logits`` while sampled chains are drawn (in-process engines only).
 
     Each call (one per draft step, one row: the chains are drafted one request at a time) draws the
@@ -634,21 +653,9 @@ class _TemperedDraft:
     """
 
     def __init__(self, model: Any, temperature: float):
-        self.model, self.temperature = model, float(temperature)
-        self.had_own = "compute_logits" in vars(model)
-        self.orig = model.compute_logits
+        super().__init__(model, temperature)
         self.u: np.ndarray | None = None
         self.rows: list[tuple[int, float, float, float]] = []
-
-    def __enter__(self) -> _TemperedDraft:
-        self.model.compute_logits = self
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.had_own:
-            self.model.compute_logits = self.orig
-        else:
-            del self.model.compute_logits
 
     def arm(self, u: np.ndarray) -> None:
         """Draw the next chain with these uniforms (one per draft step)."""
@@ -672,28 +679,13 @@ class _TemperedDraft:
         return out
 
 
-class _TemperedTarget:
+class _TemperedTarget(_LogitsPatch):
     """The target model's ``compute_logits`` returning ``logits / T`` (in-process engines only).
 
     vLLM's prompt log-probs are the log-softmax of what ``compute_logits`` returns, so inside this
     context they are the target's log-probabilities at temperature T (the division vLLM's sampler
     applies before sampling). Restores the model on exit.
     """
-
-    def __init__(self, model: Any, temperature: float):
-        self.model, self.temperature = model, float(temperature)
-        self.had_own = "compute_logits" in vars(model)
-        self.orig = model.compute_logits
-
-    def __enter__(self) -> _TemperedTarget:
-        self.model.compute_logits = self
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.had_own:
-            self.model.compute_logits = self.orig
-        else:
-            del self.model.compute_logits
 
     def __call__(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
         logits = self.orig(hidden_states, *args, **kwargs)
