@@ -49,36 +49,27 @@ class Probe:
     expect: int = 2
 
 
-def fifo(rel: str) -> Callable[[Path], None]:
-    def make(d: Path) -> None:
-        p = d / rel
-        if p.exists() or p.is_symlink():
-            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-        p.parent.mkdir(parents=True, exist_ok=True)
-        os.mkfifo(p)
+def _cleared(d: Path, rel: str) -> Path:
+    """``d / rel`` with whatever stood there removed (a link itself, not its target) and its parent made."""
+    p = d / rel
+    if p.is_symlink() or (p.exists() and not p.is_dir()):
+        p.unlink()
+    elif p.exists():
+        shutil.rmtree(p)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return p
 
-    return make
+
+def fifo(rel: str) -> Callable[[Path], None]:
+    return lambda d: os.mkfifo(_cleared(d, rel))
 
 
 def link(rel: str, target: str) -> Callable[[Path], None]:
-    def make(d: Path) -> None:
-        p = d / rel
-        if p.exists() or p.is_symlink():
-            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.symlink_to(target)
-
-    return make
+    return lambda d: _cleared(d, rel).symlink_to(target)
 
 
 def folder(rel: str) -> Callable[[Path], None]:
-    def make(d: Path) -> None:
-        p = d / rel
-        if p.exists() or p.is_symlink():
-            p.unlink() if not p.is_dir() else shutil.rmtree(p)
-        p.mkdir(parents=True)
-
-    return make
+    return lambda d: _cleared(d, rel).mkdir()
 
 
 def write(rel: str, text: str) -> Callable[[Path], None]:

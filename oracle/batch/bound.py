@@ -87,12 +87,8 @@ def pathwise_costs_numpy(
     table: bool = False,
 ) -> Any:
     """:func:`pathwise_costs` in numpy, one vectorised step per position t (the reference and the fallback)."""
-    lo, hi = int(arrays.offsets[g]), int(arrays.offsets[g + 1])
-    N = hi - lo
-    K = arrays.kmax
-    S = arrays.survival()[lo:hi]  # (N, K)
-    C = share.charged_table(arrays.U[lo:hi], arrays.L[lo:hi], K)  # (N, K+1)
-    u = np.asarray(uniforms, dtype=np.float64)[:N]
+    S, C, u = _pathwise_inputs(arrays, share, g, uniforms)  # (N, K), (N, K+1), (N,)
+    N, K = S.shape
     # V[t, j]: least charge from position t at round j (j <= t); V[N, :] = 0
     V = np.zeros((N + 1, N + 1))
     ks = np.arange(K + 1)

@@ -30,6 +30,7 @@ from specenv.io import (
     check_new_path,
     check_regular,
     check_replaceable,
+    not_regular,
     sha256_file,
 )
 from specenv.traces.schema import (
@@ -661,8 +662,9 @@ class TraceSet:
         mpath = root / MANIFEST
         if not root.is_dir():
             raise TraceError(str(root), "not a trace set folder")
-        if not mpath.is_file():
-            raise TraceError(str(mpath), "missing manifest")
+        if not mpath.is_file():  # absent, or a FIFO, device, folder or dangling link standing in for it
+            why = not_regular(mpath)
+            raise TraceError(str(mpath), "missing manifest" if why in (None, "does not exist") else f"manifest {why}")
         manifest = Manifest.from_json(read_json(mpath, TraceError, what="manifest"), str(mpath))
         # tables whose bytes match the manifest's sha256 and passed these checks before pass them again
         known, key = passed_before("trace tables", manifest.to_json()) if verify_hashes else (False, None)

@@ -199,3 +199,29 @@ def test_trace_table_that_is_not_a_regular_file_says_so(tmp_path, kind):
     assert_rejected(out, "positions.parquet", TABLE_WORD.get(kind, "is a folder, not a file"))
     assert "missing" not in out.stderr
     assert_unchanged(before, snapshot(tmp_path))
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "folder"])
+def test_trace_manifest_that_is_not_a_regular_file_says_so(tmp_path, kind):
+    """A FIFO, a /dev/zero link or a folder standing in for a trace set's manifest: said so, not "missing"."""
+    folder = tmp_path / "set"
+    shutil.copytree(TRACESET, folder)
+    manifest = folder / "manifest.json"
+    if kind == "folder":
+        manifest.unlink()
+        manifest.mkdir()
+    else:
+        _special(manifest, kind)
+    before = snapshot(tmp_path)
+    out = run_limited(["validate", folder], seconds=SECONDS)
+    assert_rejected(out, "manifest.json", TABLE_WORD.get(kind, "is a folder, not a file"))
+    assert "missing" not in out.stderr
+    assert_unchanged(before, snapshot(tmp_path))
+
+
+def test_absent_trace_manifest_is_still_missing(tmp_path):
+    folder = tmp_path / "set"
+    shutil.copytree(TRACESET, folder)
+    (folder / "manifest.json").unlink()
+    out = run_limited(["validate", folder], seconds=SECONDS)
+    assert_rejected(out, "manifest.json", "missing manifest")
