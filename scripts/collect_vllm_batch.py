@@ -50,6 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-ids", default="0-15", help="prompt ids, 'a-b' or comma-separated")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-fit", action="store_true", help="do not write batchcost.json")
+    ap.add_argument(
+        "--plain",
+        action="store_true",
+        help="also run every group on a plain engine (no drafter loaded), interleaved: the batch AR reference "
+        "of the step-time model (manifest extra.ar_reference)",
+    )
+    ap.add_argument("--name", default="live-vllm-batch", help="the recording's name (manifest)")
     args = ap.parse_args(argv)
 
     from specenv.io import check_new_path
@@ -83,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --out: {exc}", file=sys.stderr)
             return 2
 
-    from specenv.engines.vllm.batchrec import record_batch_steps
+    from specenv.engines.vllm.batchrec import record_batch_steps, record_plain_steps
     from specenv.engines.vllm.bench import build_llm, encode_prompts
     from specenv.progress import Progress
 
@@ -95,30 +102,55 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"models": args.models, "k": args.kmax, "max_num_seqs": max(batches), "settings": {}, "tap": True}
     t0 = time.perf_counter()
     llm = build_llm(cfg)
+    plain_llm = None
+    if args.plain:
+        from specenv.engines.vllm.hugepages import advise_engine
+
+        plain_llm = build_llm({"models": args.models, "k": 0, "max_num_seqs": max(batches), "controller": False})
+        advise_engine(plain_llm)  # the weights on huge pages, as the controller engine's loader puts them
+        record_plain_steps(plain_llm, prompts[: max(batches)], 16, "warmup", max(batches), -1)  # not kept
     startup = time.perf_counter() - t0
     # warm-up: one group at the largest batch, not kept
     record_batch_steps(llm, prompts, [max(batches)], 1, 16, args.kmax, seed=args.seed + 1000)
+    plain_rows: list[dict] = []
+    groups = iter(range(10**9))
+
+    def plain_group(rep: int, B: int, chosen: list[list[int]]) -> None:
+        if plain_llm is not None:  # the same prompts right after the speculative group: the same load
+            plain_rows.extend(record_plain_steps(plain_llm, chosen, args.max_tokens, f"rep{rep}", B, next(groups)))
+
     load0 = os.getloadavg()
     t1 = time.perf_counter()
     with Progress("batch steps", total=args.reps * len(batches), unit="groups") as bar:
         steps, stats = record_batch_steps(
-            llm, prompts, batches, args.reps, args.max_tokens, args.kmax, seed=args.seed, progress=bar.update
+            llm,
+            prompts,
+            batches,
+            args.reps,
+            args.max_tokens,
+            args.kmax,
+            seed=args.seed,
+            progress=bar.update,
+            between=plain_group,
         )
     wall = time.perf_counter() - t1
     load1 = os.getloadavg()
     ctl = llm.llm_engine.engine_core.engine_core.scheduler
+    import pandas as pd
     import vllm
 
-    from specenv.cost.batchfit import write_steps
+    from specenv.cost.batchfit import summarize_plain_batch, write_steps
 
+    ar_reference = summarize_plain_batch(pd.DataFrame(plain_rows)) if plain_llm is not None else None
     manifest = {
-        "name": "live-vllm-batch",
+        "name": args.name,
         "version": 1,
         "description": (
             f"vLLM {vllm.__version__} on CPU, {args.models}: groups of B = {args.batches} concurrent greedy requests "
             f"(ignore_eos, {args.max_tokens} tokens), {args.reps} interleaved repetitions; per step a random draft "
             f"length n in 1..{args.kmax} for the batch and a random k in 0..n per request; "
-            "pure verification steps only."
+            "pure verification steps only"
+            + ("; every group also on a plain engine (the batch AR reference)." if args.plain else ".")
         ),
         "model": {"n_layers": ctl.tap.n_layers, "n_experts": ctl.n_experts, "top_k": ctl.top_k},
         "kmax": args.kmax,
@@ -134,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             "reps": args.reps,
             "max_tokens": args.max_tokens,
             "seed": args.seed,
+            **({"ar_reference": ar_reference} if ar_reference is not None else {}),
             "startup_s": round(startup, 1),
             "wall_s": round(wall, 1),
             **stats,

@@ -123,8 +123,11 @@ def make_policy(desc: dict[str, Any], ctl: Any) -> Any:
             spec,
             bm,
             u_prior=None if u_prior is None else np.asarray(u_prior),
-            # the recording's median wall time per step outside the forwards (0 when it has none)
-            step_overhead_ms=float(bm.diagnostics.get("summary", {}).get("overhead_ms", 0.0)),
+            # the recording's median wall time per step outside the forwards (0 when it has none, and for a
+            # step-time model, whose verification already carries the overhead by batch size)
+            step_overhead_ms=0.0
+            if bm.overhead is not None and bm.overhead.any()
+            else float(bm.diagnostics.get("summary", {}).get("overhead_ms", 0.0)),
         )
     if kind == "constant-mlp":  # a real MLP call (obs build + 3 layers) whose answer is always k
         from specenv.policy.mlp import MLPPolicy
@@ -192,6 +195,99 @@ def predicted_speedup(
         n = int(data.lengths[i]) if max_tokens is None else min(int(max_tokens), int(data.lengths[i]))
         ar += float(np.sum(data.ar_ms[data.offsets[i] : data.offsets[i] + n]))
     env.close()
+    return ar / cost
+
+
+def predicted_speedup_batch(
+    dataset: str,
+    cost_model: str,
+    kmax: int,
+    gids: list[int],
+    make_policy: Callable[[], Any],
+    max_tokens: int | None,
+    batch: int,
+    batch_cost: Any,
+) -> float:
+    """Replay-predicted speedup of a per-request policy served ``batch`` requests at a time, as the A/B serves them.
+
+    The live pass (:func:`specenv.engines.vllm.bench.timed_pass`) submits the prompts in groups of
+    ``batch`` and runs each group to its end. Here every request of a group replays its generation in
+    its own ``specenv/MoESpec-v1`` episode (its own policy from ``make_policy``, the same acceptances
+    as at batch 1), the requests move in lockstep (one round each per engine step, a finished request
+    leaves the step), and each step is priced by the batch step-time model ``batch_cost``
+    (:class:`specenv.cost.batch.BatchCostModel`: the verification of every request's ``k_i + 1``
+    positions over the predicted expert union, the engine's per-step overhead at that many requests,
+    and the drafting: every request drafts the step's largest k, as vLLM's drafter runs one draft
+    length for the whole batch (``draft_horizon="policy"`` asks for the largest; a step where every
+    request verifies 0 drafts nothing: the lazy drafter), or the policy's lookahead h when it has one).
+    The reference is the plain engine serving the same groups: one token per running request per
+    step, :meth:`~specenv.cost.batch.BatchCostModel.ar_ms` of their contexts.
+
+    Args:
+        dataset: The trace set (its test split holds the generations).
+        cost_model: The set's cost model (the episodes' rounds; their times are not used).
+        kmax: Largest budget.
+        gids: Generation ids, in the order the live pass serves them.
+        max_tokens: Tokens each request generates (None: its whole recorded generation).
+        make_policy: Builds one fresh policy (one per request: per-request policies hold state).
+        batch: Requests per group.
+        batch_cost: The batch step-time model.
+    """
+    import gymnasium as gym
+
+    import specenv  # noqa: F401  (registers the environments)
+
+    proto = make_policy()
+    spec = getattr(proto, "spec", None)
+    h = int(getattr(spec, "lookahead", 0))
+    kw = dict(
+        dataset=dataset,
+        kmax=kmax,
+        split="test",
+        cost_model=cost_model,
+        lookahead=h or None,
+        drafting="block" if h else None,
+        signals=tuple(getattr(spec, "signals", ("q",))),
+    )
+    b = max(int(batch), 1)
+    envs = [gym.make("specenv/MoESpec-v1", **kw) for _ in range(min(b, len(gids)))]
+    data = envs[0].unwrapped.data
+    row_of = {int(g): i for i, g in enumerate(data.generation_ids)}
+    cost = ar = 0.0
+    for g0 in range(0, len(gids), b):
+        members = [int(g) for g in gids[g0 : g0 + b]]
+        pols = [make_policy() for _ in members]
+        obs, live = [], []
+        for env, pol, g in zip(envs, pols, members, strict=False):
+            o, _ = env.reset(seed=0, options={"generation_id": g})
+            pol.reset()
+            obs.append(o)
+            live.append(True)
+        n_tok = [
+            int(data.lengths[row_of[g]]) if max_tokens is None else min(int(max_tokens), int(data.lengths[row_of[g]]))
+            for g in members
+        ]
+        while any(live):
+            idx = [i for i, a in enumerate(live) if a]
+            ks, us, Ls = [], [], []
+            for i in idx:
+                o, _, done, _, info = envs[i].step(int(pols[i].act(obs[i])))
+                obs[i] = o
+                ks.append(int(info["k"]))
+                us.append(float(info["U_r"]))
+                Ls.append(float(info["L"]))
+                if done or info["t"] >= n_tok[i]:
+                    live[i] = False
+            top = max(max(ks), h)
+            drafted = np.full(len(ks), top, dtype=np.int64)
+            cost += batch_cost.step_ms(np.asarray(ks), drafted, np.asarray(us), np.asarray(Ls))
+        L0 = np.array([float(data.L0[row_of[g]]) for g in members])
+        n = np.array(n_tok)
+        for s in range(int(n.max())):  # the plain engine: one token per running request per step
+            on = n > s
+            ar += batch_cost.ar_ms(L0[on] + s)
+    for env in envs:
+        env.close()
     return ar / cost
 
 
@@ -283,6 +379,7 @@ def run_abtest(
     from policies import shipped_policy_dir
     from policies.bench.context import build_context
     from policies.bench.single import find_policies
+    from specenv.cost.batch import load_batch_cost_model
     from specenv.engines.vllm.bench import EngineProcess
     from specenv.engines.vllm.settings import policy_refusal
     from specenv.policy.mlp import MLPPolicy
@@ -304,6 +401,10 @@ def run_abtest(
         opts = dataclasses.replace(opts, cost_model=str(vllm_cm))
     ctx = build_context(opts.dataset, opts.kmax, opts.cost_model, None)
     kmax = ctx.kmax
+    from specenv.replay.batch import step_time_recording
+
+    batch_model_name = step_time_recording(opts.models) if any(b > 1 for b in opts.batches) else None
+    batch_model = None if batch_model_name is None else load_batch_cost_model(batch_model_name)
     test_ids = [int(g) for g in ctx.test.generation_ids][: opts.prompts]
     train_ids = [int(g) for g in ctx.train.generation_ids][: opts.train_prompts]
     cm_path = out / "cost-model.json"
@@ -395,11 +496,13 @@ def run_abtest(
             arms.append(_Arm("delta rule (oracle lambda)", "ctl", "delta", {**d, "lam_ms": float(ctx.lam_ms)}))
             arms.append(_Arm("delta rule (adaptive lambda)", "ctl", "delta", {**d, "adaptive": True}))
         if "batch" in groups:
-            if opts.models == "small-moe-v1":
+            if opts.models == "small-moe-v1" or batch_model is not None:
                 bdesc = {"kind": "batch-goodput", "u_prior": ctx.u_prior.tolist(), **pdesc}
+                if opts.models != "small-moe-v1":
+                    bdesc["batch_cost_model"] = batch_model_name
                 arms.append(_Arm("batch goodput (expert-aware, batch policy)", "ctl", "batch", bdesc))
             else:
-                notes.append(f"batch arm not run: its batch cost model is fitted for small-moe-v1, not {opts.models}")
+                notes.append(f"batch arm not run: no batch cost model is recorded for {opts.models}")
         refused: list[dict[str, str]] = []
         if "learned" in groups:
             folders: dict[str, Path] = {}
@@ -470,29 +573,38 @@ def run_abtest(
                     done += 1
                     if progress is not None:
                         progress("repeats", done, n_runs)
-        # ---- predictions
-        preds: dict[str, float] = {}
-        for arm in arms:
-            desc = arm.predict or arm.policy
-            if arm.group in ("plain", "overhead-stock") or desc is None:
-                continue
-            if desc.get("kind") == "mlp":
-                pol = MLPPolicy.load(desc["folder"])
-            else:
-                pol = replay_policy(desc, ctx.spec)
-            preds[arm.name] = predicted_speedup(opts.dataset, opts.cost_model, kmax, test_ids, pol, opts.max_tokens)
-        kpred = {
-            k: predicted_speedup(
-                opts.dataset,
-                opts.cost_model,
-                kmax,
-                test_ids,
-                replay_policy({"kind": "fixed", "k": k}, ctx.spec),
-                opts.max_tokens,
-            )
-            for k in set(best_k.values())
-        }
-        ablated = _ablations(ctx, out, arms, kmax, test_ids, best_k, opts)
+
+        # ---- predictions: per arm and batch size (batch 1: the set's cost model; B > 1: the batch step model)
+        def predict(desc: dict[str, Any], b: int, cm: str, bm: Any) -> float | None:
+            def make() -> Any:
+                return MLPPolicy.load(desc["folder"]) if desc.get("kind") == "mlp" else replay_policy(desc, ctx.spec)
+
+            if b == 1:
+                return predicted_speedup(opts.dataset, cm, kmax, test_ids, make(), opts.max_tokens)
+            if bm is None or desc.get("kind") == "batch-goodput":  # a batch policy has no per-request replay
+                return None
+            return predicted_speedup_batch(opts.dataset, cm, kmax, test_ids, make, opts.max_tokens, b, bm)
+
+        def predict_all(
+            cm: str, bm: Any
+        ) -> tuple[dict[tuple[str, int], float | None], dict[tuple[int, int], float | None]]:
+            by_arm: dict[tuple[str, int], float | None] = {}
+            for arm in arms:
+                desc = arm.predict or arm.policy
+                if arm.group in ("plain", "overhead-stock") or desc is None:
+                    continue
+                for b in opts.batches:
+                    by_arm[(arm.name, b)] = predict(desc, b, cm, bm)
+            by_k = {
+                (k, b): predict({"kind": "fixed", "k": k}, b, cm, bm)
+                for b in opts.batches
+                for k in set(best_k.values()) | ({dyn_k[b]} if b in dyn_k else set())
+            }
+            return by_arm, by_k
+
+        dyn_k = next((a.k_by_batch for a in arms if a.group == "dynamic" and a.k_by_batch), None) or {}
+        preds, kpred = predict_all(opts.cost_model, batch_model)
+        ablated = _ablations(ctx, out, opts, batch_model, predict_all)
     finally:
         engines.close()
     if engines.restarts:
@@ -503,14 +615,14 @@ def run_abtest(
     rows = _rows(arms, results, preds, kpred, opts.batches)
     for r in rows:  # the same prediction without one term of the step-time model (None: not such a model)
         if "live_speedup" in r and ablated:
-            key = f"k={r['k']}" if r.get("k") is not None and r["group"] in ("best", "dynamic") else r["arm"]
-            r["ablations"] = {
-                name: {
-                    "predicted": p.get(key),
-                    "live_over_pred": None if p.get(key) is None else r["live_speedup"] / p[key],
+            r["ablations"] = {}
+            for name, (pa, pk) in ablated.items():
+                byk = r.get("k") is not None and r["group"] in ("best", "dynamic")
+                pred = pk.get((r["k"], r["batch"])) if byk else pa.get((r["arm"], r["batch"]))
+                r["ablations"][name] = {
+                    "predicted": pred,
+                    "live_over_pred": None if pred is None else r["live_speedup"] / pred,
                 }
-                for name, p in ablated.items()
-            }
     fidelity = _fidelity(rows)
     doc = {
         "fidelity": fidelity,
@@ -527,9 +639,16 @@ def run_abtest(
         "cost_model": opts.cost_model,
         "notes": notes
         + [
-            f"predicted: replay env on the first {opts.max_tokens} recorded tokens of the same prompts, a batch-1 "
-            f"cost model ({opts.cost_model} of {opts.dataset}); the same value is shown at every batch size",
+            f"predicted: replay env on the first {opts.max_tokens} recorded tokens of the same prompts; batch 1: "
+            f"the set's cost model ({opts.cost_model} of {opts.dataset}); "
+            + (
+                f"batch > 1: the groups replayed in lockstep, every step priced by the batch step-time model "
+                f"{batch_model_name} (plain engine's batch step as the reference)"
+                if batch_model is not None
+                else f"batch > 1: no batch step-time model recorded for {opts.models}: not predicted"
+            ),
         ],
+        "batch_step_model": batch_model_name,
         "engines": engines.infos,
         "duration_s": time.time() - t_start,
     }
@@ -538,36 +657,30 @@ def run_abtest(
 
 
 def _ablations(
-    ctx: Any, out: Path, arms: list[_Arm], kmax: int, test_ids: list[int], best_k: dict[int, int], opts: AbtestOptions
-) -> dict[str, dict[str, float]]:
+    ctx: Any, out: Path, opts: AbtestOptions, batch_model: Any, predict_all: Callable[[str, Any], Any]
+) -> dict[str, tuple[dict[tuple[str, int], float | None], dict[tuple[int, int], float | None]]]:
     """Predictions of every arm with one term of a step-time cost model removed (empty for other models).
 
+    The set's B = 1 step-time model loses the term (:func:`specenv.cost.steptime.ablate`) and so does
+    the batch step model (:func:`specenv.cost.batch.ablate_batch`) when batches above 1 are predicted.
+
     Returns:
-        ``{"without U_r": {arm name or "k=K": predicted}, "without overhead": {...}}``.
+        ``{"without U_r": (per (arm, batch), per (k, batch)), "without overhead": (...)}``.
     """
+    from specenv.cost.batch import ablate_batch
     from specenv.cost.source import split_rounds
     from specenv.cost.steptime import ablate
-    from specenv.policy.mlp import MLPPolicy
 
     cm = ctx.cost_model
     if cm.ar_step is None:
         return {}
     rounds = split_rounds(ctx.traces, "train") if opts.cost_model == "fit-train" else ctx.traces.rounds
-    found: dict[str, dict[str, float]] = {}
+    found = {}
     for term in ("U_r", "overhead"):
         path = out / f"cost-model-without-{term}.json"
         ablate(cm, rounds, term).save(path)
-        preds: dict[str, float] = {}
-        for arm in arms:
-            desc = arm.predict or arm.policy
-            if arm.group in ("plain", "overhead-stock") or desc is None:
-                continue
-            pol = MLPPolicy.load(desc["folder"]) if desc.get("kind") == "mlp" else replay_policy(desc, ctx.spec)
-            preds[arm.name] = predicted_speedup(opts.dataset, str(path), kmax, test_ids, pol, opts.max_tokens)
-        for k in set(best_k.values()):
-            pol = replay_policy({"kind": "fixed", "k": k}, ctx.spec)
-            preds[f"k={k}"] = predicted_speedup(opts.dataset, str(path), kmax, test_ids, pol, opts.max_tokens)
-        found[f"without {term}"] = preds
+        bm = None if batch_model is None else ablate_batch(batch_model, term)
+        found[f"without {term}"] = predict_all(str(path), bm)
     return found
 
 
@@ -580,8 +693,8 @@ def _top_k(dataset: str) -> int | None:
 def _rows(
     arms: list[_Arm],
     results: dict[tuple[str, int], list[dict[str, Any]]],
-    preds: dict[str, float],
-    kpred: dict[int, float],
+    preds: dict[tuple[str, int], float | None],
+    kpred: dict[tuple[int, int], float | None],
     batches: list[int],
 ) -> list[dict[str, Any]]:
     fixed_of = {a.engine: a.name for a in arms if a.engine.startswith("k=")}
@@ -600,13 +713,13 @@ def _rows(
         }
         for arm in arms:
             rs = results.get((arm.name, b))
-            pred = preds.get(arm.name, 1.0 if arm.group == "plain" else None)
+            pred = preds.get((arm.name, b), 1.0 if arm.group == "plain" else None)
             if arm.k_by_batch is not None and arm.group == "best":
                 src = fixed_of.get(f"k={arm.k_by_batch[b]}")
                 rs = results.get((src, b)) if src else None
-                pred = kpred.get(arm.k_by_batch[b])
+                pred = kpred.get((arm.k_by_batch[b], b))
             elif arm.group == "dynamic":
-                pred = kpred.get(arm.k_by_batch[b]) if arm.k_by_batch else None
+                pred = kpred.get((arm.k_by_batch[b], b)) if arm.k_by_batch else None
             if arm.group == "overhead-stock":
                 pred = None
             row: dict[str, Any] = {"arm": arm.name, "batch": b, "group": arm.group}

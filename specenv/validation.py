@@ -692,6 +692,11 @@ def _models() -> dict[str, Any]:
         predictor: Literal["independent", "shared"]
         u_theta: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
 
+    class BatchArStepJSON(Strict):
+        a_ms: Annotated[float, Field(gt=0, le=BATCH_TIME_MS_MAX, allow_inf_nan=False)]
+        b_req_ms: Annotated[float, Field(ge=0, le=BATCH_TIME_MS_MAX, allow_inf_nan=False)]
+        c_ms_per_token: Annotated[float, Field(ge=0, le=BATCH_TIME_MS_MAX, allow_inf_nan=False)]
+
     class BatchCostModelJSON(Strict):
         """A batch cost model (:mod:`specenv.cost.batch`); every charged step time must be positive."""
 
@@ -702,12 +707,18 @@ def _models() -> dict[str, Any]:
         verify: BatchVerifyJSON
         draft: BatchDraftJSON
         u_batch: UBatchJSON
+        overhead: list[Annotated[float, Field(ge=0, le=BATCH_TIME_MS_MAX, allow_inf_nan=False)]] | None = None
+        ar_step: BatchArStepJSON | None = None
         source: dict[str, Any] = {}
         diagnostics: dict[str, Any] = {}
 
         @model_validator(mode="after")
         def _consistent(self) -> BatchCostModelJSON:
             n_pos = self.max_batch * (self.kmax + 1)
+            if self.overhead is not None and len(self.overhead) != self.max_batch:
+                raise ValueError(
+                    f"field 'overhead' must hold max_batch = {self.max_batch} values (got {len(self.overhead)})"
+                )
             for name in ("beta0", "alpha", "c"):
                 if len(getattr(self.verify, name)) != n_pos:
                     raise ValueError(

@@ -149,6 +149,12 @@ class BatchCostModel:
         u_theta: The exponent theta of the ``"shared"`` predictor (1.0: no sharing beyond chance).
         source: Provenance (recording, fit method, or the B = 1 model and the shape it was scaled by).
         diagnostics: Fit statistics kept with the model.
+        overhead: (max_batch,) ms the engine spends per step outside its forwards (scheduler, sampler,
+            output processing) at B = 1..max_batch requests, a term of its own in every verification
+            (:meth:`verify_from_totals`); zeros for a model of the forwards alone (the default, and every
+            model fitted before the step-time form).
+        ar_step: ``(a, b_req, c)``: the plain engine's step (no drafter loaded) ``a + b_req * (B-1) + c * sum L``,
+            the 1.0 of every batch speedup (:meth:`ar_ms`); None: the model's own k = 0 step.
     """
 
     beta0: np.ndarray
@@ -167,6 +173,8 @@ class BatchCostModel:
     u_theta: float = 1.0
     source: dict[str, Any] = field(default_factory=dict)
     diagnostics: dict[str, Any] = field(default_factory=dict)
+    overhead: np.ndarray | None = None
+    ar_step: tuple[float, float, float] | None = None
 
     def __post_init__(self) -> None:
         for name in ("kmax", "max_batch", "top_k", "n_experts", "n_layers"):
@@ -194,6 +202,16 @@ class BatchCostModel:
             raise ValueError(f"predictor={self.predictor!r}: expected one of {PREDICTORS}")
         if not 0.0 < self.u_theta <= 1.0:
             raise ValueError(f"u_theta={self.u_theta!r}: must be in (0, 1]")
+        over = np.zeros(self.max_batch) if self.overhead is None else np.array(self.overhead, dtype=np.float64)
+        if over.shape != (self.max_batch,) or not np.all(np.isfinite(over)) or (over < 0).any():
+            raise ValueError(f"overhead: expected {self.max_batch} finite values >= 0 (one per batch size)")
+        over.flags.writeable = False
+        object.__setattr__(self, "overhead", over)
+        if self.ar_step is not None:
+            a, b, c = (float(x) for x in self.ar_step)
+            if not (np.isfinite([a, b, c]).all() and a > 0 and b >= 0 and c >= 0):
+                raise ValueError(f"ar_step={self.ar_step!r}: need a > 0 and b_req, c >= 0 (finite)")
+            object.__setattr__(self, "ar_step", (a, b, c))
 
     # ------------------------------------------------------------- sizes
     @property
@@ -246,14 +264,17 @@ class BatchCostModel:
             context_sum: Sum of the requests' context lengths.
 
         Returns:
-            ``beta0[P-1] + alpha[P-1] * u_batch + c[P-1] * context_sum + b_req * (B-1)`` in ms.
+            ``beta0[P-1] + alpha[P-1] * u_batch + c[P-1] * context_sum + b_req * (B-1) + overhead[B-1]`` in ms.
         """
         P = np.asarray(positions, dtype=np.int64)
         if P.size and (P.min() < 1 or P.max() > self.max_positions):
             raise ValueError(f"positions must be in 1..{self.max_positions} (max_batch * (kmax+1))")
         i = P - 1
-        B = np.asarray(requests, dtype=np.float64)
-        return self.beta0[i] + self.alpha[i] * u_batch + self.c[i] * context_sum + self.b_req * (B - 1.0)
+        nreq = np.asarray(requests, dtype=np.int64)
+        B = nreq.astype(np.float64)
+        assert self.overhead is not None  # __post_init__ fills it
+        over = self.overhead[np.clip(nreq, 1, self.max_batch) - 1]
+        return self.beta0[i] + self.alpha[i] * u_batch + self.c[i] * context_sum + self.b_req * (B - 1.0) + over
 
     def verify_ms(self, k: np.ndarray, u: np.ndarray, context: np.ndarray, u_batch: float | None = None) -> float:
         """Target verification time of one step.
@@ -320,6 +341,9 @@ class BatchCostModel:
         """
         context = _as_1d("context", context, np.float64)
         B = len(context)
+        if self.ar_step is not None:  # the plain engine's measured step
+            a, b, c = self.ar_step
+            return float(a + b * (B - 1) + c * float(context.sum()))
         return self.verify_ms(np.zeros(B, np.int64), np.full(B, float(self.top_k)), context)
 
     # ------------------------------------------------------------- construction
@@ -461,6 +485,16 @@ class BatchCostModel:
             },
             "draft": {"d0": self.d0, "d_step": self.d_step, "d_tok": self.d_tok},
             "u_batch": {"predictor": self.predictor, "u_theta": self.u_theta},
+            **(
+                {"overhead": [float(x) for x in self.overhead]}
+                if self.overhead is not None and self.overhead.any()
+                else {}
+            ),
+            **(
+                {"ar_step": dict(zip(("a_ms", "b_req_ms", "c_ms_per_token"), self.ar_step, strict=True))}
+                if self.ar_step is not None
+                else {}
+            ),
             "source": self.source,
             "diagnostics": self.diagnostics,
         }
@@ -492,6 +526,8 @@ class BatchCostModel:
             u_theta=m.u_batch.u_theta,
             source=dict(m.source),
             diagnostics=dict(m.diagnostics),
+            overhead=None if m.overhead is None else np.array(m.overhead, dtype=np.float64),
+            ar_step=None if m.ar_step is None else (m.ar_step.a_ms, m.ar_step.b_req_ms, m.ar_step.c_ms_per_token),
         )
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -586,6 +622,26 @@ def load_batch_cost_model(name_or_path: str | os.PathLike[str] = SHIPPED) -> Bat
     if path.is_dir():
         path = path / MODEL_FILE
     return BatchCostModel.load(path)
+
+
+def ablate_batch(model: BatchCostModel, term: str) -> BatchCostModel:
+    """The batch step model without one term, for the sim-to-real ablations (``specenv abtest``).
+
+    ``"U_r"``: no expert-union term; every step size's intercept absorbs ``alpha * U`` at the mean
+    union of the recording (``diagnostics.summary.U_batch_mean``; the midpoint of ``[top_k, n]`` for a
+    model without it), so a step of average union costs the same and the union no longer matters.
+    ``"overhead"``: no per-step engine overhead. The AR reference (the plain engine's step) is kept.
+
+    Raises:
+        ValueError: An unknown term.
+    """
+    if term == "overhead":
+        return model.replace(overhead=np.zeros(model.max_batch))
+    if term == "U_r":
+        u_mean = model.diagnostics.get("summary", {}).get("U_batch_mean")
+        u = float(u_mean) if u_mean is not None else 0.5 * (model.top_k + model.n_experts)
+        return model.replace(beta0=model.beta0 + model.alpha * u, alpha=np.zeros_like(model.alpha))
+    raise ValueError(f"term={term!r}: expected 'U_r' or 'overhead'")
 
 
 _SHAPE: list[BatchShape] = []

@@ -56,6 +56,7 @@ __all__ = [
     "fit_theta",
     "format_report",
     "load_steps",
+    "summarize_plain_batch",
     "write_steps",
 ]
 
@@ -84,6 +85,9 @@ SCALARS = {
 #: List columns (one entry per request of the step; ``U_batch_layer``: one per MoE layer).
 LISTS = {"k": "i", "U": "f", "L": "i", "accepted": "i", "U_batch_layer": "f"}
 STEP_COLUMNS = (*SCALARS, *LISTS)
+#: Optional columns: ``engine_step_ms``, the wall time of the whole ``engine.step()`` that ran the step
+#: (recordings made since the step-time model; it feeds the per-step overhead of ``timing="step"``).
+OPTIONAL = {"engine_step_ms": "f"}
 #: The verification forms compared (name -> terms); the first is the model's.
 VERIFY_FORMS: dict[str, tuple[str, ...]] = {
     "P + U_batch + sumL + (B-1)": ("P", "U_batch", "sumL", "B-1"),
@@ -125,7 +129,9 @@ def check_steps(steps: pd.DataFrame, manifest: dict[str, Any], file: str = STEPS
             raise _err(file, "missing required column", col)
         if steps[col].isna().any():
             raise _err(file, "null value", col, _first_bad(steps[col].isna().to_numpy()))
-    for col, kind in SCALARS.items():
+    for col, kind in (SCALARS | {c: k for c, k in OPTIONAL.items() if c in steps.columns}).items():
+        if col in OPTIONAL and steps[col].isna().any():
+            raise _err(file, "null value", col, _first_bad(steps[col].isna().to_numpy()))
         v = steps[col].to_numpy()
         if kind == "s":
             if not all(isinstance(x, str) for x in v):
@@ -170,13 +176,14 @@ def check_steps(steps: pd.DataFrame, manifest: dict[str, Any], file: str = STEPS
             raise _err(file, "must be the mean of U_batch_layer", "U_batch", r)
     from specenv.validation import TIME_MS_MAX
 
-    for col in ("T_T_ms", "step_ms"):
+    positive = ("T_T_ms", "step_ms", *(c for c in OPTIONAL if c in steps.columns))
+    for col in positive:
         if (bad := steps[col].to_numpy() <= 0).any():
             raise _err(file, "must be > 0", col, _first_bad(bad))
     for col in ("T_D_ms", "T_T_cpu_ms", "T_D_cpu_ms", "draft_calls"):
         if (bad := steps[col].to_numpy() < 0).any():
             raise _err(file, "must be >= 0", col, _first_bad(bad))
-    for col in ("T_T_ms", "step_ms", "T_D_ms", "T_T_cpu_ms", "T_D_cpu_ms"):
+    for col in (*positive, "T_D_ms", "T_T_cpu_ms", "T_D_cpu_ms"):
         if (bad := steps[col].to_numpy(np.float64) > TIME_MS_MAX).any():
             raise _err(file, f"must be at most {TIME_MS_MAX:g} ms (not a plausible step time)", col, _first_bad(bad))
 
@@ -217,7 +224,8 @@ def write_steps(
     report = (
         fit_batch_cost(steps, manifest, source={"recording": str(manifest.get("name", folder.name))}) if fit else None
     )
-    table = pa.Table.from_pandas(steps[list(STEP_COLUMNS)], preserve_index=False)
+    cols = [*STEP_COLUMNS, *(c for c in OPTIONAL if c in steps.columns)]
+    table = pa.Table.from_pandas(steps[cols], preserve_index=False)
     with atomic_dir(folder, replace=replace) as tmp:
         pq.write_table(table, tmp / STEPS_FILE, compression="zstd", compression_level=9)
         manifest["files"] = {"steps": {"path": STEPS_FILE, "sha256": sha256_file(tmp / STEPS_FILE), "rows": len(steps)}}
@@ -276,6 +284,56 @@ def load_steps(path: str | os.PathLike[str]) -> tuple[pd.DataFrame, dict[str, An
         raise _err(str(file), f"not a readable Parquet file ({str(exc).splitlines()[0][:200]})") from None
     check_steps(steps, obj, str(file))
     return steps, obj
+
+
+def summarize_plain_batch(plain: pd.DataFrame) -> dict[str, Any]:
+    """The batch AR reference: a plain engine's (no drafter loaded) decode steps and their line.
+
+    ``step_ms = a + b_req * (B - 1) + c * sum L`` by least squares with ``b_req, c >= 0`` (a step
+    never gets cheaper with more requests or context: a negative estimate is noise and is fixed at
+    0, as :func:`_nonneg_ols` does), fitted on the rows of
+    :func:`specenv.engines.vllm.batchrec.record_plain_steps` (``B``, ``context_sum``,
+    ``engine_step_ms``). It is the 1.0 of every batch speedup of the step-time model
+    (:meth:`specenv.cost.batch.BatchCostModel.ar_ms`), as ``manifest.extra.ar_reference`` is for a
+    trace set's B = 1 step-time model (:mod:`specenv.cost.steptime`).
+
+    Returns:
+        ``engine``, ``steps``, ``a_ms``, ``b_req_ms``, ``c_ms_per_token``, ``r2``, and ``per_batch``:
+        per B the steps, mean and median step time and mean context sum.
+
+    Raises:
+        ValueError: Fewer than 3 steps, or a step time that is not positive and finite.
+    """
+    y = plain["engine_step_ms"].to_numpy(np.float64)
+    if len(y) < 3:
+        raise ValueError(f"the plain engine timed {len(y)} steps: too few for the batch AR reference")
+    if not np.all(np.isfinite(y)) or (y <= 0).any():
+        raise ValueError("plain steps, column engine_step_ms: every step time must be finite and > 0")
+    B = plain["B"].to_numpy(np.float64)
+    L = plain["context_sum"].to_numpy(np.float64)
+    X = np.column_stack([np.ones_like(y), B - 1.0, L])
+    beta = _lstsq_nonneg(X, y)
+    resid = y - X @ beta
+    tss = float(((y - y.mean()) ** 2).sum())
+    per = [
+        {
+            "B": int(b),
+            "steps": int((B == b).sum()),
+            "mean_ms": float(y[B == b].mean()),
+            "median_ms": float(np.median(y[B == b])),
+            "context_sum_mean": float(L[B == b].mean()),
+        }
+        for b in np.unique(B)
+    ]
+    return {
+        "engine": "vLLM, the target alone (no speculative config), greedy, B concurrent requests",
+        "steps": int(len(y)),
+        "a_ms": float(beta[0]),
+        "b_req_ms": float(beta[1]),
+        "c_ms_per_token": float(beta[2]),
+        "r2": float(1.0 - float(resid @ resid) / tss) if tss > 0 else 0.0,
+        "per_batch": per,
+    }
 
 
 # ---------------------------------------------------------------------- the fit
@@ -413,7 +471,43 @@ class BatchFitReport:
 
 
 #: Which recorded times a fit prices: the CPU time of the forwards' thread, or their wall time.
-TIMINGS: dict[str, tuple[str, str]] = {"cpu": ("T_T_cpu_ms", "T_D_cpu_ms"), "wall": ("T_T_ms", "T_D_ms")}
+TIMINGS: dict[str, tuple[str, str]] = {
+    "cpu": ("T_T_cpu_ms", "T_D_cpu_ms"),
+    "wall": ("T_T_ms", "T_D_ms"),
+    "step": ("T_T_ms", "T_D_ms"),
+}
+
+
+def step_overhead_by_batch(steps: pd.DataFrame, max_batch: int) -> tuple[np.ndarray, dict[str, Any]]:
+    """Per batch size B the mean of ``engine_step_ms - T_T_ms - T_D_ms``: the step outside its forwards.
+
+    Batch sizes without steps take the linear interpolation between the recorded ones (the nearest
+    at the ends).
+
+    Raises:
+        ValueError: No ``engine_step_ms`` column, or a mean below 0 (the clocks disagree), named with B.
+    """
+    if "engine_step_ms" not in steps.columns:
+        raise _err(STEPS_FILE, "missing (the step-time fit needs the whole engine step's wall time)", "engine_step_ms")
+    rest = (steps["engine_step_ms"] - steps["T_T_ms"] - steps["T_D_ms"]).to_numpy(np.float64)
+    B = steps["B"].to_numpy(np.int64)
+    seen = np.unique(B)
+    means = np.array([rest[B == b].mean() for b in seen])
+    if (means < 0).any():
+        b = int(seen[np.flatnonzero(means < 0)[0]])
+        raise _err(
+            STEPS_FILE,
+            f"at B={b} the engine step is shorter than its forwards on average: the clocks disagree",
+            "engine_step_ms",
+        )
+    over = np.interp(np.arange(1, max_batch + 1), seen, means)
+    sd = [float(rest[B == b].std(ddof=1)) if (B == b).sum() > 1 else 0.0 for b in seen]
+    return over, {
+        "B": seen.tolist(),
+        "mean_ms": means.tolist(),
+        "sd_ms": sd,
+        "steps": [int((B == b).sum()) for b in seen],
+    }
 
 
 def fit_batch_cost(
@@ -431,7 +525,11 @@ def fit_batch_cost(
         n_splits: GroupKFold folds (by group).
         source: Provenance stored in the model.
         timing: ``"cpu"`` (default: the forwards' thread CPU time, the work without the time other
-            processes of a shared machine took) or ``"wall"`` (their wall time, as the B = 1 fits).
+            processes of a shared machine took), ``"wall"`` (their wall time, as the B = 1 fits) or
+            ``"step"``: what a user waits for, the step-time model (the forwards' wall times, the
+            engine's per-step overhead by batch size as a term of its own, :func:`step_overhead_by_batch`,
+            and the plain engine's step ``manifest.extra.ar_reference`` as the AR reference; needs
+            ``engine_step_ms`` and that reference, :func:`summarize_plain_batch`).
 
     Returns:
         The :class:`BatchFitReport`.
@@ -462,6 +560,16 @@ def fit_batch_cost(
         if np.ptp(y) == 0:
             raise _err(STEPS_FILE, f"is constant ({y[0]:g} ms in every step): no timing variation to fit", col)
     y_s = y_t + y_d
+    overhead, over_diag, ar_step = None, None, None
+    if timing == "step":
+        ref = manifest.get("extra", {}).get("ar_reference")
+        if not isinstance(ref, dict) or not {"a_ms", "b_req_ms", "c_ms_per_token"} <= set(ref):
+            raise ValueError(
+                "manifest.json, extra.ar_reference: missing (the step-time fit needs the plain engine's batch "
+                "steps: record with scripts/collect_vllm_batch.py --plain)"
+            )
+        overhead, over_diag = step_overhead_by_batch(steps, int(manifest["max_batch"]))
+        ar_step = (float(ref["a_ms"]), float(ref["b_req_ms"]), float(ref["c_ms_per_token"]))
     u = _u_matrix(steps)
     ub = steps["U_batch"].to_numpy(np.float64)
     multi = steps["B"].to_numpy() >= 2
@@ -511,6 +619,11 @@ def fit_batch_cost(
             pu = ub[te] if p == "exact" else _predict_u(p, u[te], n, theta)
             pred_u[p][te] = pu
             pred_v[p][te] = _design(steps.iloc[te], main_terms, pu) @ beta
+    pred_o = np.zeros_like(ub)  # the per-step overhead by B, from the training folds (timing="step")
+    if overhead is not None:
+        for tr, te in folds:
+            o_tr, _ = step_overhead_by_batch(steps.iloc[tr], int(manifest["max_batch"]))
+            pred_o[te] = o_tr[steps["B"].to_numpy(np.int64)[te] - 1]
     pred_rows = []
     for p in pred_u:
         eu = _errors(ub[multi], pred_u[p][multi])
@@ -563,6 +676,7 @@ def fit_batch_cost(
         "B_range": [int(steps["B"].min()), int(steps["B"].max())],
         "positions_range": [int(steps["positions"].min()), int(steps["positions"].max())],
         "context_mean": float(np.mean(np.concatenate([np.asarray(x, float) for x in steps["L"]]))),
+        "U_batch_mean": float(ub.mean()),
         "verify_R2": float(vres.rsquared),
         "draft_R2": float(dres.rsquared),
         "draft_oos_mape_pct": _errors(y_d, pred_d)["mape_pct"],
@@ -582,6 +696,16 @@ def fit_batch_cost(
         "n_splits": n_splits,
         "load": manifest.get("extra", {}).get("machine", {}),
     }
+    if overhead is not None:
+        eng = steps["engine_step_ms"].to_numpy(np.float64)
+        chosen_v = pred_v[str(best)]
+        summary["engine_step"] = {
+            "overhead_by_batch": over_diag,
+            "ar_reference": manifest["extra"]["ar_reference"],
+            # out of sample: the whole engine step against forwards + overhead (GroupKFold, predicted union)
+            "oos_mape_pct": _errors(eng, chosen_v + pred_d + pred_o)["mape_pct"],
+            "oos_mape_pct_without_overhead": _errors(eng, chosen_v + pred_d)["mape_pct"],
+        }
     model = BatchCostModel.linear(
         b0=b0,
         b_pos=b_pos,
@@ -598,7 +722,9 @@ def fit_batch_cost(
         n_layers=int(model_facts["n_layers"]),
         predictor=str(best),
         u_theta=theta_all if best == "shared" else 1.0,
-        source=dict(source or {}) | {"kind": "fit", "method": "specenv.cost.batchfit.fit_batch_cost"},
+        source=dict(source or {}) | {"kind": "fit", "method": "specenv.cost.batchfit.fit_batch_cost", "timing": timing},
+        overhead=overhead,
+        ar_step=ar_step,
         diagnostics={
             "summary": summary,
             "coefficients": json.loads(coefficients.to_json(orient="records")),

@@ -65,6 +65,7 @@ __all__ = [
     "fitted_batch_cost",
     "request_draws",
     "request_seeds",
+    "step_time_recording",
 ]
 
 #: Seeds of the requests are drawn in ``[0, SEED_HIGH)``.
@@ -173,31 +174,55 @@ def batch_cost_for(
     return model
 
 
-def fitted_batch_cost(traces: Any, batch_size: int) -> BatchCostModel | None:
-    """The shipped batch fit when it was measured on the engine and models of this set, else None.
+#: The shipped batch recordings (vLLM 0.32 on CPU): the small models' (forward CPU times) and
+#: ``wide-moe-v1``'s (the step-time model: forwards, per-step overhead by B, the plain engine's step).
+RECORDINGS = (SHIPPED, "live-vllm-wide-batch-v1")
 
-    The shipped recording (:data:`specenv.cost.batch.SHIPPED`, vLLM 0.32 on CPU with the shipped small
-    models) prices a set recorded by vLLM (manifest ``source == "vllm"``) on the same models (its
-    ``profile`` names them, e.g. ``small-moe-v1``; same experts, layers and top-k), when B is within
-    the recording's batch sizes. Any other set is priced by the scaled form.
-    """
-    rec = package_data(SHIPPED)
+
+def _recording_models(name: str) -> tuple[str, dict[str, Any]] | None:
     try:
-        info = read_json(rec / "manifest.json", what="batch recording manifest")
+        info = read_json(package_data(name) / "manifest.json", what="batch recording manifest")
     except (OSError, ValueError):
         return None
-    models = str(info.get("extra", {}).get("models", ""))
+    return str(info.get("extra", {}).get("models", "")), info
+
+
+def step_time_recording(models: str) -> str | None:
+    """The shipped batch recording of a model set whose fit is a step-time model (``timing="step"``), else None.
+
+    ``specenv abtest`` predicts its batches above 1 with it (:func:`specenv.abtest.predicted_speedup_batch`).
+    """
+    for name in RECORDINGS:
+        found = _recording_models(name)
+        if found is not None and found[0] == models and load_batch_cost_model(name).ar_step is not None:
+            return name
+    return None
+
+
+def fitted_batch_cost(traces: Any, batch_size: int) -> BatchCostModel | None:
+    """The shipped batch fit measured on the engine and models of this set, else None.
+
+    A shipped recording (:data:`RECORDINGS`: vLLM 0.32 on CPU, the shipped small models and
+    ``wide-moe-v1``) prices a set recorded by vLLM (manifest ``source == "vllm"``) on the same models
+    (its ``profile`` names them, e.g. ``small-moe-v1``; same experts, layers and top-k), when B is
+    within the recording's batch sizes. Any other set is priced by the scaled form.
+    """
     facts = traces.facts
-    same = (
-        traces.manifest.source == "vllm"
-        and models
-        and str(traces.manifest.profile).startswith(models)
-        and info.get("model") == {"n_layers": facts.n_layers, "n_experts": facts.n_experts, "top_k": facts.top_k}
-    )
-    if not same:
-        return None
-    model = load_batch_cost_model(rec)
-    return model if model.max_batch >= batch_size and model.kmax >= traces.kmax else None
+    for name in RECORDINGS:
+        found = _recording_models(name)
+        if found is None:
+            continue
+        models, info = found
+        same = (
+            traces.manifest.source == "vllm"
+            and models
+            and str(traces.manifest.profile).startswith(models)
+            and info.get("model") == {"n_layers": facts.n_layers, "n_experts": facts.n_experts, "top_k": facts.top_k}
+        )
+        if same:
+            model = load_batch_cost_model(package_data(name))
+            return model if model.max_batch >= batch_size and model.kmax >= traces.kmax else None
+    return None
 
 
 def allocate_budget(scores: np.ndarray, budget: int) -> np.ndarray:

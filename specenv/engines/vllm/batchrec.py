@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-__all__ = ["STEP_COLUMNS", "RandomK", "record_batch_steps", "step_row"]
+__all__ = ["PLAIN_COLUMNS", "STEP_COLUMNS", "RandomK", "record_batch_steps", "record_plain_steps", "step_row"]
 
 #: Columns of the steps table (one row per pure engine step).
 STEP_COLUMNS = (
@@ -187,6 +187,7 @@ def record_batch_steps(
     kmax: int,
     seed: int = 0,
     progress: Callable[[int, int, str], None] | None = None,
+    between: Callable[[int, int, list[list[int]]], None] | None = None,
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Run groups of B concurrent requests on a controller engine and record its pure steps.
 
@@ -200,9 +201,12 @@ def record_batch_steps(
         kmax: ``num_speculative_tokens`` of the engine.
         seed: Seed of the draft-length and k draws.
         progress: Called as ``progress(done, total, what)``.
+        between: Called as ``between(rep, B, prompts)`` after every group (the collection script runs
+            the same group on a plain engine there: interleaved, the same load).
 
     Returns:
-        ``(steps, stats)``: the steps table (:data:`STEP_COLUMNS`) and counts (steps kept, dropped).
+        ``(steps, stats)``: the steps table (:data:`STEP_COLUMNS` and ``engine_step_ms``, the wall time
+        of the whole ``engine.step()`` that ran the row's step) and counts (steps kept, dropped).
     """
     from vllm import SamplingParams
 
@@ -228,7 +232,9 @@ def record_batch_steps(
                 chosen = [list(prompts[(cursor + i) % len(prompts)]) for i in range(B)]
                 cursor += B
                 rec.label = {"run": f"rep{rep}", "batch": int(B), "group": group}
-                llm.generate([{"prompt_token_ids": p} for p in chosen], sp, use_tqdm=False)
+                _run_group(llm, chosen, sp, f"specenv-batchrec-{group}", rec.rows)
+                if between is not None:
+                    between(rep, int(B), chosen)
                 group += 1
                 done += 1
     finally:
@@ -236,5 +242,76 @@ def record_batch_steps(
         ctl.set_policy(saved[3])
     if progress:
         progress(total, total, "done")
-    steps = pd.DataFrame(rec.rows, columns=list(STEP_COLUMNS))
+    steps = pd.DataFrame(rec.rows, columns=[*STEP_COLUMNS, "engine_step_ms"])
     return steps, {"steps": len(steps), "dropped_steps": rec.dropped, "groups": group}
+
+
+def _run_group(llm: Any, prompts: list[list[int]], sp: Any, prefix: str, rows: list[dict[str, Any]]) -> None:
+    """Serve one group to the end, stepping the engine as ``LLM.generate`` does and timing every step.
+
+    The rows the controller's callbacks appended during a step get ``engine_step_ms``: the wall time
+    of the whole ``engine.step()`` (schedule, forwards, sampler, output processing), what a user of
+    the engine waits for; ``step_ms`` (schedule to the forward's callback) misses the output side.
+    """
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{prefix}-{i}", {"prompt_token_ids": list(p)}, sp)
+    while engine.has_unfinished_requests():
+        n0 = len(rows)
+        t0 = time.perf_counter()
+        engine.step()
+        dt = (time.perf_counter() - t0) * 1e3
+        for row in rows[n0:]:
+            row["engine_step_ms"] = dt
+
+
+#: Columns of the plain engine's steps table (:func:`record_plain_steps`).
+PLAIN_COLUMNS = ("run", "batch", "group", "B", "context_sum", "engine_step_ms")
+
+
+def record_plain_steps(
+    llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int, run: str, batch: int, group: int
+) -> list[dict[str, Any]]:
+    """One group of concurrent greedy requests on a *plain* engine (no drafter loaded), every decode step timed.
+
+    The batch AR reference: the same prompts, the same ``max_tokens`` (``ignore_eos``), so every step
+    after the prefill commits one token per running request. A step that runs a prefill (the first;
+    a chunked prefill's later ones) is not kept: a step is kept when every running request had
+    already produced a token before it.
+
+    Returns:
+        One row per decode step (:data:`PLAIN_COLUMNS`): ``B`` running requests, ``context_sum`` (sum of
+        their context lengths before the step), ``engine_step_ms`` (wall time of ``engine.step()``).
+    """
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True, detokenize=False)
+    lens = {}
+    for i, p in enumerate(prompts):
+        rid = f"specenv-plainrec-{group}-{i}"
+        engine.add_request(rid, {"prompt_token_ids": list(p)}, sp)
+        lens[rid] = [len(p), 0]  # prompt tokens, output tokens so far
+    rows: list[dict[str, Any]] = []
+    while engine.has_unfinished_requests():
+        running = [r for r, (_, n) in lens.items() if n >= 0]
+        decode = all(lens[r][1] > 0 for r in running)
+        ctx = sum(lens[r][0] + lens[r][1] for r in running)
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = (time.perf_counter() - t0) * 1e3
+        for out in outs:
+            if out.request_id in lens:
+                lens[out.request_id][1] = -1 if out.finished else len(out.outputs[0].token_ids)
+        if decode and running:
+            rows.append(
+                {
+                    "run": run,
+                    "batch": int(batch),
+                    "group": int(group),
+                    "B": len(running),
+                    "context_sum": ctx,
+                    "engine_step_ms": dt,
+                }
+            )
+    return rows

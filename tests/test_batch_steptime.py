@@ -1,0 +1,199 @@
+"""The batch step-time model: the engine's per-step overhead by batch size, the plain engine's batch step,
+and the A/B's prediction of a group of B requests replayed in lockstep (no engines).
+
+Every expectation is computed here from the hand-built inputs (a recording with known overheads, a plain
+engine with a known line, a greedy set whose rounds at fixed k are walked by hand).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from specenv.abtest import predicted_speedup_batch, replay_policy
+from specenv.cost.batch import BatchCostModel, ablate_batch
+from specenv.cost.batchfit import fit_batch_cost, summarize_plain_batch
+from specenv.traces.datasets import load_dataset
+from specenv.traces.splits import select_split
+from tests.test_batchfit import FACTS, _synthetic
+from tests.test_steptime import KMAX, recorded
+
+A, B_REQ, C = 9.0, 1.25, 0.002  # the plain engine's step: a + b_req (B-1) + c sum L
+
+
+def _overhead(B: np.ndarray) -> np.ndarray:
+    return 2.0 + 0.5 * (np.asarray(B, dtype=np.float64) - 1.0) ** 1.2
+
+
+def _plain_rows(noise: bool = False) -> pd.DataFrame:
+    rng = np.random.default_rng(3)
+    rows = []
+    for B in (1, 2, 4, 8):
+        for s in range(30):
+            sL = int(B * (100 + s))
+            y = A + B_REQ * (B - 1) + C * sL
+            rows.append({"B": B, "context_sum": sL, "engine_step_ms": y * (rng.lognormal(0, 0.02) if noise else 1.0)})
+    return pd.DataFrame(rows)
+
+
+def _recording() -> tuple[pd.DataFrame, dict]:
+    steps, manifest = _synthetic(theta=0.5)
+    steps = steps.copy()
+    steps["engine_step_ms"] = steps["T_T_ms"] + steps["T_D_ms"] + _overhead(steps["B"])
+    manifest = dict(manifest)
+    manifest["extra"] = dict(manifest.get("extra", {})) | {"ar_reference": summarize_plain_batch(_plain_rows())}
+    return steps, manifest
+
+
+def test_plain_line_is_recovered_and_a_negative_slope_is_zero() -> None:
+    ref = summarize_plain_batch(_plain_rows())
+    assert ref["a_ms"] == pytest.approx(A, rel=1e-9)
+    assert ref["b_req_ms"] == pytest.approx(B_REQ, rel=1e-9)
+    assert ref["c_ms_per_token"] == pytest.approx(C, rel=1e-9)
+    assert [p["B"] for p in ref["per_batch"]] == [1, 2, 4, 8] and ref["steps"] == 120
+    # a plain step that gets cheaper with more requests: noise, the slope is fixed at 0 (as the B = 1 reference)
+    falling = pd.DataFrame({"B": [1, 2, 3, 4] * 5, "context_sum": [100] * 20, "engine_step_ms": [10, 9.5, 9, 8.5] * 5})
+    assert summarize_plain_batch(falling)["b_req_ms"] == 0.0
+    with pytest.raises(ValueError, match="too few"):
+        summarize_plain_batch(falling.head(2))
+
+
+def test_step_fit_has_the_overhead_by_batch_size_and_the_plain_reference() -> None:
+    steps, manifest = _recording()
+    rep = fit_batch_cost(steps, manifest, timing="step")
+    m = rep.model
+    seen = sorted(set(steps["B"]))
+    np.testing.assert_allclose(m.overhead[np.array(seen) - 1], _overhead(np.array(seen)), rtol=1e-9)
+    assert m.ar_step == pytest.approx((A, B_REQ, C), rel=1e-9)
+    ctx = np.array([120.0, 250.0, 90.0])
+    assert m.ar_ms(ctx) == pytest.approx(A + B_REQ * 2 + C * ctx.sum(), rel=1e-9)
+    # the overhead is a term of every verification: the step-time model is the wall model plus it, by B
+    wall = fit_batch_cost(steps, manifest, timing="wall").model
+    k, u, L = np.array([3, 0, 5]), np.array([9.0, 4.0, 12.0]), np.array([120.0, 300.0, 80.0])
+    want = wall.verify_ms(k, u, L) + _overhead(3)
+    assert m.verify_ms(k, u, L) == pytest.approx(want, rel=1e-9)
+    # out of sample the whole engine step is predicted better with the overhead than without it
+    eng = rep.summary["engine_step"]
+    assert eng["oos_mape_pct"] < eng["oos_mape_pct_without_overhead"]
+    # the JSON round trip keeps both terms
+    back = BatchCostModel.from_json(json.loads(json.dumps(m.to_json())))
+    np.testing.assert_array_equal(back.overhead, m.overhead)
+    assert back.ar_step == m.ar_step
+
+
+def test_step_fit_refuses_a_recording_without_what_it_needs() -> None:
+    steps, manifest = _recording()
+    with pytest.raises(ValueError, match="engine_step_ms"):
+        fit_batch_cost(steps.drop(columns=["engine_step_ms"]), manifest, timing="step")
+    bare = dict(manifest) | {"extra": {}}
+    with pytest.raises(ValueError, match="ar_reference"):
+        fit_batch_cost(steps, bare, timing="step")
+    bad = steps.copy()
+    bad["engine_step_ms"] = bad["T_T_ms"]  # shorter than its forwards: the clocks disagree
+    with pytest.raises(ValueError, match="clocks disagree"):
+        fit_batch_cost(bad, manifest, timing="step")
+
+
+def test_model_checks_and_ablations() -> None:
+    kw = dict(b0=2.0, b_pos=0.1, alpha=0.3, c=0.001, b_req=0.2, d0=0.5, d_step=1.0, d_tok=0.1)
+    kw |= dict(kmax=4, max_batch=4, top_k=4, n_experts=64, n_layers=6, predictor="independent")
+    with pytest.raises(ValueError, match="overhead"):
+        BatchCostModel.linear(**kw, overhead=np.ones(3))
+    with pytest.raises(ValueError, match="ar_step"):
+        BatchCostModel.linear(**kw, ar_step=(0.0, 1.0, 0.0))
+    m = BatchCostModel.linear(**kw, overhead=np.array([1.0, 2.0, 3.0, 4.0]), ar_step=(8.0, 1.0, 0.0))
+    m = m.replace(diagnostics={"summary": {"U_batch_mean": 20.0}})
+    k, L = np.array([2, 1]), np.array([100.0, 50.0])
+    no_over = ablate_batch(m, "overhead")
+    assert m.verify_ms(k, np.array([8.0, 6.0]), L, u_batch=13.0) - no_over.verify_ms(
+        k, np.array([8.0, 6.0]), L, u_batch=13.0
+    ) == pytest.approx(2.0)
+    no_u = ablate_batch(m, "U_r")
+    # at the recording's mean union the step costs the same; the union no longer matters
+    assert no_u.verify_ms(k, np.array([8.0, 6.0]), L, u_batch=20.0) == pytest.approx(
+        m.verify_ms(k, np.array([8.0, 6.0]), L, u_batch=20.0)
+    )
+    assert no_u.verify_ms(k, np.array([8.0, 6.0]), L, u_batch=5.0) == no_u.verify_ms(
+        k, np.array([8.0, 6.0]), L, u_batch=40.0
+    )
+    assert no_u.ar_ms(L) == m.ar_ms(L) == 9.0 + 0.0  # the plain reference is kept
+    with pytest.raises(ValueError, match="term"):
+        ablate_batch(m, "c")
+    # a JSON file with a bad overhead is one line naming the field
+    doc = m.to_json()
+    doc["overhead"] = [1.0, 2.0]
+    with pytest.raises(ValueError, match="overhead"):
+        BatchCostModel.from_json(doc, "bc.json")
+
+
+def _hand_lockstep(arr, gids: list[int], k: int, bm: BatchCostModel, batch: int, max_tokens: int) -> float:
+    """Fixed k on a greedy set, walked here from the tables: rounds, lockstep steps, the plain engine's steps."""
+    row_of = {int(g): i for i, g in enumerate(arr.generation_ids)}
+    n_u = float(bm.n_experts)
+    cost = ar = 0.0
+    for g0 in range(0, len(gids), batch):
+        members = [row_of[g] for g in gids[g0 : g0 + batch]]
+        t = {i: 0 for i in members}
+        N = {i: int(arr.offsets[i + 1] - arr.offsets[i]) for i in members}
+        stop = {i: min(N[i], max_tokens) for i in members}
+        live = list(members)
+        while live:
+            ks, us, Ls = [], [], []
+            for i in list(live):
+                row = int(arr.offsets[i]) + t[i]
+                acc = 0
+                while acc < k and arr.rho[row, acc] == 1.0:  # greedy: the leading accepted drafts
+                    acc += 1
+                ks.append(k)
+                us.append(float(arr.U[row, k]))
+                Ls.append(float(arr.L[row]))
+                t[i] += min(acc + 1, N[i] - t[i])
+                if t[i] >= stop[i]:
+                    live.remove(i)
+            u = np.array(us)
+            ub = n_u * (1.0 - np.prod(1.0 - u / n_u))  # the independent union
+            P, B = sum(ks) + len(ks), len(ks)
+            verify = bm.beta0[P - 1] + bm.alpha[P - 1] * ub + bm.c[P - 1] * sum(Ls) + bm.b_req * (B - 1)
+            draft = bm.d0 + bm.d_step * k + bm.d_tok * k * B if k else 0.0
+            cost += verify + bm.overhead[B - 1] + draft
+        L0 = np.array([float(arr.L[int(arr.offsets[i])]) for i in members])
+        n = np.array([stop[i] for i in members])
+        a, b_req, c = bm.ar_step
+        for s in range(int(n.max())):
+            on = n > s
+            ar += a + b_req * (on.sum() - 1) + c * float((L0[on] + s).sum())
+    return ar / cost
+
+
+def test_batch_prediction_of_fixed_k_is_the_hand_walked_lockstep(tmp_path: Path) -> None:
+    from policies.bench.context import build_context
+    from specenv.generator import generate_paper
+
+    ts = generate_paper(24, kmax=KMAX, seed=4, greedy=True, name="steps-greedy")
+    path = recorded(tmp_path, "steps-greedy", base=ts)
+    arr = select_split(load_dataset(path).arrays(), "test")
+    gids = [int(g) for g in arr.generation_ids]
+    assert len(gids) >= 4  # groups of 2 and 3 with a short last group
+    spec = build_context(str(path), KMAX, "fit-train", None).spec
+    bm = BatchCostModel.linear(
+        b0=3.0, b_pos=0.4, alpha=0.05, c=0.001, b_req=0.3, d0=0.5, d_step=0.8, d_tok=0.05,
+        kmax=KMAX, max_batch=4, top_k=FACTS["top_k"], n_experts=FACTS["n_experts"], n_layers=FACTS["n_layers"],
+        predictor="independent", overhead=np.array([1.0, 1.5, 2.5, 4.0]), ar_step=(6.0, 0.7, 0.0005),
+    )  # fmt: skip
+    for k in (1, 3):
+        for batch in (2, 3):
+            pred = predicted_speedup_batch(
+                str(path),
+                "fit-train",
+                KMAX,
+                gids,
+                lambda k=k: replay_policy({"kind": "fixed", "k": k}, spec),
+                40,
+                batch,
+                bm,
+            )
+            assert pred == pytest.approx(_hand_lockstep(arr, gids, k, bm, batch, 40), rel=1e-9), (k, batch)
