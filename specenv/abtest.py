@@ -30,8 +30,9 @@ Arms (``--arms``; one engine each unless said otherwise):
   fraction of the step time with a 95% bootstrap interval over the steps.
 
 Columns: tokens/s (median over repeats), live speedup over plain at the same batch size, the replay
-environment's predicted speedup on the same prompts (``specenv/MoESpec-v0`` on the trace set, the
-policy run as the controller runs it; a batch-1 model, shown for every batch size), live / predicted,
+environment's predicted speedup on the same prompts (``specenv/MoESpec-v1`` on the trace set, the
+policy run as the controller runs it; at batch 1 the set's cost model, above it the models' recorded batch
+step-time model, :func:`predicted_speedup_batch`, or no prediction where none is recorded), live / predicted,
 whether every repeat's outputs equal plain greedy's at the same batch size, and the controller's CPU
 per step (% of step time).
 """

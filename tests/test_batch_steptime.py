@@ -197,3 +197,28 @@ def test_batch_prediction_of_fixed_k_is_the_hand_walked_lockstep(tmp_path: Path)
                 bm,
             )
             assert pred == pytest.approx(_hand_lockstep(arr, gids, k, bm, batch, 40), rel=1e-9), (k, batch)
+
+
+def test_shipped_wide_recording_is_a_step_time_fit_of_its_steps() -> None:
+    from specenv.cost.batch import load_batch_cost_model
+    from specenv.cost.batchfit import load_steps
+    from specenv.replay.batch import fitted_batch_cost, step_time_recording
+
+    steps, manifest = load_steps("live-vllm-wide-batch-v1")
+    assert manifest["extra"]["models"] == "wide-moe-v1" and "engine_step_ms" in steps.columns
+    assert set(steps["B"]) >= {1, 2, 4, 8, 16}
+    ship = load_batch_cost_model("live-vllm-wide-batch-v1")
+    refit = fit_batch_cost(steps, manifest, timing="step").model
+    for name in ("beta0", "alpha", "c", "overhead"):
+        np.testing.assert_allclose(getattr(ship, name), getattr(refit, name), rtol=1e-9)
+    assert ship.ar_step == pytest.approx(refit.ar_step, rel=1e-9)
+    # the plain engine's own batch steps: the reference's line is their least-squares fit, read back here
+    ref = manifest["extra"]["ar_reference"]
+    assert ship.ar_step == pytest.approx((ref["a_ms"], ref["b_req_ms"], ref["c_ms_per_token"]), rel=1e-12)
+    assert step_time_recording("wide-moe-v1") == "live-vllm-wide-batch-v1"
+    assert step_time_recording("small-moe-v1") is None  # its recording has no engine steps: forwards only
+    wide = load_dataset("live-vllm-wide")
+    chosen = fitted_batch_cost(wide, 8)
+    assert chosen is not None and chosen.ar_step == ship.ar_step  # the batch env prices live-vllm-wide with it
+    small = fitted_batch_cost(load_dataset("live-vllm"), 8)
+    assert small is not None and small.ar_step is None  # the small models keep their own recording

@@ -42,7 +42,13 @@ def fit(
         ),
     ] = "live-vllm-batch-v1",
     save: Annotated[Path | None, typer.Option("--out", "-o", help="Write the batch cost model JSON here.")] = None,
-    timing: Annotated[str, typer.Option(help="cpu (forwards' thread CPU time, default) or wall.")] = "cpu",
+    timing: Annotated[
+        str,
+        typer.Option(
+            help="cpu (forwards' thread CPU time, default), wall, or step (the step-time model: "
+            "needs engine_step_ms and the plain engine's reference)."
+        ),
+    ] = "cpu",
     folds: Annotated[int, typer.Option(min=2, max=1000, help="GroupKFold folds (by group of requests).")] = 5,
     as_json: JsonOpt = False,
     overwrite: OverwriteOpt = False,

@@ -758,7 +758,25 @@ def format_report(report: BatchFitReport) -> str:
         f"OOS MAPE of the step time (T_T + T_D), chosen predictor: {s['step_oos_mape_pct']:.2f}% "
         f"(exact union: {s['step_oos_mape_pct_exact']:.2f}%); verification alone, exact union: "
         f"{s['verify_oos_mape_pct_exact']:.2f}%; draft: {s['draft_oos_mape_pct']:.2f}%",
-        f"scheduler overhead outside the timed forwards (median share of the step's wall time, not charged): "
-        f"{100 * s['overhead_share']:.1f}% (median {s['overhead_ms']:.2f} ms of wall time)",
+    ]
+    eng = s.get("engine_step")
+    if eng is None:
+        lines.append(
+            f"scheduler overhead outside the timed forwards (median share of the step's wall time, not charged): "
+            f"{100 * s['overhead_share']:.1f}% (median {s['overhead_ms']:.2f} ms of wall time)"
+        )
+        return "\n".join(lines)
+    over = eng["overhead_by_batch"]
+    ref = eng["ar_reference"]
+    lines += [
+        "",
+        "step-time model (what a user waits for: the whole engine step):",
+        "  per-step overhead outside the forwards, charged, by batch size: "
+        + ", ".join(f"B={b}: {m:.2f} ms" for b, m in zip(over["B"], over["mean_ms"], strict=True)),
+        f"  plain engine's step (the 1.0 of every speedup): {ref['a_ms']:.3f} + {ref['b_req_ms']:.3f} (B-1) + "
+        f"{ref['c_ms_per_token']:.2e} sum L ms (R2 {ref['r2']:.3f}, {ref['steps']} steps); by B: "
+        + ", ".join(f"B={p['B']}: {p['mean_ms']:.2f}" for p in ref["per_batch"]),
+        f"  OOS MAPE of the engine step: {eng['oos_mape_pct']:.2f}% (without the overhead term: "
+        f"{eng['oos_mape_pct_without_overhead']:.2f}%)",
     ]
     return "\n".join(lines)
