@@ -37,6 +37,7 @@ class ObsSlots:
         self.state = ObservationState(spec, n)
         self.free = list(range(n - 1, -1, -1))
         self._scratch: dict[int, ObservationState] = {}
+        self._what_if_scratch: dict[int, ObservationState] = {}  # :meth:`what_if`'s own (never the fresh subset)
         #: ``(slots, sub)``: the subset the last :meth:`update` folded and scattered back (its rows equal the
         #: state's), reused by ``subset(slots, reuse=True)`` until any other subset, alloc or release.
         self._fresh: tuple[tuple[int, ...], ObservationState] | None = None
@@ -92,6 +93,33 @@ class ObsSlots:
         st._P[slots] = sub._P
         st._E[slots] = sub._E
         self._fresh = (_key(slots), sub)
+
+    def what_if(self, slots: Any, k: np.ndarray, U: Any, L: np.ndarray, t: np.ndarray, out: Any = None) -> np.ndarray:
+        """Observations one round ahead, if every one of ``k`` drafts were accepted; the statistics unchanged.
+
+        Row r: slot ``slots[r]`` (a slot may repeat: one row per budget asked about) folded with a round
+        of ``k[r]`` drafts, all accepted (``k[r] + 1`` committed), ``U[r]`` unique experts and the slot's
+        last cost (1 before one), then built at context ``L[r]`` after ``t[r]`` generated tokens (the
+        controller's draft horizon). On a scratch state of its own (kept per number of rows), so the
+        subset that :meth:`update` left for ``subset(reuse=True)`` stays valid.
+
+        Args:
+            slots: Slot per row.
+            k: (rows,) float64 budgets.
+            U: (rows,) unique experts of the hypothetical round.
+            L: (rows,) float64 context lengths after it.
+            t: (rows,) float64 tokens generated after it.
+            out: An array of (rows, dim) float32 to build into (else a new one).
+        """
+        hyp = self._what_if_scratch.get(len(slots))
+        if hyp is None:
+            hyp = self._what_if_scratch[len(slots)] = ObservationState(self.spec, len(slots))
+        st = self.state
+        np.take(st._P, slots, axis=0, out=hyp._P)
+        np.take(st._E, slots, axis=0, out=hyp._E)
+        cost = np.where(hyp.prev_cost > 0, hyp.prev_cost, 1.0)
+        hyp.update(k, k, np.asarray(U, dtype=np.float64), cost, k + 1)
+        return hyp.build(L, t, out=out)
 
 
 def _key(slots: Any) -> tuple[int, ...]:
@@ -165,6 +193,11 @@ class Req:
     signals: np.ndarray | None = None  # (drafts, 3) q, entropy, margin of full_drafts (when captured)
     greedy: bool | None = None  # the request's sampling is greedy (known from its first round)
     stops: frozenset[int] | None = None  # the request's stop tokens (:func:`stop_tokens`, from its first round)
+    #: The draft horizon of the request's next round, asked in the same policy call as its k (the
+    #: controller's one-call path): ``(step, L, t, ks)``, ``ks[K]`` the policy's k (validated, or None)
+    #: if all K drafts in flight are accepted, for K = 0..len(ks)-1, valid at the schedule after ``step``
+    #: while the request is still at context L after t tokens.
+    horizon: tuple[int, int, int, list[Any]] | None = None
     #: The last round's outcome: the values of :data:`OUTCOME_FIELDS`, then the round's sampled tokens
     #: and the drafts proposed for it (what :attr:`last` is made of, on demand).
     out: tuple[Any, ...] | None = None
