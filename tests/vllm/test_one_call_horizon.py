@@ -10,7 +10,8 @@ may then verify (:meth:`SpecControlScheduler._what_ifs`), and ``schedule`` reads
   fewer drafts than decided, a request left out of a step): one policy call per step where the
   two-call path makes two, and every horizon and trimmed draft list equal;
 * engines (the shipped models, batch 1 on the shared engine and batch 8 on one of its own): a policy
-  whose k is a hash of every bit of its observation row, both paths on the same prompts: every step's
+  whose k is a hash of every bit of its observation row (rounds priced by a fitted cost model, so that
+  no observation depends on the clock), both paths on the same prompts: every step's
   horizon, every recorded round (K, drafted, policy_k, accepted, verified tokens) equal, outputs equal
   to plain greedy decoding, and the policy called once per step but in the steps whose schedule holds
   a request's first round (its prefill just ran: nothing asked its horizon before).
@@ -184,7 +185,11 @@ COLUMNS = ("generation_id", "round", "step", "K", "m", "accepted", "drafted", "p
 
 def served_run(llm, waves: list[list[str]], one_call: bool, rec):
     """``waves`` (each one ``generate`` call) through RowHash on both paths' settings; what to compare."""
+    from policies.bench.context import build_context
+
     ctl = controller_of(llm)
+    # a fitted cost model prices every round (prev_cost), so that no observation depends on the clock
+    ctl.cost_model = build_context("live-cpu", KMAX, "fit-train", None).cost_model
     spec = ObservationSpec(kmax=KMAX, lookahead=0, max_new_tokens=MAX_TOKENS, n_experts=ctl.n_experts)
     pol = RowHash(spec)
     pol.clock = lambda: ctl._step
@@ -214,6 +219,7 @@ def served_run(llm, waves: list[list[str]], one_call: bool, rec):
     finally:
         del ctl._horizon
         ctl.set_policy(None)
+        ctl.cost_model = None
         ctl.settings.draft_horizon = "max"
         ctl.settings.horizon_one_call = True
     df = load_recording(rec).rounds.sort_values(["step", "generation_id"]).reset_index(drop=True)

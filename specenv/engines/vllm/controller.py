@@ -39,6 +39,29 @@ and ``shutdown`` to close the recording):
   reads) to what the policy would ask for if all drafts in flight were accepted, so the drafter
   does not propose tokens the policy will cut.
 
+**The horizon in the step's one policy call** (``draft_horizon="policy"``, a rowwise policy:
+:func:`specenv.engines.vllm.served.rowwise`, e.g. the exported MLPs; setting ``horizon_one_call``, on by
+default). The horizon of step s+1 is the policy's k on each request's observation after the round
+it verifies in step s+1, if all its K drafts are accepted -- and K is the k decided in
+``update_draft_token_ids`` of step s. Nothing in between changes what that observation is built
+from: vLLM's ``update_from_output`` of step s (which folds the round into the request's slot and
+``last_U``) ran before, new requests get slots of their own, and the next ``schedule`` only reads
+``num_tokens``/``num_output_tokens`` (unchanged) and the K it schedules (``min(k, drafted)``, or fewer
+when the token budget, the model length or a grammar cuts the drafts). So ``_decide`` asks, in the
+same call as the decisions (:meth:`ServedPolicy.act_and_peek`: for a rowwise policy act and peek are
+one call, and rows do not change each other's answers), one hypothetical row per request and per K it
+may verify (K = 0..min(drafted, kmax); with the policy's horizon ``drafted`` is that horizon), built
+by the same code as before (:meth:`ObsSlots.what_if`), and keeps the answers per request
+(:attr:`Req.horizon`: the step, L, t and the k per K). ``schedule`` takes each request's answer at
+the K it scheduled when step, L and t match, and asks the policy (``peek``, as before;
+``stats["horizon_calls"]``) only about the others: requests whose first round comes next (their
+prefill ran in the step: once per request), a request the previous step did not decide, a K not
+asked (drafted > kmax), an answer that was no integer. The horizons, and so every decision and
+drafted length, are the two-call path's (tests/vllm/test_one_call_horizon.py, batch 1 and 8). The
+price: (min(drafted, kmax) + 1) hypothetical rows per request in the one call instead of one per
+request in a second call. A policy that is not rowwise (stateful: peek copies it; a batch
+controller: its rows decide jointly and read the step) keeps the second call at ``schedule``.
+
 Fail-safe: when the policy raises, returns something that is not an integer in 0..kmax, or returns
 a batch of the wrong shape, the request gets the configured ``fallback_k`` (default
 ``num_speculative_tokens``) and ``stats["fallbacks"]`` counts it; the first errors are logged. The
@@ -61,7 +84,8 @@ request being decided (one row per request, in the order of the drafter's batch)
 (a stateful policy keeps its memory per id; ``release([request_id])`` when a request finishes) and the
 step's :class:`specenv.policy.base.BatchStep` (what the server knows of the batch features: see
 :mod:`specenv.engines.vllm.served`). With ``draft_horizon="policy"`` the policy is asked the same way
-for the horizon, on the hypothetical observations (a stateful one on a private copy). A wrong shape or
+for the horizon, on the hypothetical observations: a rowwise one in the same call (above), any other
+at ``schedule`` (a stateful one on a private copy). A wrong shape or
 an exception gives every request of the step the fallback k. A policy the server cannot serve (drafting
 mode ``sequential``, a joint (k, cap) action, a privileged or slot-reading policy, a batch controller
 for fewer requests than ``max_num_seqs``...) is refused at ``set_policy`` with one line
