@@ -60,7 +60,6 @@ class RowHash(Policy):
 # ------------------------------------------------------------------------------------------ no engine
 def bare(policy, spec: ObservationSpec, num_spec: int, one_call: bool):
     """A controller without an engine: the attributes its decide and horizon paths read."""
-    from specenv.engines.base import u_prior
     from specenv.engines.vllm.controller import SpecControlScheduler
 
     c = object.__new__(SpecControlScheduler)
@@ -70,8 +69,7 @@ def bare(policy, spec: ObservationSpec, num_spec: int, one_call: bool):
     c.stats.update(horizon_calls=0, errors=[])
     c._reqs, c.requests, c.waiting, c.running = {}, {}, [], []
     c._prev_batch, c.draft_tokens, c._next_gid, c._step = (0.0, 0.0), None, 0, 0
-    c._u_prior = [float(u_prior(k, 4, spec.n_experts)) for k in range(num_spec + 1)]
-    c._budgets = np.arange(num_spec + 1, dtype=np.float64)
+    c._horizon_tables()
     c.policy, c.spec, c._signal_cols = policy, spec, None
     c._served = ServedPolicy(policy, spec, 8)
     c._slots = ObsSlots(spec)

@@ -265,11 +265,7 @@ class SpecControlScheduler(Recording, Scheduler):
         self._experts: StepExperts | None = None  # the per-step expert statistics' buffers (made on first use)
         # per-step columns of the rounds (slot, K, accepted, cost), preallocated in the dtypes ObsSlots.update takes
         self._cols = _RoundCols(16)
-        # U_r prior per budget 0..num_speculative_tokens (the horizon's U of a budget not yet observed)
-        self._u_prior = [
-            float(u_prior(k, self.top_k or 1, self.n_experts or 1)) for k in range(int(self.num_spec_tokens) + 1)
-        ]
-        self._budgets = np.arange(int(self.num_spec_tokens) + 1, dtype=np.float64)  # 0..num_speculative_tokens
+        self._horizon_tables()
         self._ar_ema: float | None = None
         self._min_tt: float | None = None
         self.cost_model = None
@@ -303,6 +299,14 @@ class SpecControlScheduler(Recording, Scheduler):
         )
 
     # ------------------------------------------------------------------ configuration
+    def _horizon_tables(self) -> None:
+        """Make what the one-call horizon (:meth:`_what_ifs`) reads every step (needs ``num_spec_tokens``)."""
+        n = int(self.num_spec_tokens) + 1
+        #: U_r prior per budget 0..num_speculative_tokens (the horizon's U of a budget not yet observed)
+        self._u_prior = [float(u_prior(k, self.top_k or 1, self.n_experts or 1)) for k in range(n)]
+        self._budgets = np.arange(n, dtype=np.float64)  # 0..num_speculative_tokens
+        self._hz_layouts: dict[tuple[int, int], Any] = {}  # (requests, budgets each) -> _what_ifs' row layout
+
     @property
     def fallback_k(self) -> int:
         """Budget used when the policy fails."""
@@ -969,26 +973,30 @@ class SpecControlScheduler(Recording, Scheduler):
         """
         kmax = self.spec.kmax
         reqs, pri = self._reqs, self._u_prior
-        counts: list[int] = []
-        ids: list[str] = []
+        cs = [min(len(drafts[j]), kmax) + 1 for j in live]
+        ids = [req_ids[j] for j, c in zip(live, cs, strict=True) for _ in range(c)]
         U: list[float] = []
-        for j in live:
-            c = min(len(drafts[j]), kmax) + 1
-            counts.append(c)
-            req_id = req_ids[j]
-            ids += [req_id] * c
-            last = reqs[req_id].last_U
+        for j, c in zip(live, cs, strict=True):
+            last = reqs[req_ids[j]].last_U
             U += [last.get(K, pri[K]) for K in range(c)] if last else pri[:c]
-        c0 = counts[0]
-        if all(c == c0 for c in counts):
-            K = np.tile(self._budgets[:c0], len(counts))
+        c0 = cs[0]
+        if all(c == c0 for c in cs):  # the common case (every request drafted the step's horizon): kept layouts
+            lay = self._hz_layouts.get((len(cs), c0))
+            if lay is None:
+                lay = self._hz_layouts[(len(cs), c0)] = self._hz_layout(cs)
         else:
-            K = np.concatenate([self._budgets[:c] for c in counts])
-        reps = np.asarray(counts)
-        rep_slots = np.repeat(np.asarray(slots, dtype=np.intp), reps)
-        L = np.repeat(np.asarray(Ls, dtype=np.float64), reps) + K + 1.0
-        t = np.repeat(np.asarray(ts, dtype=np.float64), reps) + K + 1.0
-        return ids, counts, (rep_slots, K, U, L, t)
+            lay = self._hz_layout(cs)
+        K, K1, row = lay
+        rep_slots = np.take(np.asarray(slots, dtype=np.intp), row)
+        L = np.take(np.asarray(Ls, dtype=np.float64), row) + K1  # exact: integers in float64
+        t = np.take(np.asarray(ts, dtype=np.float64), row) + K1
+        return ids, cs, (rep_slots, K, U, L, t)
+
+    def _hz_layout(self, counts: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(K, K + 1, request of the row)`` of :meth:`_what_ifs`'s rows: K = 0..c-1 for each request's c."""
+        K = np.concatenate([self._budgets[:c] for c in counts])
+        row = np.repeat(np.arange(len(counts), dtype=np.intp), counts)
+        return K, K + 1.0, row
 
     def _keep_horizons(
         self, live: list[int], req_ids: list[str], Ls: list[int], ts: list[int], counts: list[int], out: np.ndarray
@@ -1002,7 +1010,7 @@ class SpecControlScheduler(Recording, Scheduler):
         kmax, fb = self.spec.kmax, self.fallback_k
         vals: list[Any]
         if out.dtype.kind in "iu":
-            vals = np.where((out >= 0) & (out <= kmax), out, fb).tolist()
+            vals = [k if 0 <= k <= kmax else fb for k in out.tolist()]
         else:
             vals = []
             for x in out:
