@@ -57,7 +57,11 @@ the K it scheduled when step, L and t match, and asks the policy (``peek``, as b
 ``stats["horizon_calls"]``) only about the others: requests whose first round comes next (their
 prefill ran in the step: once per request), a request the previous step did not decide, a K not
 asked (drafted > kmax), an answer that was no integer. The horizons, and so every decision and
-drafted length, are the two-call path's (tests/vllm/test_one_call_horizon.py, batch 1 and 8). The
+drafted length, are the two-call path's (tests/vllm/test_one_call_horizon.py, batch 1 and 8, a policy
+whose k hashes every bit of its row) -- for an MLP up to the float32 rounding of its matrix products,
+which depends on the number of rows of a call (about 3e-6 on the shipped ``live-vllm-v1/ppo``'s scores
+between 1 and 2+ rows; it already differs between batch sizes): an argmax on a near-tie may then
+differ (none in 2000 random rows per shape). The
 price: (min(drafted, kmax) + 1) hypothetical rows per request in the one call instead of one per
 request in a second call. A policy that is not rowwise (stateful: peek copies it; a batch
 controller: its rows decide jointly and read the step) keeps the second call at ``schedule``.
