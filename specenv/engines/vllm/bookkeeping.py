@@ -38,6 +38,7 @@ class ObsSlots:
         self.free = list(range(n - 1, -1, -1))
         self._scratch: dict[int, ObservationState] = {}
         self._what_if_scratch: dict[int, ObservationState] = {}  # :meth:`what_if`'s own (never the fresh subset)
+        self._stacked_scratch: dict[tuple[int, int], tuple[ObservationState, ObservationState]] = {}
         #: ``(slots, sub)``: the subset the last :meth:`update` folded and scattered back (its rows equal the
         #: state's), reused by ``subset(slots, reuse=True)`` until any other subset, alloc or release.
         self._fresh: tuple[tuple[int, ...], ObservationState] | None = None
@@ -120,6 +121,37 @@ class ObsSlots:
         cost = np.where(hyp.prev_cost > 0, hyp.prev_cost, 1.0)
         hyp.update(k, k, np.asarray(U, dtype=np.float64), cost, k + 1)
         return hyp.build(L, t, out=out)
+
+    def stacked(
+        self, slots: Any, L: Any, t: Any, src: np.ndarray, K: np.ndarray, K1: np.ndarray, K1_all: np.ndarray, U: Any
+    ) -> np.ndarray:
+        """The observations of ``slots`` at ``(L, t)``, then :meth:`what_if` rows of them, in one (n + m, dim) array.
+
+        Row i < n: slot ``slots[i]`` as it is, at context ``L[i]`` after ``t[i]`` tokens (``build``). Row
+        n + r: slot ``slots[src[n + r]]`` after a round of ``K[r]`` drafts all accepted, ``U[r]`` experts
+        and the slot's last cost (1 before one), at ``L + K + 1``, ``t + K + 1`` -- :meth:`what_if`'s
+        rows. Both from one gather and one ``build`` (``K1 = K + 1``; ``K1_all``: 0 for the first n rows,
+        then ``K1``): the same float operations, row by row, as ``subset(slots).build(L, t)`` and
+        :meth:`what_if`. On a scratch state of its own (kept per (n, m)).
+        """
+        n, m = len(slots), len(K)
+        pair = self._stacked_scratch.get((n, m))
+        if pair is None:
+            both, tail = ObservationState(self.spec, n + m), ObservationState(self.spec, m)
+            tail._P, tail._E = both._P[n:], both._E[n:]  # the what-if rows: views of the stacked blocks
+            pair = self._stacked_scratch[(n, m)] = (both, tail)
+        both, tail = pair
+        rows = np.take(np.asarray(slots, dtype=np.intp), src)
+        st = self.state
+        np.take(st._P, rows, axis=0, out=both._P)
+        np.take(st._E, rows, axis=0, out=both._E)
+        cost = np.where(tail.prev_cost > 0, tail.prev_cost, 1.0)
+        tail.update(K, K, np.asarray(U, dtype=np.float64), cost, K1)
+        # exact: integers in float64 (+ 0 for the step's own rows)
+        return both.build(
+            np.take(np.asarray(L, dtype=np.float64), src) + K1_all,
+            np.take(np.asarray(t, dtype=np.float64), src) + K1_all,
+        )
 
 
 def _key(slots: Any) -> tuple[int, ...]:

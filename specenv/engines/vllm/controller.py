@@ -884,17 +884,14 @@ class SpecControlScheduler(Recording, Scheduler):
         served = self._served
         assert served is not None
         # the one-call path: the next step's horizon asked in this call (see _what_ifs)
-        plan = self._what_ifs(live, req_ids, drafts, slots, Ls, ts) if self._one_call() else None
-        L = np.asarray(Ls, dtype=np.float64)
-        t = np.asarray(ts, dtype=np.float64)
-        # the rows _observe just folded, in the same order (batch order): no second gather
-        sub = self._slots.subset(slots, reuse=True)
+        plan = self._what_ifs(live, req_ids, drafts) if self._one_call() else None
         if plan is None:
-            obs = sub.build(L, t, conf=conf)
-        else:
-            obs = np.empty((n + len(plan[0]), self.spec.dim), dtype=np.float32)
-            sub.build(L, t, conf=conf, out=obs[:n])
-            self._slots.what_if(*plan[2], out=obs[n:])
+            # the rows _observe just folded, in the same order (batch order): no second gather
+            obs = self._slots.subset(slots, reuse=True).build(
+                np.asarray(Ls, dtype=np.float64), np.asarray(ts, dtype=np.float64), conf=conf
+            )
+        else:  # the step's rows, then the what-if rows, in one state and one build
+            obs = self._slots.stacked(slots, Ls, ts, *plan[2])
         t0 = time.perf_counter()
         ks: list[Any] = [None] * n
         fast = False  # every k an integer in 0..kmax: no per-row check
@@ -953,15 +950,9 @@ class SpecControlScheduler(Recording, Scheduler):
         )
 
     def _what_ifs(
-        self,
-        live: list[int],
-        req_ids: list[str],
-        drafts: list[list[int]],
-        slots: list[int],
-        Ls: list[int],
-        ts: list[int],
+        self, live: list[int], req_ids: list[str], drafts: list[list[int]]
     ) -> tuple[list[str], list[int], tuple[Any, ...]]:
-        """The rows of the next step's horizon, asked before this step's k are known.
+        """The what-if rows of the next step's horizon, asked before this step's k are known.
 
         The horizon :meth:`_horizon` computes at the next ``schedule`` is the policy's k on the
         observation of each request after its next round, if every one of the K drafts it then verifies
@@ -970,10 +961,10 @@ class SpecControlScheduler(Recording, Scheduler):
         ``draft_horizon="policy"`` ``drafted`` is the step's horizon, the same for every request).
 
         Returns:
-            ``(ids, counts, rows)``: the request id of every row, the number of rows of each request (in
-            ``live`` order) and ``rows = (slots, K, U, L, t)`` for :meth:`ObsSlots.what_if` --
-            :meth:`_horizon`'s inputs: U the request's last observed U_r at K, else the prior; L and t
-            after the round.
+            ``(ids, counts, layout)``: the request id of every what-if row, the number of rows of each
+            request (in ``live`` order) and ``(src, K, K1, K1_all, U)`` for :meth:`ObsSlots.stacked`
+            (:meth:`_hz_layout`; U: the request's last observed U_r at K, else the prior -- what
+            :meth:`_horizon` reads).
         """
         kmax = self.spec.kmax
         reqs, pri = self._reqs, self._u_prior
@@ -990,17 +981,19 @@ class SpecControlScheduler(Recording, Scheduler):
                 lay = self._hz_layouts[(len(cs), c0)] = self._hz_layout(cs)
         else:
             lay = self._hz_layout(cs)
-        K, K1, row = lay
-        rep_slots = np.take(np.asarray(slots, dtype=np.intp), row)
-        L = np.take(np.asarray(Ls, dtype=np.float64), row) + K1  # exact: integers in float64
-        t = np.take(np.asarray(ts, dtype=np.float64), row) + K1
-        return ids, cs, (rep_slots, K, U, L, t)
+        return ids, cs, (*lay, U)
 
-    def _hz_layout(self, counts: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(K, K + 1, request of the row)`` of :meth:`_what_ifs`'s rows: K = 0..c-1 for each request's c."""
+    def _hz_layout(self, counts: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`ObsSlots.stacked`'s layout of the step's n rows and the what-if rows (K = 0..c-1 per request).
+
+        ``(src, K, K1, K1_all)``: the request of every stacked row (0..n-1, then each request's c rows),
+        the what-if rows' K and K + 1, and what each stacked row adds to L and t (0 for the step's rows).
+        """
+        n = len(counts)
         K = np.concatenate([self._budgets[:c] for c in counts])
-        row = np.repeat(np.arange(len(counts), dtype=np.intp), counts)
-        return K, K + 1.0, row
+        src = np.concatenate([np.arange(n, dtype=np.intp), np.repeat(np.arange(n, dtype=np.intp), counts)])
+        K1 = K + 1.0
+        return src, K, K1, np.concatenate([np.zeros(n), K1])
 
     def _keep_horizons(
         self, live: list[int], req_ids: list[str], Ls: list[int], ts: list[int], counts: list[int], out: np.ndarray
