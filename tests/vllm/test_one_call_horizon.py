@@ -29,9 +29,8 @@ pytest.importorskip("vllm.v1.core.sched.scheduler")
 
 from vhelpers import KMAX, MAX_TOKENS, PROMPTS, controller_of, greedy, llm_kwargs  # noqa: E402
 
+from scripts.horizon_cpu import bare_controller  # noqa: E402
 from specenv.engines.vllm import SpecenvSettings, load_recording  # noqa: E402
-from specenv.engines.vllm.bookkeeping import ObsSlots  # noqa: E402
-from specenv.engines.vllm.served import ServedPolicy  # noqa: E402
 from specenv.engines.vllm.settings import engine_kwargs  # noqa: E402
 from specenv.observation.single import ObservationSpec  # noqa: E402
 from specenv.policy.base import Policy  # noqa: E402
@@ -60,20 +59,8 @@ class RowHash(Policy):
 # ------------------------------------------------------------------------------------------ no engine
 def bare(policy, spec: ObservationSpec, num_spec: int, one_call: bool):
     """A controller without an engine: the attributes its decide and horizon paths read."""
-    from specenv.engines.vllm.controller import SpecControlScheduler
-
-    c = object.__new__(SpecControlScheduler)
-    c.settings = SpecenvSettings(draft_horizon="policy", horizon_one_call=one_call)
-    c.num_spec_tokens, c.top_k, c.n_experts = num_spec, 4, spec.n_experts
-    c.stats = {"decisions": 0, "fallbacks": 0, "capped": 0, "no_signals": 0, "policy_ms": 0.0}
-    c.stats.update(horizon_calls=0, errors=[])
-    c._reqs, c.requests, c.waiting, c.running = {}, {}, [], []
-    c._prev_batch, c.draft_tokens, c._next_gid, c._step = (0.0, 0.0), None, 0, 0
-    c._horizon_tables()
-    c.policy, c.spec, c._signal_cols = policy, spec, None
-    c._served = ServedPolicy(policy, spec, 8)
-    c._slots = ObsSlots(spec)
-    return c
+    assert policy.spec is spec
+    return bare_controller(policy, num_spec, one_call)
 
 
 class FakeRequest:

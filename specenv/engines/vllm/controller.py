@@ -51,7 +51,8 @@ when the token budget, the model length or a grammar cuts the drafts). So ``_dec
 same call as the decisions (:meth:`ServedPolicy.act_and_peek`: for a rowwise policy act and peek are
 one call, and rows do not change each other's answers), one hypothetical row per request and per K it
 may verify (K = 0..min(drafted, kmax); with the policy's horizon ``drafted`` is that horizon), built
-by the same code as before (:meth:`ObsSlots.what_if`), and keeps the answers per request
+with the step's own rows from one gather and one build (:meth:`ObsSlots.stacked`: the float
+operations of the second call's :meth:`ObsSlots.what_if`, row by row), and keeps the answers per request
 (:attr:`Req.horizon`: the step, L, t and the k per K). ``schedule`` takes each request's answer at
 the K it scheduled when step, L and t match, and asks the policy (``peek``, as before;
 ``stats["horizon_calls"]``) only about the others: requests whose first round comes next (their
