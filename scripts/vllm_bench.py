@@ -17,7 +17,8 @@ the machine load before and after. More arms (``--arms``): ``stock2`` (a second 
 engine-to-engine spread), ``specenv-kmax`` (``num_speculative_tokens = --kmax``, ``draft_horizon="policy"``:
 as the learned arms are served), ``base`` (the same path from another source tree, ``--base-src``:
 before/after a change in one run) and ablations (``ctl``: no recorder; ``ctl-notap``: no recorder, no tap;
-``nolazy``: vLLM's own drafter)::
+``nolazy``: vLLM's own drafter; ``base-kmax``: ``specenv-kmax`` from ``--base-src``; ``kmax-2call``: ``specenv-kmax``
+with the horizon asked by a second policy call per step, ``horizon_one_call=False``)::
 
     python -m scripts.vllm_bench overhead --out DIR --models wide-moe-v1 --k 3 --batch 1,8,16 \
         --groups 3 --tokens 48 --repeats 5 --arms stock,stock2,specenv
@@ -84,7 +85,19 @@ def _spawn(cfg: dict[str, Any], out: Path, name: str) -> dict[str, Any]:
 
 
 #: Arms of ``overhead`` (``--arms``): the engine configuration and policy of each, built by :func:`_overhead_arms`.
-OVERHEAD_ARMS = ("stock", "stock2", "specenv", "base", "specenv-kmax", "ctl", "ctl-notap", "nolazy", "norec")
+OVERHEAD_ARMS = (
+    "stock",
+    "stock2",
+    "specenv",
+    "base",
+    "specenv-kmax",
+    "base-kmax",
+    "kmax-2call",
+    "ctl",
+    "ctl-notap",
+    "nolazy",
+    "norec",
+)
 
 
 def _overhead_arms(args: argparse.Namespace, out: Path) -> dict[str, tuple[dict[str, Any], dict[str, Any] | None]]:
@@ -98,7 +111,9 @@ def _overhead_arms(args: argparse.Namespace, out: Path) -> dict[str, tuple[dict[
       (how the learned arms are served: the drafter is asked for k through ``num_spec_tokens_to_schedule``);
     * ``base``: ``specenv`` run by another source tree (``--base-src``, e.g. an export of the commit before a
       change: ``git archive REV | tar -x -C DIR``), through its ``specenv.abtest`` engine process: before/after
-      in one run;
+      in one run; ``base-kmax`` the ``specenv-kmax`` arm run by that tree;
+    * ``kmax-2call``: ``specenv-kmax`` with ``horizon_one_call=False`` (the horizon asked by a second policy
+      call at ``schedule``, as before the one-call path);
     * ablations of ``specenv``: ``ctl`` (no recorder), ``ctl-notap`` (no recorder, no tap: prior U_r),
       ``nolazy`` (vLLM's drafter instead of the lazy one), ``norec`` (= ``ctl``, kept for symmetry of names).
     """
@@ -115,6 +130,27 @@ def _overhead_arms(args: argparse.Namespace, out: Path) -> dict[str, tuple[dict[
             {**base, "k": args.kmax, "settings": {**rec, "record": str(out / "rec-kmax"), "draft_horizon": "policy"}},
             {**pol, "kmax": args.kmax},
         ),
+        "base-kmax": (
+            {
+                **base,
+                "k": args.kmax,
+                "settings": {**rec, "record": str(out / "rec-base-kmax"), "draft_horizon": "policy"},
+            },
+            {**pol, "kmax": args.kmax},
+        ),
+        "kmax-2call": (
+            {
+                **base,
+                "k": args.kmax,
+                "settings": {
+                    **rec,
+                    "record": str(out / "rec-kmax-2call"),
+                    "draft_horizon": "policy",
+                    "horizon_one_call": False,
+                },
+            },
+            {**pol, "kmax": args.kmax},
+        ),
         "ctl": ({**base, "k": k}, pol),
         "norec": ({**base, "k": k}, pol),
         "ctl-notap": ({**base, "k": k, "tap": False}, pol),
@@ -123,8 +159,8 @@ def _overhead_arms(args: argparse.Namespace, out: Path) -> dict[str, tuple[dict[
     unknown = [a for a in args.arms if a not in arms]
     if unknown:
         raise SystemExit(f"unknown arm(s) {unknown}; choose from {', '.join(OVERHEAD_ARMS)}")
-    if "base" in args.arms and not args.base_src:
-        raise SystemExit("arm base needs --base-src DIR")
+    if any(a.startswith("base") for a in args.arms) and not args.base_src:
+        raise SystemExit("arms base and base-kmax need --base-src DIR")
     if "stock" not in args.arms:
         raise SystemExit("--arms needs stock (the reference)")
     return {a: arms[a] for a in args.arms}
@@ -164,7 +200,7 @@ def overhead(args: argparse.Namespace) -> None:
         for name, (cfg, pol) in arms.items():
             t0 = time.time()
             module, env = "scripts.vllm_bench", None
-            if name == "base":  # the other tree's own engine process (its scripts/ may not have one)
+            if name.startswith("base"):  # the other tree's own engine process (its scripts/ may not have one)
                 module, env = "specenv.abtest", {"PYTHONPATH": str(Path(args.base_src).resolve())}
             eng = engines[name] = EngineProcess(module, cfg, out / f"engine-{name}.log", env=env)
             doc["engines"][name] = info = eng.ready()

@@ -119,3 +119,33 @@ def test_served_peek_leaves_the_memory_as_it_was() -> None:
     bad.policy.act = lambda obs, ids=None, step=None: np.zeros(len(obs) + 1)  # one budget too many
     with pytest.raises(ValueError, match=r"act returned shape \(3,\) for 2 observations"):
         bad.act(_rows([[], []]), ["a", "b"], None)
+
+
+def test_rowwise_policies_answer_act_and_peek_in_one_call() -> None:
+    from policies.heuristics import UCBBandit
+    from specenv.engines.vllm.served import ServedPolicy, rowwise
+    from specenv.policy.mlp import MLPPolicy
+
+    rng = np.random.default_rng(3)
+    dims = [SPEC.dim, 16, SPEC.kmax + 1]
+    mlp = MLPPolicy(
+        SPEC, [(rng.normal(size=(a, b)), rng.normal(size=b)) for a, b in zip(dims[:-1], dims[1:], strict=True)]
+    )
+    assert rowwise(mlp) and rowwise(FixedK(SPEC, 3))
+    # memory per stream, rows decided jointly, an act of its own (may read the step): two calls
+    assert not rowwise(UCBBandit(SPEC)) and not rowwise(FixedBatch(BatchObservationSpec(SPEC, 2), 1))
+    assert not rowwise(FixedCap(FixedK(SPEC, 2), 1)) and not rowwise(object())
+    spied = MLPPolicy(SPEC, mlp.weights)
+    spied.act = lambda obs, ids=None, step=None: mlp.act(obs, ids, step)  # an act on the object itself
+    assert not rowwise(spied)
+
+    served = ServedPolicy(mlp, SPEC, 4)
+    real, hyp = _rows([[], [(4, 1)], [(2, 2), (6, 3)]]), _rows([[(4, 4)], [(3, 3), (1, 0)]])
+    # what act answers on the real rows and peek on the hypothetical ones, each asked alone
+    alone = [int(mlp._act_rows(r[None])[0]) for r in np.concatenate([real, hyp])]
+    both = served.act_and_peek(np.concatenate([real, hyp]), ["a", "b", "c", "a", "b"], BatchStep(n_active=0.5))
+    assert both.tolist() == alone
+    assert served.act(real, ["a", "b", "c"], None).tolist() == alone[:3]
+    assert served.peek(hyp, ["a", "b"], None).tolist() == alone[3:]
+    with pytest.raises(ValueError, match="not rowwise"):
+        ServedPolicy(UCBBandit(SPEC), SPEC, 4).act_and_peek(real, ["a", "b", "c"], None)

@@ -37,6 +37,8 @@ class ObsSlots:
         self.state = ObservationState(spec, n)
         self.free = list(range(n - 1, -1, -1))
         self._scratch: dict[int, ObservationState] = {}
+        self._what_if_scratch: dict[int, ObservationState] = {}  # :meth:`what_if`'s own (never the fresh subset)
+        self._stacked_scratch: dict[tuple[int, int], tuple[ObservationState, ObservationState]] = {}
         #: ``(slots, sub)``: the subset the last :meth:`update` folded and scattered back (its rows equal the
         #: state's), reused by ``subset(slots, reuse=True)`` until any other subset, alloc or release.
         self._fresh: tuple[tuple[int, ...], ObservationState] | None = None
@@ -92,6 +94,64 @@ class ObsSlots:
         st._P[slots] = sub._P
         st._E[slots] = sub._E
         self._fresh = (_key(slots), sub)
+
+    def what_if(self, slots: Any, k: np.ndarray, U: Any, L: np.ndarray, t: np.ndarray, out: Any = None) -> np.ndarray:
+        """Observations one round ahead, if every one of ``k`` drafts were accepted; the statistics unchanged.
+
+        Row r: slot ``slots[r]`` (a slot may repeat: one row per budget asked about) folded with a round
+        of ``k[r]`` drafts, all accepted (``k[r] + 1`` committed), ``U[r]`` unique experts and the slot's
+        last cost (1 before one), then built at context ``L[r]`` after ``t[r]`` generated tokens (the
+        controller's draft horizon). On a scratch state of its own (kept per number of rows), so the
+        subset that :meth:`update` left for ``subset(reuse=True)`` stays valid.
+
+        Args:
+            slots: Slot per row.
+            k: (rows,) float64 budgets.
+            U: (rows,) unique experts of the hypothetical round.
+            L: (rows,) float64 context lengths after it.
+            t: (rows,) float64 tokens generated after it.
+            out: An array of (rows, dim) float32 to build into (else a new one).
+        """
+        hyp = self._what_if_scratch.get(len(slots))
+        if hyp is None:
+            hyp = self._what_if_scratch[len(slots)] = ObservationState(self.spec, len(slots))
+        st = self.state
+        np.take(st._P, slots, axis=0, out=hyp._P)
+        np.take(st._E, slots, axis=0, out=hyp._E)
+        cost = np.where(hyp.prev_cost > 0, hyp.prev_cost, 1.0)
+        hyp.update(k, k, np.asarray(U, dtype=np.float64), cost, k + 1)
+        return hyp.build(L, t, out=out)
+
+    def stacked(
+        self, slots: Any, L: Any, t: Any, src: np.ndarray, K: np.ndarray, K1: np.ndarray, K1_all: np.ndarray, U: Any
+    ) -> np.ndarray:
+        """The observations of ``slots`` at ``(L, t)``, then :meth:`what_if` rows of them, in one (n + m, dim) array.
+
+        Row i < n: slot ``slots[i]`` as it is, at context ``L[i]`` after ``t[i]`` tokens (``build``). Row
+        n + r: slot ``slots[src[n + r]]`` after a round of ``K[r]`` drafts all accepted, ``U[r]`` experts
+        and the slot's last cost (1 before one), at ``L + K + 1``, ``t + K + 1`` -- :meth:`what_if`'s
+        rows. Both from one gather and one ``build`` (``K1 = K + 1``; ``K1_all``: 0 for the first n rows,
+        then ``K1``): the same float operations, row by row, as ``subset(slots).build(L, t)`` and
+        :meth:`what_if`. On a scratch state of its own (kept per (n, m)).
+        """
+        n, m = len(slots), len(K)
+        pair = self._stacked_scratch.get((n, m))
+        if pair is None:
+            both, tail = ObservationState(self.spec, n + m), ObservationState(self.spec, m)
+            tail._P, tail._E = both._P[n:], both._E[n:]  # the what-if rows: views of the stacked blocks
+            pair = self._stacked_scratch[(n, m)] = (both, tail)
+        both, tail = pair
+        rows = np.take(np.asarray(slots, dtype=np.intp), src)
+        st = self.state
+        np.take(st._P, rows, axis=0, out=both._P)
+        np.take(st._E, rows, axis=0, out=both._E)
+        cost = np.where(tail.prev_cost > 0, tail.prev_cost, 1.0)
+        tail.update(K, K, np.asarray(U, dtype=np.float64), cost, K1)
+        # exact: integers in float64 (+ 0 for the step's own rows)
+        return both.build(
+            np.take(np.asarray(L, dtype=np.float64), src) + K1_all,
+            np.take(np.asarray(t, dtype=np.float64), src) + K1_all,
+        )
 
 
 def _key(slots: Any) -> tuple[int, ...]:
@@ -165,6 +225,11 @@ class Req:
     signals: np.ndarray | None = None  # (drafts, 3) q, entropy, margin of full_drafts (when captured)
     greedy: bool | None = None  # the request's sampling is greedy (known from its first round)
     stops: frozenset[int] | None = None  # the request's stop tokens (:func:`stop_tokens`, from its first round)
+    #: The draft horizon of the request's next round, asked in the same policy call as its k (the
+    #: controller's one-call path): ``(step, L, t, ks)``, ``ks[K]`` the policy's k (validated, or None)
+    #: if all K drafts in flight are accepted, for K = 0..len(ks)-1, valid at the schedule after ``step``
+    #: while the request is still at context L after t tokens.
+    horizon: tuple[int, int, int, list[Any]] | None = None
     #: The last round's outcome: the values of :data:`OUTCOME_FIELDS`, then the round's sampled tokens
     #: and the drafts proposed for it (what :attr:`last` is made of, on demand).
     out: tuple[Any, ...] | None = None

@@ -39,6 +39,34 @@ and ``shutdown`` to close the recording):
   reads) to what the policy would ask for if all drafts in flight were accepted, so the drafter
   does not propose tokens the policy will cut.
 
+**The horizon in the step's one policy call** (``draft_horizon="policy"``, a rowwise policy:
+:func:`specenv.engines.vllm.served.rowwise`, e.g. the exported MLPs; setting ``horizon_one_call``, on by
+default). The horizon of step s+1 is the policy's k on each request's observation after the round
+it verifies in step s+1, if all its K drafts are accepted -- and K is the k decided in
+``update_draft_token_ids`` of step s. Nothing in between changes what that observation is built
+from: vLLM's ``update_from_output`` of step s (which folds the round into the request's slot and
+``last_U``) ran before, new requests get slots of their own, and the next ``schedule`` only reads
+``num_tokens``/``num_output_tokens`` (unchanged) and the K it schedules (``min(k, drafted)``, or fewer
+when the token budget, the model length or a grammar cuts the drafts). So ``_decide`` asks, in the
+same call as the decisions (:meth:`ServedPolicy.act_and_peek`: for a rowwise policy act and peek are
+one call, and rows do not change each other's answers), one hypothetical row per request and per K it
+may verify (K = 0..min(drafted, kmax); with the policy's horizon ``drafted`` is that horizon), built
+with the step's own rows from one gather and one build (:meth:`ObsSlots.stacked`: the float
+operations of the second call's :meth:`ObsSlots.what_if`, row by row), and keeps the answers per request
+(:attr:`Req.horizon`: the step, L, t and the k per K). ``schedule`` takes each request's answer at
+the K it scheduled when step, L and t match, and asks the policy (``peek``, as before;
+``stats["horizon_calls"]``) only about the others: requests whose first round comes next (their
+prefill ran in the step: once per request), a request the previous step did not decide, a K not
+asked (drafted > kmax), an answer that was no integer. The horizons, and so every decision and
+drafted length, are the two-call path's (tests/vllm/test_one_call_horizon.py, batch 1 and 8, a policy
+whose k hashes every bit of its row) -- for an MLP up to the float32 rounding of its matrix products,
+which depends on the number of rows of a call (about 3e-6 on the shipped ``live-vllm-v1/ppo``'s scores
+between 1 and 2+ rows; it already differs between batch sizes): an argmax on a near-tie may then
+differ (none in 2000 random rows per shape). The
+price: (min(drafted, kmax) + 1) hypothetical rows per request in the one call instead of one per
+request in a second call. A policy that is not rowwise (stateful: peek copies it; a batch
+controller: its rows decide jointly and read the step) keeps the second call at ``schedule``.
+
 Fail-safe: when the policy raises, returns something that is not an integer in 0..kmax, or returns
 a batch of the wrong shape, the request gets the configured ``fallback_k`` (default
 ``num_speculative_tokens``) and ``stats["fallbacks"]`` counts it; the first errors are logged. The
@@ -61,7 +89,8 @@ request being decided (one row per request, in the order of the drafter's batch)
 (a stateful policy keeps its memory per id; ``release([request_id])`` when a request finishes) and the
 step's :class:`specenv.policy.base.BatchStep` (what the server knows of the batch features: see
 :mod:`specenv.engines.vllm.served`). With ``draft_horizon="policy"`` the policy is asked the same way
-for the horizon, on the hypothetical observations (a stateful one on a private copy). A wrong shape or
+for the horizon, on the hypothetical observations: a rowwise one in the same call (above), any other
+at ``schedule`` (a stateful one on a private copy). A wrong shape or
 an exception gives every request of the step the fallback k. A policy the server cannot serve (drafting
 mode ``sequential``, a joint (k, cap) action, a privileged or slot-reading policy, a batch controller
 for fewer requests than ``max_num_seqs``...) is refused at ``set_policy`` with one line
@@ -176,8 +205,10 @@ class SpecControlScheduler(Recording, Scheduler):
         policy: The policy object (None: vLLM's fixed ``num_speculative_tokens``).
         spec: The observation layout the policy reads.
         stats: Counters: ``rounds``, ``decisions``, ``fallbacks``, ``capped``, ``policy_ms``
-            (time spent in the policy), ``overhead_ms`` (time spent in specenv's code: policy,
-            observations, recorder rows), ``errors`` (first error messages).
+            (time spent in the policy), ``horizon_calls`` (policy calls of ``schedule`` for a draft
+            horizon: on the one-call path only for requests without a kept horizon), ``overhead_ms``
+            (time spent in specenv's code: policy, observations, recorder rows), ``errors`` (first
+            error messages).
         recorder: The :class:`specenv.engines.recorder.PartRecorder` while recording, else None.
         tap: The worker's routing/timing tap (:mod:`specenv.engines.vllm.tap`) when bound in this process.
     """
@@ -213,6 +244,7 @@ class SpecControlScheduler(Recording, Scheduler):
             "capped": 0,
             "no_signals": 0,
             "policy_ms": 0.0,
+            "horizon_calls": 0,
             "overhead_ms": 0.0,
             "errors": [],
         }
@@ -238,6 +270,7 @@ class SpecControlScheduler(Recording, Scheduler):
         self._experts: StepExperts | None = None  # the per-step expert statistics' buffers (made on first use)
         # per-step columns of the rounds (slot, K, accepted, cost), preallocated in the dtypes ObsSlots.update takes
         self._cols = _RoundCols(16)
+        self._horizon_tables()
         self._ar_ema: float | None = None
         self._min_tt: float | None = None
         self.cost_model = None
@@ -271,6 +304,14 @@ class SpecControlScheduler(Recording, Scheduler):
         )
 
     # ------------------------------------------------------------------ configuration
+    def _horizon_tables(self) -> None:
+        """Make what the one-call horizon (:meth:`_what_ifs`) reads every step (needs ``num_spec_tokens``)."""
+        n = int(self.num_spec_tokens) + 1
+        #: U_r prior per budget 0..num_speculative_tokens (the horizon's U of a budget not yet observed)
+        self._u_prior = [float(u_prior(k, self.top_k or 1, self.n_experts or 1)) for k in range(n)]
+        self._budgets = np.arange(n, dtype=np.float64)  # 0..num_speculative_tokens
+        self._hz_layouts: dict[tuple[int, int], Any] = {}  # (requests, budgets each) -> _what_ifs' row layout
+
     @property
     def fallback_k(self) -> int:
         """Budget used when the policy fails."""
@@ -381,6 +422,7 @@ class SpecControlScheduler(Recording, Scheduler):
         self._slots = ObsSlots(self.spec)
         for st in self._reqs.values():
             st.slot = self._slots.alloc()
+            st.horizon = None  # asked of another policy, or of statistics that are gone
 
     @property
     def steps_logged(self) -> int:
@@ -494,11 +536,20 @@ class SpecControlScheduler(Recording, Scheduler):
         replay charges T_D(h), and the policy trims to k <= h (a larger k is capped, ``stats["capped"]``).
         Proposing ``num_speculative_tokens`` instead would pay T_D(kmax) every step (measured: 0.63-0.77x
         of plain decoding for the h = 3 policies with 8 drafts, against 1.17x for fixed k = 3).
+
+        A request whose horizon the previous step's policy call already answered (:meth:`_what_ifs`, the
+        one-call path: the same step, context and tokens, and K among the budgets asked) takes it from
+        :attr:`Req.horizon`; the policy is asked (``peek``, ``stats["horizon_calls"]``) only about the
+        others: a request whose first round comes next (its prefill just ran), one the previous step did
+        not decide, a K that was not asked, an answer that was no integer -- all of them on the two-call
+        path (``horizon_one_call`` off, a policy that is not rowwise).
         """
         if self.spec.lookahead:
             return int(min(self.spec.lookahead, self.num_spec_tokens))
         assert self._served is not None
         first, cont, ids_f, ids_c = [], [], [], []
+        kept: list[int] = []
+        prev = self._step - 1  # the step whose update_draft_token_ids answered the kept horizons
         for req_id in out.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_prefill_chunk:
@@ -508,30 +559,36 @@ class SpecControlScheduler(Recording, Scheduler):
             if request.num_output_tokens == 0:  # last prefill chunk: the first round comes next
                 first.append((request.num_tokens + 1, 1))
                 ids_f.append(req_id)
-            else:
-                U = st.last_U.get(K, float(u_prior(K, self.top_k or 1, self.n_experts or 1)))
-                cont.append((st.slot, K, U, request.num_tokens + K + 1, request.num_output_tokens + K + 1))
-                ids_c.append(req_id)
+                continue
+            hz = st.horizon
+            if (
+                hz is not None
+                and hz[0] == prev
+                and hz[1] == request.num_tokens
+                and hz[2] == request.num_output_tokens
+                and K < len(hz[3])
+                and hz[3][K] is not None
+            ):
+                kept.append(hz[3][K])
+                continue
+            U = st.last_U.get(K, float(u_prior(K, self.top_k or 1, self.n_experts or 1)))
+            cont.append((st.slot, K, U, request.num_tokens + K + 1, request.num_output_tokens + K + 1))
+            ids_c.append(req_id)
         rows = []
         if first:
             L, t = np.array(first, dtype=np.float64).T
             rows.append(ObservationState(self.spec, len(first)).build(L, t))
         if cont:
-            slots = [c[0] for c in cont]
-            hyp = self._slots.subset(slots)
             K = np.array([c[1] for c in cont], dtype=np.float64)
-            cost = np.where(hyp.prev_cost > 0, hyp.prev_cost, 1.0)
-            hyp.update(K, K, np.array([c[2] for c in cont]), cost, K + 1)
-            rows.append(
-                hyp.build(
-                    np.array([c[3] for c in cont], dtype=np.float64), np.array([c[4] for c in cont], dtype=np.float64)
-                )
-            )
+            L = np.array([c[3] for c in cont], dtype=np.float64)
+            t = np.array([c[4] for c in cont], dtype=np.float64)
+            rows.append(self._slots.what_if([c[0] for c in cont], K, [c[2] for c in cont], L, t))
         if not rows:
-            return int(self.num_spec_tokens)
+            return int(min(max(max(kept), 0), self.num_spec_tokens)) if kept else int(self.num_spec_tokens)
         obs = np.concatenate(rows)
+        self.stats["horizon_calls"] += 1
         ks = [int(k) for k in self._served.peek(obs, ids_f + ids_c, self._batch_step(len(obs)))]
-        h = max([self.fallback_k if not (0 <= k <= self.spec.kmax) else k for k in ks])
+        h = max([self.fallback_k if not (0 <= k <= self.spec.kmax) else k for k in ks] + kept)
         return int(min(max(h, 0), self.num_spec_tokens))
 
     def _batch_step(self, n: int) -> BatchStep:
@@ -823,16 +880,34 @@ class SpecControlScheduler(Recording, Scheduler):
         if not live:
             return DraftTokenIds(req_ids, drafts)
         conf = np.asarray(confs, dtype=np.float64) if h else None
-        # the rows _observe just folded, in the same order (batch order): no second gather
-        obs = self._slots.subset(slots, reuse=True).build(
-            np.asarray(Ls, dtype=np.float64), np.asarray(ts, dtype=np.float64), conf=conf
-        )
+        n = len(live)
+        ids = [req_ids[j] for j in live]
+        served = self._served
+        assert served is not None
+        # the one-call path: the next step's horizon asked in this call (see _what_ifs)
+        plan = self._what_ifs(live, req_ids, drafts) if self._one_call() else None
+        if plan is None:
+            # the rows _observe just folded, in the same order (batch order): no second gather
+            obs = self._slots.subset(slots, reuse=True).build(
+                np.asarray(Ls, dtype=np.float64), np.asarray(ts, dtype=np.float64), conf=conf
+            )
+        else:  # the step's rows, then the what-if rows, in one state and one build
+            obs = self._slots.stacked(slots, Ls, ts, *plan[2])
         t0 = time.perf_counter()
-        ks: list[Any] = [None] * len(live)
+        ks: list[Any] = [None] * n
         fast = False  # every k an integer in 0..kmax: no per-row check
-        assert self._served is not None
         try:  # the one call path: every request of the step at once
-            arr = self._served.act(obs, [req_ids[j] for j in live], self._batch_step(len(live)))
+            step = self._batch_step(n)
+            if plan is None:
+                arr = served.act(obs, ids, step)
+            else:
+                try:  # decisions and horizons in one call (rowwise: each row answered alone)
+                    both = served.act_and_peek(obs, ids + plan[0], step)
+                except Exception:  # the decisions alone, as without the horizon (schedule then asks again)
+                    plan, both = None, served.act(obs[:n], ids, step)
+                arr = both[:n]
+                if plan is not None:
+                    self._keep_horizons(live, req_ids, Ls, ts, plan[1], both[n:])
             if arr.dtype.kind in "iu":  # Python ints: a per-row check of a few rows costs less than two reductions
                 ks = arr.tolist()
                 fast = 0 <= min(ks) and max(ks) <= self.spec.kmax
@@ -858,6 +933,96 @@ class SpecControlScheduler(Recording, Scheduler):
             drafts[j] = drafts[j][:k]
             self.stats["decisions"] += 1
         return DraftTokenIds(req_ids, drafts)
+
+    def _one_call(self) -> bool:
+        """Whether this step's policy call also answers the next step's horizon (the one-call path).
+
+        With ``draft_horizon="policy"`` (no fixed :attr:`draft_tokens`, no lookahead block: its horizon is
+        h), a :func:`rowwise <specenv.engines.vllm.served.rowwise>` policy and ``horizon_one_call`` on.
+        """
+        s = self.settings
+        return (
+            s.draft_horizon == "policy"
+            and s.horizon_one_call
+            and self.draft_tokens is None
+            and not self.spec.lookahead
+            and self._served is not None
+            and self._served.rowwise
+        )
+
+    def _what_ifs(
+        self, live: list[int], req_ids: list[str], drafts: list[list[int]]
+    ) -> tuple[list[str], list[int], tuple[Any, ...]]:
+        """The what-if rows of the next step's horizon, asked before this step's k are known.
+
+        The horizon :meth:`_horizon` computes at the next ``schedule`` is the policy's k on the
+        observation of each request after its next round, if every one of the K drafts it then verifies
+        is accepted -- and K is the k this very call decides (``min(k, drafted)``, less if vLLM schedules
+        fewer). So every K a request can verify is asked: K = 0..min(drafted, kmax), one row each (with
+        ``draft_horizon="policy"`` ``drafted`` is the step's horizon, the same for every request).
+
+        Returns:
+            ``(ids, counts, layout)``: the request id of every what-if row, the number of rows of each
+            request (in ``live`` order) and ``(src, K, K1, K1_all, U)`` for :meth:`ObsSlots.stacked`
+            (:meth:`_hz_layout`; U: the request's last observed U_r at K, else the prior -- what
+            :meth:`_horizon` reads).
+        """
+        kmax = self.spec.kmax
+        reqs, pri = self._reqs, self._u_prior
+        cs = [min(len(drafts[j]), kmax) + 1 for j in live]
+        ids = [req_ids[j] for j, c in zip(live, cs, strict=True) for _ in range(c)]
+        U: list[float] = []
+        for j, c in zip(live, cs, strict=True):
+            last = reqs[req_ids[j]].last_U
+            U += [last.get(K, pri[K]) for K in range(c)] if last else pri[:c]
+        c0 = cs[0]
+        if all(c == c0 for c in cs):  # the common case (every request drafted the step's horizon): kept layouts
+            lay = self._hz_layouts.get((len(cs), c0))
+            if lay is None:
+                lay = self._hz_layouts[(len(cs), c0)] = self._hz_layout(cs)
+        else:
+            lay = self._hz_layout(cs)
+        return ids, cs, (*lay, U)
+
+    def _hz_layout(self, counts: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`ObsSlots.stacked`'s layout of the step's n rows and the what-if rows (K = 0..c-1 per request).
+
+        ``(src, K, K1, K1_all)``: the request of every stacked row (0..n-1, then each request's c rows),
+        the what-if rows' K and K + 1, and what each stacked row adds to L and t (0 for the step's rows).
+        """
+        n = len(counts)
+        K = np.concatenate([self._budgets[:c] for c in counts])
+        src = np.concatenate([np.arange(n, dtype=np.intp), np.repeat(np.arange(n, dtype=np.intp), counts)])
+        K1 = K + 1.0
+        return src, K, K1, np.concatenate([np.zeros(n), K1])
+
+    def _keep_horizons(
+        self, live: list[int], req_ids: list[str], Ls: list[int], ts: list[int], counts: list[int], out: np.ndarray
+    ) -> None:
+        """Keep each request's horizon per K (:attr:`Req.horizon`): the answers ``out`` on :meth:`_what_ifs`'s rows.
+
+        Validated as :meth:`_horizon` validates a peek: ``int(k)``, ``fallback_k`` outside 0..kmax; an
+        answer ``int`` refuses is kept as None (that K is then asked again at ``schedule``, which fails the
+        same way).
+        """
+        kmax, fb = self.spec.kmax, self.fallback_k
+        vals: list[Any]
+        if out.dtype.kind in "iu":
+            vals = [k if 0 <= k <= kmax else fb for k in out.tolist()]
+        else:
+            vals = []
+            for x in out:
+                try:
+                    k = int(x)
+                except Exception:  # (NaN, None, ...) asked again at schedule, which fails the same way
+                    vals.append(None)
+                    continue
+                vals.append(fb if not (0 <= k <= kmax) else k)
+        step, pos = self._step, 0
+        reqs = self._reqs
+        for j, L, t, c in zip(live, Ls, ts, counts, strict=True):
+            reqs[req_ids[j]].horizon = (step, L, t, vals[pos : pos + c])
+            pos += c
 
     def apply_k(self, req_id: str, k: int) -> int:
         """Re-trim a request's pending drafts to ``k`` (the live backend's per-round action).

@@ -10,7 +10,10 @@ an exported MLP, a batch controller that decides the step jointly (:mod:`policie
 
 :meth:`ServedPolicy.peek` asks what the policy *would* pick (the draft horizon) without changing it: a
 ``stateless`` policy directly, any other on a private structural copy (:func:`clone`).
-:meth:`ServedPolicy.release` forgets finished requests.
+:meth:`ServedPolicy.release` forgets finished requests. A ``rowwise`` policy (:func:`rowwise`: a stateless
+per-request :class:`specenv.policy.base.Policy` answering each row from that row alone) is asked for its
+decisions and its horizons in one call, :meth:`ServedPolicy.act_and_peek`: for it ``act`` and ``peek`` are
+the same call and the rows of the one do not change the answers of the other.
 
 What the server knows of the batch features (:class:`specenv.policy.base.BatchStep`), built by the
 controller: ``n_active`` = requests decided / B (B the policy's batch size, else ``max_num_seqs``);
@@ -29,9 +32,25 @@ from typing import Any
 import numpy as np
 
 from specenv.observation.single import ObservationSpec
-from specenv.policy.base import BatchStep
+from specenv.policy.base import BatchStep, Policy
 
-__all__ = ["ServedPolicy", "clone"]
+__all__ = ["ServedPolicy", "clone", "rowwise"]
+
+
+def rowwise(policy: Any) -> bool:
+    """Whether a policy answers each row from that row alone, and keeps nothing: its ``act`` is its ``peek``.
+
+    True for a stateless per-request :class:`specenv.policy.base.Policy` that keeps the base class's ``act``
+    (which hands the rows to ``_act_rows`` and reads neither the ids nor the :class:`BatchStep`): the exported
+    MLPs, fixed k, the stopping rules. Not for a batch controller (its rows decide jointly), a stateful
+    policy (``act`` advances its memory), or any object with an ``act`` of its own (it may read the step).
+    """
+    return (
+        isinstance(policy, Policy)
+        and bool(policy.stateless)
+        and type(policy).act is Policy.act
+        and "act" not in vars(policy)  # nor an act set on the object itself
+    )
 
 
 class ServedPolicy:
@@ -48,6 +67,8 @@ class ServedPolicy:
         self.spec = spec
         self.batch_size = max(int(batch_size), 1)
         self.stateless = bool(getattr(policy, "stateless", False))
+        #: :func:`rowwise`: decisions and horizons may be asked in one call (:meth:`act_and_peek`).
+        self.rowwise = rowwise(policy)
         self.name = str(getattr(policy, "name", type(policy).__name__))
 
     def act(self, obs: np.ndarray, ids: Sequence[Hashable], step: BatchStep | None) -> np.ndarray:
@@ -62,6 +83,19 @@ class ServedPolicy:
         """What :meth:`act` would answer, leaving the policy as it was (a copy answers unless ``stateless``)."""
         pol = self.policy if self.stateless else clone(self.policy)
         return _checked(pol.act(obs, list(ids), step), len(obs))
+
+    def act_and_peek(self, obs: np.ndarray, ids: Sequence[Hashable], step: BatchStep | None) -> np.ndarray:
+        """One call for :meth:`act` on some rows and :meth:`peek` on the others: (n,) budgets, one per row.
+
+        Only for a :attr:`rowwise` policy, for which each row's answer is its row's alone and ``act``
+        changes nothing: the answers equal ``act`` on the first rows and ``peek`` on the rest.
+
+        Raises:
+            ValueError: For a policy that is not rowwise, or another shape than one budget per row.
+        """
+        if not self.rowwise:
+            raise ValueError(f"policy {self.name!r} is not rowwise: act and peek need calls of their own")
+        return _checked(self.policy.act(obs, list(ids), step), len(obs))
 
     def release(self, ids: Sequence[Hashable]) -> None:
         """Forget finished requests (policies without ``release`` keep nothing per request)."""

@@ -86,6 +86,11 @@ class SpecenvSettings:
             policy would ask for if every draft in flight were accepted (max over the batch), so
             drafting cost follows the policy; when the real outcome leads the policy to ask for more,
             k is capped and counted (``capped``).
+        horizon_one_call: With ``draft_horizon="policy"`` and a rowwise policy
+            (:func:`specenv.engines.vllm.served.rowwise`: the exported MLPs, fixed k, ...), ask the policy for
+            the next step's horizon in the same call as the step's decisions (the controller's one-call
+            path: one policy call per step); False: a second call at the next ``schedule`` (the path
+            before it, kept for comparison). The same horizons either way.
         record_tokens: Also record each round's verified token ids (for checks against another
             engine; makes the recording larger).
         lazy_draft: Skip the drafter's forward in a step that drafts nothing for any request (every
@@ -106,6 +111,7 @@ class SpecenvSettings:
     max_new_tokens: int | None = None
     cost_model: str | None = None
     draft_horizon: str = "max"
+    horizon_one_call: bool = True
     record_tokens: bool = False
     lazy_draft: bool = True
 
