@@ -85,53 +85,70 @@ def branch_costs(
     horizon: int | None = None,
     tail: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Cost of every first budget from every state, the continuation playing after it: (n, kmax + 1) ms.
+    """Expected cost of every first budget from every state, the continuation playing after it: (n, kmax + 1) ms.
 
-    The rounds follow the replay environment's model (:mod:`specenv.replay.episode`: the leading
-    drafts with ``u < P(a >= j)`` accepted, :func:`specenv.replay.episode.settle`'s charge and
-    commit rule) and the observations its builder (:class:`specenv.observation.single.ObservationState`:
-    the update after each round, then the vector at the new context and position, with the draft
-    signals of the new position when the contract has a lookahead).
+    The first round of budget k at state i is taken in expectation over its outcome: one branch per
+    number of accepted drafts a = 0..k, weighted by ``P(a | t, k)`` (the split's survival: ``P(a >= j)
+    - P(a >= j + 1)``, 0/1 on greedy traces, where the zero-weight branches are dropped). From there
+    each branch plays the continuation's budgets, its rounds drawn as the environment draws them (the
+    leading drafts with ``u < P(a >= j)`` accepted; one uniform per state and round, shared by the
+    state's branches), charged and committed by :func:`specenv.replay.episode.settle`, its observation
+    rebuilt by :class:`specenv.observation.single.ObservationState` (the update after each round, then
+    the vector at the new context and position, with the new position's draft signals when the
+    contract has a lookahead).
 
     Args:
         data: The replay tables (:class:`specenv.replay.tables.ReplayData`) of the split.
         rows: (n,) position rows of the states (``offsets[g] + t``).
         stats: (n, 8 + kmax) their observations' running statistics (:func:`observation_state`).
         continuation: The policy after the first round.
-        rng: Draws one uniform per state and round (shared by the state's branches).
-        horizon: Rounds the continuation plays before the tail takes over (None: to the end).
+        rng: Draws one uniform per state and continuation round (shared by the state's branches).
+        horizon: Rounds the continuation plays before the tail takes over (None: to the end; 0: the
+            tail right after the first round).
         tail: (n_rows,) cost-to-go in ms from a row, added where the horizon cuts a branch (required
             with ``horizon``).
 
     Returns:
-        ``Q[i, k]``: the cost in ms of budget k at state i plus the continuation's rounds (plus the tail).
+        ``Q[i, k]``: the expected cost in ms of budget k at state i plus the continuation's rounds
+        (plus the tail).
     """
     rows = np.asarray(rows, dtype=np.int64)
-    if horizon is not None and tail is None:
-        raise ValueError("branch_costs: a horizon needs a tail value")
+    if horizon is not None and (tail is None or horizon < 0):
+        raise ValueError("branch_costs: a horizon (>= 0) needs a tail value")
     spec = data.spec
     K = data.kmax
     W = K + 1
     n = len(rows)
     g = np.searchsorted(data.offsets, rows, side="right") - 1
-    lane_state = np.repeat(np.arange(n), W)  # lane -> state
-    k = np.tile(np.arange(W, dtype=np.int64), n)
+    # the first round's outcomes: pairs (k, a), a = 0..k, and their probabilities at each state
+    kk = np.concatenate([np.full(k + 1, k) for k in range(W)])
+    aa = np.concatenate([np.arange(k + 1) for k in range(W)])
+    S = np.ones((n, W + 1))
+    S[:, 1:W] = data.survival[rows, :K]  # S[:, j] = P(a >= j), j = 0..K
+    S[:, W] = 0.0
+    Snext = np.where(aa < kk, S[:, np.minimum(aa + 1, W)], 0.0)  # P(a >= a' + 1) inside the budget
+    prob = S[:, aa] - Snext  # (n, pairs)
+    lane_state, pair = np.nonzero(prob > 0.0)
+    weight = prob[lane_state, pair]
+    k = kk[pair].astype(np.int64)
+    accepted = aa[pair].astype(np.int64)
     off = data.offsets[g][lane_state].astype(np.int64)
     N = data.lengths[g][lane_state].astype(np.int64)
     L0 = data.L0[g][lane_state].astype(np.int64)
     t = (rows[lane_state] - off).astype(np.int64)
     obs_state = observation_state(spec, stats).take(lane_state)
     obs_state.clip = not data.within_box
-    total = np.zeros(n * W)
-    lanes = np.arange(n * W)  # active lanes, in order
-    surv_flat, cost_flat, U_flat = data.survival.ravel(), data.cost.ravel(), data.U.ravel()
+    total = np.zeros(len(lane_state))
+    lanes = np.arange(len(lane_state))  # active lanes, in order
+    cost_flat, U_flat, surv_flat = data.cost.ravel(), data.U.ravel(), data.survival.ravel()
     depth = np.arange(K)
     played = 0
     while lanes.size:
-        u = rng.random(n)[lane_state[lanes]]
         row = off[lanes] + t[lanes]
-        surv = surv_flat.take(row[:, None] * W + depth[None, :])  # (m, K): P(a >= j) for j = 1..K
-        accepted = ((u[:, None] < surv) & (depth[None, :] < k[:, None])).sum(axis=1)
+        if played:  # a continuation round: drawn as the environment draws it
+            u = rng.random(n)[lane_state[lanes]]
+            surv = surv_flat.take(row[:, None] * W + depth[None, :])  # (m, K): P(a >= j), j = 1..K
+            accepted = ((u[:, None] < surv) & (depth[None, :] < k[:, None])).sum(axis=1)
         r = settle(
             k,
             t[lanes],
@@ -166,7 +183,9 @@ def branch_costs(
         k = np.asarray(continuation(obs, nrow), dtype=np.int64)
         if k.shape != lanes.shape or k.min() < 0 or k.max() > K:
             raise ValueError(f"continuation: budgets outside 0..{K} (or of the wrong shape)")
-    return total.reshape(n, W)
+    Q = np.zeros(n * W)
+    np.add.at(Q, lane_state * W + kk[pair], weight * total)
+    return Q.reshape(n, W)
 
 
 class RolloutExpert:

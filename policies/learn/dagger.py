@@ -429,7 +429,7 @@ class ReplayEpisodes:
             ep_cost,
             ep_ar,
             np.asarray(k_buf, dtype=np.int64),
-            np.asarray(state_buf, dtype=np.float64).reshape(len(state_buf), -1),
+            np.asarray(state_buf, dtype=np.float64) if self.record_state else np.zeros((0, 0)),
         )
 
 

@@ -82,10 +82,12 @@ def train(
     expert: Annotated[
         str,
         typer.Option(
-            help="imitation: the expert imitated: oracle (the clairvoyant SSP oracle, the default) or belief (the "
+            help="imitation: the expert imitated: oracle (the clairvoyant SSP oracle, the default), belief (the "
             "belief oracle: the SSP on the acceptances a train-split calibration predicts from what the controller "
-            "sees: its observation in mode none, the draft confidences drafted so far otherwise; runs named "
-            "ALGO-belief[-hH|-seq]-seedS)."
+            "sees: its observation in mode none, the draft confidences drafted so far otherwise) or rollout "
+            "(AggreVaTe with the learner's own cost-to-go: every budget's round on the true acceptances, then the "
+            "current learner's own rounds to the generation's end; drafting none or block; no k=0 trap); runs "
+            "named ALGO-EXPERT[-hH|-seq]-seedS."
         ),
     ] = "oracle",
     dataset: Annotated[
@@ -145,6 +147,8 @@ def train(
             fail(f"--name: one name for {len(algos) * len(seeds)} runs (leave it out: each run gets ALGO-seedS)")
     ts = load_traces(traces)
     mode, h = _check_train_drafting(drafting, lookahead, ts)
+    if expert == "rollout" and mode == "sequential":
+        fail("--expert: rollout labels round-level budgets (drafting none or block), not a sequential stop rule")
     suffix = ("" if expert == "oracle" else f"-{expert}") + {"none": "", "block": f"-h{h}", "sequential": "-seq"}[mode]
     runs = [
         TrainRun(
