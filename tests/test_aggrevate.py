@@ -44,11 +44,11 @@ def test_labels_equal_the_environment_stepped_to_the_end(small_greedy_traces: Pa
     act = _policy(data.spec)
     K = data.kmax
     rows, stats, brute = [], [], []
-    for gid in data.generation_ids[:3]:
+    for gid in data.generation_ids[:2]:
         obs, _ = env.reset(seed=0, options={"generation_id": int(gid)})
         done, step = False, 0
         while not done:
-            if step % 4 == 1:  # a visited state: every budget, then the controller to the end, in a copy
+            if step % 5 == 1:  # a visited state: every budget, then the controller to the end, in a copy
                 ep = env.unwrapped.episode
                 rows.append(ep.row)
                 stats.append(env.unwrapped.observation_statistics)
@@ -64,7 +64,7 @@ def test_labels_equal_the_environment_stepped_to_the_end(small_greedy_traces: Pa
                 brute.append(q)
             obs, _, done, _, _ = env.step(int(act(obs)[0]))
             step += 1
-    assert len(rows) >= 10
+    assert len(rows) >= 6
     Q = branch_costs(data, np.array(rows), np.array(stats), lambda o, r: act(o), np.random.default_rng(0))
     np.testing.assert_allclose(Q, np.array(brute), rtol=1e-12)
     assert (Q.argmin(axis=1) > 0).any()  # the comparison is not all one k
@@ -86,26 +86,27 @@ def test_a_learner_stuck_at_k0_is_charged_plain_decoding_to_the_end(small_greedy
     env = gym.make(ENV_ID, dataset=str(small_greedy_traces), split="train", cost_model="fit-train")
     env.reset(seed=0)
     data = env.unwrapped.data
-    stats = np.tile(env.unwrapped.observation_statistics, (len(data.survival), 1))
-    rows = np.arange(len(data.survival))
+    rows = np.arange(0, len(data.survival), 11)
+    stats = np.tile(env.unwrapped.observation_statistics, (len(rows), 1))
     Q = branch_costs(data, rows, stats, lambda o, r: np.zeros(len(r)), np.random.default_rng(0))
     g = np.searchsorted(data.offsets, rows, side="right") - 1
     end = data.offsets[g + 1]
-    ar_rest = np.array([data.ar_ms[r:e].sum() for r, e in zip(rows, end, strict=True)])
-    np.testing.assert_allclose(Q[:, 0], ar_rest, rtol=1e-12)
+    after = np.concatenate([[0.0], np.cumsum(data.ar_ms)])  # plain decoding of rows r..e-1: after[e] - after[r]
+    np.testing.assert_allclose(Q[:, 0], after[end] - after[rows], rtol=1e-9)
     # one round of k drafts, plain decoding after the a accepted (+1) tokens it commits
     a = (data.survival[rows, : data.kmax] >= 1.0).sum(axis=1)
     for k in (1, data.kmax):
         nxt = np.minimum(rows + np.minimum(a, k) + 1, end)
-        rest = np.array([data.ar_ms[n:e].sum() for n, e in zip(nxt, end, strict=True)])
-        np.testing.assert_allclose(Q[:, k], data.cost[rows, k] + rest, rtol=1e-12)
+        np.testing.assert_allclose(Q[:, k], data.cost[rows, k] + after[end] - after[nxt], rtol=1e-9)
 
 
+@pytest.mark.slow  # a training run: about 25 s on an idle core
 def test_rollout_learner_does_not_fall_into_the_k0_trap_on_live_cpu(tmp_path: Path) -> None:
     from policies.learn.imitation import train_dagger
     from specenv.envs.rollout import evaluate_in_env
 
-    res = train_dagger("live-cpu", iterations=3, epochs=20, expert="rollout", hidden=(32,))
+    # the shipped recipe's network at half its iterations (seeds 0-3 measured 1.197-1.252 here)
+    res = train_dagger("live-cpu", iterations=4, epochs=30, expert="rollout")
     test = evaluate_in_env(res.policy, "live-cpu", split="test", cost_model="fit-train")
     learned = float(test.ar.sum() / test.cost.sum())
     # the threshold, independently: every fixed k replayed on the test split, the best in hindsight

@@ -59,6 +59,7 @@ def train_dagger(
     expert: str = "oracle",
     horizon: int | None = None,
     max_states: int | None = None,
+    relabel: bool = False,
 ) -> DaggerResult:
     """Train an MLP policy by DAgger on the train split of ``dataset``.
 
@@ -93,6 +94,8 @@ def train_dagger(
         horizon: ``"rollout"``: rounds of the learner's continuation before the belief oracle's
             cost-to-go closes a branch (None: to the generation's end).
         max_states: ``"rollout"``: visited states labelled per iteration (a uniform subsample; None: all).
+        relabel: ``"rollout"``: after each fit, relabel every state of the aggregate with the new
+            learner's continuation (approximate policy iteration) instead of keeping each iteration's labels.
 
     Returns:
         The exported numpy policy, per-iteration statistics and the training time in seconds.
@@ -140,6 +143,7 @@ def train_dagger(
             horizon=horizon,
             tail=sol.value if horizon is not None else None,
             max_states=max_states,
+            relabel=relabel,
         )
         expert_meta["labels"] = (
             "AggreVaTe with the learner's own cost-to-go: each budget's round on the true acceptances, then the "
@@ -148,6 +152,7 @@ def train_dagger(
         )
         expert_meta["rollout_horizon"] = horizon
         expert_meta["rollout_max_states"] = max_states
+        expert_meta["rollout_relabel"] = relabel
     elif expert == "belief" and spec.lookahead == 0:  # one roll-in of the belief oracle: the states the belief sees
         first = source.rollout(table_expert, learner, 1.0, np.random.default_rng([seed, 1]), 0)
         seen = fit_observation_belief(first.obs, split_arrays(dataset, data.kmax, split).rho[first.rows])
