@@ -136,10 +136,18 @@ def _fixed_cost(data, row0: int, N: int, k: int) -> float:  # noqa: ANN001
 
 def test_train_cli_records_the_rollout_expert(small_greedy_traces: Path, tmp_path: Path) -> None:
     args = ["--algo", "imitation", "--expert", "rollout", "--iterations", "1", "--epochs", "1"]
-    res = CliRunner().invoke(app, ["train", "--traces", str(small_greedy_traces), *args, "--out", str(tmp_path)])
+    res = CliRunner().invoke(
+        app,
+        ["train", "--traces", str(small_greedy_traces), *args, "--rollout-horizon", "2", "--out", str(tmp_path)],
+    )
     assert res.exit_code == 0, res.output
     meta = json.loads((tmp_path / "imitation-rollout-seed0" / "policy" / "policy.json").read_text())["meta"]
     assert meta["expert"] == "rollout" and "learner's own cost-to-go" in meta["labels"]
+    assert meta["rollout_horizon"] == 2 and "for 2 rounds" in meta["labels"]
+    res = CliRunner().invoke(
+        app, ["train", "--traces", str(small_greedy_traces), "--algo", "imitation", "--rollout-horizon", "2"]
+    )
+    assert res.exit_code == 2 and "only --expert rollout" in res.output
     res = CliRunner().invoke(
         app, ["train", "--traces", str(small_greedy_traces), *args, "--drafting", "sequential", "--out", str(tmp_path)]
     )

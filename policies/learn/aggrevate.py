@@ -3,12 +3,14 @@
 An expert of the DAgger loop (:mod:`policies.learn.dagger`) whose labels are what a controller's
 own continuation makes of each action, not what an oracle's would. At every visited state s of an
 iteration's roll-in (its position row and the running statistics of its observation) and for every
-budget k, :func:`branch_costs` replays the episode from s: one round of budget k, then the
-*continuation* policy's budgets round after round until the generation ends (or for ``horizon``
-rounds, then a tail value), on the replay environment's own tables (the true acceptances of the
-split trained on, its charged costs) and with the observation rebuilt round by round exactly as the
-environment builds it. The label of (s, k) is that total cost, ``Q(s, k) = C(s, k) + cost of the
-continuation from where k leads``; the regrets are ``(Q - min_k Q) / ar_unit``.
+budget k, :func:`branch_costs` replays the episode from s: one round of budget k (in expectation
+over its outcome: one branch per accepted count, weighted by the split's acceptance law at that
+position), then the *continuation* policy's budgets round after round until the generation ends (or
+for ``horizon`` rounds, then a tail value: the belief oracle's cost-to-go), on the replay
+environment's own tables (the true acceptances of the split trained on, its charged costs) and with
+the observation rebuilt round by round exactly as the environment builds it. The label of (s, k) is
+that total cost, ``Q(s, k) = C(s, k) + E[cost of the continuation from where k leads]``; the regrets
+are ``(Q - min_k Q) / ar_unit``.
 
 The continuation is the roll-in expert's table (the belief oracle's budgets, :func:`expert_arrays`
 with ``"belief"``) until the learner's first fit, then the current learner itself (its greedy budget
@@ -18,9 +20,9 @@ roll-out policy is the learned one. Two properties follow:
 
 * **Non-clairvoyant continuation, learner-consistent.** After the action, nothing knows the future
   acceptances: the continuation decides from the observation only, as the learner will at test time.
-  The first round's outcome is the true one of the visited position (a sample of what k would do
-  there); states that look alike to the learner are averaged by its expected-regret loss, so it
-  learns the action that is best in expectation given what it sees.
+  The first round's outcome law is the true one of the visited position (on greedy traces its
+  recorded verdict); states that look alike to the learner are averaged by its expected-regret loss,
+  so it learns the action that is best in expectation given what it sees.
 * **No k = 0 information trap.** In drafting mode none a k = 0 round brings no acceptance
   information, so after one the observation's acceptance statistics stay frozen; a learner that
   plays k = 0 there plays it again and again. Labels priced by an oracle's (or a belief's)
@@ -28,9 +30,9 @@ roll-out policy is the learned one. Two properties follow:
   the learner, so a k = 0 that leads to a k = 0 loop is charged the plain decoding of the rest of
   the generation, and the labels move the learner out of it.
 
-For a trace set with acceptance probabilities (not 0/1), each round draws one uniform per visited
-state shared by the state's kmax + 1 branches (common random numbers), as the environment draws one
-per round.
+For a trace set with acceptance probabilities (not 0/1), each continuation round draws one uniform
+per visited state shared by all the state's branches (common random numbers), as the environment
+draws one per round.
 """
 
 from __future__ import annotations

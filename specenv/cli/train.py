@@ -90,6 +90,16 @@ def train(
             "named ALGO-EXPERT[-hH|-seq]-seedS."
         ),
     ] = "oracle",
+    rollout_horizon: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            max=100_000,
+            help="--expert rollout: rounds of the learner's continuation before the belief oracle's cost-to-go "
+            "closes a branch (default: to the generation's end; a short horizon lowers the label noise of "
+            "stochastic traces); recorded in policy.json.",
+        ),
+    ] = None,
     dataset: Annotated[
         str | None,
         typer.Option(
@@ -149,6 +159,8 @@ def train(
     mode, h = _check_train_drafting(drafting, lookahead, ts)
     if expert == "rollout" and mode == "sequential":
         fail("--expert: rollout labels round-level budgets (drafting none or block), not a sequential stop rule")
+    if rollout_horizon is not None and expert != "rollout":
+        fail(f"--rollout-horizon: only --expert rollout rolls the learner out (got --expert {expert})")
     suffix = ("" if expert == "oracle" else f"-{expert}") + {"none": "", "block": f"-h{h}", "sequential": "-seq"}[mode]
     runs = [
         TrainRun(
@@ -166,6 +178,7 @@ def train(
             cost_model=cost_model,
             gamma=gamma,
             expert=expert,
+            overrides=(("horizon", rollout_horizon),) if rollout_horizon is not None else (),
         )
         for a in algos
         for s in seeds
