@@ -17,7 +17,9 @@ them is composed from three parts:
   which drafts a greedy trace accepts) or a train-split calibration's (``"belief"``: the belief
   oracle of :mod:`oracle.belief`, whose action values are the cost-to-go of the SSP on the
   acceptance probabilities the draft's signals predict: what a controller can know, AggreVaTe with
-  the belief's cost-to-go);
+  the belief's cost-to-go); ``"rollout"`` rolls in with the belief oracle's budgets but labels with
+  the learner's own cost-to-go (:class:`policies.learn.aggrevate.RolloutExpert`: branch rollouts of
+  the current learner on the true acceptances after each action, the cure of mode none's k = 0 trap);
 * the *learner* (:class:`RegretMLP`): a torch MLP with tanh hidden layers, one logit per action,
   refitted on the aggregate by the expected regret ``sum_a softmax(logits)_a * regret_a`` plus 0.05
   x cross-entropy towards the expert's best action, exported to the numpy form of
@@ -44,7 +46,7 @@ from specenv.policy.mlp import MLPPolicy
 from specenv.traces.traceset import PositionArrays
 
 #: The experts a DAgger learner imitates (:func:`expert_arrays`; ``specenv train --expert``).
-EXPERTS = ("oracle", "belief")
+EXPERTS = ("oracle", "belief", "rollout")
 
 __all__ = [
     "EXPERTS",
@@ -92,6 +94,8 @@ class Visits:
     cost: float  # total cost of the episodes in ms
     ar: float  # their total AR cost in ms
     k: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # (n,) budgets (see the source)
+    #: (n, 8 + kmax) the observation's running statistics at each visited state (``record_state``), else empty
+    state: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
 
 
 @dataclass
@@ -161,7 +165,9 @@ def expert_arrays(arrays: PositionArrays, expert: str, seen: int) -> tuple[Posit
         arrays: The split trained on (its true acceptances).
         expert: ``"oracle"`` (the table itself: the clairvoyant oracle) or ``"belief"`` (every
             ``rho[t, j]`` replaced by what :func:`oracle.belief.fit_draft_belief`, fitted on
-            ``arrays``, the train split, believes having seen the confidences of ``seen`` drafts).
+            ``arrays``, the train split, believes having seen the confidences of ``seen`` drafts);
+            ``"rollout"``: the belief's table too (its budgets roll in; the labels are the learner's
+            rollouts, :mod:`policies.learn.aggrevate`).
         seen: Drafts whose confidences the controller sees when it chooses: 0 in mode none, h in
             mode block, kmax for the rounds after the current one of a stop rule.
 
@@ -174,14 +180,14 @@ def expert_arrays(arrays: PositionArrays, expert: str, seen: int) -> tuple[Posit
     """
     if expert == "oracle":
         return arrays, {"expert": "oracle"}, None
-    if expert == "belief":
+    if expert in ("belief", "rollout"):
         from dataclasses import replace
 
         from oracle.belief import fit_draft_belief
 
         belief = fit_draft_belief(arrays)
         rho = belief.predict(arrays, np.arange(len(arrays.L)), seen)
-        meta = {"expert": "belief", "belief_seen_drafts": int(seen), "belief_bins": int(belief.seen.rate.shape[1])}
+        meta = {"expert": expert, "belief_seen_drafts": int(seen), "belief_bins": int(belief.seen.rate.shape[1])}
         return replace(arrays, rho=rho, greedy=bool(np.all((rho == 0.0) | (rho == 1.0)))), meta, belief
     raise ValueError(f"expert: unknown expert '{expert}' (known: {', '.join(EXPERTS)})")
 
@@ -368,6 +374,9 @@ class ReplayEpisodes:
             is then asked also where the expert acts); False: the action played.
         to_action: Maps a chosen index to the environment's action (the joint (k, cap) learner plays
             joint indices); None steps with the index itself.
+        record_state: :attr:`Visits.state` holds the observation's running statistics at every visited
+            state (``observation_statistics`` of :class:`specenv.envs.replay.MoESpecEnv`), for an
+            expert that restarts episodes from the visited states (:mod:`policies.learn.aggrevate`).
     """
 
     def __init__(
@@ -377,12 +386,14 @@ class ReplayEpisodes:
         policy_of: Callable[[RegretMLP], Any] | None = None,
         record_k: bool = False,
         to_action: Callable[[int], Any] | None = None,
+        record_state: bool = False,
     ):
         self.env = env
         self.arrays = arrays
         self.policy_of = policy_of or (lambda learner: learner.snapshot())
         self.record_k = record_k
         self.to_action = to_action
+        self.record_state = record_state
 
     def rollout(
         self, expert: Expert, learner: RegretMLP, beta: float, rng: np.random.Generator, iteration: int
@@ -390,7 +401,7 @@ class ReplayEpisodes:
         """One episode per generation under the mixture."""
         env, to_action = self.env, self.to_action
         policy = self.policy_of(learner)
-        obs_buf, row_buf, k_buf, ep_cost, ep_ar = [], [], [], 0.0, 0.0
+        obs_buf, row_buf, k_buf, state_buf, ep_cost, ep_ar = [], [], [], [], 0.0, 0.0
         for g, gid in enumerate(env.unwrapped.data.generation_ids):
             obs, _ = env.reset(seed=int(rng.integers(2**31)), options={"generation_id": int(gid)})
             t, done = 0, False
@@ -399,6 +410,8 @@ class ReplayEpisodes:
                 row = lo + t
                 obs_buf.append(obs)
                 row_buf.append(row)
+                if self.record_state:
+                    state_buf.append(env.unwrapped.observation_statistics)
                 if self.record_k:
                     k_own = int(policy.act(obs))
                     k = int(expert.act(row)) if rng.random() < beta else k_own
@@ -416,6 +429,7 @@ class ReplayEpisodes:
             ep_cost,
             ep_ar,
             np.asarray(k_buf, dtype=np.int64),
+            np.asarray(state_buf, dtype=np.float64) if self.record_state else np.zeros((0, 0)),
         )
 
 

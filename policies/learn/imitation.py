@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from policies.learn.aggrevate import RolloutExpert
 from policies.learn.dagger import (
     DaggerResult,
     ObservationBelief,
@@ -56,6 +57,9 @@ def train_dagger(
     signals: Any = ("q",),
     split: str = "train",
     expert: str = "oracle",
+    horizon: int | None = None,
+    max_states: int | None = None,
+    relabel: bool = False,
 ) -> DaggerResult:
     """Train an MLP policy by DAgger on the train split of ``dataset``.
 
@@ -80,7 +84,18 @@ def train_dagger(
             confidences of the ``lookahead`` drafts, the depth alone in mode none; :func:`expert_arrays`).
             In mode none the current round's acceptances in the labels are believed from the
             controller's observation (:func:`fit_observation_belief`, fitted on one roll-in of the
-            belief oracle on the split), the later rounds' from the depth alone.
+            belief oracle on the split), the later rounds' from the depth alone. ``"rollout"``:
+            AggreVaTe with the learner's own cost-to-go (:class:`policies.learn.aggrevate.RolloutExpert`):
+            the belief oracle's budgets roll in; every visited state is labelled, for every budget,
+            with the cost of that round on the split's true acceptances plus the current learner's
+            own rounds after it to the generation's end (the belief's budgets before the first fit),
+            the observation rebuilt round by round. No label assumes anything resumes drafting
+            after a k = 0 the learner would not leave: the cure of mode none's k = 0 trap.
+        horizon: ``"rollout"``: rounds of the learner's continuation before the belief oracle's
+            cost-to-go closes a branch (None: to the generation's end).
+        max_states: ``"rollout"``: visited states labelled per iteration (a uniform subsample; None: all).
+        relabel: ``"rollout"``: after each fit, relabel every state of the aggregate with the new
+            learner's continuation (approximate policy iteration) instead of keeping each iteration's labels.
 
     Returns:
         The exported numpy policy, per-iteration statistics and the training time in seconds.
@@ -117,8 +132,28 @@ def train_dagger(
         Q = action_values(arrays, model, sol.value, roll.rows, lookahead=spec.lookahead, rho=rho)
         return roll.obs, ((Q - Q.min(axis=1, keepdims=True)) / unit).astype(np.float32)
 
-    table_expert = TableExpert(sol.k, label)
-    if expert == "belief" and spec.lookahead == 0:  # one roll-in of the belief oracle: the states the belief sees
+    table_expert: TableExpert | RolloutExpert = TableExpert(sol.k, label)
+    if expert == "rollout":
+        source = ReplayEpisodes(env, arrays, record_state=True)
+        table_expert = RolloutExpert(
+            data,
+            sol.k,
+            learner,
+            np.random.default_rng([seed, 2]),
+            horizon=horizon,
+            tail=sol.value if horizon is not None else None,
+            max_states=max_states,
+            relabel=relabel,
+        )
+        expert_meta["labels"] = (
+            "AggreVaTe with the learner's own cost-to-go: each budget's round on the true acceptances, then the "
+            "current learner's rounds (the belief oracle's budgets before its first fit)"
+            + (" to the generation's end" if horizon is None else f" for {horizon} rounds, then the belief's value")
+        )
+        expert_meta["rollout_horizon"] = horizon
+        expert_meta["rollout_max_states"] = max_states
+        expert_meta["rollout_relabel"] = relabel
+    elif expert == "belief" and spec.lookahead == 0:  # one roll-in of the belief oracle: the states the belief sees
         first = source.rollout(table_expert, learner, 1.0, np.random.default_rng([seed, 1]), 0)
         seen = fit_observation_belief(first.obs, split_arrays(dataset, data.kmax, split).rho[first.rows])
         expert_meta["labels"] = "this round's acceptances believed from the observation (logistic, per depth)"

@@ -38,7 +38,7 @@ class TrainRun:
         cost_model: ``"fit-train"`` (the train split's fit, the default), ``"fit"``, ``"profile"`` or a JSON path.
         gamma: Discount factor (ppo, dqn).
         split: Generations trained on (``"train"``; ``"train-fit"`` in a hyper-parameter search).
-        expert: The expert imitation imitates (``"oracle"`` or ``"belief"``:
+        expert: The expert imitation imitates (``"oracle"``, ``"belief"`` or ``"rollout"``:
             :func:`policies.learn.dagger.expert_arrays`).
         overrides: Hyper-parameters replacing the recipe's: SB3's names for ppo/dqn
             (:func:`policies.learn.rl.hyperparameters`), ``lr``/``epochs``/``hidden`` for imitation.

@@ -189,11 +189,18 @@ def train_stop_dagger(
             validation carve of :mod:`specenv.traces.splits`, for a hyper-parameter search).
         expert: ``"oracle"`` (the clairvoyant oracle's k* and action values) or ``"belief"`` (the belief
             oracle's on the draft's confidence, calibrated on the same split: :func:`expert_arrays`).
+            (``"rollout"``, the learner's own cost-to-go, labels budgets of a round-level learner,
+            :func:`policies.learn.imitation.train_dagger`, not a stop rule's per-token decisions.)
 
     Returns:
         The stop rule in numpy form (per-token contract), per-iteration statistics and the training
         time in seconds.
+
+    Raises:
+        ValueError: For ``expert="rollout"`` (one line).
     """
+    if expert == "rollout":
+        raise ValueError("expert 'rollout' trains round-level budgets (drafting none or block), not a stop rule")
     import gymnasium as gym
 
     from oracle.dp import action_values, solve

@@ -82,12 +82,24 @@ def train(
     expert: Annotated[
         str,
         typer.Option(
-            help="imitation: the expert imitated: oracle (the clairvoyant SSP oracle, the default) or belief (the "
+            help="imitation: the expert imitated: oracle (the clairvoyant SSP oracle, the default), belief (the "
             "belief oracle: the SSP on the acceptances a train-split calibration predicts from what the controller "
-            "sees: its observation in mode none, the draft confidences drafted so far otherwise; runs named "
-            "ALGO-belief[-hH|-seq]-seedS)."
+            "sees: its observation in mode none, the draft confidences drafted so far otherwise) or rollout "
+            "(AggreVaTe with the learner's own cost-to-go: every budget's round on the true acceptances, then the "
+            "current learner's own rounds to the generation's end; drafting none or block; no k=0 trap); runs "
+            "named ALGO-EXPERT[-hH|-seq]-seedS."
         ),
     ] = "oracle",
+    rollout_horizon: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            max=100_000,
+            help="--expert rollout: rounds of the learner's continuation before the belief oracle's cost-to-go "
+            "closes a branch (default: to the generation's end; a short horizon lowers the label noise of "
+            "stochastic traces); recorded in policy.json.",
+        ),
+    ] = None,
     dataset: Annotated[
         str | None,
         typer.Option(
@@ -145,6 +157,10 @@ def train(
             fail(f"--name: one name for {len(algos) * len(seeds)} runs (leave it out: each run gets ALGO-seedS)")
     ts = load_traces(traces)
     mode, h = _check_train_drafting(drafting, lookahead, ts)
+    if expert == "rollout" and mode == "sequential":
+        fail("--expert: rollout labels round-level budgets (drafting none or block), not a sequential stop rule")
+    if rollout_horizon is not None and expert != "rollout":
+        fail(f"--rollout-horizon: only --expert rollout rolls the learner out (got --expert {expert})")
     suffix = ("" if expert == "oracle" else f"-{expert}") + {"none": "", "block": f"-h{h}", "sequential": "-seq"}[mode]
     runs = [
         TrainRun(
@@ -162,6 +178,7 @@ def train(
             cost_model=cost_model,
             gamma=gamma,
             expert=expert,
+            overrides=(("horizon", rollout_horizon),) if rollout_horizon is not None else (),
         )
         for a in algos
         for s in seeds

@@ -255,6 +255,17 @@ class MoESpecEnv(RoundEnv):
         """The episode in progress (:class:`specenv.replay.episode.Episode`; None before the first :meth:`reset`)."""
         return self._episode
 
+    @property
+    def observation_statistics(self) -> np.ndarray:
+        """A copy of the running statistics behind the current observation (float64).
+
+        :attr:`specenv.observation.single.ScalarObservation.values`: ``[prev_k / kmax, prev_accepted /
+        kmax, prev_U / n_experts, prev_cost / (kmax + 1), acc_rate, acc_len, cost_per_token,
+        first_round, acc_depth_1..kmax]``, unclipped: what a learner needs to restart the
+        observation of this state elsewhere (the branch rollouts of :mod:`policies.learn.aggrevate`).
+        """
+        return np.array(self._obs.values, dtype=np.float64)
+
     # ------------------------------------------------------------------ episode
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
