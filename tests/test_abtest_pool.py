@@ -138,3 +138,31 @@ def test_fidelity_summary_of_hand_built_rows() -> None:
     lo, hi = _repeat_ci(rs, plain)
     assert 1.1 <= lo <= 1.2 <= hi <= 1.3
     assert _repeat_ci(rs[:1], plain) is None
+
+
+def test_decode_phase_view_uses_the_mean_time_per_output_token() -> None:
+    from specenv.abtest import _fidelity, _mean_tpot
+
+    plain = [{"requests": [{"tpot_ms": 40.0}, {"tpot_ms": 60.0}, {"tpot_ms": None}]}, {"requests": [{"tpot_ms": 50.0}]}]
+    arm = [{"requests": [{"tpot_ms": 25.0}, {"tpot_ms": 35.0}]}]
+    assert _mean_tpot(plain) == pytest.approx(50.0) and _mean_tpot(arm) == pytest.approx(30.0)
+    assert _mean_tpot([{"requests": [{"tpot_ms": None}]}]) is None
+    rows = [
+        {"arm": "plain", "batch": 4, "group": "plain", "live_speedup": 1.0, "predicted": 1.0},
+        # tokens/s holds the prefill, the same for both arms: the live speedup is pulled towards 1
+        {
+            "arm": "a",
+            "batch": 4,
+            "group": "fixed",
+            "live_speedup": 1.05,
+            "decode_speedup": 50.0 / 30.0,
+            "predicted": 1.60,
+        },
+        {"arm": "b", "batch": 4, "group": "fixed", "live_speedup": 0.97, "decode_speedup": 0.90, "predicted": 0.90},
+        {"arm": "c", "batch": 4, "group": "fixed", "live_speedup": 1.01, "decode_speedup": None, "predicted": 1.2},
+    ]
+    fid = _fidelity(rows)["4"]
+    dec = fid["full model, decode phase"]
+    assert dec["arms"] == 2  # c has no decode figure
+    assert dec["max_abs_err"] == pytest.approx(abs((50.0 / 30.0) / 1.60 - 1))
+    assert fid["full model"]["arms"] == 3 and fid["full model"]["worst"] == "a"
