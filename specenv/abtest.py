@@ -156,6 +156,25 @@ def replay_policy(desc: dict[str, Any], spec: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- replay
+def _replay_env_args(policy: Any, dataset: str, kmax: int, cost_model: str) -> tuple[dict[str, Any], int]:
+    """``specenv/MoESpec-v1``'s arguments to replay a policy on the test split, and its lookahead h.
+
+    A block policy reads h draft signals and pays T_D(max(k, h)): the environment drafts in block mode.
+    """
+    spec = getattr(policy, "spec", None)
+    h = int(getattr(spec, "lookahead", 0))
+    kw = dict(
+        dataset=dataset,
+        kmax=kmax,
+        split="test",
+        cost_model=cost_model,
+        lookahead=h or None,
+        drafting="block" if h else None,
+        signals=tuple(getattr(spec, "signals", ("q",))),
+    )
+    return kw, h
+
+
 def predicted_speedup(
     dataset: str, cost_model: str, kmax: int, gids: list[int], policy: Any, max_tokens: int | None = None
 ) -> float:
@@ -169,18 +188,8 @@ def predicted_speedup(
 
     import specenv  # noqa: F401  (registers the environments)
 
-    spec = getattr(policy, "spec", None)
-    h = int(getattr(spec, "lookahead", 0))  # a block policy reads h draft signals and pays T_D(max(k, h))
-    env = gym.make(
-        "specenv/MoESpec-v1",
-        dataset=dataset,
-        kmax=kmax,
-        split="test",
-        cost_model=cost_model,
-        lookahead=h or None,
-        drafting="block" if h else None,
-        signals=tuple(getattr(spec, "signals", ("q",))),
-    )
+    kw, _ = _replay_env_args(policy, dataset, kmax, cost_model)
+    env = gym.make("specenv/MoESpec-v1", **kw)
     data = env.unwrapped.data
     row_of = {int(g): i for i, g in enumerate(data.generation_ids)}
     cost = ar = 0.0
@@ -238,18 +247,7 @@ def predicted_speedup_batch(
 
     import specenv  # noqa: F401  (registers the environments)
 
-    proto = make_policy()
-    spec = getattr(proto, "spec", None)
-    h = int(getattr(spec, "lookahead", 0))
-    kw = dict(
-        dataset=dataset,
-        kmax=kmax,
-        split="test",
-        cost_model=cost_model,
-        lookahead=h or None,
-        drafting="block" if h else None,
-        signals=tuple(getattr(spec, "signals", ("q",))),
-    )
+    kw, h = _replay_env_args(make_policy(), dataset, kmax, cost_model)
     b = max(int(batch), 1)
     envs = [gym.make("specenv/MoESpec-v1", **kw) for _ in range(min(b, len(gids)))]
     data = envs[0].unwrapped.data
