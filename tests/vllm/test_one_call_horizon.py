@@ -254,16 +254,24 @@ def test_batch_1_one_call_equals_two_calls_on_a_recorded_run(engine, plain_refer
     compare_paths(engine, waves, plain_reference, tmp_path, requests_first_steps=3)
 
 
-@pytest.fixture(scope="module")
+_KEEP: list = []
+
+
+@pytest.fixture(scope="session")
 def engine8(model_dirs):
+    """A batch-8 engine kept for the whole session: neither shut down nor collected at this module's end.
+
+    Its shutdown (explicit, or the LLM's finalizer when it is collected) tears down vLLM's in-process
+    distributed state (the model-parallel groups) that the session's shared engine (conftest.py) uses in the
+    modules that follow: 9 of them failed with "pipeline model parallel group is not initialized".
+    """
     from vllm import LLM
 
     kw = llm_kwargs(dirs=model_dirs, max_num_seqs=8)
     kw.update(engine_kwargs(SpecenvSettings(record_tokens=True), tap=True))
     llm = LLM(**kw)
+    _KEEP.append(llm)
     yield llm
-    # no engine_core.shutdown(): in this process it tears down vLLM's distributed state (the model-parallel
-    # groups), which the session's shared engine (conftest.py) still uses in the modules that follow
     controller_of(llm).stop_recording()
 
 
