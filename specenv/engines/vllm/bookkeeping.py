@@ -73,9 +73,13 @@ class ObsSlots:
         if reuse and fresh is not None and fresh[0] == _key(slots):
             return fresh[1]
         self._fresh = None
-        sub = self._scratch.get(len(slots))
+        return self._gather(self._scratch, slots)
+
+    def _gather(self, scratch: dict[int, ObservationState], slots: Any) -> ObservationState:
+        """The listed slots' statistics copied into ``scratch``'s state of that many rows (kept per size)."""
+        sub = scratch.get(len(slots))
         if sub is None:
-            sub = self._scratch[len(slots)] = ObservationState(self.spec, len(slots))
+            sub = scratch[len(slots)] = ObservationState(self.spec, len(slots))
         st = self.state
         # the named statistics (cost_per_token, first, ...) are columns of these two blocks
         np.take(st._P, slots, axis=0, out=sub._P)
@@ -112,12 +116,7 @@ class ObsSlots:
             t: (rows,) float64 tokens generated after it.
             out: An array of (rows, dim) float32 to build into (else a new one).
         """
-        hyp = self._what_if_scratch.get(len(slots))
-        if hyp is None:
-            hyp = self._what_if_scratch[len(slots)] = ObservationState(self.spec, len(slots))
-        st = self.state
-        np.take(st._P, slots, axis=0, out=hyp._P)
-        np.take(st._E, slots, axis=0, out=hyp._E)
+        hyp = self._gather(self._what_if_scratch, slots)
         cost = np.where(hyp.prev_cost > 0, hyp.prev_cost, 1.0)
         hyp.update(k, k, np.asarray(U, dtype=np.float64), cost, k + 1)
         return hyp.build(L, t, out=out)
