@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         "of the step-time model (manifest extra.ar_reference)",
     )
     ap.add_argument("--name", default="live-vllm-batch", help="the recording's name (manifest)")
+    ap.add_argument(
+        "--version", type=int, default=1, help="the recording's version (manifest; the folder is NAME-vVERSION)"
+    )
     args = ap.parse_args(argv)
 
     from specenv.io import check_new_path
@@ -71,8 +74,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: --batches/--prompt-ids: {exc}", file=sys.stderr)
         return 2
-    if not batches or min(batches) < 1 or not 1 <= args.kmax <= 64 or args.reps < 1 or args.max_tokens < 2:
-        print("error: need batches >= 1, 1 <= --kmax <= 64, --reps >= 1, --max-tokens >= 2", file=sys.stderr)
+    if (
+        not batches
+        or min(batches) < 1
+        or not 1 <= args.kmax <= 64
+        or args.reps < 1
+        or args.max_tokens < 2
+        or args.version < 1
+    ):
+        print(
+            "error: need batches >= 1, 1 <= --kmax <= 64, --reps >= 1, --max-tokens >= 2, --version >= 1",
+            file=sys.stderr,
+        )
         return 2
     from specenv.cost.batchfit import STEPS_FORMAT, recording_format
 
@@ -90,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --out: {exc}", file=sys.stderr)
             return 2
 
-    from specenv.engines.vllm.batchrec import record_batch_steps, record_plain_steps
+    from specenv.engines.vllm.batchrec import PREFILL_COLUMNS, record_batch_steps, record_plain_steps
     from specenv.engines.vllm.bench import build_llm, encode_prompts
     from specenv.progress import Progress
 
@@ -113,11 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     # warm-up: one group at the largest batch, not kept
     record_batch_steps(llm, prompts, [max(batches)], 1, 16, args.kmax, seed=args.seed + 1000)
     plain_rows: list[dict] = []
+    plain_prefill: list[dict] = []
     groups = iter(range(10**9))
 
     def plain_group(rep: int, B: int, chosen: list[list[int]]) -> None:
         if plain_llm is not None:  # the same prompts right after the speculative group: the same load
-            plain_rows.extend(record_plain_steps(plain_llm, chosen, args.max_tokens, f"rep{rep}", B, next(groups)))
+            plain_rows.extend(
+                record_plain_steps(
+                    plain_llm, chosen, args.max_tokens, f"rep{rep}", B, next(groups), prefill=plain_prefill
+                )
+            )
 
     load0 = os.getloadavg()
     t1 = time.perf_counter()
@@ -135,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     wall = time.perf_counter() - t1
     load1 = os.getloadavg()
+    # every group's prefill phase on both engines (the time to the last request's first token)
+    prefill = {"columns": list(PREFILL_COLUMNS), "rows": stats.pop("prefill") + plain_prefill}
     ctl = llm.llm_engine.engine_core.engine_core.scheduler
     import pandas as pd
     import vllm
@@ -144,12 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     ar_reference = summarize_plain_batch(pd.DataFrame(plain_rows)) if plain_llm is not None else None
     manifest = {
         "name": args.name,
-        "version": 1,
+        "version": args.version,
         "description": (
             f"vLLM {vllm.__version__} on CPU, {args.models}: groups of B = {args.batches} concurrent greedy requests "
             f"(ignore_eos, {args.max_tokens} tokens), {args.reps} interleaved repetitions; per step a random draft "
             f"length n in 1..{args.kmax} for the batch and a random k in 0..n per request; "
-            "pure verification steps only"
+            "pure verification steps only; every group's prefill phase timed (extra.prefill)"
             + ("; every group also on a plain engine (the batch AR reference)." if args.plain else ".")
         ),
         "model": {"n_layers": ctl.tap.n_layers, "n_experts": ctl.n_experts, "top_k": ctl.top_k},
@@ -167,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_tokens": args.max_tokens,
             "seed": args.seed,
             **({"ar_reference": ar_reference} if ar_reference is not None else {}),
+            "prefill": prefill,
             "startup_s": round(startup, 1),
             "wall_s": round(wall, 1),
             **stats,

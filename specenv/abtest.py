@@ -31,8 +31,11 @@ Arms (``--arms``; one engine each unless said otherwise):
 
 Columns: tokens/s (median over repeats), live speedup over plain at the same batch size, the replay
 environment's predicted speedup on the same prompts (``specenv/MoESpec-v1`` on the trace set, the
-policy run as the controller runs it; at batch 1 the set's cost model, above it the models' recorded batch
-step-time model, :func:`predicted_speedup_batch`, or no prediction where none is recorded), live / predicted,
+policy run as the controller runs it; the models' recorded batch step-time model, :func:`predict_batch`,
+at every batch size when it was recorded with the groups' prefill phases (then the prediction holds the
+prefill, as tokens/s does); otherwise the set's cost model at batch 1 and the batch step-time model above
+it, or no prediction where none is recorded), live / predicted, the decode phase alone (plain's mean time
+per output token over the arm's, and the prediction of the decoding steps),
 whether every repeat's outputs equal plain greedy's at the same batch size, and the controller's CPU
 per step (% of step time).
 """
@@ -208,6 +211,33 @@ def predicted_speedup(
     return ar / cost
 
 
+@dataclass(frozen=True)
+class BatchPrediction:
+    """A lockstep replay's prediction of one arm at one batch size (:func:`predict_batch`).
+
+    Attributes:
+        speedup: What the live tokens/s ratio measures: plain's (prefill + decoding) time over the arm's.
+        decode_speedup: The decoding steps alone (plain's over the arm's), what the live time per output
+            token measures.
+        decode_ms: The arm's decoding steps, summed over the groups.
+        ar_decode_ms: The plain engine's decoding steps, summed.
+        prefill_ms: The arm's engine's prefill phases (the engine with the drafter), summed; 0.0 when
+            the batch model has no prefill term.
+        ar_prefill_ms: The plain engine's prefill phases, summed.
+    """
+
+    speedup: float
+    decode_speedup: float
+    decode_ms: float
+    ar_decode_ms: float
+    prefill_ms: float
+    ar_prefill_ms: float
+
+
+#: One arm's prediction at one batch size: (tokens/s speedup, decode-phase speedup), None: not predicted.
+Pred = tuple[float, float] | None
+
+
 def predicted_speedup_batch(
     dataset: str,
     cost_model: str,
@@ -218,6 +248,20 @@ def predicted_speedup_batch(
     batch: int,
     batch_cost: Any,
 ) -> float:
+    """:func:`predict_batch`'s ``speedup`` (the tokens/s ratio)."""
+    return predict_batch(dataset, cost_model, kmax, gids, make_policy, max_tokens, batch, batch_cost).speedup
+
+
+def predict_batch(
+    dataset: str,
+    cost_model: str,
+    kmax: int,
+    gids: list[int],
+    make_policy: Callable[[], Any],
+    max_tokens: int | None,
+    batch: int,
+    batch_cost: Any,
+) -> BatchPrediction:
     """Replay-predicted speedup of a per-request policy served ``batch`` requests at a time, as the A/B serves them.
 
     The live pass (:func:`specenv.engines.vllm.bench.timed_pass`) submits the prompts in groups of
@@ -231,7 +275,12 @@ def predicted_speedup_batch(
     length for the whole batch (``draft_horizon="policy"`` asks for the largest; a step where every
     request verifies 0 drafts nothing: the lazy drafter), or the policy's lookahead h when it has one).
     The reference is the plain engine serving the same groups: one token per running request per
-    step, :meth:`~specenv.cost.batch.BatchCostModel.ar_ms` of their contexts.
+    step, :meth:`~specenv.cost.batch.BatchCostModel.ar_ms` of their contexts. When the model has a
+    prefill term (:meth:`~specenv.cost.batch.BatchCostModel.prefill_ms`), every group first pays its
+    prefill phase, on the engine with the drafter for the arm and on the plain engine for the
+    reference, from the group's prompt tokens (the recorded contexts ``L0``); the first token, which
+    the prefill step samples, is also counted among the decoding steps on both sides (one step in
+    ``max_tokens``, the same on both).
 
     Args:
         dataset: The trace set (its test split holds the generations).
@@ -252,7 +301,7 @@ def predicted_speedup_batch(
     envs = [gym.make("specenv/MoESpec-v1", **kw) for _ in range(min(b, len(gids)))]
     data = envs[0].unwrapped.data
     row_of = {int(g): i for i, g in enumerate(data.generation_ids)}
-    cost = ar = 0.0
+    cost = ar = pre = ar_pre = 0.0
     for g0 in range(0, len(gids), b):
         members = [int(g) for g in gids[g0 : g0 + b]]
         pols = [make_policy() for _ in members]
@@ -281,13 +330,22 @@ def predicted_speedup_batch(
             drafted = np.full(len(ks), top, dtype=np.int64)
             cost += batch_cost.step_ms(np.asarray(ks), drafted, np.asarray(us), np.asarray(Ls))
         L0 = np.array([float(data.L0[row_of[g]]) for g in members])
+        pre += batch_cost.prefill_ms(float(L0.sum()), "spec")
+        ar_pre += batch_cost.prefill_ms(float(L0.sum()), "plain")
         n = np.array(n_tok)
         for s in range(int(n.max())):  # the plain engine: one token per running request per step
             on = n > s
             ar += batch_cost.ar_ms(L0[on] + s)
     for env in envs:
         env.close()
-    return ar / cost
+    return BatchPrediction(
+        speedup=(ar_pre + ar) / (pre + cost),
+        decode_speedup=ar / cost,
+        decode_ms=cost,
+        ar_decode_ms=ar,
+        prefill_ms=pre,
+        ar_prefill_ms=ar_pre,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -573,21 +631,23 @@ def run_abtest(
                     if progress is not None:
                         progress("repeats", done, n_runs)
 
-        # ---- predictions: per arm and batch size (batch 1: the set's cost model; B > 1: the batch step model)
-        def predict(desc: dict[str, Any], b: int, cm: str, bm: Any) -> float | None:
+        # ---- predictions: per arm and batch size, (tokens/s, decode phase). The batch step model prices
+        # every batch size when it has a prefill term (recorded with the prefill phases: the same clock at
+        # every size); otherwise batch 1 is the set's cost model (decoding rounds only) and B > 1 the batch model
+        def predict(desc: dict[str, Any], b: int, cm: str, bm: Any) -> Pred:
             def make() -> Any:
                 return MLPPolicy.load(desc["folder"]) if desc.get("kind") == "mlp" else replay_policy(desc, ctx.spec)
 
-            if b == 1:
-                return predicted_speedup(opts.dataset, cm, kmax, test_ids, make(), opts.max_tokens)
+            if b == 1 and (bm is None or bm.prefill is None):
+                p = predicted_speedup(opts.dataset, cm, kmax, test_ids, make(), opts.max_tokens)
+                return p, p
             if bm is None or desc.get("kind") == "batch-goodput":  # a batch policy has no per-request replay
                 return None
-            return predicted_speedup_batch(opts.dataset, cm, kmax, test_ids, make, opts.max_tokens, b, bm)
+            res = predict_batch(opts.dataset, cm, kmax, test_ids, make, opts.max_tokens, b, bm)
+            return res.speedup, res.decode_speedup
 
-        def predict_all(
-            cm: str, bm: Any
-        ) -> tuple[dict[tuple[str, int], float | None], dict[tuple[int, int], float | None]]:
-            by_arm: dict[tuple[str, int], float | None] = {}
+        def predict_all(cm: str, bm: Any) -> tuple[dict[tuple[str, int], Pred], dict[tuple[int, int], Pred]]:
+            by_arm: dict[tuple[str, int], Pred] = {}
             for arm in arms:
                 desc = arm.predict or arm.policy
                 if arm.group in ("plain", "overhead-stock") or desc is None:
@@ -617,9 +677,11 @@ def run_abtest(
             r["ablations"] = {}
             for name, (pa, pk) in ablated.items():
                 byk = r.get("k") is not None and r["group"] in ("best", "dynamic")
-                pred = pk.get((r["k"], r["batch"])) if byk else pa.get((r["arm"], r["batch"]))
+                both = pk.get((r["k"], r["batch"])) if byk else pa.get((r["arm"], r["batch"]))
+                pred = None if both is None else both[0]
                 r["ablations"][name] = {
                     "predicted": pred,
+                    "predicted_decode": None if both is None else both[1],
                     "live_over_pred": None if pred is None else r["live_speedup"] / pred,
                 }
     fidelity = _fidelity(rows)
@@ -638,8 +700,14 @@ def run_abtest(
         "cost_model": opts.cost_model,
         "notes": notes
         + [
-            f"predicted: replay env on the first {opts.max_tokens} recorded tokens of the same prompts; batch 1: "
-            f"the set's cost model ({opts.cost_model} of {opts.dataset}); "
+            f"predicted: replay env on the first {opts.max_tokens} recorded tokens of the same prompts; "
+            + (
+                f"every batch size, batch 1 included: the groups replayed in lockstep, priced by the batch step-time "
+                f"model {batch_model_name} with every group's prefill phase (the engine with the drafter for the "
+                "arm, the plain engine for the reference); 'decode' columns: the decoding steps alone; "
+                if batch_model is not None and batch_model.prefill is not None
+                else f"batch 1: the set's cost model ({opts.cost_model} of {opts.dataset}), decoding rounds only; "
+            )
             + (
                 f"batch > 1: the groups replayed in lockstep, every step priced by the batch step-time model "
                 f"{batch_model_name} (plain engine's batch step as the reference)"
@@ -657,7 +725,7 @@ def run_abtest(
 
 def _ablations(
     ctx: Any, out: Path, opts: AbtestOptions, batch_model: Any, predict_all: Callable[[str, Any], Any]
-) -> dict[str, tuple[dict[tuple[str, int], float | None], dict[tuple[int, int], float | None]]]:
+) -> dict[str, tuple[dict[tuple[str, int], Pred], dict[tuple[int, int], Pred]]]:
     """Predictions of every arm with one term of a step-time cost model removed (empty for other models).
 
     The set's B = 1 step-time model loses the term (:func:`specenv.cost.steptime.ablate`) and so does
@@ -692,8 +760,8 @@ def _top_k(dataset: str) -> int | None:
 def _rows(
     arms: list[_Arm],
     results: dict[tuple[str, int], list[dict[str, Any]]],
-    preds: dict[tuple[str, int], float | None],
-    kpred: dict[tuple[int, int], float | None],
+    preds: dict[tuple[str, int], Pred],
+    kpred: dict[tuple[int, int], Pred],
     batches: list[int],
 ) -> list[dict[str, Any]]:
     fixed_of = {a.engine: a.name for a in arms if a.engine.startswith("k=")}
@@ -712,15 +780,16 @@ def _rows(
         }
         for arm in arms:
             rs = results.get((arm.name, b))
-            pred = preds.get((arm.name, b), 1.0 if arm.group == "plain" else None)
+            both = preds.get((arm.name, b), (1.0, 1.0) if arm.group == "plain" else None)
             if arm.k_by_batch is not None and arm.group == "best":
                 src = fixed_of.get(f"k={arm.k_by_batch[b]}")
                 rs = results.get((src, b)) if src else None
-                pred = kpred.get((arm.k_by_batch[b], b))
+                both = kpred.get((arm.k_by_batch[b], b))
             elif arm.group == "dynamic":
-                pred = kpred.get((arm.k_by_batch[b], b)) if arm.k_by_batch else None
+                both = kpred.get((arm.k_by_batch[b], b)) if arm.k_by_batch else None
             if arm.group == "overhead-stock":
-                pred = None
+                both = None
+            pred = None if both is None else both[0]
             row: dict[str, Any] = {"arm": arm.name, "batch": b, "group": arm.group}
             if arm.k_by_batch is not None:
                 row["k"] = arm.k_by_batch[b]
@@ -736,6 +805,7 @@ def _rows(
                 tok_per_s_all=[r["tok_per_s"] for r in rs],
                 live_speedup=live,
                 predicted=pred,
+                predicted_decode=None if both is None else both[1],
                 live_over_pred=None if pred is None else live / pred,
                 identical=None if ref is None else all(r["outputs"] == ref for r in rs),
             )
@@ -825,9 +895,9 @@ def _fidelity(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]
     Over the rows with a live speedup and a prediction (plain, whose prediction is 1 by definition,
     excluded): mean and max of ``|live/pred - 1|`` and Spearman's rank correlation of predicted and
     live speedups (``scipy.stats.spearmanr``; None below three arms). ``"full model, decode phase"``
-    compares the same prediction with the live *decode* speedup (plain's mean time per output token
-    over the arm's): the replay prices decoding rounds, while tokens/s also holds the prefill (time to
-    first token), the same for every arm, which pulls every live speedup towards 1.
+    compares the prediction of the decoding steps alone (``predicted_decode``) with the live *decode*
+    speedup (plain's mean time per output token over the arm's); the tokens/s views hold the prefill
+    (time to first token) where the batch model has a prefill term (:class:`BatchPrediction`).
     """
     from scipy.stats import spearmanr
 
@@ -838,7 +908,8 @@ def _fidelity(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]
         for name in {n for r in rs for n in r.get("ablations", {})}:
             models[name] = {r["arm"]: r["ablations"][name]["predicted"] for r in rs}
         views = [(m, pred, "live_speedup") for m, pred in models.items()]
-        views.append(("full model, decode phase", models["full model"], "decode_speedup"))
+        decode = {r["arm"]: r.get("predicted_decode", r.get("predicted")) for r in rs}
+        views.append(("full model, decode phase", decode, "decode_speedup"))
         for model, pred, key in views:
             pairs = [(r["arm"], r[key], pred[r["arm"]]) for r in rs if pred.get(r["arm"]) and r.get(key)]
             if not pairs:
@@ -969,29 +1040,30 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         _pages_line(doc.get("engines")),
         "",
-        "| arm | batch | tokens/s | live speedup [95% CI, repeats] | predicted | live/pred | identical to plain "
-        "| controller CPU/step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| arm | batch | tokens/s | live speedup [95% CI, repeats] | predicted | live/pred | decode: live / predicted "
+        "| identical to plain | controller CPU/step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["rows"]:
         name = r["arm"] + (f" (k={r['k']})" if "k" in r and r["group"] == "best" else "")
         if r.get("status"):
-            lines.append(f"| {name} | {r['batch']} | {r['status']} | | | | | |")
+            lines.append(f"| {name} | {r['batch']} | {r['status']} | | | | | | |")
             continue
         c = r.get("ctl_cpu_frac")
         cpu = f"{c['value']:.2%} [{c['ci95'][0]:.2%}, {c['ci95'][1]:.2%}]" if c else "-"
         ident = "-" if r["identical"] is None else ("yes" if r["identical"] else "NO")
         ci = r.get("live_ci95")
         live = f"{r['live_speedup']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+        dec = f"{_f(r.get('decode_speedup'), '.3f')} / {_f(r.get('predicted_decode'), '.3f')}"
         lines.append(
             f"| {name} | {r['batch']} | {r['tok_per_s']:.1f} | {live} | {_f(r['predicted'], '.3f')} | "
-            f"{_f(r['live_over_pred'], '.3f')} | {ident} | {cpu} |"
+            f"{_f(r['live_over_pred'], '.3f')} | {dec} | {ident} | {cpu} |"
         )
     if doc.get("adaptive_verification"):
-        lines.append(f"| vLLM adaptive verification | - | {doc['adaptive_verification']} | | | | | |")
+        lines.append(f"| vLLM adaptive verification | - | {doc['adaptive_verification']} | | | | | | |")
     lines += _paired_table(doc["rows"])
     for r in doc["refused"]:
-        lines.append(f"| {r['policy']} (learned) | - | refused: {r['reason']} | | | | | |")
+        lines.append(f"| {r['policy']} (learned) | - | refused: {r['reason']} | | | | | | |")
     ov = doc.get("overhead") or {}
     if ov:
         lines += ["", "Overhead (specenv path vs stock vLLM, same speculative config, paired per repeat):"]

@@ -697,6 +697,12 @@ def _models() -> dict[str, Any]:
         b_req_ms: Annotated[float, Field(ge=0, le=BATCH_TIME_MS_MAX, allow_inf_nan=False)]
         c_ms_per_token: Annotated[float, Field(ge=0, le=BATCH_TIME_MS_MAX, allow_inf_nan=False)]
 
+    class BatchPrefillJSON(Strict):
+        """One engine's prefill phase of a group: ``a_ms + b_ms_per_token * prompt tokens``."""
+
+        a_ms: Annotated[float, Field(ge=0, le=BATCH_TIME_MS_MAX, allow_inf_nan=False)]
+        b_ms_per_token: Annotated[float, Field(ge=0, le=BATCH_TIME_MS_MAX, allow_inf_nan=False)]
+
     class BatchCostModelJSON(Strict):
         """A batch cost model (:mod:`specenv.cost.batch`); every charged step time must be positive."""
 
@@ -709,6 +715,7 @@ def _models() -> dict[str, Any]:
         u_batch: UBatchJSON
         overhead: list[Annotated[float, Field(ge=0, le=BATCH_TIME_MS_MAX, allow_inf_nan=False)]] | None = None
         ar_step: BatchArStepJSON | None = None
+        prefill: dict[Literal["spec", "plain"], BatchPrefillJSON] | None = None
         source: dict[str, Any] = {}
         diagnostics: dict[str, Any] = {}
 

@@ -64,6 +64,8 @@ def test_markdown_table_rows_and_refusals() -> None:
                 "live_speedup": 1.2,
                 "predicted": 1.25,
                 "live_over_pred": 0.96,
+                "decode_speedup": 1.1,
+                "predicted_decode": 1.15,
                 "identical": False,
                 "ctl_cpu_frac": ovh,
             },
@@ -75,7 +77,11 @@ def test_markdown_table_rows_and_refusals() -> None:
         "notes": ["n"],
     }
     text = markdown(doc)
-    assert "| delta rule (oracle lambda) | 1 | 120.0 | 1.200 | 1.250 | 0.960 | NO | 0.40% [0.30%, 0.50%] |" in text
+    assert (
+        "| delta rule (oracle lambda) | 1 | 120.0 | 1.200 | 1.250 | 0.960 | 1.100 / 1.150 | NO | 0.40% [0.30%, 0.50%] |"
+        in text
+    )
+    assert "| plain (no speculation) | 1 | 100.0 | 1.000 | 1.000 | 1.000 | - / - | yes | - |" in text
     assert "refused: trained for 128 experts" in text
     assert "GPU (V2) model runner" in text
 

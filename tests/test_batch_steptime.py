@@ -14,9 +14,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from specenv.abtest import predicted_speedup_batch, replay_policy
+from specenv.abtest import predict_batch, predicted_speedup_batch, replay_policy
 from specenv.cost.batch import BatchCostModel, ablate_batch
-from specenv.cost.batchfit import fit_batch_cost, summarize_plain_batch
+from specenv.cost.batchfit import fit_batch_cost, fit_prefill, summarize_plain_batch
 from specenv.traces.datasets import load_dataset
 from specenv.traces.splits import select_split
 from tests.test_batchfit import FACTS, _synthetic
@@ -197,6 +197,106 @@ def test_batch_prediction_of_fixed_k_is_the_hand_walked_lockstep(tmp_path: Path)
                 bm,
             )
             assert pred == pytest.approx(_hand_lockstep(arr, gids, k, bm, batch, 40), rel=1e-9), (k, batch)
+    # with a prefill term: every group first pays its prefill phase (spec engine for the arm, plain for the
+    # reference) on the sum of its prompts' tokens; the decoding steps are the same hand walk
+    pre = {"spec": (50.0, 0.2), "plain": (30.0, 0.15)}
+    bmp = bm.replace(prefill=pre)
+    for k, batch in ((1, 2), (3, 3)):
+        res = predict_batch(
+            str(path),
+            "fit-train",
+            KMAX,
+            gids,
+            lambda k=k: replay_policy({"kind": "fixed", "k": k}, spec),
+            40,
+            batch,
+            bmp,
+        )
+        decode = predict_batch(
+            str(path),
+            "fit-train",
+            KMAX,
+            gids,
+            lambda k=k: replay_policy({"kind": "fixed", "k": k}, spec),
+            40,
+            batch,
+            bm,
+        )
+        assert decode.prefill_ms == 0.0 and decode.speedup == decode.decode_speedup
+        hand = _hand_lockstep(arr, gids, k, bm, batch, 40)
+        assert res.decode_speedup == pytest.approx(hand, rel=1e-9)
+        assert res.decode_ms == pytest.approx(decode.decode_ms, rel=1e-12)
+        tok = [
+            sum(float(arr.L[int(arr.offsets[i])]) for i in range(g0, min(g0 + batch, len(gids))))
+            for g0 in range(0, len(gids), batch)
+        ]
+        p_spec = sum(50.0 + 0.2 * t for t in tok)
+        p_plain = sum(30.0 + 0.15 * t for t in tok)
+        assert res.prefill_ms == pytest.approx(p_spec, rel=1e-12) and res.ar_prefill_ms == pytest.approx(
+            p_plain, rel=1e-12
+        )
+        assert res.speedup == pytest.approx((p_plain + res.ar_decode_ms) / (p_spec + res.decode_ms), rel=1e-12)
+        # the prefill pulls the speedup towards plain's prefill / spec's prefill: here below the decode figure
+        assert res.speedup < res.decode_speedup
+
+
+def _prefill_rows() -> list[dict]:
+    rows = []
+    for rep in range(3):
+        for B in (1, 2, 4, 8):
+            tokens = 240 * B + 7 * rep
+            for engine, (a, b) in (("spec", (40.0, 3.5)), ("plain", (25.0, 3.25))):
+                rows.append(
+                    {"engine": engine, "run": f"rep{rep}", "batch": B, "group": rep * 4 + B, "B": B,
+                     "prompt_tokens": tokens, "prefill_ms": a + b * tokens, "prefill_steps": 1}
+                )  # fmt: skip
+    return rows
+
+
+def test_prefill_line_per_engine_is_recovered_and_bad_rows_are_named() -> None:
+    coef, diag = fit_prefill({"columns": [], "rows": _prefill_rows()})
+    assert coef["spec"] == pytest.approx((40.0, 3.5), rel=1e-9)
+    assert coef["plain"] == pytest.approx((25.0, 3.25), rel=1e-9)
+    assert diag["spec"]["r2"] == pytest.approx(1.0) and diag["spec"]["oos_mape_pct"] == pytest.approx(0.0, abs=1e-9)
+    assert [p["B"] for p in diag["plain"]["per_batch"]] == [1, 2, 4, 8] and diag["plain"]["groups"] == 12
+    # a negative intercept is noise: fixed at 0, the slope refitted through the origin
+    neg = [dict(r, prefill_ms=3.0 * r["prompt_tokens"] - 20.0) for r in _prefill_rows()]
+    assert fit_prefill({"rows": neg})[0]["spec"][0] == 0.0
+    with pytest.raises(ValueError, match=r"extra\.prefill: rows lack column 'prompt_tokens'"):
+        fit_prefill({"rows": [{k: v for k, v in r.items() if k != "prompt_tokens"} for r in _prefill_rows()]})
+    with pytest.raises(ValueError, match=r"extra\.prefill: engine 'plain' has 0 groups"):
+        fit_prefill({"rows": [r for r in _prefill_rows() if r["engine"] == "spec"]})
+    bad = _prefill_rows()
+    bad[5]["prefill_ms"] = -1.0
+    with pytest.raises(ValueError, match=r"extra\.prefill: row 5: prefill_ms"):
+        fit_prefill({"rows": bad})
+    with pytest.raises(ValueError, match=r"extra\.prefill: expected"):
+        fit_prefill([1, 2])
+
+
+def test_step_fit_carries_the_prefill_term_and_its_json_round_trips(tmp_path: Path) -> None:
+    steps, manifest = _recording()
+    manifest["extra"] = manifest["extra"] | {"prefill": {"rows": _prefill_rows()}}
+    model = fit_batch_cost(steps, manifest, timing="step").model
+    assert model.prefill == {"spec": pytest.approx((40.0, 3.5)), "plain": pytest.approx((25.0, 3.25))}
+    assert model.prefill_ms(1000, "spec") == pytest.approx(40.0 + 3500.0)
+    back = BatchCostModel.load(model.save(tmp_path / "bc.json"))
+    assert back.prefill == model.prefill
+    assert fit_batch_cost(*_recording(), timing="step").model.prefill is None  # not recorded: decoding only
+    assert (
+        BatchCostModel.load(fit_batch_cost(*_recording(), timing="step").model.save(tmp_path / "b2.json")).prefill_ms(
+            500, "plain"
+        )
+        == 0.0
+    )
+    with pytest.raises(ValueError, match="engine="):
+        model.prefill_ms(10, "draft")
+    obj = model.to_json()
+    obj["prefill"]["spec"]["b_ms_per_token"] = -1.0
+    with pytest.raises(ValueError, match="prefill"):
+        BatchCostModel.from_json(obj, "bc.json")
+    with pytest.raises(ValueError, match="prefill"):
+        model.replace(prefill={"spec": (1.0, 1.0)})
 
 
 def test_shipped_wide_recording_is_a_step_time_fit_of_its_steps() -> None:
@@ -204,10 +304,10 @@ def test_shipped_wide_recording_is_a_step_time_fit_of_its_steps() -> None:
     from specenv.cost.batchfit import load_steps
     from specenv.replay.batch import fitted_batch_cost, step_time_recording
 
-    steps, manifest = load_steps("live-vllm-wide-batch-v1")
+    steps, manifest = load_steps("live-vllm-wide-batch-v2")
     assert manifest["extra"]["models"] == "wide-moe-v1" and "engine_step_ms" in steps.columns
     assert set(steps["B"]) >= {1, 2, 4, 8, 16}
-    ship = load_batch_cost_model("live-vllm-wide-batch-v1")
+    ship = load_batch_cost_model("live-vllm-wide-batch-v2")
     refit = fit_batch_cost(steps, manifest, timing="step").model
     for name in ("beta0", "alpha", "c", "overhead"):
         np.testing.assert_allclose(getattr(ship, name), getattr(refit, name), rtol=1e-9)
@@ -215,7 +315,17 @@ def test_shipped_wide_recording_is_a_step_time_fit_of_its_steps() -> None:
     # the plain engine's own batch steps: the reference's line is their least-squares fit, read back here
     ref = manifest["extra"]["ar_reference"]
     assert ship.ar_step == pytest.approx((ref["a_ms"], ref["b_req_ms"], ref["c_ms_per_token"]), rel=1e-12)
-    assert step_time_recording("wide-moe-v1") == "live-vllm-wide-batch-v1"
+    # every group's prefill phase on both engines, and the shipped prefill term is their fit
+    rows = pd.DataFrame(manifest["extra"]["prefill"]["rows"])
+    assert sorted(rows["engine"].value_counts().items()) == [("plain", 35), ("spec", 35)]
+    assert ship.prefill is not None and refit.prefill is not None
+    for engine in ("spec", "plain"):
+        assert ship.prefill[engine] == pytest.approx(refit.prefill[engine], rel=1e-9)
+        t = rows[rows["engine"] == engine]
+        a, b = np.polyfit(t["prompt_tokens"].to_numpy(float), t["prefill_ms"].to_numpy(float), 1)[::-1]
+        if a >= 0 and b >= 0:  # the unconstrained line is the fit when it needs no constraint
+            assert ship.prefill[engine] == pytest.approx((a, b), rel=1e-6)
+    assert step_time_recording("wide-moe-v1") == "live-vllm-wide-batch-v2"
     assert step_time_recording("small-moe-v1") is None  # its recording has no engine steps: forwards only
     wide = load_dataset("live-vllm-wide")
     chosen = fitted_batch_cost(wide, 8)

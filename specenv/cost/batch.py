@@ -82,6 +82,8 @@ FORMAT = "specenv.batchcost/1"
 
 #: Predictors of U_batch from the per-request unique-expert counts (module docstring).
 PREDICTORS: tuple[str, ...] = ("independent", "shared")
+#: The engines a prefill term is recorded for: with the drafter loaded, and the target alone.
+PREFILL_ENGINES: tuple[str, ...] = ("spec", "plain")
 
 
 def union_independent(u: np.ndarray, n: float, axis: int = -1) -> np.ndarray:
@@ -155,6 +157,10 @@ class BatchCostModel:
             model fitted before the step-time form).
         ar_step: ``(a, b_req, c)``: the plain engine's step (no drafter loaded) ``a + b_req * (B-1) + c * sum L``,
             the 1.0 of every batch speedup (:meth:`ar_ms`); None: the model's own k = 0 step.
+        prefill: ``{"spec": (a, b), "plain": (a, b)}``: the prefill phase of a group of requests submitted
+            together, ``a + b * (prompt tokens of the group)`` ms until every request has its first token,
+            on the engine with the drafter (``"spec"``: the target's and the draft's prefill) and on the
+            plain engine (:meth:`prefill_ms`); None: not recorded (predictions price decoding only).
     """
 
     beta0: np.ndarray
@@ -175,6 +181,7 @@ class BatchCostModel:
     diagnostics: dict[str, Any] = field(default_factory=dict)
     overhead: np.ndarray | None = None
     ar_step: tuple[float, float, float] | None = None
+    prefill: dict[str, tuple[float, float]] | None = None
 
     def __post_init__(self) -> None:
         for name in ("kmax", "max_batch", "top_k", "n_experts", "n_layers"):
@@ -212,6 +219,16 @@ class BatchCostModel:
             if not (np.isfinite([a, b, c]).all() and a > 0 and b >= 0 and c >= 0):
                 raise ValueError(f"ar_step={self.ar_step!r}: need a > 0 and b_req, c >= 0 (finite)")
             object.__setattr__(self, "ar_step", (a, b, c))
+        if self.prefill is not None:
+            pre = {}
+            for engine in PREFILL_ENGINES:
+                a, b = (float(x) for x in self.prefill.get(engine, (np.nan, np.nan)))
+                if not (np.isfinite([a, b]).all() and a >= 0 and b >= 0):
+                    raise ValueError(f"prefill[{engine!r}]: need (a, b), both finite and >= 0")
+                pre[engine] = (a, b)
+            if set(self.prefill) - set(PREFILL_ENGINES):
+                raise ValueError(f"prefill: engines are {PREFILL_ENGINES} (got {sorted(self.prefill)})")
+            object.__setattr__(self, "prefill", pre)
 
     # ------------------------------------------------------------- sizes
     @property
@@ -345,6 +362,20 @@ class BatchCostModel:
             a, b, c = self.ar_step
             return float(a + b * (B - 1) + c * float(context.sum()))
         return self.verify_ms(np.zeros(B, np.int64), np.full(B, float(self.top_k)), context)
+
+    def prefill_ms(self, prompt_tokens: float, engine: str) -> float:
+        """The prefill phase of a group whose prompts hold ``prompt_tokens`` tokens in all, in ms.
+
+        From the group's submission until every request has its first token, on the engine with the
+        drafter (``engine="spec"``) or the plain one (``"plain"``). 0.0 when the model has no prefill
+        term (a model of the decoding steps alone).
+        """
+        if engine not in PREFILL_ENGINES:
+            raise ValueError(f"engine={engine!r}: expected one of {PREFILL_ENGINES}")
+        if self.prefill is None:
+            return 0.0
+        a, b = self.prefill[engine]
+        return float(a + b * float(prompt_tokens))
 
     # ------------------------------------------------------------- construction
     @classmethod
@@ -495,6 +526,11 @@ class BatchCostModel:
                 if self.ar_step is not None
                 else {}
             ),
+            **(
+                {"prefill": {e: {"a_ms": a, "b_ms_per_token": b} for e, (a, b) in self.prefill.items()}}
+                if self.prefill is not None
+                else {}
+            ),
             "source": self.source,
             "diagnostics": self.diagnostics,
         }
@@ -528,6 +564,7 @@ class BatchCostModel:
             diagnostics=dict(m.diagnostics),
             overhead=None if m.overhead is None else np.array(m.overhead, dtype=np.float64),
             ar_step=None if m.ar_step is None else (m.ar_step.a_ms, m.ar_step.b_req_ms, m.ar_step.c_ms_per_token),
+            prefill=None if m.prefill is None else {e: (p.a_ms, p.b_ms_per_token) for e, p in m.prefill.items()},
         )
 
     def save(self, path: str | os.PathLike[str]) -> Path:

@@ -49,6 +49,7 @@ __all__ = [
     "BATCHCOST_FILE",
     "STEPS_FILE",
     "STEPS_FORMAT",
+    "PREFILL_COLUMNS",
     "STEP_COLUMNS",
     "VERIFY_FORMS",
     "BatchFitReport",
@@ -85,6 +86,13 @@ SCALARS = {
 #: List columns (one entry per request of the step; ``U_batch_layer``: one per MoE layer).
 LISTS = {"k": "i", "U": "f", "L": "i", "accepted": "i", "U_batch_layer": "f"}
 STEP_COLUMNS = (*SCALARS, *LISTS)
+
+#: Columns of the prefill table (``manifest.extra.prefill``): one row per group and engine (``"spec"``:
+#: the engine with the drafter, ``"plain"``: the target alone). ``prefill_ms`` is the wall time of the
+#: group's prefill phase: the ``engine.step()`` calls from the group's submission until every request
+#: of it has its first token (the time to first token of its last request); ``prefill_steps`` counts
+#: them (more than one when the prompts did not fit one step's token budget).
+PREFILL_COLUMNS = ("engine", "run", "batch", "group", "B", "prompt_tokens", "prefill_ms", "prefill_steps")
 #: Optional columns: ``engine_step_ms``, the wall time of the whole ``engine.step()`` that ran the step
 #: (recordings made since the step-time model; it feeds the per-step overhead of ``timing="step"``).
 OPTIONAL = {"engine_step_ms": "f"}
@@ -336,6 +344,72 @@ def summarize_plain_batch(plain: pd.DataFrame) -> dict[str, Any]:
     }
 
 
+def fit_prefill(prefill: Any, file: str = "manifest.json") -> tuple[dict[str, tuple[float, float]], dict[str, Any]]:
+    """The prefill phase of a group, per engine: ``prefill_ms = a + b * prompt_tokens``.
+
+    Fitted on ``manifest.extra.prefill`` (``{"columns": [...], "rows": [...]}``, one row per group
+    and engine: :data:`specenv.engines.vllm.batchrec.PREFILL_COLUMNS`, written by
+    ``scripts/collect_vllm_batch.py``) by least squares with ``a, b >= 0`` (a negative estimate is
+    fixed at 0, as :func:`_nonneg_ols` does), separately for the engine with the drafter (``"spec"``)
+    and the plain engine (``"plain"``). Out of sample: each repetition (``run``) predicted from the
+    others.
+
+    Returns:
+        ``({"spec": (a, b), "plain": (a, b)}, diagnostics)``; per engine the diagnostics hold ``a_ms``,
+        ``b_ms_per_token``, ``r2``, ``groups``, ``oos_mape_pct`` and, per B, the mean prefill time.
+
+    Raises:
+        ValueError: One line naming ``extra.prefill`` and the problem (a missing column or engine,
+        fewer than 3 groups of an engine, a time that is not positive and finite).
+    """
+    where = f"{file}, extra.prefill"
+    if not isinstance(prefill, dict) or not isinstance(prefill.get("rows"), list):
+        raise ValueError(f"{where}: expected {{'columns': [...], 'rows': [...]}}")
+    try:
+        table = pd.DataFrame(prefill["rows"])
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: rows: {exc}") from None
+    missing = [c for c in PREFILL_COLUMNS if c not in table.columns]
+    if missing:
+        raise ValueError(f"{where}: rows lack column {missing[0]!r}")
+    coef: dict[str, tuple[float, float]] = {}
+    diag: dict[str, Any] = {}
+    for engine in ("spec", "plain"):
+        t = table[table["engine"] == engine]
+        if len(t) < 3:
+            raise ValueError(f"{where}: engine {engine!r} has {len(t)} groups (need at least 3)")
+        y = pd.to_numeric(t["prefill_ms"], errors="coerce").to_numpy(np.float64)
+        x = pd.to_numeric(t["prompt_tokens"], errors="coerce").to_numpy(np.float64)
+        bad = ~np.isfinite(y) | (y <= 0) | ~np.isfinite(x) | (x <= 0)
+        if bad.any():
+            row = int(t.index[int(np.argmax(bad))])
+            raise ValueError(f"{where}: row {row}: prefill_ms and prompt_tokens must be finite and > 0")
+        X = np.column_stack([np.ones_like(x), x])
+        beta = _lstsq_nonneg(X, y, free=())
+        runs = t["run"].astype(str).to_numpy()
+        pred = np.full_like(y, np.nan)
+        for r in np.unique(runs):
+            if (runs != r).sum() >= 2:
+                pred[runs == r] = X[runs == r] @ _lstsq_nonneg(X[runs != r], y[runs != r], free=())
+        tss = float(((y - y.mean()) ** 2).sum())
+        resid = y - X @ beta
+        ok = np.isfinite(pred)
+        coef[engine] = (float(beta[0]), float(beta[1]))
+        Bs = t["B"].to_numpy()
+        diag[engine] = {
+            "a_ms": float(beta[0]),
+            "b_ms_per_token": float(beta[1]),
+            "r2": float(1.0 - float(resid @ resid) / tss) if tss > 0 else 0.0,
+            "groups": int(len(t)),
+            "oos_mape_pct": float(100 * np.mean(np.abs(pred[ok] - y[ok]) / y[ok])) if ok.any() else None,
+            "per_batch": [
+                {"B": int(b), "groups": int((Bs == b).sum()), "mean_ms": float(y[Bs == b].mean())}
+                for b in np.unique(Bs)
+            ],
+        }
+    return coef, diag
+
+
 # ---------------------------------------------------------------------- the fit
 def _design(steps: pd.DataFrame, terms: tuple[str, ...], u_batch: np.ndarray | None = None) -> np.ndarray:
     ub = steps["U_batch"].to_numpy(np.float64) if u_batch is None else u_batch
@@ -560,7 +634,7 @@ def fit_batch_cost(
         if np.ptp(y) == 0:
             raise _err(STEPS_FILE, f"is constant ({y[0]:g} ms in every step): no timing variation to fit", col)
     y_s = y_t + y_d
-    overhead, over_diag, ar_step = None, None, None
+    overhead, over_diag, ar_step, prefill, prefill_diag = None, None, None, None, None
     if timing == "step":
         ref = manifest.get("extra", {}).get("ar_reference")
         if not isinstance(ref, dict) or not {"a_ms", "b_req_ms", "c_ms_per_token"} <= set(ref):
@@ -570,6 +644,8 @@ def fit_batch_cost(
             )
         overhead, over_diag = step_overhead_by_batch(steps, int(manifest["max_batch"]))
         ar_step = (float(ref["a_ms"]), float(ref["b_req_ms"]), float(ref["c_ms_per_token"]))
+        if "prefill" in manifest.get("extra", {}):  # recorded since the step-time model's second recording
+            prefill, prefill_diag = fit_prefill(manifest["extra"]["prefill"])
     u = _u_matrix(steps)
     ub = steps["U_batch"].to_numpy(np.float64)
     multi = steps["B"].to_numpy() >= 2
@@ -705,6 +781,7 @@ def fit_batch_cost(
             # out of sample: the whole engine step against forwards + overhead (GroupKFold, predicted union)
             "oos_mape_pct": _errors(eng, chosen_v + pred_d + pred_o)["mape_pct"],
             "oos_mape_pct_without_overhead": _errors(eng, chosen_v + pred_d)["mape_pct"],
+            "prefill": prefill_diag,
         }
     model = BatchCostModel.linear(
         b0=b0,
@@ -725,6 +802,7 @@ def fit_batch_cost(
         source=dict(source or {}) | {"kind": "fit", "method": "specenv.cost.batchfit.fit_batch_cost", "timing": timing},
         overhead=overhead,
         ar_step=ar_step,
+        prefill=prefill,
         diagnostics={
             "summary": summary,
             "coefficients": json.loads(coefficients.to_json(orient="records")),
@@ -779,4 +857,11 @@ def format_report(report: BatchFitReport) -> str:
         f"  OOS MAPE of the engine step: {eng['oos_mape_pct']:.2f}% (without the overhead term: "
         f"{eng['oos_mape_pct_without_overhead']:.2f}%)",
     ]
+    for engine, d in (eng.get("prefill") or {}).items():
+        lines.append(
+            f"  prefill phase of a group, {'with the drafter' if engine == 'spec' else 'plain engine'}: "
+            f"{d['a_ms']:.1f} + {d['b_ms_per_token']:.3f} ms x prompt tokens (R2 {d['r2']:.3f}, {d['groups']} groups, "
+            f"OOS MAPE {d['oos_mape_pct']:.1f}% by repetition); by B: "
+            + ", ".join(f"B={p['B']}: {p['mean_ms']:.0f}" for p in d["per_batch"])
+        )
     return "\n".join(lines)

@@ -176,7 +176,7 @@ def batch_cost_for(
 
 #: The shipped batch recordings (vLLM 0.32 on CPU): the small models' (forward CPU times) and
 #: ``wide-moe-v1``'s (the step-time model: forwards, per-step overhead by B, the plain engine's step).
-RECORDINGS = (SHIPPED, "live-vllm-wide-batch-v1")
+RECORDINGS = (SHIPPED, "live-vllm-wide-batch-v2")
 
 
 def _recording_models(name: str) -> tuple[str, dict[str, Any]] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler")
@@ -31,6 +32,17 @@ def test_record_batch_steps(engine):
     }
     check_steps(steps, manifest)  # bounds of every union, positions = sum(k+1), times > 0...
     assert stats["groups"] == 6 and stats["steps"] == len(steps) > 10
+    # every group's prefill phase: the prompts it took (cycling), timed until each request had a token
+    pre = stats["prefill"]
+    assert [p["B"] for p in pre] == [1, 2, 4] * 2 and {p["engine"] for p in pre} == {"spec"}
+    cursor = 0
+    for p in pre:
+        assert p["prompt_tokens"] == sum(len(prompts[(cursor + i) % len(prompts)]) for i in range(p["B"]))
+        cursor += p["B"]
+        assert p["prefill_ms"] > 0 and p["prefill_steps"] >= 1
+    # the pure steps come after the prefill: no kept step's group is still prefilling (its first row has
+    # every request of the group running a verification round)
+    assert (steps.groupby("group")["B"].first() == pd.Series({p["group"]: p["B"] for p in pre})).all()
     assert {1, 2, 4} <= set(steps["B"])
     # vLLM's drafter runs the step's n forward passes for the whole batch
     assert (steps["draft_calls"] == steps["drafted"]).all()

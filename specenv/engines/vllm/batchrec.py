@@ -37,7 +37,17 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-__all__ = ["PLAIN_COLUMNS", "STEP_COLUMNS", "RandomK", "record_batch_steps", "record_plain_steps", "step_row"]
+from specenv.cost.batchfit import PREFILL_COLUMNS
+
+__all__ = [
+    "PLAIN_COLUMNS",
+    "PREFILL_COLUMNS",
+    "STEP_COLUMNS",
+    "RandomK",
+    "record_batch_steps",
+    "record_plain_steps",
+    "step_row",
+]
 
 #: Columns of the steps table (one row per pure engine step).
 STEP_COLUMNS = (
@@ -206,7 +216,9 @@ def record_batch_steps(
 
     Returns:
         ``(steps, stats)``: the steps table (:data:`STEP_COLUMNS` and ``engine_step_ms``, the wall time
-        of the whole ``engine.step()`` that ran the row's step) and counts (steps kept, dropped).
+        of the whole ``engine.step()`` that ran the row's step) and counts (steps kept, dropped), and
+        ``stats["prefill"]``: one row per group (:data:`PREFILL_COLUMNS`, engine ``"spec"``), its
+        prefill phase timed.
     """
     from vllm import SamplingParams
 
@@ -224,6 +236,7 @@ def record_batch_steps(
     ctl.draft_tokens = rec.n_now
     sp = SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True)
     total, done, group, cursor = reps * len(batches), 0, 0, 0
+    prefill: list[dict[str, Any]] = []
     try:
         for rep in range(reps):
             for B in batches:
@@ -232,7 +245,8 @@ def record_batch_steps(
                 chosen = [list(prompts[(cursor + i) % len(prompts)]) for i in range(B)]
                 cursor += B
                 rec.label = {"run": f"rep{rep}", "batch": int(B), "group": group}
-                _run_group(llm, chosen, sp, f"specenv-batchrec-{group}", rec.rows)
+                pre = _run_group(llm, chosen, sp, f"specenv-batchrec-{group}", rec.rows)
+                prefill.append({"engine": "spec", **rec.label, **pre})
                 if between is not None:
                     between(rep, int(B), chosen)
                 group += 1
@@ -243,26 +257,53 @@ def record_batch_steps(
     if progress:
         progress(total, total, "done")
     steps = pd.DataFrame(rec.rows, columns=[*STEP_COLUMNS, "engine_step_ms"])
-    return steps, {"steps": len(steps), "dropped_steps": rec.dropped, "groups": group}
+    stats = {"steps": len(steps), "dropped_steps": rec.dropped, "groups": group, "prefill": prefill}
+    return steps, stats
 
 
-def _run_group(llm: Any, prompts: list[list[int]], sp: Any, prefix: str, rows: list[dict[str, Any]]) -> None:
+class _FirstTokens:
+    """Times a group's prefill phase: the steps until every request has produced a token."""
+
+    def __init__(self, ids: Sequence[str], prompts: Sequence[Sequence[int]]):
+        self.waiting = set(ids)
+        self.out = {"B": len(ids), "prompt_tokens": int(sum(len(p) for p in prompts)), "prefill_ms": 0.0}
+        self.out["prefill_steps"] = 0
+
+    def step(self, outs: Any, dt_ms: float) -> None:
+        if not self.waiting:
+            return
+        self.out["prefill_ms"] += dt_ms
+        self.out["prefill_steps"] += 1
+        for out in outs or ():
+            if out.request_id in self.waiting and out.outputs and len(out.outputs[0].token_ids) > 0:
+                self.waiting.discard(out.request_id)
+
+
+def _run_group(llm: Any, prompts: list[list[int]], sp: Any, prefix: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Serve one group to the end, stepping the engine as ``LLM.generate`` does and timing every step.
 
     The rows the controller's callbacks appended during a step get ``engine_step_ms``: the wall time
     of the whole ``engine.step()`` (schedule, forwards, sampler, output processing), what a user of
     the engine waits for; ``step_ms`` (schedule to the forward's callback) misses the output side.
+
+    Returns:
+        The group's prefill phase: ``B``, ``prompt_tokens``, ``prefill_ms``, ``prefill_steps``
+        (:data:`PREFILL_COLUMNS`).
     """
     engine = llm.llm_engine
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{prefix}-{i}", {"prompt_token_ids": list(p)}, sp)
+    ids = [f"{prefix}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, {"prompt_token_ids": list(p)}, sp)
+    first = _FirstTokens(ids, prompts)
     while engine.has_unfinished_requests():
         n0 = len(rows)
         t0 = time.perf_counter()
-        engine.step()
+        outs = engine.step()
         dt = (time.perf_counter() - t0) * 1e3
         for row in rows[n0:]:
             row["engine_step_ms"] = dt
+        first.step(outs, dt)
+    return first.out
 
 
 #: Columns of the plain engine's steps table (:func:`record_plain_steps`).
@@ -270,7 +311,13 @@ PLAIN_COLUMNS = ("run", "batch", "group", "B", "context_sum", "engine_step_ms")
 
 
 def record_plain_steps(
-    llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int, run: str, batch: int, group: int
+    llm: Any,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    run: str,
+    batch: int,
+    group: int,
+    prefill: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """One group of concurrent greedy requests on a *plain* engine (no drafter loaded), every decode step timed.
 
@@ -282,6 +329,8 @@ def record_plain_steps(
     Returns:
         One row per decode step (:data:`PLAIN_COLUMNS`): ``B`` running requests, ``context_sum`` (sum of
         their context lengths before the step), ``engine_step_ms`` (wall time of ``engine.step()``).
+        ``prefill`` (when given) gets the group's prefill phase (:data:`PREFILL_COLUMNS`, engine
+        ``"plain"``).
     """
     from vllm import SamplingParams
 
@@ -292,6 +341,7 @@ def record_plain_steps(
         rid = f"specenv-plainrec-{group}-{i}"
         engine.add_request(rid, {"prompt_token_ids": list(p)}, sp)
         lens[rid] = [len(p), 0]  # prompt tokens, output tokens so far
+    first = _FirstTokens(list(lens), prompts)
     rows: list[dict[str, Any]] = []
     while engine.has_unfinished_requests():
         running = [r for r, (_, n) in lens.items() if n >= 0]
@@ -300,6 +350,7 @@ def record_plain_steps(
         t0 = time.perf_counter()
         outs = engine.step()
         dt = (time.perf_counter() - t0) * 1e3
+        first.step(outs, dt)
         for out in outs:
             if out.request_id in lens:
                 lens[out.request_id][1] = -1 if out.finished else len(out.outputs[0].token_ids)
@@ -314,4 +365,6 @@ def record_plain_steps(
                     "engine_step_ms": dt,
                 }
             )
+    if prefill is not None:
+        prefill.append({"engine": "plain", "run": run, "batch": int(batch), "group": int(group), **first.out})
     return rows
