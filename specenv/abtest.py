@@ -261,6 +261,7 @@ def predict_batch(
     max_tokens: int | None,
     batch: int,
     batch_cost: Any,
+    joint: bool = False,
 ) -> BatchPrediction:
     """Replay-predicted speedup of a per-request policy served ``batch`` requests at a time, as the A/B serves them.
 
@@ -291,6 +292,9 @@ def predict_batch(
         make_policy: Builds one fresh policy (one per request: per-request policies hold state).
         batch: Requests per group.
         batch_cost: The batch step-time model.
+        joint: A batch policy (e.g. :class:`policies.batch.goodput.BatchGoodput`): one policy per group,
+            asked once per step with the stacked observations of the step's requests (``ids``: their
+            places in the group), as the controller serves it; False: one policy per request.
     """
     import gymnasium as gym
 
@@ -304,11 +308,12 @@ def predict_batch(
     cost = ar = pre = ar_pre = 0.0
     for g0 in range(0, len(gids), b):
         members = [int(g) for g in gids[g0 : g0 + b]]
-        pols = [make_policy() for _ in members]
-        obs, live = [], []
-        for env, pol, g in zip(envs, pols, members, strict=False):
-            o, _ = env.reset(seed=0, options={"generation_id": g})
+        pols = [make_policy()] if joint else [make_policy() for _ in members]
+        for pol in pols:
             pol.reset()
+        obs, live = [], []
+        for env, g in zip(envs, members, strict=False):
+            o, _ = env.reset(seed=0, options={"generation_id": g})
             obs.append(o)
             live.append(True)
         n_tok = [
@@ -317,9 +322,13 @@ def predict_batch(
         ]
         while any(live):
             idx = [i for i, a in enumerate(live) if a]
+            if joint:
+                chosen = np.asarray(pols[0].act(np.stack([obs[i] for i in idx]), ids=idx)).reshape(-1)
+            else:
+                chosen = np.array([int(pols[i].act(obs[i])) for i in idx])
             ks, us, Ls = [], [], []
-            for i in idx:
-                o, _, done, _, info = envs[i].step(int(pols[i].act(obs[i])))
+            for i, k_i in zip(idx, chosen, strict=True):
+                o, _, done, _, info = envs[i].step(int(k_i))
                 obs[i] = o
                 ks.append(int(info["k"]))
                 us.append(float(info["U_r"]))
@@ -641,9 +650,10 @@ def run_abtest(
             if b == 1 and (bm is None or bm.prefill is None):
                 p = predicted_speedup(opts.dataset, cm, kmax, test_ids, make(), opts.max_tokens)
                 return p, p
-            if bm is None or desc.get("kind") == "batch-goodput":  # a batch policy has no per-request replay
+            if bm is None:
                 return None
-            res = predict_batch(opts.dataset, cm, kmax, test_ids, make, opts.max_tokens, b, bm)
+            joint = desc.get("kind") == "batch-goodput"  # a batch policy: one call per step, every request
+            res = predict_batch(opts.dataset, cm, kmax, test_ids, make, opts.max_tokens, b, bm, joint=joint)
             return res.speedup, res.decode_speedup
 
         def predict_all(cm: str, bm: Any) -> tuple[dict[tuple[str, int], Pred], dict[tuple[int, int], Pred]]:
