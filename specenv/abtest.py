@@ -238,20 +238,6 @@ class BatchPrediction:
 Pred = tuple[float, float] | None
 
 
-def predicted_speedup_batch(
-    dataset: str,
-    cost_model: str,
-    kmax: int,
-    gids: list[int],
-    make_policy: Callable[[], Any],
-    max_tokens: int | None,
-    batch: int,
-    batch_cost: Any,
-) -> float:
-    """:func:`predict_batch`'s ``speedup`` (the tokens/s ratio)."""
-    return predict_batch(dataset, cost_model, kmax, gids, make_policy, max_tokens, batch, batch_cost).speedup
-
-
 def predict_batch(
     dataset: str,
     cost_model: str,

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from specenv.abtest import predict_batch, predicted_speedup_batch, replay_policy
+from specenv.abtest import predict_batch, replay_policy
 from specenv.cost.batch import BatchCostModel, ablate_batch
 from specenv.cost.batchfit import fit_batch_cost, fit_prefill, summarize_plain_batch
 from specenv.traces.datasets import load_dataset
@@ -188,18 +188,13 @@ def test_batch_prediction_of_fixed_k_is_the_hand_walked_lockstep(tmp_path: Path)
         kmax=KMAX, max_batch=4, top_k=FACTS["top_k"], n_experts=FACTS["n_experts"], n_layers=FACTS["n_layers"],
         predictor="independent", overhead=np.array([1.0, 1.5, 2.5, 4.0]), ar_step=(6.0, 0.7, 0.0005),
     )  # fmt: skip
+
+    def fixed(k: int):
+        return lambda: replay_policy({"kind": "fixed", "k": k}, spec)
+
     for k in (1, 3):
         for batch in (2, 3):
-            pred = predicted_speedup_batch(
-                str(path),
-                "fit-train",
-                KMAX,
-                gids,
-                lambda k=k: replay_policy({"kind": "fixed", "k": k}, spec),
-                40,
-                batch,
-                bm,
-            )
+            pred = predict_batch(str(path), "fit-train", KMAX, gids, fixed(k), 40, batch, bm).speedup
             assert pred == pytest.approx(_hand_lockstep(arr, gids, k, bm, batch, 40), rel=1e-9), (k, batch)
     # with a prefill term: every group first pays its prefill phase (spec engine for the arm, plain for the
     # reference) on the sum of its prompts' tokens; the decoding steps are the same hand walk
