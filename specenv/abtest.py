@@ -498,14 +498,17 @@ def run_abtest(
         fit_detail: dict[str, Any] = {"mode": opts.fit, "replay_best_k": ctx.best_fixed_k}
         if groups & {"best", "dynamic", "overhead"}:
             if opts.fit == "measured":
-                tps: dict[int, dict[int, float]] = {}
+                tps: dict[int, dict[int, float]] = {b: {} for b in opts.batches}
                 n_fit = len(opts.batches) * (kmax + 1)
-                for b in opts.batches:
-                    for k in range(0, kmax + 1):
-                        eng = engines.get("plain" if k == 0 else f"k={k}")
-                        tps.setdefault(b, {})[k] = run(eng, train_ids, b, opts.max_tokens)["tok_per_s"]
+                # every batch size on one engine before the next: each engine starts once (the pool holds
+                # fewer engines than there are k)
+                for k in range(0, kmax + 1):
+                    eng = engines.get("plain" if k == 0 else f"k={k}")
+                    for b in opts.batches:
+                        tps[b][k] = run(eng, train_ids, b, opts.max_tokens)["tok_per_s"]
                         if progress is not None:
                             progress("train fit", sum(map(len, tps.values())), n_fit)
+                for b in opts.batches:
                     best_k[b] = max(range(1, kmax + 1), key=lambda k, b=b: tps[b][k])
                     _log(f"train fit, batch {b}: best fixed k={best_k[b]}", quiet)
                 fit_detail["train_tok_per_s"] = {str(b): {str(k): v for k, v in d.items()} for b, d in tps.items()}
