@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -483,8 +484,12 @@ def run_abtest(
     def start(name: str, cfg: dict[str, Any]) -> EngineProcess:
         return engines.get(name, cfg)
 
+    loads: list[float] = []  # the machine's 1-minute load average after every pass
+
     def run(eng: EngineProcess, ids: list[int], batch: int, max_tokens: int) -> dict[str, Any]:
-        return eng.call(op="run", prompt_ids=ids, max_tokens=max_tokens, batch=batch, ignore_eos=opts.ignore_eos)
+        res = eng.call(op="run", prompt_ids=ids, max_tokens=max_tokens, batch=batch, ignore_eos=opts.ignore_eos)
+        loads.append(os.getloadavg()[0])
+        return res
 
     try:
         # ---- engines that need no fit
@@ -717,6 +722,10 @@ def run_abtest(
         "batch_step_model": batch_model_name,
         "engines": engines.infos,
         "duration_s": time.time() - t_start,
+        # the 1-minute load average after every pass (this machine's other work shows here)
+        "load": {"passes": len(loads), "min": min(loads), "median": statistics.median(loads), "max": max(loads)}
+        if loads
+        else None,
     }
     (out / "abtest.json").write_text(json.dumps(doc, indent=2, default=float))
     return doc
@@ -1030,6 +1039,15 @@ def _paired_table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _load_line(load: dict[str, Any] | None) -> str:
+    if not load:
+        return "Machine load: not recorded."
+    return (
+        f"Machine load (1-minute average after each of {load['passes']} passes): median {load['median']:.2f}, "
+        f"range {load['min']:.2f}-{load['max']:.2f}."
+    )
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """The A/B table (and its notes) as Markdown."""
     lines = [
@@ -1038,6 +1056,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{doc['duration_s']:.0f} s",
         "",
         _pages_line(doc.get("engines")),
+        _load_line(doc.get("load")),
         "",
         "| arm | batch | tokens/s | live speedup [95% CI, repeats] | predicted | live/pred | decode: live / predicted "
         "| identical to plain | controller CPU/step |",
