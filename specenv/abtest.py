@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -238,20 +239,6 @@ class BatchPrediction:
 Pred = tuple[float, float] | None
 
 
-def predicted_speedup_batch(
-    dataset: str,
-    cost_model: str,
-    kmax: int,
-    gids: list[int],
-    make_policy: Callable[[], Any],
-    max_tokens: int | None,
-    batch: int,
-    batch_cost: Any,
-) -> float:
-    """:func:`predict_batch`'s ``speedup`` (the tokens/s ratio)."""
-    return predict_batch(dataset, cost_model, kmax, gids, make_policy, max_tokens, batch, batch_cost).speedup
-
-
 def predict_batch(
     dataset: str,
     cost_model: str,
@@ -261,6 +248,7 @@ def predict_batch(
     max_tokens: int | None,
     batch: int,
     batch_cost: Any,
+    joint: bool = False,
 ) -> BatchPrediction:
     """Replay-predicted speedup of a per-request policy served ``batch`` requests at a time, as the A/B serves them.
 
@@ -291,6 +279,9 @@ def predict_batch(
         make_policy: Builds one fresh policy (one per request: per-request policies hold state).
         batch: Requests per group.
         batch_cost: The batch step-time model.
+        joint: A batch policy (e.g. :class:`policies.batch.goodput.BatchGoodput`): one policy per group,
+            asked once per step with the stacked observations of the step's requests (``ids``: their
+            places in the group), as the controller serves it; False: one policy per request.
     """
     import gymnasium as gym
 
@@ -304,11 +295,12 @@ def predict_batch(
     cost = ar = pre = ar_pre = 0.0
     for g0 in range(0, len(gids), b):
         members = [int(g) for g in gids[g0 : g0 + b]]
-        pols = [make_policy() for _ in members]
-        obs, live = [], []
-        for env, pol, g in zip(envs, pols, members, strict=False):
-            o, _ = env.reset(seed=0, options={"generation_id": g})
+        pols = [make_policy()] if joint else [make_policy() for _ in members]
+        for pol in pols:
             pol.reset()
+        obs, live = [], []
+        for env, g in zip(envs, members, strict=False):
+            o, _ = env.reset(seed=0, options={"generation_id": g})
             obs.append(o)
             live.append(True)
         n_tok = [
@@ -317,9 +309,13 @@ def predict_batch(
         ]
         while any(live):
             idx = [i for i, a in enumerate(live) if a]
+            if joint:
+                chosen = np.asarray(pols[0].act(np.stack([obs[i] for i in idx]), ids=idx)).reshape(-1)
+            else:
+                chosen = np.array([int(pols[i].act(obs[i])) for i in idx])
             ks, us, Ls = [], [], []
-            for i in idx:
-                o, _, done, _, info = envs[i].step(int(pols[i].act(obs[i])))
+            for i, k_i in zip(idx, chosen, strict=True):
+                o, _, done, _, info = envs[i].step(int(k_i))
                 obs[i] = o
                 ks.append(int(info["k"]))
                 us.append(float(info["U_r"]))
@@ -488,8 +484,12 @@ def run_abtest(
     def start(name: str, cfg: dict[str, Any]) -> EngineProcess:
         return engines.get(name, cfg)
 
+    loads: list[float] = []  # the machine's 1-minute load average after every pass
+
     def run(eng: EngineProcess, ids: list[int], batch: int, max_tokens: int) -> dict[str, Any]:
-        return eng.call(op="run", prompt_ids=ids, max_tokens=max_tokens, batch=batch, ignore_eos=opts.ignore_eos)
+        res = eng.call(op="run", prompt_ids=ids, max_tokens=max_tokens, batch=batch, ignore_eos=opts.ignore_eos)
+        loads.append(os.getloadavg()[0])
+        return res
 
     try:
         # ---- engines that need no fit
@@ -503,14 +503,17 @@ def run_abtest(
         fit_detail: dict[str, Any] = {"mode": opts.fit, "replay_best_k": ctx.best_fixed_k}
         if groups & {"best", "dynamic", "overhead"}:
             if opts.fit == "measured":
-                tps: dict[int, dict[int, float]] = {}
+                tps: dict[int, dict[int, float]] = {b: {} for b in opts.batches}
                 n_fit = len(opts.batches) * (kmax + 1)
-                for b in opts.batches:
-                    for k in range(0, kmax + 1):
-                        eng = engines.get("plain" if k == 0 else f"k={k}")
-                        tps.setdefault(b, {})[k] = run(eng, train_ids, b, opts.max_tokens)["tok_per_s"]
+                # every batch size on one engine before the next: each engine starts once (the pool holds
+                # fewer engines than there are k)
+                for k in range(0, kmax + 1):
+                    eng = engines.get("plain" if k == 0 else f"k={k}")
+                    for b in opts.batches:
+                        tps[b][k] = run(eng, train_ids, b, opts.max_tokens)["tok_per_s"]
                         if progress is not None:
                             progress("train fit", sum(map(len, tps.values())), n_fit)
+                for b in opts.batches:
                     best_k[b] = max(range(1, kmax + 1), key=lambda k, b=b: tps[b][k])
                     _log(f"train fit, batch {b}: best fixed k={best_k[b]}", quiet)
                 fit_detail["train_tok_per_s"] = {str(b): {str(k): v for k, v in d.items()} for b, d in tps.items()}
@@ -641,9 +644,10 @@ def run_abtest(
             if b == 1 and (bm is None or bm.prefill is None):
                 p = predicted_speedup(opts.dataset, cm, kmax, test_ids, make(), opts.max_tokens)
                 return p, p
-            if bm is None or desc.get("kind") == "batch-goodput":  # a batch policy has no per-request replay
+            if bm is None:
                 return None
-            res = predict_batch(opts.dataset, cm, kmax, test_ids, make, opts.max_tokens, b, bm)
+            joint = desc.get("kind") == "batch-goodput"  # a batch policy: one call per step, every request
+            res = predict_batch(opts.dataset, cm, kmax, test_ids, make, opts.max_tokens, b, bm, joint=joint)
             return res.speedup, res.decode_speedup
 
         def predict_all(cm: str, bm: Any) -> tuple[dict[tuple[str, int], Pred], dict[tuple[int, int], Pred]]:
@@ -718,6 +722,10 @@ def run_abtest(
         "batch_step_model": batch_model_name,
         "engines": engines.infos,
         "duration_s": time.time() - t_start,
+        # the 1-minute load average after every pass (this machine's other work shows here)
+        "load": {"passes": len(loads), "min": min(loads), "median": statistics.median(loads), "max": max(loads)}
+        if loads
+        else None,
     }
     (out / "abtest.json").write_text(json.dumps(doc, indent=2, default=float))
     return doc
@@ -1031,6 +1039,15 @@ def _paired_table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _load_line(load: dict[str, Any] | None) -> str:
+    if not load:
+        return "Machine load: not recorded."
+    return (
+        f"Machine load (1-minute average after each of {load['passes']} passes): median {load['median']:.2f}, "
+        f"range {load['min']:.2f}-{load['max']:.2f}."
+    )
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """The A/B table (and its notes) as Markdown."""
     lines = [
@@ -1039,6 +1056,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{doc['duration_s']:.0f} s",
         "",
         _pages_line(doc.get("engines")),
+        _load_line(doc.get("load")),
         "",
         "| arm | batch | tokens/s | live speedup [95% CI, repeats] | predicted | live/pred | decode: live / predicted "
         "| identical to plain | controller CPU/step |",

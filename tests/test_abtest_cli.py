@@ -75,8 +75,11 @@ def test_markdown_table_rows_and_refusals() -> None:
         "overhead": {},
         "fit": {"mode": "replay", "replay_best_k": 2, "best_k": {"1": 2}},
         "notes": ["n"],
+        "load": {"passes": 6, "min": 0.5, "median": 1.25, "max": 2.0},
     }
     text = markdown(doc)
+    assert "Machine load (1-minute average after each of 6 passes): median 1.25, range 0.50-2.00." in text
+    assert "Machine load: not recorded." in markdown({k: v for k, v in doc.items() if k != "load"})
     assert (
         "| delta rule (oracle lambda) | 1 | 120.0 | 1.200 | 1.250 | 0.960 | 1.100 / 1.150 | NO | 0.40% [0.30%, 0.50%] |"
         in text

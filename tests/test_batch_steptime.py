@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from specenv.abtest import predict_batch, predicted_speedup_batch, replay_policy
+from specenv.abtest import predict_batch, replay_policy
 from specenv.cost.batch import BatchCostModel, ablate_batch
 from specenv.cost.batchfit import fit_batch_cost, fit_prefill, summarize_plain_batch
 from specenv.traces.datasets import load_dataset
@@ -130,8 +130,11 @@ def test_model_checks_and_ablations() -> None:
         BatchCostModel.from_json(doc, "bc.json")
 
 
-def _hand_lockstep(arr, gids: list[int], k: int, bm: BatchCostModel, batch: int, max_tokens: int) -> float:
-    """Fixed k on a greedy set, walked here from the tables: rounds, lockstep steps, the plain engine's steps."""
+def _hand_lockstep(arr, gids: list[int], k_of, bm: BatchCostModel, batch: int, max_tokens: int) -> float:
+    """Fixed k on a greedy set, walked here from the tables: rounds, lockstep steps, the plain engine's steps.
+
+    ``k_of``: the k of every request of a step, an int or a function of the step's number of requests.
+    """
     row_of = {int(g): i for i, g in enumerate(arr.generation_ids)}
     n_u = float(bm.n_experts)
     cost = ar = 0.0
@@ -142,6 +145,7 @@ def _hand_lockstep(arr, gids: list[int], k: int, bm: BatchCostModel, batch: int,
         stop = {i: min(N[i], max_tokens) for i in members}
         live = list(members)
         while live:
+            k = k_of(len(live)) if callable(k_of) else k_of
             ks, us, Ls = [], [], []
             for i in list(live):
                 row = int(arr.offsets[i]) + t[i]
@@ -184,18 +188,13 @@ def test_batch_prediction_of_fixed_k_is_the_hand_walked_lockstep(tmp_path: Path)
         kmax=KMAX, max_batch=4, top_k=FACTS["top_k"], n_experts=FACTS["n_experts"], n_layers=FACTS["n_layers"],
         predictor="independent", overhead=np.array([1.0, 1.5, 2.5, 4.0]), ar_step=(6.0, 0.7, 0.0005),
     )  # fmt: skip
+
+    def fixed(k: int):
+        return lambda: replay_policy({"kind": "fixed", "k": k}, spec)
+
     for k in (1, 3):
         for batch in (2, 3):
-            pred = predicted_speedup_batch(
-                str(path),
-                "fit-train",
-                KMAX,
-                gids,
-                lambda k=k: replay_policy({"kind": "fixed", "k": k}, spec),
-                40,
-                batch,
-                bm,
-            )
+            pred = predict_batch(str(path), "fit-train", KMAX, gids, fixed(k), 40, batch, bm).speedup
             assert pred == pytest.approx(_hand_lockstep(arr, gids, k, bm, batch, 40), rel=1e-9), (k, batch)
     # with a prefill term: every group first pays its prefill phase (spec engine for the arm, plain for the
     # reference) on the sum of its prompts' tokens; the decoding steps are the same hand walk
@@ -238,6 +237,38 @@ def test_batch_prediction_of_fixed_k_is_the_hand_walked_lockstep(tmp_path: Path)
         assert res.speedup == pytest.approx((p_plain + res.ar_decode_ms) / (p_spec + res.decode_ms), rel=1e-12)
         # the prefill pulls the speedup towards plain's prefill / spec's prefill: here below the decode figure
         assert res.speedup < res.decode_speedup
+
+    # a batch policy (one object per group, asked once per step with the stacked rows of the step's
+    # requests): k = the number of requests in the step, so the groups' tails verify fewer drafts
+    class ByCount:
+        name, stateless = "by-count", True
+
+        def __init__(self) -> None:
+            self.calls: list[int] = []
+
+        def reset(self) -> None:
+            pass
+
+        def act(self, obs, ids=None, step=None):
+            obs = np.asarray(obs)
+            assert obs.ndim == 2 and ids is not None and len(ids) == len(obs)
+            self.calls.append(len(obs))
+            return np.full(len(obs), min(len(obs), KMAX), dtype=np.int64)
+
+    made: list[ByCount] = []
+
+    def make() -> ByCount:
+        made.append(ByCount())
+        return made[-1]
+
+    for batch in (2, 3):
+        made.clear()
+        joint = predict_batch(str(path), "fit-train", KMAX, gids, make, 40, batch, bm, joint=True)
+        hand = _hand_lockstep(arr, gids, lambda n: min(n, KMAX), bm, batch, 40)
+        assert joint.decode_speedup == pytest.approx(hand, rel=1e-9), batch
+        groups = -(-len(gids) // batch)
+        assert len(made) == groups + 1  # one per group, and one for the environment's arguments
+        assert max(max(p.calls) for p in made[1:]) == batch  # every request of a full group in one call
 
 
 def _prefill_rows() -> list[dict]:

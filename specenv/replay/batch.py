@@ -190,7 +190,7 @@ def _recording_models(name: str) -> tuple[str, dict[str, Any]] | None:
 def step_time_recording(models: str) -> str | None:
     """The shipped batch recording of a model set whose fit is a step-time model (``timing="step"``), else None.
 
-    ``specenv abtest`` predicts its batches above 1 with it (:func:`specenv.abtest.predicted_speedup_batch`).
+    ``specenv abtest`` predicts its batch sizes with it (:func:`specenv.abtest.predict_batch`).
     """
     for name in RECORDINGS:
         found = _recording_models(name)
