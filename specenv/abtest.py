@@ -234,6 +234,23 @@ class BatchPrediction:
     prefill_ms: float
     ar_prefill_ms: float
 
+    def with_decode(self, decode_speedup: float) -> BatchPrediction:
+        """The same prefill phases and plain decoding, the arm's decoding priced by another model's ratio.
+
+        The arm's decoding time becomes ``ar_decode_ms / decode_speedup`` (e.g. the ratio of a trace
+        set's own B = 1 cost model, fitted on many more single-request rounds than a batch recording
+        holds), and the tokens/s speedup is recomputed with this prediction's prefill phases and clock.
+        """
+        if not (np.isfinite(decode_speedup) and decode_speedup > 0):
+            raise ValueError(f"decode_speedup={decode_speedup!r}: must be finite and > 0")
+        decode_ms = self.ar_decode_ms / float(decode_speedup)
+        return dataclasses.replace(
+            self,
+            speedup=(self.ar_prefill_ms + self.ar_decode_ms) / (self.prefill_ms + decode_ms),
+            decode_speedup=float(decode_speedup),
+            decode_ms=decode_ms,
+        )
+
 
 #: One arm's prediction at one batch size: (tokens/s speedup, decode-phase speedup), None: not predicted.
 Pred = tuple[float, float] | None
@@ -456,7 +473,7 @@ def run_abtest(
     kmax = ctx.kmax
     from specenv.replay.batch import step_time_recording
 
-    batch_model_name = step_time_recording(opts.models) if any(b > 1 for b in opts.batches) else None
+    batch_model_name = step_time_recording(opts.models)  # the prefill and batch steps of these models, if recorded
     batch_model = None if batch_model_name is None else load_batch_cost_model(batch_model_name)
     test_ids = [int(g) for g in ctx.test.generation_ids][: opts.prompts]
     train_ids = [int(g) for g in ctx.train.generation_ids][: opts.train_prompts]
@@ -634,9 +651,10 @@ def run_abtest(
                     if progress is not None:
                         progress("repeats", done, n_runs)
 
-        # ---- predictions: per arm and batch size, (tokens/s, decode phase). The batch step model prices
-        # every batch size when it has a prefill term (recorded with the prefill phases: the same clock at
-        # every size); otherwise batch 1 is the set's cost model (decoding rounds only) and B > 1 the batch model
+        # ---- predictions: per arm and batch size, (tokens/s, decode phase). With a batch step model that has
+        # a prefill term: B > 1 the lockstep replay priced by it; batch 1 the set's cost model for the decoding
+        # ratio, composed with the recording's prefill phases and plain B = 1 step (BatchPrediction.with_decode).
+        # Otherwise batch 1 is the set's cost model (decoding rounds only) and B > 1 the batch model
         def predict(desc: dict[str, Any], b: int, cm: str, bm: Any) -> Pred:
             def make() -> Any:
                 return MLPPolicy.load(desc["folder"]) if desc.get("kind") == "mlp" else replay_policy(desc, ctx.spec)
@@ -648,6 +666,8 @@ def run_abtest(
                 return None
             joint = desc.get("kind") == "batch-goodput"  # a batch policy: one call per step, every request
             res = predict_batch(opts.dataset, cm, kmax, test_ids, make, opts.max_tokens, b, bm, joint=joint)
+            if b == 1:  # the decoding ratio from the set's own B = 1 model; prefill and clock from the recording
+                res = res.with_decode(predicted_speedup(opts.dataset, cm, kmax, test_ids, make(), opts.max_tokens))
             return res.speedup, res.decode_speedup
 
         def predict_all(cm: str, bm: Any) -> tuple[dict[tuple[str, int], Pred], dict[tuple[int, int], Pred]]:
@@ -706,9 +726,10 @@ def run_abtest(
         + [
             f"predicted: replay env on the first {opts.max_tokens} recorded tokens of the same prompts; "
             + (
-                f"every batch size, batch 1 included: the groups replayed in lockstep, priced by the batch step-time "
-                f"model {batch_model_name} with every group's prefill phase (the engine with the drafter for the "
-                "arm, the plain engine for the reference); 'decode' columns: the decoding steps alone; "
+                f"every batch size with every group's prefill phase from the batch step-time model "
+                f"{batch_model_name} (the engine with the drafter for the arm, the plain engine for the reference); "
+                f"batch 1: the decoding ratio from the set's cost model ({opts.cost_model} of {opts.dataset}) on "
+                "that recording's plain B = 1 clock; 'decode' columns: the decoding steps alone; "
                 if batch_model is not None and batch_model.prefill is not None
                 else f"batch 1: the set's cost model ({opts.cost_model} of {opts.dataset}), decoding rounds only; "
             )

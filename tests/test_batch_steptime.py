@@ -237,6 +237,19 @@ def test_batch_prediction_of_fixed_k_is_the_hand_walked_lockstep(tmp_path: Path)
         assert res.speedup == pytest.approx((p_plain + res.ar_decode_ms) / (p_spec + res.decode_ms), rel=1e-12)
         # the prefill pulls the speedup towards plain's prefill / spec's prefill: here below the decode figure
         assert res.speedup < res.decode_speedup
+        # batch 1's composition: another model's decoding ratio on this prediction's prefill and plain clock
+        other = res.with_decode(1.25)
+        assert other.decode_ms == pytest.approx(res.ar_decode_ms / 1.25, rel=1e-12)
+        assert other.speedup == pytest.approx(
+            (p_plain + res.ar_decode_ms) / (p_spec + res.ar_decode_ms / 1.25), rel=1e-12
+        )
+        assert (other.prefill_ms, other.ar_prefill_ms, other.ar_decode_ms) == (
+            res.prefill_ms,
+            res.ar_prefill_ms,
+            res.ar_decode_ms,
+        )
+        with pytest.raises(ValueError, match="decode_speedup"):
+            res.with_decode(0.0)
 
     # a batch policy (one object per group, asked once per step with the stacked rows of the step's
     # requests): k = the number of requests in the step, so the groups' tails verify fewer drafts
