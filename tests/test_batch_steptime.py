@@ -201,26 +201,8 @@ def test_batch_prediction_of_fixed_k_is_the_hand_walked_lockstep(tmp_path: Path)
     pre = {"spec": (50.0, 0.2), "plain": (30.0, 0.15)}
     bmp = bm.replace(prefill=pre)
     for k, batch in ((1, 2), (3, 3)):
-        res = predict_batch(
-            str(path),
-            "fit-train",
-            KMAX,
-            gids,
-            lambda k=k: replay_policy({"kind": "fixed", "k": k}, spec),
-            40,
-            batch,
-            bmp,
-        )
-        decode = predict_batch(
-            str(path),
-            "fit-train",
-            KMAX,
-            gids,
-            lambda k=k: replay_policy({"kind": "fixed", "k": k}, spec),
-            40,
-            batch,
-            bm,
-        )
+        res = predict_batch(str(path), "fit-train", KMAX, gids, fixed(k), 40, batch, bmp)
+        decode = predict_batch(str(path), "fit-train", KMAX, gids, fixed(k), 40, batch, bm)
         assert decode.prefill_ms == 0.0 and decode.speedup == decode.decode_speedup
         hand = _hand_lockstep(arr, gids, k, bm, batch, 40)
         assert res.decode_speedup == pytest.approx(hand, rel=1e-9)
