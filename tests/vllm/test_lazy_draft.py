@@ -14,7 +14,9 @@ of its own):
   catch-up are the drafts of a drafter that never skipped;
 * the check can fail (batch 8, a fresh engine): skipping *without* the catch-up stays lossless but
   changes the accepted counts (the draft then attends over KV gaps);
-* the skip happened (the proposer's counters).
+* the skip happened (the proposer's counters), and idle steps ran as plain steps (vLLM's
+  non-speculative sampling path, :class:`specenv.engines.vllm.lazydraft.PlainIdleSteps`), while the
+  steps around them (k = 0 verified, k = 3 drafted next) took vLLM's drafter on those steps' inputs.
 """
 
 from __future__ import annotations
@@ -147,6 +149,9 @@ def check(llm, prompts, reference, tmp_path, control: bool = False, max_tokens: 
     for p, m, out in zip(prompts, lengths, lazy_out, strict=True):
         assert out == reference[p]["token_ids"][:m], p
     assert after["skipped"] > before["skipped"] and after["catchups"] > before["catchups"]
+    # idle steps ran as plain steps (no rejection sampler, no drafter input preparation): PlainIdleSteps
+    assert after["plain_steps"] > before["plain_steps"]
+    assert type(drafter._runner).__name__.startswith("PlainIdle")
     # every skipped step left one position per request to catch up, except the last stretch of k = 0
     # of a request that ends in it (nothing drafts after it)
     assert after["caught_up"] > 0
