@@ -74,7 +74,7 @@ except ImportError as exc:  # pragma: no cover - only without the vllm extra
 WORKER_CLS = LAZY_WORKER_CLS
 #: Longest run of skipped positions a request may accumulate; the step that would exceed it runs the
 #: drafter (with the catch-up). Bounds the catch-up prefill (and its buffer use) to MAX_GAP tokens.
-MAX_GAP = 32
+MAX_GAP = 128
 
 _PROPOSERS: list[weakref.ReferenceType[LazyDraftProposer]] = []
 
