@@ -9,7 +9,9 @@ interleaved with the order rotated every repeat:
 
 * ``plain``: the plain engine;
 * ``k=0 eager``: the controller engine with the drafter run every step (vLLM's behaviour);
-* ``k=0 lazy``: the same engine with the lazy drafter (the proposer's ``lazy`` flag, same weights).
+* ``k=0 lazy``: the same engine with the lazy drafter (the proposer's ``lazy`` flag, same weights), whose
+  idle steps also run as plain steps (:class:`specenv.engines.vllm.lazydraft.PlainIdleSteps`: no
+  rejection sampler, no drafter input preparation; counted as ``plain steps``).
 
 Prints per arm the median ms per output token and the throughput ratio to plain with a 95% bootstrap
 interval over the repeats x request groups (paired: every cell ran all arms back to back), checks the
@@ -73,6 +75,7 @@ def measure(batch: int, args: argparse.Namespace) -> dict:
     walls: dict[str, list[float]] = {a: [] for a in ARMS}
     outputs: dict[str, list[list[int]]] = {}
     skipped0 = drafter.stats["skipped"]
+    plain0 = drafter.stats["plain_steps"]
     for rep in range(args.repeats):
         for j in range(len(ARMS)):
             a = ARMS[(j + rep) % len(ARMS)]
@@ -83,6 +86,7 @@ def measure(batch: int, args: argparse.Namespace) -> dict:
     row: dict = {"batch": batch, "prompts": n, "tokens": args.tokens, "repeats": args.repeats}
     row["identical"] = all(outputs[a] == outputs["plain"] for a in ARMS)
     row["skipped_steps"] = drafter.stats["skipped"] - skipped0
+    row["plain_steps"] = drafter.stats["plain_steps"] - plain0
     p = np.asarray(walls["plain"])
     for a in ARMS:
         w = np.asarray(walls[a])
@@ -116,13 +120,14 @@ def main() -> None:
         load = os.getloadavg()
         print(f"{args.models}, greedy, {args.tokens} tokens, {args.repeats} interleaved repeats; load {load[0]:.1f}")
         print(
-            "| batch | arm | ms per step (median) | speed vs plain [95% CI] | outputs identical | skipped draft steps |"
+            "| batch | arm | ms per step (median) | speed vs plain [95% CI] | outputs identical "
+            "| skipped draft steps | plain steps |"
         )
-        print("|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|")
         r = results[-1]
         for a in ARMS:
             c = r[a]["vs_plain"]
-            sk = r["skipped_steps"] if a == "k=0 lazy" else ""
+            sk = f"{r['skipped_steps']} | {r['plain_steps']}" if a == "k=0 lazy" else " |"
             ci = f"{c['value']:.3f} [{c['low']:.3f}, {c['high']:.3f}]"
             print(f"| {r['batch']} | {a} | {r[a]['ms_per_token']:.3f} | {ci} | {r['identical']} | {sk} |", flush=True)
         if args.out:

@@ -14,7 +14,9 @@ of its own):
   catch-up are the drafts of a drafter that never skipped;
 * the check can fail (batch 8, a fresh engine): skipping *without* the catch-up stays lossless but
   changes the accepted counts (the draft then attends over KV gaps);
-* the skip happened (the proposer's counters).
+* the skip happened (the proposer's counters), and idle steps ran as plain steps (vLLM's
+  non-speculative sampling path, :class:`specenv.engines.vllm.lazydraft.PlainIdleSteps`), while the
+  steps around them (k = 0 verified, k = 3 drafted next) took vLLM's drafter on those steps' inputs.
 """
 
 from __future__ import annotations
@@ -147,6 +149,9 @@ def check(llm, prompts, reference, tmp_path, control: bool = False, max_tokens: 
     for p, m, out in zip(prompts, lengths, lazy_out, strict=True):
         assert out == reference[p]["token_ids"][:m], p
     assert after["skipped"] > before["skipped"] and after["catchups"] > before["catchups"]
+    # idle steps ran as plain steps (no rejection sampler, no drafter input preparation): PlainIdleSteps
+    assert after["plain_steps"] > before["plain_steps"]
+    assert type(drafter._runner).__name__.startswith("PlainIdle")
     # every skipped step left one position per request to catch up, except the last stretch of k = 0
     # of a request that ends in it (nothing drafts after it)
     assert after["caught_up"] > 0
@@ -231,3 +236,40 @@ def test_engines_of_any_size_get_the_lazy_drafter():
         assert type(drafter) is LazyDraftProposer and drafter.lazy and drafter.catch_up
     other = object.__new__(SpecDecodeBaseProposer)  # not vLLM's draft-model proposer: left as it is
     assert lazydraft.make_lazy(SimpleNamespace(drafter=other, max_num_reqs=16)) is None
+
+
+def test_only_decoding_steps_that_verify_no_draft_run_as_plain_steps():
+    # PlainIdleSteps._plain_step on hand-built scheduler outputs (no engine: the decision alone)
+    from types import SimpleNamespace
+
+    from specenv.engines.vllm import lazydraft
+
+    class Runner:  # what the mixin reads of vLLM's runner
+        def __init__(self):
+            self.drafter = SimpleNamespace(lazy=True)
+            self.use_async_scheduling = False
+            self.uses_mrope = False
+
+    lazydraft.make_plain_idle(runner := Runner())
+    cls = type(runner)
+    lazydraft.make_plain_idle(runner)  # idempotent: one subclass, not a subclass of it
+    assert type(runner) is cls and cls.__mro__[1] is lazydraft.PlainIdleSteps
+
+    def so(tokens: dict[str, int], spec: dict[str, list[int]] | None = None):
+        return SimpleNamespace(
+            num_scheduled_tokens=tokens,
+            total_num_scheduled_tokens=sum(tokens.values()),
+            scheduled_spec_decode_tokens=spec or {},
+        )
+
+    idle = so({"a": 1, "b": 1})
+    assert runner._plain_step(idle)
+    assert not runner._plain_step(so({"a": 2, "b": 1}, {"a": [7]}))  # a request verifies a draft
+    assert not runner._plain_step(so({"a": 5, "b": 1}))  # a prefill (chunk) beside a decoding request
+    runner.drafter.lazy = False  # the eager drafter: vLLM's speculative path in every step
+    assert not runner._plain_step(idle)
+    runner.drafter.lazy = True
+    runner.use_async_scheduling = True
+    assert not runner._plain_step(idle)
+    runner.use_async_scheduling, runner.uses_mrope = False, True
+    assert not runner._plain_step(idle)

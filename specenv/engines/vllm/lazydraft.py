@@ -74,7 +74,7 @@ except ImportError as exc:  # pragma: no cover - only without the vllm extra
 WORKER_CLS = LAZY_WORKER_CLS
 #: Longest run of skipped positions a request may accumulate; the step that would exceed it runs the
 #: drafter (with the catch-up). Bounds the catch-up prefill (and its buffer use) to MAX_GAP tokens.
-MAX_GAP = 32
+MAX_GAP = 128
 
 _PROPOSERS: list[weakref.ReferenceType[LazyDraftProposer]] = []
 
@@ -101,7 +101,15 @@ class LazyDraftProposer(DraftModelProposer):
         #: False: skip without catching up (the draft KV keeps gaps; lossless, lower acceptance). Only
         #: for checks that the catch-up matters (tests/vllm/test_lazy_draft.py).
         self.catch_up = True
-        self.stats = {"skipped": 0, "catchups": 0, "split": 0, "caught_up": 0, "largest": 0, "stale": 0}
+        self.stats = {
+            "skipped": 0,
+            "plain_steps": 0,
+            "catchups": 0,
+            "split": 0,
+            "caught_up": 0,
+            "largest": 0,
+            "stale": 0,
+        }
         #: request id -> first position whose draft KV was not written (a skipped step's target token)
         self._missing = {}
         _PROPOSERS.append(weakref.ref(self))
@@ -135,20 +143,8 @@ class LazyDraftProposer(DraftModelProposer):
             # the first position of each request's query: its computed context before this step
             start = target_positions.cpu().numpy()[qsl[:n]].astype(np.int64)
             missing = self._missing
-            if missing:  # requests that left the batch with a gap: it can no longer be caught up
-                present = set(ids)
-                for rid in [r for r in missing if r not in present]:
-                    del missing[rid]
-                    self.stats["stale"] += 1
-            idle = may_skip
-            if idle:  # each request's gap had this step been skipped too
-                after = np.array([start[i] - missing.get(r, start[i]) + 1 for i, r in enumerate(ids)], dtype=np.int64)
-                # skipped only while the next step of one token per request could catch it up in its own forward
-                idle = int(after.max()) <= MAX_GAP and self._fits(int(after.sum()) + n, n)
-            if idle:
-                for i, r in enumerate(ids):
-                    missing.setdefault(r, int(start[i]))
-                self.stats["skipped"] += 1
+            self._forget_departed(ids)
+            if may_skip and self._skip(ids, start):
                 return torch.empty(n, 0, device=next_token_ids.device, dtype=torch.int64)
             gap = np.array([start[i] - missing.pop(r, start[i]) for i, r in enumerate(ids)], dtype=np.int64)
             if gap.any() and self.catch_up:
@@ -182,6 +178,50 @@ class LazyDraftProposer(DraftModelProposer):
             num_rejected_tokens_gpu,
             slot_mappings,
         )
+
+    def skip_plain_step(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """The drafter's part of a plain step (:class:`PlainIdleSteps`): skip it, or None to run as usual.
+
+        ``positions``: the step's target positions, one token per request (the runner's input batch
+        order). Returns the ``(n, 0)`` draft tokens of a skipped step, or None when the step must run the
+        drafter (a gap would outgrow :data:`MAX_GAP` or the buffers; the lazy flag is off).
+        """
+        if not self.lazy or positions.dim() != 1:
+            return None
+        n = int(positions.shape[0])
+        ids = self._req_ids(n)
+        self._forget_departed(ids)
+        if not self._skip(ids, positions.cpu().numpy().astype(np.int64)):
+            return None
+        self.stats["plain_steps"] += 1
+        return torch.empty(n, 0, device=positions.device, dtype=torch.int64)
+
+    def _forget_departed(self, ids: list[str]) -> None:
+        """Drop the gaps of requests that left the batch: they can no longer be caught up (``stale``)."""
+        missing = self._missing
+        if missing:
+            present = set(ids)
+            for rid in [r for r in missing if r not in present]:
+                del missing[rid]
+                self.stats["stale"] += 1
+
+    def _skip(self, ids: list[str], start: np.ndarray) -> bool:
+        """Skip this idle step's draft forward if its gaps stay catchable; records them. True: skipped.
+
+        ``ids`` and ``start``: the step's requests and the position of each one's single token. Skipped
+        only while a next step of one token per request could catch every gap up in its own forward
+        (no gap longer than :data:`MAX_GAP`, and the catch-up fits the drafter's buffers).
+        """
+        missing = self._missing
+        n = len(ids)
+        # each request's gap had this step been skipped too
+        after = np.array([start[i] - missing.get(r, start[i]) + 1 for i, r in enumerate(ids)], dtype=np.int64)
+        if int(after.max()) > MAX_GAP or not self._fits(int(after.sum()) + n, n):
+            return False
+        for i, r in enumerate(ids):
+            missing.setdefault(r, int(start[i]))
+        self.stats["skipped"] += 1
+        return True
 
     def _fits(self, tokens: int, reqs: int) -> bool:
         """Whether a first pass of ``tokens`` input tokens over ``reqs`` requests fits the drafter's buffers.
@@ -339,9 +379,70 @@ def make_lazy(runner: Any) -> LazyDraftProposer | None:
     return drafter
 
 
+class PlainIdleSteps:
+    """Model-runner mixin: a decoding step that verifies no draft and asks for none runs as a plain step.
+
+    A speculating vLLM runner builds the speculative-decoding metadata and runs the rejection sampler in
+    every step, also when no request verifies a draft, and prepares the drafter's inputs
+    (``prepare_next_token_ids_padded``, ``prepare_inputs_padded``) before the drafter is asked for
+    nothing: at k = 0 a few per cent of a decoding step over plain decoding (measured by
+    ``scripts/draft_floor.py``). In a step where every request decodes one token and verifies no draft
+    (``scheduled_spec_decode_tokens`` empty), this takes vLLM's own non-speculative path (no
+    ``SpecDecodeMetadata``: the logits of each request's last token, vLLM's ``Sampler``); when the step
+    also asks for no draft (``num_spec_tokens_to_schedule == 0``) the drafter's input preparation is
+    skipped with its forward (:meth:`LazyDraftProposer.skip_plain_step`). A step that drafts for the
+    next one goes through vLLM's drafter as before, on the inputs vLLM builds for a step without
+    ``SpecDecodeMetadata``. Greedy: the same tokens (one argmax either way). Sampling: the same
+    distribution per token (a zero-draft rejection step samples the bonus token from the target's
+    probabilities), not the same random draws as the rejection sampler's.
+
+    Only with the lazy drafter on (``lazy``), synchronous scheduling and text positions (no M-RoPE).
+    """
+
+    drafter: LazyDraftProposer
+
+    def _plain_step(self, scheduler_output: Any) -> bool:
+        return (
+            getattr(self.drafter, "lazy", False)
+            and not scheduler_output.scheduled_spec_decode_tokens
+            and scheduler_output.total_num_scheduled_tokens == len(scheduler_output.num_scheduled_tokens)
+            and not self.use_async_scheduling
+            and not self.uses_mrope
+        )
+
+    def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:  # noqa: D102
+        if not self._plain_step(scheduler_output):
+            return super()._prepare_inputs(scheduler_output, num_scheduled_tokens)  # type: ignore[misc]
+        spec = self.speculative_config
+        self.speculative_config = None  # vLLM's plain path (the only use of it in _prepare_inputs)
+        try:
+            return super()._prepare_inputs(scheduler_output, num_scheduled_tokens)  # type: ignore[misc]
+        finally:
+            self.speculative_config = spec
+
+    def propose_draft_token_ids(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
+        if scheduler_output.num_spec_tokens_to_schedule == 0 and self._plain_step(scheduler_output):
+            n = scheduler_output.total_num_scheduled_tokens
+            skipped = self.drafter.skip_plain_step(self._get_positions(n))
+            if skipped is not None:
+                return skipped
+        return super().propose_draft_token_ids(scheduler_output, *args, **kwargs)  # type: ignore[misc]
+
+
+def make_plain_idle(runner: Any) -> None:
+    """Give ``runner`` the :class:`PlainIdleSteps` behaviour (a subclass of its own class, swapped in)."""
+    cls = type(runner)
+    if not issubclass(cls, PlainIdleSteps):
+        runner.__class__ = type(f"PlainIdle{cls.__name__}", (PlainIdleSteps, cls), {})
+
+
 class LazyDraftCPUWorker(CPUWorker):
-    """vLLM's CPU worker whose draft-model proposer is a :class:`LazyDraftProposer` (``worker_cls`` hook)."""
+    """vLLM's CPU worker with the lazy drafter and plain idle steps (``worker_cls`` hook).
+
+    Its draft-model proposer is a :class:`LazyDraftProposer` and its runner a :class:`PlainIdleSteps`.
+    """
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:  # noqa: D102
         super().load_model(*args, **kwargs)
-        make_lazy(self.model_runner)
+        if make_lazy(self.model_runner) is not None:
+            make_plain_idle(self.model_runner)
