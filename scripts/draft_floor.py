@@ -95,13 +95,34 @@ def measure(batch: int, args: argparse.Namespace) -> dict:
     return row  # the engines go with this frame (main collects)
 
 
+def _batches(text: str) -> list[int]:
+    """``--batch``: comma-separated batch sizes, each an integer >= 1 (argparse turns the error into exit 2)."""
+    try:
+        out = [int(b) for b in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integers >= 1, e.g. 1,8")
+    return out
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: an integer >= 1")
+    return v
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="small-moe-v1")
-    ap.add_argument("--batch", default="1,8", help="comma-separated batch sizes (max_num_seqs)")
+    ap.add_argument("--batch", type=_batches, default="1,8", help="comma-separated batch sizes (max_num_seqs)")
     ap.add_argument("--prompts", type=int, default=0, help="prompts per pass (default: 2 x batch)")
-    ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tokens", type=_positive, default=48)
+    ap.add_argument("--repeats", type=_positive, default=5)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     for k, v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}.items():
@@ -114,8 +135,8 @@ def main() -> None:
     import gc
 
     results = []
-    for b in args.batch.split(","):  # each batch size printed and written as soon as it is measured
-        results.append(measure(int(b), args))
+    for b in args.batch:  # each batch size printed and written as soon as it is measured
+        results.append(measure(b, args))
         gc.collect()
         load = os.getloadavg()
         print(f"{args.models}, greedy, {args.tokens} tokens, {args.repeats} interleaved repeats; load {load[0]:.1f}")
