@@ -380,7 +380,7 @@ def make_lazy(runner: Any) -> LazyDraftProposer | None:
 
 
 class PlainIdleSteps:
-    """Model-runner mixin: a decoding step that verifies no draft and asks for none runs as a plain step.
+    """Model-runner mixin: a decoding step that verifies no draft takes vLLM's plain path (and skips the drafter).
 
     A speculating vLLM runner builds the speculative-decoding metadata and runs the rejection sampler in
     every step, also when no request verifies a draft, and prepares the drafter's inputs
