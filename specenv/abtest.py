@@ -9,11 +9,15 @@ Arms (``--arms``; one engine each unless said otherwise):
 
 * ``plain``: no speculation (stock scheduler);
 * ``fixed``: stock vLLM with ``num_speculative_tokens = k`` for every k in 1..kmax;
-* ``best``: the fixed k chosen on the *train* prompts, per batch size (``--fit measured``: one pass of
-  the train prompts through every fixed-k engine; ``--fit replay``: the replay oracle's best fixed k,
-  the same for every batch size). Its row is the matching fixed-k engine's measurement;
+* ``best``: the best static choice on the *train* prompts, per batch size (``--fit measured``: one pass of
+  the train prompts through the plain and every fixed-k engine, :func:`best_static_k`: k = 0, no
+  speculation, where every k is slower than plain; ``--fit replay``: the replay oracle's best fixed k,
+  the same for every batch size). Its row is the matching engine's measurement (k = 0: plain's own);
 * ``dynamic``: vLLM's dynamic speculative decoding (``speculative_config.num_speculative_tokens_per_batch_size``,
   one k per step for the whole batch, looked up by batch size), the table fitted on train like ``best``;
+* ``table``: the same table served by specenv's controller (:class:`policies.batch.controllers.DSDBatch`,
+  ``draft_horizon="policy"``): a batch size whose k is 0 runs plain steps (no draft forward, no speculative
+  path: :mod:`specenv.engines.vllm.lazydraft`), where vLLM's own table still runs its drafter;
 * ``adaptive``: vLLM's adaptive verification (``enable_adaptive_verification``): not run where it cannot
   (the row says why);
 * ``heuristic``, ``delta`` (oracle lambda and adaptive lambda), ``learned`` (every policy folder under
@@ -56,7 +60,9 @@ from typing import Any
 import numpy as np
 
 #: Arm groups of ``--arms`` (all by default).
-ARM_GROUPS = ("plain", "fixed", "best", "dynamic", "adaptive", "heuristic", "delta", "learned", "overhead", "batch")
+ARM_GROUPS = (
+    "plain", "fixed", "best", "dynamic", "table", "adaptive", "heuristic", "delta", "learned", "overhead", "batch",
+)  # fmt: skip
 FIT_MODES = ("measured", "replay")
 #: Why vLLM's adaptive verification does not run on a CPU build of vLLM 0.32.
 ADAPTIVE_WHY = (
@@ -88,6 +94,39 @@ class AbtestOptions:
 
 
 # ---------------------------------------------------------------------------------------------- policies
+def best_static_k(tok_per_s: dict[int, float]) -> int:
+    """The best static choice on train at one batch size: the k of most tokens/s, k = 0 (no speculation) included.
+
+    What a user who measured their workload would deploy: speculation off (the plain engine) where every
+    fixed k is slower than plain decoding. Ties go to the smaller k.
+
+    Raises:
+        ValueError: No measurement, or one that is not a finite positive rate.
+    """
+    if not tok_per_s:
+        raise ValueError("best_static_k: no measured k")
+    bad = {k: v for k, v in tok_per_s.items() if not (np.isfinite(v) and v > 0)}
+    if bad:
+        raise ValueError(f"best_static_k: tokens/s must be finite and > 0 (got {bad})")
+    return min(tok_per_s, key=lambda k: (-tok_per_s[k], k))
+
+
+def dsd_table(best_k: dict[int, int], max_batch: int) -> list[tuple[int, int, int]]:
+    """The dynamic-SD table of vLLM (``num_speculative_tokens_per_batch_size``) from the best k per batch size.
+
+    Ranges ``(lo, hi, k)`` cover 1..``max_batch``: each measured batch size owns the sizes up to halfway to the
+    next one, the last one the rest. k = 0 entries are kept (vLLM 0.32 accepts values >= 0,
+    ``validate_and_normalize_dynamic_sd_schedule``).
+    """
+    lo_hi = sorted(best_k.items())
+    table: list[tuple[int, int, int]] = []
+    for i, (b, k) in enumerate(lo_hi):
+        lo = 1 if i == 0 else table[-1][1] + 1
+        hi = max_batch if i == len(lo_hi) - 1 else (b + lo_hi[i + 1][0]) // 2
+        table.append((lo, hi, int(k)))
+    return table
+
+
 def make_policy(desc: dict[str, Any], ctl: Any) -> Any:
     """A policy object from its JSON description, for a controller (runs in the engine process)."""
     from specenv.observation.single import ObservationSpec
@@ -134,6 +173,11 @@ def make_policy(desc: dict[str, Any], ctl: Any) -> Any:
             if bm.overhead is not None and bm.overhead.any()
             else float(bm.diagnostics.get("summary", {}).get("overhead_ms", 0.0)),
         )
+    if kind == "dsd-table":  # vLLM's dynamic-SD table served by the controller: one k per step by batch size
+        from policies.batch.controllers import DSDBatch
+        from specenv.observation.batch import BatchObservationSpec
+
+        return DSDBatch(BatchObservationSpec(spec, int(desc["batch_size"])), desc["schedule"])
     if kind == "constant-mlp":  # a real MLP call (obs build + 3 layers) whose answer is always k
         from specenv.policy.mlp import MLPPolicy
 
@@ -510,7 +554,7 @@ def run_abtest(
 
     try:
         # ---- engines that need no fit
-        need_fixed = "fixed" in groups or (opts.fit == "measured" and groups & {"best", "dynamic", "overhead"})
+        need_fixed = "fixed" in groups or (opts.fit == "measured" and groups & {"best", "dynamic", "table", "overhead"})
         start("plain", {"k": 0, "controller": False})
         if need_fixed:
             for k in range(1, kmax + 1):
@@ -518,7 +562,7 @@ def run_abtest(
         # ---- fit on train: best fixed k and the dynamic-SD table per batch size
         best_k: dict[int, int] = {}
         fit_detail: dict[str, Any] = {"mode": opts.fit, "replay_best_k": ctx.best_fixed_k}
-        if groups & {"best", "dynamic", "overhead"}:
+        if groups & {"best", "dynamic", "table", "overhead"}:
             if opts.fit == "measured":
                 tps: dict[int, dict[int, float]] = {b: {} for b in opts.batches}
                 n_fit = len(opts.batches) * (kmax + 1)
@@ -531,8 +575,8 @@ def run_abtest(
                         if progress is not None:
                             progress("train fit", sum(map(len, tps.values())), n_fit)
                 for b in opts.batches:
-                    best_k[b] = max(range(1, kmax + 1), key=lambda k, b=b: tps[b][k])
-                    _log(f"train fit, batch {b}: best fixed k={best_k[b]}", quiet)
+                    best_k[b] = best_static_k(tps[b])
+                    _log(f"train fit, batch {b}: best fixed k={best_k[b]} (0: no speculation)", quiet)
                 fit_detail["train_tok_per_s"] = {str(b): {str(k): v for k, v in d.items()} for b, d in tps.items()}
             else:
                 best_k = {b: max(ctx.best_fixed_k, 1) for b in opts.batches}
@@ -543,23 +587,21 @@ def run_abtest(
             for k in range(1, kmax + 1):
                 arms.append(_Arm(f"fixed k={k}", f"k={k}", "fixed", predict={"kind": "fixed", "k": k}))
         if "best" in groups:
-            for k in set(best_k.values()):
+            for k in set(best_k.values()) - {0}:  # k = 0: the plain engine
                 start(f"k={k}", {"k": k, "controller": False})
             arms.append(_Arm("best fixed k (train)", "", "best", k_by_batch=dict(best_k)))
+        table = dsd_table(best_k, max_b) if best_k else []
         if "dynamic" in groups:
-            lo_hi = sorted(best_k.items())
-            table = []
-            for i, (b, k) in enumerate(lo_hi):
-                lo = 1 if i == 0 else table[-1][1] + 1
-                hi = max_b if i == len(lo_hi) - 1 else (b + lo_hi[i + 1][0]) // 2
-                table.append((lo, hi, k))
             fit_detail["dynamic_sd_table"] = table
-            start("dynamic", {"k": max(best_k.values()), "controller": False, "dynamic_sd": table})
+            start("dynamic", {"k": max(max(best_k.values()), 1), "controller": False, "dynamic_sd": table})
             arms.append(_Arm(f"vLLM dynamic SD {table}", "dynamic", "dynamic", k_by_batch=dict(best_k)))
         ctl_cfg = {
             "k": kmax,
             "settings": {"draft_horizon": "policy", "cost_model": str(cm_path)},
         }
+        if "table" in groups and table:
+            desc = {"kind": "dsd-table", "schedule": table, "batch_size": max_b, **pdesc}
+            arms.append(_Arm(f"k by batch size {table} (specenv)", "ctl", "table", desc, k_by_batch=dict(best_k)))
         if "heuristic" in groups:
             arms.append(_Arm("transformers heuristic", "ctl", "heuristic", {"kind": "heuristic", **pdesc}))
         if "delta" in groups:
@@ -608,7 +650,7 @@ def run_abtest(
         if any(a.engine == "ctl" for a in arms):
             start("ctl", ctl_cfg)
         if "overhead" in groups:
-            kb = best_k[min(opts.batches)]
+            kb = max(best_k[min(opts.batches)], 1)  # the same k on both paths (k = 0 compares nothing)
             start(f"k={kb}", {"k": kb, "controller": False})
             rec = out / "overhead-recording"
             start(
@@ -674,7 +716,7 @@ def run_abtest(
             by_arm: dict[tuple[str, int], Pred] = {}
             for arm in arms:
                 desc = arm.predict or arm.policy
-                if arm.group in ("plain", "overhead-stock") or desc is None:
+                if arm.group in ("plain", "overhead-stock", "table") or desc is None:  # table: by_k below
                     continue
                 for b in opts.batches:
                     by_arm[(arm.name, b)] = predict(desc, b, cm, bm)
@@ -683,6 +725,9 @@ def run_abtest(
                 for b in opts.batches
                 for k in set(best_k.values()) | ({dyn_k[b]} if b in dyn_k else set())
             }
+            for b in opts.batches:  # the best static choice k = 0 is the plain engine itself
+                if (0, b) in by_k:
+                    by_k[(0, b)] = (1.0, 1.0)
             return by_arm, by_k
 
         dyn_k = next((a.k_by_batch for a in arms if a.group == "dynamic" and a.k_by_batch), None) or {}
@@ -794,6 +839,7 @@ def _rows(
     batches: list[int],
 ) -> list[dict[str, Any]]:
     fixed_of = {a.engine: a.name for a in arms if a.engine.startswith("k=")}
+    fixed_of["k=0"] = "plain (no speculation)"  # the best static choice may be no speculation: the plain engine
     best_arm = next((a for a in arms if a.group == "best" and a.k_by_batch), None)
     dyn_arm = next((a for a in arms if a.group == "dynamic"), None)
     rows = []
@@ -814,7 +860,7 @@ def _rows(
                 src = fixed_of.get(f"k={arm.k_by_batch[b]}")
                 rs = results.get((src, b)) if src else None
                 both = kpred.get((arm.k_by_batch[b], b))
-            elif arm.group == "dynamic":
+            elif arm.group in ("dynamic", "table"):
                 both = kpred.get((arm.k_by_batch[b], b)) if arm.k_by_batch else None
             if arm.group == "overhead-stock":
                 both = None

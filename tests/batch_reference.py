@@ -3,7 +3,9 @@
 The tests of the batch controllers compare a controller's budgets with the best budgets under these
 prices, found by enumeration. The formula (the :class:`specenv.cost.batch.BatchCostModel` docstring):
 
-* verification: ``beta0(P) + alpha(P) * U_batch + c(P) * sum_i L_i + b_req * (B - 1)``, ``P = sum_i (k_i + 1)``;
+* verification: ``beta0(P) + alpha(P) * U_batch + c(P) * sum_i L_i + b_req * (B - 1) + overhead(B)``,
+  ``P = sum_i (k_i + 1)`` (``overhead(B)``: a step-time model's per-step time outside the forwards at batch
+  size B, 0 for a forward-time model);
 * ``U_batch`` of per-request counts ``U_i`` out of n experts, the largest first:
   ``n * (1 - (1 - U_1/n) * prod_{i>1} (1 - U_i/n) ** theta)`` (theta = 1 for the ``"independent"`` predictor);
 * drafting: ``d0 + d_step * max_i n_i + d_tok * sum_i n_i``, 0 when nothing is drafted.
@@ -41,7 +43,11 @@ def verify_ms(model: BatchCostModel, k: Sequence[int], u: Sequence[float], conte
     i = positions - 1
     ub = union(u, model.n_experts, theta_of(model))
     return float(
-        model.beta0[i] + model.alpha[i] * ub + model.c[i] * sum(float(x) for x in context) + model.b_req * (len(k) - 1)
+        model.beta0[i]
+        + model.alpha[i] * ub
+        + model.c[i] * sum(float(x) for x in context)
+        + model.b_req * (len(k) - 1)
+        + (0.0 if model.overhead is None else float(model.overhead[len(k) - 1]))
     )
 
 

@@ -47,3 +47,32 @@ def test_latency_percentiles_over_requests_of_every_repeat() -> None:
     assert lat["tpot_ms_p50"] == pytest.approx(59.5)
     assert lat["tpot_ms_p99"] == pytest.approx(np.quantile(np.arange(100) + 10.0, 0.99))
     assert abtest._latency([{"tok_per_s": 1.0}]) is None
+
+
+def test_the_best_static_choice_may_be_no_speculation() -> None:
+    from specenv.abtest import best_static_k
+
+    assert best_static_k({0: 30.0, 1: 28.0, 2: 29.5}) == 0  # every k slower than plain: speculation off
+    assert best_static_k({0: 30.0, 1: 31.0, 2: 33.0, 3: 33.0}) == 2  # a tie goes to the smaller k
+    for bad in ({}, {0: 30.0, 1: float("nan")}, {0: 0.0}):
+        with pytest.raises(ValueError, match="best_static_k"):
+            best_static_k(bad)
+
+
+def test_the_dynamic_sd_table_covers_every_batch_size_and_keeps_k_0() -> None:
+    from specenv.abtest import dsd_table
+
+    assert dsd_table({1: 2}, 16) == [(1, 16, 2)]
+    table = dsd_table({16: 0, 1: 3, 4: 2, 8: 0}, 16)  # measured at 1, 4, 8, 16 (any order)
+    assert table == [(1, 2, 3), (3, 6, 2), (7, 12, 0), (13, 16, 0)]
+    # every batch size 1..16 in exactly one range, and the lookup vLLM (and DSDBatch) does agrees
+    from policies.batch.controllers import DSDBatch
+    from specenv.observation.batch import BatchObservationSpec
+    from specenv.observation.single import ObservationSpec
+
+    covered = [n for lo, hi, _ in table for n in range(lo, hi + 1)]
+    assert covered == list(range(1, 17))
+    pol = DSDBatch(BatchObservationSpec(ObservationSpec(8, 0), 16), table)
+    assert [pol.lookup(n) for n in (1, 4, 8, 16)] == [3, 2, 0, 0]
+    rows = np.zeros((5, pol.spec.request.dim))
+    assert pol.act(rows, list(range(5)), None).tolist() == [2] * 5  # 5 requests in the step: the 3-6 range

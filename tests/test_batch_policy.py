@@ -87,6 +87,26 @@ def test_a_single_request_gets_the_best_k_of_the_goodput(policy):
     assert len(seen) >= 3
 
 
+@pytest.mark.parametrize("model", ["live-vllm-batch-v1", "live-vllm-wide-batch-v2"])
+@pytest.mark.parametrize(("overhead", "min_draft"), [(0.0, 0), (5.0, 1)])
+def test_the_single_request_table_prices_as_the_reference(model, overhead, min_draft):
+    """A step of one request is decided from a table (no search): it still picks the reference's best k."""
+    pol = BatchGoodput(
+        ObservationSpec(KMAX, 0, 128, 64), load_batch_cost_model(model), step_overhead_ms=overhead,
+        min_draft_steps=min_draft,
+    )  # fmt: skip
+    rng = np.random.default_rng(5)
+    picks = set()
+    for _ in range(40):
+        obs = _obs(pol, [float(rng.uniform(0, 1))], L=float(rng.integers(20, 3000)))
+        obs[0, pol.view.depth_slice] = rng.uniform(0, 1, KMAX)  # any acceptance profile over the depths
+        vals = [_reference_goodput(pol, obs, (k,)) for k in range(KMAX + 1)]
+        k = int(decide(pol, obs, ["x"])[0])
+        assert vals[k] >= max(vals) * (1 - 1e-12), (k, vals)
+        picks.add(k)
+    assert len(picks) >= 2
+
+
 @pytest.mark.parametrize("overhead", [0.0, 5.0])
 def test_search_finds_the_brute_force_optimum_on_small_batches(overhead):
     spec = ObservationSpec(KMAX, 0, 128, 64)

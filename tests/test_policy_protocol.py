@@ -149,3 +149,42 @@ def test_rowwise_policies_answer_act_and_peek_in_one_call() -> None:
     assert served.peek(hyp, ["a", "b"], None).tolist() == alone[3:]
     with pytest.raises(ValueError, match="not rowwise"):
         ServedPolicy(UCBBandit(SPEC), SPEC, 4).act_and_peek(real, ["a", "b", "c"], None)
+
+
+def test_a_peek_copies_only_the_asked_streams_and_answers_as_a_full_copy() -> None:
+    """Per-request policies are peeked on copies of the asked requests' memories (served.stream_copy)."""
+    from policies.delta import DeltaSpaceRule
+    from policies.heuristics import UCBBandit
+    from specenv.cost.model import CostModel
+    from specenv.engines.vllm.served import ServedPolicy, clone, per_stream
+
+    cm = CostModel(beta0=np.linspace(5, 9, SPEC.kmax + 1), alpha=np.full(SPEC.kmax + 1, 0.05),
+                   c=np.full(SPEC.kmax + 1, 1e-4), d0=0.3, d1=0.6, top_k=4)  # fmt: skip
+    rng = np.random.default_rng(11)
+    for make in (
+        lambda: TransformersHeuristic(SPEC, start=4),
+        lambda: DeltaSpaceRule(SPEC, cm, adaptive=True),
+        lambda: UCBBandit(SPEC),
+    ):
+        assert per_stream(make())
+        plain, peeked = ServedPolicy(make(), SPEC, 4), ServedPolicy(make(), SPEC, 4)
+        hist: dict[str, list[tuple[int, int]]] = {i: [] for i in "abc"}
+        for _ in range(12):
+            ids = list(rng.choice(list("abc"), size=int(rng.integers(1, 4)), replace=False))
+            rows = _rows([hist[i] for i in ids])
+            hyp = _rows([hist[i] + [(4, int(rng.integers(0, 5)))] for i in ids] + [[]])
+            full = clone(peeked.policy).act(hyp, ids + ["new"], None).tolist()
+            before = clone(peeked.policy)
+            assert peeked.peek(hyp, ids + ["new"], None).tolist() == full  # the same answers as a whole copy
+            assert set(peeked.policy._streams) == set(before._streams)  # no stream added by the peek ...
+            for i, s in peeked.policy._streams.items():  # ... and none changed
+                for k, v in vars(s).items():
+                    w = vars(before._streams[i])[k]
+                    for a, b in (
+                        zip(vars(v).values(), vars(w).values(), strict=True) if hasattr(v, "__dict__") else [(v, w)]
+                    ):
+                        assert np.array_equal(np.asarray(a), np.asarray(b)), (i, k)
+            ks = plain.act(rows, ids, None).tolist()
+            assert peeked.act(rows, ids, None).tolist() == ks
+            for i, k in zip(ids, ks, strict=True):
+                hist[i].append((k, int(rng.integers(0, k + 1))))
