@@ -265,13 +265,27 @@ class _CostAware(Policy):
 
     def _reset_state(self) -> None:
         self.upred = UPredictor(self.spec.kmax, self.cost_model.top_k, self.spec.n_experts, self.u_prior)
+        if self.__dict__.get("_round_terms") is None:  # once, on the policy object: every stream shares it
+            self._round_terms = self._price_terms()
+
+    def _price_terms(self) -> tuple[CostModel, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """The cost model's terms of every budget 0..kmax (:meth:`_round_ms`): its own, and its own arithmetic."""
+        cm, ks = self.cost_model, self.ks
+        over = cm.overhead[ks] if cm.overhead.any() else None
+        return cm, cm.beta0[ks], cm.alpha[ks], cm.c[ks], cm.draft_ms(ks), over
 
     def _observe(self, obs: np.ndarray) -> None:
         if not self.view.first_round(obs):
             self.upred.observe(self.view.prev_k(obs), self.view.prev_U(obs))
 
     def _round_ms(self, obs: np.ndarray) -> np.ndarray:
-        return self.cost_model.round_ms(self.ks, self.upred.predict(), self.view.L(obs))
+        """``cost_model.round_ms(ks, U(k), L)`` for every budget: its terms per k taken once, its sums in its order."""
+        terms = self._round_terms
+        if terms[0] is not self.cost_model:  # the cost model was replaced
+            terms = self._round_terms = self._price_terms()
+        _, b0, al, c, td, over = terms
+        cost = b0 + al * self.upred.predict() + c * self.view.L(obs) + td  # CostModel.charged_ms, k drafted
+        return cost if over is None else cost + over
 
 
 class GoodputRule(_CostAware):

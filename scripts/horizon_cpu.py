@@ -2,12 +2,21 @@
 
 Drives a bare :class:`specenv.engines.vllm.controller.SpecControlScheduler` (no vLLM engine: the attributes
 its decide and horizon paths read) through ``--steps`` engine steps of ``--batch`` decoding requests with
-``draft_horizon="policy"`` and the ``constant-mlp`` policy of ``scripts/vllm_bench.py overhead`` (a real MLP
-call whose answer is always ``--k``, observation kmax ``--kmax``): per step ``_horizon`` (what ``schedule``
-adds) and ``_decide`` (what ``update_draft_token_ids`` adds), thread CPU time, for ``horizon_one_call`` on
-and off, interleaved ``--repeats`` times. Run in the vLLM environment::
+``draft_horizon="policy"``: per step ``_horizon`` (what ``schedule`` adds) and ``_decide`` (what
+``update_draft_token_ids`` adds), thread CPU time, for ``horizon_one_call`` on and off, interleaved
+``--repeats`` times. ``--policies`` (comma-separated) picks what is served:
 
-    python -m scripts.horizon_cpu --batch 1,8 --repeats 3
+* ``constant-mlp``: the policy of ``scripts/vllm_bench.py overhead`` (a real MLP call whose answer is
+  always ``--k``, observation kmax ``--kmax``; rowwise: decisions and horizons in one call);
+* ``delta``: the delta-space rule (stateful per request: the horizon is a peek on copies of the requests'
+  memories), the paper's cost profile, lambda 7 ms;
+* ``heuristic``: transformers' schedule (stateful per request);
+* ``batch-goodput``: the expert-aware batch policy on the shipped ``live-vllm-wide-batch-v2`` model
+  (a batch policy: two calls).
+
+Every round accepts every draft. Run in the vLLM environment::
+
+    python -m scripts.horizon_cpu --batch 1,8 --repeats 3 --policies constant-mlp,delta,batch-goodput
 """
 
 from __future__ import annotations
@@ -51,16 +60,37 @@ def bare_controller(policy: Any, num_spec: int, one_call: bool) -> Any:
     return c
 
 
-def run(one_call: bool, batch: int, k: int, kmax: int, steps: int, warmup: int = 50) -> tuple[float, float]:
-    """Mean thread-CPU microseconds per step of ``(_horizon, _decide)`` after ``warmup`` steps."""
-    from vllm.v1.outputs import DraftTokenIds
+POLICIES = ("constant-mlp", "delta", "heuristic", "batch-goodput")
 
+
+def make(kind: str, k: int, kmax: int) -> Any:
+    """The served policy ``kind`` (module docstring), observation kmax ``kmax``, 64 experts."""
     from specenv.abtest import make_policy
+    from specenv.observation.single import ObservationSpec
+
+    spec = ObservationSpec(kmax, 0, 10_000, 64)
+    if kind == "delta":
+        from policies.delta import DeltaSpaceRule
+        from specenv.cost.model import CostModel
+
+        return DeltaSpaceRule(spec, CostModel.paper_profile(kmax), lam_ms=7.0)
 
     class _Ctl:
         n_experts = 64
 
-    pol = make_policy({"kind": "constant-mlp", "k": k, "kmax": kmax, "max_new_tokens": 10_000}, _Ctl())
+    desc = {"kind": kind, "k": k, "kmax": kmax, "max_new_tokens": 10_000}
+    if kind == "batch-goodput":
+        desc["batch_cost_model"] = "live-vllm-wide-batch-v2"
+    return make_policy(desc, _Ctl())
+
+
+def run(
+    one_call: bool, batch: int, k: int, kmax: int, steps: int, warmup: int = 50, policy: str = "constant-mlp"
+) -> tuple[float, float]:
+    """Mean thread-CPU microseconds per step of ``(_horizon, _decide)`` after ``warmup`` steps."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    pol = make(policy, k, kmax)
     ctl = bare_controller(pol, kmax, one_call)
     ids = [f"r{i}" for i in range(batch)]
     for r in ids:
@@ -101,19 +131,25 @@ def main() -> None:
     ap.add_argument("--kmax", type=int, default=8)
     ap.add_argument("--steps", type=int, default=250)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--policies", default="constant-mlp", help=f"comma-separated: {', '.join(POLICIES)}")
     args = ap.parse_args()
-    res: dict[tuple[int, bool], list[tuple[float, float]]] = {}
+    policies = [p for p in args.policies.split(",") if p]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or not policies:
+        ap.exit(2, f"--policies: unknown policy {bad[0] if bad else args.policies!r} (known: {', '.join(POLICIES)})\n")
+    res: dict[tuple[str, int, bool], list[tuple[float, float]]] = {}
     for _ in range(args.repeats):
-        for b in args.batch:
-            for one in (False, True):
-                res.setdefault((b, one), []).append(run(one, b, args.k, args.kmax, args.steps))
-    print("| batch | path | horizon us/step | decide us/step | total us/step (median of repeats) |")
-    print("|---|---|---|---|---|")
-    for (b, one), v in res.items():
+        for pol in policies:
+            for b in args.batch:
+                for one in (False, True):
+                    res.setdefault((pol, b, one), []).append(run(one, b, args.k, args.kmax, args.steps, policy=pol))
+    print("| policy | batch | path | horizon us/step | decide us/step | total us/step (median of repeats) |")
+    print("|---|---|---|---|---|---|")
+    for (pol, b, one), v in res.items():
         hz = ", ".join(f"{a:.0f}" for a, _ in v)
         de = ", ".join(f"{d:.0f}" for _, d in v)
         tot = statistics.median(a + d for a, d in v)
-        print(f"| {b} | {'one call' if one else 'two calls'} | {hz} | {de} | {tot:.0f} |")
+        print(f"| {pol} | {b} | {'one call' if one else 'two calls'} | {hz} | {de} | {tot:.0f} |")
 
 
 if __name__ == "__main__":

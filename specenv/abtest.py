@@ -587,8 +587,10 @@ def run_abtest(
             for k in range(1, kmax + 1):
                 arms.append(_Arm(f"fixed k={k}", f"k={k}", "fixed", predict={"kind": "fixed", "k": k}))
         if "best" in groups:
-            for k in set(best_k.values()) - {0}:  # k = 0: the plain engine
+            for k in sorted(set(best_k.values()) - {0}):  # k = 0: the plain engine
                 start(f"k={k}", {"k": k, "controller": False})
+                if "fixed" not in groups:  # the best k's row is its fixed-k engine's: measure that one
+                    arms.append(_Arm(f"fixed k={k}", f"k={k}", "fixed", predict={"kind": "fixed", "k": k}))
             arms.append(_Arm("best fixed k (train)", "", "best", k_by_batch=dict(best_k)))
         table = dsd_table(best_k, max_b) if best_k else []
         if "dynamic" in groups:

@@ -192,6 +192,27 @@ def test_delta_space_matches_marginal_condition() -> None:
     assert np.all(np.diff(ea) >= 0)
 
 
+def test_cost_aware_round_prices_are_the_cost_models_to_the_bit() -> None:
+    """The rules price every budget from the cost model's terms taken once: the same floats as round_ms."""
+    rng = np.random.default_rng(4)
+    with_overhead = CostModel(beta0=np.linspace(5, 9, 11), alpha=np.full(11, 0.05), c=np.full(11, 1e-4), d0=0.3,
+                              d1=0.6, top_k=8, overhead=np.linspace(1.0, 2.0, 11), d_floor=0.2)  # fmt: skip
+    for cm in (CM, with_overhead):
+        for rule in (DeltaSpaceRule(SPEC, cm, lam_ms=4.0), GoodputRule(SPEC, cm)):
+            s = Stream(L0=float(rng.integers(10, 3000)))
+            for _ in range(25):
+                k = int(rng.integers(0, 11))
+                s.round(k, int(rng.integers(0, k + 1)), U=float(rng.uniform(8, 90)))
+                o = s.obs()
+                rule.act(o)
+                expect = cm.round_ms(np.arange(11), rule.upred.predict(), rule.view.L(o))
+                assert np.array_equal(rule._round_ms(o), expect)
+        rule.cost_model = with_overhead if cm is CM else CM  # a model swapped in is priced, not the cached one
+        assert np.array_equal(
+            rule._round_ms(o), rule.cost_model.round_ms(np.arange(11), rule.upred.predict(), rule.view.L(o))
+        )
+
+
 def test_delta_space_adaptive_lambda_tracks_cost_per_token() -> None:
     rule = DeltaSpaceRule(SPEC, CM, adaptive=True)
     s = Stream()
