@@ -727,9 +727,6 @@ def run_abtest(
                 for b in opts.batches
                 for k in set(best_k.values()) | ({dyn_k[b]} if b in dyn_k else set())
             }
-            for b in opts.batches:  # the best static choice k = 0 is the plain engine itself
-                if (0, b) in by_k:
-                    by_k[(0, b)] = (1.0, 1.0)
             return by_arm, by_k
 
         dyn_k = next((a.k_by_batch for a in arms if a.group == "dynamic" and a.k_by_batch), None) or {}
@@ -858,10 +855,15 @@ def _rows(
         for arm in arms:
             rs = results.get((arm.name, b))
             both = preds.get((arm.name, b), (1.0, 1.0) if arm.group == "plain" else None)
+            # k = 0: the best static choice is the plain engine itself, and specenv's table runs plain idle
+            # steps (plain's prediction, 1.0); vLLM's table at k = 0 still drafts: the replay's k = 0
+            at_zero = arm.k_by_batch is not None and arm.k_by_batch.get(b) == 0
             if arm.k_by_batch is not None and arm.group == "best":
                 src = fixed_of.get(f"k={arm.k_by_batch[b]}")
                 rs = results.get((src, b)) if src else None
-                both = kpred.get((arm.k_by_batch[b], b))
+                both = (1.0, 1.0) if at_zero else kpred.get((arm.k_by_batch[b], b))
+            elif arm.group == "table" and at_zero:
+                both = (1.0, 1.0)
             elif arm.group in ("dynamic", "table"):
                 both = kpred.get((arm.k_by_batch[b], b)) if arm.k_by_batch else None
             if arm.group == "overhead-stock":

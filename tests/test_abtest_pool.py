@@ -166,3 +166,44 @@ def test_decode_phase_view_uses_the_mean_time_per_output_token() -> None:
     assert dec["arms"] == 2  # c has no decode figure
     assert dec["max_abs_err"] == pytest.approx(abs((50.0 / 30.0) / 1.60 - 1))
     assert fid["full model"]["arms"] == 3 and fid["full model"]["worst"] == "a"
+
+
+def test_rows_of_k_0_the_plain_engine_for_the_best_choice_and_the_replay_for_vllms_table() -> None:
+    from specenv.abtest import _Arm, _rows
+
+    def passes(tps: float) -> list[dict]:
+        return [
+            {
+                "tok_per_s": tps * f,
+                "outputs": [[1, 2]],
+                "groups": [{"wall_s": 100.0 / (tps * f), "tokens": 100}],
+                "requests": [{"ttft_ms": 50.0, "tpot_ms": 1000 / tps}],
+            }
+            for f in (1, 1.01)
+        ]
+
+    best_k = {1: 2, 4: 0}
+    arms = [
+        _Arm("plain (no speculation)", "plain", "plain"),
+        _Arm("fixed k=2", "k=2", "fixed", predict={"kind": "fixed", "k": 2}),
+        _Arm("best fixed k (train)", "", "best", k_by_batch=best_k),
+        _Arm("vLLM dynamic SD", "dynamic", "dynamic", k_by_batch=best_k),
+        _Arm("k by batch size (specenv)", "ctl", "table", {"kind": "dsd-table"}, k_by_batch=best_k),
+    ]
+    results = {
+        ("plain (no speculation)", 1): passes(20.0), ("plain (no speculation)", 4): passes(30.0),
+        ("fixed k=2", 1): passes(22.0), ("fixed k=2", 4): passes(27.0),
+        ("vLLM dynamic SD", 1): passes(22.0), ("vLLM dynamic SD", 4): passes(28.5),
+        ("k by batch size (specenv)", 1): passes(22.2), ("k by batch size (specenv)", 4): passes(29.7),
+    }  # fmt: skip
+    kpred = {(2, 1): (1.10, 1.2), (2, 4): (0.9, 0.9), (0, 1): (0.97, 0.96), (0, 4): (0.95, 0.94)}
+    rows = {(r["arm"], r["batch"]): r for r in _rows(arms, results, {}, kpred, [1, 4])}
+    best1, best4 = rows[("best fixed k (train)", 1)], rows[("best fixed k (train)", 4)]
+    assert best1["k"] == 2 and best1["live_speedup"] == pytest.approx(1.1) and best1["predicted"] == 1.10
+    # at batch 4 the best choice is no speculation: plain's own passes, plain's prediction
+    assert best4["k"] == 0 and best4["live_speedup"] == pytest.approx(1.0) and best4["predicted"] == 1.0
+    assert rows[("vLLM dynamic SD", 4)]["predicted"] == 0.95  # vLLM drafts at k = 0: the replay prices it
+    assert rows[("k by batch size (specenv)", 4)]["predicted"] == 1.0  # plain idle steps
+    assert rows[("k by batch size (specenv)", 1)]["predicted"] == 1.10
+    # the paired view against the best choice: at batch 4 that is plain itself
+    assert rows[("k by batch size (specenv)", 4)]["paired"]["best fixed k (train)"]["ratio"] == pytest.approx(0.99)
