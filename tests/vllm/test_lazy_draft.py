@@ -191,6 +191,26 @@ def test_batch_8_idle_steps_skip_the_drafter_lossless_and_kv_consistent(engine8,
     check(engine8, prompts, plain_reference, tmp_path, control=True)
 
 
+def test_batch_8_the_dynamic_sd_table_served_runs_plain_steps_then_speculates_as_the_batch_shrinks(
+    engine8, plain_reference, tmp_path
+):
+    """vLLM's dynamic-SD table through the controller (the A/B's ``table`` arm): k = 0 while 5-8 requests run.
+
+    Half the requests are short: once they finish, four remain and the table's k = 3 resumes speculation,
+    every request catching up the positions its k = 0 steps skipped; lossless, and round by round what the
+    eager drafter verifies.
+    """
+    from policies.batch.controllers import DSDBatch
+    from specenv.observation.batch import BatchObservationSpec
+
+    ctl = controller_of(engine8)
+    spec = ObservationSpec(kmax=KMAX, max_new_tokens=MAX_TOKENS, n_experts=ctl.n_experts)
+    table = DSDBatch(BatchObservationSpec(spec, 8), [(1, 4, 3), (5, 8, 0)])
+    prompts = (PROMPTS + PROMPTS)[:8]
+    lengths = [MAX_TOKENS // 3] * 4 + [MAX_TOKENS] * 4
+    check(engine8, prompts, plain_reference, tmp_path, max_tokens=lengths, policy=table)
+
+
 @pytest.fixture(scope="module")
 def engine16(model_dirs):
     from vllm import LLM
