@@ -593,8 +593,9 @@ def run_abtest(
                     arms.append(_Arm(f"fixed k={k}", f"k={k}", "fixed", predict={"kind": "fixed", "k": k}))
             arms.append(_Arm("best fixed k (train)", "", "best", k_by_batch=dict(best_k)))
         table = dsd_table(best_k, max_b) if best_k else []
-        if "dynamic" in groups:
+        if table and groups & {"dynamic", "table"}:
             fit_detail["dynamic_sd_table"] = table
+        if "dynamic" in groups:
             start("dynamic", {"k": max(max(best_k.values()), 1), "controller": False, "dynamic_sd": table})
             arms.append(_Arm(f"vLLM dynamic SD {table}", "dynamic", "dynamic", k_by_batch=dict(best_k)))
         ctl_cfg = {
