@@ -9,9 +9,10 @@ Arms (``--arms``; one engine each unless said otherwise):
 
 * ``plain``: no speculation (stock scheduler);
 * ``fixed``: stock vLLM with ``num_speculative_tokens = k`` for every k in 1..kmax;
-* ``best``: the best static choice on the *train* prompts, per batch size (``--fit measured``: one pass of
-  the train prompts through the plain and every fixed-k engine, :func:`best_static_k`: k = 0, no
-  speculation, where every k is slower than plain; ``--fit replay``: the replay oracle's best fixed k,
+* ``best``: the best static choice on the *train* prompts, per batch size (``--fit measured``:
+  ``--fit-repeats`` interleaved passes of the train prompts through the plain and every fixed-k engine,
+  :func:`best_static_k`: the k of the best median ratio to plain among those that beat plain in every
+  repeat, else k = 0, no speculation; ``--fit replay``: the replay oracle's best fixed k,
   the same for every batch size). Its row is the matching engine's measurement (k = 0: plain's own);
 * ``dynamic``: vLLM's dynamic speculative decoding (``speculative_config.num_speculative_tokens_per_batch_size``,
   one k per step for the whole batch, looked up by batch size), the table fitted on train like ``best``;
@@ -80,6 +81,7 @@ class AbtestOptions:
     dataset: str = "live-cpu"
     prompts: int = 8
     train_prompts: int = 8
+    fit_repeats: int = 1  # interleaved passes of the train prompts per (k, batch size) in the measured fit
     max_tokens: int = 64
     repeats: int = 3
     batches: list[int] = field(default_factory=lambda: [1, 8])
@@ -94,21 +96,32 @@ class AbtestOptions:
 
 
 # ---------------------------------------------------------------------------------------------- policies
-def best_static_k(tok_per_s: dict[int, float]) -> int:
-    """The best static choice on train at one batch size: the k of most tokens/s, k = 0 (no speculation) included.
+def best_static_k(tok_per_s: dict[int, Any]) -> int:
+    """The best static choice on train at one batch size, k = 0 (no speculation) included.
 
-    What a user who measured their workload would deploy: speculation off (the plain engine) where every
-    fixed k is slower than plain decoding. Ties go to the smaller k.
+    ``tok_per_s[k]``: the train tokens/s of fixed k (k = 0: the plain engine), one value or one per repeat
+    (the repeats of every k paired by position: repeat r of k against repeat r of plain). A k > 0 is
+    eligible only where it beat plain in **every** repeat; the choice is the eligible k of the largest
+    median ratio to plain (ties: the smaller k), else k = 0. With one repeat that is the fastest k.
+
+    What a user who measured their workload would deploy: speculation off where no k wins reliably.
 
     Raises:
-        ValueError: No measurement, or one that is not a finite positive rate.
+        ValueError: No plain (k = 0) measurement, repeat counts that differ, or a rate that is not finite
+            and positive.
     """
-    if not tok_per_s:
-        raise ValueError("best_static_k: no measured k")
-    bad = {k: v for k, v in tok_per_s.items() if not (np.isfinite(v) and v > 0)}
+    runs = {k: np.atleast_1d(np.asarray(v, dtype=np.float64)) for k, v in tok_per_s.items()}
+    if 0 not in runs:
+        raise ValueError("best_static_k: no plain (k = 0) measurement")
+    n = {len(v) for v in runs.values()}
+    if len(n) != 1 or 0 in n:
+        raise ValueError(f"best_static_k: every k needs the same number of repeats (got {sorted(n)})")
+    bad = {k: v.tolist() for k, v in runs.items() if not (np.all(np.isfinite(v)) and np.all(v > 0))}
     if bad:
         raise ValueError(f"best_static_k: tokens/s must be finite and > 0 (got {bad})")
-    return min(tok_per_s, key=lambda k: (-tok_per_s[k], k))
+    ratio = {k: v / runs[0] for k, v in runs.items() if k != 0}
+    wins = {k: float(np.median(r)) for k, r in ratio.items() if np.all(r > 1.0)}
+    return min(wins, key=lambda k: (-wins[k], k)) if wins else 0
 
 
 def dsd_table(best_k: dict[int, int], max_batch: int) -> list[tuple[int, int, int]]:
@@ -564,20 +577,26 @@ def run_abtest(
         fit_detail: dict[str, Any] = {"mode": opts.fit, "replay_best_k": ctx.best_fixed_k}
         if groups & {"best", "dynamic", "table", "overhead"}:
             if opts.fit == "measured":
-                tps: dict[int, dict[int, float]] = {b: {} for b in opts.batches}
-                n_fit = len(opts.batches) * (kmax + 1)
-                # every batch size on one engine before the next: each engine starts once (the pool holds
-                # fewer engines than there are k)
-                for k in range(0, kmax + 1):
-                    eng = engines.get("plain" if k == 0 else f"k={k}")
-                    for b in opts.batches:
-                        tps[b][k] = run(eng, train_ids, b, opts.max_tokens)["tok_per_s"]
-                        if progress is not None:
-                            progress("train fit", sum(map(len, tps.values())), n_fit)
+                tps: dict[int, dict[int, list[float]]] = {b: {k: [] for k in range(kmax + 1)} for b in opts.batches}
+                n_fit, done_fit = opts.fit_repeats * len(opts.batches) * (kmax + 1), 0
+                # every batch size on one engine before the next: each engine starts once a repeat (the pool
+                # holds fewer engines than there are k); the repeats interleaved, each a pass over every k
+                for _ in range(opts.fit_repeats):
+                    for k in range(0, kmax + 1):
+                        eng = engines.get("plain" if k == 0 else f"k={k}")
+                        for b in opts.batches:
+                            tps[b][k].append(run(eng, train_ids, b, opts.max_tokens)["tok_per_s"])
+                            done_fit += 1
+                            if progress is not None:
+                                progress("train fit", done_fit, n_fit)
                 for b in opts.batches:
                     best_k[b] = best_static_k(tps[b])
                     _log(f"train fit, batch {b}: best fixed k={best_k[b]} (0: no speculation)", quiet)
-                fit_detail["train_tok_per_s"] = {str(b): {str(k): v for k, v in d.items()} for b, d in tps.items()}
+                fit_detail["fit_repeats"] = opts.fit_repeats
+                fit_detail["train_tok_per_s"] = {
+                    str(b): {str(k): float(np.median(v)) for k, v in d.items()} for b, d in tps.items()
+                }
+                fit_detail["train_tok_per_s_all"] = {str(b): {str(k): v for k, v in d.items()} for b, d in tps.items()}
             else:
                 best_k = {b: max(ctx.best_fixed_k, 1) for b in opts.batches}
             fit_detail["best_k"] = {str(b): k for b, k in best_k.items()}

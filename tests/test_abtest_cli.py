@@ -26,6 +26,8 @@ def _invoke(args: list[str]):  # noqa: ANN202
         (["--models", "no-such-models"], "--models"),
         (["--traces", "no-such-set"], "no-such-set"),
         (["--repeats", "0"], "--repeats"),
+        (["--fit-repeats", "0"], "--fit-repeats"),
+        (["--fit-repeats", "many"], "--fit-repeats"),
         (["--policy-dir", "/no/such/dir"], "--policy-dir"),
     ],
 )

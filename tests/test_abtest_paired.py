@@ -54,7 +54,12 @@ def test_the_best_static_choice_may_be_no_speculation() -> None:
 
     assert best_static_k({0: 30.0, 1: 28.0, 2: 29.5}) == 0  # every k slower than plain: speculation off
     assert best_static_k({0: 30.0, 1: 31.0, 2: 33.0, 3: 33.0}) == 2  # a tie goes to the smaller k
-    for bad in ({}, {0: 30.0, 1: float("nan")}, {0: 0.0}):
+    # repeats, paired by position: k = 2 is faster on median but lost to plain in one repeat; k = 1 never did
+    reps = {0: [30.0, 32.0, 29.0], 1: [31.0, 32.5, 29.5], 2: [36.0, 31.0, 33.0]}
+    assert best_static_k(reps) == 1
+    assert best_static_k({0: [30.0, 32.0], 1: [29.0, 33.0]}) == 0  # no k wins every repeat
+    assert best_static_k({0: [30.0, 30.0], 1: [31.0, 30.6], 2: [30.3, 33.0]}) == 2  # median ratio 1.055 > 1.027
+    for bad in ({}, {1: 31.0}, {0: 30.0, 1: float("nan")}, {0: 0.0}, {0: [30.0, 31.0], 1: [32.0]}):
         with pytest.raises(ValueError, match="best_static_k"):
             best_static_k(bad)
 

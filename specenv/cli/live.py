@@ -247,6 +247,15 @@ def abtest(
     train_prompts: Annotated[
         int, typer.Option(min=1, max=MAX_GENERATIONS, help="Train prompts for --fit measured.")
     ] = 8,
+    fit_repeats: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=20,
+            help="Interleaved passes of the train prompts per k and batch size for --fit measured; a k is "
+            "chosen over no speculation only if it beat plain in every pass.",
+        ),
+    ] = 1,
     max_tokens: Annotated[int, typer.Option(min=1, max=4096, help="Tokens generated per prompt.")] = 64,
     repeats: Annotated[int, typer.Option(min=1, max=100, help="Interleaved repeats (median); >= 3 for the A/B.")] = 3,
     batch: Annotated[str, typer.Option(help="Comma-separated batch sizes (concurrent requests), e.g. 1,8.")] = "1,8",
@@ -363,6 +372,7 @@ def abtest(
         dataset=traces,
         prompts=prompts,
         train_prompts=train_prompts,
+        fit_repeats=fit_repeats,
         max_tokens=max_tokens,
         repeats=repeats,
         batches=batches,
