@@ -262,11 +262,10 @@ class _CostAware(Policy):
         self.u_prior = u_prior
         self.ks = np.arange(spec.kmax + 1)
         super().__init__(spec)
+        self._round_terms = self._price_terms()  # on the policy object: every stream shares it
 
     def _reset_state(self) -> None:
         self.upred = UPredictor(self.spec.kmax, self.cost_model.top_k, self.spec.n_experts, self.u_prior)
-        if self.__dict__.get("_round_terms") is None:  # once, on the policy object: every stream shares it
-            self._round_terms = self._price_terms()
 
     def _price_terms(self) -> tuple[CostModel, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         """The cost model's terms of every budget 0..kmax (:meth:`_round_ms`): its own, and its own arithmetic."""

@@ -193,7 +193,7 @@ def stream_copy(policy: Policy, ids: Sequence[Hashable]) -> Policy:
     reach the original here.
     """
     base = policy.__dict__
-    shared = {id(v): v for v in base.values()}
+    shared = {id(v): v for v in base.values()}  # what a stream shares with the policy object stays shared
     new = object.__new__(type(policy))
     new.__dict__.update(base)
     table: dict[Hashable, Policy] = {}
@@ -202,15 +202,10 @@ def stream_copy(policy: Policy, ids: Sequence[Hashable]) -> Policy:
         if s is None or i in table:
             continue
         c = object.__new__(type(s))
-        c.__dict__.update(
-            {k: v if base.get(k, _MISSING) is v else _copy_value(v, shared) for k, v in s.__dict__.items()}
-        )
+        c.__dict__.update({k: _copy_value(v, shared) for k, v in s.__dict__.items()})
         table[i] = c
     new._streams = table
     return new
-
-
-_MISSING = object()
 
 
 def clone(policy: Any) -> Any:
