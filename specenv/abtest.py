@@ -81,6 +81,7 @@ class AbtestOptions:
     dataset: str = "live-cpu"
     prompts: int = 8
     train_prompts: int = 8
+    cycle_prompts: bool = False  # more prompts than the test split: the held-out prompts served in turn
     fit_repeats: int = 1  # interleaved passes of the train prompts per (k, batch size) in the measured fit
     max_tokens: int = 64
     repeats: int = 3
@@ -96,6 +97,22 @@ class AbtestOptions:
 
 
 # ---------------------------------------------------------------------------------------------- policies
+def held_out_prompts(ids: list[int], n: int, cycle: bool = False) -> list[int]:
+    """The first ``n`` held-out generation ids; with ``cycle``, the held-out ids served in turn (id ``i mod len``).
+
+    Cycling fills a batch larger than the test split (16 concurrent requests from 10 held-out prompts)
+    without touching a train prompt; a repeated prompt is generated anew each time (outputs are still
+    compared with plain greedy prompt by prompt). Without ``cycle`` asking for more than there are fails.
+    """
+    if not ids:
+        raise ValueError("no held-out prompts")
+    if n < 1:
+        raise ValueError(f"prompts: {n} < 1")
+    if n > len(ids) and not cycle:
+        raise ValueError(f"prompts: {n} exceeds the {len(ids)} held-out prompts (cycle them to serve more)")
+    return [int(ids[i % len(ids)]) for i in range(n)]
+
+
 def best_static_k(tok_per_s: dict[int, Any]) -> int:
     """The best static choice on train at one batch size, k = 0 (no speculation) included.
 
@@ -532,7 +549,7 @@ def run_abtest(
 
     batch_model_name = step_time_recording(opts.models)  # the prefill and batch steps of these models, if recorded
     batch_model = None if batch_model_name is None else load_batch_cost_model(batch_model_name)
-    test_ids = [int(g) for g in ctx.test.generation_ids][: opts.prompts]
+    test_ids = held_out_prompts([int(g) for g in ctx.test.generation_ids], opts.prompts, opts.cycle_prompts)
     train_ids = [int(g) for g in ctx.train.generation_ids][: opts.train_prompts]
     cm_path = out / "cost-model.json"
     ctx.cost_model.save(cm_path)
@@ -1139,10 +1156,16 @@ def _load_line(load: dict[str, Any] | None) -> str:
     )
 
 
+def _distinct(ids: list[int]) -> str:
+    n = len(set(ids))
+    return "" if n == len(ids) else f" ({n} distinct held-out prompts served in turn)"
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """The A/B table (and its notes) as Markdown."""
     lines = [
-        f"specenv abtest: {len(doc['test_prompts'])} test prompts x {doc['options']['max_tokens']} tokens, "
+        f"specenv abtest: {len(doc['test_prompts'])} test prompts{_distinct(doc['test_prompts'])} x "
+        f"{doc['options']['max_tokens']} tokens, "
         f"{doc['options']['repeats']} repeats (median), kmax {doc['kmax']}, models {doc['options']['models']}, "
         f"{doc['duration_s']:.0f} s",
         "",

@@ -20,6 +20,7 @@ def _invoke(args: list[str]):  # noqa: ANN202
         (["--arms", "plain,nope"], "--arms: unknown arm group 'nope'"),
         (["--fit", "guess"], "--fit: unknown mode 'guess'"),
         (["--prompts", "100000"], "--prompts"),
+        (["--prompts", "11", "--traces", "live-vllm-wide", "--models", "wide-moe-v1"], "--cycle-prompts"),
         (["--train-prompts", "100000"], "--train-prompts"),
         (["--kmax", "99"], "--kmax"),
         (["--cost-model", "nowhere.json"], "--cost-model"),

@@ -81,3 +81,22 @@ def test_the_dynamic_sd_table_covers_every_batch_size_and_keeps_k_0() -> None:
     assert [pol.lookup(n) for n in (1, 4, 8, 16)] == [3, 2, 0, 0]
     rows = np.zeros((5, pol.spec.request.dim))
     assert pol.act(rows, list(range(5)), None).tolist() == [2] * 5  # 5 requests in the step: the 3-6 range
+
+
+def test_held_out_prompts_are_cut_or_served_in_turn_never_invented() -> None:
+    ids = [31, 7, 12]
+    assert abtest.held_out_prompts(ids, 2) == [31, 7]
+    assert abtest.held_out_prompts(ids, 3) == [31, 7, 12]
+    with pytest.raises(ValueError, match="exceeds the 3 held-out"):
+        abtest.held_out_prompts(ids, 4)
+    # a batch of 8 from 3 held-out prompts: each prompt in turn, in the split's order
+    assert abtest.held_out_prompts(ids, 8, cycle=True) == [31, 7, 12, 31, 7, 12, 31, 7]
+    with pytest.raises(ValueError):
+        abtest.held_out_prompts([], 2, cycle=True)
+    with pytest.raises(ValueError):
+        abtest.held_out_prompts(ids, 0, cycle=True)
+
+
+def test_the_table_header_says_when_prompts_repeat() -> None:
+    assert abtest._distinct([1, 2, 3]) == ""
+    assert "2 distinct" in abtest._distinct([1, 2, 1, 2])

@@ -244,6 +244,13 @@ def abtest(
         ),
     ] = "live-cpu",
     prompts: Annotated[int, typer.Option(min=1, max=MAX_GENERATIONS, help="Held-out (test-split) prompts.")] = 8,
+    cycle_prompts: Annotated[
+        bool,
+        typer.Option(
+            help="Let --prompts exceed the test split: the held-out prompts are served in turn, so a batch "
+            "larger than the split still fills (never a train prompt)."
+        ),
+    ] = False,
     train_prompts: Annotated[
         int, typer.Option(min=1, max=MAX_GENERATIONS, help="Train prompts for --fit measured.")
     ] = 8,
@@ -335,8 +342,11 @@ def abtest(
         n_train = len(select_positions(ts, k, "train").generation_ids)
     except SelectionError as exc:
         fail(f"--traces: {exc}")
-    if prompts > n_test:
-        fail(f"--prompts: {prompts} exceeds the {n_test} test-split prompts of {traces}")
+    if prompts > n_test and not cycle_prompts:
+        fail(
+            f"--prompts: {prompts} exceeds the {n_test} test-split prompts of {traces} "
+            "(--cycle-prompts serves them in turn)"
+        )
     if train_prompts > n_train:
         fail(f"--train-prompts: {train_prompts} exceeds the {n_train} train-split prompts of {traces}")
     if cost_model not in ("vllm", "fit", "fit-train", "profile"):
@@ -371,6 +381,7 @@ def abtest(
         models=models,
         dataset=traces,
         prompts=prompts,
+        cycle_prompts=cycle_prompts,
         train_prompts=train_prompts,
         fit_repeats=fit_repeats,
         max_tokens=max_tokens,
