@@ -29,6 +29,11 @@ Arms (``--arms``; one engine each unless said otherwise):
   one ``act_step`` per engine step for all requests, priced by the shipped vLLM batch cost model
   ``live-vllm-batch-v1``, fitted on the same small models; other models: not run) through the
   controller engine, ``draft_horizon="policy"``;
+* ``survival``: the learned-survival batch controller (:class:`policies.batch.learn.SurvivalGoodputBatch`),
+  trained here on the trace set's train split for the largest batch size (the models' recorded batch
+  step-time model where there is one), exported in its numpy form (:mod:`policies.batch.export`,
+  ``<out>/survival``: no scikit-learn object at serving time) and served from that folder through the
+  controller engine like ``batch``;
 * ``overhead``: the specenv path (controller + routing tap + recorder, a numpy MLP policy that always
   answers the best fixed k) against stock vLLM with the same speculative config (the ``best`` k engine):
   throughput ratio per repeat, stock's own run-to-run spread, and the controller's CPU time per step as a
@@ -63,6 +68,7 @@ import numpy as np
 #: Arm groups of ``--arms`` (all by default).
 ARM_GROUPS = (
     "plain", "fixed", "best", "dynamic", "table", "adaptive", "heuristic", "delta", "learned", "overhead", "batch",
+    "survival",
 )  # fmt: skip
 FIT_MODES = ("measured", "replay")
 #: Why vLLM's adaptive verification does not run on a CPU build of vLLM 0.32.
@@ -203,6 +209,10 @@ def make_policy(desc: dict[str, Any], ctl: Any) -> Any:
             if bm.overhead is not None and bm.overhead.any()
             else float(bm.diagnostics.get("summary", {}).get("overhead_ms", 0.0)),
         )
+    if kind == "batch-survival":  # the exported controller (numpy forward pass), checked against the served spec
+        from policies.batch.export import make_batch_survival
+
+        return make_batch_survival(spec, desc["folder"])
     if kind == "dsd-table":  # vLLM's dynamic-SD table served by the controller: one k per step by batch size
         from policies.batch.controllers import DSDBatch
         from specenv.observation.batch import BatchObservationSpec
@@ -661,6 +671,10 @@ def run_abtest(
                 arms.append(_Arm("batch goodput (expert-aware, batch policy)", "ctl", "batch", bdesc))
             else:
                 notes.append(f"batch arm not run: no batch cost model is recorded for {opts.models}")
+        if "survival" in groups:
+            fit_detail["survival"] = _train_survival(opts, kmax, max_b, batch_model_name, out / "survival", quiet)
+            sdesc = {"kind": "batch-survival", "folder": str(out / "survival"), **pdesc}
+            arms.append(_Arm("learned-survival batch controller (numpy export)", "ctl", "survival", sdesc))
         refused: list[dict[str, str]] = []
         if "learned" in groups:
             folders: dict[str, Path] = {}
@@ -745,7 +759,8 @@ def run_abtest(
                 return p, p
             if bm is None:
                 return None
-            joint = desc.get("kind") == "batch-goodput"  # a batch policy: one call per step, every request
+            # a batch policy: one call per step, every request
+            joint = desc.get("kind") in ("batch-goodput", "batch-survival")
             res = predict_batch(opts.dataset, cm, kmax, test_ids, make, opts.max_tokens, b, bm, joint=joint)
             if b == 1:  # the decoding ratio from the set's own B = 1 model; prefill and clock from the recording
                 res = res.with_decode(predicted_speedup(opts.dataset, cm, kmax, test_ids, make(), opts.max_tokens))
@@ -831,6 +846,34 @@ def run_abtest(
     }
     (out / "abtest.json").write_text(json.dumps(doc, indent=2, default=float))
     return doc
+
+
+def _train_survival(
+    opts: AbtestOptions, kmax: int, batch_size: int, batch_cost: str | None, folder: Path, quiet: bool
+) -> dict[str, Any]:
+    """Train the learned-survival batch controller on the train split and export it to ``folder``; returns the fit."""
+    from policies.batch.export import export_survival
+    from policies.batch.learn import train_batch_survival
+
+    t0 = time.perf_counter()
+    res = train_batch_survival(
+        opts.dataset,
+        batch_size,
+        kmax=kmax,
+        cost_model=opts.cost_model,
+        batch_cost=batch_cost or "auto",
+        seed=0,
+        log=None if quiet else lambda line: _log(f"  survival: {line}", quiet),
+    )
+    export_survival(res.policy, folder)
+    _log(f"learned-survival controller for batch {batch_size} trained in {time.perf_counter() - t0:.0f} s", quiet)
+    return {
+        "folder": str(folder),
+        "batch_size": int(batch_size),
+        "batch_cost": batch_cost or "auto",
+        "train_s": time.perf_counter() - t0,
+        "history": res.history,
+    }
 
 
 def _ablations(

@@ -119,3 +119,24 @@ def test_bad_exports_are_refused_with_one_line(trained, tmp_path):
     (folder / "policy.json").write_text(json.dumps({**meta, "kind": "mlp"}))
     with pytest.raises(ValueError, match="not a specenv batch-survival controller"):
         load_survival(folder)
+
+
+def test_abtest_serves_the_exported_folder_as_a_policy_description(trained, tmp_path):
+    """``specenv abtest --arms survival``: the engine builds the controller from ``{"kind": "batch-survival"}``."""
+    from specenv.abtest import make_policy, replay_policy
+
+    dataset, pol = trained
+    folder = export_survival(pol, tmp_path / "ctl")
+    req = pol.spec.request
+
+    class _Ctl:  # what the engine's controller tells make_policy: the served model's expert count
+        n_experts = req.n_experts
+
+    desc = {"kind": "batch-survival", "folder": str(folder), "kmax": req.kmax, "max_new_tokens": req.max_new_tokens}
+    served = make_policy(desc, _Ctl())
+    replayed = replay_policy({"kind": "batch-survival", "folder": str(folder)}, req)
+    for obs in _recorded_steps(dataset, pol, seeds=[3]):
+        np.testing.assert_array_equal(served.act(obs), pol.act(obs))
+        np.testing.assert_array_equal(replayed.act(obs), pol.act(obs))
+    with pytest.raises(ValueError, match="kmax"):  # served with another kmax: refused, not misread
+        make_policy({**desc, "kmax": req.kmax + 1}, _Ctl())

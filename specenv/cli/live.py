@@ -270,7 +270,7 @@ def abtest(
         str,
         typer.Option(
             help="Comma-separated arm groups: plain, fixed, best, dynamic, table, adaptive, heuristic, delta, "
-            "learned, overhead, batch, or all. Plain is always run (the reference)."
+            "learned, overhead, batch, survival, or all. Plain is always run (the reference)."
         ),
     ] = "all",
     kmax: Annotated[int | None, typer.Option(min=1, max=64, help="Largest k (default: the trace set's Kmax).")] = None,
