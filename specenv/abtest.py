@@ -89,6 +89,7 @@ class AbtestOptions:
     train_prompts: int = 8
     cycle_prompts: bool = False  # more prompts than the test split: the held-out prompts served in turn
     fit_repeats: int = 1  # interleaved passes of the train prompts per (k, batch size) in the measured fit
+    fit_from: str | None = None  # an earlier abtest.json whose train fit (best k per batch size) is reused
     max_tokens: int = 64
     repeats: int = 3
     batches: list[int] = field(default_factory=lambda: [1, 8])
@@ -145,6 +146,36 @@ def best_static_k(tok_per_s: dict[int, Any]) -> int:
     ratio = {k: v / runs[0] for k, v in runs.items() if k != 0}
     wins = {k: float(np.median(r)) for k, r in ratio.items() if np.all(r > 1.0)}
     return min(wins, key=lambda k: (-wins[k], k)) if wins else 0
+
+
+def fit_from_file(path: str | os.PathLike[str], models: str, dataset: str, kmax: int, batches: list[int]) -> dict:
+    """The train fit of an earlier ``abtest.json`` (``--fit-from``): its ``fit`` section, checked for this run.
+
+    The fit is a measurement on the *train* prompts, so a later run on the held-out prompts may reuse it (as a
+    user deploys what they measured earlier) instead of measuring it again. It must be of the same models,
+    trace set and kmax, and cover every batch size of this run.
+
+    Raises:
+        ValueError: One line naming the file: unreadable, no fit, or a fit of other models / set / kmax /
+            batch sizes.
+    """
+    try:
+        doc = json.loads(Path(path).read_text())
+        fit, o = doc["fit"], doc["options"]
+        best = {int(b): int(k) for b, k in fit["best_k"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path}: not an abtest.json with a train fit ({type(exc).__name__}: {exc})") from None
+    theirs = {"models": o.get("models"), "traces": o.get("dataset"), "kmax": doc.get("kmax")}
+    ours = {"models": models, "traces": dataset, "kmax": kmax}
+    for key, val in ours.items():
+        if theirs[key] != val:
+            raise ValueError(f"{path}: fitted for {key} {theirs[key]!r}, this run has {val!r}")
+    if any(k < 0 or k > kmax for k in best.values()):
+        raise ValueError(f"{path}: best k {best} outside 0..{kmax}")
+    missing = sorted(set(batches) - set(best))
+    if missing:
+        raise ValueError(f"{path}: no fit for batch sizes {missing} (fitted: {sorted(best)})")
+    return {**fit, "best_k": best, "from": str(path)}
 
 
 def dsd_table(best_k: dict[int, int], max_batch: int) -> list[tuple[int, int, int]]:
@@ -594,7 +625,14 @@ def run_abtest(
 
     try:
         # ---- engines that need no fit
-        need_fixed = "fixed" in groups or (opts.fit == "measured" and groups & {"best", "dynamic", "table", "overhead"})
+        reused = (
+            None
+            if opts.fit_from is None
+            else fit_from_file(opts.fit_from, opts.models, opts.dataset, kmax, opts.batches)
+        )
+        need_fixed = "fixed" in groups or (
+            opts.fit == "measured" and reused is None and groups & {"best", "dynamic", "table", "overhead"}
+        )
         start("plain", {"k": 0, "controller": False})
         if need_fixed:
             for k in range(1, kmax + 1):
@@ -602,8 +640,14 @@ def run_abtest(
         # ---- fit on train: best fixed k and the dynamic-SD table per batch size
         best_k: dict[int, int] = {}
         fit_detail: dict[str, Any] = {"mode": opts.fit, "replay_best_k": ctx.best_fixed_k}
+        table_k: dict[int, int] = {}  # what the dynamic-SD table is built from (every fitted batch size <= max)
         if groups & {"best", "dynamic", "table", "overhead"}:
-            if opts.fit == "measured":
+            if reused is not None:  # the earlier run's train fit; the table from every batch size it fitted
+                fit_detail.update({k: v for k, v in reused.items() if k != "best_k"}, mode="from")
+                table_k = {b: k for b, k in reused["best_k"].items() if b <= max_b}
+                best_k = {b: reused["best_k"][b] for b in opts.batches}
+                _log(f"train fit from {opts.fit_from}: best k per batch {table_k}", quiet)
+            elif opts.fit == "measured":
                 tps: dict[int, dict[int, list[float]]] = {b: {k: [] for k in range(kmax + 1)} for b in opts.batches}
                 n_fit, done_fit = opts.fit_repeats * len(opts.batches) * (kmax + 1), 0
                 # every batch size on one engine before the next: each engine starts once a repeat (the pool
@@ -626,7 +670,7 @@ def run_abtest(
                 fit_detail["train_tok_per_s_all"] = {str(b): {str(k): v for k, v in d.items()} for b, d in tps.items()}
             else:
                 best_k = {b: max(ctx.best_fixed_k, 1) for b in opts.batches}
-            fit_detail["best_k"] = {str(b): k for b, k in best_k.items()}
+            fit_detail["best_k"] = {str(b): k for b, k in (table_k or best_k).items()}
         arms: list[_Arm] = []
         arms.append(_Arm("plain (no speculation)", "plain", "plain"))  # the reference: always run
         if "fixed" in groups:
@@ -638,7 +682,7 @@ def run_abtest(
                 if "fixed" not in groups:  # the best k's row is its fixed-k engine's: measure that one
                     arms.append(_Arm(f"fixed k={k}", f"k={k}", "fixed", predict={"kind": "fixed", "k": k}))
             arms.append(_Arm("best fixed k (train)", "", "best", k_by_batch=dict(best_k)))
-        table = dsd_table(best_k, max_b) if best_k else []
+        table = dsd_table(table_k or best_k, max_b) if best_k else []
         if table and groups & {"dynamic", "table"}:
             fit_detail["dynamic_sd_table"] = table
         if "dynamic" in groups:
@@ -1199,6 +1243,10 @@ def _load_line(load: dict[str, Any] | None) -> str:
     )
 
 
+def _from(fit: dict[str, Any]) -> str:
+    return f" {fit['from']}" if fit.get("from") else ""
+
+
 def _distinct(ids: list[int]) -> str:
     n = len(set(ids))
     return "" if n == len(ids) else f" ({n} distinct held-out prompts served in turn)"
@@ -1264,7 +1312,7 @@ def markdown(doc: dict[str, Any]) -> str:
     if fit.get("best_k"):
         lines.append("")
         lines.append(
-            f"Fit on train ({fit['mode']}): best fixed k per batch {fit['best_k']}; replay's best fixed k "
+            f"Fit on train ({fit['mode']}{_from(fit)}): best fixed k per batch {fit['best_k']}; replay's best fixed k "
             f"{fit['replay_best_k']}"
             + (f"; dynamic SD table {fit['dynamic_sd_table']}" if "dynamic_sd_table" in fit else "")
         )

@@ -30,6 +30,7 @@ def _invoke(args: list[str]):  # noqa: ANN202
         (["--fit-repeats", "0"], "--fit-repeats"),
         (["--fit-repeats", "many"], "--fit-repeats"),
         (["--policy-dir", "/no/such/dir"], "--policy-dir"),
+        (["--fit-from", "/no/such/abtest.json"], "--fit-from"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args: list[str], needle: str) -> None:

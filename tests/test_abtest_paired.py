@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -100,3 +102,44 @@ def test_held_out_prompts_are_cut_or_served_in_turn_never_invented() -> None:
 def test_the_table_header_says_when_prompts_repeat() -> None:
     assert abtest._distinct([1, 2, 3]) == ""
     assert "2 distinct" in abtest._distinct([1, 2, 1, 2])
+
+
+def _fit_doc(tmp_path, **over):  # noqa: ANN001, ANN202
+    import json
+
+    doc = {
+        "options": {"models": "wide-moe-v1", "dataset": "live-vllm-wide"},
+        "kmax": 4,
+        "fit": {"mode": "measured", "best_k": {"1": 3, "2": 1, "4": 0, "8": 2, "16": 0}, "fit_repeats": 3},
+    }
+    doc.update(over)
+    p = tmp_path / "abtest.json"
+    p.write_text(json.dumps(doc))
+    return p
+
+
+def test_an_earlier_train_fit_is_reused_only_for_the_same_models_set_kmax_and_batches(tmp_path) -> None:
+    p = _fit_doc(tmp_path)
+    fit = abtest.fit_from_file(p, "wide-moe-v1", "live-vllm-wide", 4, [1, 8, 16])
+    assert fit["best_k"] == {1: 3, 2: 1, 4: 0, 8: 2, 16: 0} and fit["fit_repeats"] == 3 and fit["from"] == str(p)
+    for args, needle in [
+        (("small-moe-v1", "live-vllm-wide", 4, [1]), "models"),
+        (("wide-moe-v1", "live-vllm", 4, [1]), "traces"),
+        (("wide-moe-v1", "live-vllm-wide", 8, [1]), "kmax"),
+        (("wide-moe-v1", "live-vllm-wide", 4, [1, 32]), "batch sizes [32]"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            abtest.fit_from_file(p, *args)
+    with pytest.raises(ValueError, match="outside 0..4"):
+        abtest.fit_from_file(_fit_doc(tmp_path, fit={"best_k": {"1": 7}}), "wide-moe-v1", "live-vllm-wide", 4, [1])
+    (tmp_path / "bad.json").write_text("{not json")
+    for bad in (tmp_path / "bad.json", tmp_path / "missing.json", _fit_doc(tmp_path, fit={"mode": "replay"})):
+        with pytest.raises(ValueError, match="not an abtest.json with a train fit"):
+            abtest.fit_from_file(bad, "wide-moe-v1", "live-vllm-wide", 4, [1])
+
+
+def test_the_reused_fit_builds_the_table_from_every_fitted_batch_size_up_to_the_largest_run() -> None:
+    # what run_abtest does with a reused fit at --batch 1,8: sizes above 8 dropped, 2 and 4 kept
+    fitted = {1: 3, 2: 1, 4: 0, 8: 2, 16: 0}
+    table = abtest.dsd_table({b: k for b, k in fitted.items() if b <= 8}, 8)
+    assert table == [(1, 1, 3), (2, 3, 1), (4, 6, 0), (7, 8, 2)]

@@ -263,6 +263,13 @@ def abtest(
             "chosen over no speculation only if it beat plain in every pass.",
         ),
     ] = 1,
+    fit_from: Annotated[
+        Path | None,
+        typer.Option(
+            help="Reuse the train fit (best k per batch size) of an earlier abtest.json of the same models, "
+            "trace set and kmax instead of measuring it again."
+        ),
+    ] = None,
     max_tokens: Annotated[int, typer.Option(min=1, max=4096, help="Tokens generated per prompt.")] = 64,
     repeats: Annotated[int, typer.Option(min=1, max=100, help="Interleaved repeats (median); >= 3 for the A/B.")] = 3,
     batch: Annotated[str, typer.Option(help="Comma-separated batch sizes (concurrent requests), e.g. 1,8.")] = "1,8",
@@ -358,6 +365,13 @@ def abtest(
             CostModel.load(cost_model)
         except (OSError, ValueError) as exc:
             fail(f"--cost-model: {exc}")
+    if fit_from is not None:
+        from specenv.abtest import fit_from_file
+
+        try:
+            fit_from_file(fit_from, models, traces, k, batches)
+        except ValueError as exc:
+            fail(f"--fit-from: {exc}")
     from specenv.engines.vllm.facts import served_facts, served_refusal
     from specenv.engines.vllm.models import check_model_set
 
@@ -384,6 +398,7 @@ def abtest(
         cycle_prompts=cycle_prompts,
         train_prompts=train_prompts,
         fit_repeats=fit_repeats,
+        fit_from=None if fit_from is None else str(fit_from),
         max_tokens=max_tokens,
         repeats=repeats,
         batches=batches,
