@@ -3,7 +3,7 @@
 A controller that verifies nothing still pays vLLM's drafter in every step (its first forward "keeps the
 drafter KV cache in sync"); :mod:`specenv.engines.vllm.lazydraft` skips that forward when no request of
 the step drafts. Per batch size, this script builds in one process a plain engine (no speculation,
-stock scheduler) and a controller engine (``num_speculative_tokens = 1``, a policy that always answers
+stock scheduler) and a controller engine (``num_speculative_tokens = --k``, default 1, a policy that always answers
 k = 0, ``draft_horizon="policy"``), and decodes the same prompts (greedy, ``ignore_eos``) on three arms,
 interleaved with the order rotated every repeat:
 
@@ -53,11 +53,11 @@ def measure(batch: int, args: argparse.Namespace) -> dict:
     from specenv.stats import bootstrap_ratio_ci
 
     n = args.prompts or 2 * batch
-    base = {"models": args.models, "max_num_seqs": batch}
+    base = {"models": args.models, "max_num_seqs": max(batch, args.max_num_seqs)}
     plain = build_llm({**base, "k": 0, "controller": False})
-    ctl_llm = build_llm({**base, "k": 1, "settings": {"draft_horizon": "policy"}})
+    ctl_llm = build_llm({**base, "k": args.k, "settings": {"draft_horizon": "policy"}})
     ctl = scheduler_of(ctl_llm)
-    ctl.set_policy(FixedK(ObservationSpec(kmax=1, max_new_tokens=args.tokens, n_experts=ctl.n_experts), 0))
+    ctl.set_policy(FixedK(ObservationSpec(kmax=args.k, max_new_tokens=args.tokens, n_experts=ctl.n_experts), 0))
     worker = ctl_llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
     drafter = worker.model_runner.drafter
     if not isinstance(drafter, LazyDraftProposer):
@@ -83,7 +83,8 @@ def measure(batch: int, args: argparse.Namespace) -> dict:
             walls[a].append(wall)
             outputs.setdefault(a, out)
     tokens = n * args.tokens
-    row: dict = {"batch": batch, "prompts": n, "tokens": args.tokens, "repeats": args.repeats}
+    row: dict = {"batch": batch, "prompts": n, "tokens": args.tokens, "repeats": args.repeats, "k": args.k}
+    row["max_num_seqs"] = base["max_num_seqs"]
     row["identical"] = all(outputs[a] == outputs["plain"] for a in ARMS)
     row["skipped_steps"] = drafter.stats["skipped"] - skipped0
     row["plain_steps"] = drafter.stats["plain_steps"] - plain0
@@ -122,6 +123,8 @@ def main() -> None:
     ap.add_argument("--batch", type=_batches, default="1,8", help="comma-separated batch sizes (max_num_seqs)")
     ap.add_argument("--prompts", type=int, default=0, help="prompts per pass (default: 2 x batch)")
     ap.add_argument("--tokens", type=_positive, default=48)
+    ap.add_argument("--k", type=_positive, default=1, help="the controller engine's num_speculative_tokens")
+    ap.add_argument("--max-num-seqs", type=_positive, default=1, help="both engines' max_num_seqs (at least the batch)")
     ap.add_argument("--repeats", type=_positive, default=5)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
