@@ -3,8 +3,8 @@
 A controller that verifies nothing still pays vLLM's drafter in every step (its first forward "keeps the
 drafter KV cache in sync"); :mod:`specenv.engines.vllm.lazydraft` skips that forward when no request of
 the step drafts. Per batch size, this script builds in one process a plain engine (no speculation,
-stock scheduler) and a controller engine (``num_speculative_tokens = --k``, default 1, a policy that always answers
-k = 0, ``draft_horizon="policy"``), and decodes the same prompts (greedy, ``ignore_eos``) on three arms,
+stock scheduler) and a controller engine (``num_speculative_tokens`` = ``--k``, default 1, a policy that
+always answers k = 0, ``draft_horizon="policy"``), and decodes the same prompts (greedy, ``ignore_eos``) on three arms,
 interleaved with the order rotated every repeat:
 
 * ``plain``: the plain engine;

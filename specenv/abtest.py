@@ -910,12 +910,13 @@ def _train_survival(
         log=None if quiet else lambda line: _log(f"  survival: {line}", quiet),
     )
     export_survival(res.policy, folder)
-    _log(f"learned-survival controller for batch {batch_size} trained in {time.perf_counter() - t0:.0f} s", quiet)
+    train_s = time.perf_counter() - t0
+    _log(f"learned-survival controller for batch {batch_size} trained in {train_s:.0f} s", quiet)
     return {
         "folder": str(folder),
         "batch_size": int(batch_size),
         "batch_cost": batch_cost or "auto",
-        "train_s": time.perf_counter() - t0,
+        "train_s": train_s,
         "history": res.history,
     }
 
