@@ -35,9 +35,10 @@ from pathlib import Path
 ARMS = ("plain", "k=0 eager", "k=0 lazy")
 
 
-def _timed(llm, prompts, sp) -> tuple[float, list[list[int]]]:
+def _timed(llm, prompts, sp, batch: int) -> tuple[float, list[list[int]]]:
+    """The prompts in groups of ``batch`` concurrent requests (an engine of more sequences runs ``batch``)."""
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
+    outs = [o for i in range(0, len(prompts), batch) for o in llm.generate(prompts[i : i + batch], sp, use_tqdm=False)]
     return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -48,6 +49,7 @@ def measure(batch: int, args: argparse.Namespace) -> dict:
 
     from policies.heuristics import FixedK
     from specenv.engines.vllm.bench import build_llm, encode_prompts, scheduler_of
+    from specenv.engines.vllm.hugepages import advise_engine
     from specenv.engines.vllm.lazydraft import LazyDraftProposer
     from specenv.observation.single import ObservationSpec
     from specenv.stats import bootstrap_ratio_ci
@@ -56,6 +58,8 @@ def measure(batch: int, args: argparse.Namespace) -> dict:
     base = {"models": args.models, "max_num_seqs": max(batch, args.max_num_seqs)}
     plain = build_llm({**base, "k": 0, "controller": False})
     ctl_llm = build_llm({**base, "k": args.k, "settings": {"draft_horizon": "policy"}})
+    for llm in (plain, ctl_llm):  # both engines' weights on huge pages, as abtest's engine processes hold them
+        advise_engine(llm)
     ctl = scheduler_of(ctl_llm)
     ctl.set_policy(FixedK(ObservationSpec(kmax=args.k, max_new_tokens=args.tokens, n_experts=ctl.n_experts), 0))
     worker = ctl_llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
@@ -68,7 +72,7 @@ def measure(batch: int, args: argparse.Namespace) -> dict:
 
     def arm_run(name: str) -> tuple[float, list[list[int]]]:
         drafter.lazy = name == "k=0 lazy"
-        return _timed(engines[name], prompts, sp)
+        return _timed(engines[name], prompts, sp, batch)
 
     for a in ARMS:  # warm-up
         arm_run(a)

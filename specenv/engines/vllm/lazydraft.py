@@ -8,12 +8,14 @@ engine pays over plain decoding (measured: ``T_D(0)`` = 0.6 ms of a 14 ms step o
 small-moe-v1, CPU).
 
 :class:`LazyDraftProposer` (a :class:`vllm.v1.spec_decode.draft_model.DraftModelProposer`) skips that
-forward in a step where every request decodes one token and no draft is asked for (``propose`` with
-``num_speculative_tokens == 0`` and a longest query of 1) and remembers, per request, the first
-position whose draft KV is missing. The next drafter forward that runs -- when speculation resumes, a
-prefill joins, or a request's gap reaches :data:`MAX_GAP` -- extends each such request's query backwards
-over the missing positions (their token ids from the runner's input batch, their KV slots from the
-request's block table): one draft prefill writes the draft KV a step-by-step drafter would have written,
+forward in a step that asks for no draft (``propose`` with ``num_speculative_tokens == 0``: decoding,
+verifying or prefilling) and remembers, per request, the first position whose draft KV is missing. So a
+request that starts at k = 0 has no draft prefill until it speculates, and none at all if it never does
+(measured at batch 4 on wide-moe-v1: the draft prefill was 1.1% of a 48-token request's time at k = 0).
+The next drafter forward that runs -- when speculation resumes or a request's gap reaches
+:data:`MAX_GAP` -- extends each such request's query backwards over the missing positions (their token
+ids from the runner's input batch, their KV slots from the request's block table): a draft prefill
+writes the draft KV a step-by-step drafter would have written,
 in the same slots, before the draft tokens are sampled. The target's verification is untouched, so the
 output is the plain greedy output whatever the drafter does (lossless); the catch-up makes the draft's
 KV (and so its proposals) those of an engine that never skipped (KV-consistent: the tests compare the
@@ -35,19 +37,20 @@ draft_slots``); on the CPU the first pass's copy into them is a C++ op without b
 (``copy_and_expand_eagle_inputs_kernel_impl``). Catch-up tokens come on top of a step the scheduler
 already filled, so: the catch-up joins the step's forward only when the step's tokens, the caught-up
 tokens and the drafting slots fit in those buffers; otherwise the missing positions are caught up
-first in a forward of their own (the requests with a gap alone, each ending with its step's first token,
-as a step-by-step drafter ran them) and the step's own forward runs unchanged. A step is skipped only
-while a next step of one token per request could catch its gaps up in its own forward (so only a step
-that prefills takes the second forward). (Before this, a step whose
+first in forwards of their own (the requests with a gap alone, in windows that each fit the buffers,
+each window ending with the request's next token, as a step-by-step drafter ran them) and the step's own
+forward runs unchanged. (Before this, a step whose
 prefills filled the budget while decoding requests had a gap wrote past the buffers: glibc "double free
 or corruption", found at 16 sequences with requests joining.)
 
 Counters per proposer (``stats``): ``skipped`` draft forwards skipped, ``catchups`` forwards that
-caught up (``split`` of them in a forward of their own), ``caught_up`` tokens caught up,
-``largest`` the most tokens (with the drafting slots) a catching-up forward held, ``stale`` requests
-whose missing positions could not be
-caught up (left the batch while decoding, e.g. not scheduled in a step: their draft KV keeps a gap,
-which lowers acceptance and never changes the output). :func:`proposers` lists the live ones of this
+caught up (``split`` of them in forwards of their own), ``caught_up`` tokens caught up, ``largest`` the
+most tokens (with the drafting slots) a catching-up forward held, ``windows`` the forwards of their own
+the split catch-ups took, ``deferred`` queries of more than one token (prefills, verifications) whose
+draft forward was skipped, ``stale`` requests that left the batch
+with a gap (finished at k = 0, where nothing needs the draft KV; or not scheduled in a step while
+decoding: their draft KV keeps a gap, which lowers acceptance and never changes the output).
+:func:`proposers` lists the live ones of this
 process (tests, in-process engines).
 """
 
@@ -72,9 +75,10 @@ except ImportError as exc:  # pragma: no cover - only without the vllm extra
 
 #: ``worker_cls`` value that installs the lazy drafter (CPU V1 runner).
 WORKER_CLS = LAZY_WORKER_CLS
-#: Longest run of skipped positions a request may accumulate; the step that would exceed it runs the
-#: drafter (with the catch-up). Bounds the catch-up prefill (and its buffer use) to MAX_GAP tokens.
-MAX_GAP = 128
+#: Longest run of skipped positions a request may accumulate (its prompt included, when it starts at
+#: k = 0); the step that would exceed it runs the drafter (with the catch-up). Bounds the work of the
+#: step that catches up (the draft prefill it does, in forwards that each fit vLLM's drafter buffers).
+MAX_GAP = 4096
 
 _PROPOSERS: list[weakref.ReferenceType[LazyDraftProposer]] = []
 
@@ -109,6 +113,8 @@ class LazyDraftProposer(DraftModelProposer):
             "caught_up": 0,
             "largest": 0,
             "stale": 0,
+            "deferred": 0,
+            "windows": 0,
         }
         #: request id -> first position whose draft KV was not written (a skipped step's target token)
         self._missing = {}
@@ -132,9 +138,11 @@ class LazyDraftProposer(DraftModelProposer):
         slot_mappings: Any = None,
     ) -> torch.Tensor:
         cad = common_attn_metadata
-        # nothing to skip (the step drafts, or prefills) and no gap to catch up: vLLM's drafter as it is, with
-        # none of the per-request bookkeeping below (every speculating step of a fixed or positive k)
-        may_skip = num_speculative_tokens == 0 and int(cad.max_query_len) == 1 and mm_embed_inputs is None
+        # nothing to skip (the step drafts) and no gap to catch up: vLLM's drafter as it is, with none of the
+        # per-request bookkeeping below (every speculating step of a fixed or positive k). A step that asks
+        # for no draft is skipped whatever its queries: decoding, verifying, or prefilling (the draft
+        # prefill of a request that starts at k = 0 waits until it speculates, and never runs if it never does)
+        may_skip = num_speculative_tokens == 0 and mm_embed_inputs is None
         if self.lazy and target_positions.dim() == 1 and (may_skip or self._missing):
             n = cad.batch_size()
             ids = self._req_ids(n)
@@ -144,7 +152,7 @@ class LazyDraftProposer(DraftModelProposer):
             start = target_positions.cpu().numpy()[qsl[:n]].astype(np.int64)
             missing = self._missing
             self._forget_departed(ids)
-            if may_skip and self._skip(ids, start):
+            if may_skip and self._skip(ids, start, qlen):
                 return torch.empty(n, 0, device=next_token_ids.device, dtype=torch.int64)
             gap = np.array([start[i] - missing.pop(r, start[i]) for i, r in enumerate(ids)], dtype=np.int64)
             if gap.any() and self.catch_up:
@@ -184,7 +192,7 @@ class LazyDraftProposer(DraftModelProposer):
 
         ``positions``: the step's target positions, one token per request (the runner's input batch
         order). Returns the ``(n, 0)`` draft tokens of a skipped step, or None when the step must run the
-        drafter (a gap would outgrow :data:`MAX_GAP` or the buffers; the lazy flag is off).
+        drafter (a gap would outgrow :data:`MAX_GAP`; the lazy flag is off).
         """
         if not self.lazy or positions.dim() != 1:
             return None
@@ -205,22 +213,25 @@ class LazyDraftProposer(DraftModelProposer):
                 del missing[rid]
                 self.stats["stale"] += 1
 
-    def _skip(self, ids: list[str], start: np.ndarray) -> bool:
-        """Skip this idle step's draft forward if its gaps stay catchable; records them. True: skipped.
+    def _skip(self, ids: list[str], start: np.ndarray, qlen: np.ndarray | None = None) -> bool:
+        """Skip this step's draft forward unless a gap would outgrow :data:`MAX_GAP`; records the gaps. True: skipped.
 
-        ``ids`` and ``start``: the step's requests and the position of each one's single token. Skipped
-        only while a next step of one token per request could catch every gap up in its own forward
-        (no gap longer than :data:`MAX_GAP`, and the catch-up fits the drafter's buffers).
+        ``ids``, ``start`` and ``qlen``: the step's requests, the first position of each one's query and
+        its length (default: one token each, a decoding step). Any gap can be caught up (in the step's
+        forward when it fits the drafter's buffers, else in forwards of their own,
+        :meth:`_catch_up_alone`); :data:`MAX_GAP` bounds the work of the step that catches up.
         """
         missing = self._missing
         n = len(ids)
+        q = np.ones(n, dtype=np.int64) if qlen is None else qlen
         # each request's gap had this step been skipped too
-        after = np.array([start[i] - missing.get(r, start[i]) + 1 for i, r in enumerate(ids)], dtype=np.int64)
-        if int(after.max()) > MAX_GAP or not self._fits(int(after.sum()) + n, n):
+        after = np.array([start[i] + q[i] - missing.get(r, start[i]) for i, r in enumerate(ids)], dtype=np.int64)
+        if int(after.max()) > MAX_GAP:
             return False
         for i, r in enumerate(ids):
             missing.setdefault(r, int(start[i]))
         self.stats["skipped"] += 1
+        self.stats["deferred"] += int((q > 1).sum())
         return True
 
     def _fits(self, tokens: int, reqs: int) -> bool:
@@ -252,13 +263,15 @@ class LazyDraftProposer(DraftModelProposer):
         gap: np.ndarray,
         sampling_metadata: Any,
     ) -> None:
-        """One draft forward over the missing positions alone (vLLM's own first pass, asked for no draft).
+        """The missing positions in draft forwards of their own (vLLM's own first pass, asked for no draft).
 
-        The requests with a gap, each with the query ``[start - gap, start)`` (token ids from the runner's
-        input batch) and, as the token the first pass appends, the step's first token of the request (the
-        target token at ``start``): the draft KV of ``[start - gap, start]`` is written as a drafter that
-        ran in every skipped step wrote it; the step's own forward then writes ``start`` again (the same
-        token over the same context) and goes on as usual.
+        The requests with a gap, their missing positions ``[start - gap, start)`` in windows taken in
+        order, as many forwards as the drafter's buffers need (each request an equal share of
+        ``max_num_tokens``; one forward when they fit). A window ``[a, b)`` is the query (token ids
+        from the runner's input batch) with, as the token the first pass appends, the request's token
+        at ``b`` (the step's first token of the request when ``b == start``): the draft KV of
+        ``[a, b]`` is written as a drafter that ran in every skipped step wrote it (the next window,
+        or the step's own forward, writes ``b`` again: the same token over the same context).
 
         Metadata this cannot narrow to the requests with a gap (encoder, decode context parallel,
         multimodal ranges, padded logits indices: not set for a text drafter on the CPU runner) leaves
@@ -269,17 +282,43 @@ class LazyDraftProposer(DraftModelProposer):
         if any(getattr(cad, f) is not None for f in unsupported):
             self.stats["stale"] += len(rows)
             return
+        lo, hi = start[rows] - gap[rows], start[rows]
+        slots = int(self.net_num_new_slots_per_request)
+        while rows.size:
+            # vLLM's own step held every request with one token and its drafting slots: a share >= 1
+            share = max(int(self.max_num_tokens) // len(rows) - slots, 1)
+            end = np.minimum(lo + share, hi)
+            self._forward_alone(token_ids, hidden, cad, qsl, rows, lo, end, hi, sampling_metadata)
+            keep = end < hi
+            rows, lo, hi = rows[keep], end[keep], hi[keep]
+
+    def _forward_alone(
+        self,
+        token_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        cad: Any,
+        qsl: np.ndarray,
+        rows: np.ndarray,
+        lo: np.ndarray,
+        end: np.ndarray,
+        hi: np.ndarray,
+        sampling_metadata: Any,
+    ) -> None:
+        """One catch-up forward: requests ``rows`` (the step's order), window ``[lo, end)`` each (``end <= hi``)."""
         batch = self._runner.input_batch
         dev = token_ids.device
-        lo, hi, glen = start[rows] - gap[rows], start[rows], gap[rows]
+        glen = end - lo
         ids = torch.cat(
             [
                 torch.from_numpy(batch.token_ids_cpu[r, a:b].astype(np.int64))
-                for r, a, b in zip(rows, lo, hi, strict=True)
+                for r, a, b in zip(rows, lo, end, strict=True)
             ]
         ).to(device=dev, dtype=token_ids.dtype)
-        pos = torch.cat([torch.arange(int(a), int(b), dtype=torch.int64) for a, b in zip(lo, hi, strict=True)]).to(dev)
-        bonus = token_ids[torch.from_numpy(qsl[rows]).to(dev)]  # each request's token at position `start`
+        pos = torch.cat([torch.arange(int(a), int(b), dtype=torch.int64) for a, b in zip(lo, end, strict=True)]).to(dev)
+        # the token each window's first pass appends: at `end`, the step's own first token where end == start
+        own = token_ids[torch.from_numpy(qsl[rows]).to(dev)]
+        past = torch.from_numpy(batch.token_ids_cpu[rows, np.minimum(end, hi - 1)].astype(np.int64))
+        bonus = torch.where(torch.from_numpy(end == hi).to(dev), own, past.to(device=dev, dtype=own.dtype))
         qsl_cpu = torch.zeros(len(rows) + 1, dtype=cad.query_start_loc_cpu.dtype)
         qsl_cpu[1:] = torch.from_numpy(np.cumsum(glen).astype(np.int64))
         sub = torch.from_numpy(rows).to(dev)
@@ -288,15 +327,15 @@ class LazyDraftProposer(DraftModelProposer):
             for f in ("is_prefilling", "req_idx", "rswa_prefix_lens", "replayssm_decode_base_cpu")
             if getattr(cad, f) is not None
         }
-        hi_t = torch.from_numpy(hi.astype(np.int64))
+        end_t = torch.from_numpy(end.astype(np.int64))
         sub_cad = cad.replace(
             query_start_loc=qsl_cpu.to(cad.query_start_loc.device),
             query_start_loc_cpu=qsl_cpu,
-            seq_lens=hi_t.to(device=cad.seq_lens.device, dtype=cad.seq_lens.dtype),
+            seq_lens=end_t.to(device=cad.seq_lens.device, dtype=cad.seq_lens.dtype),
             num_reqs=len(rows),
             num_actual_tokens=int(glen.sum()),
             max_query_len=int(glen.max()),
-            max_seq_len=int(hi.max()),
+            max_seq_len=int(end.max()),
             block_table_tensor=cad.block_table_tensor[sub],
             slot_mapping=self._slots(
                 cad.block_table_tensor,
@@ -308,12 +347,13 @@ class LazyDraftProposer(DraftModelProposer):
             positions=None if cad.positions is None else pos,
             seq_lens_cpu_upper_bound=None
             if cad.seq_lens_cpu_upper_bound is None
-            else hi_t.to(cad.seq_lens_cpu_upper_bound.dtype),
+            else end_t.to(cad.seq_lens_cpu_upper_bound.dtype),
             _num_computed_tokens_cache=None,
             _token_to_req_indices_cache=None,
             **per_req,
         )
         self._note_size(int(ids.shape[0]), len(rows))
+        self.stats["windows"] += 1
         super().propose(
             0,
             ids,
