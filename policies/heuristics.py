@@ -28,6 +28,8 @@ class FixedK(Policy):
 
     #: The same k for every stream: a server may ask it for its whole batch at once.
     stateless = True
+    #: Reads no observation (the protocol's ``observes``): a server need not build any.
+    observes = False
 
     def __init__(self, spec: ObservationSpec, k: int):
         if not 0 <= k <= spec.kmax:

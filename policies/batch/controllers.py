@@ -118,6 +118,8 @@ class BatchPolicy:
 class FixedBatch(BatchPolicy):
     """The same budget k for every request."""
 
+    observes = False  # the protocol's ``observes``: k from nothing
+
     def __init__(self, spec: BatchObservationSpec, k: int):
         super().__init__(spec)
         self.k = int(k)
@@ -134,6 +136,8 @@ class DSDBatch(BatchPolicy):
         spec: Batch observation layout.
         schedule: ``[(start, end, k), ...]`` or ``"start-end:k;..."`` (:func:`policies.peers.parse_schedule`).
     """
+
+    observes = False  # the protocol's ``observes``: k from the number of rows only
 
     def __init__(self, spec: BatchObservationSpec, schedule: str | Sequence[Sequence[int]]):
         super().__init__(spec)

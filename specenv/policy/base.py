@@ -18,7 +18,11 @@ rounds, never the trace. It acts on a **batch**::
   vector);
 * ``reset()`` forgets every stream; ``release(ids)`` (optional) forgets finished ones;
 * ``stateless = True`` promises that ``act`` depends on its arguments only (no memory), so a server
-  may ask it what it *would* do (the vLLM draft horizon) without a copy.
+  may ask it what it *would* do (the vLLM draft horizon) without a copy;
+* ``observes = False`` (optional, default True) promises that ``act`` reads neither the rows' values
+  nor ``step``, only how many rows there are (a fixed k, vLLM's batch-size table): a server may then
+  hand it rows of zeros and skip building observations (the vLLM controller's blind path,
+  :mod:`specenv.engines.vllm.controller`).
 
 Single-request use is a batch of one: ``act(obs)`` with a 1-D observation is the cheap alias
 ``int(act(obs[None], ids, step)[0])`` (the Gymnasium loop ``env.step(policy.act(obs))``), and

@@ -298,3 +298,64 @@ def test_only_decoding_steps_that_verify_no_draft_run_as_plain_steps():
     assert not runner._plain_step(idle)
     runner.use_async_scheduling, runner.uses_mrope = False, True
     assert not runner._plain_step(idle)
+
+
+def test_batch_8_the_table_unrecorded_takes_the_blind_path_step_for_step(engine8, plain_reference):
+    """The batch-size table served as abtest's ``table`` arm (no recording, no callback) runs the blind path.
+
+    ``DSDBatch.observes`` is False: the controller asks it about rows of zeros and keeps no per-round
+    bookkeeping, and the tap captures no routing (its buffer keeps a sentinel through the whole run).
+    Against the same table on the full path (a round callback makes the controller observe): the same
+    horizon and the same verified K per request in every step, the same decisions, and both lossless.
+    """
+    from policies.batch.controllers import DSDBatch
+    from specenv.observation.batch import BatchObservationSpec
+
+    ctl = controller_of(engine8)
+    spec = ObservationSpec(kmax=KMAX, max_new_tokens=MAX_TOKENS, n_experts=ctl.n_experts)
+    table = DSDBatch(BatchObservationSpec(spec, 8), [(1, 4, 3), (5, 8, 0)])
+    prompts = (PROMPTS + PROMPTS)[:8]
+    lengths = [MAX_TOKENS // 3] * 4 + [MAX_TOKENS] * 4  # 8 requests (k = 0), then 4 (k = 3)
+    steps: list[tuple] = []
+    base_schedule = ctl.schedule
+
+    def schedule(*args, **kwargs):
+        out = base_schedule(*args, **kwargs)
+        spec_tokens = out.scheduled_spec_decode_tokens  # only the requests that verify drafts
+        ks = tuple(sorted(len(spec_tokens.get(r, ())) for r in out.num_scheduled_tokens))
+        steps.append((out.num_spec_tokens_to_schedule, ks, ctl._blind_step, ctl.tap.capturing))
+        return out
+
+    prev_cb = ctl.round_callback
+    runs = {}
+    ctl.schedule = schedule  # the engine core calls its scheduler's schedule(): this wrapper, per step
+    ctl.set_policy(table)
+    ctl.settings.draft_horizon = "policy"
+    try:
+        for mode in ("blind", "full"):
+            ctl.round_callback = (lambda rid, out: None) if mode == "full" else None
+            ctl.policy.reset()
+            steps.clear()
+            ctl.tap.buf.fill_(-7)  # a sentinel no router writes
+            before = {k: ctl.stats[k] for k in ("decisions", "fallbacks", "capped", "rounds")}
+            outs = engine8.generate(prompts, [greedy(m) for m in lengths], use_tqdm=False)
+            counts = {k: ctl.stats[k] - v for k, v in before.items()}
+            untouched = bool((ctl.tap.buf == -7).all())
+            runs[mode] = ([list(o.outputs[0].token_ids) for o in outs], list(steps), counts, untouched)
+    finally:
+        del ctl.schedule
+        ctl.round_callback = prev_cb
+        ctl.set_policy(None)
+        ctl.settings.draft_horizon = "max"
+    for mode, (outs, _, counts, _) in runs.items():
+        for p, m, out in zip(prompts, lengths, outs, strict=True):
+            assert out == plain_reference[p]["token_ids"][:m], (mode, p)
+        assert counts["decisions"] > 0 and counts["fallbacks"] == 0, (mode, counts)
+    blind, full = runs["blind"], runs["full"]
+    assert all(b and not cap for *_, b, cap in blind[1][1:])  # every step after the first decided blind
+    assert all(not b and cap for *_, b, cap in full[1])
+    assert blind[3] and not full[3]  # the blind run captured no routing; the full run did
+    assert blind[2]["rounds"] == 0 and full[2]["rounds"] > 0  # no per-round bookkeeping on the blind path
+    assert {k for _, ks, *_ in blind[1] for k in ks} == {0, 3}  # both table rows ran
+    assert [s[:2] for s in blind[1]] == [s[:2] for s in full[1]]  # the same horizons and K, step for step
+    assert blind[2]["decisions"] == full[2]["decisions"] and blind[2]["capped"] == full[2]["capped"]

@@ -67,6 +67,15 @@ price: (min(drafted, kmax) + 1) hypothetical rows per request in the one call in
 request in a second call. A policy that is not rowwise (stateful: peek copies it; a batch
 controller: its rows decide jointly and read the step) keeps the second call at ``schedule``.
 
+**The blind path** (:meth:`SpecControlScheduler._blind`): a policy whose ``observes`` is False (the
+protocol, :mod:`specenv.policy.base`: a fixed k, vLLM's batch-size table) reads only how many requests
+it decides. With no recording and no callback nothing else reads the per-round bookkeeping, so a step
+skips it: the tap captures no routing in the target's forward (:meth:`RoutingTap.capture_routing`), no
+expert statistics, no observation slots, no what-if rows; the policy is asked about rows of zeros (once
+for the horizon, once for the decisions) and its budgets are checked and applied as on the full path
+(the same horizons and K step for step: tests/vllm/test_lazy_draft.py). Measured at batch 4 on
+wide-moe-v1: the full path's bookkeeping and capture were about 1% of a k = 0 step.
+
 Fail-safe: when the policy raises, returns something that is not an integer in 0..kmax, or returns
 a batch of the wrong shape, the request gets the configured ``fallback_k`` (default
 ``num_speculative_tokens``) and ``stats["fallbacks"]`` counts it; the first errors are logged. The
@@ -268,6 +277,8 @@ class SpecControlScheduler(Recording, Scheduler):
         self._t_sched = 0.0
         self._steplog = StepLog()
         self._experts: StepExperts | None = None  # the per-step expert statistics' buffers (made on first use)
+        self._blind_step = False  # this step runs the blind path (:meth:`_blind`; decided in schedule)
+        self._blank_rows = np.zeros((0, 0), dtype=np.float32)  # the blind path's rows (:meth:`_blank`)
         # per-step columns of the rounds (slot, K, accepted, cost), preallocated in the dtypes ObsSlots.update takes
         self._cols = _RoundCols(16)
         self._horizon_tables()
@@ -510,8 +521,12 @@ class SpecControlScheduler(Recording, Scheduler):
         t0, c0 = time.perf_counter(), time.thread_time()
         log = self._steplog
         log.open(t0)
-        if self.tap is not None:
-            self.tap.reset_step()
+        blind = self._blind_step = self._blind()
+        tap = self.tap
+        if tap is not None:
+            if tap.capturing == blind:  # the blind path reads no routing: no capture in the forward
+                tap.capture_routing(not blind)
+            tap.reset_step()
         ms = log.add(t0, c0)
         out = super().schedule(*args, **kwargs)
         t2, c2 = time.perf_counter(), time.thread_time()
@@ -547,6 +562,15 @@ class SpecControlScheduler(Recording, Scheduler):
         if self.spec.lookahead:
             return int(min(self.spec.lookahead, self.num_spec_tokens))
         assert self._served is not None
+        if self._blind_step:  # the policy reads how many requests decide, nothing else: ask it about them
+            reqs = self.requests
+            ids = [r for r in out.num_scheduled_tokens if (q := reqs.get(r)) is not None and not q.is_prefill_chunk]
+            if not ids:
+                return int(self.num_spec_tokens)
+            self.stats["horizon_calls"] += 1
+            ks = self._served.peek(self._blank(len(ids)), ids, self._batch_step(len(ids))).tolist()
+            h = max(self.fallback_k if not (isinstance(k, int) and 0 <= k <= self.spec.kmax) else k for k in ks)
+            return int(min(max(h, 0), self.num_spec_tokens))
         first, cont, ids_f, ids_c = [], [], [], []
         kept: list[int] = []
         prev = self._step - 1  # the step whose update_draft_token_ids answered the kept horizons
@@ -591,6 +615,32 @@ class SpecControlScheduler(Recording, Scheduler):
         h = max([self.fallback_k if not (0 <= k <= self.spec.kmax) else k for k in ks] + kept)
         return int(min(max(h, 0), self.num_spec_tokens))
 
+    def _blind(self) -> bool:
+        """Whether a step runs the blind path: a policy that ``observes`` nothing, no recording, no callback.
+
+        The protocol's ``observes = False`` (a fixed k, vLLM's batch-size table) promises that the policy
+        reads only how many rows it is asked about. Nothing then reads the per-round bookkeeping: the
+        step skips the routing capture (:meth:`RoutingTap.capture_routing`), the expert statistics, the
+        observation slots and the what-if rows; the policy is asked about rows of zeros, once for the
+        horizon and once for the decisions, and the budgets are checked and applied as on the full path.
+        """
+        served = self._served
+        return (
+            served is not None
+            and not served.observes
+            and self.recorder is None
+            and self.round_callback is None
+            and self.forward_callback is None
+            and not self.spec.lookahead
+        )
+
+    def _blank(self, n: int) -> np.ndarray:
+        """``(n, dim)`` rows of zeros for a policy that reads none (the blind path; kept between steps)."""
+        rows = self._blank_rows
+        if rows.shape[0] < n or rows.shape[1] != self.spec.dim:
+            rows = self._blank_rows = np.zeros((max(n, 2 * rows.shape[0], 16), self.spec.dim), dtype=np.float32)
+        return rows[:n]
+
     def _batch_step(self, n: int) -> BatchStep:
         """The batch features the server knows for a step deciding ``n`` requests (:mod:`.served`)."""
         assert self._served is not None
@@ -616,9 +666,10 @@ class SpecControlScheduler(Recording, Scheduler):
         t0, c0 = time.perf_counter(), time.thread_time()
         sched = scheduler_output.num_scheduled_tokens
         # where each request's tokens sit in the step's flattened batch: sorted once per step
-        layout = batch_offsets(sched, model_runner_output.req_id_to_index) if sched else None
+        layout = batch_offsets(sched, model_runner_output.req_id_to_index) if sched and not self._blind_step else None
         try:
-            self._observe(scheduler_output, model_runner_output, layout)
+            if not self._blind_step:  # the blind path keeps no per-round bookkeeping (nothing reads it)
+                self._observe(scheduler_output, model_runner_output, layout)
         except RoutingMissing:  # the tap records nothing: fail loudly, never record U_r from an empty buffer
             raise
         except Exception as exc:  # bookkeeping must never take the server down
@@ -856,6 +907,8 @@ class SpecControlScheduler(Recording, Scheduler):
     def _decide(self, dti: Any) -> Any:
         req_ids = list(dti.req_ids)
         drafts = [list(d) for d in dti.draft_token_ids]
+        if self._blind_step:
+            return self._decide_blind(req_ids, drafts)
         h = self.spec.lookahead
         live: list[int] = []
         slots, Ls, ts, confs = [], [], [], []
@@ -932,6 +985,37 @@ class SpecControlScheduler(Recording, Scheduler):
                 self.stats["capped"] += 1
             drafts[j] = drafts[j][:k]
             self.stats["decisions"] += 1
+        return DraftTokenIds(req_ids, drafts)
+
+    def _decide_blind(self, req_ids: list[str], drafts: list[list[int]]) -> Any:
+        """The blind path's decisions (:meth:`_blind`): the policy asked about rows of zeros, k checked, applied."""
+        reqs = self.requests
+        live = [
+            j
+            for j, r in enumerate(req_ids)
+            if (q := reqs.get(r)) is not None and not q.is_finished() and not q.is_prefill_chunk
+        ]
+        if not live:
+            return DraftTokenIds(req_ids, drafts)
+        n = len(live)
+        t0 = time.perf_counter()
+        ks: list[Any] = [None] * n
+        try:
+            ks = self._served.act(self._blank(n), [req_ids[j] for j in live], self._batch_step(n)).tolist()
+        except Exception as exc:
+            self._error(exc)
+        self.stats["policy_ms"] += (time.perf_counter() - t0) * 1e3
+        for pos, j in enumerate(live):
+            k, ok = self._valid(ks[pos])
+            if not ok:
+                if ks[pos] is not None:
+                    self._error(ValueError(f"invalid k {ks[pos]!r} (need an integer in 0..{self.spec.kmax})"))
+                k = self.fallback_k
+                self.stats["fallbacks"] += 1
+            elif k > len(drafts[j]):
+                self.stats["capped"] += 1
+            drafts[j] = drafts[j][:k]
+        self.stats["decisions"] += n
         return DraftTokenIds(req_ids, drafts)
 
     def _one_call(self) -> bool:

@@ -84,6 +84,8 @@ class ServedPolicy:
         self.spec = spec
         self.batch_size = max(int(batch_size), 1)
         self.stateless = bool(getattr(policy, "stateless", False))
+        #: False: the policy reads no observation, only how many rows (the protocol's ``observes``).
+        self.observes = bool(getattr(policy, "observes", True))
         #: :func:`rowwise`: decisions and horizons may be asked in one call (:meth:`act_and_peek`).
         self.rowwise = rowwise(policy)
         #: :func:`per_stream`: a peek copies the asked requests' memories only (:func:`stream_copy`).

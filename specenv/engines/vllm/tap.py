@@ -66,7 +66,7 @@ from specenv.engines.vllm.hugepages import advise_model
 #: The load format name the recorder uses (``--load-format specenv``).
 LOAD_FORMAT = "specenv"
 _MAGIC = 7101.0
-_HEADER = 24  # float64 slots, see _H_* below
+_HEADER = 25  # float64 slots, see _H_* below
 _OFFSET = _HEADER * 8
 # header slots: 0 magic, 1 n_layers, 2 capacity, 3 top_k, 4 n_experts, 5-9 target clock, 10-14 draft clock,
 # 15 has_draft, then the draft-signal capture:
@@ -78,6 +78,7 @@ _H_HAS_SIG = 20  # 1 once the draft's compute_logits is wrapped
 _H_SIG_MS = 21  # total wall ms spent in the capture (all steps; on an accelerator: launch time)
 _H_SIG_TOTAL = 22  # total draft steps captured
 _H_SIG_WANT = 23  # 1 while a consumer (the controller's lookahead policy) wants the signals captured
+_H_ROUTE_OFF = 24  # 1 while no consumer reads the routing (the controller's blind path): the capture is skipped
 #: Per drafted token: q (softmax probability of the top-1 token, the drafted one under greedy drafting),
 #: entropy (nats), top-1 minus top-2 probability, top-1 token id.
 SIGNAL_FIELDS = ("q", "ent", "margin", "token")
@@ -313,6 +314,19 @@ class RoutingTap:
         """Switch the capture on or off (off by default: it costs a softmax over the vocabulary per draft step)."""
         self.header[_H_SIG_WANT] = 1.0 if on else 0.0
 
+    @property
+    def capturing(self) -> bool:
+        """Whether the routing capture is on (:meth:`capture_routing`; on by default)."""
+        return not self.header[_H_ROUTE_OFF]
+
+    def capture_routing(self, on: bool) -> None:
+        """Switch the routing capture on or off (off: :meth:`routing` keeps the last captured forward's).
+
+        Off only while nothing reads the routing: the controller's blind path (a policy that
+        ``observes`` nothing, no recording, no callback) switches it off and back on.
+        """
+        self.header[_H_ROUTE_OFF] = 0.0 if on else 1.0
+
     def reset_step(self) -> None:
         """Clear both clocks and the step's draft signals (called by the controller when a step is scheduled)."""
         self.target_clock.reset()
@@ -481,6 +495,8 @@ def bind_target(model: Any, vllm_config: Any) -> RoutingTap | None:
         row = buf[layer]
 
         def capture(topk_ids: Any) -> None:
+            if header[_H_ROUTE_OFF]:  # RoutingTap.capture_routing(False): nothing reads this step's routing
+                return
             row[: topk_ids.shape[0]].copy_(topk_ids)
 
         return capture
