@@ -141,6 +141,12 @@ def main() -> None:
 
     import gc
 
+    from specenv.engines.vllm.models import vllm_model_dirs
+
+    try:  # a bad --models is one line and exit 2, before any engine starts
+        vllm_model_dirs(args.models)
+    except ValueError as exc:
+        ap.error(f"argument --models: {exc}")
     results = []
     for b in args.batch:  # each batch size printed and written as soon as it is measured
         results.append(measure(b, args))
