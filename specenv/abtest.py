@@ -1018,6 +1018,7 @@ def _rows(
             tp, ta = _mean_tpot(plain), _mean_tpot(rs)
             row["decode_speedup"] = None if tp is None or ta is None else tp / ta
             row["paired"] = {name: _paired(rs, ref_rs) for name, ref_rs in refs.items() if ref_rs}
+            row["paired_decode"] = {name: _paired(rs, ref_rs, "decode") for name, ref_rs in refs.items() if ref_rs}
             ovh = _pooled([r for r in rs if r.get("overhead", {}).get("steps")])
             if ovh:
                 row["ctl_cpu_frac"] = ovh
@@ -1030,13 +1031,37 @@ def _rows(
 RESOLVE = 0.05
 
 
-def _paired(rs: list[dict[str, Any]], ref: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _group_cells(res: dict[str, Any], phase: str) -> list[tuple[float, int]] | None:
+    """A pass's (seconds, tokens) per request group, or None when the pass holds no such timings.
+
+    ``phase="pass"``: the group's wall time and tokens. ``"decode"``: the time its requests spent after their
+    first token (time per output token x the tokens after the first) and those tokens, summed over them.
+    """
+    if phase == "pass":
+        g = res.get("groups")
+        return [(x["wall_s"], x["tokens"]) for x in g] if g else None
+    reqs = res.get("requests")
+    if not reqs or not all(q and q.get("tokens") for q in reqs):
+        return None
+    cells: dict[int, list[float]] = {}
+    for q in reqs:
+        n = int(q["tokens"]) - 1
+        c = cells.setdefault(int(q["group"]), [0.0, 0])
+        c[0] += 0.0 if q.get("tpot_ms") is None else q["tpot_ms"] * n / 1e3
+        c[1] += n
+    return [(t, n) for t, n in (cells[g] for g in sorted(cells))]
+
+
+def _paired(rs: list[dict[str, Any]], ref: list[dict[str, Any]], phase: str = "pass") -> dict[str, Any] | None:
     """An arm's throughput over a reference arm's, paired by (repeat, request group), with a 95% bootstrap CI.
 
     Repeat r of both arms ran in the same interleaved round, on the same prompts in the same groups
     of ``batch`` requests, so each (repeat, group) cell is a pair: its unit has numerator the
-    reference's wall time (scaled by the arm's tokens over the reference's, 1 when both are lossless)
+    reference's time (scaled by the arm's tokens over the reference's, 1 when both are lossless)
     and denominator the arm's; :func:`specenv.stats.bootstrap_ratio_ci` resamples the cells.
+    ``phase="pass"`` times the whole group (prefill included, what a user waits for), ``"decode"``
+    only the time after each request's first token (what the replay's decoding rounds model; the
+    prefill's own spread left out, so a per-step difference shows with fewer repeats).
     ``repeats_for_5pct`` is how many repeats the spread of the per-repeat ratios needs for a 95%
     interval of half-width :data:`RESOLVE` (normal approximation on the log ratio).
     None when the passes hold no group timings (an older engine) or fewer than two cells.
@@ -1046,15 +1071,17 @@ def _paired(rs: list[dict[str, Any]], ref: list[dict[str, Any]]) -> dict[str, An
     n = min(len(rs), len(ref))
     num, den, per_rep = [], [], []
     for a, r in zip(rs[:n], ref[:n], strict=True):
-        ga, gr = a.get("groups"), r.get("groups")
+        ga, gr = _group_cells(a, phase), _group_cells(r, phase)
         if not ga or not gr or len(ga) != len(gr):
             return None
-        nn = [x["wall_s"] * y["tokens"] / max(x["tokens"], 1) for x, y in zip(gr, ga, strict=True)]
-        dd = [y["wall_s"] for y in ga]
+        nn = [tr * na / max(nr, 1) for (tr, nr), (_, na) in zip(gr, ga, strict=True)]
+        dd = [ta for ta, _ in ga]
         num += nn
         den += dd
+        if sum(dd) <= 0:
+            return None
         per_rep.append(sum(nn) / sum(dd))
-    if len(num) < 2:
+    if len(num) < 2 or min(den) <= 0:
         return None
     ci = bootstrap_ratio_ci(np.asarray(num), np.asarray(den))["pooled"]
     logs = np.log(per_rep)
@@ -1182,6 +1209,9 @@ def _overhead(arms: list[_Arm], results: dict[tuple[str, int], list[dict[str, An
             "ratio_median": statistics.median(p) / med,
             "ratio_per_repeat": [x / y for x, y in zip(p, s, strict=False)],
             "stock_spread": (max(s) - min(s)) / med,
+            # paired by (repeat, request group): the whole pass, and the decode phase alone
+            "paired": _paired(results[(spec, b)], results[(stock, b)]),
+            "paired_decode": _paired(results[(spec, b)], results[(stock, b)], "decode"),
             "ctl_cpu_frac": _pooled([r for r in results[(spec, b)] if r.get("overhead", {}).get("steps")]),
         }
     return out
@@ -1210,16 +1240,20 @@ def _paired_table(rows: list[dict[str, Any]]) -> list[str]:
     if not have:
         return []
 
-    def cell(p: dict[str, Any] | None) -> str:
+    def cell(p: dict[str, Any] | None, d: dict[str, Any] | None = None) -> str:
         if not p:
             return "-"
         star = " *" if p["excludes_1"] else ""
-        return f"{p['ratio']:.3f} [{p['ci95'][0]:.3f}, {p['ci95'][1]:.3f}]{star} (n={p['repeats_for_5pct']})"
+        out = f"{p['ratio']:.3f} [{p['ci95'][0]:.3f}, {p['ci95'][1]:.3f}]{star} (n={p['repeats_for_5pct']})"
+        if d:
+            out += f"; decode {_ci_text(d)}"
+        return out
 
     out = [
         "",
         "Latency and paired ratios (95% bootstrap CI over repeat x request-group cells; * = excludes 1; "
-        f"n = repeats the per-repeat spread needs for a +-{RESOLVE:.0%} interval):",
+        f"n = repeats the per-repeat spread needs for a +-{RESOLVE:.0%} interval; decode: the same pairs timed "
+        "after each request's first token):",
         "",
         "| arm | batch | TTFT p50 ms | TPOT p50 / p99 ms | / best fixed k (train) | / vLLM dynamic SD (train) |",
         "|---|---|---|---|---|---|",
@@ -1227,12 +1261,21 @@ def _paired_table(rows: list[dict[str, Any]]) -> list[str]:
     for r in have:
         lat = r.get("latency") or {}
         pr = r.get("paired") or {}
+        pd = r.get("paired_decode") or {}
         out.append(
             f"| {r['arm']} | {r['batch']} | {_f(lat.get('ttft_ms_p50'), '.1f')} | "
             f"{_f(lat.get('tpot_ms_p50'), '.1f')} / {_f(lat.get('tpot_ms_p99'), '.1f')} | "
-            f"{cell(pr.get('best fixed k (train)'))} | {cell(pr.get('vLLM dynamic SD (train)'))} |"
+            f"{cell(pr.get('best fixed k (train)'), pd.get('best fixed k (train)'))} | "
+            f"{cell(pr.get('vLLM dynamic SD (train)'), pd.get('vLLM dynamic SD (train)'))} |"
         )
     return out
+
+
+def _ci_text(p: dict[str, Any] | None) -> str:
+    """A paired ratio as ``r [lo, hi]`` (``*`` when the interval excludes 1), or ``-``."""
+    if not p:
+        return "-"
+    return f"{p['ratio']:.3f} [{p['ci95'][0]:.3f}, {p['ci95'][1]:.3f}]" + (" *" if p["excludes_1"] else "")
 
 
 def _load_line(load: dict[str, Any] | None) -> str:
@@ -1290,12 +1333,17 @@ def markdown(doc: dict[str, Any]) -> str:
         lines.append(f"| {r['policy']} (learned) | - | refused: {r['reason']} | | | | | | |")
     ov = doc.get("overhead") or {}
     if ov:
-        lines += ["", "Overhead (specenv path vs stock vLLM, same speculative config, paired per repeat):"]
+        lines += [
+            "",
+            "Overhead (specenv path vs stock vLLM, same speculative config; medians' ratio, per repeat, and paired "
+            "over repeat x request-group cells with 95% bootstrap CIs):",
+        ]
         for b, o in ov.items():
             c = o.get("ctl_cpu_frac") or {}
             lines.append(
                 f"- batch {b}: specenv/stock throughput {o['ratio_median']:.3f} (per repeat "
-                f"{', '.join(f'{x:.3f}' for x in o['ratio_per_repeat'])}); stock's own spread "
+                f"{', '.join(f'{x:.3f}' for x in o['ratio_per_repeat'])}; paired {_ci_text(o.get('paired'))}, "
+                f"decode phase {_ci_text(o.get('paired_decode'))}); stock's own spread "
                 f"{o['stock_spread']:.1%}; controller CPU {c.get('value', float('nan')):.2%} of step time "
                 f"(95% CI {c.get('ci95', [float('nan')] * 2)[0]:.2%}..{c.get('ci95', [float('nan')] * 2)[1]:.2%}, "
                 f"{c.get('cpu_ms_per_step', float('nan')):.3f} ms of {c.get('step_ms', float('nan')):.1f} ms per step)"

@@ -41,6 +41,33 @@ def test_paired_scales_by_tokens_and_refuses_unpaired_passes() -> None:
     assert same["ratio"] == pytest.approx(1.0) and same["excludes_1"] is False
 
 
+def _timed(group_walls: list[float], reqs: list[tuple[int, float, int]]) -> dict:
+    """A pass with group wall times and requests (group, tpot_ms, tokens)."""
+    p = _pass(group_walls)
+    p["requests"] = [{"group": g, "ttft_ms": 100.0, "tpot_ms": t, "tokens": n} for g, t, n in reqs]
+    return p
+
+
+def test_the_decode_phase_pairs_the_time_after_each_first_token_by_request_group() -> None:
+    # two groups of two requests; the arm's decoding is 10% faster in every group, its prefill 3x slower:
+    # the pass ratio sees the prefill, the decode ratio only the time after the first tokens
+    ref = [_timed([1.0, 1.0], [(0, 10.0, 11), (0, 10.0, 11), (1, 20.0, 6), (1, 20.0, 6)]) for _ in range(2)]
+    arm = [_timed([3.0, 3.0], [(0, 9.0, 11), (0, 9.0, 11), (1, 18.0, 6), (1, 18.0, 6)]) for _ in range(2)]
+    dec = abtest._paired(arm, ref, "decode")
+    # per group: ref 2 x 10 ms x 10 tokens = 0.2 s (group 0), 2 x 20 ms x 5 = 0.2 s (group 1); arm 0.18 s each
+    assert dec["ratio"] == pytest.approx(0.2 / 0.18)
+    assert dec["cells"] == 4 and dec["per_repeat"] == pytest.approx([0.4 / 0.36] * 2)
+    assert dec["excludes_1"] is True  # every cell 1.11: the interval is that point
+    assert abtest._paired(arm, ref)["ratio"] == pytest.approx(1.0 / 3.0)  # the whole pass: prefill included
+    # a request with one token has no decode time but is still paired (0 s, 0 tokens)
+    one = [_timed([1.0], [(0, None, 1), (0, 10.0, 3)]) for _ in range(2)]
+    assert abtest._paired(one, one, "decode")["ratio"] == pytest.approx(1.0)
+    # no per-request timings (an older engine): no decode pairs, the pass pairs still there
+    assert abtest._paired([_pass([1.0, 1.0])] * 2, [_pass([1.0, 1.0])] * 2, "decode") is None
+    # a different number of groups: no pairs
+    assert abtest._paired(arm, [_timed([1.0], [(0, 10.0, 11)])] * 2, "decode") is None
+
+
 def test_latency_percentiles_over_requests_of_every_repeat() -> None:
     reqs = [{"group": i, "ttft_ms": float(i), "tpot_ms": 10.0 + i, "tokens": 5} for i in range(100)]
     lat = abtest._latency([{"requests": reqs[:50]}, {"requests": reqs[50:] + [{}]}])

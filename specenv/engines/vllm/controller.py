@@ -114,6 +114,7 @@ import numbers
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -948,7 +949,7 @@ class SpecControlScheduler(Recording, Scheduler):
             obs = self._slots.stacked(slots, Ls, ts, *plan[2])
         t0 = time.perf_counter()
         ks: list[Any] = [None] * n
-        fast = False  # every k an integer in 0..kmax: no per-row check
+        fast = False  # every k an integer in 0..kmax: no per-row check (_answers)
         try:  # the one call path: every request of the step at once
             step = self._batch_step(n)
             if plan is None:
@@ -961,22 +962,12 @@ class SpecControlScheduler(Recording, Scheduler):
                 arr = both[:n]
                 if plan is not None:
                     self._keep_horizons(live, req_ids, Ls, ts, plan[1], both[n:])
-            if arr.dtype.kind in "iu":  # Python ints: a per-row check of a few rows costs less than two reductions
-                ks = arr.tolist()
-                fast = 0 <= min(ks) and max(ks) <= self.spec.kmax
-            else:
-                ks = list(arr)
+            ks, fast = self._answers(arr)
         except Exception as exc:
             self._error(exc)
         self.stats["policy_ms"] += (time.perf_counter() - t0) * 1e3
-        for pos, j in enumerate(live):
+        for (k, ok), j in zip(self._checked(ks, fast), live, strict=True):
             st = self._reqs[req_ids[j]]
-            k, ok = (ks[pos], True) if fast else self._valid(ks[pos])
-            if not ok:
-                if ks[pos] is not None:
-                    self._error(ValueError(f"invalid k {ks[pos]!r} (need an integer in 0..{self.spec.kmax})"))
-                k = self.fallback_k
-                self.stats["fallbacks"] += 1
             st.fallback = not ok
             st.policy_k = int(k)
             st.drafted = len(drafts[j])
@@ -1000,19 +991,14 @@ class SpecControlScheduler(Recording, Scheduler):
         n = len(live)
         t0 = time.perf_counter()
         ks: list[Any] = [None] * n
+        fast = False
         try:
-            ks = self._served.act(self._blank(n), [req_ids[j] for j in live], self._batch_step(n)).tolist()
+            ks, fast = self._answers(self._served.act(self._blank(n), [req_ids[j] for j in live], self._batch_step(n)))
         except Exception as exc:
             self._error(exc)
         self.stats["policy_ms"] += (time.perf_counter() - t0) * 1e3
-        for pos, j in enumerate(live):
-            k, ok = self._valid(ks[pos])
-            if not ok:
-                if ks[pos] is not None:
-                    self._error(ValueError(f"invalid k {ks[pos]!r} (need an integer in 0..{self.spec.kmax})"))
-                k = self.fallback_k
-                self.stats["fallbacks"] += 1
-            elif k > len(drafts[j]):
+        for (k, ok), j in zip(self._checked(ks, fast), live, strict=True):
+            if ok and k > len(drafts[j]):
                 self.stats["capped"] += 1
             drafts[j] = drafts[j][:k]
         self.stats["decisions"] += n
@@ -1141,6 +1127,34 @@ class SpecControlScheduler(Recording, Scheduler):
             "drafts": list(st.full_drafts),
             "signals": None if st.signals is None else st.signals.copy(),
         }
+
+    def _answers(self, arr: Any) -> tuple[list[Any], bool]:
+        """The policy's answers as a list, and whether all are integers in 0..kmax (then no per-row check).
+
+        Integer arrays: Python ints, whose per-row check of a few rows costs less than two numpy reductions.
+        """
+        if getattr(arr, "dtype", None) is not None and arr.dtype.kind in "iu":
+            ks = arr.tolist()
+            return ks, bool(ks) and 0 <= min(ks) and max(ks) <= self.spec.kmax
+        return list(arr), False
+
+    def _checked(self, ks: list[Any], fast: bool) -> Iterator[tuple[int, bool]]:
+        """Each answer as ``(k, ok)``: k itself where it is an integer in 0..kmax, else the fallback k.
+
+        A wrong answer is counted in ``stats["fallbacks"]`` and kept as the controller's error (None: the
+        call itself failed, its error already kept).
+        """
+        for k in ks:
+            if fast:
+                yield k, True
+                continue
+            v, ok = self._valid(k)
+            if not ok:
+                if k is not None:
+                    self._error(ValueError(f"invalid k {k!r} (need an integer in 0..{self.spec.kmax})"))
+                v = self.fallback_k
+                self.stats["fallbacks"] += 1
+            yield v, ok
 
     def _valid(self, k: Any) -> tuple[int, bool]:
         """An integer k in 0..kmax (numpy integers and integral numpy floats accepted)."""

@@ -199,7 +199,7 @@ class LazyDraftProposer(DraftModelProposer):
         n = int(positions.shape[0])
         ids = self._req_ids(n)
         self._forget_departed(ids)
-        if not self._skip(ids, positions.cpu().numpy().astype(np.int64)):
+        if not self._skip(ids, positions.cpu().numpy()):
             return None
         self.stats["plain_steps"] += 1
         return torch.empty(n, 0, device=positions.device, dtype=torch.int64)
@@ -207,7 +207,7 @@ class LazyDraftProposer(DraftModelProposer):
     def _forget_departed(self, ids: list[str]) -> None:
         """Drop the gaps of requests that left the batch: they can no longer be caught up (``stale``)."""
         missing = self._missing
-        if missing:
+        if missing and (len(missing) != len(ids) or any(r not in missing for r in ids)):
             present = set(ids)
             for rid in [r for r in missing if r not in present]:
                 del missing[rid]
@@ -222,16 +222,18 @@ class LazyDraftProposer(DraftModelProposer):
         :meth:`_catch_up_alone`); :data:`MAX_GAP` bounds the work of the step that catches up.
         """
         missing = self._missing
-        n = len(ids)
-        q = np.ones(n, dtype=np.int64) if qlen is None else qlen
+        # Python ints: a step holds at most max_num_seqs requests, for which a loop costs less than numpy's
+        # array building and reductions (this runs in every skipped step)
+        s = start.tolist()
+        q = [1] * len(s) if qlen is None else qlen.tolist()
         # each request's gap had this step been skipped too
-        after = np.array([start[i] + q[i] - missing.get(r, start[i]) for i, r in enumerate(ids)], dtype=np.int64)
-        if int(after.max()) > MAX_GAP:
+        if max(a + b - missing.get(r, a) for r, a, b in zip(ids, s, q, strict=True)) > MAX_GAP:
             return False
-        for i, r in enumerate(ids):
-            missing.setdefault(r, int(start[i]))
+        for r, a in zip(ids, s, strict=True):
+            missing.setdefault(r, a)
         self.stats["skipped"] += 1
-        self.stats["deferred"] += int((q > 1).sum())
+        if qlen is not None:
+            self.stats["deferred"] += sum(b > 1 for b in q)
         return True
 
     def _fits(self, tokens: int, reqs: int) -> bool:
