@@ -10,7 +10,8 @@ Arms, each served by its own server, one after another (one engine at a time), o
 * ``plain``: stock vLLM's OpenAI server without speculation (no specenv code);
 * ``stock:K``: stock vLLM with the model set's draft model, ``num_speculative_tokens = K`` (no specenv);
 * anything else: ``specenv serve --models M --policy ARM`` (a policy folder, a registered name such as
-  ``ucb``, or ``none``: specenv's path at its fixed ``num_speculative_tokens``, record only).
+  ``ucb``, or ``none``: specenv's path at its fixed ``num_speculative_tokens``, record only), optionally
+  followed by more ``specenv serve`` options (``"fixed-k:k=2 --kmax 2 --draft-horizon policy"``).
 
 Every server gets the same vLLM arguments (fp32, eager, seed 0, ``--no-async-scheduling`` -- what the
 controller runs with, so the comparison is the scheduler, as in ``specenv abtest``) and the same
@@ -54,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -173,9 +175,14 @@ class Server:
 
 
 def serve_command(policy: str, models: str, max_num_seqs: int, extra: list[str], record: Path | None) -> list[str]:
-    """``specenv serve`` for one arm (``--policy``), greedy-reproducible vLLM arguments after ``--``."""
+    """``specenv serve`` for one arm, greedy-reproducible vLLM arguments after ``--``.
+
+    The arm is the ``--policy`` value, optionally followed by more ``specenv serve`` options, split as a shell
+    would (``"fixed-k:k=2 --kmax 2 --draft-horizon policy"``).
+    """
+    policy, *opts = shlex.split(policy)
     cmd = [sys.executable, "-c", "import sys; sys.argv[0] = 'specenv'; from specenv.cli import main; main()"]
-    cmd += ["serve", "--models", models, "--policy", policy]
+    cmd += ["serve", "--models", models, "--policy", policy, *opts]
     if record is not None:
         cmd += ["--record", str(record)]
     return [*cmd, "--", *_engine_args(max_num_seqs), *extra]
@@ -561,7 +568,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="small-moe-v1", help="model set of specenv serve --models")
     p.add_argument(
-        "--arms", default="plain,none,ucb", help="comma-separated: plain, stock:K, or --policy values of specenv serve"
+        "--arms",
+        default="plain,none,ucb",
+        help="comma-separated: plain, stock:K, or --policy values of specenv serve (each optionally followed by more "
+        "specenv serve options: 'fixed-k:k=2 --kmax 2 --draft-horizon policy')",
     )
     p.add_argument("--concurrency", default="1,4,16", help="client threads per level, comma-separated")
     p.add_argument("--requests", type=int, default=32, help="requests per level (fixed count)")
@@ -582,10 +592,16 @@ def main(argv: list[str] | None = None) -> int:
         args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
     except ValueError:
         p.error(f"--concurrency {args.concurrency!r}: expected comma-separated integers")
-    arms = [a for a in args.arms.split(",") if a]
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     for a in arms:
         if a.startswith("stock:") and not a[6:].isdigit():
             p.error(f"--arms: {a!r}: stock:K needs an integer K >= 0")
+        try:
+            words = shlex.split(a)
+        except ValueError as exc:
+            p.error(f"--arms: {a!r}: {exc}")
+        if not is_stock(a) and (not words or words[0].startswith("-")):
+            p.error(f"--arms: {a!r}: a specenv arm starts with its --policy value")
     if args.sigterm is not None and args.sigterm not in arms:
         p.error(f"--sigterm {args.sigterm}: not one of --arms {arms}")
     if args.requests < 1 or min(args.concurrency) < 1 or args.prompts < 1:

@@ -81,6 +81,15 @@ def test_stock_arms_commands(lt, monkeypatch):
     # the learned arm goes through specenv serve with the policy
     srv_cmd = lt.serve_command("policies/shipped/live-vllm-v1/ppo", "small-moe-v1", 16, [], None)
     assert srv_cmd[srv_cmd.index("--policy") + 1] == "policies/shipped/live-vllm-v1/ppo"
+    # an arm may carry more specenv serve options: before the --, after the policy
+    opt_cmd = lt.serve_command("fixed-k:k=2 --kmax 2 --draft-horizon policy", "small-moe-v1", 4, [], None)
+    assert opt_cmd[opt_cmd.index("--policy") + 1 : opt_cmd.index("--")] == [
+        "fixed-k:k=2",
+        "--kmax",
+        "2",
+        "--draft-horizon",
+        "policy",
+    ]
     # the stock environment is what specenv serve sets (here on CPU): threads unpinned, a KV-cache size
     from specenv.engines.vllm import settings as vs
 
