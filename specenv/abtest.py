@@ -889,7 +889,34 @@ def run_abtest(
         else None,
     }
     (out / "abtest.json").write_text(json.dumps(doc, indent=2, default=float))
+    (out / "passes.json").write_text(json.dumps(pass_records(results, plain_outputs(results)), default=float))
     return doc
+
+
+#: What a pass record keeps of an engine's answer (:func:`specenv.engines.vllm.bench.timed_pass`): every
+#: timing, no token ids (those are checked against plain's in the record's ``identical``).
+PASS_FIELDS = ("wall_s", "tokens", "tok_per_s", "steps", "groups", "requests", "decisions", "fallbacks", "capped")
+
+
+def plain_outputs(results: dict[tuple[str, int], list[dict[str, Any]]]) -> dict[int, Any]:
+    """Plain decoding's token ids per batch size (its first repeat): the reference of every arm's outputs."""
+    return {b: rs[0]["outputs"] for (name, b), rs in results.items() if name == "plain (no speculation)" and rs}
+
+
+def pass_records(results: dict[tuple[str, int], list[dict[str, Any]]], plain: dict[int, Any]) -> list[dict[str, Any]]:
+    """Every measured pass as a JSON record (``passes.json`` beside ``abtest.json``).
+
+    A record: arm, batch size, repeat, :data:`PASS_FIELDS`, and whether its outputs equal plain's. The paired
+    statistics (:func:`_paired`) can be recomputed from these records alone (a later analysis, another
+    pairing, without running engines again).
+    """
+    out = []
+    for (name, b), rs in results.items():
+        for rep, r in enumerate(rs):
+            rec = {"arm": name, "batch": b, "repeat": rep, **{f: r[f] for f in PASS_FIELDS if f in r}}
+            rec["identical"] = None if b not in plain else r.get("outputs") == plain[b]
+            out.append(rec)
+    return out
 
 
 def _train_survival(

@@ -170,3 +170,28 @@ def test_the_reused_fit_builds_the_table_from_every_fitted_batch_size_up_to_the_
     fitted = {1: 3, 2: 1, 4: 0, 8: 2, 16: 0}
     table = abtest.dsd_table({b: k for b, k in fitted.items() if b <= 8}, 8)
     assert table == [(1, 1, 3), (2, 3, 1), (4, 6, 0), (7, 8, 2)]
+
+
+def test_pass_records_keep_every_timing_and_no_tokens_and_pair_as_the_passes_do() -> None:
+    import json
+
+    plain_name = "plain (no speculation)"
+    mk = lambda walls, out: {**_timed(walls, [(0, 10.0, 11), (1, 12.0, 11)]), "outputs": out, "steps": 9}  # noqa: E731
+    results = {
+        (plain_name, 2): [mk([1.0, 1.0], [[1, 2], [3]]), mk([1.1, 0.9], [[1, 2], [3]])],
+        ("arm", 2): [mk([0.5, 0.6], [[1, 2], [3]]), mk([0.7, 0.4], [[1, 2], [4]])],  # repeat 1 differs from plain
+        ("arm", 4): [mk([0.5], [[9]])],  # a batch size plain did not run: no reference
+    }
+    recs = json.loads(json.dumps(abtest.pass_records(results, abtest.plain_outputs(results))))
+    assert len(recs) == 5 and all("outputs" not in r for r in recs)
+    by = {(r["arm"], r["batch"], r["repeat"]): r for r in recs}
+    assert by[("arm", 2, 0)]["identical"] is True and by[("arm", 2, 1)]["identical"] is False
+    assert by[("arm", 4, 0)]["identical"] is None
+    assert by[("arm", 2, 1)]["groups"] == [{"wall_s": 0.7, "tokens": 10}, {"wall_s": 0.4, "tokens": 10}]
+    assert by[("arm", 2, 0)]["steps"] == 9
+    # the paired ratios from the records equal those from the passes themselves
+    arm = [by[("arm", 2, i)] for i in range(2)]
+    ref = [by[(plain_name, 2, i)] for i in range(2)]
+    for phase in ("pass", "decode"):
+        a, b = abtest._paired(arm, ref, phase), abtest._paired(results[("arm", 2)], results[(plain_name, 2)], phase)
+        assert a == b and a is not None
