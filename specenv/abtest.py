@@ -23,8 +23,11 @@ Arms (``--arms``; one engine each unless said otherwise):
   (the row says why);
 * ``heuristic``, ``delta`` (oracle lambda and adaptive lambda), ``learned`` (every policy folder under
   ``policies/shipped`` and ``--policy-dir`` that the served model's contract accepts; the others are listed
-  with the one-line refusal): through specenv's controller, all on one engine with
-  ``num_speculative_tokens = kmax`` and ``draft_horizon="policy"``;
+  with the one-line refusal; ``--learned`` picks some of them by name): through specenv's controller, all on
+  one engine with ``num_speculative_tokens = kmax`` and ``draft_horizon="policy"``;
+* ``gated``: each of those learned policies gated by the batch size (:class:`policies.batch.controllers.TableGated`:
+  k = 0 for a step of n requests where the train-fitted table of ``table`` says 0 at n, the policy's budgets
+  elsewhere), so a policy trained at batch 1 does not draft like at batch 1 in a batch where nothing pays;
 * ``batch``: the expert-aware batch policy :class:`policies.batch.goodput.BatchGoodput` (a batch policy:
   one ``act_step`` per engine step for all requests, priced by the shipped vLLM batch cost model
   ``live-vllm-batch-v1``, fitted on the same small models; other models: not run) through the
@@ -67,8 +70,8 @@ import numpy as np
 
 #: Arm groups of ``--arms`` (all by default).
 ARM_GROUPS = (
-    "plain", "fixed", "best", "dynamic", "table", "adaptive", "heuristic", "delta", "learned", "overhead", "batch",
-    "survival",
+    "plain", "fixed", "best", "dynamic", "table", "adaptive", "heuristic", "delta", "learned", "gated", "overhead",
+    "batch", "survival",
 )  # fmt: skip
 FIT_MODES = ("measured", "replay")
 #: Why vLLM's adaptive verification does not run on a CPU build of vLLM 0.32.
@@ -98,6 +101,7 @@ class AbtestOptions:
     fit: str = "measured"
     cost_model: str = "fit-train"
     policy_dirs: list[str] = field(default_factory=list)
+    learned: list[str] | None = None  # the learned policies to run, by name (None: every accepted one)
     out: str | None = None
     ignore_eos: bool = False
     max_engines: int | None = None  # most engines alive at once (None: as many as memory allows)
@@ -118,6 +122,27 @@ def held_out_prompts(ids: list[int], n: int, cycle: bool = False) -> list[int]:
     if n > len(ids) and not cycle:
         raise ValueError(f"prompts: {n} exceeds the {len(ids)} held-out prompts (cycle them to serve more)")
     return [int(ids[i % len(ids)]) for i in range(n)]
+
+
+def learned_policies(dataset: str, policy_dirs: list[str] | None = None) -> dict[str, Path]:
+    """The learned arms' candidates by name: the shipped policies of ``dataset`` and of ``live-vllm``, then the user's.
+
+    Shipped ones are named ``<set folder>/<policy>`` (``live-vllm-wide-v1/ppo``): the policies trained on this
+    set's train split and on the vLLM-collected set of the same small models ("train on what you serve");
+    a ``--policy-dir`` folder's policies by their folder names. Whether the served model accepts each one is
+    checked when the A/B runs (a refusal is one line of the table).
+    """
+    from policies import shipped_policy_dir
+    from policies.bench.single import find_policies
+
+    folders: dict[str, Path] = {}
+    for ds in dict.fromkeys([dataset, "live-vllm"]):
+        set_dir = shipped_policy_dir(ds)
+        if set_dir.is_dir():
+            folders.update({f"{set_dir.name}/{n}": f for n, f in find_policies(set_dir).items()})
+    for d in policy_dirs or []:
+        folders.update(find_policies(Path(d)))
+    return folders
 
 
 def best_static_k(tok_per_s: dict[int, Any]) -> int:
@@ -244,6 +269,13 @@ def make_policy(desc: dict[str, Any], ctl: Any) -> Any:
         from policies.batch.export import make_batch_survival
 
         return make_batch_survival(spec, desc["folder"])
+    if kind == "table-gated":  # a learned MLP switched off where the train-fitted table says k = 0 (the step's n)
+        from policies.batch.controllers import TableGated
+        from specenv.observation.batch import BatchObservationSpec
+        from specenv.policy.mlp import MLPPolicy
+
+        inner = MLPPolicy.load(desc["folder"])
+        return TableGated(BatchObservationSpec(inner.spec, int(desc["batch_size"])), inner, desc["schedule"])
     if kind == "dsd-table":  # vLLM's dynamic-SD table served by the controller: one k per step by batch size
         from policies.batch.controllers import DSDBatch
         from specenv.observation.batch import BatchObservationSpec
@@ -280,7 +312,9 @@ def _replay_env_args(policy: Any, dataset: str, kmax: int, cost_model: str) -> t
 
     A block policy reads h draft signals and pays T_D(max(k, h)): the environment drafts in block mode.
     """
-    spec = getattr(policy, "spec", None)
+    from specenv.policy.base import policy_spec
+
+    spec = policy_spec(policy)  # a batch row's (TableGated) per-request contract
     h = int(getattr(spec, "lookahead", 0))
     kw = dict(
         dataset=dataset,
@@ -561,9 +595,7 @@ def run_abtest(
     train prompts through every fixed-k engine, ``--fit measured``), then ``repeats`` (every arm at
     every batch size, ``--repeats`` times).
     """
-    from policies import shipped_policy_dir
     from policies.bench.context import build_context
-    from policies.bench.single import find_policies
     from specenv.cost.batch import load_batch_cost_model
     from specenv.engines.vllm.bench import EngineProcess
     from specenv.engines.vllm.settings import policy_refusal
@@ -631,7 +663,7 @@ def run_abtest(
             else fit_from_file(opts.fit_from, opts.models, opts.dataset, kmax, opts.batches)
         )
         need_fixed = "fixed" in groups or (
-            opts.fit == "measured" and reused is None and groups & {"best", "dynamic", "table", "overhead"}
+            opts.fit == "measured" and reused is None and groups & {"best", "dynamic", "table", "gated", "overhead"}
         )
         start("plain", {"k": 0, "controller": False})
         if need_fixed:
@@ -641,7 +673,7 @@ def run_abtest(
         best_k: dict[int, int] = {}
         fit_detail: dict[str, Any] = {"mode": opts.fit, "replay_best_k": ctx.best_fixed_k}
         table_k: dict[int, int] = {}  # what the dynamic-SD table is built from (every fitted batch size <= max)
-        if groups & {"best", "dynamic", "table", "overhead"}:
+        if groups & {"best", "dynamic", "table", "gated", "overhead"}:
             if reused is not None:  # the earlier run's train fit; the table from every batch size it fitted
                 fit_detail.update({k: v for k, v in reused.items() if k != "best_k"}, mode="from")
                 table_k = {b: k for b, k in reused["best_k"].items() if b <= max_b}
@@ -720,16 +752,10 @@ def run_abtest(
             sdesc = {"kind": "batch-survival", "folder": str(out / "survival"), **pdesc}
             arms.append(_Arm("learned-survival batch controller (numpy export)", "ctl", "survival", sdesc))
         refused: list[dict[str, str]] = []
-        if "learned" in groups:
-            folders: dict[str, Path] = {}
-            # the shipped policies trained on this set's train split and on the vLLM-collected set (same
-            # models: "train on what you serve"), then the user's folders
-            for ds in dict.fromkeys([opts.dataset, "live-vllm"]):
-                set_dir = shipped_policy_dir(ds)
-                if set_dir.is_dir():
-                    folders.update({f"{set_dir.name}/{n}": f for n, f in find_policies(set_dir).items()})
-            for d in opts.policy_dirs:
-                folders.update(find_policies(Path(d)))
+        if groups & {"learned", "gated"}:
+            folders = learned_policies(opts.dataset, opts.policy_dirs)
+            if opts.learned is not None:
+                folders = {n: folders[n] for n in opts.learned}  # names checked by the CLI
             # the served model's routing facts: the trace set's (collected on the same models)
             n_exp, top_k = int(ctx.spec.n_experts), _top_k(opts.dataset)
             for name, folder in folders.items():
@@ -743,7 +769,11 @@ def run_abtest(
                 if why is not None:
                     refused.append({"policy": name, "folder": str(folder), "reason": why})
                     continue
-                arms.append(_Arm(f"{name} (learned)", "ctl", "learned", {"kind": "mlp", "folder": str(folder)}))
+                if "learned" in groups:
+                    arms.append(_Arm(f"{name} (learned)", "ctl", "learned", {"kind": "mlp", "folder": str(folder)}))
+                if "gated" in groups and table:
+                    gdesc = {"kind": "table-gated", "folder": str(folder), "schedule": table, "batch_size": max_b}
+                    arms.append(_Arm(f"{name} gated by {table} (learned)", "ctl", "gated", {**gdesc, **pdesc}))
         if any(a.engine == "ctl" for a in arms):
             start("ctl", ctl_cfg)
         if "overhead" in groups:
@@ -804,7 +834,7 @@ def run_abtest(
             if bm is None:
                 return None
             # a batch policy: one call per step, every request
-            joint = desc.get("kind") in ("batch-goodput", "batch-survival")
+            joint = desc.get("kind") in ("batch-goodput", "batch-survival", "table-gated")
             res = predict_batch(opts.dataset, cm, kmax, test_ids, make, opts.max_tokens, b, bm, joint=joint)
             if b == 1:  # the decoding ratio from the set's own B = 1 model; prefill and clock from the recording
                 res = res.with_decode(predicted_speedup(opts.dataset, cm, kmax, test_ids, make(), opts.max_tokens))

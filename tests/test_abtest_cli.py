@@ -31,6 +31,8 @@ def _invoke(args: list[str]):  # noqa: ANN202
         (["--fit-repeats", "many"], "--fit-repeats"),
         (["--policy-dir", "/no/such/dir"], "--policy-dir"),
         (["--fit-from", "/no/such/abtest.json"], "--fit-from"),
+        (["--learned", "no-such-set/ppo"], "--learned: unknown policy 'no-such-set/ppo'"),
+        (["--learned", "live-vllm-v1/ppo,,"], "--learned: unknown policy ''"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args: list[str], needle: str) -> None:
@@ -102,3 +104,21 @@ def test_a_cost_model_file_that_is_not_one_is_refused_with_one_line(tmp_path) ->
     assert len(lines) == 1 and lines[0].startswith("specenv: error: --cost-model:") and "cm.json" in lines[0], (
         res.stderr
     )
+
+
+def test_learned_names_are_the_shipped_folders_by_set() -> None:
+    """``--learned`` picks among the shipped policies of the trace set and of live-vllm, named set/policy."""
+    from pathlib import Path
+
+    from specenv.abtest import learned_policies
+
+    shipped = Path(__file__).resolve().parents[1] / "policies" / "shipped"
+    names = learned_policies("live-vllm-wide")
+    # every policy folder (a policy.json) of the two sets, and nothing else
+    want = {
+        f"{d.name}/{p.parent.name}"
+        for d in (shipped / "live-vllm-wide-v1", shipped / "live-vllm-v1")
+        for p in d.glob("*/policy.json")
+    }
+    assert set(names) == want and "live-vllm-wide-v1/ppo" in names
+    assert all(Path(f, "policy.json").is_file() for f in names.values())

@@ -293,3 +293,94 @@ def test_dsd_batch_looks_up_the_number_of_running_requests():
     np.testing.assert_array_equal(
         decide(pol, batch_obs(spec, [None, {}, None, {}] + [None] * 4)), [0, 3, 0, 3] + [0] * 4
     )
+
+
+# ------------------------------------------------------------------ a per-request policy gated by the batch size
+class _Recorder:
+    """A per-request policy of the protocol that answers 5 - row index and remembers what it was asked."""
+
+    name, stateless = "recorder", True
+
+    def __init__(self, spec: ObservationSpec):
+        self.spec = spec
+        self.calls: list[tuple[int, list, object]] = []
+
+    def reset(self) -> None:
+        pass
+
+    def act(self, obs, ids=None, step=None):
+        self.calls.append((len(obs), list(ids), step))
+        return np.array([5 - i for i in range(len(obs))], dtype=np.int64)
+
+
+def test_table_gated_asks_the_policy_only_where_the_table_speculates():
+    from policies.batch.controllers import TableGated
+    from specenv.policy.base import BatchStep
+
+    req = ObservationSpec(kmax=6, lookahead=0, max_new_tokens=64, n_experts=8)
+    inner = _Recorder(req)
+    # k = 2 at one request, 0 at 2-3, 1 at 4 and more (vLLM's lookup: the tail keeps the last k)
+    gated = TableGated(BatchObservationSpec(req, 8), inner, [(1, 1, 2), (2, 3, 0), (4, 4, 1)])
+    rows = np.zeros((8, req.dim), dtype=np.float32)
+    step = BatchStep(n_active=0.25)
+    for n, want in ((1, [5]), (2, [0, 0]), (3, [0, 0, 0]), (4, [5, 4, 3, 2]), (6, [5, 4, 3, 2, 1, 0])):
+        inner.calls.clear()
+        got = gated.act(rows[:n], [f"r{i}" for i in range(n)], step).tolist()
+        assert got == want, n  # the policy's own budgets, not capped at the table's k (5 > 2 at n = 1)
+        if want == [0] * n:
+            assert inner.calls == []  # a closed gate does not ask the policy
+        else:
+            assert inner.calls == [(n, [f"r{i}" for i in range(n)], step)]  # rows, ids and step passed on
+    # the contract, drafting mode and the policy a server checks are the wrapped policy's
+    from specenv.policy.base import policy_drafting, policy_spec
+
+    assert policy_spec(gated) is req and policy_drafting(gated) == "none" and gated.wrapped is inner
+    # the protocol's observes: the wrapped policy's (a fixed k reads nothing, so its gated row may run blind)
+    from policies.heuristics import FixedK
+
+    assert gated.observes and not TableGated(BatchObservationSpec(req, 8), FixedK(req, 2), "1-8:2").observes
+    block = ObservationSpec(kmax=6, lookahead=3, max_new_tokens=64, n_experts=8)
+    assert policy_drafting(TableGated(BatchObservationSpec(block, 8), _Recorder(block), "1-8:2")) == "block"
+    with pytest.raises(ValueError, match="contract"):
+        TableGated(BatchObservationSpec(block, 8), inner, "1-8:2")
+
+
+def test_a_gated_mlp_is_refused_for_what_refuses_the_mlp():
+    from policies.batch.controllers import TableGated
+    from specenv.engines.vllm.settings import policy_refusal
+    from specenv.policy.mlp import MLPPolicy
+
+    req = ObservationSpec(kmax=4, lookahead=0, max_new_tokens=64, n_experts=16)
+    rng = np.random.default_rng(0)
+    layers = [(rng.normal(size=(req.dim, 8)), np.zeros(8)), (rng.normal(size=(8, 5)), np.zeros(5))]
+    mlp = MLPPolicy(req, layers, name="tiny")
+    gated = TableGated(BatchObservationSpec(req, 8), mlp, "1-1:2;2-8:0")
+    assert policy_refusal(gated, num_spec_tokens=4, n_experts=16, max_num_seqs=8) is None
+    why = policy_refusal(gated, num_spec_tokens=4, n_experts=64, max_num_seqs=8)
+    assert why is not None and "trained for 16 experts" in why  # the wrapped MLP's contract
+    why = policy_refusal(gated, num_spec_tokens=4, n_experts=16, max_num_seqs=16)
+    assert why is not None and "at most 8 requests" in why  # the batch row's own size
+
+
+def test_abtest_builds_the_gated_arm_from_an_exported_mlp():
+    """``specenv abtest``'s gated arm: the folder's MLP under the table, as the engine and the replay build it."""
+    from pathlib import Path
+
+    from policies.batch.controllers import TableGated
+    from specenv.abtest import make_policy, replay_policy
+    from specenv.policy.mlp import MLPPolicy
+
+    folder = Path(__file__).resolve().parents[1] / "policies" / "shipped" / "live-vllm-wide-v1" / "ppo"
+    mlp = MLPPolicy.load(folder)
+    desc = {"kind": "table-gated", "folder": str(folder), "schedule": [[1, 1, 2], [2, 8, 0]], "batch_size": 8}
+
+    class _Ctl:
+        n_experts = mlp.spec.n_experts
+
+    served = make_policy({**desc, "kmax": mlp.spec.kmax, "max_new_tokens": 128}, _Ctl())
+    replayed = replay_policy(desc, mlp.spec)
+    rows = np.random.default_rng(1).uniform(0, 1, size=(3, mlp.spec.dim)).astype(np.float32)
+    for pol in (served, replayed):
+        assert isinstance(pol, TableGated) and pol.spec.batch_size == 8 and pol.spec.request == mlp.spec
+        assert pol.act(rows[:1]).tolist() == mlp.act(rows[:1], [0]).tolist()  # n = 1: the MLP's k
+        assert pol.act(rows).tolist() == [0, 0, 0]  # n = 3: the table says 0

@@ -358,3 +358,39 @@ def test_shipped_wide_recording_is_a_step_time_fit_of_its_steps() -> None:
     assert chosen is not None and chosen.ar_step == ship.ar_step  # the batch env prices live-vllm-wide with it
     small = fitted_batch_cost(load_dataset("live-vllm"), 8)
     assert small is not None and small.ar_step is None  # the small models keep their own recording
+
+
+def test_batch_prediction_of_a_gated_policy_is_its_k_by_the_steps_requests(tmp_path: Path) -> None:
+    """A policy gated by the batch size (TableGated) replays as the hand walk of k(n): k where the table says
+    speculate at the step's n requests, 0 elsewhere -- also in a group's tail, where n falls to one."""
+    from policies.batch.controllers import TableGated
+    from policies.bench.context import build_context
+    from policies.heuristics import FixedK
+    from specenv.generator import generate_paper
+    from specenv.observation.batch import BatchObservationSpec
+
+    ts = generate_paper(24, kmax=KMAX, seed=4, greedy=True, name="steps-greedy")
+    path = recorded(tmp_path, "steps-greedy", base=ts)
+    arr = select_split(load_dataset(path).arrays(), "test")
+    gids = [int(g) for g in arr.generation_ids]
+    spec = build_context(str(path), KMAX, "fit-train", None).spec
+    bm = BatchCostModel.linear(
+        b0=3.0, b_pos=0.4, alpha=0.05, c=0.001, b_req=0.3, d0=0.5, d_step=0.8, d_tok=0.05,
+        kmax=KMAX, max_batch=4, top_k=FACTS["top_k"], n_experts=FACTS["n_experts"], n_layers=FACTS["n_layers"],
+        predictor="independent", overhead=np.array([1.0, 1.5, 2.5, 4.0]), ar_step=(6.0, 0.7, 0.0005),
+    )  # fmt: skip
+
+    def gated() -> TableGated:
+        return TableGated(BatchObservationSpec(spec, 4), FixedK(spec, 3), [(1, 1, 2), (2, 4, 0)])
+
+    # groups of 3 whose last group is one request: the gate opens there (and wherever a group's tail is one)
+    n_g = len(gids) - (len(gids) - 1) % 3
+    assert n_g >= 4
+    for batch in (1, 3):
+        res = predict_batch(str(path), "fit-train", KMAX, gids[:n_g], gated, 40, batch, bm, joint=True)
+        hand = _hand_lockstep(arr, gids[:n_g], lambda n: 3 if n == 1 else 0, bm, batch, 40)
+        assert res.decode_speedup == pytest.approx(hand, rel=1e-9), batch
+    # at batch 3 the gate is shut except for single requests: it differs from fixed k = 3 and from plain
+    always = _hand_lockstep(arr, gids[:n_g], 3, bm, 3, 40)
+    never = _hand_lockstep(arr, gids[:n_g], 0, bm, 3, 40)
+    assert len({round(always, 9), round(never, 9), round(hand, 9)}) == 3

@@ -30,7 +30,11 @@ adapter's alias. The rows (DESIGN.md section 5, "batch controllers"):
 * :class:`PerRequest`: any single-request policy run on every slot's own observation (the delta rule
   :class:`policies.delta.DeltaSpaceRule`, an exported MLP...);
 * :class:`StepPolicy`: any policy of the protocol that decides a step jointly
-  (:class:`policies.batch.goodput.BatchGoodput`) under a row name.
+  (:class:`policies.batch.goodput.BatchGoodput`) under a row name;
+* :class:`TableGated`: any policy (a per-request MLP trained at batch 1) switched on and off by the
+  batch size: k = 0 for a step of n requests where the train-fitted dynamic-SD table says 0 at n
+  (:class:`DSDBatch`'s lookup), the wrapped policy's budgets elsewhere, so a per-request policy does
+  not draft like at batch 1 when eight requests share the step.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from policies.peers import parse_schedule
 from specenv.cost.batch import BatchCostModel
 from specenv.observation.batch import BatchObservationSpec
 from specenv.observation.single import ObsView
-from specenv.policy.base import BatchStep, act_batch_obs
+from specenv.policy.base import BatchStep, act_batch_obs, policy_drafting
 from specenv.replay.batch import allocate_budgets
 
 __all__ = [
@@ -57,6 +61,7 @@ __all__ = [
     "GoodputBatch",
     "PerRequest",
     "StepPolicy",
+    "TableGated",
     "TetrisBatch",
 ]
 
@@ -349,6 +354,8 @@ class StepPolicy(BatchPolicy):
         self.policy = policy
         self.name = name or str(getattr(policy, "name", "batch policy"))
         self.stateless = bool(getattr(policy, "stateless", False))
+        #: the protocol's ``observes``: the wrapped policy's (a row that reads no observation may run blind)
+        self.observes = bool(getattr(policy, "observes", True))
 
     def reset(self) -> None:
         """Reset the wrapped policy."""
@@ -359,6 +366,11 @@ class StepPolicy(BatchPolicy):
         release = getattr(self.policy, "release", None)
         if release is not None:
             release(ids)
+
+    @property
+    def wrapped(self) -> Any:
+        """The policy this row runs (what a server checks against its model: contract, experts, drafting)."""
+        return self.policy
 
     def _act(self, req: np.ndarray, ids: list[Hashable], step: BatchStep | None) -> np.ndarray:
         return np.asarray(self.policy.act(req, ids, step), dtype=np.int64)
@@ -378,3 +390,45 @@ class PerRequest(StepPolicy):
     def __init__(self, spec: BatchObservationSpec, policy: Any, name: str | None = None, drafting: str | None = None):
         super().__init__(spec, policy, name or f"per-request {getattr(policy, 'name', 'policy')}")
         self.drafting = drafting or ("block" if spec.request.lookahead else "none")
+
+
+class TableGated(StepPolicy):
+    """A policy gated by the batch size: k = 0 where the dynamic-SD table says 0 for the step's n requests.
+
+    The composition of a policy that knows the request (a per-request MLP, trained in single-request
+    replay) with one that knows the batch (vLLM's dynamic-SD table fitted on the train split,
+    :class:`DSDBatch`): for a step of n requests the table's k at n is looked up; where it is 0 the step
+    verifies nothing (every budget 0, the wrapped policy is not asked), elsewhere the wrapped policy's
+    budgets stand as it gives them (not capped by the table's k: the table says *whether* speculation
+    pays at this batch size, the policy *how much* for each request). Its contract, drafting mode and
+    draft signals are the wrapped policy's.
+
+    Args:
+        spec: Batch observation layout; ``spec.request`` must be the wrapped policy's contract.
+        policy: A policy of the protocol.
+        schedule: The table, ``[(start, end, k), ...]`` or ``"start-end:k;..."``.
+        name: Row name (default ``"<policy> gated by <table>"``).
+
+    Raises:
+        ValueError: When ``spec.request`` is not the wrapped policy's observation contract.
+    """
+
+    def __init__(
+        self,
+        spec: BatchObservationSpec,
+        policy: Any,
+        schedule: str | Sequence[Sequence[int]],
+        name: str | None = None,
+    ):
+        inner = getattr(policy, "spec", None)
+        inner = getattr(inner, "request", inner)
+        if inner is not None and inner != spec.request:
+            raise ValueError("TableGated: spec.request is not the wrapped policy's observation contract")
+        self.table = DSDBatch(spec, schedule)
+        super().__init__(spec, policy, name or f"{getattr(policy, 'name', 'policy')} gated by {self.table.name}")
+        self.drafting = policy_drafting(policy)
+
+    def _act(self, req: np.ndarray, ids: list[Hashable], step: BatchStep | None) -> np.ndarray:
+        if self.table.lookup(len(req)) == 0:
+            return np.zeros(len(req), dtype=np.int64)
+        return super()._act(req, ids, step)

@@ -277,7 +277,8 @@ def abtest(
         str,
         typer.Option(
             help="Comma-separated arm groups: plain, fixed, best, dynamic, table, adaptive, heuristic, delta, "
-            "learned, overhead, batch, survival, or all. Plain is always run (the reference)."
+            "learned, gated (the learned policies switched off where the train-fitted table says k = 0 for the "
+            "step's batch size), overhead, batch, survival, or all. Plain is always run (the reference)."
         ),
     ] = "all",
     kmax: Annotated[int | None, typer.Option(min=1, max=64, help="Largest k (default: the trace set's Kmax).")] = None,
@@ -293,6 +294,13 @@ def abtest(
     ] = "fit-train",
     policy_dir: Annotated[
         list[Path] | None, typer.Option(help="Another folder of trained policies (repeatable).")
+    ] = None,
+    learned: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated names of the learned policies the learned and gated arms run (e.g. "
+            "live-vllm-wide-v1/ppo; default: every one the served model accepts)."
+        ),
     ] = None,
     out_dir: Annotated[
         Path | None, typer.Option("--out", help="Folder for logs, the recording and abtest.json (default: temp).")
@@ -340,6 +348,18 @@ def abtest(
     for d in policy_dir or []:
         if not d.is_dir():
             fail(f"--policy-dir: {d} is not a folder")
+    names: list[str] | None = None
+    if learned is not None:
+        from specenv.abtest import learned_policies
+
+        names = list(dict.fromkeys(n.strip() for n in learned.split(",")))
+        known = learned_policies(traces, [str(d) for d in policy_dir or []])
+        bad = [n for n in names if n not in known]
+        if not names or bad:
+            fail(
+                f"--learned: unknown policy {bad[0] if bad else learned!r} "
+                f"(known for --traces {traces}: {', '.join(sorted(known)) or 'none'})"
+            )
     ts = load_traces(traces)
     k = check_budget(ts, kmax)
     from specenv.replay.tables import SelectionError, select_positions
@@ -407,6 +427,7 @@ def abtest(
         fit=fit,
         cost_model=cost_model,
         policy_dirs=[str(d) for d in policy_dir or []],
+        learned=names,
         out=None if out_dir is None else str(out_dir),
         ignore_eos=ignore_eos,
         max_engines=max_engines,

@@ -214,6 +214,29 @@ def test_batch_8_the_dynamic_sd_table_served_runs_plain_steps_then_speculates_as
     check(engine8, prompts, plain_reference, tmp_path, max_tokens=lengths, policy=table)
 
 
+def test_batch_8_a_policy_gated_by_the_table_is_asked_only_once_the_batch_shrinks(engine8, plain_reference, tmp_path):
+    """The A/B's ``gated`` arm: a per-request policy (fixed k = 3, observing) under the table's gate, full path.
+
+    While 5-8 requests run the gate is shut (k = 0, plain steps, the policy not asked); once the short
+    requests end, the policy's k = 3 resumes: lossless, and round by round what the eager drafter verifies.
+    """
+    from policies.batch.controllers import TableGated
+    from policies.heuristics import FixedK
+    from specenv.observation.batch import BatchObservationSpec
+
+    ctl = controller_of(engine8)
+    spec = ObservationSpec(kmax=KMAX, max_new_tokens=MAX_TOKENS, n_experts=ctl.n_experts)
+
+    class Observing(FixedK):  # as an MLP: the controller builds its observations (the full path, not the blind one)
+        observes = True
+
+    gated = TableGated(BatchObservationSpec(spec, 8), Observing(spec, 3), [(1, 4, 1), (5, 8, 0)])
+    assert gated.observes
+    prompts = (PROMPTS + PROMPTS)[:8]
+    lengths = [MAX_TOKENS // 3] * 4 + [MAX_TOKENS] * 4
+    check(engine8, prompts, plain_reference, tmp_path, max_tokens=lengths, policy=gated)
+
+
 @pytest.fixture(scope="module")
 def engine16(model_dirs):
     from vllm import LLM

@@ -267,7 +267,9 @@ def policy_refusal(
     * a policy that declares ``unservable`` (one line why: a joint (k, cap) action, a privileged
       expert, a flat-vector batch model) is refused with it;
     * a batch controller (a spec with ``batch_size`` B) decides at most B requests: refused when the
-      server runs more (``max_num_seqs`` > B).
+      server runs more (``max_num_seqs`` > B);
+    * a row that runs another policy (``wrapped``: :class:`policies.batch.controllers.StepPolicy`, e.g. an
+      MLP gated by the batch-size table) is refused for whatever refuses the policy it wraps.
     """
     from specenv.policy.base import policy_drafting, policy_signals, policy_spec
     from specenv.policy.mlp import MLPPolicy
@@ -282,6 +284,18 @@ def policy_refusal(
             f"policy {name} decides batches of at most {B} requests, the server runs up to max_num_seqs="
             f"{max_num_seqs} (serve it with --max-num-seqs {B})"
         )
+    inner = getattr(policy, "wrapped", None)
+    if inner is not None and inner is not policy:
+        why = policy_refusal(
+            inner,
+            num_spec_tokens=num_spec_tokens,
+            n_experts=n_experts,
+            top_k=top_k,
+            no_signals=no_signals,
+            exact_kmax=exact_kmax,
+        )
+        if why is not None:
+            return why
     try:
         mode = policy_drafting(policy)
     except ValueError as exc:
