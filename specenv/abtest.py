@@ -10,9 +10,10 @@ Arms (``--arms``; one engine each unless said otherwise):
 * ``plain``: no speculation (stock scheduler);
 * ``fixed``: stock vLLM with ``num_speculative_tokens = k`` for every k in 1..kmax;
 * ``best``: the best static choice on the *train* prompts, per batch size (``--fit measured``:
-  ``--fit-repeats`` interleaved passes of the train prompts through the plain and every fixed-k engine,
-  :func:`best_static_k`: the k of the best median ratio to plain among those that beat plain in every
-  repeat, else k = 0, no speculation; ``--fit replay``: the replay oracle's best fixed k,
+  ``--fit-repeats`` passes of the train prompts through every fixed-k engine, each run beside a plain run of the
+  same batch size (:func:`fit_order`), :func:`best_static_from_ratios`: the k of the best median ratio to plain
+  among those that beat plain in every repeat, else k = 0, no speculation; ``--fit replay``: the replay
+  oracle's best fixed k,
   the same for every batch size). Its row is the matching engine's measurement (k = 0: plain's own);
 * ``dynamic``: vLLM's dynamic speculative decoding (``speculative_config.num_speculative_tokens_per_batch_size``,
   one k per step for the whole batch, looked up by batch size), the table fitted on train like ``best``;
@@ -145,6 +146,55 @@ def learned_policies(dataset: str, policy_dirs: list[str] | None = None) -> dict
     return folders
 
 
+def fit_order(kmax: int, batches: list[int], repeats: int) -> list[tuple[int, int, tuple[int, int]]]:
+    """The measured fit's runs, in order: ``(k, batch size, the two runs (k and 0 = plain) in the order they run)``.
+
+    Every batch size on one k engine before the next k (each k engine starts once a repeat: the pool holds
+    fewer engines than there are k, and plain, used beside every k, stays up); each run of k is paired with
+    a plain run of the same batch size right beside it, which of the two goes first alternating from one
+    pair to the next. The machine's speed drifts by tens of per cent over minutes, so a k is never compared
+    with a plain run made minutes before it, and a drift within a pair favours neither side on average.
+    """
+    out: list[tuple[int, int, tuple[int, int]]] = []
+    for _ in range(repeats):
+        for k in range(1, kmax + 1):
+            for b in batches:
+                out.append((k, b, (0, k) if len(out) % 2 == 0 else (k, 0)))
+    return out
+
+
+def repeat_cells(arms: list[Any], batches: list[int], by_batch: bool) -> list[tuple[Any, int]]:
+    """One repeat's runs in order, ``(arm, batch size)``: batch size outermost (``by_batch``) or arm by arm.
+
+    Batch size outermost puts the arms compared at one batch size one right after the other (what the paired
+    ratios compare); arm by arm needs each engine once a repeat (when the pool cannot keep every engine up).
+    """
+    if by_batch:
+        return [(arm, b) for b in batches for arm in arms]
+    return [(arm, b) for arm in arms for b in batches]
+
+
+def lazy_cost_model(path: str) -> str:
+    """The cost model of ``path`` as a controller engine pays it: no draft floor at k = 0 (the lazy drafter).
+
+    A set recorded on stock vLLM charges its k = 0 rounds the draft forward vLLM runs in every step
+    (``CostModel.d_floor``); the controller engine's lazy drafter (:mod:`specenv.engines.vllm.lazydraft`)
+    skips it. Returns ``path`` itself when the model has no floor, else a sibling ``<stem>-lazy-draft.json``
+    with ``d_floor = 0`` (a named cost model such as ``fit-train`` is returned as it is).
+    """
+    from specenv.cost.model import CostModel
+
+    p = Path(path)
+    if p.suffix != ".json" or not p.is_file():
+        return path
+    cm = CostModel.load(p)
+    if cm.d_floor == 0:
+        return path
+    lazy = p.with_name(f"{p.stem}-lazy-draft.json")
+    dataclasses.replace(cm, d_floor=0.0).save(lazy)
+    return str(lazy)
+
+
 def best_static_k(tok_per_s: dict[int, Any]) -> int:
     """The best static choice on train at one batch size, k = 0 (no speculation) included.
 
@@ -168,8 +218,25 @@ def best_static_k(tok_per_s: dict[int, Any]) -> int:
     bad = {k: v.tolist() for k, v in runs.items() if not (np.all(np.isfinite(v)) and np.all(v > 0))}
     if bad:
         raise ValueError(f"best_static_k: tokens/s must be finite and > 0 (got {bad})")
-    ratio = {k: v / runs[0] for k, v in runs.items() if k != 0}
-    wins = {k: float(np.median(r)) for k, r in ratio.items() if np.all(r > 1.0)}
+    return best_static_from_ratios({k: v / runs[0] for k, v in runs.items() if k != 0})
+
+
+def best_static_from_ratios(ratios: dict[int, Any]) -> int:
+    """:func:`best_static_k`'s rule on the per-repeat ratios of every k > 0 to plain decoding (k = 0 if none wins).
+
+    ``ratios[k]``: k's tokens/s over plain's, one per repeat (``--fit measured`` pairs each run of k with a
+    plain run right beside it in time, so the machine's drift between runs minutes apart does not enter).
+    A k is eligible only where every ratio is above 1; the choice is the eligible k of the largest median
+    ratio (ties: the smaller k).
+
+    Raises:
+        ValueError: A k of no ratio, or a ratio that is not finite and positive.
+    """
+    r = {int(k): np.atleast_1d(np.asarray(v, dtype=np.float64)) for k, v in ratios.items()}
+    bad = {k: v.tolist() for k, v in r.items() if k < 1 or not len(v) or not np.all(np.isfinite(v) & (v > 0))}
+    if bad:
+        raise ValueError(f"best_static_k: every k >= 1 needs finite ratios > 0 to plain (got {bad})")
+    wins = {k: float(np.median(v)) for k, v in r.items() if np.all(v > 1.0)}
     return min(wins, key=lambda k: (-wins[k], k)) if wins else 0
 
 
@@ -681,25 +748,36 @@ def run_abtest(
                 _log(f"train fit from {opts.fit_from}: best k per batch {table_k}", quiet)
             elif opts.fit == "measured":
                 tps: dict[int, dict[int, list[float]]] = {b: {k: [] for k in range(kmax + 1)} for b in opts.batches}
-                n_fit, done_fit = opts.fit_repeats * len(opts.batches) * (kmax + 1), 0
-                # every batch size on one engine before the next: each engine starts once a repeat (the pool
-                # holds fewer engines than there are k); the repeats interleaved, each a pass over every k
-                for _ in range(opts.fit_repeats):
-                    for k in range(0, kmax + 1):
-                        eng = engines.get("plain" if k == 0 else f"k={k}")
-                        for b in opts.batches:
-                            tps[b][k].append(run(eng, train_ids, b, opts.max_tokens)["tok_per_s"])
-                            done_fit += 1
-                            if progress is not None:
-                                progress("train fit", done_fit, n_fit)
+                # plain's run beside each k's run (same batch size, one right after the other), and the ratio
+                ref: dict[int, dict[int, list[float]]] = {b: {k: [] for k in range(1, kmax + 1)} for b in opts.batches}
+                ratios: dict[int, dict[int, list[float]]] = {
+                    b: {k: [] for k in range(1, kmax + 1)} for b in opts.batches
+                }
+                n_fit, done_fit = opts.fit_repeats * len(opts.batches) * kmax * 2, 0
+                # each run of k beside a plain run of the same batch size (fit_order)
+                for k, b, pair in fit_order(kmax, opts.batches, opts.fit_repeats):
+                    got = {}
+                    for kk in pair:
+                        eng = engines.get("plain" if kk == 0 else f"k={kk}")
+                        got[kk] = run(eng, train_ids, b, opts.max_tokens)["tok_per_s"]
+                        done_fit += 1
+                        if progress is not None:
+                            progress("train fit", done_fit, n_fit)
+                    tps[b][k].append(got[k])
+                    tps[b][0].append(got[0])
+                    ref[b][k].append(got[0])
+                    ratios[b][k].append(got[k] / got[0])
                 for b in opts.batches:
-                    best_k[b] = best_static_k(tps[b])
+                    best_k[b] = best_static_from_ratios(ratios[b])
                     _log(f"train fit, batch {b}: best fixed k={best_k[b]} (0: no speculation)", quiet)
                 fit_detail["fit_repeats"] = opts.fit_repeats
+                fit_detail["fit_pairing"] = "each k run beside a plain run of the same batch size"
                 fit_detail["train_tok_per_s"] = {
                     str(b): {str(k): float(np.median(v)) for k, v in d.items()} for b, d in tps.items()
                 }
                 fit_detail["train_tok_per_s_all"] = {str(b): {str(k): v for k, v in d.items()} for b, d in tps.items()}
+                fit_detail["train_plain_beside"] = {str(b): {str(k): v for k, v in d.items()} for b, d in ref.items()}
+                fit_detail["train_ratio_all"] = {str(b): {str(k): v for k, v in d.items()} for b, d in ratios.items()}
             else:
                 best_k = {b: max(ctx.best_fixed_k, 1) for b in opts.batches}
             fit_detail["best_k"] = {str(b): k for b, k in (table_k or best_k).items()}
@@ -755,7 +833,12 @@ def run_abtest(
         if groups & {"learned", "gated"}:
             folders = learned_policies(opts.dataset, opts.policy_dirs)
             if opts.learned is not None:
-                folders = {n: folders[n] for n in opts.learned}  # names checked by the CLI
+                unknown = [n for n in opts.learned if n not in folders]
+                if unknown:
+                    raise ValueError(f"learned policy {unknown[0]!r} not found (known: {', '.join(sorted(folders))})")
+                folders = {n: folders[n] for n in opts.learned}
+            if "gated" in groups and not table:
+                notes.append("gated arms not run: no train-fitted table")
             # the served model's routing facts: the trace set's (collected on the same models)
             n_exp, top_k = int(ctx.spec.n_experts), _top_k(opts.dataset)
             for name, folder in folders.items():
@@ -798,35 +881,58 @@ def run_abtest(
         runs = [a for a in arms if a.engine]  # best: measured by its fixed-k engine
         results: dict[tuple[str, int], list[dict[str, Any]]] = {}
         n_runs, done = opts.repeats * len(runs) * len(opts.batches), 0
+        # batch size outermost when every engine stays up: the arms compared at one batch size run one right
+        # after the other (the machine's speed drifts by tens of per cent over minutes); else arm by arm, so
+        # that an engine restarts at most once a repeat
+        by_batch = engines.max_alive is None or engines.max_alive >= len({a.engine for a in runs})
+        order_note = "batch size outermost" if by_batch else "arm by arm (engines restart)"
+        notes.append(f"repeats: {order_note}, the arms' order rotated each repeat")
+
+        def serve(arm: _Arm, eng: EngineProcess) -> bool:
+            """Install the arm's policy on its engine (when another arm's is there); False: refused."""
+            if arm.engine == "specenv" and cur_policy.get("specenv") != arm.name:
+                eng.call(op="policy", policy=arm.policy)  # (again after a restart)
+                cur_policy["specenv"] = arm.name
+            if arm.engine == "ctl" and cur_policy.get("ctl") != arm.name:
+                ans = eng.call(op="policy", policy=arm.policy, draft_horizon="policy")
+                if "refused" in ans:
+                    refused.append({"policy": arm.name, "folder": "", "reason": ans["refused"]})
+                    return False
+                cur_policy["ctl"] = arm.name
+            return True
+
         for rep in range(opts.repeats):
             order = runs[rep % len(runs) :] + runs[: rep % len(runs)]
             _log(f"repeat {rep + 1}/{opts.repeats}: {len(order)} arms x batches {opts.batches}", quiet)
-            for arm in order:
+            cells = repeat_cells(order, opts.batches, by_batch)
+            for i, (arm, b) in enumerate(cells):
+                if not arm.engine:  # refused earlier
+                    continue
                 eng = engines.get(arm.engine)
-                if arm.engine == "specenv" and cur_policy.get("specenv") != arm.name:
-                    eng.call(op="policy", policy=arm.policy)  # (again after a restart)
-                    cur_policy["specenv"] = arm.name
-                if arm.engine == "ctl" and cur_policy.get("ctl") != arm.name:
-                    ans = eng.call(op="policy", policy=arm.policy, draft_horizon="policy")
-                    if "refused" in ans:
-                        refused.append({"policy": arm.name, "folder": "", "reason": ans["refused"]})
-                        arm.engine = ""
-                        n_runs -= (opts.repeats - rep) * len(opts.batches)  # this arm's runs will not come
-                        continue
-                    cur_policy["ctl"] = arm.name
-                for b in opts.batches:
-                    results.setdefault((arm.name, b), []).append(run(eng, test_ids, b, opts.max_tokens))
-                    done += 1
-                    if progress is not None:
-                        progress("repeats", done, n_runs)
+                if not serve(arm, eng):
+                    arm.engine = ""
+                    # this arm's runs that will not come: the rest of this repeat's and every later repeat's
+                    n_runs -= sum(a is arm for a, _ in cells[i:]) + (opts.repeats - rep - 1) * len(opts.batches)
+                    continue
+                results.setdefault((arm.name, b), []).append(run(eng, test_ids, b, opts.max_tokens))
+                done += 1
+                if progress is not None:
+                    progress("repeats", done, n_runs)
 
         # ---- predictions: per arm and batch size, (tokens/s, decode phase). With a batch step model that has
         # a prefill term: B > 1 the lockstep replay priced by it; batch 1 the set's cost model for the decoding
         # ratio, composed with the recording's prefill phases and plain B = 1 step (BatchPrediction.with_decode).
         # Otherwise batch 1 is the set's cost model (decoding rounds only) and B > 1 the batch model
-        def predict(desc: dict[str, Any], b: int, cm: str, bm: Any) -> Pred:
+        lazy_cms: dict[str, str] = {}
+
+        def predict(desc: dict[str, Any], b: int, cm: str, bm: Any, lazy: bool = False) -> Pred:
+            """``lazy``: an arm of a controller engine, whose lazy drafter skips the draft forward at k = 0."""
+
             def make() -> Any:
                 return MLPPolicy.load(desc["folder"]) if desc.get("kind") == "mlp" else replay_policy(desc, ctx.spec)
+
+            if lazy:
+                cm = lazy_cms.setdefault(cm, lazy_cost_model(cm))
 
             if b == 1 and (bm is None or bm.prefill is None):
                 p = predicted_speedup(opts.dataset, cm, kmax, test_ids, make(), opts.max_tokens)
@@ -847,7 +953,7 @@ def run_abtest(
                 if arm.group in ("plain", "overhead-stock", "table") or desc is None:  # table: by_k below
                     continue
                 for b in opts.batches:
-                    by_arm[(arm.name, b)] = predict(desc, b, cm, bm)
+                    by_arm[(arm.name, b)] = predict(desc, b, cm, bm, lazy=arm.engine in ("ctl", "specenv"))
             by_k = {
                 (k, b): predict({"kind": "fixed", "k": k}, b, cm, bm)
                 for b in opts.batches
@@ -856,7 +962,7 @@ def run_abtest(
             return by_arm, by_k
 
         dyn_k = next((a.k_by_batch for a in arms if a.group == "dynamic" and a.k_by_batch), None) or {}
-        preds, kpred = predict_all(opts.cost_model, batch_model)
+        preds, kpred = predict_all(str(cm_path), batch_model)  # the set's cost model, as saved beside the run
         ablated = _ablations(ctx, out, opts, batch_model, predict_all)
     finally:
         engines.close()

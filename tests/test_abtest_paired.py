@@ -93,6 +93,37 @@ def test_the_best_static_choice_may_be_no_speculation() -> None:
             best_static_k(bad)
 
 
+def test_the_fit_pairs_every_k_run_with_a_plain_run_beside_it() -> None:
+    from specenv.abtest import best_static_from_ratios, fit_order
+
+    order = fit_order(3, [1, 4], 2)
+    # every (k, batch size) once a repeat, batch sizes inner: one k engine at a time
+    assert [(k, b) for k, b, _ in order] == [(k, b) for _ in range(2) for k in (1, 2, 3) for b in (1, 4)]
+    runs = [(kk, b) for _, b, pair in order for kk in pair]
+    assert len(runs) == 2 * 3 * 2 * 2
+    for i in range(0, len(runs), 2):  # each pair: the k run and a plain run of the same batch size, adjacent
+        (a, ba), (c, bc) = runs[i], runs[i + 1]
+        assert ba == bc and sorted((a, c))[0] == 0 and max(a, c) >= 1
+    firsts = [pair[0] for _, _, pair in order]
+    assert firsts.count(0) == len(order) // 2  # plain first in half of the pairs, alternating
+    assert all(firsts[i] != firsts[i + 1] for i in range(len(firsts) - 1))
+
+    # the rule on paired ratios: a k that lost one pair is not eligible; the largest median among the rest
+    assert best_static_from_ratios({1: [1.02, 1.01, 1.05], 2: [1.30, 0.99, 1.20]}) == 1
+    assert best_static_from_ratios({1: [0.98], 2: [0.97]}) == 0
+    assert best_static_from_ratios({1: [1.05, 1.05], 2: [1.05, 1.05]}) == 1  # a tie: the smaller k
+    for bad in ({1: []}, {0: [1.1]}, {1: [float("inf")]}, {1: [-1.0]}):
+        with pytest.raises(ValueError, match="best_static_k"):
+            best_static_from_ratios(bad)
+
+
+def test_a_repeat_runs_the_arms_of_one_batch_size_together_when_every_engine_is_up() -> None:
+    from specenv.abtest import repeat_cells
+
+    assert repeat_cells(["a", "b"], [1, 8], True) == [("a", 1), ("b", 1), ("a", 8), ("b", 8)]
+    assert repeat_cells(["a", "b"], [1, 8], False) == [("a", 1), ("a", 8), ("b", 1), ("b", 8)]
+
+
 def test_the_dynamic_sd_table_covers_every_batch_size_and_keeps_k_0() -> None:
     from specenv.abtest import dsd_table
 

@@ -207,3 +207,31 @@ def test_rows_of_k_0_the_plain_engine_for_the_best_choice_and_the_replay_for_vll
     assert rows[("k by batch size (specenv)", 1)]["predicted"] == 1.10
     # the paired view against the best choice: at batch 4 that is plain itself
     assert rows[("k by batch size (specenv)", 4)]["paired"]["best fixed k (train)"]["ratio"] == pytest.approx(0.99)
+
+
+def test_a_controller_engine_arm_is_priced_without_the_draft_floor(tmp_path: Path) -> None:
+    """The lazy drafter skips vLLM's k = 0 draft forward: the controller arms' cost model has no floor."""
+    import dataclasses
+
+    from specenv.abtest import lazy_cost_model
+    from specenv.cost.model import CostModel
+
+    base = CostModel.paper_profile(4)
+    with_floor = dataclasses.replace(base, d_floor=1.25)
+    path = tmp_path / "cost-model.json"
+    with_floor.save(path)
+    lazy = Path(lazy_cost_model(str(path)))
+    assert lazy != path and lazy.parent == tmp_path
+    got = CostModel.load(lazy)
+    assert got.d_floor == 0.0 and CostModel.load(path).d_floor == 1.25  # the set's own model is left as it was
+    L = np.array([100.0, 900.0])
+    for k in range(1, 5):  # every speculating round costs what it cost
+        assert np.allclose(got.draft_ms(np.full(2, k)), with_floor.draft_ms(np.full(2, k)))
+        assert np.allclose(got.target_ms(k, 6.0, L), with_floor.target_ms(k, 6.0, L))
+    assert (
+        got.draft_ms(np.zeros(1, dtype=np.int64))[0] == 0.0
+        and with_floor.draft_ms(np.zeros(1, dtype=np.int64))[0] == 1.25
+    )
+    base.save(nofloor := tmp_path / "nofloor.json")
+    assert lazy_cost_model(str(nofloor)) == str(nofloor)  # nothing to take away
+    assert lazy_cost_model("fit-train") == "fit-train"  # a named model: not a file to rewrite

@@ -428,6 +428,10 @@ class TableGated(StepPolicy):
         super().__init__(spec, policy, name or f"{getattr(policy, 'name', 'policy')} gated by {self.table.name}")
         self.drafting = policy_drafting(policy)
 
+    def observes_at(self, n: int) -> bool:
+        """The protocol's per-step ``observes``: False where the gate is shut for n requests (every k is 0)."""
+        return self.observes and self.table.lookup(int(n)) > 0
+
     def _act(self, req: np.ndarray, ids: list[Hashable], step: BatchStep | None) -> np.ndarray:
         if self.table.lookup(len(req)) == 0:
             return np.zeros(len(req), dtype=np.int64)

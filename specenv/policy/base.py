@@ -22,7 +22,12 @@ rounds, never the trace. It acts on a **batch**::
 * ``observes = False`` (optional, default True) promises that ``act`` reads neither the rows' values
   nor ``step``, only how many rows there are (a fixed k, vLLM's batch-size table): a server may then
   hand it rows of zeros and skip building observations (the vLLM controller's blind path,
-  :mod:`specenv.engines.vllm.controller`).
+  :mod:`specenv.engines.vllm.controller`);
+* ``observes_at(n) -> bool`` (optional) narrows that per step: False promises that a step deciding ``n``
+  requests reads no row and answers k = 0 for each (a policy gated by the batch size,
+  :class:`policies.batch.controllers.TableGated`, where its table says 0); the server may then run that
+  step blind, and answers k = 0 itself for a step it ran blind whose ``n`` turned out to read rows (the
+  policy is never asked about rows of zeros it would read).
 
 Single-request use is a batch of one: ``act(obs)`` with a 1-D observation is the cheap alias
 ``int(act(obs[None], ids, step)[0])`` (the Gymnasium loop ``env.step(policy.act(obs))``), and

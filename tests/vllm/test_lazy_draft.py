@@ -231,10 +231,38 @@ def test_batch_8_a_policy_gated_by_the_table_is_asked_only_once_the_batch_shrink
         observes = True
 
     gated = TableGated(BatchObservationSpec(spec, 8), Observing(spec, 3), [(1, 4, 1), (5, 8, 0)])
-    assert gated.observes
+    assert gated.observes and not gated.observes_at(5) and gated.observes_at(4)
     prompts = (PROMPTS + PROMPTS)[:8]
     lengths = [MAX_TOKENS // 3] * 4 + [MAX_TOKENS] * 4
+    # recorded (check: lazy vs eager drafter, round by round): the full path in every step
     check(engine8, prompts, plain_reference, tmp_path, max_tokens=lengths, policy=gated)
+    # served as the A/B serves it (no recording): the step's own n decides the path
+    steps: list[tuple[int, bool, bool]] = []
+    base_schedule = ctl.schedule
+
+    def schedule(*args, **kwargs):
+        out = base_schedule(*args, **kwargs)
+        reqs = ctl.requests
+        n = sum(1 for r in out.num_scheduled_tokens if not reqs[r].is_prefill_chunk)
+        steps.append((n, ctl._blind_step, ctl.tap.capturing))
+        return out
+
+    ctl.schedule = schedule  # the engine core calls its scheduler's schedule(): this wrapper, per step
+    ctl.set_policy(gated)
+    ctl.settings.draft_horizon = "policy"
+    try:
+        outs = engine8.generate(prompts, [greedy(m) for m in lengths], use_tqdm=False)
+    finally:
+        del ctl.schedule
+        ctl.set_policy(None)
+        ctl.settings.draft_horizon = "max"
+    for p, m, o in zip(prompts, lengths, outs, strict=True):
+        assert list(o.outputs[0].token_ids) == plain_reference[p]["token_ids"][:m], p
+    # blind (no routing capture, no bookkeeping) while the gate is shut at 5-8 requests, the full path where
+    # the policy reads its rows (1-4 requests)
+    decoding = [(n, blind, cap) for n, blind, cap in steps if n]
+    assert {n for n, *_ in decoding} >= {4, 8}
+    assert all(blind == (n >= 5) and cap == (not blind) for n, blind, cap in decoding), decoding
 
 
 @pytest.fixture(scope="module")

@@ -522,15 +522,16 @@ class SpecControlScheduler(Recording, Scheduler):
         t0, c0 = time.perf_counter(), time.thread_time()
         log = self._steplog
         log.open(t0)
-        blind = self._blind_step = self._blind()
         tap = self.tap
         if tap is not None:
-            if tap.capturing == blind:  # the blind path reads no routing: no capture in the forward
-                tap.capture_routing(not blind)
             tap.reset_step()
         ms = log.add(t0, c0)
         out = super().schedule(*args, **kwargs)
         t2, c2 = time.perf_counter(), time.thread_time()
+        # decided once the step's requests are known (before its forward: the capture switch takes effect there)
+        blind = self._blind_step = self._blind(out)
+        if tap is not None and tap.capturing == blind:  # the blind path reads no routing: no capture in the forward
+            tap.capture_routing(not blind)
         self._step += 1
         if self.draft_tokens is not None:
             out.num_spec_tokens_to_schedule = int(min(max(self.draft_tokens, 0), self.num_spec_tokens))
@@ -568,6 +569,8 @@ class SpecControlScheduler(Recording, Scheduler):
             ids = [r for r in out.num_scheduled_tokens if (q := reqs.get(r)) is not None and not q.is_prefill_chunk]
             if not ids:
                 return int(self.num_spec_tokens)
+            if self._reads_at(len(ids)):  # (only when the step's requests changed since _blind: no draft then)
+                return 0
             self.stats["horizon_calls"] += 1
             ks = self._served.peek(self._blank(len(ids)), ids, self._batch_step(len(ids))).tolist()
             h = max(self.fallback_k if not (isinstance(k, int) and 0 <= k <= self.spec.kmax) else k for k in ks)
@@ -616,24 +619,43 @@ class SpecControlScheduler(Recording, Scheduler):
         h = max([self.fallback_k if not (0 <= k <= self.spec.kmax) else k for k in ks] + kept)
         return int(min(max(h, 0), self.num_spec_tokens))
 
-    def _blind(self) -> bool:
+    def _blind(self, out: Any = None) -> bool:
         """Whether a step runs the blind path: a policy that ``observes`` nothing, no recording, no callback.
 
         The protocol's ``observes = False`` (a fixed k, vLLM's batch-size table) promises that the policy
-        reads only how many rows it is asked about. Nothing then reads the per-round bookkeeping: the
-        step skips the routing capture (:meth:`RoutingTap.capture_routing`), the expert statistics, the
-        observation slots and the what-if rows; the policy is asked about rows of zeros, once for the
-        horizon and once for the decisions, and the budgets are checked and applied as on the full path.
+        reads only how many rows it is asked about; ``observes_at(n) = False`` promises it for a step that
+        decides n requests (a policy gated by the batch size where its gate is shut: every k is 0), n the
+        scheduled requests of ``out`` that are not mid-prefill. Nothing then reads the per-round
+        bookkeeping: the step skips the routing capture (:meth:`RoutingTap.capture_routing`), the expert
+        statistics, the observation slots and the what-if rows; the policy is asked about rows of zeros,
+        once for the horizon and once for the decisions, and the budgets are checked and applied as on
+        the full path. A gated policy whose step turns out to decide an n it reads (a request finished in
+        the step) is not asked about zeros: that step verifies nothing (:meth:`_reads_at`), and the next
+        one runs the full path. The requests' observation slots are not updated in blind steps: when the
+        gate opens, each request's previous-round features are those of its last full step (its first
+        round's, if it had none).
         """
         served = self._served
-        return (
+        if not (
             served is not None
-            and not served.observes
             and self.recorder is None
             and self.round_callback is None
             and self.forward_callback is None
             and not self.spec.lookahead
-        )
+        ):
+            return False
+        if not served.observes:
+            return True
+        if served.observes_at is None or out is None:
+            return False
+        reqs = self.requests
+        n = sum(1 for r in out.num_scheduled_tokens if (q := reqs.get(r)) is not None and not q.is_prefill_chunk)
+        return not served.observes_at(n)
+
+    def _reads_at(self, n: int) -> bool:
+        """A blind step deciding n requests whose policy would read their rows (see :meth:`_blind`)."""
+        served = self._served
+        return served is not None and served.observes_at is not None and bool(served.observes_at(n))
 
     def _blank(self, n: int) -> np.ndarray:
         """``(n, dim)`` rows of zeros for a policy that reads none (the blind path; kept between steps)."""
@@ -993,7 +1015,12 @@ class SpecControlScheduler(Recording, Scheduler):
         ks: list[Any] = [None] * n
         fast = False
         try:
-            ks, fast = self._answers(self._served.act(self._blank(n), [req_ids[j] for j in live], self._batch_step(n)))
+            if self._reads_at(n):  # a gated policy that would read these rows: k = 0 this step (see _blind)
+                ks, fast = [0] * n, True
+            else:
+                ks, fast = self._answers(
+                    self._served.act(self._blank(n), [req_ids[j] for j in live], self._batch_step(n))
+                )
         except Exception as exc:
             self._error(exc)
         self.stats["policy_ms"] += (time.perf_counter() - t0) * 1e3

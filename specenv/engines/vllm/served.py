@@ -86,6 +86,9 @@ class ServedPolicy:
         self.stateless = bool(getattr(policy, "stateless", False))
         #: False: the policy reads no observation, only how many rows (the protocol's ``observes``).
         self.observes = bool(getattr(policy, "observes", True))
+        #: The protocol's optional ``observes_at(n)``: whether a step deciding n requests reads the rows (None:
+        #: :attr:`observes` at every n).
+        self.observes_at = getattr(policy, "observes_at", None) if self.observes else None
         #: :func:`rowwise`: decisions and horizons may be asked in one call (:meth:`act_and_peek`).
         self.rowwise = rowwise(policy)
         #: :func:`per_stream`: a peek copies the asked requests' memories only (:func:`stream_copy`).
