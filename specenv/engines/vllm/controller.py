@@ -74,7 +74,10 @@ skips it: the tap captures no routing in the target's forward (:meth:`RoutingTap
 expert statistics, no observation slots, no what-if rows; the policy is asked about rows of zeros (once
 for the horizon, once for the decisions) and its budgets are checked and applied as on the full path
 (the same horizons and K step for step: tests/vllm/test_lazy_draft.py). Measured at batch 4 on
-wide-moe-v1: the full path's bookkeeping and capture were about 1% of a k = 0 step.
+wide-moe-v1: the full path's bookkeeping and capture were about 1% of a k = 0 step. A policy with the
+protocol's ``observes_at(n)`` (a learned policy gated by the batch size,
+:class:`policies.batch.controllers.TableGated`) runs blind in the steps whose n requests it would not
+read (its gate shut: every k is 0), decided once the step is scheduled; the full path elsewhere.
 
 Fail-safe: when the policy raises, returns something that is not an integer in 0..kmax, or returns
 a batch of the wrong shape, the request gets the configured ``fallback_k`` (default
