@@ -173,6 +173,15 @@ def _hand_lockstep(arr, gids: list[int], k_of, bm: BatchCostModel, batch: int, m
     return ar / cost
 
 
+def _lockstep_model() -> BatchCostModel:
+    """The batch step model of the lockstep tests: linear, with an overhead per batch size and a plain engine."""
+    return BatchCostModel.linear(
+        b0=3.0, b_pos=0.4, alpha=0.05, c=0.001, b_req=0.3, d0=0.5, d_step=0.8, d_tok=0.05,
+        kmax=KMAX, max_batch=4, top_k=FACTS["top_k"], n_experts=FACTS["n_experts"], n_layers=FACTS["n_layers"],
+        predictor="independent", overhead=np.array([1.0, 1.5, 2.5, 4.0]), ar_step=(6.0, 0.7, 0.0005),
+    )  # fmt: skip
+
+
 def test_batch_prediction_of_fixed_k_is_the_hand_walked_lockstep(tmp_path: Path) -> None:
     from policies.bench.context import build_context
     from specenv.generator import generate_paper
@@ -183,11 +192,7 @@ def test_batch_prediction_of_fixed_k_is_the_hand_walked_lockstep(tmp_path: Path)
     gids = [int(g) for g in arr.generation_ids]
     assert len(gids) >= 4  # groups of 2 and 3 with a short last group
     spec = build_context(str(path), KMAX, "fit-train", None).spec
-    bm = BatchCostModel.linear(
-        b0=3.0, b_pos=0.4, alpha=0.05, c=0.001, b_req=0.3, d0=0.5, d_step=0.8, d_tok=0.05,
-        kmax=KMAX, max_batch=4, top_k=FACTS["top_k"], n_experts=FACTS["n_experts"], n_layers=FACTS["n_layers"],
-        predictor="independent", overhead=np.array([1.0, 1.5, 2.5, 4.0]), ar_step=(6.0, 0.7, 0.0005),
-    )  # fmt: skip
+    bm = _lockstep_model()
 
     def fixed(k: int):
         return lambda: replay_policy({"kind": "fixed", "k": k}, spec)
@@ -374,11 +379,7 @@ def test_batch_prediction_of_a_gated_policy_is_its_k_by_the_steps_requests(tmp_p
     arr = select_split(load_dataset(path).arrays(), "test")
     gids = [int(g) for g in arr.generation_ids]
     spec = build_context(str(path), KMAX, "fit-train", None).spec
-    bm = BatchCostModel.linear(
-        b0=3.0, b_pos=0.4, alpha=0.05, c=0.001, b_req=0.3, d0=0.5, d_step=0.8, d_tok=0.05,
-        kmax=KMAX, max_batch=4, top_k=FACTS["top_k"], n_experts=FACTS["n_experts"], n_layers=FACTS["n_layers"],
-        predictor="independent", overhead=np.array([1.0, 1.5, 2.5, 4.0]), ar_step=(6.0, 0.7, 0.0005),
-    )  # fmt: skip
+    bm = _lockstep_model()
 
     def gated() -> TableGated:
         return TableGated(BatchObservationSpec(spec, 4), FixedK(spec, 3), [(1, 1, 2), (2, 4, 0)])
