@@ -106,6 +106,11 @@ class AbtestOptions:
     out: str | None = None
     ignore_eos: bool = False
     max_engines: int | None = None  # most engines alive at once (None: as many as memory allows)
+    interleave: str = "group"  # the unit the arms alternate in: "group" (of batch requests) or "pass"
+
+
+#: The units the A/B's arms alternate in when every engine stays up (:func:`interleave_cells`).
+INTERLEAVE = ("group", "pass")
 
 
 # ---------------------------------------------------------------------------------------------- policies
@@ -172,6 +177,22 @@ def repeat_cells(arms: list[Any], batches: list[int], by_batch: bool) -> list[tu
     if by_batch:
         return [(arm, b) for b in batches for arm in arms]
     return [(arm, b) for arm in arms for b in batches]
+
+
+def interleave_cells(arms: list[Any], n_groups: int, rep: int) -> list[tuple[int, Any]]:
+    """One batch size's runs in one repeat when the arms alternate group by group: ``(group, arm)`` in order.
+
+    Every group of the pass is run by every arm, one right after the other (this VM's speed drifts by tens of
+    per cent over minutes; the paired ratios compare the same group, now seconds apart, not a pass apart),
+    the arms' order rotated from group to group and from repeat to repeat, so that no arm always runs first
+    (or always right after the same other arm).
+    """
+    n = len(arms)
+    out = []
+    for g in range(n_groups):
+        r = (g + rep) % n if n else 0
+        out += [(g, a) for a in arms[r:] + arms[:r]]
+    return out
 
 
 def lazy_cost_model(path: str) -> str:
@@ -494,7 +515,9 @@ def predict_batch(
     positions over the predicted expert union, the engine's per-step overhead at that many requests,
     and the drafting: every request drafts the step's largest k, as vLLM's drafter runs one draft
     length for the whole batch (``draft_horizon="policy"`` asks for the largest; a step where every
-    request verifies 0 drafts nothing: the lazy drafter), or the policy's lookahead h when it has one).
+    request verifies 0 drafts nothing: the lazy drafter), or the policy's lookahead h when it has one
+    (in the steps the policy reads: a policy whose ``observes_at(n)`` is False for the step's n requests,
+    a gated policy's shut gate, drafts nothing there, as the controller serves it).
     The reference is the plain engine serving the same groups: one token per running request per
     step, :meth:`~specenv.cost.batch.BatchCostModel.ar_ms` of their contexts. When the model has a
     prefill term (:meth:`~specenv.cost.batch.BatchCostModel.prefill_ms`), every group first pays its
@@ -555,7 +578,8 @@ def predict_batch(
                 Ls.append(float(info["L"]))
                 if done or info["t"] >= n_tok[i]:
                     live[i] = False
-            top = max(max(ks), h)
+            # a lookahead block is drafted in the steps the policy reads (a gated policy's shut steps: none)
+            top = max(max(ks), h if _drafts_block(pols[0], len(idx)) else 0)
             drafted = np.full(len(ks), top, dtype=np.int64)
             cost += batch_cost.step_ms(np.asarray(ks), drafted, np.asarray(us), np.asarray(Ls))
         L0 = np.array([float(data.L0[row_of[g]]) for g in members])
@@ -575,6 +599,16 @@ def predict_batch(
         prefill_ms=pre,
         ar_prefill_ms=ar_pre,
     )
+
+
+def _drafts_block(policy: Any, n: int) -> bool:
+    """Whether a lookahead policy's block is drafted in a step of n requests, as the controller decides it.
+
+    Everywhere, except where an observing policy's optional ``observes_at(n)`` (:mod:`specenv.policy.base`)
+    is False: a gated policy's shut gate, every k 0 (:meth:`SpecControlScheduler._horizon`).
+    """
+    at = getattr(policy, "observes_at", None)
+    return at is None or not getattr(policy, "observes", True) or bool(at(int(n)))
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -664,7 +698,7 @@ def run_abtest(
     """
     from policies.bench.context import build_context
     from specenv.cost.batch import load_batch_cost_model
-    from specenv.engines.vllm.bench import EngineProcess
+    from specenv.engines.vllm.bench import EngineProcess, join_passes
     from specenv.engines.vllm.settings import policy_refusal
     from specenv.policy.mlp import MLPPolicy
 
@@ -885,7 +919,10 @@ def run_abtest(
         # after the other (the machine's speed drifts by tens of per cent over minutes); else arm by arm, so
         # that an engine restarts at most once a repeat
         by_batch = engines.max_alive is None or engines.max_alive >= len({a.engine for a in runs})
+        by_group = by_batch and opts.interleave == "group"
         order_note = "batch size outermost" if by_batch else "arm by arm (engines restart)"
+        if by_group:
+            order_note += ", the arms alternating group by group (each pass joined from its groups)"
         notes.append(f"repeats: {order_note}, the arms' order rotated each repeat")
 
         def serve(arm: _Arm, eng: EngineProcess) -> bool:
@@ -901,18 +938,42 @@ def run_abtest(
                 cur_policy["ctl"] = arm.name
             return True
 
+        def refuse(arm: _Arm, rep: int, later_here: int) -> None:
+            """The arm refused at its install: its runs that will not come leave the progress count."""
+            nonlocal n_runs
+            arm.engine = ""
+            n_runs -= later_here + (opts.repeats - rep - 1) * len(opts.batches)
+
         for rep in range(opts.repeats):
             order = runs[rep % len(runs) :] + runs[: rep % len(runs)]
             _log(f"repeat {rep + 1}/{opts.repeats}: {len(order)} arms x batches {opts.batches}", quiet)
+            if by_group:
+                for bi, b in enumerate(opts.batches):
+                    groups_b = [test_ids[i : i + b] for i in range(0, len(test_ids), b)]
+                    parts: dict[str, list[dict[str, Any]]] = {a.name: [] for a in order}
+                    for g, arm in interleave_cells(order, len(groups_b), rep):
+                        if not arm.engine:  # refused earlier
+                            continue
+                        eng = engines.get(arm.engine)
+                        if not serve(arm, eng):
+                            refuse(arm, rep, len(opts.batches) - bi)
+                            continue
+                        parts[arm.name].append(run(eng, groups_b[g], b, opts.max_tokens))
+                    for arm in order:
+                        if arm.engine and len(parts[arm.name]) == len(groups_b):
+                            results.setdefault((arm.name, b), []).append(join_passes(parts[arm.name]))
+                            done += 1
+                            if progress is not None:
+                                progress("repeats", done, n_runs)
+                continue
             cells = repeat_cells(order, opts.batches, by_batch)
             for i, (arm, b) in enumerate(cells):
                 if not arm.engine:  # refused earlier
                     continue
                 eng = engines.get(arm.engine)
                 if not serve(arm, eng):
-                    arm.engine = ""
                     # this arm's runs that will not come: the rest of this repeat's and every later repeat's
-                    n_runs -= sum(a is arm for a, _ in cells[i:]) + (opts.repeats - rep - 1) * len(opts.batches)
+                    refuse(arm, rep, sum(a is arm for a, _ in cells[i:]))
                     continue
                 results.setdefault((arm.name, b), []).append(run(eng, test_ids, b, opts.max_tokens))
                 done += 1

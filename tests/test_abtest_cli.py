@@ -33,6 +33,7 @@ def _invoke(args: list[str]):  # noqa: ANN202
         (["--fit-from", "/no/such/abtest.json"], "--fit-from"),
         (["--learned", "no-such-set/ppo"], "--learned: unknown policy 'no-such-set/ppo'"),
         (["--learned", "live-vllm-v1/ppo,,"], "--learned: unknown policy ''"),
+        (["--interleave", "request"], "--interleave: unknown unit 'request'"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args: list[str], needle: str) -> None:

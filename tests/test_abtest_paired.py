@@ -124,6 +124,64 @@ def test_a_repeat_runs_the_arms_of_one_batch_size_together_when_every_engine_is_
     assert repeat_cells(["a", "b"], [1, 8], False) == [("a", 1), ("a", 8), ("b", 1), ("b", 8)]
 
 
+def test_group_interleaving_runs_every_group_by_every_arm_in_turn_rotating_the_first() -> None:
+    from specenv.abtest import interleave_cells
+
+    cells = interleave_cells(["a", "b", "c"], 4, rep=0)
+    assert len(cells) == 12 and sorted(cells) == sorted((g, a) for g in range(4) for a in "abc")
+    # group by group: every arm runs group g before any arm runs group g + 1
+    assert [g for g, _ in cells] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    firsts = [cells[3 * g][1] for g in range(4)]
+    assert firsts == ["a", "b", "c", "a"]  # the first arm rotates from group to group
+    # and from repeat to repeat: repeat 1's first group starts where repeat 0's second did
+    assert [a for _, a in interleave_cells(["a", "b", "c"], 1, rep=1)] == ["b", "c", "a"]
+    assert interleave_cells([], 3, rep=2) == []
+
+
+def test_a_pass_joined_from_its_groups_is_the_pass_they_make_together() -> None:
+    from specenv.engines.vllm.bench import join_passes
+
+    def part(wall: float, toks: list[int], outs: list[list[int]], rows=None) -> dict:
+        p = {
+            "wall_s": wall,
+            "tokens": sum(toks),
+            "tok_per_s": sum(toks) / wall,
+            "steps": 5,
+            "outputs": outs,
+            "groups": [{"wall_s": wall, "tokens": sum(toks)}],
+            "requests": [{"group": 0, "ttft_ms": 1.0, "tpot_ms": 2.0, "tokens": t} for t in toks],
+        }
+        if rows is not None:
+            p["overhead"] = {"steps": len(rows), "rows": rows}
+            p.update(decisions=3, fallbacks=1, capped=0)
+        return p
+
+    a = part(2.0, [4, 6], [[1, 2, 3, 4], [5] * 6])
+    b = part(3.0, [5, 5], [[7] * 5, [8] * 5])
+    j = join_passes([a, b])
+    assert j["wall_s"] == 5.0 and j["tokens"] == 20 and j["tok_per_s"] == pytest.approx(4.0) and j["steps"] == 10
+    assert j["outputs"] == a["outputs"] + b["outputs"]
+    assert [r["group"] for r in j["requests"]] == [0, 0, 1, 1]  # renumbered to their place in the pass
+    assert [r["group"] for r in b["requests"]] == [0, 0]  # the parts are not changed
+    assert j["groups"] == [{"wall_s": 2.0, "tokens": 10}, {"wall_s": 3.0, "tokens": 10}]
+    assert "overhead" not in j and "decisions" not in j
+    # controller parts: the per-step logs concatenated, the figures recomputed from them, counters summed
+    c = part(2.0, [3], [[1, 1, 1]], rows=[[0.1, 0.05, 10.0], [0.3, 0.15, 10.0]])
+    d = part(1.0, [2], [[2, 2]], rows=[[0.2, 0.1, 20.0]])
+    jc = join_passes([c, d])
+    ov = jc["overhead"]
+    assert ov["steps"] == 3 and ov["specenv_ms"] == pytest.approx(0.6) and ov["step_ms"] == pytest.approx(40.0)
+    assert ov["frac"] == pytest.approx(0.6 / 40.0) and ov["cpu_frac"] == pytest.approx(0.3 / 40.0)
+    assert (jc["decisions"], jc["fallbacks"], jc["capped"]) == (6, 2, 0)
+    # the paired ratio of joined passes is the one of the groups themselves
+    ref = [join_passes([part(4.0, [4, 6], [[0]]), part(3.0, [5, 5], [[0]])])]
+    assert abtest._paired([j], ref)["ratio"] == pytest.approx(7.0 / 5.0)
+    with pytest.raises(ValueError, match="controller engine"):
+        join_passes([a, c])
+    with pytest.raises(ValueError, match="no parts"):
+        join_passes([])
+
+
 def test_the_dynamic_sd_table_covers_every_batch_size_and_keeps_k_0() -> None:
     from specenv.abtest import dsd_table
 

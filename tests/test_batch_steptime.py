@@ -7,6 +7,7 @@ engine with a known line, a greedy set whose rounds at fixed k are walked by han
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -130,10 +131,13 @@ def test_model_checks_and_ablations() -> None:
         BatchCostModel.from_json(doc, "bc.json")
 
 
-def _hand_lockstep(arr, gids: list[int], k_of, bm: BatchCostModel, batch: int, max_tokens: int) -> float:
+def _hand_lockstep(
+    arr, gids: list[int], k_of, bm: BatchCostModel, batch: int, max_tokens: int, drafted_of=None
+) -> float:
     """Fixed k on a greedy set, walked here from the tables: rounds, lockstep steps, the plain engine's steps.
 
     ``k_of``: the k of every request of a step, an int or a function of the step's number of requests.
+    ``drafted_of``: the tokens drafted in a step of n requests (default: its k).
     """
     row_of = {int(g): i for i, g in enumerate(arr.generation_ids)}
     n_u = float(bm.n_experts)
@@ -162,7 +166,8 @@ def _hand_lockstep(arr, gids: list[int], k_of, bm: BatchCostModel, batch: int, m
             ub = n_u * (1.0 - np.prod(1.0 - u / n_u))  # the independent union
             P, B = sum(ks) + len(ks), len(ks)
             verify = bm.beta0[P - 1] + bm.alpha[P - 1] * ub + bm.c[P - 1] * sum(Ls) + bm.b_req * (B - 1)
-            draft = bm.d0 + bm.d_step * k + bm.d_tok * k * B if k else 0.0
+            d = k if drafted_of is None else drafted_of(B)
+            draft = bm.d0 + bm.d_step * d + bm.d_tok * d * B if d else 0.0
             cost += verify + bm.overhead[B - 1] + draft
         L0 = np.array([float(arr.L[int(arr.offsets[i])]) for i in members])
         n = np.array([stop[i] for i in members])
@@ -395,3 +400,24 @@ def test_batch_prediction_of_a_gated_policy_is_its_k_by_the_steps_requests(tmp_p
     always = _hand_lockstep(arr, gids[:n_g], 3, bm, 3, 40)
     never = _hand_lockstep(arr, gids[:n_g], 0, bm, 3, 40)
     assert len({round(always, 9), round(never, 9), round(hand, 9)}) == 3
+
+    # a gated block policy (lookahead h = 3, k = 2 <= h): the drafter proposes the block of h where the
+    # gate is open, nothing where it is shut (the controller's horizon 0 there), never h at every step
+    h = 3
+    spec_h = dataclasses.replace(spec, lookahead=h)
+
+    class Observing(FixedK):  # reads its rows, as a block policy reads its draft signals
+        observes = True
+
+    def gated_block() -> TableGated:
+        return TableGated(BatchObservationSpec(spec_h, 4), Observing(spec_h, 2), [(1, 1, 2), (2, 4, 0)])
+
+    assert gated_block().drafting == "block"
+    res = predict_batch(str(path), "fit-train", KMAX, gids[:n_g], gated_block, 40, 3, bm, joint=True)
+    hand = _hand_lockstep(
+        arr, gids[:n_g], lambda n: 2 if n == 1 else 0, bm, 3, 40, drafted_of=lambda n: h if n == 1 else 0
+    )
+    assert res.decode_speedup == pytest.approx(hand, rel=1e-9)
+    # (the block charged in every step, the old prediction, is a different figure)
+    every = _hand_lockstep(arr, gids[:n_g], lambda n: 2 if n == 1 else 0, bm, 3, 40, drafted_of=lambda n: h)
+    assert every < hand

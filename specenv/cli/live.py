@@ -315,6 +315,13 @@ def abtest(
             "least recently used one is closed and restarted when needed, the arms stay interleaved.",
         ),
     ] = None,
+    interleave: Annotated[
+        str,
+        typer.Option(
+            help="What the arms alternate in when every engine stays up: 'group' (each group of --batch "
+            "requests run by every arm in turn; a pass is joined from its groups) or 'pass' (whole passes).",
+        ),
+    ] = "group",
     as_json: JsonOpt = False,
 ) -> None:
     """Live A/B through vLLM: plain, every fixed k, best fixed k (train), vLLM's dynamic SD, heuristics, learned.
@@ -324,7 +331,7 @@ def abtest(
     plain, the replay's predicted speedup, live/predicted, outputs identical to plain greedy, and the
     controller's CPU per step; plus the specenv path's overhead against stock vLLM. Needs the vllm extra.
     """
-    from specenv.abtest import ARM_GROUPS, FIT_MODES, AbtestOptions
+    from specenv.abtest import ARM_GROUPS, FIT_MODES, INTERLEAVE, AbtestOptions
 
     try:
         parts = batch.split(",")
@@ -343,6 +350,8 @@ def abtest(
         fail(f"--arms: unknown arm group {bad[0] if bad else arms!r} (known: {', '.join(ARM_GROUPS)}, all)")
     if fit not in FIT_MODES:
         fail(f"--fit: unknown mode {fit!r} (known: {', '.join(FIT_MODES)})")
+    if interleave not in INTERLEAVE:
+        fail(f"--interleave: unknown unit {interleave!r} (known: {', '.join(INTERLEAVE)})")
     if out_dir is not None:
         check_out_folder("--out", out_dir)
     for d in policy_dir or []:
@@ -431,6 +440,7 @@ def abtest(
         out=None if out_dir is None else str(out_dir),
         ignore_eos=ignore_eos,
         max_engines=max_engines,
+        interleave=interleave,
     )
 
     def progress(phase: str, done: int, total: int) -> None:

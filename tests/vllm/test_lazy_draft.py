@@ -265,6 +265,72 @@ def test_batch_8_a_policy_gated_by_the_table_is_asked_only_once_the_batch_shrink
     assert all(blind == (n >= 5) and cap == (not blind) for n, blind, cap in decoding), decoding
 
 
+def test_batch_8_a_gated_block_policy_drafts_nothing_where_its_gate_is_shut(engine8, plain_reference, tmp_path):
+    """A gated policy with a lookahead block (h = 3, draft confidences) drafts its block only where it reads.
+
+    The table shuts the gate at 5-8 requests: there the horizon is 0 (the lazy drafter skips, a plain
+    step), not h; at 1-4 the drafter proposes the block of h and the policy reads its confidences. The
+    same horizons served as the A/B serves it (no recording: blind where shut) and recorded (the full
+    path in every step); lossless both ways, and no step falls back for want of signals.
+    """
+    from policies.batch.controllers import TableGated
+    from policies.heuristics import ConfidenceThreshold
+    from specenv.observation.batch import BatchObservationSpec
+
+    h = 3
+    ctl = controller_of(engine8)
+    spec = ObservationSpec(kmax=KMAX, lookahead=h, max_new_tokens=MAX_TOKENS, n_experts=ctl.n_experts)
+    gated = TableGated(BatchObservationSpec(spec, 8), ConfidenceThreshold(spec, threshold=0.4), [(1, 4, 1), (5, 8, 0)])
+    assert gated.drafting == "block" and not gated.observes_at(5) and gated.observes_at(4)
+    prompts = (PROMPTS + PROMPTS)[:8]
+    lengths = [MAX_TOKENS // 3] * 4 + [MAX_TOKENS] * 4  # 8 requests (gate shut), then 4 (open)
+    steps: list[tuple[int, int, bool]] = []
+    base_schedule = ctl.schedule
+
+    def schedule(*args, **kwargs):
+        out = base_schedule(*args, **kwargs)
+        reqs = ctl.requests
+        n = sum(1 for r in out.num_scheduled_tokens if not reqs[r].is_prefill_chunk)
+        steps.append((n, out.num_spec_tokens_to_schedule, ctl._blind_step))
+        return out
+
+    drafter = drafter_of(engine8)
+    runs = {}
+    ctl.schedule = schedule  # the engine core calls its scheduler's schedule(): this wrapper, per step
+    ctl.set_policy(gated)
+    ctl.settings.draft_horizon = "policy"
+    try:
+        for mode in ("served", "recorded"):
+            ctl.policy.reset()
+            steps.clear()
+            before = {k: ctl.stats[k] for k in ("no_signals", "fallbacks", "decisions")}
+            skipped = drafter.stats["skipped"]
+            if mode == "recorded":
+                ctl.start_recording(str(tmp_path / "rec"))
+            outs = engine8.generate(prompts, [greedy(m) for m in lengths], use_tqdm=False)
+            if mode == "recorded":
+                ctl.stop_recording()
+            counts = {k: ctl.stats[k] - v for k, v in before.items()}
+            runs[mode] = ([list(o.outputs[0].token_ids) for o in outs], list(steps), counts)
+            runs[mode] += (drafter.stats["skipped"] - skipped,)
+    finally:
+        del ctl.schedule
+        ctl.set_policy(None)
+        ctl.settings.draft_horizon = "max"
+    for mode, (outs, stp, counts, skipped) in runs.items():
+        for p, m, out in zip(prompts, lengths, outs, strict=True):
+            assert out == plain_reference[p]["token_ids"][:m], (mode, p)
+        decoding = [(n, hz, blind) for n, hz, blind in stp if n]
+        assert {n for n, *_ in decoding} >= {4, 8}, (mode, decoding)
+        # the block where the policy reads (1-4 requests), nothing where the gate is shut (5-8)
+        assert all(hz == (0 if n >= 5 else h) for n, hz, _ in decoding), (mode, decoding)
+        assert all(blind == (mode == "served" and n >= 5) for n, _, blind in decoding), (mode, decoding)
+        assert counts["decisions"] > 0 and counts["no_signals"] == 0 and counts["fallbacks"] == 0, (mode, counts)
+        assert skipped > 0, mode  # the shut steps ran without the draft forward
+    rec = load_recording(tmp_path / "rec").rounds
+    assert not rec["fallback"].any() and rec["K"].max() > 0  # speculation resumed once the gate opened
+
+
 @pytest.fixture(scope="module")
 def engine16(model_dirs):
     from vllm import LLM

@@ -121,7 +121,12 @@ def step_overhead(ctl: Any, since: int) -> dict[str, Any]:
         times), ``rows`` (the per-step log) and ``frac`` / ``cpu_frac`` (controller time / step time)
         with a 95% bootstrap interval over the steps (``frac_ci``, ``cpu_frac_ci``: [low, high]).
     """
-    log = ctl.step_log(since)
+    return overhead_of(ctl.step_log(since))
+
+
+def overhead_of(log: np.ndarray) -> dict[str, Any]:
+    """:func:`step_overhead`'s figures from a per-step log (rows ``(specenv_ms, specenv_cpu_ms, step_ms)``)."""
+    log = np.asarray(log, dtype=np.float64).reshape(-1, 3) if len(log) else np.zeros((0, 3))
     n = len(log)
     out: dict[str, Any] = {"steps": n}
     if n == 0:
@@ -214,6 +219,46 @@ def timed_pass(
 
 
 _PASS_IDS = itertools.count()
+
+
+def join_passes(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One pass from :func:`timed_pass` results over consecutive slices of its prompts, in order.
+
+    What the A/B does when it interleaves its arms group by group (each part one group of ``batch``
+    requests): the joined pass is the pass the parts make together -- ``wall_s`` the sum of the parts'
+    (the time between them, when other arms ran, is no part of this arm's pass), ``outputs`` and
+    ``requests`` in prompt order (each request's ``group`` renumbered to its place in the whole pass),
+    ``groups`` in order, the counters summed and ``overhead`` recomputed from the parts' per-step logs.
+
+    Raises:
+        ValueError: When ``parts`` is empty or only some parts come from a controller engine.
+    """
+    if not parts:
+        raise ValueError("join_passes: no parts")
+    wall = float(sum(p["wall_s"] for p in parts))
+    tokens = int(sum(p["tokens"] for p in parts))
+    out: dict[str, Any] = {
+        "wall_s": wall,
+        "tokens": tokens,
+        "tok_per_s": tokens / wall if wall > 0 else 0.0,
+        "steps": int(sum(p["steps"] for p in parts)),
+        "outputs": [o for p in parts for o in p["outputs"]],
+        "groups": [g for p in parts for g in p["groups"]],
+        "requests": [],
+    }
+    g0 = 0
+    for p in parts:
+        out["requests"] += [{**r, "group": r["group"] + g0} if "group" in r else dict(r) for r in p["requests"]]
+        g0 += len(p["groups"])
+    has = ["overhead" in p for p in parts]
+    if any(has) and not all(has):
+        raise ValueError("join_passes: some parts come from a controller engine and some do not")
+    if all(has):
+        logs = [np.asarray(p["overhead"].get("rows", []), dtype=np.float64).reshape(-1, 3) for p in parts]
+        out["overhead"] = overhead_of(np.concatenate(logs))
+        for k in ("decisions", "fallbacks", "capped"):
+            out[k] = int(sum(p.get(k, 0) for p in parts))
+    return out
 
 
 def run_config(cfg: dict[str, Any], make_policy: PolicyFactory | None = None) -> dict[str, Any]:

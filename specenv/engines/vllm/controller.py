@@ -77,7 +77,9 @@ for the horizon, once for the decisions) and its budgets are checked and applied
 wide-moe-v1: the full path's bookkeeping and capture were about 1% of a k = 0 step. A policy with the
 protocol's ``observes_at(n)`` (a learned policy gated by the batch size,
 :class:`policies.batch.controllers.TableGated`) runs blind in the steps whose n requests it would not
-read (its gate shut: every k is 0), decided once the step is scheduled; the full path elsewhere.
+read (its gate shut: every k is 0), decided once the step is scheduled; the full path elsewhere. A
+gated policy with a lookahead block drafts nothing in those steps (horizon 0, not h): its block is
+drafted only in the steps whose rows it reads.
 
 Fail-safe: when the policy raises, returns something that is not an integer in 0..kmax, or returns
 a batch of the wrong shape, the request gets the configured ``fallback_k`` (default
@@ -282,6 +284,7 @@ class SpecControlScheduler(Recording, Scheduler):
         self._steplog = StepLog()
         self._experts: StepExperts | None = None  # the per-step expert statistics' buffers (made on first use)
         self._blind_step = False  # this step runs the blind path (:meth:`_blind`; decided in schedule)
+        self._step_horizon: int | None = None  # the drafts this step asked of the drafter (set in schedule)
         self._blank_rows = np.zeros((0, 0), dtype=np.float32)  # the blind path's rows (:meth:`_blank`)
         # per-step columns of the rounds (slot, K, accepted, cost), preallocated in the dtypes ObsSlots.update takes
         self._cols = _RoundCols(16)
@@ -543,6 +546,7 @@ class SpecControlScheduler(Recording, Scheduler):
                 out.num_spec_tokens_to_schedule = self._horizon(out)
             except Exception as exc:  # never fail a step: draft the maximum
                 self._error(exc)
+        self._step_horizon = getattr(out, "num_spec_tokens_to_schedule", None)
         ms += log.add(t2, c2)
         self._t_sched = log.t_end
         self.stats["overhead_ms"] += ms
@@ -553,7 +557,9 @@ class SpecControlScheduler(Recording, Scheduler):
 
         A policy with a lookahead block (block drafting) reads the signals of the h drafts the drafter
         proposes at once: the drafter proposes exactly h (``min(h, num_speculative_tokens)``), as the
-        replay charges T_D(h), and the policy trims to k <= h (a larger k is capped, ``stats["capped"]``).
+        replay charges T_D(h), and the policy trims to k <= h (a larger k is capped, ``stats["capped"]``);
+        in a blind step (a gated policy's shut gate, :meth:`_blind`) the block is h only if the policy
+        answers some k > 0 for the step's requests, else nothing is drafted.
         Proposing ``num_speculative_tokens`` instead would pay T_D(kmax) every step (measured: 0.63-0.77x
         of plain decoding for the h = 3 policies with 8 drafts, against 1.17x for fixed k = 3).
 
@@ -564,8 +570,6 @@ class SpecControlScheduler(Recording, Scheduler):
         not decide, a K that was not asked, an answer that was no integer -- all of them on the two-call
         path (``horizon_one_call`` off, a policy that is not rowwise).
         """
-        if self.spec.lookahead:
-            return int(min(self.spec.lookahead, self.num_spec_tokens))
         assert self._served is not None
         if self._blind_step:  # the policy reads how many requests decide, nothing else: ask it about them
             reqs = self.requests
@@ -577,7 +581,13 @@ class SpecControlScheduler(Recording, Scheduler):
             self.stats["horizon_calls"] += 1
             ks = self._served.peek(self._blank(len(ids)), ids, self._batch_step(len(ids))).tolist()
             h = max(self.fallback_k if not (isinstance(k, int) and 0 <= k <= self.spec.kmax) else k for k in ks)
+            if self.spec.lookahead:  # a lookahead block drafts h whenever a request of the step verifies
+                h = self.spec.lookahead if h > 0 else 0
             return int(min(max(h, 0), self.num_spec_tokens))
+        if self.spec.lookahead:  # the block, except where a gated policy's gate is shut for the step (k = 0)
+            if not self._reads_at(self._deciding(out), default=True):
+                return 0
+            return int(min(self.spec.lookahead, self.num_spec_tokens))
         first, cont, ids_f, ids_c = [], [], [], []
         kept: list[int] = []
         prev = self._step - 1  # the step whose update_draft_token_ids answered the kept horizons
@@ -644,21 +654,29 @@ class SpecControlScheduler(Recording, Scheduler):
             and self.recorder is None
             and self.round_callback is None
             and self.forward_callback is None
-            and not self.spec.lookahead
         ):
             return False
-        if not served.observes:
-            return True
+        if not served.observes:  # (a lookahead policy reads its draft signals: it always observes)
+            return not self.spec.lookahead
         if served.observes_at is None or out is None:
             return False
-        reqs = self.requests
-        n = sum(1 for r in out.num_scheduled_tokens if (q := reqs.get(r)) is not None and not q.is_prefill_chunk)
-        return not served.observes_at(n)
+        return not served.observes_at(self._deciding(out))
 
-    def _reads_at(self, n: int) -> bool:
-        """A blind step deciding n requests whose policy would read their rows (see :meth:`_blind`)."""
+    def _deciding(self, out: Any) -> int:
+        """How many requests the scheduled step ``out`` decides (scheduled, not mid-prefill)."""
+        reqs = self.requests
+        return sum(1 for r in out.num_scheduled_tokens if (q := reqs.get(r)) is not None and not q.is_prefill_chunk)
+
+    def _reads_at(self, n: int, default: bool = False) -> bool:
+        """Whether the policy reads the rows of a step deciding n requests (the protocol's ``observes_at``).
+
+        ``default``: the answer for a policy without ``observes_at``. On the blind path (see
+        :meth:`_blind`, default False) True means a gated policy whose step decides an n it reads.
+        """
         served = self._served
-        return served is not None and served.observes_at is not None and bool(served.observes_at(n))
+        if served is None or served.observes_at is None:
+            return default
+        return bool(served.observes_at(n))
 
     def _blank(self, n: int) -> np.ndarray:
         """``(n, dim)`` rows of zeros for a policy that reads none (the blind path; kept between steps)."""
@@ -938,12 +956,30 @@ class SpecControlScheduler(Recording, Scheduler):
         h = self.spec.lookahead
         live: list[int] = []
         slots, Ls, ts, confs = [], [], [], []
+        # a gated block policy whose gate is shut for the step's n requests reads no signals (its horizon
+        # drafted nothing, :meth:`_horizon`): it is asked about rows without them and answers 0
+        shut = bool(h) and not self._reads_at(
+            sum(
+                1
+                for r in req_ids
+                if (q := self.requests.get(r)) is not None and not q.is_finished() and not q.is_prefill_chunk
+            ),
+            default=True,
+        )
         for j, req_id in enumerate(req_ids):
             request = self.requests.get(req_id)
             if request is None or request.is_finished() or request.is_prefill_chunk:
                 continue
             st = self._state(req_id)
-            if h:
+            if shut:
+                confs.append(np.zeros(h * len(self._signal_cols or ()), dtype=np.float64))
+            elif h and self._step_horizon == 0 and not drafts[j]:
+                # nothing asked of the drafter this step (its gate was shut when it was scheduled; a request
+                # ended in it): nothing to verify next, k = 0 -- not a fallback for want of signals
+                st.fallback, st.policy_k, st.drafted, st.capped = False, 0, 0, False
+                self.stats["decisions"] += 1
+                continue
+            elif h:
                 if st.signals is None or len(st.signals) < h:  # no confidences: fallback k, the policy is not asked
                     self.stats["no_signals"] += 1
                     st.fallback, st.policy_k, st.drafted = True, self.fallback_k, len(drafts[j])
