@@ -94,6 +94,23 @@ def drafter_of(llm) -> LazyDraftProposer:
     return drafter
 
 
+def spy_steps(ctl, steps: list, what) -> None:
+    """Wrap the controller's ``schedule`` (the engine core calls it once per step; undo: ``del ctl.schedule``).
+
+    Each step appends ``what(out, n)`` to ``steps``: ``out`` the scheduled step, ``n`` its requests that
+    are not mid-prefill (those the step decides).
+    """
+    base = ctl.schedule
+
+    def schedule(*args, **kwargs):
+        out = base(*args, **kwargs)
+        reqs = ctl.requests
+        steps.append(what(out, sum(1 for r in out.num_scheduled_tokens if not reqs[r].is_prefill_chunk)))
+        return out
+
+    ctl.schedule = schedule
+
+
 def rounds(rec) -> list[tuple]:
     """Every recorded round as (request's order in the call, round, K, accepted, verified tokens)."""
     df = load_recording(rec).rounds
@@ -238,16 +255,7 @@ def test_batch_8_a_policy_gated_by_the_table_is_asked_only_once_the_batch_shrink
     check(engine8, prompts, plain_reference, tmp_path, max_tokens=lengths, policy=gated)
     # served as the A/B serves it (no recording): the step's own n decides the path
     steps: list[tuple[int, bool, bool]] = []
-    base_schedule = ctl.schedule
-
-    def schedule(*args, **kwargs):
-        out = base_schedule(*args, **kwargs)
-        reqs = ctl.requests
-        n = sum(1 for r in out.num_scheduled_tokens if not reqs[r].is_prefill_chunk)
-        steps.append((n, ctl._blind_step, ctl.tap.capturing))
-        return out
-
-    ctl.schedule = schedule  # the engine core calls its scheduler's schedule(): this wrapper, per step
+    spy_steps(ctl, steps, lambda out, n: (n, ctl._blind_step, ctl.tap.capturing))
     ctl.set_policy(gated)
     ctl.settings.draft_horizon = "policy"
     try:
@@ -285,18 +293,9 @@ def test_batch_8_a_gated_block_policy_drafts_nothing_where_its_gate_is_shut(engi
     prompts = (PROMPTS + PROMPTS)[:8]
     lengths = [MAX_TOKENS // 3] * 4 + [MAX_TOKENS] * 4  # 8 requests (gate shut), then 4 (open)
     steps: list[tuple[int, int, bool]] = []
-    base_schedule = ctl.schedule
-
-    def schedule(*args, **kwargs):
-        out = base_schedule(*args, **kwargs)
-        reqs = ctl.requests
-        n = sum(1 for r in out.num_scheduled_tokens if not reqs[r].is_prefill_chunk)
-        steps.append((n, out.num_spec_tokens_to_schedule, ctl._blind_step))
-        return out
-
     drafter = drafter_of(engine8)
     runs = {}
-    ctl.schedule = schedule  # the engine core calls its scheduler's schedule(): this wrapper, per step
+    spy_steps(ctl, steps, lambda out, n: (n, out.num_spec_tokens_to_schedule, ctl._blind_step))
     ctl.set_policy(gated)
     ctl.settings.draft_horizon = "policy"
     try:
@@ -434,18 +433,15 @@ def test_batch_8_the_table_unrecorded_takes_the_blind_path_step_for_step(engine8
     prompts = (PROMPTS + PROMPTS)[:8]
     lengths = [MAX_TOKENS // 3] * 4 + [MAX_TOKENS] * 4  # 8 requests (k = 0), then 4 (k = 3)
     steps: list[tuple] = []
-    base_schedule = ctl.schedule
 
-    def schedule(*args, **kwargs):
-        out = base_schedule(*args, **kwargs)
+    def step_of(out, n):
         spec_tokens = out.scheduled_spec_decode_tokens  # only the requests that verify drafts
         ks = tuple(sorted(len(spec_tokens.get(r, ())) for r in out.num_scheduled_tokens))
-        steps.append((out.num_spec_tokens_to_schedule, ks, ctl._blind_step, ctl.tap.capturing))
-        return out
+        return (out.num_spec_tokens_to_schedule, ks, ctl._blind_step, ctl.tap.capturing)
 
     prev_cb = ctl.round_callback
     runs = {}
-    ctl.schedule = schedule  # the engine core calls its scheduler's schedule(): this wrapper, per step
+    spy_steps(ctl, steps, step_of)
     ctl.set_policy(table)
     ctl.settings.draft_horizon = "policy"
     try:
