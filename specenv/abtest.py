@@ -944,6 +944,8 @@ def run_abtest(
             arm.engine = ""
             n_runs -= later_here + (opts.repeats - rep - 1) * len(opts.batches)
 
+        if progress is not None:  # the phase starts now (its ETA from its own clock), not at its first run
+            progress("repeats", 0, n_runs)
         for rep in range(opts.repeats):
             order = runs[rep % len(runs) :] + runs[: rep % len(runs)]
             _log(f"repeat {rep + 1}/{opts.repeats}: {len(order)} arms x batches {opts.batches}", quiet)
