@@ -1188,7 +1188,7 @@ def _rows(
     kpred: dict[tuple[int, int], Pred],
     batches: list[int],
 ) -> list[dict[str, Any]]:
-    fixed_of = {a.engine: a.name for a in arms if a.engine.startswith("k=")}
+    fixed_of = {a.engine: a.name for a in arms if a.group == "fixed"}  # (an overhead reference shares the engine)
     fixed_of["k=0"] = "plain (no speculation)"  # the best static choice may be no speculation: the plain engine
     best_arm = next((a for a in arms if a.group == "best" and a.k_by_batch), None)
     dyn_arm = next((a for a in arms if a.group == "dynamic"), None)

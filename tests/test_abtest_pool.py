@@ -189,10 +189,13 @@ def test_rows_of_k_0_the_plain_engine_for_the_best_choice_and_the_replay_for_vll
         _Arm("best fixed k (train)", "", "best", k_by_batch=best_k),
         _Arm("vLLM dynamic SD", "dynamic", "dynamic", k_by_batch=best_k),
         _Arm("k by batch size (specenv)", "ctl", "table", {"kind": "dsd-table"}, k_by_batch=best_k),
+        # the overhead arm's stock reference runs on the same engine as fixed k = 2: not the best arm's passes
+        _Arm("stock vLLM k=2 (overhead reference)", "k=2", "overhead-stock"),
     ]
     results = {
         ("plain (no speculation)", 1): passes(20.0), ("plain (no speculation)", 4): passes(30.0),
         ("fixed k=2", 1): passes(22.0), ("fixed k=2", 4): passes(27.0),
+        ("stock vLLM k=2 (overhead reference)", 1): passes(25.0),
         ("vLLM dynamic SD", 1): passes(22.0), ("vLLM dynamic SD", 4): passes(28.5),
         ("k by batch size (specenv)", 1): passes(22.2), ("k by batch size (specenv)", 4): passes(29.7),
     }  # fmt: skip
