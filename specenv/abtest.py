@@ -179,6 +179,11 @@ def repeat_cells(arms: list[Any], batches: list[int], by_batch: bool) -> list[tu
     return [(arm, b) for arm in arms for b in batches]
 
 
+def _groups_of(ids: list[int], b: int) -> list[list[int]]:
+    """The groups of ``b`` requests a pass over ``ids`` runs one after the other (the last may be shorter)."""
+    return [ids[i : i + b] for i in range(0, len(ids), b)]
+
+
 def interleave_cells(arms: list[Any], n_groups: int, rep: int) -> list[tuple[int, Any]]:
     """One batch size's runs in one repeat when the arms alternate group by group: ``(group, arm)`` in order.
 
@@ -789,14 +794,19 @@ def run_abtest(
                 }
                 n_fit, done_fit = opts.fit_repeats * len(opts.batches) * kmax * 2, 0
                 # each run of k beside a plain run of the same batch size (fit_order)
+                # with --interleave group, group by group (the pair's order alternating from group to group),
+                # each pass joined from its groups, as the repeats do
                 for k, b, pair in fit_order(kmax, opts.batches, opts.fit_repeats):
-                    got = {}
-                    for kk in pair:
-                        eng = engines.get("plain" if kk == 0 else f"k={kk}")
-                        got[kk] = run(eng, train_ids, b, opts.max_tokens)["tok_per_s"]
-                        done_fit += 1
-                        if progress is not None:
-                            progress("train fit", done_fit, n_fit)
+                    chunks = _groups_of(train_ids, b) if opts.interleave == "group" else [train_ids]
+                    parts: dict[int, list[dict[str, Any]]] = {kk: [] for kk in pair}
+                    for g, ids in enumerate(chunks):
+                        for kk in pair if g % 2 == 0 else pair[::-1]:
+                            eng = engines.get("plain" if kk == 0 else f"k={kk}")
+                            parts[kk].append(run(eng, ids, b, opts.max_tokens))
+                    got = {kk: join_passes(ps)["tok_per_s"] for kk, ps in parts.items()}
+                    done_fit += 2
+                    if progress is not None:
+                        progress("train fit", done_fit, n_fit)
                     tps[b][k].append(got[k])
                     tps[b][0].append(got[0])
                     ref[b][k].append(got[0])
@@ -805,7 +815,9 @@ def run_abtest(
                     best_k[b] = best_static_from_ratios(ratios[b])
                     _log(f"train fit, batch {b}: best fixed k={best_k[b]} (0: no speculation)", quiet)
                 fit_detail["fit_repeats"] = opts.fit_repeats
-                fit_detail["fit_pairing"] = "each k run beside a plain run of the same batch size"
+                fit_detail["fit_pairing"] = "each k run beside a plain run of the same batch size" + (
+                    ", group by group" if opts.interleave == "group" else ""
+                )
                 fit_detail["train_tok_per_s"] = {
                     str(b): {str(k): float(np.median(v)) for k, v in d.items()} for b, d in tps.items()
                 }
@@ -951,7 +963,7 @@ def run_abtest(
             _log(f"repeat {rep + 1}/{opts.repeats}: {len(order)} arms x batches {opts.batches}", quiet)
             if by_group:
                 for bi, b in enumerate(opts.batches):
-                    groups_b = [test_ids[i : i + b] for i in range(0, len(test_ids), b)]
+                    groups_b = _groups_of(test_ids, b)
                     parts: dict[str, list[dict[str, Any]]] = {a.name: [] for a in order}
                     for g, arm in interleave_cells(order, len(groups_b), rep):
                         if not arm.engine:  # refused earlier
