@@ -799,10 +799,9 @@ def run_abtest(
                 for k, b, pair in fit_order(kmax, opts.batches, opts.fit_repeats):
                     chunks = _groups_of(train_ids, b) if opts.interleave == "group" else [train_ids]
                     parts: dict[int, list[dict[str, Any]]] = {kk: [] for kk in pair}
-                    for g, ids in enumerate(chunks):
-                        for kk in pair if g % 2 == 0 else pair[::-1]:
-                            eng = engines.get("plain" if kk == 0 else f"k={kk}")
-                            parts[kk].append(run(eng, ids, b, opts.max_tokens))
+                    for g, kk in interleave_cells(list(pair), len(chunks), 0):  # the pair's order alternating
+                        eng = engines.get("plain" if kk == 0 else f"k={kk}")
+                        parts[kk].append(run(eng, chunks[g], b, opts.max_tokens))
                     got = {kk: join_passes(ps)["tok_per_s"] for kk, ps in parts.items()}
                     done_fit += 2
                     if progress is not None:

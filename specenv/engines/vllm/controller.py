@@ -585,7 +585,8 @@ class SpecControlScheduler(Recording, Scheduler):
                 h = self.spec.lookahead if h > 0 else 0
             return int(min(max(h, 0), self.num_spec_tokens))
         if self.spec.lookahead:  # the block, except where a gated policy's gate is shut for the step (k = 0)
-            if not self._reads_at(self._deciding(out), default=True):
+            at = self._served.observes_at
+            if at is not None and not at(self._deciding(out)):
                 return 0
             return int(min(self.spec.lookahead, self.num_spec_tokens))
         first, cont, ids_f, ids_c = [], [], [], []
@@ -667,16 +668,10 @@ class SpecControlScheduler(Recording, Scheduler):
         reqs = self.requests
         return sum(1 for r in out.num_scheduled_tokens if (q := reqs.get(r)) is not None and not q.is_prefill_chunk)
 
-    def _reads_at(self, n: int, default: bool = False) -> bool:
-        """Whether the policy reads the rows of a step deciding n requests (the protocol's ``observes_at``).
-
-        ``default``: the answer for a policy without ``observes_at``. On the blind path (see
-        :meth:`_blind`, default False) True means a gated policy whose step decides an n it reads.
-        """
+    def _reads_at(self, n: int) -> bool:
+        """A blind step deciding n requests whose policy would read their rows (see :meth:`_blind`)."""
         served = self._served
-        if served is None or served.observes_at is None:
-            return default
-        return bool(served.observes_at(n))
+        return served is not None and served.observes_at is not None and bool(served.observes_at(n))
 
     def _blank(self, n: int) -> np.ndarray:
         """``(n, dim)`` rows of zeros for a policy that reads none (the blind path; kept between steps)."""
@@ -958,13 +953,13 @@ class SpecControlScheduler(Recording, Scheduler):
         slots, Ls, ts, confs = [], [], [], []
         # a gated block policy whose gate is shut for the step's n requests reads no signals (its horizon
         # drafted nothing, :meth:`_horizon`): it is asked about rows without them and answers 0
-        shut = bool(h) and not self._reads_at(
+        at = self._served.observes_at if h else None
+        shut = at is not None and not at(
             sum(
                 1
                 for r in req_ids
                 if (q := self.requests.get(r)) is not None and not q.is_finished() and not q.is_prefill_chunk
-            ),
-            default=True,
+            )
         )
         for j, req_id in enumerate(req_ids):
             request = self.requests.get(req_id)
