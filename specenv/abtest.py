@@ -93,6 +93,7 @@ class AbtestOptions:
     train_prompts: int = 8
     cycle_prompts: bool = False  # more prompts than the test split: the held-out prompts served in turn
     fit_repeats: int = 1  # interleaved passes of the train prompts per (k, batch size) in the measured fit
+    fit_kmax: int | None = None  # the measured fit tries k = 1..fit_kmax (None: kmax)
     fit_from: str | None = None  # an earlier abtest.json whose train fit (best k per batch size) is reused
     max_tokens: int = 64
     repeats: int = 3
@@ -467,6 +468,8 @@ class BatchPrediction:
         prefill_ms: The arm's engine's prefill phases (the engine with the drafter), summed; 0.0 when
             the batch model has no prefill term.
         ar_prefill_ms: The plain engine's prefill phases, summed.
+        ar_steps: The plain engine's decoding steps, summed over the groups (each group's longest request).
+        groups: The request groups replayed.
     """
 
     speedup: float
@@ -475,6 +478,8 @@ class BatchPrediction:
     ar_decode_ms: float
     prefill_ms: float
     ar_prefill_ms: float
+    ar_steps: int = 0
+    groups: int = 0
 
     def with_decode(self, decode_speedup: float) -> BatchPrediction:
         """The same prefill phases and plain decoding, the arm's decoding priced by another model's ratio.
@@ -554,6 +559,7 @@ def predict_batch(
     data = envs[0].unwrapped.data
     row_of = {int(g): i for i, g in enumerate(data.generation_ids)}
     cost = ar = pre = ar_pre = 0.0
+    ar_steps = n_groups = 0
     for g0 in range(0, len(gids), b):
         members = [int(g) for g in gids[g0 : g0 + b]]
         pols = [make_policy()] if joint else [make_policy() for _ in members]
@@ -594,6 +600,8 @@ def predict_batch(
         for s in range(int(n.max())):  # the plain engine: one token per running request per step
             on = n > s
             ar += batch_cost.ar_ms(L0[on] + s)
+        ar_steps += int(n.max())
+        n_groups += 1
     for env in envs:
         env.close()
     return BatchPrediction(
@@ -603,7 +611,65 @@ def predict_batch(
         ar_decode_ms=ar,
         prefill_ms=pre,
         ar_prefill_ms=ar_pre,
+        ar_steps=ar_steps,
+        groups=n_groups,
     )
+
+
+#: The reference arm's name: the plain engine, no speculation.
+PLAIN_ARM = "plain (no speculation)"
+
+#: How far the live plain engine's clock may sit from the batch step model's before the A/B warns.
+CLOCK_TOLERANCE = 0.10
+
+
+def clock_check(pred: BatchPrediction, plain: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The live plain engine's clock against the batch step model's plain engine, on the same groups.
+
+    A step-time model is a recording of one machine: the ratios it predicts (a verification of P
+    positions against a plain step) hold on another machine only when that machine's plain step costs
+    what the recording's did. This compares the plain arm's measured decode step (mean time per output
+    token over every request and repeat) with the model's mean plain step over the same groups
+    (``ar_decode_ms / ar_steps``), and its prefill phase (per group, the last first token: the mean over
+    groups and repeats of the group's largest time to first token) with the model's (``ar_prefill_ms /
+    groups``).
+
+    Args:
+        pred: Any arm's :func:`predict_batch` result at this batch size (its plain side is the reference).
+        plain: The plain arm's passes at this batch size (each with ``requests``: ``group``, ``ttft_ms``,
+            ``tpot_ms``).
+
+    Returns:
+        ``{"live_step_ms", "model_step_ms", "step_ratio", "live_prefill_ms", "model_prefill_ms",
+        "prefill_ratio", "off"}`` (ratios live / model; ``off``: either ratio outside ``1 +-
+        CLOCK_TOLERANCE``), or None without request timings or a prediction of the plain engine's steps.
+    """
+    if pred.ar_steps <= 0 or pred.groups <= 0:
+        return None
+    tpot = _mean_tpot(plain)
+    firsts: dict[tuple[int, int], float] = {}
+    for i, r in enumerate(plain):
+        for q in r.get("requests", []):
+            if q and q.get("ttft_ms") is not None:
+                key = (i, int(q.get("group", 0)))
+                firsts[key] = max(firsts.get(key, 0.0), float(q["ttft_ms"]))
+    if tpot is None or not firsts:
+        return None
+    model_step = pred.ar_decode_ms / pred.ar_steps
+    live_pre = float(np.mean(list(firsts.values())))
+    model_pre = pred.ar_prefill_ms / pred.groups
+    step_ratio = tpot / model_step
+    pre_ratio = live_pre / model_pre if model_pre > 0 else None
+    ratios = [x for x in (step_ratio, pre_ratio) if x is not None]
+    return {
+        "live_step_ms": tpot,
+        "model_step_ms": model_step,
+        "step_ratio": step_ratio,
+        "live_prefill_ms": live_pre,
+        "model_prefill_ms": model_pre if model_pre > 0 else None,
+        "prefill_ratio": pre_ratio,
+        "off": any(abs(x - 1.0) > CLOCK_TOLERANCE for x in ratios),
+    }
 
 
 def _drafts_block(policy: Any, n: int) -> bool:
@@ -771,9 +837,10 @@ def run_abtest(
         need_fixed = "fixed" in groups or (
             opts.fit == "measured" and reused is None and groups & {"best", "dynamic", "table", "gated", "overhead"}
         )
+        fit_kmax = kmax if opts.fit_kmax is None else min(int(opts.fit_kmax), kmax)
         start("plain", {"k": 0, "controller": False})
         if need_fixed:
-            for k in range(1, kmax + 1):
+            for k in range(1, (kmax if "fixed" in groups else fit_kmax) + 1):
                 start(f"k={k}", {"k": k, "controller": False})
         # ---- fit on train: best fixed k and the dynamic-SD table per batch size
         best_k: dict[int, int] = {}
@@ -786,17 +853,19 @@ def run_abtest(
                 best_k = {b: reused["best_k"][b] for b in opts.batches}
                 _log(f"train fit from {opts.fit_from}: best k per batch {table_k}", quiet)
             elif opts.fit == "measured":
-                tps: dict[int, dict[int, list[float]]] = {b: {k: [] for k in range(kmax + 1)} for b in opts.batches}
+                tps: dict[int, dict[int, list[float]]] = {b: {k: [] for k in range(fit_kmax + 1)} for b in opts.batches}
                 # plain's run beside each k's run (same batch size, one right after the other), and the ratio
-                ref: dict[int, dict[int, list[float]]] = {b: {k: [] for k in range(1, kmax + 1)} for b in opts.batches}
-                ratios: dict[int, dict[int, list[float]]] = {
-                    b: {k: [] for k in range(1, kmax + 1)} for b in opts.batches
+                ref: dict[int, dict[int, list[float]]] = {
+                    b: {k: [] for k in range(1, fit_kmax + 1)} for b in opts.batches
                 }
-                n_fit, done_fit = opts.fit_repeats * len(opts.batches) * kmax * 2, 0
+                ratios: dict[int, dict[int, list[float]]] = {
+                    b: {k: [] for k in range(1, fit_kmax + 1)} for b in opts.batches
+                }
+                n_fit, done_fit = opts.fit_repeats * len(opts.batches) * fit_kmax * 2, 0
                 # each run of k beside a plain run of the same batch size (fit_order)
                 # with --interleave group, group by group (the pair's order alternating from group to group),
                 # each pass joined from its groups, as the repeats do
-                for k, b, pair in fit_order(kmax, opts.batches, opts.fit_repeats):
+                for k, b, pair in fit_order(fit_kmax, opts.batches, opts.fit_repeats):
                     chunks = _groups_of(train_ids, b) if opts.interleave == "group" else [train_ids]
                     parts: dict[int, list[dict[str, Any]]] = {kk: [] for kk in pair}
                     for g, kk in interleave_cells(list(pair), len(chunks), 0):  # the pair's order alternating
@@ -814,6 +883,7 @@ def run_abtest(
                     best_k[b] = best_static_from_ratios(ratios[b])
                     _log(f"train fit, batch {b}: best fixed k={best_k[b]} (0: no speculation)", quiet)
                 fit_detail["fit_repeats"] = opts.fit_repeats
+                fit_detail["fit_kmax"] = fit_kmax
                 fit_detail["fit_pairing"] = "each k run beside a plain run of the same batch size" + (
                     ", group by group" if opts.interleave == "group" else ""
                 )
@@ -827,7 +897,7 @@ def run_abtest(
                 best_k = {b: max(ctx.best_fixed_k, 1) for b in opts.batches}
             fit_detail["best_k"] = {str(b): k for b, k in (table_k or best_k).items()}
         arms: list[_Arm] = []
-        arms.append(_Arm("plain (no speculation)", "plain", "plain"))  # the reference: always run
+        arms.append(_Arm(PLAIN_ARM, "plain", "plain"))  # the reference: always run
         if "fixed" in groups:
             for k in range(1, kmax + 1):
                 arms.append(_Arm(f"fixed k={k}", f"k={k}", "fixed", predict={"kind": "fixed", "k": k}))
@@ -1038,6 +1108,24 @@ def run_abtest(
         dyn_k = next((a.k_by_batch for a in arms if a.group == "dynamic" and a.k_by_batch), None) or {}
         preds, kpred = predict_all(str(cm_path), batch_model)  # the set's cost model, as saved beside the run
         ablated = _ablations(ctx, out, opts, batch_model, predict_all)
+        clock = {}  # the live plain engine's clock against the step model's (a recording of another machine?)
+        if batch_model is not None and batch_model.ar_step is not None:
+            for b in opts.batches:
+                plain_rs = results.get((PLAIN_ARM, b))
+                if plain_rs:
+                    ref = predict_batch(
+                        opts.dataset,
+                        str(cm_path),
+                        kmax,
+                        test_ids,
+                        lambda: replay_policy({"kind": "fixed", "k": 0}, ctx.spec),
+                        opts.max_tokens,
+                        b,
+                        batch_model,
+                    )
+                    checked = clock_check(ref, plain_rs)
+                    if checked is not None:
+                        clock[str(b)] = checked
     finally:
         engines.close()
     if engines.restarts:
@@ -1059,6 +1147,15 @@ def run_abtest(
                     "live_over_pred": None if pred is None else r["live_speedup"] / pred,
                 }
     fidelity = _fidelity(rows)
+    off = {b: c for b, c in clock.items() if c["off"]}
+    if off:
+        ratios = ", ".join(f"{c['step_ratio']:.2f}x" for c in off.values())
+        notes.append(
+            f"clock: the live plain engine's step is {ratios} the "
+            f"step model's ({batch_model_name}) at batch {', '.join(off)}: the recording is of another machine or "
+            "load, and its ratios (a verification against a plain step) may not hold on this one; re-record it here "
+            "(scripts/collect_vllm_batch.py --plain, then specenv batch fit --timing step)"
+        )
     doc = {
         "fidelity": fidelity,
         "options": asdict(opts),
@@ -1091,6 +1188,7 @@ def run_abtest(
             ),
         ],
         "batch_step_model": batch_model_name,
+        "clock": clock or None,
         "engines": engines.infos,
         "duration_s": time.time() - t_start,
         # the 1-minute load average after every pass (this machine's other work shows here)
@@ -1110,7 +1208,7 @@ PASS_FIELDS = ("wall_s", "tokens", "tok_per_s", "steps", "groups", "requests", "
 
 def plain_outputs(results: dict[tuple[str, int], list[dict[str, Any]]]) -> dict[int, Any]:
     """Plain decoding's token ids per batch size (its first repeat): the reference of every arm's outputs."""
-    return {b: rs[0]["outputs"] for (name, b), rs in results.items() if name == "plain (no speculation)" and rs}
+    return {b: rs[0]["outputs"] for (name, b), rs in results.items() if name == PLAIN_ARM and rs}
 
 
 def pass_records(results: dict[tuple[str, int], list[dict[str, Any]]], plain: dict[int, Any]) -> list[dict[str, Any]]:
@@ -1200,12 +1298,12 @@ def _rows(
     batches: list[int],
 ) -> list[dict[str, Any]]:
     fixed_of = {a.engine: a.name for a in arms if a.group == "fixed"}  # (an overhead reference shares the engine)
-    fixed_of["k=0"] = "plain (no speculation)"  # the best static choice may be no speculation: the plain engine
+    fixed_of["k=0"] = PLAIN_ARM  # the best static choice may be no speculation: the plain engine
     best_arm = next((a for a in arms if a.group == "best" and a.k_by_batch), None)
     dyn_arm = next((a for a in arms if a.group == "dynamic"), None)
     rows = []
     for b in batches:
-        plain = results.get(("plain (no speculation)", b), [])
+        plain = results.get((PLAIN_ARM, b), [])
         plain_tps = statistics.median(r["tok_per_s"] for r in plain) if plain else float("nan")
         ref = plain[0]["outputs"] if plain else None
         refs = {
@@ -1594,6 +1692,16 @@ def markdown(doc: dict[str, Any]) -> str:
                     f"- batch {b}, {model}: mean {f['mean_abs_err']:.1%}, max {f['max_abs_err']:.1%} "
                     f"({f['worst']}), Spearman {_f(f['spearman'], '.3f')} over {f['arms']} arms"
                 )
+    clock = doc.get("clock") or {}
+    if clock:
+        lines += ["", f"Clock (live plain engine / the step model {doc.get('batch_step_model')}'s, same groups):"]
+        for b, c in clock.items():
+            lines.append(
+                f"- batch {b}: decode step {c['live_step_ms']:.1f} / {c['model_step_ms']:.1f} ms = "
+                f"{c['step_ratio']:.2f}; prefill per group {_f(c['live_prefill_ms'], '.0f')} / "
+                f"{_f(c['model_prefill_ms'], '.0f')} ms = {_f(c['prefill_ratio'], '.2f')}"
+                + (" (off)" if c["off"] else "")
+            )
     fit = doc["fit"]
     if fit.get("best_k"):
         lines.append("")

@@ -29,6 +29,8 @@ def _invoke(args: list[str]):  # noqa: ANN202
         (["--repeats", "0"], "--repeats"),
         (["--fit-repeats", "0"], "--fit-repeats"),
         (["--fit-repeats", "many"], "--fit-repeats"),
+        (["--fit-kmax", "0"], "--fit-kmax"),
+        (["--fit-kmax", "5", "--kmax", "4"], "--fit-kmax: 5 exceeds the run's kmax 4"),
         (["--policy-dir", "/no/such/dir"], "--policy-dir"),
         (["--fit-from", "/no/such/abtest.json"], "--fit-from"),
         (["--learned", "no-such-set/ppo"], "--learned: unknown policy 'no-such-set/ppo'"),

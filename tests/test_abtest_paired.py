@@ -284,3 +284,31 @@ def test_pass_records_keep_every_timing_and_no_tokens_and_pair_as_the_passes_do(
     for phase in ("pass", "decode"):
         a, b = abtest._paired(arm, ref, phase), abtest._paired(results[("arm", 2)], results[(plain_name, 2)], phase)
         assert a == b and a is not None
+
+
+def test_the_clock_check_compares_the_plain_engines_step_and_prefill_with_the_models() -> None:
+    # the model's plain side: 100 steps of 2,000 ms in all (20 ms a step), 2 groups of 600 ms of prefill in all
+    pred = abtest.BatchPrediction(1.2, 1.3, 1500.0, 2000.0, 700.0, 600.0, ar_steps=100, groups=2)
+
+    def req(group: int, ttft: float, tpot: float) -> dict:
+        return {"group": group, "ttft_ms": ttft, "tpot_ms": tpot, "tokens": 10}
+
+    # two repeats of two groups of two requests; a group's prefill phase ends with its last first token
+    plain = [
+        {"requests": [req(0, 250.0, 21.0), req(0, 330.0, 22.0), req(1, 290.0, 21.0), req(1, 270.0, 22.0)]},
+        {"requests": [req(0, 310.0, 22.0), req(0, 300.0, 21.0), req(1, 350.0, 22.0), req(1, 200.0, 21.0)]},
+    ]
+    c = abtest.clock_check(pred, plain)
+    assert c is not None
+    assert c["live_step_ms"] == pytest.approx(21.5) and c["model_step_ms"] == pytest.approx(20.0)
+    assert c["step_ratio"] == pytest.approx(1.075)
+    assert c["live_prefill_ms"] == pytest.approx((330 + 290 + 310 + 350) / 4) == 320.0
+    assert c["prefill_ratio"] == pytest.approx(320.0 / 300.0)
+    assert c["off"] is False  # 1.075 and 1.067: inside +-10%
+    # a machine twice as fast as the recording's: flagged
+    fast = [{"requests": [{**q, "tpot_ms": q["tpot_ms"] / 2} for q in r["requests"]]} for r in plain]
+    c = abtest.clock_check(pred, fast)
+    assert c is not None and c["step_ratio"] == pytest.approx(0.5375) and c["off"] is True
+    # nothing to compare: no plain steps predicted, or no request timings
+    assert abtest.clock_check(abtest.BatchPrediction(1, 1, 1, 1, 0, 0), plain) is None
+    assert abtest.clock_check(pred, [{"requests": []}]) is None

@@ -229,6 +229,10 @@ def test_batch_prediction_of_fixed_k_is_the_hand_walked_lockstep(tmp_path: Path)
         assert res.speedup == pytest.approx((p_plain + res.ar_decode_ms) / (p_spec + res.decode_ms), rel=1e-12)
         # the prefill pulls the speedup towards plain's prefill / spec's prefill: here below the decode figure
         assert res.speedup < res.decode_speedup
+        # the plain engine's steps: each group runs as long as its longest request (40 tokens at most)
+        lens = [min(40, int(arr.lengths[i])) for i in range(len(gids))]
+        steps = [max(lens[g0 : g0 + batch]) for g0 in range(0, len(gids), batch)]
+        assert (res.ar_steps, res.groups) == (sum(steps), len(steps))
         # batch 1's composition: another model's decoding ratio on this prediction's prefill and plain clock
         other = res.with_decode(1.25)
         assert other.decode_ms == pytest.approx(res.ar_decode_ms / 1.25, rel=1e-12)

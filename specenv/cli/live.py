@@ -263,6 +263,15 @@ def abtest(
             "chosen over no speculation only if it beat plain in every pass.",
         ),
     ] = 1,
+    fit_kmax: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=64,
+            help="Largest k the measured fit tries (k = 0..this; default: --kmax): fewer train runs where a "
+            "larger k is known not to pay; the arms keep --kmax.",
+        ),
+    ] = None,
     fit_from: Annotated[
         Path | None,
         typer.Option(
@@ -371,6 +380,8 @@ def abtest(
             )
     ts = load_traces(traces)
     k = check_budget(ts, kmax)
+    if fit_kmax is not None and fit_kmax > k:
+        fail(f"--fit-kmax: {fit_kmax} exceeds the run's kmax {k}")
     from specenv.replay.tables import SelectionError, select_positions
 
     try:
@@ -427,6 +438,7 @@ def abtest(
         cycle_prompts=cycle_prompts,
         train_prompts=train_prompts,
         fit_repeats=fit_repeats,
+        fit_kmax=fit_kmax,
         fit_from=None if fit_from is None else str(fit_from),
         max_tokens=max_tokens,
         repeats=repeats,
