@@ -461,8 +461,8 @@ class BatchPrediction:
 
     Attributes:
         speedup: What the live tokens/s ratio measures: plain's (prefill + decoding) time over the arm's.
-        decode_speedup: The decoding steps alone (plain's over the arm's), what the live time per output
-            token measures.
+        decode_speedup: The decoding steps alone: plain's decoding time over the arm's, each group's
+            decoding lasting until its last request ends (the decoding phase's share of the tokens/s).
         decode_ms: The arm's decoding steps, summed over the groups.
         ar_decode_ms: The plain engine's decoding steps, summed.
         prefill_ms: The arm's engine's prefill phases (the engine with the drafter), summed; 0.0 when
@@ -470,6 +470,12 @@ class BatchPrediction:
         ar_prefill_ms: The plain engine's prefill phases, summed.
         ar_steps: The plain engine's decoding steps, summed over the groups (each group's longest request).
         groups: The request groups replayed.
+        tpot_speedup: What the live time per output token measures: the mean over requests of plain's
+            time per output token over the mean of the arm's, each request's time counted from its first
+            decoding step to its own last (a request that finishes early in a speculating group stops
+            its clock; on the plain engine every request of a group ends with it). Above
+            ``decode_speedup`` at B > 1 when the requests' acceptances differ; equal to it at B = 1.
+            None: not computed.
     """
 
     speedup: float
@@ -480,6 +486,7 @@ class BatchPrediction:
     ar_prefill_ms: float
     ar_steps: int = 0
     groups: int = 0
+    tpot_speedup: float | None = None
 
     def with_decode(self, decode_speedup: float) -> BatchPrediction:
         """The same prefill phases and plain decoding, the arm's decoding priced by another model's ratio.
@@ -487,6 +494,7 @@ class BatchPrediction:
         The arm's decoding time becomes ``ar_decode_ms / decode_speedup`` (e.g. the ratio of a trace
         set's own B = 1 cost model, fitted on many more single-request rounds than a batch recording
         holds), and the tokens/s speedup is recomputed with this prediction's prefill phases and clock.
+        The time per output token ratio becomes the same ratio (one request per group, as at B = 1).
         """
         if not (np.isfinite(decode_speedup) and decode_speedup > 0):
             raise ValueError(f"decode_speedup={decode_speedup!r}: must be finite and > 0")
@@ -496,6 +504,7 @@ class BatchPrediction:
             speedup=(self.ar_prefill_ms + self.ar_decode_ms) / (self.prefill_ms + decode_ms),
             decode_speedup=float(decode_speedup),
             decode_ms=decode_ms,
+            tpot_speedup=float(decode_speedup),
         )
 
 
@@ -560,6 +569,8 @@ def predict_batch(
     row_of = {int(g): i for i, g in enumerate(data.generation_ids)}
     cost = ar = pre = ar_pre = 0.0
     ar_steps = n_groups = 0
+    tpot: list[float] = []  # per request: its decoding time over its tokens, the arm's
+    ar_tpot: list[float] = []  # and the plain engine's
     for g0 in range(0, len(gids), b):
         members = [int(g) for g in gids[g0 : g0 + b]]
         pols = [make_policy()] if joint else [make_policy() for _ in members]
@@ -574,6 +585,7 @@ def predict_batch(
             int(data.lengths[row_of[g]]) if max_tokens is None else min(int(max_tokens), int(data.lengths[row_of[g]]))
             for g in members
         ]
+        clock = np.zeros(len(members))  # each request's decoding time so far (the steps it was in)
         while any(live):
             idx = [i for i, a in enumerate(live) if a]
             if joint:
@@ -592,14 +604,21 @@ def predict_batch(
             # a lookahead block is drafted in the steps the policy reads (a gated policy's shut steps: none)
             top = max(max(ks), h if _drafts_block(pols[0], len(idx)) else 0)
             drafted = np.full(len(ks), top, dtype=np.int64)
-            cost += batch_cost.step_ms(np.asarray(ks), drafted, np.asarray(us), np.asarray(Ls))
+            step = batch_cost.step_ms(np.asarray(ks), drafted, np.asarray(us), np.asarray(Ls))
+            cost += step
+            clock[idx] += step
         L0 = np.array([float(data.L0[row_of[g]]) for g in members])
         pre += batch_cost.prefill_ms(float(L0.sum()), "spec")
         ar_pre += batch_cost.prefill_ms(float(L0.sum()), "plain")
         n = np.array(n_tok)
+        ar_clock = np.zeros(len(members))
         for s in range(int(n.max())):  # the plain engine: one token per running request per step
             on = n > s
-            ar += batch_cost.ar_ms(L0[on] + s)
+            step = batch_cost.ar_ms(L0[on] + s)
+            ar += step
+            ar_clock[on] += step
+        tpot.extend(clock / n)
+        ar_tpot.extend(ar_clock / n)
         ar_steps += int(n.max())
         n_groups += 1
     for env in envs:
@@ -613,6 +632,7 @@ def predict_batch(
         ar_prefill_ms=ar_pre,
         ar_steps=ar_steps,
         groups=n_groups,
+        tpot_speedup=float(np.mean(ar_tpot) / np.mean(tpot)),
     )
 
 
@@ -1088,7 +1108,7 @@ def run_abtest(
             res = predict_batch(opts.dataset, cm, kmax, test_ids, make, opts.max_tokens, b, bm, joint=joint)
             if b == 1:  # the decoding ratio from the set's own B = 1 model; prefill and clock from the recording
                 res = res.with_decode(predicted_speedup(opts.dataset, cm, kmax, test_ids, make(), opts.max_tokens))
-            return res.speedup, res.decode_speedup
+            return res.speedup, res.tpot_speedup if res.tpot_speedup is not None else res.decode_speedup
 
         def predict_all(cm: str, bm: Any) -> tuple[dict[tuple[str, int], Pred], dict[tuple[int, int], Pred]]:
             by_arm: dict[tuple[str, int], Pred] = {}

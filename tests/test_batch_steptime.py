@@ -132,16 +132,20 @@ def test_model_checks_and_ablations() -> None:
 
 
 def _hand_lockstep(
-    arr, gids: list[int], k_of, bm: BatchCostModel, batch: int, max_tokens: int, drafted_of=None
+    arr, gids: list[int], k_of, bm: BatchCostModel, batch: int, max_tokens: int, drafted_of=None, tpot: bool = False
 ) -> float:
     """Fixed k on a greedy set, walked here from the tables: rounds, lockstep steps, the plain engine's steps.
 
     ``k_of``: the k of every request of a step, an int or a function of the step's number of requests.
     ``drafted_of``: the tokens drafted in a step of n requests (default: its k).
+    ``tpot``: return the mean over requests of plain's time per output token over the mean of the arm's
+    (each request's clock running over the steps it is in), instead of the groups' decoding times' ratio.
     """
     row_of = {int(g): i for i, g in enumerate(arr.generation_ids)}
     n_u = float(bm.n_experts)
     cost = ar = 0.0
+    mine: dict[int, float] = {}  # each request's decoding time, the arm's
+    plain: dict[int, float] = {}  # and the plain engine's
     for g0 in range(0, len(gids), batch):
         members = [row_of[g] for g in gids[g0 : g0 + batch]]
         t = {i: 0 for i in members}
@@ -151,6 +155,7 @@ def _hand_lockstep(
         while live:
             k = k_of(len(live)) if callable(k_of) else k_of
             ks, us, Ls = [], [], []
+            inside = list(live)
             for i in list(live):
                 row = int(arr.offsets[i]) + t[i]
                 acc = 0
@@ -169,13 +174,28 @@ def _hand_lockstep(
             d = k if drafted_of is None else drafted_of(B)
             draft = bm.d0 + bm.d_step * d + bm.d_tok * d * B if d else 0.0
             cost += verify + bm.overhead[B - 1] + draft
+            for i in inside:
+                mine[i] = mine.get(i, 0.0) + verify + bm.overhead[B - 1] + draft
         L0 = np.array([float(arr.L[int(arr.offsets[i])]) for i in members])
         n = np.array([stop[i] for i in members])
         a, b_req, c = bm.ar_step
         for s in range(int(n.max())):
             on = n > s
-            ar += a + b_req * (on.sum() - 1) + c * float((L0[on] + s).sum())
+            step = a + b_req * (on.sum() - 1) + c * float((L0[on] + s).sum())
+            ar += step
+            for i, o in zip(members, on, strict=True):
+                plain[i] = plain.get(i, 0.0) + (step if o else 0.0)
+    if tpot:
+        return float(np.mean([plain[i] / stop_of for i, stop_of in _stops(arr, gids, max_tokens)])) / float(
+            np.mean([mine[i] / stop_of for i, stop_of in _stops(arr, gids, max_tokens)])
+        )
     return ar / cost
+
+
+def _stops(arr, gids: list[int], max_tokens: int) -> list[tuple[int, int]]:
+    """Each request's row and the tokens it generates (its recorded length, at most ``max_tokens``)."""
+    row_of = {int(g): i for i, g in enumerate(arr.generation_ids)}
+    return [(row_of[g], min(int(arr.offsets[row_of[g] + 1] - arr.offsets[row_of[g]]), max_tokens)) for g in gids]
 
 
 def _lockstep_model() -> BatchCostModel:
@@ -204,8 +224,15 @@ def test_batch_prediction_of_fixed_k_is_the_hand_walked_lockstep(tmp_path: Path)
 
     for k in (1, 3):
         for batch in (2, 3):
-            pred = predict_batch(str(path), "fit-train", KMAX, gids, fixed(k), 40, batch, bm).speedup
-            assert pred == pytest.approx(_hand_lockstep(arr, gids, k, bm, batch, 40), rel=1e-9), (k, batch)
+            res = predict_batch(str(path), "fit-train", KMAX, gids, fixed(k), 40, batch, bm)
+            assert res.speedup == pytest.approx(_hand_lockstep(arr, gids, k, bm, batch, 40), rel=1e-9), (k, batch)
+            # what the live time per output token measures: each request's own clock, plain's over the arm's
+            hand = _hand_lockstep(arr, gids, k, bm, batch, 40, tpot=True)
+            assert res.tpot_speedup == pytest.approx(hand, rel=1e-9), (k, batch)
+            # a request that ends early in its group stops its clock: above the groups' ratio here
+            assert res.tpot_speedup > res.decode_speedup, (k, batch)
+        one = predict_batch(str(path), "fit-train", KMAX, gids, fixed(k), 40, 1, bm)
+        assert one.tpot_speedup == pytest.approx(one.decode_speedup, rel=1e-12)  # one request a group: the same
     # with a prefill term: every group first pays its prefill phase (spec engine for the arm, plain for the
     # reference) on the sum of its prompts' tokens; the decoding steps are the same hand walk
     pre = {"spec": (50.0, 0.2), "plain": (30.0, 0.15)}
@@ -339,15 +366,16 @@ def test_step_fit_carries_the_prefill_term_and_its_json_round_trips(tmp_path: Pa
         model.replace(prefill={"spec": (1.0, 1.0)})
 
 
-def test_shipped_wide_recording_is_a_step_time_fit_of_its_steps() -> None:
+@pytest.mark.parametrize(("name", "groups"), [("live-vllm-wide-batch-v2", 35), ("live-vllm-wide-batch-v3", 28)])
+def test_shipped_wide_recording_is_a_step_time_fit_of_its_steps(name: str, groups: int) -> None:
     from specenv.cost.batch import load_batch_cost_model
     from specenv.cost.batchfit import load_steps
     from specenv.replay.batch import fitted_batch_cost, step_time_recording
 
-    steps, manifest = load_steps("live-vllm-wide-batch-v2")
+    steps, manifest = load_steps(name)
     assert manifest["extra"]["models"] == "wide-moe-v1" and "engine_step_ms" in steps.columns
     assert set(steps["B"]) >= {1, 2, 4, 8, 16}
-    ship = load_batch_cost_model("live-vllm-wide-batch-v2")
+    ship = load_batch_cost_model(name)
     refit = fit_batch_cost(steps, manifest, timing="step").model
     for name in ("beta0", "alpha", "c", "overhead"):
         np.testing.assert_allclose(getattr(ship, name), getattr(refit, name), rtol=1e-9)
@@ -357,7 +385,7 @@ def test_shipped_wide_recording_is_a_step_time_fit_of_its_steps() -> None:
     assert ship.ar_step == pytest.approx((ref["a_ms"], ref["b_req_ms"], ref["c_ms_per_token"]), rel=1e-12)
     # every group's prefill phase on both engines, and the shipped prefill term is their fit
     rows = pd.DataFrame(manifest["extra"]["prefill"]["rows"])
-    assert sorted(rows["engine"].value_counts().items()) == [("plain", 35), ("spec", 35)]
+    assert sorted(rows["engine"].value_counts().items()) == [("plain", groups), ("spec", groups)]
     assert ship.prefill is not None and refit.prefill is not None
     for engine in ("spec", "plain"):
         assert ship.prefill[engine] == pytest.approx(refit.prefill[engine], rel=1e-9)
@@ -365,11 +393,13 @@ def test_shipped_wide_recording_is_a_step_time_fit_of_its_steps() -> None:
         a, b = np.polyfit(t["prompt_tokens"].to_numpy(float), t["prefill_ms"].to_numpy(float), 1)[::-1]
         if a >= 0 and b >= 0:  # the unconstrained line is the fit when it needs no constraint
             assert ship.prefill[engine] == pytest.approx((a, b), rel=1e-6)
-    assert step_time_recording("wide-moe-v1") == "live-vllm-wide-batch-v2"
+    # the newest recording of the wide models is the one the A/B and the batch env use
+    assert step_time_recording("wide-moe-v1") == "live-vllm-wide-batch-v3"
     assert step_time_recording("small-moe-v1") is None  # its recording has no engine steps: forwards only
     wide = load_dataset("live-vllm-wide")
     chosen = fitted_batch_cost(wide, 8)
-    assert chosen is not None and chosen.ar_step == ship.ar_step  # the batch env prices live-vllm-wide with it
+    newest = load_batch_cost_model("live-vllm-wide-batch-v3")
+    assert chosen is not None and chosen.ar_step == newest.ar_step  # the batch env prices live-vllm-wide with it
     small = fitted_batch_cost(load_dataset("live-vllm"), 8)
     assert small is not None and small.ar_step is None  # the small models keep their own recording
 
