@@ -655,7 +655,9 @@ def load_batch_cost_model(name_or_path: str | os.PathLike[str] = SHIPPED) -> Bat
         except (FileNotFoundError, OSError):
             pass
         if not path.exists():  # name what was given, not a path inside the package
-            raise ValueError(f"{name_or_path}: no such file or folder, nor a shipped recording ({SHIPPED})")
+            root = package_data(SHIPPED).parent
+            shipped = sorted(p.parent.name for p in root.glob(f"*/{MODEL_FILE}")) if root.is_dir() else [SHIPPED]
+            raise ValueError(f"{name_or_path}: no such file or folder, nor a shipped recording ({', '.join(shipped)})")
     if path.is_dir():
         path = path / MODEL_FILE
     return BatchCostModel.load(path)

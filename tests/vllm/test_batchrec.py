@@ -57,3 +57,24 @@ def test_record_batch_steps(engine):
     mask = consecutive & prev.notna()
     kmax_row = by_group["k"].map(max)
     assert (kmax_row[mask] <= prev[mask]).all()
+
+
+def test_uniform_steps_draft_and_verify_the_fixed_k_for_every_request(engine):
+    ctl = controller_of(engine)
+    tok = engine.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    k = min(2, KMAX)
+    steps, _ = record_batch_steps(engine, prompts, [2], reps=2, max_tokens=16, kmax=k, seed=0, uniform=True)
+    assert len(steps) > 4
+    assert (steps["drafted"] == k).all() and (steps["draft_calls"] == k).all()  # every step drafts k
+    # every request verifies all k drafts, but where vLLM trims a round at the end of its generation
+    for _, g in steps.sort_values(["group", "step"]).groupby("group"):
+        inner = g.iloc[:-2]  # the last steps of a group may verify fewer (the tokens left)
+        assert all(list(ks) == [k] * len(ks) for ks in inner["k"]), inner["k"].tolist()
+        assert (g["k"].map(max) <= k).all()
+    # the policy's k is the drafts proposed: the random draw is not used
+    from specenv.engines.vllm.batchrec import RandomK
+
+    pol = RandomK(KMAX, seed=5, drafted=lambda: k, uniform=True)
+    assert pol.act(np.zeros((3, 4))).tolist() == [k, k, k]
+    assert ctl.policy is not pol

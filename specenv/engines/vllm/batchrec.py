@@ -82,15 +82,17 @@ class RandomK:
         kmax: Largest budget (the observation spec's).
         seed: Seed of its generator.
         drafted: Called for the drafts the drafter proposed this step (default kmax).
+        uniform: Every request keeps all n drafts (k = n, no draw): the steps a fixed k serves.
     """
 
     stateless = True
     name = "random-k"
 
-    def __init__(self, kmax: int, seed: int = 0, drafted: Callable[[], int] | None = None):
+    def __init__(self, kmax: int, seed: int = 0, drafted: Callable[[], int] | None = None, uniform: bool = False):
         self.kmax = int(kmax)
         self.rng = np.random.default_rng(seed)
         self.drafted = drafted
+        self.uniform = bool(uniform)
 
     def reset(self) -> None:
         """Nothing to reset (stateless)."""
@@ -100,6 +102,8 @@ class RandomK:
         if np.ndim(obs) == 1:  # alias: a batch of one
             return int(self.act(np.asarray(obs)[None, :])[0])
         n = self.kmax if self.drafted is None else min(self.kmax, int(self.drafted()))
+        if self.uniform:
+            return np.full(len(obs), n, dtype=np.int64)
         return self.rng.integers(0, n + 1, size=len(obs))
 
 
@@ -128,8 +132,8 @@ def step_row(routing: np.ndarray, spans: Sequence[tuple[int, int]], n_experts: i
 class _StepRecorder:
     """The controller callbacks that build the steps table."""
 
-    def __init__(self, ctl: Any, kmax: int, rng: np.random.Generator):
-        self.ctl, self.kmax, self.rng = ctl, kmax, rng
+    def __init__(self, ctl: Any, kmax: int, rng: np.random.Generator, uniform: bool = False):
+        self.ctl, self.kmax, self.rng, self.uniform = ctl, kmax, rng, uniform
         self.rows: list[dict[str, Any]] = []
         self.rounds: dict[str, dict[str, Any]] = {}
         self.dropped = 0
@@ -149,7 +153,7 @@ class _StepRecorder:
         ctl = self.ctl
         tap = ctl.tap
         drafted = self.proposed = self.n_now
-        self.n_now = int(self.rng.integers(1, self.kmax + 1))
+        self.n_now = self.kmax if self.uniform else int(self.rng.integers(1, self.kmax + 1))
         ctl.draft_tokens = self.n_now  # the next step's drafting
         if routing is None or not spans or set(rounds) != set(spans):
             self.dropped += 1
@@ -198,6 +202,7 @@ def record_batch_steps(
     seed: int = 0,
     progress: Callable[[int, int, str], None] | None = None,
     between: Callable[[int, int, list[list[int]]], None] | None = None,
+    uniform: bool = False,
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Run groups of B concurrent requests on a controller engine and record its pure steps.
 
@@ -213,6 +218,9 @@ def record_batch_steps(
         progress: Called as ``progress(done, total, what)``.
         between: Called as ``between(rep, B, prompts)`` after every group (the collection script runs
             the same group on a plain engine there: interleaved, the same load).
+        uniform: Every step drafts ``kmax`` and every request verifies all of them (k = kmax for every
+            request): the steps a fixed k serves, to check a fitted model on (``scripts/check_step_model.py``);
+            False: the random draft lengths and budgets a fit needs.
 
     Returns:
         ``(steps, stats)``: the steps table (:data:`STEP_COLUMNS` and ``engine_step_ms``, the wall time
@@ -226,12 +234,12 @@ def record_batch_steps(
     if ctl.tap is None:
         raise ValueError("record_batch_steps needs the routing tap (load_format='specenv')")
     rng = np.random.default_rng(seed)
-    rec = _StepRecorder(ctl, kmax, rng)
+    rec = _StepRecorder(ctl, kmax, rng, uniform=uniform)
     # the policy runs in update_draft_token_ids, after forward_callback has drawn the next step's n:
     # it trims the drafts proposed in the step just run (rec.proposed). Whatever the engine had installed
     # (a live backend's callbacks, a policy, a draft length) is put back afterwards.
     saved = (ctl.round_callback, ctl.forward_callback, ctl.draft_tokens, ctl.policy)
-    ctl.set_policy(RandomK(kmax, seed, drafted=rec.drafts_proposed))
+    ctl.set_policy(RandomK(kmax, seed, drafted=rec.drafts_proposed, uniform=uniform))
     ctl.round_callback, ctl.forward_callback = rec.on_round, rec.on_forward
     ctl.draft_tokens = rec.n_now
     sp = SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True)
