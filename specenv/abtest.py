@@ -267,12 +267,20 @@ def best_static_from_ratios(ratios: dict[int, Any]) -> int:
     return min(wins, key=lambda k: (-wins[k], k)) if wins else 0
 
 
-def fit_from_file(path: str | os.PathLike[str], models: str, dataset: str, kmax: int, batches: list[int]) -> dict:
+def fit_from_file(
+    path: str | os.PathLike[str],
+    models: str,
+    dataset: str,
+    kmax: int,
+    batches: list[int],
+    max_tokens: int | None = None,
+) -> dict:
     """The train fit of an earlier ``abtest.json`` (``--fit-from``): its ``fit`` section, checked for this run.
 
     The fit is a measurement on the *train* prompts, so a later run on the held-out prompts may reuse it (as a
     user deploys what they measured earlier) instead of measuring it again. It must be of the same models,
-    trace set and kmax, and cover every batch size of this run.
+    trace set and kmax, and cover every batch size of this run; and, when ``max_tokens`` is given, measured
+    at the same generation length (the prefill's share of a pass, and so the best k, changes with it).
 
     Raises:
         ValueError: One line naming the file: unreadable, no fit, or a fit of other models / set / kmax /
@@ -285,7 +293,9 @@ def fit_from_file(path: str | os.PathLike[str], models: str, dataset: str, kmax:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{path}: not an abtest.json with a train fit ({type(exc).__name__}: {exc})") from None
     theirs = {"models": o.get("models"), "traces": o.get("dataset"), "kmax": doc.get("kmax")}
-    ours = {"models": models, "traces": dataset, "kmax": kmax}
+    ours: dict[str, Any] = {"models": models, "traces": dataset, "kmax": kmax}
+    if max_tokens is not None:
+        theirs["max_tokens"], ours["max_tokens"] = o.get("max_tokens"), int(max_tokens)
     for key, val in ours.items():
         if theirs[key] != val:
             raise ValueError(f"{path}: fitted for {key} {theirs[key]!r}, this run has {val!r}")
@@ -852,7 +862,7 @@ def run_abtest(
         reused = (
             None
             if opts.fit_from is None
-            else fit_from_file(opts.fit_from, opts.models, opts.dataset, kmax, opts.batches)
+            else fit_from_file(opts.fit_from, opts.models, opts.dataset, kmax, opts.batches, opts.max_tokens)
         )
         need_fixed = "fixed" in groups or (
             opts.fit == "measured" and reused is None and groups & {"best", "dynamic", "table", "gated", "overhead"}

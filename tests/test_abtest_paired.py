@@ -224,7 +224,7 @@ def _fit_doc(tmp_path, **over):  # noqa: ANN001, ANN202
     import json
 
     doc = {
-        "options": {"models": "wide-moe-v1", "dataset": "live-vllm-wide"},
+        "options": {"models": "wide-moe-v1", "dataset": "live-vllm-wide", "max_tokens": 48},
         "kmax": 4,
         "fit": {"mode": "measured", "best_k": {"1": 3, "2": 1, "4": 0, "8": 2, "16": 0}, "fit_repeats": 3},
     }
@@ -237,12 +237,14 @@ def _fit_doc(tmp_path, **over):  # noqa: ANN001, ANN202
 def test_an_earlier_train_fit_is_reused_only_for_the_same_models_set_kmax_and_batches(tmp_path) -> None:
     p = _fit_doc(tmp_path)
     fit = abtest.fit_from_file(p, "wide-moe-v1", "live-vllm-wide", 4, [1, 8, 16])
+    assert abtest.fit_from_file(p, "wide-moe-v1", "live-vllm-wide", 4, [1], 48)["best_k"] == fit["best_k"]
     assert fit["best_k"] == {1: 3, 2: 1, 4: 0, 8: 2, 16: 0} and fit["fit_repeats"] == 3 and fit["from"] == str(p)
     for args, needle in [
         (("small-moe-v1", "live-vllm-wide", 4, [1]), "models"),
         (("wide-moe-v1", "live-vllm", 4, [1]), "traces"),
         (("wide-moe-v1", "live-vllm-wide", 8, [1]), "kmax"),
         (("wide-moe-v1", "live-vllm-wide", 4, [1, 32]), "batch sizes [32]"),
+        (("wide-moe-v1", "live-vllm-wide", 4, [1], 128), "max_tokens 48, this run has 128"),
     ]:
         with pytest.raises(ValueError, match=re.escape(needle)):
             abtest.fit_from_file(p, *args)

@@ -409,7 +409,7 @@ def abtest(
         from specenv.abtest import fit_from_file
 
         try:
-            fit_from_file(fit_from, models, traces, k, batches)
+            fit_from_file(fit_from, models, traces, k, batches, max_tokens)
         except ValueError as exc:
             fail(f"--fit-from: {exc}")
     from specenv.engines.vllm.facts import served_facts, served_refusal
