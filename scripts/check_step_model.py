@@ -84,9 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --batches/--k: the model covers B <= {model.max_batch}, k <= {model.kmax}", file=sys.stderr)
         return 2
 
-    from specenv.engines.vllm.batchrec import record_batch_steps, record_plain_steps
-    from specenv.engines.vllm.bench import build_llm, encode_prompts
-    from specenv.engines.vllm.hugepages import advise_engine
+    from specenv.engines.vllm.batchrec import record_batch_steps, record_plain_steps, step_engines
+    from specenv.engines.vllm.bench import encode_prompts
 
     try:
         prompts = encode_prompts(args.models, ids, args.prompt_set)
@@ -94,11 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     top = max(batches)
-    llm = build_llm({"models": args.models, "k": max(ks), "max_num_seqs": top, "settings": {}, "tap": True})
-    plain = build_llm({"models": args.models, "k": 0, "max_num_seqs": top, "controller": False})
-    advise_engine(plain)
-    record_plain_steps(plain, prompts[:top], 16, "warmup", top, -1)  # warm-ups, not kept
-    record_batch_steps(llm, prompts[:top], [top], 1, 16, max(ks), seed=1)
+    llm, plain = step_engines(args.models, max(ks), [prompts[i % len(prompts)] for i in range(top)])
+    record_batch_steps(llm, prompts[:top], [top], 1, 16, max(ks), seed=1)  # a warm-up, not kept
     spec_rows, plain_rows, cursor = [], [], 0
     load0 = os.getloadavg()[0]
     for rep in range(args.reps):

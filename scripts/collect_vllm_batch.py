@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --out: {exc}", file=sys.stderr)
             return 2
 
-    from specenv.engines.vllm.batchrec import PREFILL_COLUMNS, record_batch_steps, record_plain_steps
-    from specenv.engines.vllm.bench import build_llm, encode_prompts
+    from specenv.engines.vllm.batchrec import PREFILL_COLUMNS, record_batch_steps, record_plain_steps, step_engines
+    from specenv.engines.vllm.bench import encode_prompts
     from specenv.progress import Progress
 
     try:
@@ -112,16 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    cfg = {"models": args.models, "k": args.kmax, "max_num_seqs": max(batches), "settings": {}, "tap": True}
     t0 = time.perf_counter()
-    llm = build_llm(cfg)
-    plain_llm = None
-    if args.plain:
-        from specenv.engines.vllm.hugepages import advise_engine
-
-        plain_llm = build_llm({"models": args.models, "k": 0, "max_num_seqs": max(batches), "controller": False})
-        advise_engine(plain_llm)  # the weights on huge pages, as the controller engine's loader puts them
-        record_plain_steps(plain_llm, prompts[: max(batches)], 16, "warmup", max(batches), -1)  # not kept
+    warm = [prompts[i % len(prompts)] for i in range(max(batches))]
+    llm, plain_llm = step_engines(args.models, args.kmax, warm, plain=args.plain)
     startup = time.perf_counter() - t0
     # warm-up: one group at the largest batch, not kept
     record_batch_steps(llm, prompts, [max(batches)], 1, 16, args.kmax, seed=args.seed + 1000)

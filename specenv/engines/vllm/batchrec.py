@@ -314,6 +314,32 @@ def _run_group(llm: Any, prompts: list[list[int]], sp: Any, prefix: str, rows: l
     return first.out
 
 
+def step_engines(models: str, kmax: int, warm: Sequence[Sequence[int]], plain: bool = True) -> tuple[Any, Any]:
+    """The engines a steps recording runs, in this process: the controller engine and the plain engine.
+
+    The controller engine (specenv's scheduler and routing tap, ``num_speculative_tokens = kmax``: what
+    :func:`record_batch_steps` needs) and, with ``plain``, an engine with no drafter loaded (the batch AR
+    reference, :func:`record_plain_steps`), its weights advised onto huge pages as the controller engine's
+    loader puts them and warmed up with the prompts ``warm`` served together (not kept). Both take up to
+    ``len(warm)`` concurrent requests.
+
+    Returns:
+        ``(llm, plain_llm)``; ``plain_llm`` is None without ``plain``.
+    """
+    from specenv.engines.vllm.bench import build_llm
+
+    top = len(warm)
+    llm = build_llm({"models": models, "k": kmax, "max_num_seqs": top, "settings": {}, "tap": True})
+    if not plain:
+        return llm, None
+    from specenv.engines.vllm.hugepages import advise_engine
+
+    plain_llm = build_llm({"models": models, "k": 0, "max_num_seqs": top, "controller": False})
+    advise_engine(plain_llm)
+    record_plain_steps(plain_llm, warm, 16, "warmup", top, -1)  # not kept
+    return llm, plain_llm
+
+
 #: Columns of the plain engine's steps table (:func:`record_plain_steps`).
 PLAIN_COLUMNS = ("run", "batch", "group", "B", "context_sum", "engine_step_ms")
 
