@@ -1206,7 +1206,8 @@ def run_abtest(
                 f"every batch size with every group's prefill phase from the batch step-time model "
                 f"{batch_model_name} (the engine with the drafter for the arm, the plain engine for the reference); "
                 f"batch 1: the decoding ratio from the set's cost model ({opts.cost_model} of {opts.dataset}) on "
-                "that recording's plain B = 1 clock; 'decode' columns: the decoding steps alone; "
+                "that recording's plain B = 1 clock; 'decode' columns: the decoding steps alone, as the mean time "
+                "per output token over requests (each request's clock stopping at its own last token); "
                 if batch_model is not None and batch_model.prefill is not None
                 else f"batch 1: the set's cost model ({opts.cost_model} of {opts.dataset}), decoding rounds only; "
             )
