@@ -66,10 +66,16 @@ def test_same_outputs_and_routing_as_the_small_target(both) -> None:
 def test_the_wide_target_pays_for_its_experts(both) -> None:
     small, wide = both
     assert (wide.rounds["T_step_ms"] > 0).all() and (small.rounds["T_step_ms"] > 0).all()
-    # the same rounds cost more on the wide target, by far more than noise: its experts are 48x the bytes
+    # the same rounds cost more on the wide target (its experts are 48x the bytes), and the extra is the
+    # experts': it grows with K (a longer verification touches more unique experts) and passes half the small
+    # target's whole forward at the largest K. (At K = 0 -- top_k experts a layer -- the extra depends on the
+    # machine's memory bandwidth: 1.32x on one VM where the largest K was 2.69x, so no fixed ratio there.)
     t_small = small.rounds.groupby("K")["T_T_wall_ms"].median()
     t_wide = wide.rounds.groupby("K")["T_T_wall_ms"].median()
-    assert (t_wide > 1.5 * t_small).all(), (t_small.to_dict(), t_wide.to_dict())
+    extra = t_wide - t_small
+    assert (extra > 0).all(), (t_small.to_dict(), t_wide.to_dict())
+    assert (np.diff(extra.to_numpy()) > 0).all(), (t_small.to_dict(), t_wide.to_dict())
+    assert t_wide.iloc[-1] > 1.5 * t_small.iloc[-1], (t_small.to_dict(), t_wide.to_dict())
     ref = wide.manifest.extra["ar_reference"]
     assert ref["steps"] >= N_PROMPTS * (N_TOKENS - 2) and ref["mean_ms"] > 0
     doc = json.loads((Path(wide.root) / "manifest.json").read_text())
