@@ -107,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
             plain_rows.extend(record_plain_steps(plain, chosen, args.max_tokens, f"rep{rep}", B, rep))
     load1 = os.getloadavg()[0]
     spec = pd.concat(spec_rows, ignore_index=True)
-    spec = spec[spec["k"].apply(len) == spec["B"]]
     pl = pd.DataFrame(plain_rows)
     spec["pred_ms"] = [
         model.step_ms(np.asarray(r.k), np.full(len(r.k), r.drafted), np.asarray(r.U), np.asarray(r.L, float), r.U_batch)
