@@ -56,6 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         help="also run every group on a plain engine (no drafter loaded), interleaved: the batch AR reference "
         "of the step-time model (manifest extra.ar_reference)",
     )
+    ap.add_argument(
+        "--fixed-share",
+        type=float,
+        default=0.0,
+        help="share of groups served as a fixed k serves them (k uniform in 1..kmax per group, every step drafting "
+        "k and every request verifying k; the rest: random draft lengths and budgets). Default 0",
+    )
     ap.add_argument("--name", default="live-vllm-batch", help="the recording's name (manifest)")
     ap.add_argument(
         "--version", type=int, default=1, help="the recording's version (manifest; the folder is NAME-vVERSION)"
@@ -81,9 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         or args.reps < 1
         or args.max_tokens < 2
         or args.version < 1
+        or not 0.0 <= args.fixed_share <= 1.0
     ):
         print(
-            "error: need batches >= 1, 1 <= --kmax <= 64, --reps >= 1, --max-tokens >= 2, --version >= 1",
+            "error: need batches >= 1, 1 <= --kmax <= 64, --reps >= 1, --max-tokens >= 2, --version >= 1, "
+            "0 <= --fixed-share <= 1",
             file=sys.stderr,
         )
         return 2
@@ -143,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             progress=bar.update,
             between=plain_group,
+            fixed_share=args.fixed_share,
         )
     wall = time.perf_counter() - t1
     load1 = os.getloadavg()
@@ -154,18 +164,30 @@ def main(argv: list[str] | None = None) -> int:
 
     from specenv.cost.batchfit import summarize_plain_batch, write_steps
 
-    ar_reference = summarize_plain_batch(pd.DataFrame(plain_rows)) if plain_llm is not None else None
+    model_facts = {"n_layers": ctl.tap.n_layers, "n_experts": ctl.n_experts, "top_k": ctl.top_k}
+    plain_table = pd.DataFrame(plain_rows) if plain_llm is not None else None
+    ar_reference = (
+        summarize_plain_batch(plain_table, model_facts["n_experts"], model_facts["top_k"])
+        if plain_table is not None
+        else None
+    )
     manifest = {
         "name": args.name,
         "version": args.version,
         "description": (
             f"vLLM {vllm.__version__} on CPU, {args.models}: groups of B = {args.batches} concurrent greedy requests "
             f"(ignore_eos, {args.max_tokens} tokens), {args.reps} interleaved repetitions; per step a random draft "
-            f"length n in 1..{args.kmax} for the batch and a random k in 0..n per request; "
-            "pure verification steps only; every group's prefill phase timed (extra.prefill)"
+            f"length n in 1..{args.kmax} for the batch and a random k in 0..n per request"
+            + (
+                f" ({args.fixed_share:g} of the groups instead at a fixed k in 1..{args.kmax}: every step drafting k, "
+                "every request verifying k; extra.fixed_groups); "
+                if args.fixed_share
+                else "; "
+            )
+            + "pure verification steps only; every group's prefill phase timed (extra.prefill)"
             + ("; every group also on a plain engine (the batch AR reference)." if args.plain else ".")
         ),
-        "model": {"n_layers": ctl.tap.n_layers, "n_experts": ctl.n_experts, "top_k": ctl.top_k},
+        "model": model_facts,
         "kmax": args.kmax,
         "max_batch": max(batches),
         "extra": {
@@ -179,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             "reps": args.reps,
             "max_tokens": args.max_tokens,
             "seed": args.seed,
+            "fixed_share": args.fixed_share,
             **({"ar_reference": ar_reference} if ar_reference is not None else {}),
             "prefill": prefill,
             "startup_s": round(startup, 1),
@@ -194,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             },
         },
     }
-    write_steps(args.out, steps, manifest, replace=args.replace, fit=not args.no_fit)
+    write_steps(args.out, steps, manifest, replace=args.replace, fit=not args.no_fit, plain=plain_table)
     print(f"{len(steps)} steps ({stats['dropped_steps']} with prefill dropped) in {wall:.0f} s -> {args.out}")
     return 0
 

@@ -696,6 +696,7 @@ def _models() -> dict[str, Any]:
         a_ms: Annotated[float, Field(gt=0, le=BATCH_TIME_MS_MAX, allow_inf_nan=False)]
         b_req_ms: Annotated[float, Field(ge=0, le=BATCH_TIME_MS_MAX, allow_inf_nan=False)]
         c_ms_per_token: Annotated[float, Field(ge=0, le=BATCH_TIME_MS_MAX, allow_inf_nan=False)]
+        u_ms_per_expert: Annotated[float, Field(ge=0, le=BATCH_TIME_MS_MAX, allow_inf_nan=False)] = 0.0
 
     class BatchPrefillJSON(Strict):
         """One engine's prefill phase of a group: ``a_ms + b_ms_per_token * prompt tokens``."""
@@ -757,7 +758,7 @@ def _models() -> dict[str, Any]:
         model: ModelFactsJSON
         kmax: Annotated[int, Field(ge=1, le=KMAX_MAX)]
         max_batch: Annotated[int, Field(ge=1, le=BATCH_MAX)]
-        files: dict[Literal["steps"], TraceFileJSON]
+        files: dict[Literal["steps", "plain"], TraceFileJSON]
         extra: dict[str, Any] = {}
 
         @field_validator("files")

@@ -63,13 +63,59 @@ def test_plain_line_is_recovered_and_a_negative_slope_is_zero() -> None:
         summarize_plain_batch(falling.head(2))
 
 
+U_MS = 0.8  # ms per expert of the plain step's expected union (the union form)
+
+
+def _plain_union_rows() -> pd.DataFrame:
+    """Plain steps on a + b_req (B-1) + c sumL + u (n (1 - (1 - k/n)^B) - k), n = 64, k = 4 (written out here)."""
+    rows = []
+    for B in (1, 2, 3, 4, 6, 8, 12, 16):
+        union = 64.0 * (1.0 - (1.0 - 4.0 / 64.0) ** B)
+        for s in range(20):
+            sL = int(B * (100 + 7 * s))
+            rows.append(
+                {"B": B, "context_sum": sL, "engine_step_ms": A + 0.3 * (B - 1) + C * sL + U_MS * (union - 4.0)}
+            )
+    return pd.DataFrame(rows)
+
+
+def test_plain_union_form_is_recovered_and_priced() -> None:
+    rows = _plain_union_rows()
+    ref = summarize_plain_batch(rows, n_experts=64, top_k=4)
+    got = (ref["a_ms"], ref["b_req_ms"], ref["c_ms_per_token"], ref["u_ms_per_expert"])
+    assert got == pytest.approx((A, 0.3, C, U_MS), rel=1e-7)
+    assert ref["r2"] == pytest.approx(1.0) and "U_ind" in ref["form"]
+    for row in ref["per_batch"]:  # the fitted form at each B's mean is that B's mean (an exact fit)
+        assert row["model_ms"] == pytest.approx(row["mean_ms"], rel=1e-9)
+    # the straight line misses the concave steps: its B = 1 step is above the true a, its B = 8 step below
+    line = summarize_plain_batch(rows)
+    assert "u_ms_per_expert" not in line and line["a_ms"] > A + 0.5
+    per = {r["B"]: r for r in line["per_batch"]}
+    assert per[8]["model_ms"] < per[8]["mean_ms"] - 0.5
+    # the model prices it: B contexts, the expected union of B single tokens
+    kw = dict(b0=2.0, b_pos=0.1, alpha=0.3, c=0.001, b_req=0.2, d0=0.5, d_step=1.0, d_tok=0.1)
+    kw |= dict(kmax=4, max_batch=16, top_k=4, n_experts=64, n_layers=6, predictor="independent")
+    m = BatchCostModel.linear(**kw, ar_step=got)
+    ctx = np.array([120.0, 250.0, 90.0, 40.0, 300.0, 10.0])
+    union6 = 64.0 * (1.0 - (60.0 / 64.0) ** 6)
+    want = A + 0.3 * 5 + C * ctx.sum() + U_MS * (union6 - 4.0)
+    assert m.ar_ms(ctx) == pytest.approx(want, rel=1e-7)
+    assert m.ar_ms(ctx[:1]) == pytest.approx(A + C * 120.0, rel=1e-7)  # no union term at B = 1
+    back = BatchCostModel.from_json(json.loads(json.dumps(m.to_json())))
+    assert back.ar_step == m.ar_step and back.to_json()["ar_step"]["u_ms_per_expert"] == pytest.approx(U_MS)
+    with pytest.raises(ValueError, match="ar_step"):
+        BatchCostModel.linear(**kw, ar_step=(A, 0.3, C, -1.0))
+    with pytest.raises(ValueError, match="ar_step"):
+        BatchCostModel.linear(**kw, ar_step=(A, 0.3))
+
+
 def test_step_fit_has_the_overhead_by_batch_size_and_the_plain_reference() -> None:
     steps, manifest = _recording()
     rep = fit_batch_cost(steps, manifest, timing="step")
     m = rep.model
     seen = sorted(set(steps["B"]))
     np.testing.assert_allclose(m.overhead[np.array(seen) - 1], _overhead(np.array(seen)), rtol=1e-9)
-    assert m.ar_step == pytest.approx((A, B_REQ, C), rel=1e-9)
+    assert m.ar_step == pytest.approx((A, B_REQ, C, 0.0), rel=1e-9)  # no union term in this reference
     ctx = np.array([120.0, 250.0, 90.0])
     assert m.ar_ms(ctx) == pytest.approx(A + B_REQ * 2 + C * ctx.sum(), rel=1e-9)
     # the overhead is a term of every verification: the step-time model is the wall model plus it, by B
@@ -178,7 +224,8 @@ def _hand_lockstep(
                 mine[i] = mine.get(i, 0.0) + verify + bm.overhead[B - 1] + draft
         L0 = np.array([float(arr.L[int(arr.offsets[i])]) for i in members])
         n = np.array([stop[i] for i in members])
-        a, b_req, c = bm.ar_step
+        a, b_req, c, u = bm.ar_step
+        assert u == 0.0  # the straight line (no union term) this walk prices
         for s in range(int(n.max())):
             on = n > s
             step = a + b_req * (on.sum() - 1) + c * float((L0[on] + s).sum())
@@ -366,10 +413,13 @@ def test_step_fit_carries_the_prefill_term_and_its_json_round_trips(tmp_path: Pa
         model.replace(prefill={"spec": (1.0, 1.0)})
 
 
-@pytest.mark.parametrize(("name", "groups"), [("live-vllm-wide-batch-v2", 35), ("live-vllm-wide-batch-v3", 28)])
+@pytest.mark.parametrize(
+    ("name", "groups"),
+    [("live-vllm-wide-batch-v2", 35), ("live-vllm-wide-batch-v3", 28), ("live-vllm-wide-batch-v4", 42)],
+)
 def test_shipped_wide_recording_is_a_step_time_fit_of_its_steps(name: str, groups: int) -> None:
     from specenv.cost.batch import load_batch_cost_model
-    from specenv.cost.batchfit import load_steps
+    from specenv.cost.batchfit import load_plain, load_steps
     from specenv.replay.batch import fitted_batch_cost, step_time_recording
 
     steps, manifest = load_steps(name)
@@ -377,12 +427,25 @@ def test_shipped_wide_recording_is_a_step_time_fit_of_its_steps(name: str, group
     assert set(steps["B"]) >= {1, 2, 4, 8, 16}
     ship = load_batch_cost_model(name)
     refit = fit_batch_cost(steps, manifest, timing="step").model
-    for name in ("beta0", "alpha", "c", "overhead"):
-        np.testing.assert_allclose(getattr(ship, name), getattr(refit, name), rtol=1e-9)
+    for field in ("beta0", "alpha", "c", "overhead"):
+        np.testing.assert_allclose(getattr(ship, field), getattr(refit, field), rtol=1e-9)
     assert ship.ar_step == pytest.approx(refit.ar_step, rel=1e-9)
     # the plain engine's own batch steps: the reference's line is their least-squares fit, read back here
     ref = manifest["extra"]["ar_reference"]
-    assert ship.ar_step == pytest.approx((ref["a_ms"], ref["b_req_ms"], ref["c_ms_per_token"]), rel=1e-12)
+    want = (ref["a_ms"], ref["b_req_ms"], ref["c_ms_per_token"], ref.get("u_ms_per_expert", 0.0))
+    assert ship.ar_step == pytest.approx(want, rel=1e-12)
+    plain = load_plain(name)
+    if plain is not None:  # v4 on: the raw plain steps ship, and the reference is their fit (the union form)
+        refit_ref = summarize_plain_batch(plain, manifest["model"]["n_experts"], manifest["model"]["top_k"])
+        got = (refit_ref["a_ms"], refit_ref["b_req_ms"], refit_ref["c_ms_per_token"], refit_ref["u_ms_per_expert"])
+        assert got == pytest.approx(want, rel=1e-9) and refit_ref["steps"] == ref["steps"] == len(plain)
+        assert want[3] > 0  # the union term is used
+        # its fixed-k groups: every request of every step but a group's last two verifies the group's k
+        fixed = {int(g): k for g, k in manifest["extra"]["fixed_groups"].items()}
+        assert 0 < len(fixed) < groups
+        for g, rows in steps[steps["group"].isin(list(fixed))].sort_values("step").groupby("group"):
+            assert (rows["drafted"] == fixed[g]).all()
+            assert all(set(ks) == {fixed[g]} for ks in rows["k"].iloc[:-2])
     # every group's prefill phase on both engines, and the shipped prefill term is their fit
     rows = pd.DataFrame(manifest["extra"]["prefill"]["rows"])
     assert sorted(rows["engine"].value_counts().items()) == [("plain", groups), ("spec", groups)]
@@ -394,11 +457,11 @@ def test_shipped_wide_recording_is_a_step_time_fit_of_its_steps(name: str, group
         if a >= 0 and b >= 0:  # the unconstrained line is the fit when it needs no constraint
             assert ship.prefill[engine] == pytest.approx((a, b), rel=1e-6)
     # the newest recording of the wide models is the one the A/B and the batch env use
-    assert step_time_recording("wide-moe-v1") == "live-vllm-wide-batch-v3"
+    assert step_time_recording("wide-moe-v1") == "live-vllm-wide-batch-v4"
     assert step_time_recording("small-moe-v1") is None  # its recording has no engine steps: forwards only
     wide = load_dataset("live-vllm-wide")
     chosen = fitted_batch_cost(wide, 8)
-    newest = load_batch_cost_model("live-vllm-wide-batch-v3")
+    newest = load_batch_cost_model("live-vllm-wide-batch-v4")
     assert chosen is not None and chosen.ar_step == newest.ar_step  # the batch env prices live-vllm-wide with it
     small = fitted_batch_cost(load_dataset("live-vllm"), 8)
     assert small is not None and small.ar_step is None  # the small models keep their own recording

@@ -170,3 +170,43 @@ def test_cli_fit_batch(tmp_path):
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 2, (args, res.output)
         assert needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_plain_table_round_trip_and_refusals(tmp_path):
+    from specenv.cost.batchfit import PLAIN_FILE, check_plain, load_plain
+
+    steps, manifest = _synthetic(0.5, groups=6)
+    plain = pd.DataFrame(
+        {
+            "run": ["rep0"] * 6,
+            "batch": [2] * 6,
+            "group": [0, 0, 0, 1, 1, 1],
+            "B": [2, 2, 1, 2, 2, 2],
+            "context_sum": [100, 102, 52, 80, 82, 84],
+            "engine_step_ms": [20.0, 20.5, 15.0, 19.0, 19.5, 19.7],
+        }
+    )
+    folder = write_steps(tmp_path / "rec", steps, manifest, fit=False, plain=plain)
+    mf = json.loads((folder / "manifest.json").read_text())
+    assert mf["files"]["plain"]["rows"] == 6
+    back = load_plain(folder)
+    pd.testing.assert_frame_equal(back, plain, check_dtype=False)
+    # a recording without the table has none
+    assert load_plain(write_steps(tmp_path / "bare", steps, manifest, fit=False)) is None
+    # a tampered table is refused by its sha256, in one line naming the file
+    data = bytearray((folder / PLAIN_FILE).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (folder / PLAIN_FILE).write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"{PLAIN_FILE}: sha256") as err:
+        load_plain(folder)
+    assert "\n" not in str(err.value)
+    # bad rows: one line naming the column and the row; nothing written
+    bad = plain.copy()
+    bad.loc[4, "engine_step_ms"] = 0.0
+    with pytest.raises(ValueError, match="column 'engine_step_ms', row 4"):
+        check_plain(bad)
+    with pytest.raises(ValueError, match="column 'B', row 2"):
+        write_steps(tmp_path / "never", steps, manifest, fit=False, plain=plain.assign(B=[2, 2, 0, 2, 2, 2]))
+    assert not (tmp_path / "never").exists()
+    with pytest.raises(ValueError, match="missing column"):
+        check_plain(plain.drop(columns=["context_sum"]))

@@ -103,6 +103,20 @@ def union_independent(u: np.ndarray, n: float, axis: int = -1) -> np.ndarray:
     return n * (1.0 - np.prod(1.0 - u / n, axis=axis))
 
 
+def plain_union(batch: int | np.ndarray, n: float, top_k: int) -> np.ndarray | float:
+    """Expected per-layer union of ``batch`` single tokens, each routed to ``top_k`` of ``n`` experts at random.
+
+    ``n * (1 - (1 - top_k / n) ** B)`` (:func:`union_independent` of B requests of ``top_k`` experts
+    each): the experts a plain decode step of B requests touches when routing is independent, ``top_k``
+    at B = 1, concave in B. The plain engine's step is fitted on it (``u`` of
+    :attr:`BatchCostModel.ar_step`): real routing overlaps more than chance, which the fitted slope
+    absorbs; the shape (saturating as B grows) is what a straight line in B misses.
+    """
+    b = np.asarray(batch, dtype=np.float64)
+    out = n * (1.0 - (1.0 - min(float(top_k), n) / n) ** b)
+    return float(out) if out.ndim == 0 else out
+
+
 def union_shared(u: np.ndarray, n: float, theta: float, axis: int = -1) -> np.ndarray:
     """The ``"shared"`` union: ``n * (1 - (1 - U_1/n) * prod_{i>1} (1 - U_i/n) ** theta)``, U_1 the largest.
 
@@ -155,8 +169,12 @@ class BatchCostModel:
             output processing) at B = 1..max_batch requests, a term of its own in every verification
             (:meth:`verify_from_totals`); zeros for a model of the forwards alone (the default, and every
             model fitted before the step-time form).
-        ar_step: ``(a, b_req, c)``: the plain engine's step (no drafter loaded) ``a + b_req * (B-1) + c * sum L``,
-            the 1.0 of every batch speedup (:meth:`ar_ms`); None: the model's own k = 0 step.
+        ar_step: ``(a, b_req, c)`` or ``(a, b_req, c, u)``: the plain engine's step (no drafter loaded)
+            ``a + b_req * (B-1) + c * sum L + u * (U_ind(B) - top_k)``, ``U_ind(B)`` the expected per-layer
+            union of B single tokens routed independently (:func:`plain_union`; 0 at B = 1, so ``a`` is
+            the B = 1 step), the 1.0 of every batch speedup (:meth:`ar_ms`); ``u`` is 0 when not given
+            (the line of every recording before ``live-vllm-wide-batch-v4``); None: the model's own
+            k = 0 step.
         prefill: ``{"spec": (a, b), "plain": (a, b)}``: the prefill phase of a group of requests submitted
             together, ``a + b * (prompt tokens of the group)`` ms until every request has its first token,
             on the engine with the drafter (``"spec"``: the target's and the draft's prefill) and on the
@@ -180,7 +198,7 @@ class BatchCostModel:
     source: dict[str, Any] = field(default_factory=dict)
     diagnostics: dict[str, Any] = field(default_factory=dict)
     overhead: np.ndarray | None = None
-    ar_step: tuple[float, float, float] | None = None
+    ar_step: tuple[float, ...] | None = None
     prefill: dict[str, tuple[float, float]] | None = None
 
     def __post_init__(self) -> None:
@@ -215,10 +233,12 @@ class BatchCostModel:
         over.flags.writeable = False
         object.__setattr__(self, "overhead", over)
         if self.ar_step is not None:
-            a, b, c = (float(x) for x in self.ar_step)
-            if not (np.isfinite([a, b, c]).all() and a > 0 and b >= 0 and c >= 0):
-                raise ValueError(f"ar_step={self.ar_step!r}: need a > 0 and b_req, c >= 0 (finite)")
-            object.__setattr__(self, "ar_step", (a, b, c))
+            if len(self.ar_step) not in (3, 4):
+                raise ValueError(f"ar_step={self.ar_step!r}: expected (a, b_req, c) or (a, b_req, c, u)")
+            a, b, c, u = (*(float(x) for x in self.ar_step), 0.0)[:4]
+            if not (np.isfinite([a, b, c, u]).all() and a > 0 and b >= 0 and c >= 0 and u >= 0):
+                raise ValueError(f"ar_step={self.ar_step!r}: need a > 0 and b_req, c, u >= 0 (finite)")
+            object.__setattr__(self, "ar_step", (a, b, c, u))
         if self.prefill is not None:
             pre = {}
             for engine in PREFILL_ENGINES:
@@ -359,8 +379,9 @@ class BatchCostModel:
         context = _as_1d("context", context, np.float64)
         B = len(context)
         if self.ar_step is not None:  # the plain engine's measured step
-            a, b, c = self.ar_step
-            return float(a + b * (B - 1) + c * float(context.sum()))
+            a, b, c, u = self.ar_step
+            extra = u * (plain_union(B, self.n_experts, self.top_k) - self.top_k) if u else 0.0
+            return float(a + b * (B - 1) + c * float(context.sum()) + extra)
         return self.verify_ms(np.zeros(B, np.int64), np.full(B, float(self.top_k)), context)
 
     def prefill_ms(self, prompt_tokens: float, engine: str) -> float:
@@ -522,7 +543,10 @@ class BatchCostModel:
                 else {}
             ),
             **(
-                {"ar_step": dict(zip(("a_ms", "b_req_ms", "c_ms_per_token"), self.ar_step, strict=True))}
+                {
+                    "ar_step": dict(zip(("a_ms", "b_req_ms", "c_ms_per_token"), self.ar_step[:3], strict=True))
+                    | ({"u_ms_per_expert": self.ar_step[3]} if self.ar_step[3] else {})
+                }
                 if self.ar_step is not None
                 else {}
             ),
@@ -563,7 +587,9 @@ class BatchCostModel:
             source=dict(m.source),
             diagnostics=dict(m.diagnostics),
             overhead=None if m.overhead is None else np.array(m.overhead, dtype=np.float64),
-            ar_step=None if m.ar_step is None else (m.ar_step.a_ms, m.ar_step.b_req_ms, m.ar_step.c_ms_per_token),
+            ar_step=None
+            if m.ar_step is None
+            else (m.ar_step.a_ms, m.ar_step.b_req_ms, m.ar_step.c_ms_per_token, m.ar_step.u_ms_per_expert),
             prefill=None if m.prefill is None else {e: (p.a_ms, p.b_ms_per_token) for e, p in m.prefill.items()},
         )
 

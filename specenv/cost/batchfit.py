@@ -43,12 +43,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from specenv.cost.batch import PREDICTORS, BatchCostModel, union_shared
+from specenv.cost.batch import PREDICTORS, BatchCostModel, plain_union, union_shared
 
 __all__ = [
     "BATCHCOST_FILE",
     "STEPS_FILE",
     "STEPS_FORMAT",
+    "PLAIN_COLUMNS",
+    "PLAIN_FILE",
     "PREFILL_COLUMNS",
     "STEP_COLUMNS",
     "VERIFY_FORMS",
@@ -56,6 +58,7 @@ __all__ = [
     "fit_batch_cost",
     "fit_theta",
     "format_report",
+    "load_plain",
     "load_steps",
     "summarize_plain_batch",
     "write_steps",
@@ -63,6 +66,11 @@ __all__ = [
 
 STEPS_FORMAT = "specenv.batchsteps/1"
 STEPS_FILE = "steps.parquet"
+#: The plain engine's decode steps (optional: recordings since ``live-vllm-wide-batch-v4``), the rows the
+#: manifest's ``extra.ar_reference`` summarises (:func:`summarize_plain_batch`), kept so it can be refitted.
+PLAIN_FILE = "plain.parquet"
+#: Columns of the plain table (:func:`specenv.engines.vllm.batchrec.record_plain_steps`).
+PLAIN_COLUMNS = ("run", "batch", "group", "B", "context_sum", "engine_step_ms")
 BATCHCOST_FILE = "batchcost.json"
 #: Scalar columns of the steps table and their kinds ("i" integer, "f" float, "s" string).
 SCALARS = {
@@ -202,6 +210,7 @@ def write_steps(
     manifest: dict[str, Any],
     replace: bool = False,
     fit: bool = True,
+    plain: pd.DataFrame | None = None,
 ) -> Path:
     """Validate and write a steps recording atomically (``steps.parquet``, ``manifest.json``, ``batchcost.json``).
 
@@ -212,6 +221,7 @@ def write_steps(
             ``max_batch``, ``extra``; ``format`` and ``files`` are filled in here.
         replace: Replace an existing recording.
         fit: Also fit and write the batch cost model (:func:`fit_batch_cost`).
+        plain: The plain engine's decode steps (:data:`PLAIN_COLUMNS`), written as :data:`PLAIN_FILE`.
 
     Raises:
         ValueError: A bad table, or a folder that exists (without ``replace``) or is not a steps recording.
@@ -229,6 +239,8 @@ def write_steps(
             raise ValueError(f"{folder}: is not a steps recording (no {STEPS_FORMAT} manifest): refusing to replace it")
     manifest = {"format": STEPS_FORMAT, **{k: v for k, v in manifest.items() if k not in ("format", "files")}}
     check_steps(steps, manifest, f"{STEPS_FILE} (in memory)")
+    if plain is not None:
+        plain = check_plain(plain, f"{PLAIN_FILE} (in memory)")
     report = (
         fit_batch_cost(steps, manifest, source={"recording": str(manifest.get("name", folder.name))}) if fit else None
     )
@@ -237,10 +249,79 @@ def write_steps(
     with atomic_dir(folder, replace=replace) as tmp:
         pq.write_table(table, tmp / STEPS_FILE, compression="zstd", compression_level=9)
         manifest["files"] = {"steps": {"path": STEPS_FILE, "sha256": sha256_file(tmp / STEPS_FILE), "rows": len(steps)}}
+        if plain is not None:
+            pq.write_table(pa.Table.from_pandas(plain, preserve_index=False), tmp / PLAIN_FILE, compression="zstd")
+            manifest["files"]["plain"] = {
+                "path": PLAIN_FILE,
+                "sha256": sha256_file(tmp / PLAIN_FILE),
+                "rows": len(plain),
+            }
         atomic_write_json(tmp / "manifest.json", manifest)
         if report is not None:
             report.model.save(tmp / BATCHCOST_FILE)
     return folder
+
+
+def check_plain(plain: pd.DataFrame, file: str = PLAIN_FILE) -> pd.DataFrame:
+    """Validate a plain-steps table (:data:`PLAIN_COLUMNS`); returns it with those columns, typed.
+
+    Raises:
+        ValueError: One line naming the file, the column and the first bad row.
+    """
+    missing = [c for c in PLAIN_COLUMNS if c not in plain.columns]
+    if missing:
+        raise _err(file, f"missing column(s) {missing}")
+    out = plain[list(PLAIN_COLUMNS)].reset_index(drop=True).copy()
+    for col in ("batch", "group", "B", "context_sum"):
+        v = pd.to_numeric(out[col], errors="coerce").to_numpy(np.float64)
+        bad = ~np.isfinite(v) | (v != np.round(v)) | (v < (1 if col in ("batch", "B") else 0))
+        if bad.any():
+            raise _err(file, "must be a whole number (>= 1 for batch, B; >= 0 otherwise)", col, _first_bad(bad))
+        out[col] = v.astype(np.int64)
+    t = pd.to_numeric(out["engine_step_ms"], errors="coerce").to_numpy(np.float64)
+    if (bad := ~np.isfinite(t) | (t <= 0)).any():
+        raise _err(file, "must be a finite time > 0", "engine_step_ms", _first_bad(bad))
+    out["engine_step_ms"] = t
+    out["run"] = out["run"].astype(str)
+    return out
+
+
+def load_plain(path: str | os.PathLike[str]) -> pd.DataFrame | None:
+    """The plain engine's decode steps of a recording (:data:`PLAIN_FILE`), checked; None when it has none.
+
+    Args:
+        path: A recording folder or a shipped name, as :func:`load_steps`.
+
+    Raises:
+        ValueError: As :func:`load_steps` (one line: file, column, row), or a sha256 mismatch.
+    """
+    import pyarrow.parquet as pq
+
+    from specenv.io import sha256_file
+
+    _, manifest = load_steps(path)
+    entry = manifest["files"].get("plain")
+    if entry is None:
+        return None
+    folder = Path(path) if Path(path).exists() else _shipped(str(path))
+    file = folder / entry["path"]
+    try:
+        digest = sha256_file(file)
+    except OSError as exc:
+        raise _err(str(file), f"cannot read ({exc.strerror or type(exc).__name__})") from None
+    if digest != entry["sha256"]:
+        raise _err(str(file), f"sha256 {digest} differs from the manifest's {entry['sha256']}")
+    try:
+        table = pq.read_table(file).to_pandas()
+    except Exception as exc:  # pyarrow raises several types for a corrupt file
+        raise _err(str(file), f"not a readable Parquet file ({str(exc).splitlines()[0][:200]})") from None
+    return check_plain(table, str(file))
+
+
+def _shipped(name: str) -> Path:
+    from specenv.io import package_data
+
+    return package_data(name)
 
 
 def recording_format(path: Path) -> Any:
@@ -294,20 +375,28 @@ def load_steps(path: str | os.PathLike[str]) -> tuple[pd.DataFrame, dict[str, An
     return steps, obj
 
 
-def summarize_plain_batch(plain: pd.DataFrame) -> dict[str, Any]:
-    """The batch AR reference: a plain engine's (no drafter loaded) decode steps and their line.
+def summarize_plain_batch(
+    plain: pd.DataFrame, n_experts: int | None = None, top_k: int | None = None
+) -> dict[str, Any]:
+    """The batch AR reference: a plain engine's (no drafter loaded) decode steps and their fitted form.
 
-    ``step_ms = a + b_req * (B - 1) + c * sum L`` by least squares with ``b_req, c >= 0`` (a step
-    never gets cheaper with more requests or context: a negative estimate is noise and is fixed at
-    0, as :func:`_nonneg_ols` does), fitted on the rows of
+    ``step_ms = a + b_req * (B - 1) + c * sum L + u * (U_ind(B) - top_k)`` by least squares with
+    ``b_req, c, u >= 0`` (a step never gets cheaper with more requests, context or experts: a negative
+    estimate is noise and is fixed at 0, as :func:`_nonneg_ols` does), fitted on the rows of
     :func:`specenv.engines.vllm.batchrec.record_plain_steps` (``B``, ``context_sum``,
-    ``engine_step_ms``). It is the 1.0 of every batch speedup of the step-time model
+    ``engine_step_ms``). ``U_ind(B)`` is :func:`specenv.cost.batch.plain_union`, the experts per layer B
+    single tokens touch when routed independently: a plain step's verification of B positions touches
+    the batch's union of experts, concave in B, which a line in B misses (``live-vllm-wide-batch-v3``'s
+    line, 21.4 + 2.82 (B-1) ms, is 38% above the measured 15.5 ms at B = 1 and below it at B = 8).
+    Without ``n_experts`` and ``top_k`` (every recording before v4) the term is left out (``u = 0``).
+    It is the 1.0 of every batch speedup of the step-time model
     (:meth:`specenv.cost.batch.BatchCostModel.ar_ms`), as ``manifest.extra.ar_reference`` is for a
     trace set's B = 1 step-time model (:mod:`specenv.cost.steptime`).
 
     Returns:
-        ``engine``, ``steps``, ``a_ms``, ``b_req_ms``, ``c_ms_per_token``, ``r2``, and ``per_batch``:
-        per B the steps, mean and median step time and mean context sum.
+        ``engine``, ``steps``, ``form``, ``a_ms``, ``b_req_ms``, ``c_ms_per_token``, ``u_ms_per_expert``
+        (with the union term), ``r2``, and ``per_batch``: per B the steps, mean and median step time,
+        mean context sum, and the fitted form at that mean (``model_ms``).
 
     Raises:
         ValueError: Fewer than 3 steps, or a step time that is not positive and finite.
@@ -319,26 +408,35 @@ def summarize_plain_batch(plain: pd.DataFrame) -> dict[str, Any]:
         raise ValueError("plain steps, column engine_step_ms: every step time must be finite and > 0")
     B = plain["B"].to_numpy(np.float64)
     L = plain["context_sum"].to_numpy(np.float64)
-    X = np.column_stack([np.ones_like(y), B - 1.0, L])
+    union = n_experts is not None and top_k is not None
+    cols = [np.ones_like(y), B - 1.0, L]
+    if union:
+        cols.append(plain_union(B, float(n_experts), int(top_k)) - float(top_k))
+    X = np.column_stack(cols)
     beta = _lstsq_nonneg(X, y)
     resid = y - X @ beta
     tss = float(((y - y.mean()) ** 2).sum())
-    per = [
-        {
-            "B": int(b),
-            "steps": int((B == b).sum()),
-            "mean_ms": float(y[B == b].mean()),
-            "median_ms": float(np.median(y[B == b])),
-            "context_sum_mean": float(L[B == b].mean()),
-        }
-        for b in np.unique(B)
-    ]
+    per = []
+    for b in np.unique(B):
+        sel = B == b
+        per.append(
+            {
+                "B": int(b),
+                "steps": int(sel.sum()),
+                "mean_ms": float(y[sel].mean()),
+                "median_ms": float(np.median(y[sel])),
+                "context_sum_mean": float(L[sel].mean()),
+                "model_ms": float(X[sel].mean(axis=0) @ beta),
+            }
+        )
     return {
         "engine": "vLLM, the target alone (no speculative config), greedy, B concurrent requests",
         "steps": int(len(y)),
+        "form": "a + b_req (B-1) + c sumL" + (" + u (U_ind(B) - top_k)" if union else ""),
         "a_ms": float(beta[0]),
         "b_req_ms": float(beta[1]),
         "c_ms_per_token": float(beta[2]),
+        **({"u_ms_per_expert": float(beta[3])} if union else {}),
         "r2": float(1.0 - float(resid @ resid) / tss) if tss > 0 else 0.0,
         "per_batch": per,
     }
@@ -643,7 +741,12 @@ def fit_batch_cost(
                 "steps: record with scripts/collect_vllm_batch.py --plain)"
             )
         overhead, over_diag = step_overhead_by_batch(steps, int(manifest["max_batch"]))
-        ar_step = (float(ref["a_ms"]), float(ref["b_req_ms"]), float(ref["c_ms_per_token"]))
+        ar_step = (
+            float(ref["a_ms"]),
+            float(ref["b_req_ms"]),
+            float(ref["c_ms_per_token"]),
+            float(ref.get("u_ms_per_expert", 0.0)),
+        )
         if "prefill" in manifest.get("extra", {}):  # recorded since the step-time model's second recording
             prefill, prefill_diag = fit_prefill(manifest["extra"]["prefill"])
     u = _u_matrix(steps)
@@ -852,8 +955,19 @@ def format_report(report: BatchFitReport) -> str:
         "  per-step overhead outside the forwards, charged, by batch size: "
         + ", ".join(f"B={b}: {m:.2f} ms" for b, m in zip(over["B"], over["mean_ms"], strict=True)),
         f"  plain engine's step (the 1.0 of every speedup): {ref['a_ms']:.3f} + {ref['b_req_ms']:.3f} (B-1) + "
-        f"{ref['c_ms_per_token']:.2e} sum L ms (R2 {ref['r2']:.3f}, {ref['steps']} steps); by B: "
-        + ", ".join(f"B={p['B']}: {p['mean_ms']:.2f}" for p in ref["per_batch"]),
+        f"{ref['c_ms_per_token']:.2e} sum L"
+        + (
+            f" + {ref['u_ms_per_expert']:.3f} (U_ind(B) - top_k)"  # the expected union of B tokens (plain_union)
+            if "u_ms_per_expert" in ref
+            else ""
+        )
+        + f" ms (R2 {ref['r2']:.3f}, {ref['steps']} steps); by B, measured"
+        + (" / fitted" if all("model_ms" in p for p in ref["per_batch"]) else "")
+        + ": "
+        + ", ".join(
+            f"B={p['B']}: {p['mean_ms']:.2f}" + (f" / {p['model_ms']:.2f}" if "model_ms" in p else "")
+            for p in ref["per_batch"]
+        ),
         f"  OOS MAPE of the engine step: {eng['oos_mape_pct']:.2f}% (without the overhead term: "
         f"{eng['oos_mape_pct_without_overhead']:.2f}%)",
     ]

@@ -78,3 +78,28 @@ def test_uniform_steps_draft_and_verify_the_fixed_k_for_every_request(engine):
     pol = RandomK(KMAX, seed=5, drafted=lambda: k, uniform=True)
     assert pol.act(np.zeros((3, 4))).tolist() == [k, k, k]
     assert ctl.policy is not pol
+
+
+def test_fixed_share_groups_serve_one_k_and_the_rest_stay_random(engine):
+    ctl = controller_of(engine)
+    before = (ctl.round_callback, ctl.forward_callback, ctl.draft_tokens, ctl.policy)
+    tok = engine.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    steps, stats = record_batch_steps(
+        engine, prompts, [2, 3], reps=4, max_tokens=16, kmax=KMAX, seed=4, fixed_share=0.5
+    )
+    assert (ctl.round_callback, ctl.forward_callback, ctl.draft_tokens, ctl.policy) == before
+    fixed = {int(g): k for g, k in stats.get("fixed_groups", {}).items()}
+    assert 0 < len(fixed) < stats["groups"]  # some groups of each kind (seed 4: drawn, not all or none)
+    assert all(1 <= k <= KMAX for k in fixed.values())
+    for group, g in steps.sort_values(["group", "step"]).groupby("group"):
+        if group in fixed:
+            k = fixed[group]
+            assert (g["drafted"] == k).all()  # every step of the group drafts its k
+            inner = g.iloc[:-2]  # the last steps may verify fewer (the tokens left)
+            assert all(list(ks) == [k] * len(ks) for ks in inner["k"]), (group, inner["k"].tolist())
+    # a random group draws its draft lengths: over the random groups they vary
+    random_rows = steps[~steps["group"].isin(list(fixed))]
+    assert random_rows["drafted"].nunique() > 1
+    with pytest.raises(ValueError, match="fixed_share"):
+        record_batch_steps(engine, prompts, [2], reps=1, max_tokens=4, kmax=KMAX, fixed_share=1.5)

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from specenv.cost.batchfit import PREFILL_COLUMNS
+from specenv.cost.batchfit import PLAIN_COLUMNS, PREFILL_COLUMNS
 
 __all__ = [
     "PLAIN_COLUMNS",
@@ -140,6 +140,7 @@ class _StepRecorder:
         self.label: dict[str, Any] = {}
         self.n_now = kmax  # what the drafter proposes in the step now running
         self.proposed = kmax  # what it proposed in the step whose drafts the policy is trimming
+        self.fixed: int | None = None  # a fixed-k group's k (every step drafts it, every request keeps it)
 
     def drafts_proposed(self) -> int:
         """Drafts per request the drafter proposed in the step just run (what the policy may keep)."""
@@ -153,7 +154,10 @@ class _StepRecorder:
         ctl = self.ctl
         tap = ctl.tap
         drafted = self.proposed = self.n_now
-        self.n_now = self.kmax if self.uniform else int(self.rng.integers(1, self.kmax + 1))
+        if self.fixed is not None:
+            self.n_now = self.fixed
+        else:
+            self.n_now = self.kmax if self.uniform else int(self.rng.integers(1, self.kmax + 1))
         ctl.draft_tokens = self.n_now  # the next step's drafting
         if routing is None or not spans or set(rounds) != set(spans):
             self.dropped += 1
@@ -203,6 +207,7 @@ def record_batch_steps(
     progress: Callable[[int, int, str], None] | None = None,
     between: Callable[[int, int, list[list[int]]], None] | None = None,
     uniform: bool = False,
+    fixed_share: float = 0.0,
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Run groups of B concurrent requests on a controller engine and record its pure steps.
 
@@ -221,6 +226,11 @@ def record_batch_steps(
         uniform: Every step drafts ``kmax`` and every request verifies all of them (k = kmax for every
             request): the steps a fixed k serves, to check a fitted model on (``scripts/check_step_model.py``);
             False: the random draft lengths and budgets a fit needs.
+        fixed_share: The share of groups served as a fixed k serves them (drawn per group with the
+            seed): a k uniform in 1..kmax for the whole group, every step drafting k and every request
+            verifying all k. A fit on random budgets alone sees few steps where every request verifies
+            the same k, which is what a fixed-k arm (and a batch-level controller) runs; ``stats
+            ["fixed_groups"]`` maps each such group to its k. Ignored with ``uniform``.
 
     Returns:
         ``(steps, stats)``: the steps table (:data:`STEP_COLUMNS` and ``engine_step_ms``, the wall time
@@ -233,13 +243,18 @@ def record_batch_steps(
     ctl = llm.llm_engine.engine_core.engine_core.scheduler
     if ctl.tap is None:
         raise ValueError("record_batch_steps needs the routing tap (load_format='specenv')")
+    if not 0.0 <= float(fixed_share) <= 1.0:
+        raise ValueError(f"fixed_share={fixed_share!r}: must be in [0, 1]")
     rng = np.random.default_rng(seed)
+    group_rng = np.random.default_rng([seed, 1])  # the fixed groups and their k: apart from the step draws
     rec = _StepRecorder(ctl, kmax, rng, uniform=uniform)
+    policy = RandomK(kmax, seed, drafted=rec.drafts_proposed, uniform=uniform)
+    fixed_groups: dict[int, int] = {}
     # the policy runs in update_draft_token_ids, after forward_callback has drawn the next step's n:
     # it trims the drafts proposed in the step just run (rec.proposed). Whatever the engine had installed
     # (a live backend's callbacks, a policy, a draft length) is put back afterwards.
     saved = (ctl.round_callback, ctl.forward_callback, ctl.draft_tokens, ctl.policy)
-    ctl.set_policy(RandomK(kmax, seed, drafted=rec.drafts_proposed, uniform=uniform))
+    ctl.set_policy(policy)
     ctl.round_callback, ctl.forward_callback = rec.on_round, rec.on_forward
     ctl.draft_tokens = rec.n_now
     sp = SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True)
@@ -253,6 +268,12 @@ def record_batch_steps(
                 chosen = [list(prompts[(cursor + i) % len(prompts)]) for i in range(B)]
                 cursor += B
                 rec.label = {"run": f"rep{rep}", "batch": int(B), "group": group}
+                if not uniform and fixed_share > 0 and group_rng.random() < fixed_share:
+                    rec.fixed = fixed_groups[group] = int(group_rng.integers(1, kmax + 1))
+                else:
+                    rec.fixed = None
+                policy.uniform = uniform or rec.fixed is not None
+                rec.n_now = ctl.draft_tokens = rec.fixed if rec.fixed is not None else rec.n_now
                 pre = _run_group(llm, chosen, sp, f"specenv-batchrec-{group}", rec.rows)
                 prefill.append({"engine": "spec", **rec.label, **pre})
                 if between is not None:
@@ -266,6 +287,8 @@ def record_batch_steps(
         progress(total, total, "done")
     steps = pd.DataFrame(rec.rows, columns=[*STEP_COLUMNS, "engine_step_ms"])
     stats = {"steps": len(steps), "dropped_steps": rec.dropped, "groups": group, "prefill": prefill}
+    if fixed_groups:
+        stats["fixed_groups"] = {str(g): k for g, k in fixed_groups.items()}
     return steps, stats
 
 
@@ -338,10 +361,6 @@ def step_engines(models: str, kmax: int, warm: Sequence[Sequence[int]], plain: b
     advise_engine(plain_llm)
     record_plain_steps(plain_llm, warm, 16, "warmup", top, -1)  # not kept
     return llm, plain_llm
-
-
-#: Columns of the plain engine's steps table (:func:`record_plain_steps`).
-PLAIN_COLUMNS = ("run", "batch", "group", "B", "context_sum", "engine_step_ms")
 
 
 def record_plain_steps(
