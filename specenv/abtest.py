@@ -411,8 +411,10 @@ def replay_policy(desc: dict[str, Any], spec: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- replay
-def _replay_env_args(policy: Any, dataset: str, kmax: int, cost_model: str) -> tuple[dict[str, Any], int]:
-    """``specenv/MoESpec-v1``'s arguments to replay a policy on the test split, and its lookahead h.
+def _replay_env_args(
+    policy: Any, dataset: str, kmax: int, cost_model: str, split: str = "test"
+) -> tuple[dict[str, Any], int]:
+    """``specenv/MoESpec-v1``'s arguments to replay a policy on a split (the test split), and its lookahead h.
 
     A block policy reads h draft signals and pays T_D(max(k, h)): the environment drafts in block mode.
     """
@@ -423,7 +425,7 @@ def _replay_env_args(policy: Any, dataset: str, kmax: int, cost_model: str) -> t
     kw = dict(
         dataset=dataset,
         kmax=kmax,
-        split="test",
+        split=split,
         cost_model=cost_model,
         lookahead=h or None,
         drafting="block" if h else None,
@@ -433,9 +435,15 @@ def _replay_env_args(policy: Any, dataset: str, kmax: int, cost_model: str) -> t
 
 
 def predicted_speedup(
-    dataset: str, cost_model: str, kmax: int, gids: list[int], policy: Any, max_tokens: int | None = None
+    dataset: str,
+    cost_model: str,
+    kmax: int,
+    gids: list[int],
+    policy: Any,
+    max_tokens: int | None = None,
+    split: str = "test",
 ) -> float:
-    """Replay-predicted speedup (model AR cost / model cost) of a policy on some generations.
+    """Replay-predicted speedup (model AR cost / model cost) of a policy on some generations (of ``split``).
 
     ``max_tokens``: replay only each generation's first ``max_tokens`` tokens, as the live run
     generates them (the round that reaches it is charged in full, its AR cost counts the tokens up to
@@ -445,7 +453,7 @@ def predicted_speedup(
 
     import specenv  # noqa: F401  (registers the environments)
 
-    kw, _ = _replay_env_args(policy, dataset, kmax, cost_model)
+    kw, _ = _replay_env_args(policy, dataset, kmax, cost_model, split)
     env = gym.make("specenv/MoESpec-v1", **kw)
     data = env.unwrapped.data
     row_of = {int(g): i for i, g in enumerate(data.generation_ids)}
@@ -517,9 +525,66 @@ class BatchPrediction:
             tpot_speedup=float(decode_speedup),
         )
 
+    def calibrated(self, r: float) -> BatchPrediction:
+        """The same prediction with the arm's decoding steps ``r`` times as long (:func:`calibrate_decode`).
+
+        The plain engine's steps and both engines' prefill phases are kept: ``r`` is the speculating
+        engine's step against the plain engine's, as measured on this machine now over what the model
+        prices it at.
+        """
+        if not (np.isfinite(r) and r > 0):
+            raise ValueError(f"r={r!r}: must be finite and > 0")
+        decode_ms = self.decode_ms * float(r)
+        return dataclasses.replace(
+            self,
+            speedup=(self.ar_prefill_ms + self.ar_decode_ms) / (self.prefill_ms + decode_ms),
+            decode_speedup=self.decode_speedup / float(r),
+            decode_ms=decode_ms,
+            tpot_speedup=None if self.tpot_speedup is None else self.tpot_speedup / float(r),
+        )
+
 
 #: One arm's prediction at one batch size: (tokens/s speedup, decode-phase speedup), None: not predicted.
 Pred = tuple[float, float] | None
+
+#: The bounds of the calibration factor :func:`calibrate_decode` searches.
+CALIBRATION_BOUNDS = (0.25, 4.0)
+
+
+def calibrate_decode(measured: dict[int, list[float]], predicted: dict[int, BatchPrediction]) -> float:
+    """The factor ``r`` on the speculating engine's decoding steps that fits the train fit's measured ratios.
+
+    A step-time model is one recording of a shared machine: an hour later the same host may run the
+    speculating steps and the plain step at other speeds, and not in proportion (measured here: 15-25%
+    faster ten minutes after a recording, the k-step / plain-step ratio off by up to 11%). The A/B's
+    measured train fit runs every fixed k beside plain on the *train* prompts in the same run; this
+    finds the one ``r`` (per batch size) that makes the model's predictions of those runs
+    (:meth:`BatchPrediction.calibrated`) closest to them: least squares of ``log(measured) -
+    log(predicted(r))`` over every k and pass, bounded to :data:`CALIBRATION_BOUNDS`
+    (``scipy.optimize.minimize_scalar``). No held-out pass is read.
+
+    Args:
+        measured: Per k, the train passes' tokens/s ratios (k over the plain run beside it).
+        predicted: Per k, the model's prediction of the same train prompts at that k.
+
+    Raises:
+        ValueError: No k with both a measurement and a prediction, or a ratio that is not positive.
+    """
+    from scipy.optimize import minimize_scalar
+
+    pairs = [(predicted[k], float(m)) for k, ms in measured.items() if k in predicted for m in ms]
+    if not pairs:
+        raise ValueError("calibration: no fixed k with both a measured train ratio and a prediction")
+    if any(not (np.isfinite(m) and m > 0) for _, m in pairs):
+        raise ValueError("calibration: measured ratios must be finite and > 0")
+
+    def loss(log_r: float) -> float:
+        r = float(np.exp(log_r))
+        return float(sum((np.log(m) - np.log(p.calibrated(r).speedup)) ** 2 for p, m in pairs))
+
+    lo, hi = (float(np.log(x)) for x in CALIBRATION_BOUNDS)
+    res = minimize_scalar(loss, bounds=(lo, hi), method="bounded", options={"xatol": 1e-6})
+    return float(np.exp(res.x))
 
 
 def predict_batch(
@@ -532,6 +597,7 @@ def predict_batch(
     batch: int,
     batch_cost: Any,
     joint: bool = False,
+    split: str = "test",
 ) -> BatchPrediction:
     """Replay-predicted speedup of a per-request policy served ``batch`` requests at a time, as the A/B serves them.
 
@@ -567,12 +633,13 @@ def predict_batch(
         joint: A batch policy (e.g. :class:`policies.batch.goodput.BatchGoodput`): one policy per group,
             asked once per step with the stacked observations of the step's requests (``ids``: their
             places in the group), as the controller serves it; False: one policy per request.
+        split: The split holding ``gids`` (``"train"``: the calibration on the train fit's passes).
     """
     import gymnasium as gym
 
     import specenv  # noqa: F401  (registers the environments)
 
-    kw, h = _replay_env_args(make_policy(), dataset, kmax, cost_model)
+    kw, h = _replay_env_args(make_policy(), dataset, kmax, cost_model, split)
     b = max(int(batch), 1)
     envs = [gym.make("specenv/MoESpec-v1", **kw) for _ in range(min(b, len(gids)))]
     data = envs[0].unwrapped.data
@@ -1099,8 +1166,13 @@ def run_abtest(
         # Otherwise batch 1 is the set's cost model (decoding rounds only) and B > 1 the batch model
         lazy_cms: dict[str, str] = {}
 
-        def predict(desc: dict[str, Any], b: int, cm: str, bm: Any, lazy: bool = False) -> Pred:
-            """``lazy``: an arm of a controller engine, whose lazy drafter skips the draft forward at k = 0."""
+        def predict_raw(
+            desc: dict[str, Any], b: int, cm: str, bm: Any, lazy: bool, ids: list[int], split: str
+        ) -> BatchPrediction | float | None:
+            """``lazy``: an arm of a controller engine, whose lazy drafter skips the draft forward at k = 0.
+
+            A float: batch 1 priced by the set's cost model alone (decoding rounds, no prefill term).
+            """
 
             def make() -> Any:
                 return MLPPolicy.load(desc["folder"]) if desc.get("kind") == "mlp" else replay_policy(desc, ctx.spec)
@@ -1109,35 +1181,61 @@ def run_abtest(
                 cm = lazy_cms.setdefault(cm, lazy_cost_model(cm))
 
             if b == 1 and (bm is None or bm.prefill is None):
-                p = predicted_speedup(opts.dataset, cm, kmax, test_ids, make(), opts.max_tokens)
-                return p, p
+                return predicted_speedup(opts.dataset, cm, kmax, ids, make(), opts.max_tokens, split)
             if bm is None:
                 return None
             # a batch policy: one call per step, every request
             joint = desc.get("kind") in ("batch-goodput", "batch-survival", "table-gated")
-            res = predict_batch(opts.dataset, cm, kmax, test_ids, make, opts.max_tokens, b, bm, joint=joint)
+            res = predict_batch(opts.dataset, cm, kmax, ids, make, opts.max_tokens, b, bm, joint=joint, split=split)
             if b == 1:  # the decoding ratio from the set's own B = 1 model; prefill and clock from the recording
-                res = res.with_decode(predicted_speedup(opts.dataset, cm, kmax, test_ids, make(), opts.max_tokens))
+                res = res.with_decode(predicted_speedup(opts.dataset, cm, kmax, ids, make(), opts.max_tokens, split))
+            return res
+
+        def predict(
+            desc: dict[str, Any], b: int, cm: str, bm: Any, lazy: bool = False, scale: float | None = None
+        ) -> Pred:
+            """An arm's prediction on the held-out prompts; ``scale``: its decoding steps calibrated by that factor."""
+            res = predict_raw(desc, b, cm, bm, lazy, test_ids, "test")
+            if res is None:
+                return None
+            if isinstance(res, float):
+                p = res / (scale or 1.0)
+                return p, p
+            if scale is not None:
+                res = res.calibrated(scale)
             return res.speedup, res.tpot_speedup if res.tpot_speedup is not None else res.decode_speedup
 
-        def predict_all(cm: str, bm: Any) -> tuple[dict[tuple[str, int], Pred], dict[tuple[int, int], Pred]]:
+        def predict_all(
+            cm: str, bm: Any, scales: dict[int, float] | None = None
+        ) -> tuple[dict[tuple[str, int], Pred], dict[tuple[int, int], Pred]]:
+            sc = scales or {}
             by_arm: dict[tuple[str, int], Pred] = {}
             for arm in arms:
                 desc = arm.predict or arm.policy
                 if arm.group in ("plain", "overhead-stock", "table") or desc is None:  # table: by_k below
                     continue
                 for b in opts.batches:
-                    by_arm[(arm.name, b)] = predict(desc, b, cm, bm, lazy=arm.engine in ("ctl", "specenv"))
+                    if scales is not None and b not in sc:
+                        continue
+                    lazy = arm.engine in ("ctl", "specenv")
+                    by_arm[(arm.name, b)] = predict(desc, b, cm, bm, lazy=lazy, scale=sc.get(b))
             by_k = {
-                (k, b): predict({"kind": "fixed", "k": k}, b, cm, bm)
+                (k, b): predict({"kind": "fixed", "k": k}, b, cm, bm, scale=sc.get(b))
                 for b in opts.batches
                 for k in set(best_k.values()) | ({dyn_k[b]} if b in dyn_k else set())
+                if scales is None or b in sc
             }
             return by_arm, by_k
 
         dyn_k = next((a.k_by_batch for a in arms if a.group == "dynamic" and a.k_by_batch), None) or {}
         preds, kpred = predict_all(str(cm_path), batch_model)  # the set's cost model, as saved beside the run
         ablated = _ablations(ctx, out, opts, batch_model, predict_all)
+        # the same predictions with the speculating engine's decoding calibrated on this run's train fit
+        calibration = _calibration(fit_detail, opts, train_ids, str(cm_path), batch_model, predict_raw)
+        if calibration:
+            scales = {int(b): c["r"] for b, c in calibration.items()}
+            ablated[CALIBRATED] = predict_all(str(cm_path), batch_model, scales)
+        fit_detail["calibration"] = calibration or None
         clock = {}  # the live plain engine's clock against the step model's (a recording of another machine?)
         if batch_model is not None and batch_model.ar_step is not None:
             for b in opts.batches:
@@ -1168,8 +1266,7 @@ def run_abtest(
         if "live_speedup" in r and ablated:
             r["ablations"] = {}
             for name, (pa, pk) in ablated.items():
-                byk = r.get("k") is not None and r["group"] in ("best", "dynamic")
-                both = pk.get((r["k"], r["batch"])) if byk else pa.get((r["arm"], r["batch"]))
+                both = _variant_pred(r, pa, pk)
                 pred = None if both is None else both[0]
                 r["ablations"][name] = {
                     "predicted": pred,
@@ -1313,6 +1410,72 @@ def _ablations(
         bm = None if batch_model is None else ablate_batch(batch_model, term)
         found[f"without {term}"] = predict_all(str(path), bm)
     return found
+
+
+#: The predictions calibrated on the run's train fit (:func:`calibrate_decode`), beside the ablations.
+CALIBRATED = "calibrated on train"
+
+
+def _calibration(
+    fit: dict[str, Any],
+    opts: AbtestOptions,
+    train_ids: list[int],
+    cm: str,
+    batch_model: Any,
+    predict_raw: Callable[..., Any],
+) -> dict[str, dict[str, Any]]:
+    """Per batch size, the decoding factor ``r`` fitted on this run's measured train fit (empty without one).
+
+    Only a fit measured in this run has the train passes (``train_ratio_all``: every fixed k beside
+    plain); a reused fit (``--fit-from``) or a replay fit has none. Each fixed k is predicted on the
+    same train prompts in the same order (``predict_raw`` on the train split) and
+    :func:`calibrate_decode` finds ``r``; the train errors before and after are kept.
+    """
+    ratios = fit.get("train_ratio_all")
+    if not ratios or fit.get("mode") != "measured":
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for b_key, by_k in ratios.items():
+        b = int(b_key)
+        measured = {int(k): [float(x) for x in v] for k, v in by_k.items() if v}
+        preds: dict[int, BatchPrediction] = {}
+        for k in measured:
+            res = predict_raw({"kind": "fixed", "k": k}, b, cm, batch_model, False, train_ids, "train")
+            if isinstance(res, float):  # batch 1 without a prefill term: a decoding ratio alone
+                res = BatchPrediction(res, res, 1.0 / res, 1.0, 0.0, 0.0)
+            if res is not None:
+                preds[k] = res
+        if not preds:
+            continue
+        r = calibrate_decode(measured, preds)
+        out[b_key] = {
+            "r": r,
+            "train_mean_abs_err_before": _calibration_error(measured, preds, 1.0),
+            "train_mean_abs_err_after": _calibration_error(measured, preds, r),
+            "ks": sorted(preds),
+            "passes": int(sum(len(v) for v in measured.values())),
+        }
+    return out
+
+
+def _variant_pred(row: dict[str, Any], pa: dict[tuple[str, int], Pred], pk: dict[tuple[int, int], Pred]) -> Pred:
+    """A row's prediction under another cost model (an ablation, the calibration), as :func:`_rows` picks the full one.
+
+    The best static choice and specenv's table at k = 0 run the plain engine (1.0); the best k, vLLM's
+    table and specenv's table otherwise are their k's fixed-k prediction; every other arm its own.
+    """
+    k, b = row.get("k"), row["batch"]
+    if k is not None and row["group"] in ("best", "table") and k == 0:
+        return (1.0, 1.0)
+    if k is not None and row["group"] in ("best", "dynamic", "table"):
+        return pk.get((k, b))
+    return pa.get((row["arm"], b))
+
+
+def _calibration_error(measured: dict[int, list[float]], preds: dict[int, BatchPrediction], r: float) -> float:
+    """Mean ``|measured / predicted - 1|`` over the train passes with a prediction, at factor ``r``."""
+    e = [abs(m / preds[k].calibrated(r).speedup - 1.0) for k, ms in measured.items() if k in preds for m in ms]
+    return float(np.mean(e))
 
 
 def _top_k(dataset: str) -> int | None:
@@ -1740,6 +1903,17 @@ def markdown(doc: dict[str, Any]) -> str:
             f"Fit on train ({fit['mode']}{_from(fit)}): best fixed k per batch {fit['best_k']}; replay's best fixed k "
             f"{fit['replay_best_k']}"
             + (f"; dynamic SD table {fit['dynamic_sd_table']}" if "dynamic_sd_table" in fit else "")
+        )
+    cal = fit.get("calibration") or {}
+    if cal:
+        lines.append(
+            f"Calibration on train ('{CALIBRATED}' above: the speculating engine's decoding x r, fitted on the train "
+            "fit's passes, no held-out pass read): "
+            + "; ".join(
+                f"batch {b}: r = {c['r']:.3f} (train |meas/pred - 1| {c['train_mean_abs_err_before']:.1%} -> "
+                f"{c['train_mean_abs_err_after']:.1%} over {c['passes']} passes)"
+                for b, c in cal.items()
+            )
         )
     lines += [f"Note: {n}" for n in doc["notes"]]
     return "\n".join(lines)

@@ -76,7 +76,8 @@ def test_pool_sizes_itself_from_the_first_engine(monkeypatch: pytest.MonkeyPatch
     assert pool.max_alive == 7  # 70% of the memory, in engines of 1000 MB
 
 
-def test_prediction_of_a_fixed_k_arm_is_the_oracle_exact_evaluation(tmp_path: Path) -> None:
+@pytest.mark.parametrize("split", ["test", "train"])  # train: the calibration's predictions of the train fit
+def test_prediction_of_a_fixed_k_arm_is_the_oracle_exact_evaluation(tmp_path: Path, split: str) -> None:
     """On a greedy step-timed set, the replay's predicted speedup of fixed k is exact: the oracle's."""
     from specenv.generator import generate_paper
 
@@ -85,11 +86,12 @@ def test_prediction_of_a_fixed_k_arm_is_the_oracle_exact_evaluation(tmp_path: Pa
     data = load_dataset(path)
     cm = cost_model_for(data, "fit-train")
     assert cm.ar_step is not None  # the step-time model
-    arr = select_split(data.arrays(), "test")
+    arr = select_split(data.arrays(), split)
     gids = [int(g) for g in arr.generation_ids]
     spec_obj = build_context(str(path), KMAX, "fit-train", None).spec  # as the A/B builds it
     for k in (1, 3):
-        pred = predicted_speedup(str(path), "fit-train", KMAX, gids, replay_policy({"kind": "fixed", "k": k}, spec_obj))
+        pol = replay_policy({"kind": "fixed", "k": k}, spec_obj)
+        pred = predicted_speedup(str(path), "fit-train", KMAX, gids, pol, split=split)
         ev = oracle.evaluate_policy(arr, cm, k)
         assert pred == pytest.approx(float(np.sum(ev.ar) / np.sum(ev.cost)), rel=1e-9)
 
