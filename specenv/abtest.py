@@ -52,6 +52,15 @@ it, or no prediction where none is recorded), live / predicted, the decode phase
 per output token over the arm's, and the prediction of the decoding steps),
 whether every repeat's outputs equal plain greedy's at the same batch size, and the controller's CPU
 per step (% of step time).
+
+Sim-to-real: per batch size the mean and max of ``|live/pred - 1|`` and Spearman's rank correlation over
+the predicted arms, for the full model, each ablation of a step-time model (without ``U_r``, without the
+per-step overhead) and, when the fit was measured in the run, the full model **calibrated on train**: a
+step model is a recording of one machine, and a shared host runs the speculating and the plain steps at
+other relative speeds an hour later; the train fit already runs every fixed k beside plain on the train
+prompts, so one factor per batch size on the speculating engine's decoding is fitted to those passes
+(:func:`calibrate_decode`) and applied to every arm's prediction. No held-out pass is read: it stays a
+prediction, made with what a user measures before deploying.
 """
 
 from __future__ import annotations
