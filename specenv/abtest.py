@@ -534,23 +534,52 @@ class BatchPrediction:
             tpot_speedup=float(decode_speedup),
         )
 
-    def calibrated(self, r: float) -> BatchPrediction:
+    def calibrated(self, r: float, clock: ClockFactors | None = None) -> BatchPrediction:
         """The same prediction with the arm's decoding steps ``r`` times as long (:func:`calibrate_decode`).
 
-        The plain engine's steps and both engines' prefill phases are kept: ``r`` is the speculating
-        engine's step against the plain engine's, as measured on this machine now over what the model
-        prices it at.
+        ``r`` is the speculating engine's step against the plain engine's, as measured on this machine
+        now over what the model prices it at. ``clock`` (:func:`train_clock`), when given, first puts
+        the model on this machine's clock: both engines' prefill phases and the plain engine's decoding
+        steps scaled by their measured factors, the arm's decoding steps by the plain one's (``r``
+        stays the relative factor). Without it the plain steps and both prefill phases are kept.
         """
         if not (np.isfinite(r) and r > 0):
             raise ValueError(f"r={r!r}: must be finite and > 0")
-        decode_ms = self.decode_ms * float(r)
+        c = clock or ClockFactors()
+        ar_decode_ms = self.ar_decode_ms * c.step_plain
+        decode_ms = self.decode_ms * float(r) * c.step_plain
+        prefill_ms = self.prefill_ms * c.prefill_spec
+        ar_prefill_ms = self.ar_prefill_ms * c.prefill_plain
         return dataclasses.replace(
             self,
-            speedup=(self.ar_prefill_ms + self.ar_decode_ms) / (self.prefill_ms + decode_ms),
+            speedup=(ar_prefill_ms + ar_decode_ms) / (prefill_ms + decode_ms),
             decode_speedup=self.decode_speedup / float(r),
             decode_ms=decode_ms,
+            ar_decode_ms=ar_decode_ms,
+            prefill_ms=prefill_ms,
+            ar_prefill_ms=ar_prefill_ms,
             tpot_speedup=None if self.tpot_speedup is None else self.tpot_speedup / float(r),
         )
+
+
+@dataclass(frozen=True)
+class ClockFactors:
+    """This machine's clock over a step model's, measured on the train fit's passes (:func:`train_clock`).
+
+    Attributes:
+        prefill_spec: The engine with the drafter: its measured prefill phase per group over the model's.
+        prefill_plain: The plain engine's prefill phase per group, measured over modelled.
+        step_plain: The plain engine's decoding step (mean time per output token), measured over modelled.
+    """
+
+    prefill_spec: float = 1.0
+    prefill_plain: float = 1.0
+    step_plain: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name, v in dataclasses.asdict(self).items():
+            if not (np.isfinite(v) and v > 0):
+                raise ValueError(f"clock {name}={v!r}: must be finite and > 0")
 
 
 #: One arm's prediction at one batch size: (tokens/s speedup, decode-phase speedup), None: not predicted.
@@ -560,7 +589,9 @@ Pred = tuple[float, float] | None
 CALIBRATION_BOUNDS = (0.25, 4.0)
 
 
-def calibrate_decode(measured: dict[int, list[float]], predicted: dict[int, BatchPrediction]) -> float:
+def calibrate_decode(
+    measured: dict[int, list[float]], predicted: dict[int, BatchPrediction], clock: ClockFactors | None = None
+) -> float:
     """The factor ``r`` on the speculating engine's decoding steps that fits the train fit's measured ratios.
 
     A step-time model is one recording of a shared machine: an hour later the same host may run the
@@ -570,11 +601,13 @@ def calibrate_decode(measured: dict[int, list[float]], predicted: dict[int, Batc
     finds the one ``r`` (per batch size) that makes the model's predictions of those runs
     (:meth:`BatchPrediction.calibrated`) closest to them: least squares of ``log(measured) -
     log(predicted(r))`` over every k and pass, bounded to :data:`CALIBRATION_BOUNDS`
-    (``scipy.optimize.minimize_scalar``). No held-out pass is read.
+    (``scipy.optimize.minimize_scalar``), on this machine's clock when ``clock`` is given (measured on
+    the same train passes, :func:`train_clock`). No held-out pass is read.
 
     Args:
         measured: Per k, the train passes' tokens/s ratios (k over the plain run beside it).
         predicted: Per k, the model's prediction of the same train prompts at that k.
+        clock: The prefill and plain-step factors applied first (None: the model's clock).
 
     Raises:
         ValueError: No k with both a measurement and a prediction, or a ratio that is not positive.
@@ -589,7 +622,7 @@ def calibrate_decode(measured: dict[int, list[float]], predicted: dict[int, Batc
 
     def loss(log_r: float) -> float:
         r = float(np.exp(log_r))
-        return float(sum((np.log(m) - np.log(p.calibrated(r).speedup)) ** 2 for p, m in pairs))
+        return float(sum((np.log(m) - np.log(p.calibrated(r, clock).speedup)) ** 2 for p, m in pairs))
 
     lo, hi = (float(np.log(x)) for x in CALIBRATION_BOUNDS)
     res = minimize_scalar(loss, bounds=(lo, hi), method="bounded", options={"xatol": 1e-6})
@@ -753,16 +786,10 @@ def clock_check(pred: BatchPrediction, plain: list[dict[str, Any]]) -> dict[str,
     if pred.ar_steps <= 0 or pred.groups <= 0:
         return None
     tpot = _mean_tpot(plain)
-    firsts: dict[tuple[int, int], float] = {}
-    for i, r in enumerate(plain):
-        for q in r.get("requests", []):
-            if q and q.get("ttft_ms") is not None:
-                key = (i, int(q.get("group", 0)))
-                firsts[key] = max(firsts.get(key, 0.0), float(q["ttft_ms"]))
-    if tpot is None or not firsts:
+    live_pre = _prefill_per_group(plain)
+    if tpot is None or live_pre is None:
         return None
     model_step = pred.ar_decode_ms / pred.ar_steps
-    live_pre = float(np.mean(list(firsts.values())))
     model_pre = pred.ar_prefill_ms / pred.groups
     step_ratio = tpot / model_step
     pre_ratio = live_pre / model_pre if model_pre > 0 else None
@@ -776,6 +803,53 @@ def clock_check(pred: BatchPrediction, plain: list[dict[str, Any]]) -> dict[str,
         "prefill_ratio": pre_ratio,
         "off": any(abs(x - 1.0) > CLOCK_TOLERANCE for x in ratios),
     }
+
+
+def _prefill_per_group(passes: list[dict[str, Any]]) -> float | None:
+    """A group's prefill phase as a pass shows it, the mean over every group of every pass (ms).
+
+    A group's is its last first token (the largest time to first token of its requests); None without
+    request timings.
+    """
+    firsts: dict[tuple[int, int], float] = {}
+    for i, r in enumerate(passes):
+        for q in r.get("requests", []):
+            if q and q.get("ttft_ms") is not None:
+                key = (i, int(q.get("group", 0)))
+                firsts[key] = max(firsts.get(key, 0.0), float(q["ttft_ms"]))
+    return float(np.mean(list(firsts.values()))) if firsts else None
+
+
+def train_clock(pred: BatchPrediction, plain: list[dict[str, Any]], spec: list[dict[str, Any]]) -> ClockFactors | None:
+    """This machine's clock over the step model's, from the train fit's passes of one batch size.
+
+    The A/B's measured fit runs every fixed k beside plain on the train prompts; the same comparison
+    as :func:`clock_check` on those passes (the plain engine's decoding step and prefill phase per
+    group, measured over modelled) gives the plain engine's factors, and the speculating engines'
+    passes (every fixed k) give the drafter engine's prefill factor (its prefill phase does not
+    depend on k). A step model recorded on another machine, or on this one at another load, is
+    put on this machine's clock by them before the decoding factor ``r`` is fitted
+    (:func:`calibrate_decode`). No held-out pass is read.
+
+    Args:
+        pred: A prediction of the train prompts at this batch size (any k: its plain side and its
+            prefill phases are the same for every k).
+        plain: The plain engine's train passes (each with ``requests``: ``group``, ``ttft_ms``, ``tpot_ms``).
+        spec: The speculating engines' train passes.
+
+    Returns:
+        The factors, or None when a side lacks request timings or the model lacks a prefill term or
+        the plain steps.
+    """
+    checked = clock_check(pred, plain)
+    live_spec = _prefill_per_group(spec)
+    if checked is None or checked["prefill_ratio"] is None or live_spec is None or pred.prefill_ms <= 0:
+        return None
+    return ClockFactors(
+        prefill_spec=live_spec / (pred.prefill_ms / pred.groups),
+        prefill_plain=float(checked["prefill_ratio"]),
+        step_plain=float(checked["step_ratio"]),
+    )
 
 
 def _drafts_block(policy: Any, n: int) -> bool:
@@ -967,6 +1041,7 @@ def run_abtest(
                 ratios: dict[int, dict[int, list[float]]] = {
                     b: {k: [] for k in range(1, fit_kmax + 1)} for b in opts.batches
                 }
+                reqs: dict[int, dict[int, list[list[dict[str, Any]]]]] = {b: {} for b in opts.batches}
                 n_fit, done_fit = opts.fit_repeats * len(opts.batches) * fit_kmax * 2, 0
                 # each run of k beside a plain run of the same batch size (fit_order)
                 # with --interleave group, group by group (the pair's order alternating from group to group),
@@ -977,7 +1052,12 @@ def run_abtest(
                     for g, kk in interleave_cells(list(pair), len(chunks), 0):  # the pair's order alternating
                         eng = engines.get("plain" if kk == 0 else f"k={kk}")
                         parts[kk].append(run(eng, chunks[g], b, opts.max_tokens))
-                    got = {kk: join_passes(ps)["tok_per_s"] for kk, ps in parts.items()}
+                    joined = {kk: join_passes(ps) for kk, ps in parts.items()}
+                    got = {kk: j["tok_per_s"] for kk, j in joined.items()}
+                    for kk, j in joined.items():  # the request timings, for the clock of the calibration
+                        reqs[b].setdefault(kk, []).append(
+                            [{f: q.get(f) for f in TRAIN_REQUEST_FIELDS} for q in j["requests"] if q]
+                        )
                     done_fit += 2
                     if progress is not None:
                         progress("train fit", done_fit, n_fit)
@@ -999,6 +1079,7 @@ def run_abtest(
                 fit_detail["train_tok_per_s_all"] = {str(b): {str(k): v for k, v in d.items()} for b, d in tps.items()}
                 fit_detail["train_plain_beside"] = {str(b): {str(k): v for k, v in d.items()} for b, d in ref.items()}
                 fit_detail["train_ratio_all"] = {str(b): {str(k): v for k, v in d.items()} for b, d in ratios.items()}
+                fit_detail["train_requests"] = {str(b): {str(k): v for k, v in d.items()} for b, d in reqs.items()}
             else:
                 best_k = {b: max(ctx.best_fixed_k, 1) for b in opts.batches}
             fit_detail["best_k"] = {str(b): k for b, k in (table_k or best_k).items()}
@@ -1201,21 +1282,26 @@ def run_abtest(
             return res
 
         def predict(
-            desc: dict[str, Any], b: int, cm: str, bm: Any, lazy: bool = False, scale: float | None = None
+            desc: dict[str, Any],
+            b: int,
+            cm: str,
+            bm: Any,
+            lazy: bool = False,
+            scale: tuple[float, ClockFactors | None] | None = None,
         ) -> Pred:
-            """An arm's prediction on the held-out prompts; ``scale``: its decoding steps calibrated by that factor."""
+            """An arm's prediction on the held-out prompts; ``scale``: ``(r, clock)`` of the calibration on train."""
             res = predict_raw(desc, b, cm, bm, lazy, test_ids, "test")
             if res is None:
                 return None
-            if isinstance(res, float):
-                p = res / (scale or 1.0)
+            if isinstance(res, float):  # decoding rounds alone: no clock to put them on
+                p = res / (scale[0] if scale is not None else 1.0)
                 return p, p
             if scale is not None:
-                res = res.calibrated(scale)
+                res = res.calibrated(*scale)
             return res.speedup, res.tpot_speedup if res.tpot_speedup is not None else res.decode_speedup
 
         def predict_all(
-            cm: str, bm: Any, scales: dict[int, float] | None = None
+            cm: str, bm: Any, scales: dict[int, tuple[float, ClockFactors | None]] | None = None
         ) -> tuple[dict[tuple[str, int], Pred], dict[tuple[int, int], Pred]]:
             sc = scales or {}
             by_arm: dict[tuple[str, int], Pred] = {}
@@ -1242,7 +1328,9 @@ def run_abtest(
         # the same predictions with the speculating engine's decoding calibrated on this run's train fit
         calibration = _calibration(fit_detail, opts, train_ids, str(cm_path), batch_model, predict_raw)
         if calibration:
-            scales = {int(b): c["r"] for b, c in calibration.items()}
+            scales = {
+                int(b): (c["r"], ClockFactors(**c["clock"]) if c.get("clock") else None) for b, c in calibration.items()
+            }
             ablated[CALIBRATED] = predict_all(str(cm_path), batch_model, scales)
         fit_detail["calibration"] = calibration or None
         clock = {}  # the live plain engine's clock against the step model's (a recording of another machine?)
@@ -1336,6 +1424,11 @@ def run_abtest(
     (out / "abtest.json").write_text(json.dumps(doc, indent=2, default=float))
     (out / "passes.json").write_text(json.dumps(pass_records(results, plain_outputs(results)), default=float))
     return doc
+
+
+#: What the measured fit keeps of each train pass's requests (``fit.train_requests``): the timings
+#: :func:`train_clock` reads.
+TRAIN_REQUEST_FIELDS = ("group", "ttft_ms", "tpot_ms")
 
 
 #: What a pass record keeps of an engine's answer (:func:`specenv.engines.vllm.bench.timed_pass`): every
@@ -1433,16 +1526,20 @@ def _calibration(
     batch_model: Any,
     predict_raw: Callable[..., Any],
 ) -> dict[str, dict[str, Any]]:
-    """Per batch size, the decoding factor ``r`` fitted on this run's measured train fit (empty without one).
+    """Per batch size, this machine's clock and the decoding factor ``r``, from this run's measured train fit.
 
     Only a fit measured in this run has the train passes (``train_ratio_all``: every fixed k beside
     plain); a reused fit (``--fit-from``) or a replay fit has none. Each fixed k is predicted on the
-    same train prompts in the same order (``predict_raw`` on the train split) and
-    :func:`calibrate_decode` finds ``r``; the train errors before and after are kept.
+    same train prompts in the same order (``predict_raw`` on the train split); when the fit kept its
+    passes' request timings (``train_requests``) and the model prices prefill phases,
+    :func:`train_clock` puts the model on this machine's clock first; :func:`calibrate_decode` then
+    finds ``r``. The train errors before (the model as recorded), with the clock alone, and after
+    (clock and ``r``) are kept.
     """
     ratios = fit.get("train_ratio_all")
     if not ratios or fit.get("mode") != "measured":
         return {}
+    timings = fit.get("train_requests") or {}
     out: dict[str, dict[str, Any]] = {}
     for b_key, by_k in ratios.items():
         b = int(b_key)
@@ -1456,11 +1553,18 @@ def _calibration(
                 preds[k] = res
         if not preds:
             continue
-        r = calibrate_decode(measured, preds)
+        clock = None
+        passes = {int(k): [{"requests": q} for q in v] for k, v in timings.get(b_key, {}).items()}
+        if passes.get(0):
+            spec = [r for k, rs in passes.items() if k > 0 and k in preds for r in rs]
+            clock = train_clock(next(iter(preds.values())), passes[0], spec)
+        r = calibrate_decode(measured, preds, clock)
         out[b_key] = {
             "r": r,
+            "clock": None if clock is None else dataclasses.asdict(clock),
             "train_mean_abs_err_before": _calibration_error(measured, preds, 1.0),
-            "train_mean_abs_err_after": _calibration_error(measured, preds, r),
+            "train_mean_abs_err_clock": None if clock is None else _calibration_error(measured, preds, 1.0, clock),
+            "train_mean_abs_err_after": _calibration_error(measured, preds, r, clock),
             "ks": sorted(preds),
             "passes": int(sum(len(v) for v in measured.values())),
         }
@@ -1481,9 +1585,11 @@ def _variant_pred(row: dict[str, Any], pa: dict[tuple[str, int], Pred], pk: dict
     return pa.get((row["arm"], b))
 
 
-def _calibration_error(measured: dict[int, list[float]], preds: dict[int, BatchPrediction], r: float) -> float:
-    """Mean ``|measured / predicted - 1|`` over the train passes with a prediction, at factor ``r``."""
-    e = [abs(m / preds[k].calibrated(r).speedup - 1.0) for k, ms in measured.items() if k in preds for m in ms]
+def _calibration_error(
+    measured: dict[int, list[float]], preds: dict[int, BatchPrediction], r: float, clock: ClockFactors | None = None
+) -> float:
+    """Mean ``|measured / predicted - 1|`` over the train passes with a prediction, at factor ``r`` and ``clock``."""
+    e = [abs(m / preds[k].calibrated(r, clock).speedup - 1.0) for k, ms in measured.items() if k in preds for m in ms]
     return float(np.mean(e))
 
 
@@ -1916,11 +2022,24 @@ def markdown(doc: dict[str, Any]) -> str:
     cal = fit.get("calibration") or {}
     if cal:
         lines.append(
-            f"Calibration on train ('{CALIBRATED}' above: the speculating engine's decoding x r, fitted on the train "
-            "fit's passes, no held-out pass read): "
+            f"Calibration on train ('{CALIBRATED}' above: the model put on this machine's clock (prefill phases, "
+            "plain step: measured / modelled on the train passes), then the speculating engine's decoding x r, fitted "
+            "on the train fit's passes; no held-out pass read): "
             + "; ".join(
-                f"batch {b}: r = {c['r']:.3f} (train |meas/pred - 1| {c['train_mean_abs_err_before']:.1%} -> "
-                f"{c['train_mean_abs_err_after']:.1%} over {c['passes']} passes)"
+                f"batch {b}: "
+                + (
+                    f"clock prefill {c['clock']['prefill_spec']:.2f} (drafter engine) / "
+                    f"{c['clock']['prefill_plain']:.2f} (plain), plain step {c['clock']['step_plain']:.2f}; "
+                    if c.get("clock")
+                    else ""
+                )
+                + f"r = {c['r']:.3f} (train |meas/pred - 1| {c['train_mean_abs_err_before']:.1%}"
+                + (
+                    f" -> {c['train_mean_abs_err_clock']:.1%} (clock)"
+                    if c.get("train_mean_abs_err_clock") is not None
+                    else ""
+                )
+                + f" -> {c['train_mean_abs_err_after']:.1%} over {c['passes']} passes)"
                 for b, c in cal.items()
             )
         )

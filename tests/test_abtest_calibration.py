@@ -123,3 +123,79 @@ def test_a_variant_prediction_is_picked_per_row_as_the_full_one() -> None:
         assert abtest._variant_pred({"arm": "a", "group": group, "k": 2, "batch": 4}, pa, pk) == (1.1, 1.3)
     assert abtest._variant_pred({"arm": "learned x", "group": "learned", "batch": 4}, pa, pk) == (1.2, 1.4)
     assert abtest._variant_pred({"arm": "learned x", "group": "learned", "batch": 8}, pa, pk) is None
+
+
+# ---- this machine's clock, measured on the train passes (prefill phases, plain step) before r is fitted
+
+# PREDS' clock: 2 groups, 100 plain steps -> plain prefill 425 ms a group, drafter engine's 450, plain step 36 ms
+CLOCK = abtest.ClockFactors(prefill_spec=0.5, prefill_plain=0.55, step_plain=0.75)
+
+
+def _measured(p: BatchPrediction, r: float, c: abtest.ClockFactors) -> float:
+    """What a pass measures when this machine runs the model's phases at ``c`` and the drafter's decoding x r."""
+    return (850.0 * c.prefill_plain + 3600.0 * c.step_plain) / (900.0 * c.prefill_spec + p.decode_ms * r * c.step_plain)
+
+
+def test_clock_puts_every_phase_on_this_machine_and_r_stays_relative() -> None:
+    c = PREDS[2].calibrated(1.2, CLOCK)
+    assert c.speedup == pytest.approx((850.0 * 0.55 + 3600.0 * 0.75) / (900.0 * 0.5 + 2700.0 * 1.2 * 0.75))
+    assert (c.prefill_ms, c.ar_prefill_ms) == pytest.approx((450.0, 467.5))
+    assert (c.ar_decode_ms, c.decode_ms) == pytest.approx((2700.0, 2430.0))
+    # the decoding ratio moves by r alone: the plain step's factor is on both sides
+    assert c.decode_speedup == pytest.approx(3600.0 / 2700.0 / 1.2)
+    assert PREDS[2].calibrated(1.2, abtest.ClockFactors()) == PREDS[2].calibrated(1.2)
+    for bad in (0.0, -0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="clock step_plain="):
+            abtest.ClockFactors(step_plain=bad)
+
+
+def _requests(ttfts: list[list[float]], tpot: float) -> list[dict[str, float]]:
+    """One pass's requests: per group, its requests' times to first token; every request at ``tpot``."""
+    return [{"group": g, "ttft_ms": t, "tpot_ms": tpot} for g, ts in enumerate(ttfts) for t in ts]
+
+
+def test_train_clock_is_measured_over_modelled_on_the_train_passes() -> None:
+    # plain: a group's prefill is its last first token: (200 + 260) / 2 = 230 a group over 425 modelled;
+    # its step 27 ms and 27 ms over 36 modelled; the drafter engine's groups (240, 210, 240, 210) over 450
+    plain = [{"requests": _requests([[180.0, 200.0], [260.0, 250.0]], 27.0)}] * 2
+    spec = [{"requests": _requests([[240.0, 230.0], [200.0, 210.0]], 20.0)}] * 2
+    got = abtest.train_clock(PREDS[1], plain, spec)
+    assert got == pytest.approx(abtest.ClockFactors(225.0 / 450.0, 230.0 / 425.0, 27.0 / 36.0))
+    # no request timings on a side: no clock (not a clock of 1)
+    assert abtest.train_clock(PREDS[1], plain, [{"requests": []}]) is None
+    assert abtest.train_clock(PREDS[1], [{"requests": []}], spec) is None
+
+
+@pytest.mark.parametrize("r_true", [0.85, 1.1])
+def test_calibration_on_this_machines_clock_recovers_r(r_true: float) -> None:
+    measured = {k: [_measured(p, r_true, CLOCK)] * 2 for k, p in PREDS.items()}
+    assert calibrate_decode(measured, PREDS, CLOCK) == pytest.approx(r_true, rel=1e-4)
+    # without the clock the same passes need another r, and it does not fit them all
+    r_blind = calibrate_decode(measured, PREDS)
+    assert abs(r_blind - r_true) > 0.01
+    assert abtest._calibration_error(measured, PREDS, r_blind) > abtest._calibration_error(
+        measured, PREDS, r_true, CLOCK
+    )
+
+
+def test_run_calibration_measures_the_clock_from_the_fits_request_timings() -> None:
+    def predict_raw(desc, b, cm, bm, lazy, ids, split):
+        return PREDS[desc["k"]]
+
+    c = CLOCK
+    # passes whose timings give CLOCK exactly: plain groups 425 x 0.55, its step 36 x 0.75, drafter groups 450 x 0.5
+    plain_reqs = _requests([[425.0 * c.prefill_plain]] * 2, 36.0 * c.step_plain)
+    spec_reqs = _requests([[450.0 * c.prefill_spec]] * 2, 20.0)
+    fit = {
+        "mode": "measured",
+        "train_ratio_all": {"4": {str(k): [_measured(p, 0.9, c)] for k, p in PREDS.items()}},
+        "train_requests": {"4": {"0": [plain_reqs] * 3, **{str(k): [spec_reqs] for k in PREDS}}},
+    }
+    opts = abtest.AbtestOptions(models="wide-moe-v1")
+    got = abtest._calibration(fit, opts, [7, 8], "cm.json", None, predict_raw)["4"]
+    assert got["clock"] == pytest.approx({"prefill_spec": 0.5, "prefill_plain": 0.55, "step_plain": 0.75})
+    assert got["r"] == pytest.approx(0.9, rel=1e-4)
+    assert got["train_mean_abs_err_after"] < 1e-4 < got["train_mean_abs_err_clock"] < got["train_mean_abs_err_before"]
+    # a fit without request timings (an older abtest.json) is calibrated on the model's clock
+    old = abtest._calibration(fit | {"train_requests": None}, opts, [7, 8], "cm.json", None, predict_raw)["4"]
+    assert old["clock"] is None and old["train_mean_abs_err_clock"] is None
