@@ -58,9 +58,11 @@ the predicted arms, for the full model, each ablation of a step-time model (with
 per-step overhead) and, when the fit was measured in the run, the full model **calibrated on train**: a
 step model is a recording of one machine, and a shared host runs the speculating and the plain steps at
 other relative speeds an hour later; the train fit already runs every fixed k beside plain on the train
-prompts, so one factor per batch size on the speculating engine's decoding is fitted to those passes
-(:func:`calibrate_decode`) and applied to every arm's prediction. No held-out pass is read: it stays a
-prediction, made with what a user measures before deploying.
+prompts, so those passes first put the model on this machine's clock (both engines' prefill phases and
+the plain step, measured over modelled: :func:`train_clock`), then one factor per batch size on the
+speculating engine's decoding is fitted to them (:func:`calibrate_decode`); both apply to every arm's
+prediction. No held-out pass is read: it stays a prediction, made with what a user measures before
+deploying.
 """
 
 from __future__ import annotations
