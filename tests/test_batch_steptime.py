@@ -415,7 +415,12 @@ def test_step_fit_carries_the_prefill_term_and_its_json_round_trips(tmp_path: Pa
 
 @pytest.mark.parametrize(
     ("name", "groups"),
-    [("live-vllm-wide-batch-v2", 35), ("live-vllm-wide-batch-v3", 28), ("live-vllm-wide-batch-v4", 42)],
+    [
+        ("live-vllm-wide-batch-v2", 35),
+        ("live-vllm-wide-batch-v3", 28),
+        ("live-vllm-wide-batch-v4", 42),
+        ("live-vllm-wide-batch-v5", 28),
+    ],
 )
 def test_shipped_wide_recording_is_a_step_time_fit_of_its_steps(name: str, groups: int) -> None:
     from specenv.cost.batch import load_batch_cost_model
@@ -457,11 +462,11 @@ def test_shipped_wide_recording_is_a_step_time_fit_of_its_steps(name: str, group
         if a >= 0 and b >= 0:  # the unconstrained line is the fit when it needs no constraint
             assert ship.prefill[engine] == pytest.approx((a, b), rel=1e-6)
     # the newest recording of the wide models is the one the A/B and the batch env use
-    assert step_time_recording("wide-moe-v1") == "live-vllm-wide-batch-v4"
+    assert step_time_recording("wide-moe-v1") == "live-vllm-wide-batch-v5"
     assert step_time_recording("small-moe-v1") is None  # its recording has no engine steps: forwards only
     wide = load_dataset("live-vllm-wide")
     chosen = fitted_batch_cost(wide, 8)
-    newest = load_batch_cost_model("live-vllm-wide-batch-v4")
+    newest = load_batch_cost_model("live-vllm-wide-batch-v5")
     assert chosen is not None and chosen.ar_step == newest.ar_step  # the batch env prices live-vllm-wide with it
     small = fitted_batch_cost(load_dataset("live-vllm"), 8)
     assert small is not None and small.ar_step is None  # the small models keep their own recording
