@@ -453,8 +453,14 @@ def predicted_speedup(
     policy: Any,
     max_tokens: int | None = None,
     split: str = "test",
+    served: bool = True,
 ) -> float:
     """Replay-predicted speedup (model AR cost / model cost) of a policy on some generations (of ``split``).
+
+    The policy is replayed as the controller serves it (:class:`specenv.envs.served.ServedGroup` of one
+    request): each round verifies the policy's k capped at the drafts proposed for it (the horizon asked
+    before the previous round's outcome) and pays the draft time of those drafts, ``T_D(h)``, in place of the
+    environment's ``T_D(k)``; ``served=False``: the environment's own rounds (k as asked, ``T_D(k)``).
 
     ``max_tokens``: replay only each generation's first ``max_tokens`` tokens, as the live run
     generates them (the round that reaches it is charged in full, its AR cost counts the tokens up to
@@ -463,20 +469,26 @@ def predicted_speedup(
     import gymnasium as gym
 
     import specenv  # noqa: F401  (registers the environments)
+    from specenv.cost.model import drafted_tokens
+    from specenv.envs.served import ServedGroup
 
     kw, _ = _replay_env_args(policy, dataset, kmax, cost_model, split)
     env = gym.make("specenv/MoESpec-v1", **kw)
     data = env.unwrapped.data
+    cm = data.cost_model
+    group = ServedGroup([env], lambda: policy, top_k=_top_k(dataset) or 1, controller=served)
     row_of = {int(g): i for i, g in enumerate(data.generation_ids)}
     cost = ar = 0.0
     for g in gids:
-        obs, _ = env.reset(seed=0, options={"generation_id": int(g)})
-        policy.reset()
-        done = False
-        while not done:
-            obs, _, done, _, info = env.step(int(policy.act(obs)))
+        group.reset([int(g)], max_tokens)
+        while group.running:
+            st = group.step()
+            info = st.infos[0]
+            # the environment charged T_D of its own drafting; the served round pays T_D of what was drafted
             cost += info["cost_ms"]
-            done = done or (max_tokens is not None and info["t"] >= max_tokens)
+            if served:
+                charged = drafted_tokens(int(info["k"]), data.lookahead, data.drafting)
+                cost += float(cm.draft_ms(st.drafted)) - float(cm.draft_ms(charged))
         i = row_of[int(g)]
         n = int(data.lengths[i]) if max_tokens is None else min(int(max_tokens), int(data.lengths[i]))
         ar += float(np.sum(data.ar_ms[data.offsets[i] : data.offsets[i] + n]))
@@ -642,6 +654,7 @@ def predict_batch(
     batch_cost: Any,
     joint: bool = False,
     split: str = "test",
+    served: bool = True,
 ) -> BatchPrediction:
     """Replay-predicted speedup of a per-request policy served ``batch`` requests at a time, as the A/B serves them.
 
@@ -652,11 +665,14 @@ def predict_batch(
     leaves the step), and each step is priced by the batch step-time model ``batch_cost``
     (:class:`specenv.cost.batch.BatchCostModel`: the verification of every request's ``k_i + 1``
     positions over the predicted expert union, the engine's per-step overhead at that many requests,
-    and the drafting: every request drafts the step's largest k, as vLLM's drafter runs one draft
-    length for the whole batch (``draft_horizon="policy"`` asks for the largest; a step where every
-    request verifies 0 drafts nothing: the lazy drafter), or the policy's lookahead h when it has one
-    (in the steps the policy reads: a policy whose ``observes_at(n)`` is False for the step's n requests,
-    a gated policy's shut gate, drafts nothing there, as the controller serves it).
+    and the drafting. The requests are served as the controller serves them
+    (:class:`specenv.envs.served.ServedGroup`): vLLM's drafter runs one draft length for the whole batch,
+    fixed when the step is scheduled -- the largest horizon of the step's requests (the policy's k after
+    the round now verifying if all of its drafts were accepted; a step whose horizon is 0 drafts nothing:
+    the lazy drafter) -- and each request verifies its k capped at it; a policy with a lookahead h drafts
+    its block in the steps it reads (a policy whose ``observes_at(n)`` is False for the step's n requests,
+    a gated policy's shut gate, drafts nothing there). ``served=False``: every step drafts its largest k
+    and every request verifies the k it asked for (the replay environment's drafting).
     The reference is the plain engine serving the same groups: one token per running request per
     step, :meth:`~specenv.cost.batch.BatchCostModel.ar_ms` of their contexts. When the model has a
     prefill term (:meth:`~specenv.cost.batch.BatchCostModel.prefill_ms`), every group first pays its
@@ -678,56 +694,37 @@ def predict_batch(
             asked once per step with the stacked observations of the step's requests (``ids``: their
             places in the group), as the controller serves it; False: one policy per request.
         split: The split holding ``gids`` (``"train"``: the calibration on the train fit's passes).
+        served: False: the replay environment's drafting (see above), for comparison.
     """
     import gymnasium as gym
 
     import specenv  # noqa: F401  (registers the environments)
+    from specenv.envs.served import ServedGroup
 
-    kw, h = _replay_env_args(make_policy(), dataset, kmax, cost_model, split)
+    kw, _ = _replay_env_args(make_policy(), dataset, kmax, cost_model, split)
     b = max(int(batch), 1)
     envs = [gym.make("specenv/MoESpec-v1", **kw) for _ in range(min(b, len(gids)))]
     data = envs[0].unwrapped.data
     row_of = {int(g): i for i, g in enumerate(data.generation_ids)}
+    group = ServedGroup(envs, make_policy, joint=joint, top_k=_top_k(dataset) or 1, controller=served)
     cost = ar = pre = ar_pre = 0.0
     ar_steps = n_groups = 0
     tpot: list[float] = []  # per request: its decoding time over its tokens, the arm's
     ar_tpot: list[float] = []  # and the plain engine's
     for g0 in range(0, len(gids), b):
         members = [int(g) for g in gids[g0 : g0 + b]]
-        pols = [make_policy()] if joint else [make_policy() for _ in members]
-        for pol in pols:
-            pol.reset()
-        obs, live = [], []
-        for env, g in zip(envs, members, strict=False):
-            o, _ = env.reset(seed=0, options={"generation_id": g})
-            obs.append(o)
-            live.append(True)
-        n_tok = [
-            int(data.lengths[row_of[g]]) if max_tokens is None else min(int(max_tokens), int(data.lengths[row_of[g]]))
-            for g in members
-        ]
+        group.reset(members, max_tokens)
+        n_tok = group.n_tok
         clock = np.zeros(len(members))  # each request's decoding time so far (the steps it was in)
-        while any(live):
-            idx = [i for i, a in enumerate(live) if a]
-            if joint:
-                chosen = np.asarray(pols[0].act(np.stack([obs[i] for i in idx]), ids=idx)).reshape(-1)
-            else:
-                chosen = np.array([int(pols[i].act(obs[i])) for i in idx])
-            ks, us, Ls = [], [], []
-            for i, k_i in zip(idx, chosen, strict=True):
-                o, _, done, _, info = envs[i].step(int(k_i))
-                obs[i] = o
-                ks.append(int(info["k"]))
-                us.append(float(info["U_r"]))
-                Ls.append(float(info["L"]))
-                if done or info["t"] >= n_tok[i]:
-                    live[i] = False
-            # a lookahead block is drafted in the steps the policy reads (a gated policy's shut steps: none)
-            top = max(max(ks), h if _drafts_block(pols[0], len(idx)) else 0)
-            drafted = np.full(len(ks), top, dtype=np.int64)
-            step = batch_cost.step_ms(np.asarray(ks), drafted, np.asarray(us), np.asarray(Ls))
+        while group.running:
+            st = group.step()
+            us = np.array([float(info["U_r"]) for info in st.infos])
+            Ls = np.array([float(info["L"]) for info in st.infos])
+            ks = np.array([int(info["k"]) for info in st.infos], dtype=np.int64)
+            # every request of the step drafted the step's horizon (or the policy's block)
+            step = batch_cost.step_ms(ks, np.full(len(ks), st.drafted, dtype=np.int64), us, Ls)
             cost += step
-            clock[idx] += step
+            clock[st.rows] += step
         L0 = np.array([float(data.L0[row_of[g]]) for g in members])
         pre += batch_cost.prefill_ms(float(L0.sum()), "spec")
         ar_pre += batch_cost.prefill_ms(float(L0.sum()), "plain")
@@ -852,16 +849,6 @@ def train_clock(pred: BatchPrediction, plain: list[dict[str, Any]], spec: list[d
         prefill_plain=float(checked["prefill_ratio"]),
         step_plain=float(checked["step_ratio"]),
     )
-
-
-def _drafts_block(policy: Any, n: int) -> bool:
-    """Whether a lookahead policy's block is drafted in a step of n requests, as the controller decides it.
-
-    Everywhere, except where an observing policy's optional ``observes_at(n)`` (:mod:`specenv.policy.base`)
-    is False: a gated policy's shut gate, every k 0 (:meth:`SpecControlScheduler._horizon`).
-    """
-    at = getattr(policy, "observes_at", None)
-    return at is None or not getattr(policy, "observes", True) or bool(at(int(n)))
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -1397,7 +1384,9 @@ def run_abtest(
         "cost_model": opts.cost_model,
         "notes": notes
         + [
-            f"predicted: replay env on the first {opts.max_tokens} recorded tokens of the same prompts; "
+            f"predicted: replay env on the first {opts.max_tokens} recorded tokens of the same prompts, each "
+            "policy served as the controller serves it (the drafts of a step fixed before the previous round's "
+            "outcome: the horizon; k capped at them; specenv.envs.served); "
             + (
                 f"every batch size with every group's prefill phase from the batch step-time model "
                 f"{batch_model_name} (the engine with the drafter for the arm, the plain engine for the reference); "

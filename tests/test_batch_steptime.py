@@ -178,7 +178,15 @@ def test_model_checks_and_ablations() -> None:
 
 
 def _hand_lockstep(
-    arr, gids: list[int], k_of, bm: BatchCostModel, batch: int, max_tokens: int, drafted_of=None, tpot: bool = False
+    arr,
+    gids: list[int],
+    k_of,
+    bm: BatchCostModel,
+    batch: int,
+    max_tokens: int,
+    drafted_of=None,
+    tpot: bool = False,
+    horizon: bool = False,
 ) -> float:
     """Fixed k on a greedy set, walked here from the tables: rounds, lockstep steps, the plain engine's steps.
 
@@ -186,6 +194,9 @@ def _hand_lockstep(
     ``drafted_of``: the tokens drafted in a step of n requests (default: its k).
     ``tpot``: return the mean over requests of plain's time per output token over the mean of the arm's
     (each request's clock running over the steps it is in), instead of the groups' decoding times' ratio.
+    ``horizon``: the controller's drafting for a ``k_of`` that reads only the number of requests: a step drafts
+    the previous step's k (asked before a request of it ended; a group's first step: its own) and verifies at
+    most that.
     """
     row_of = {int(g): i for i, g in enumerate(arr.generation_ids)}
     n_u = float(bm.n_experts)
@@ -198,8 +209,11 @@ def _hand_lockstep(
         N = {i: int(arr.offsets[i + 1] - arr.offsets[i]) for i in members}
         stop = {i: min(N[i], max_tokens) for i in members}
         live = list(members)
+        prev_k = None
         while live:
             k = k_of(len(live)) if callable(k_of) else k_of
+            hz = k if prev_k is None or not horizon else prev_k
+            prev_k, k = k, min(k, hz)
             ks, us, Ls = [], [], []
             inside = list(live)
             for i in list(live):
@@ -217,7 +231,7 @@ def _hand_lockstep(
             ub = n_u * (1.0 - np.prod(1.0 - u / n_u))  # the independent union
             P, B = sum(ks) + len(ks), len(ks)
             verify = bm.beta0[P - 1] + bm.alpha[P - 1] * ub + bm.c[P - 1] * sum(Ls) + bm.b_req * (B - 1)
-            d = k if drafted_of is None else drafted_of(B)
+            d = (hz if horizon else k) if drafted_of is None else drafted_of(B)
             draft = bm.d0 + bm.d_step * d + bm.d_tok * d * B if d else 0.0
             cost += verify + bm.overhead[B - 1] + draft
             for i in inside:
@@ -346,9 +360,17 @@ def test_batch_prediction_of_fixed_k_is_the_hand_walked_lockstep(tmp_path: Path)
 
     for batch in (2, 3):
         made.clear()
-        joint = predict_batch(str(path), "fit-train", KMAX, gids, make, 40, batch, bm, joint=True)
+        joint = predict_batch(str(path), "fit-train", KMAX, gids, make, 40, batch, bm, joint=True, served=False)
         hand = _hand_lockstep(arr, gids, lambda n: min(n, KMAX), bm, batch, 40)
         assert joint.decode_speedup == pytest.approx(hand, rel=1e-9), batch
+        # as the controller serves it: the step after a request ended drafted what the step before asked
+        # (its horizon, asked before the outcome) -- more drafts than its own k, the same verification
+        served = predict_batch(str(path), "fit-train", KMAX, gids, make, 40, batch, bm, joint=True)
+        hand = _hand_lockstep(arr, gids, lambda n: min(n, KMAX), bm, batch, 40, horizon=True)
+        assert served.decode_speedup == pytest.approx(hand, rel=1e-9), batch
+        assert served.decode_speedup < joint.decode_speedup, batch
+        made.clear()
+        joint = predict_batch(str(path), "fit-train", KMAX, gids, make, 40, batch, bm, joint=True, served=False)
         groups = -(-len(gids) // batch)
         assert len(made) == groups + 1  # one per group, and one for the environment's arguments
         assert max(max(p.calls) for p in made[1:]) == batch  # every request of a full group in one call
