@@ -29,6 +29,9 @@ Arms (``--arms``; one engine each unless said otherwise):
 * ``gated``: each of those learned policies gated by the batch size (:class:`policies.batch.controllers.TableGated`:
   k = 0 for a step of n requests where the train-fitted table of ``table`` says 0 at n, the policy's budgets
   elsewhere), so a policy trained at batch 1 does not draft like at batch 1 in a batch where nothing pays;
+* ``outcome``: each of those learned policies without a lookahead block served with
+  ``draft_horizon="outcome"``: the step's drafts set once the target has verified (the round's outcome
+  known) instead of by the horizon asked before it (``"policy"``, every other controller arm);
 * ``batch``: the expert-aware batch policy :class:`policies.batch.goodput.BatchGoodput` (a batch policy:
   one ``act_step`` per engine step for all requests, priced by the shipped vLLM batch cost model
   ``live-vllm-batch-v1``, fitted on the same small models; other models: not run) through the
@@ -82,8 +85,8 @@ import numpy as np
 
 #: Arm groups of ``--arms`` (all by default).
 ARM_GROUPS = (
-    "plain", "fixed", "best", "dynamic", "table", "adaptive", "heuristic", "delta", "learned", "gated", "overhead",
-    "batch", "survival",
+    "plain", "fixed", "best", "dynamic", "table", "adaptive", "heuristic", "delta", "learned", "gated", "outcome",
+    "overhead", "batch", "survival",
 )  # fmt: skip
 FIT_MODES = ("measured", "replay")
 #: Why vLLM's adaptive verification does not run on a CPU build of vLLM 0.32.
@@ -453,14 +456,15 @@ def predicted_speedup(
     policy: Any,
     max_tokens: int | None = None,
     split: str = "test",
-    served: bool = True,
+    draft_horizon: str | None = "policy",
 ) -> float:
     """Replay-predicted speedup (model AR cost / model cost) of a policy on some generations (of ``split``).
 
     The policy is replayed as the controller serves it (:class:`specenv.envs.served.ServedGroup` of one
-    request): each round verifies the policy's k capped at the drafts proposed for it (the horizon asked
-    before the previous round's outcome) and pays the draft time of those drafts, ``T_D(h)``, in place of the
-    environment's ``T_D(k)``; ``served=False``: the environment's own rounds (k as asked, ``T_D(k)``).
+    request, ``draft_horizon`` its setting): each round verifies the policy's k capped at the drafts proposed
+    for it (``"policy"``: the horizon asked before the previous round's outcome; ``"outcome"``: asked after
+    it) and pays the draft time of those drafts, ``T_D(h)``, in place of the environment's ``T_D(k)``; None:
+    the environment's own rounds (k as asked, ``T_D(k)``).
 
     ``max_tokens``: replay only each generation's first ``max_tokens`` tokens, as the live run
     generates them (the round that reaches it is charged in full, its AR cost counts the tokens up to
@@ -476,7 +480,7 @@ def predicted_speedup(
     env = gym.make("specenv/MoESpec-v1", **kw)
     data = env.unwrapped.data
     cm = data.cost_model
-    group = ServedGroup([env], lambda: policy, top_k=_top_k(dataset) or 1, controller=served)
+    group = ServedGroup([env], lambda: policy, top_k=_top_k(dataset) or 1, draft_horizon=draft_horizon)
     row_of = {int(g): i for i, g in enumerate(data.generation_ids)}
     cost = ar = 0.0
     for g in gids:
@@ -486,7 +490,7 @@ def predicted_speedup(
             info = st.infos[0]
             # the environment charged T_D of its own drafting; the served round pays T_D of what was drafted
             cost += info["cost_ms"]
-            if served:
+            if draft_horizon is not None:
                 charged = drafted_tokens(int(info["k"]), data.lookahead, data.drafting)
                 cost += float(cm.draft_ms(st.drafted)) - float(cm.draft_ms(charged))
         i = row_of[int(g)]
@@ -654,7 +658,7 @@ def predict_batch(
     batch_cost: Any,
     joint: bool = False,
     split: str = "test",
-    served: bool = True,
+    draft_horizon: str | None = "policy",
 ) -> BatchPrediction:
     """Replay-predicted speedup of a per-request policy served ``batch`` requests at a time, as the A/B serves them.
 
@@ -671,8 +675,9 @@ def predict_batch(
     the round now verifying if all of its drafts were accepted; a step whose horizon is 0 drafts nothing:
     the lazy drafter) -- and each request verifies its k capped at it; a policy with a lookahead h drafts
     its block in the steps it reads (a policy whose ``observes_at(n)`` is False for the step's n requests,
-    a gated policy's shut gate, drafts nothing there). ``served=False``: every step drafts its largest k
-    and every request verifies the k it asked for (the replay environment's drafting).
+    a gated policy's shut gate, drafts nothing there). ``draft_horizon="outcome"``: the controller's setting
+    of that name, the step's drafts asked once the previous round's outcome is known. None: every step
+    drafts its largest k and every request verifies the k it asked for (the replay environment's drafting).
     The reference is the plain engine serving the same groups: one token per running request per
     step, :meth:`~specenv.cost.batch.BatchCostModel.ar_ms` of their contexts. When the model has a
     prefill term (:meth:`~specenv.cost.batch.BatchCostModel.prefill_ms`), every group first pays its
@@ -694,7 +699,8 @@ def predict_batch(
             asked once per step with the stacked observations of the step's requests (``ids``: their
             places in the group), as the controller serves it; False: one policy per request.
         split: The split holding ``gids`` (``"train"``: the calibration on the train fit's passes).
-        served: False: the replay environment's drafting (see above), for comparison.
+        draft_horizon: The controller's setting (``"policy"`` or ``"outcome"``), None: the replay environment's
+            drafting (see above), for comparison.
     """
     import gymnasium as gym
 
@@ -706,7 +712,7 @@ def predict_batch(
     envs = [gym.make("specenv/MoESpec-v1", **kw) for _ in range(min(b, len(gids)))]
     data = envs[0].unwrapped.data
     row_of = {int(g): i for i, g in enumerate(data.generation_ids)}
-    group = ServedGroup(envs, make_policy, joint=joint, top_k=_top_k(dataset) or 1, controller=served)
+    group = ServedGroup(envs, make_policy, joint=joint, top_k=_top_k(dataset) or 1, draft_horizon=draft_horizon)
     cost = ar = pre = ar_pre = 0.0
     ar_steps = n_groups = 0
     tpot: list[float] = []  # per request: its decoding time over its tokens, the arm's
@@ -860,6 +866,7 @@ class _Arm:
     policy: dict[str, Any] | None = None  # controller engines: the policy description
     predict: dict[str, Any] | None = None  # what the replay runs (a policy description), None: 1.0
     k_by_batch: dict[int, int] | None = None  # fixed-k-per-batch arms (best, dynamic)
+    draft_horizon: str = "policy"  # controller engines: how the step's drafts are set (SpecenvSettings)
 
 
 class EnginePool:
@@ -1148,6 +1155,16 @@ def run_abtest(
                 if "gated" in groups and table:
                     gdesc = {"kind": "table-gated", "folder": str(folder), "schedule": table, "batch_size": max_b}
                     arms.append(_Arm(f"{name} gated by {table} (learned)", "ctl", "gated", {**gdesc, **pdesc}))
+                if "outcome" in groups and not pol.spec.lookahead:  # (a block policy drafts its block either way)
+                    arms.append(
+                        _Arm(
+                            f"{name} drafting after the outcome (learned)",
+                            "ctl",
+                            "outcome",
+                            {"kind": "mlp", "folder": str(folder)},
+                            draft_horizon="outcome",
+                        )
+                    )
         if any(a.engine == "ctl" for a in arms):
             start("ctl", ctl_cfg)
         if "overhead" in groups:
@@ -1188,7 +1205,7 @@ def run_abtest(
                 eng.call(op="policy", policy=arm.policy)  # (again after a restart)
                 cur_policy["specenv"] = arm.name
             if arm.engine == "ctl" and cur_policy.get("ctl") != arm.name:
-                ans = eng.call(op="policy", policy=arm.policy, draft_horizon="policy")
+                ans = eng.call(op="policy", policy=arm.policy, draft_horizon=arm.draft_horizon)
                 if "refused" in ans:
                     refused.append({"policy": arm.name, "folder": "", "reason": ans["refused"]})
                     return False
@@ -1246,12 +1263,21 @@ def run_abtest(
         lazy_cms: dict[str, str] = {}
 
         def predict_raw(
-            desc: dict[str, Any], b: int, cm: str, bm: Any, lazy: bool, ids: list[int], split: str
+            desc: dict[str, Any],
+            b: int,
+            cm: str,
+            bm: Any,
+            lazy: bool,
+            ids: list[int],
+            split: str,
+            draft_horizon: str = "policy",
         ) -> BatchPrediction | float | None:
             """``lazy``: an arm of a controller engine, whose lazy drafter skips the draft forward at k = 0.
 
             A float: batch 1 priced by the set's cost model alone (decoding rounds, no prefill term).
+            ``draft_horizon``: the controller's setting the arm is served with.
             """
+            hz = {"draft_horizon": draft_horizon}
 
             def make() -> Any:
                 return MLPPolicy.load(desc["folder"]) if desc.get("kind") == "mlp" else replay_policy(desc, ctx.spec)
@@ -1260,14 +1286,18 @@ def run_abtest(
                 cm = lazy_cms.setdefault(cm, lazy_cost_model(cm))
 
             if b == 1 and (bm is None or bm.prefill is None):
-                return predicted_speedup(opts.dataset, cm, kmax, ids, make(), opts.max_tokens, split)
+                return predicted_speedup(opts.dataset, cm, kmax, ids, make(), opts.max_tokens, split, **hz)
             if bm is None:
                 return None
             # a batch policy: one call per step, every request
             joint = desc.get("kind") in ("batch-goodput", "batch-survival", "table-gated")
-            res = predict_batch(opts.dataset, cm, kmax, ids, make, opts.max_tokens, b, bm, joint=joint, split=split)
+            res = predict_batch(
+                opts.dataset, cm, kmax, ids, make, opts.max_tokens, b, bm, joint=joint, split=split, **hz
+            )
             if b == 1:  # the decoding ratio from the set's own B = 1 model; prefill and clock from the recording
-                res = res.with_decode(predicted_speedup(opts.dataset, cm, kmax, ids, make(), opts.max_tokens, split))
+                res = res.with_decode(
+                    predicted_speedup(opts.dataset, cm, kmax, ids, make(), opts.max_tokens, split, **hz)
+                )
             return res
 
         def predict(
@@ -1277,9 +1307,10 @@ def run_abtest(
             bm: Any,
             lazy: bool = False,
             scale: tuple[float, ClockFactors | None] | None = None,
+            draft_horizon: str = "policy",
         ) -> Pred:
             """An arm's prediction on the held-out prompts; ``scale``: ``(r, clock)`` of the calibration on train."""
-            res = predict_raw(desc, b, cm, bm, lazy, test_ids, "test")
+            res = predict_raw(desc, b, cm, bm, lazy, test_ids, "test", draft_horizon)
             if res is None:
                 return None
             if isinstance(res, float):  # decoding rounds alone: no clock to put them on
@@ -1302,7 +1333,9 @@ def run_abtest(
                     if scales is not None and b not in sc:
                         continue
                     lazy = arm.engine in ("ctl", "specenv")
-                    by_arm[(arm.name, b)] = predict(desc, b, cm, bm, lazy=lazy, scale=sc.get(b))
+                    by_arm[(arm.name, b)] = predict(
+                        desc, b, cm, bm, lazy=lazy, scale=sc.get(b), draft_horizon=arm.draft_horizon
+                    )
             by_k = {
                 (k, b): predict({"kind": "fixed", "k": k}, b, cm, bm, scale=sc.get(b))
                 for b in opts.batches

@@ -360,7 +360,7 @@ def test_batch_prediction_of_fixed_k_is_the_hand_walked_lockstep(tmp_path: Path)
 
     for batch in (2, 3):
         made.clear()
-        joint = predict_batch(str(path), "fit-train", KMAX, gids, make, 40, batch, bm, joint=True, served=False)
+        joint = predict_batch(str(path), "fit-train", KMAX, gids, make, 40, batch, bm, joint=True, draft_horizon=None)
         hand = _hand_lockstep(arr, gids, lambda n: min(n, KMAX), bm, batch, 40)
         assert joint.decode_speedup == pytest.approx(hand, rel=1e-9), batch
         # as the controller serves it: the step after a request ended drafted what the step before asked
@@ -370,7 +370,7 @@ def test_batch_prediction_of_fixed_k_is_the_hand_walked_lockstep(tmp_path: Path)
         assert served.decode_speedup == pytest.approx(hand, rel=1e-9), batch
         assert served.decode_speedup < joint.decode_speedup, batch
         made.clear()
-        joint = predict_batch(str(path), "fit-train", KMAX, gids, make, 40, batch, bm, joint=True, served=False)
+        joint = predict_batch(str(path), "fit-train", KMAX, gids, make, 40, batch, bm, joint=True, draft_horizon=None)
         groups = -(-len(gids) // batch)
         assert len(made) == groups + 1  # one per group, and one for the environment's arguments
         assert max(max(p.calls) for p in made[1:]) == batch  # every request of a full group in one call

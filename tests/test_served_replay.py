@@ -76,6 +76,16 @@ def test_what_if_row_is_the_controllers(greedy_set: Path) -> None:
             L = env.unwrapped.episode.L0 + t
             theirs = slots.what_if([slot], np.array([float(K)]), [U], np.array([L + K + 1.0]), np.array([t + K + 1.0]))
             np.testing.assert_array_equal(what_if(env, K, U), theirs[0])
+            for a in range(K):  # the outcome known (draft_horizon="outcome"): a of K accepted
+                theirs = slots.what_if(
+                    [slot],
+                    np.array([float(K)]),
+                    [U],
+                    np.array([L + a + 1.0]),
+                    np.array([t + a + 1.0]),
+                    accepted=np.array([float(a)]),
+                )
+                np.testing.assert_array_equal(what_if(env, K, U, accepted=a), theirs[0])
             checked += 1
     assert checked >= 5 * (KMAX + 1)
     # the environment is not changed by a what-if
@@ -97,7 +107,7 @@ def test_an_optimistic_horizon_caps_the_budget_after_a_rejection(greedy_set: Pat
     fixed1 = predicted_speedup(
         str(greedy_set), "fit-train", KMAX, gids, replay_policy({"kind": "fixed", "k": 1}, spec), 40
     )
-    env_drafting = predicted_speedup(str(greedy_set), "fit-train", KMAX, gids, pol, 40, served=False)
+    env_drafting = predicted_speedup(str(greedy_set), "fit-train", KMAX, gids, pol, 40, draft_horizon=None)
     assert served == pytest.approx(fixed1, rel=1e-12)
     assert env_drafting != pytest.approx(fixed1, rel=1e-3)  # the set has rejections after which it verifies 4
 
@@ -138,7 +148,7 @@ def test_a_pessimistic_policy_pays_for_the_horizon_it_asked(greedy_set: Path) ->
         ar += float(np.sum(data.ar_ms[data.offsets[i] : data.offsets[i] + min(40, int(data.lengths[i]))]))
     served = predicted_speedup(str(greedy_set), "fit-train", KMAX, gids, pol, 40)
     assert served == pytest.approx(ar / cost, rel=1e-12)
-    assert served < predicted_speedup(str(greedy_set), "fit-train", KMAX, gids, pol, 40, served=False)
+    assert served < predicted_speedup(str(greedy_set), "fit-train", KMAX, gids, pol, 40, draft_horizon=None)
 
 
 def test_fixed_k_is_served_as_the_environment_drafts_it(greedy_set: Path) -> None:
@@ -147,7 +157,7 @@ def test_fixed_k_is_served_as_the_environment_drafts_it(greedy_set: Path) -> Non
     for k in (0, 2, KMAX):
         pol = replay_policy({"kind": "fixed", "k": k}, spec)
         a = predicted_speedup(str(greedy_set), "fit-train", KMAX, gids, pol, 40)
-        b = predicted_speedup(str(greedy_set), "fit-train", KMAX, gids, pol, 40, served=False)
+        b = predicted_speedup(str(greedy_set), "fit-train", KMAX, gids, pol, 40, draft_horizon=None)
         assert a == pytest.approx(b, rel=1e-12), k
 
 
@@ -179,6 +189,40 @@ def test_a_lookahead_policy_verifies_at_most_its_block(greedy_set: Path) -> None
     four = predicted_speedup(str(greedy_set), "fit-train", KMAX, gids, Always(spec, 4), 40)
     two = predicted_speedup(str(greedy_set), "fit-train", KMAX, gids, Always(spec, 2), 40)
     assert four == pytest.approx(two, rel=1e-12)
-    assert predicted_speedup(str(greedy_set), "fit-train", KMAX, gids, Always(spec, 4), 40, served=False) != (
+    assert predicted_speedup(str(greedy_set), "fit-train", KMAX, gids, Always(spec, 4), 40, draft_horizon=None) != (
         pytest.approx(two, rel=1e-3)
     )
+
+
+@pytest.mark.parametrize("full, short", [(1, 4), (4, 1)])
+def test_drafting_after_the_outcome_is_the_environments_drafting_for_a_policy_of_the_outcome(
+    greedy_set: Path, full: int, short: int
+) -> None:
+    """A policy that reads only the acceptances: asked once the outcome is known, it drafts exactly its k.
+
+    The drafts of ``draft_horizon="outcome"`` are its answer on the round's real outcome (the unknowns it
+    approximates, U_r and cost, are not read), so nothing is capped and nothing is drafted in vain: the
+    environment's own drafting, round for round -- where the ``"policy"`` horizon is capped (k = 1 after a
+    full acceptance) or pays drafts it throws away (k = 4 after one).
+    """
+    spec = _env(greedy_set).unwrapped.data.spec
+    gids = [int(g) for g in select_split(load_dataset(greedy_set).arrays(), "test").generation_ids]
+    pol = AfterFull(spec, full=full, short=short)
+    outcome = predicted_speedup(str(greedy_set), "fit-train", KMAX, gids, pol, 40, draft_horizon="outcome")
+    env_drafting = predicted_speedup(str(greedy_set), "fit-train", KMAX, gids, pol, 40, draft_horizon=None)
+    horizon = predicted_speedup(str(greedy_set), "fit-train", KMAX, gids, pol, 40)
+    assert outcome == pytest.approx(env_drafting, rel=1e-12)
+    assert horizon != pytest.approx(outcome, rel=1e-3)
+    group = ServedGroup(
+        [_env(greedy_set)], lambda: AfterFull(spec, full=full, short=short), top_k=2, draft_horizon="outcome"
+    )
+    for g in gids:
+        group.reset([g], 40)
+        while group.running:
+            st = group.step()
+            assert st.capped == 0 and st.drafted == int(st.k[0])
+
+
+def test_an_unknown_draft_horizon_is_refused(greedy_set: Path) -> None:
+    with pytest.raises(ValueError, match="draft_horizon='later'"):
+        ServedGroup([_env(greedy_set)], lambda: None, draft_horizon="later")

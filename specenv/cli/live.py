@@ -287,7 +287,9 @@ def abtest(
         typer.Option(
             help="Comma-separated arm groups: plain, fixed, best, dynamic, table, adaptive, heuristic, delta, "
             "learned, gated (the learned policies switched off where the train-fitted table says k = 0 for the "
-            "step's batch size), overhead, batch, survival, or all. Plain is always run (the reference)."
+            "step's batch size), outcome (the learned policies without a lookahead block, their drafts set once "
+            "the target verified: draft_horizon=outcome), overhead, batch, survival, or all. Plain is always run "
+            "(the reference)."
         ),
     ] = "all",
     kmax: Annotated[int | None, typer.Option(min=1, max=64, help="Largest k (default: the trace set's Kmax).")] = None,

@@ -56,7 +56,10 @@ def serve(
     ] = None,
     draft_horizon: Annotated[
         str,
-        typer.Option(help="max (drafter proposes num_speculative_tokens) or policy (as many as the policy may use)."),
+        typer.Option(
+            help="max (drafter proposes num_speculative_tokens), policy (as many as the policy may use, asked "
+            "before the round's outcome) or outcome (asked once the target verified: CPU runner, lazy drafter)."
+        ),
     ] = "max",
     cost_model: Annotated[Path | None, typer.Option(help="Cost-model JSON for the prev_cost observation.")] = None,
     part_rounds: Annotated[int, typer.Option(min=1, max=10**7, help="Rounds per recorded part file.")] = 2048,
@@ -244,8 +247,10 @@ def _serve_settings(
     from specenv.io import not_regular
     from specenv.policy import registry
 
-    if draft_horizon not in ("max", "policy"):
-        fail(f"--draft-horizon: unknown value {draft_horizon!r} (known: max, policy)")
+    from specenv.engines.vllm.settings import DRAFT_HORIZONS
+
+    if draft_horizon not in DRAFT_HORIZONS:
+        fail(f"--draft-horizon: unknown value {draft_horizon!r} (known: {', '.join(DRAFT_HORIZONS)})")
     pol = folder = None
     if policy.lower() != "none":
         path = Path(policy)

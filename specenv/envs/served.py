@@ -55,7 +55,7 @@ def drafts_block(policy: Any, n: int) -> bool:
     return at is None or not getattr(policy, "observes", True) or bool(at(int(n)))
 
 
-def what_if(env: Any, K: int, U: float) -> np.ndarray:
+def what_if(env: Any, K: int, U: float, accepted: int | None = None) -> np.ndarray:
     """The observation of ``env``'s request after a round of ``K`` drafts, all accepted, before it is played.
 
     The controller's what-if row (:meth:`specenv.engines.vllm.bookkeeping.ObsSlots.what_if`): the running
@@ -67,16 +67,21 @@ def what_if(env: Any, K: int, U: float) -> np.ndarray:
         env: A ``specenv/MoESpec-v1`` environment mid-episode (or its wrapper).
         K: Budget of the round now verifying.
         U: Its unique experts (the controller: the last observed at K, else the prior).
+        accepted: Its accepted drafts instead of all K (``draft_horizon="outcome"``: the outcome is known).
     """
     e = env.unwrapped
-    spec = e.data.spec
-    ep = e.episode
+    return _what_if_row(e.data.spec, e.observation_statistics.tolist(), e.episode.L0, e.episode.t, K, U, accepted)
+
+
+def _what_if_row(spec: Any, stats: list[float], L0: int, t0: int, K: int, U: float, accepted: int | None) -> np.ndarray:
+    """:func:`what_if` from a copy of the statistics (``observation_statistics``) at ``t0`` tokens after ``L0``."""
     obs = ScalarObservation(spec)  # clips, as the controller's ObservationState does
-    obs.values = e.observation_statistics.tolist()
+    obs.values = list(stats)
     cost = obs.values[3] * (spec.kmax + 1)  # prev_cost in AR steps (stored / (kmax + 1))
-    obs.update(int(K), int(K), float(U), cost if cost > 0 else 1.0, int(K) + 1)
-    t = ep.t + int(K) + 1
-    return obs.build(float(ep.L0 + t), t, None)
+    a = int(K) if accepted is None else int(accepted)
+    obs.update(int(K), a, float(U), cost if cost > 0 else 1.0, a + 1)
+    t = int(t0) + a + 1
+    return obs.build(float(L0 + t), t, None)
 
 
 @dataclass(frozen=True)
@@ -113,9 +118,16 @@ class ServedGroup:
             of the step's requests (``ids``: their places in the group), as the controller serves it;
             False: one policy per request, asked with its own observation.
         top_k: Experts per token of the served model (the prior U of a budget not yet observed).
-        controller: False: the replay environment's drafting instead of the controller's: every request
-            verifies the k it asked for, and the step drafts its largest k (or the policy's block), for comparison.
+        draft_horizon: How the controller sets the step's drafts (its setting of the same name):
+            ``"policy"``, the horizon asked before the previous round's outcome (a full acceptance);
+            ``"outcome"``, the most any request's policy would ask for once the previous round's outcome is
+            known (its U_r and cost as the horizon takes them), each request's k capped at it; None: the
+            replay environment's drafting instead of the controller's (every request verifies the k it asked
+            for, the step drafts its largest k or the policy's block), for comparison. A lookahead policy
+            drafts its block under either setting.
     """
+
+    HORIZONS = ("policy", "outcome")
 
     def __init__(
         self,
@@ -123,12 +135,14 @@ class ServedGroup:
         make_policy: Callable[[], Any],
         joint: bool = False,
         top_k: int = 1,
-        controller: bool = True,
+        draft_horizon: str | None = "policy",
     ):
+        if draft_horizon is not None and draft_horizon not in self.HORIZONS:
+            raise ValueError(f"draft_horizon={draft_horizon!r}: expected one of {self.HORIZONS} or None")
         self.envs = list(envs)
         self.make_policy = make_policy
         self.joint = bool(joint)
-        self.controller = bool(controller)
+        self.draft_horizon = draft_horizon
         spec = self.envs[0].unwrapped.data.spec
         self.kmax = int(spec.kmax)
         self._prior = [float(u_prior(k, max(int(top_k), 1), int(spec.n_experts))) for k in range(self.kmax + 1)]
@@ -188,7 +202,8 @@ class ServedGroup:
         wanted = np.clip(self._ask(idx, [self.obs[i] for i in idx], peek=False).astype(np.int64), 0, self.kmax)
         h = self.lookahead
         block = h if h and drafts_block(self.pols[0], len(idx)) else 0  # (a shut gate: no block, every k 0)
-        if not self.controller:  # the environment's drafting: the k asked, the step's largest k (or the block)
+        mode = self.draft_horizon
+        if mode is None:  # the environment's drafting: the k asked, the step's largest k (or the block)
             k = wanted
             drafted = max(int(k.max()), block)
         elif h:  # the block, where the policy reads the step; k capped at it
@@ -200,12 +215,14 @@ class ServedGroup:
         else:  # the first step (the controller peeks on the first observations: their own budgets)
             k = wanted
             drafted = int(k.max())
-        if self.controller and not h:  # the next step's horizon, asked before this round's outcome
-            rows = [
-                what_if(self.envs[i], int(ki), self._last_U[i].get(int(ki), self._prior[int(ki)]))
-                for i, ki in zip(idx, k, strict=True)
-            ]
+        # the U_r each request's next horizon takes for this round: its last observed at that K, else the prior
+        U_hz = [self._last_U[i].get(int(ki), self._prior[int(ki)]) for i, ki in zip(idx, k, strict=True)]
+        if mode == "policy" and not h:  # the next step's horizon, asked before this round's outcome
+            rows = [what_if(self.envs[i], int(ki), u) for i, ki, u in zip(idx, k, U_hz, strict=True)]
             self._h = int(np.clip(self._ask(idx, rows, peek=True), 0, self.kmax).max())
+        before = [
+            (self.envs[i].unwrapped.observation_statistics.tolist(), self.envs[i].unwrapped.episode.t) for i in idx
+        ]
         infos = []
         for i, ki in zip(idx, k, strict=True):
             o, _, done, _, info = self.envs[i].step(int(ki))
@@ -214,4 +231,11 @@ class ServedGroup:
             infos.append(info)
             if done or info["t"] >= self.n_tok[i]:
                 self.live[i] = False
+        if mode == "outcome" and not h:  # the next step's drafts, asked once this round's outcome is known
+            spec = self.envs[0].unwrapped.data.spec
+            rows = [
+                _what_if_row(spec, stats, self.envs[i].unwrapped.episode.L0, t0, int(ki), u, int(info["accepted"]))
+                for i, ki, u, (stats, t0), info in zip(idx, k, U_hz, before, infos, strict=True)
+            ]
+            self._h = int(np.clip(self._ask(idx, rows, peek=True), 0, self.kmax).max())
         return ServedStep(idx, wanted, k, int(drafted), infos)

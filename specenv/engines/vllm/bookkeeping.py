@@ -99,7 +99,16 @@ class ObsSlots:
         st._E[slots] = sub._E
         self._fresh = (_key(slots), sub)
 
-    def what_if(self, slots: Any, k: np.ndarray, U: Any, L: np.ndarray, t: np.ndarray, out: Any = None) -> np.ndarray:
+    def what_if(
+        self,
+        slots: Any,
+        k: np.ndarray,
+        U: Any,
+        L: np.ndarray,
+        t: np.ndarray,
+        out: Any = None,
+        accepted: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Observations one round ahead, if every one of ``k`` drafts were accepted; the statistics unchanged.
 
         Row r: slot ``slots[r]`` (a slot may repeat: one row per budget asked about) folded with a round
@@ -115,10 +124,13 @@ class ObsSlots:
             L: (rows,) float64 context lengths after it.
             t: (rows,) float64 tokens generated after it.
             out: An array of (rows, dim) float32 to build into (else a new one).
+            accepted: (rows,) float64 accepted drafts of the round instead of all ``k`` (``accepted + 1``
+                committed): the round's known outcome (``draft_horizon="outcome"``).
         """
         hyp = self._gather(self._what_if_scratch, slots)
         cost = np.where(hyp.prev_cost > 0, hyp.prev_cost, 1.0)
-        hyp.update(k, k, np.asarray(U, dtype=np.float64), cost, k + 1)
+        a = k if accepted is None else accepted
+        hyp.update(k, a, np.asarray(U, dtype=np.float64), cost, a + 1)
         return hyp.build(L, t, out=out)
 
     def stacked(

@@ -260,6 +260,7 @@ class SpecControlScheduler(Recording, Scheduler):
             "no_signals": 0,
             "policy_ms": 0.0,
             "horizon_calls": 0,
+            "outcome_calls": 0,
             "overhead_ms": 0.0,
             "errors": [],
         }
@@ -285,6 +286,8 @@ class SpecControlScheduler(Recording, Scheduler):
         self._experts: StepExperts | None = None  # the per-step expert statistics' buffers (made on first use)
         self._blind_step = False  # this step runs the blind path (:meth:`_blind`; decided in schedule)
         self._step_horizon: int | None = None  # the drafts this step asked of the drafter (set in schedule)
+        #: ``draft_horizon="outcome"``: the scheduled step whose drafts :meth:`outcome_drafts` sets (else None)
+        self._outcome_out: Any = None
         self._blank_rows = np.zeros((0, 0), dtype=np.float32)  # the blind path's rows (:meth:`_blank`)
         # per-step columns of the rounds (slot, K, accepted, cost), preallocated in the dtypes ObsSlots.update takes
         self._cols = _RoundCols(16)
@@ -539,18 +542,96 @@ class SpecControlScheduler(Recording, Scheduler):
         if tap is not None and tap.capturing == blind:  # the blind path reads no routing: no capture in the forward
             tap.capture_routing(not blind)
         self._step += 1
+        self._outcome_out = None
         if self.draft_tokens is not None:
             out.num_spec_tokens_to_schedule = int(min(max(self.draft_tokens, 0), self.num_spec_tokens))
-        elif self.settings.draft_horizon == "policy" and self.policy is not None and out.num_scheduled_tokens:
-            try:
-                out.num_spec_tokens_to_schedule = self._horizon(out)
-            except Exception as exc:  # never fail a step: draft the maximum
-                self._error(exc)
+        elif (
+            self.settings.draft_horizon in ("policy", "outcome")
+            and self.policy is not None
+            and out.num_scheduled_tokens
+        ):
+            # "outcome": the maximum scheduled, the drafts set inside the step (outcome_drafts), where it applies
+            if self.settings.draft_horizon == "outcome" and self._outcome_applies():
+                self._outcome_out = out
+            else:
+                try:
+                    out.num_spec_tokens_to_schedule = self._horizon(out)
+                except Exception as exc:  # never fail a step: draft the maximum
+                    self._error(exc)
         self._step_horizon = getattr(out, "num_spec_tokens_to_schedule", None)
         ms += log.add(t2, c2)
         self._t_sched = log.t_end
         self.stats["overhead_ms"] += ms
         return out
+
+    def _outcome_applies(self) -> bool:
+        """Whether this step's drafts are set after its outcome (``draft_horizon="outcome"``).
+
+        For an observing policy without a lookahead block, in a step that is not blind; elsewhere the
+        ``"policy"`` horizon.
+        """
+        served = self._served
+        return served is not None and served.observes and not self.spec.lookahead and not self._blind_step
+
+    def outcome_drafts(self, req_ids: list[str], accepted: list[int]) -> int | None:
+        """``draft_horizon="outcome"``: how many drafts this step's drafter proposes, asked once the target verified.
+
+        Called by the model runner (:class:`specenv.engines.vllm.lazydraft.PlainIdleSteps`) inside the engine
+        step, after sampling and before the drafter runs, with the step's requests in the runner's order and
+        each one's accepted drafts (the sampled tokens less the bonus one). The answer is the largest k the
+        policy would pick on each request's observation after this round -- its outcome known, its U_r the
+        last observed at that K (else the prior) and its cost the last one, as the horizon takes them
+        (:meth:`ObsSlots.what_if` with ``accepted``): a peek; the decisions are made on the real observations
+        in ``update_draft_token_ids``, capped at these drafts (``capped``: only where those unknowns changed
+        the answer). A request whose first round comes next is asked on its first observation. None: the
+        step keeps what was scheduled (not an outcome step, no request decides, or an error).
+        """
+        out = self._outcome_out
+        if out is None or self._served is None:
+            return None
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            reqs = self.requests
+            spec_toks = out.scheduled_spec_decode_tokens
+            first: list[tuple[int, int]] = []
+            ids_f: list[str] = []
+            cont: list[tuple[int, int, int, float, int, int]] = []
+            ids_c: list[str] = []
+            for req_id, a in zip(req_ids, accepted, strict=True):
+                request = reqs.get(req_id)
+                if request is None or request.is_prefill_chunk or req_id not in out.num_scheduled_tokens:
+                    continue
+                if request.num_output_tokens == 0:  # its prefill ran in this step: the first round comes next
+                    first.append((request.num_tokens + 1, 1))
+                    ids_f.append(req_id)
+                    continue
+                st = self._state(req_id)
+                K = len(spec_toks.get(req_id, ()))
+                a = min(max(int(a), 0), K)
+                U = st.last_U.get(K, self._u_prior[K] if K < len(self._u_prior) else float(self.n_experts or 1))
+                cont.append((st.slot, K, a, U, request.num_tokens + a + 1, request.num_output_tokens + a + 1))
+                ids_c.append(req_id)
+            rows = []
+            if first:
+                L, t = np.array(first, dtype=np.float64).T
+                rows.append(ObservationState(self.spec, len(first)).build(L, t))
+            if cont:
+                c = np.array([x[1:] for x in cont], dtype=np.float64)
+                rows.append(
+                    self._slots.what_if([x[0] for x in cont], c[:, 0], c[:, 2], c[:, 3], c[:, 4], accepted=c[:, 1])
+                )
+            if not rows:
+                return None
+            obs = np.concatenate(rows)
+            self.stats["outcome_calls"] += 1
+            ks = [int(k) for k in self._served.peek(obs, ids_f + ids_c, self._batch_step(len(obs)))]
+            h = max(self.fallback_k if not (0 <= k <= self.spec.kmax) else k for k in ks)
+            return int(min(max(h, 0), self.num_spec_tokens))
+        except Exception as exc:  # never fail a step: the drafts as scheduled
+            self._error(exc)
+            return None
+        finally:
+            self.stats["overhead_ms"] += self._steplog.add(t0, c0)
 
     def _horizon(self, out: Any) -> int:
         """Largest k the policy would pick next if every draft now in flight is accepted.

@@ -463,12 +463,51 @@ class PlainIdleSteps:
             self.speculative_config = spec
 
     def propose_draft_token_ids(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
+        scheduled = scheduler_output.num_spec_tokens_to_schedule
+        drafts = self._outcome_drafts(scheduled, args[0] if args else kwargs.get("sampled_token_ids"))
+        if drafts is not None and drafts < scheduled:  # fewer drafts than scheduled: the step's own setting
+            scheduler_output.num_spec_tokens_to_schedule = drafts
+            try:
+                return self._propose(scheduler_output, *args, **kwargs)
+            finally:
+                scheduler_output.num_spec_tokens_to_schedule = scheduled
+        return self._propose(scheduler_output, *args, **kwargs)
+
+    def _propose(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         if scheduler_output.num_spec_tokens_to_schedule == 0 and self._plain_step(scheduler_output):
             n = scheduler_output.total_num_scheduled_tokens
             skipped = self.drafter.skip_plain_step(self._get_positions(n))
             if skipped is not None:
                 return skipped
         return super().propose_draft_token_ids(scheduler_output, *args, **kwargs)  # type: ignore[misc]
+
+    def _outcome_drafts(self, scheduled: int, sampled: Any) -> int | None:
+        """The controller's drafts for this step once its outcome is known (``draft_horizon="outcome"``), else None.
+
+        The controller is the one of this engine (:data:`specenv.engines.vllm.controller.CONTROLLERS`, the same
+        ``vllm_config``): it answers only in a step it scheduled for it
+        (:meth:`SpecControlScheduler.outcome_drafts`). Each request's accepted drafts are its sampled tokens
+        (vLLM's rejected ones are ``-1``) less the bonus token, in the runner's batch order.
+        """
+        if not scheduled or sampled is None or not getattr(self.drafter, "lazy", False):
+            return None
+        ctl = getattr(self, "_specenv_ctl", None)
+        if ctl is None or ctl() is None:
+            from specenv.engines.vllm.controller import CONTROLLERS
+
+            live = [c for c in (r() for r in CONTROLLERS) if c is not None]
+            mine = [c for c in live if c.vllm_config is self.vllm_config] or (live if len(live) == 1 else [])
+            if not mine:
+                return None
+            self._specenv_ctl = ctl = weakref.ref(mine[0])
+        sched = ctl()
+        if sched is None or sched._outcome_out is None:
+            return None
+        if torch.is_tensor(sampled):
+            acc = ((sampled >= 0).sum(dim=1) - 1).tolist()
+        else:
+            acc = [len(x) - 1 for x in sampled]
+        return sched.outcome_drafts(list(self.input_batch.req_ids[: len(acc)]), acc)
 
 
 def make_plain_idle(runner: Any) -> None:

@@ -36,7 +36,7 @@ SCHEDULER_CLS = "specenv.engines.vllm.controller.SpecControlScheduler"
 LAZY_WORKER_CLS = "specenv.engines.vllm.lazydraft.LazyDraftCPUWorker"
 #: Key in ``additional_config``.
 CONFIG_KEY = "specenv"
-DRAFT_HORIZONS = ("max", "policy")
+DRAFT_HORIZONS = ("max", "policy", "outcome")
 #: vLLM's ``--shutdown-timeout`` that ``specenv serve`` passes when none is given: on SIGTERM/SIGINT the
 #: server answers every request accepted before the signal (:mod:`specenv.engines.vllm.drain`) and the
 #: engine-core process (where the recorder runs) closes the recording and tears down, for up to this many
@@ -85,7 +85,14 @@ class SpecenvSettings:
             the maximum). ``"policy"``: each step the drafter proposes only as many tokens as the
             policy would ask for if every draft in flight were accepted (max over the batch), so
             drafting cost follows the policy; when the real outcome leads the policy to ask for more,
-            k is capped and counted (``capped``).
+            k is capped and counted (``capped``). ``"outcome"``: the step schedules the maximum, and once
+            the target has verified (inside the step, before the drafter runs: the round's accepted drafts
+            known) the drafter proposes only the most any request's policy would ask for on that outcome
+            (:meth:`SpecControlScheduler.outcome_drafts`, called by the CPU runner of
+            :mod:`specenv.engines.vllm.lazydraft`): no draft paid and thrown away, no cap but where the
+            unknowns of the unfinished round (its U_r and cost, taken as the horizon takes them) change the
+            answer. Lookahead policies and blind steps keep ``"policy"``'s horizon; without the lazy
+            drafter's runner (another platform) it is ``"max"``.
         horizon_one_call: With ``draft_horizon="policy"`` and a rowwise policy
             (:func:`specenv.engines.vllm.served.rowwise`: the exported MLPs, fixed k, ...), ask the policy for
             the next step's horizon in the same call as the step's decisions (the controller's one-call
