@@ -243,11 +243,9 @@ def _serve_settings(
         name or no policy): the checks against the served model use it.
     """
     from specenv.cost.model import CostModel
-    from specenv.engines.vllm.settings import SpecenvSettings
+    from specenv.engines.vllm.settings import DRAFT_HORIZONS, SpecenvSettings
     from specenv.io import not_regular
     from specenv.policy import registry
-
-    from specenv.engines.vllm.settings import DRAFT_HORIZONS
 
     if draft_horizon not in DRAFT_HORIZONS:
         fail(f"--draft-horizon: unknown value {draft_horizon!r} (known: {', '.join(DRAFT_HORIZONS)})")
