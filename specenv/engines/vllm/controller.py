@@ -608,25 +608,12 @@ class SpecControlScheduler(Recording, Scheduler):
                 st = self._state(req_id)
                 K = len(spec_toks.get(req_id, ()))
                 a = min(max(int(a), 0), K)
-                U = st.last_U.get(K, self._u_prior[K] if K < len(self._u_prior) else float(self.n_experts or 1))
-                cont.append((st.slot, K, a, U, request.num_tokens + a + 1, request.num_output_tokens + a + 1))
-                ids_c.append(req_id)
-            rows = []
-            if first:
-                L, t = np.array(first, dtype=np.float64).T
-                rows.append(ObservationState(self.spec, len(first)).build(L, t))
-            if cont:
-                c = np.array([x[1:] for x in cont], dtype=np.float64)
-                rows.append(
-                    self._slots.what_if([x[0] for x in cont], c[:, 0], c[:, 2], c[:, 3], c[:, 4], accepted=c[:, 1])
+                cont.append(
+                    (st.slot, K, self._last_U(st, K), request.num_tokens + a + 1, request.num_output_tokens + a + 1, a)
                 )
-            if not rows:
-                return None
-            obs = np.concatenate(rows)
-            self.stats["outcome_calls"] += 1
-            ks = [int(k) for k in self._served.peek(obs, ids_f + ids_c, self._batch_step(len(obs)))]
-            h = max(self.fallback_k if not (0 <= k <= self.spec.kmax) else k for k in ks)
-            return int(min(max(h, 0), self.num_spec_tokens))
+                ids_c.append(req_id)
+            ks = self._peek_after(first, cont, ids_f + ids_c, "outcome_calls")
+            return None if ks is None else int(min(max(max(ks), 0), self.num_spec_tokens))
         except Exception as exc:  # never fail a step: the drafts as scheduled
             self._error(exc)
             return None
@@ -694,25 +681,43 @@ class SpecControlScheduler(Recording, Scheduler):
             ):
                 kept.append(hz[3][K])
                 continue
-            U = st.last_U.get(K, float(u_prior(K, self.top_k or 1, self.n_experts or 1)))
-            cont.append((st.slot, K, U, request.num_tokens + K + 1, request.num_output_tokens + K + 1))
+            cont.append(
+                (st.slot, K, self._last_U(st, K), request.num_tokens + K + 1, request.num_output_tokens + K + 1)
+            )
             ids_c.append(req_id)
+        ks = self._peek_after(first, cont, ids_f + ids_c, "horizon_calls")
+        if ks is None:
+            return int(min(max(max(kept), 0), self.num_spec_tokens)) if kept else int(self.num_spec_tokens)
+        return int(min(max(max(ks + kept), 0), self.num_spec_tokens))
+
+    def _last_U(self, st: Req, K: int) -> float:
+        """The U_r a what-if round of K drafts takes: the request's last observed at K, else the prior."""
+        return st.last_U.get(K, float(u_prior(K, self.top_k or 1, self.n_experts or 1)))
+
+    def _peek_after(
+        self, first: list[tuple[int, int]], cont: list[tuple], ids: list[str], counter: str
+    ) -> list[int] | None:
+        """The policy's k (peeked) after the next round of some requests: the horizon's and the outcome's rows.
+
+        ``first``: ``(L, t)`` of requests whose first round comes next (a fresh observation); ``cont``:
+        ``(slot, K, U, L, t)`` of the others, or ``(slot, K, U, L, t, accepted)`` when the round's outcome is
+        known (all K accepted otherwise; :meth:`ObsSlots.what_if`). ``ids``: the requests, first then the
+        others. Answers outside 0..kmax are the fallback k; ``stats[counter]`` counts the call. None: no rows.
+        """
         rows = []
         if first:
             L, t = np.array(first, dtype=np.float64).T
             rows.append(ObservationState(self.spec, len(first)).build(L, t))
         if cont:
-            K = np.array([c[1] for c in cont], dtype=np.float64)
-            L = np.array([c[3] for c in cont], dtype=np.float64)
-            t = np.array([c[4] for c in cont], dtype=np.float64)
-            rows.append(self._slots.what_if([c[0] for c in cont], K, [c[2] for c in cont], L, t))
+            c = np.array([x[1:] for x in cont], dtype=np.float64)
+            acc = c[:, 4] if c.shape[1] > 4 else None
+            rows.append(self._slots.what_if([x[0] for x in cont], c[:, 0], c[:, 1], c[:, 2], c[:, 3], accepted=acc))
         if not rows:
-            return int(min(max(max(kept), 0), self.num_spec_tokens)) if kept else int(self.num_spec_tokens)
+            return None
         obs = np.concatenate(rows)
-        self.stats["horizon_calls"] += 1
-        ks = [int(k) for k in self._served.peek(obs, ids_f + ids_c, self._batch_step(len(obs)))]
-        h = max([self.fallback_k if not (0 <= k <= self.spec.kmax) else k for k in ks] + kept)
-        return int(min(max(h, 0), self.num_spec_tokens))
+        self.stats[counter] += 1
+        ks = [int(k) for k in self._served.peek(obs, ids, self._batch_step(len(obs)))]
+        return [self.fallback_k if not (0 <= k <= self.spec.kmax) else k for k in ks]
 
     def _blind(self, out: Any = None) -> bool:
         """Whether a step runs the blind path: a policy that ``observes`` nothing, no recording, no callback.
