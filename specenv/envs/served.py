@@ -152,6 +152,7 @@ class ServedGroup:
         self.n_tok: list[int] = []
         self._last_U: list[dict[int, float]] = []
         self._h: int | None = None  # the drafts proposed for the next step (None: its first)
+        self._served: list[ServedPolicy] = []  # the peeks' wrappers of self.pols (made at reset)
         self.lookahead = 0
 
     def reset(self, gids: Sequence[int], max_tokens: int | None = None) -> None:
@@ -220,9 +221,11 @@ class ServedGroup:
         if mode == "policy" and not h:  # the next step's horizon, asked before this round's outcome
             rows = [what_if(self.envs[i], int(ki), u) for i, ki, u in zip(idx, k, U_hz, strict=True)]
             self._h = int(np.clip(self._ask(idx, rows, peek=True), 0, self.kmax).max())
-        before = [
-            (self.envs[i].unwrapped.observation_statistics.tolist(), self.envs[i].unwrapped.episode.t) for i in idx
-        ]
+        before = (  # the statistics each outcome row is built from (only "outcome" reads them)
+            [(self.envs[i].unwrapped.observation_statistics.tolist(), self.envs[i].unwrapped.episode.t) for i in idx]
+            if mode == "outcome" and not h
+            else []
+        )
         infos = []
         for i, ki in zip(idx, k, strict=True):
             o, _, done, _, info = self.envs[i].step(int(ki))
