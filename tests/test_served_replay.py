@@ -53,6 +53,20 @@ class AfterFull(Policy):
         return self.full if whole else self.short
 
 
+class HashOfTheRound(Policy):
+    """k from a hash of the last round's U_r and cost: any approximation of either changes the answer."""
+
+    stateless = True
+
+    def __init__(self, spec: ObservationSpec):
+        super().__init__(spec)
+        self.name = "hash-of-the-round"
+
+    def _act(self, obs: np.ndarray) -> int:
+        v = self.view
+        return 1 + int(1000.0 * (v.prev_U(obs) + v.prev_cost(obs))) % KMAX
+
+
 def test_what_if_row_is_the_controllers(greedy_set: Path) -> None:
     """The replay's what-if row equals the controller's (ObsSlots.what_if) after the same rounds."""
     env = _env(greedy_set)
@@ -86,12 +100,60 @@ def test_what_if_row_is_the_controllers(greedy_set: Path) -> None:
                     accepted=np.array([float(a)]),
                 )
                 np.testing.assert_array_equal(what_if(env, K, U, accepted=a), theirs[0])
+                theirs = slots.what_if(  # and its cost known too
+                    [slot],
+                    np.array([float(K)]),
+                    [U],
+                    np.array([L + a + 1.0]),
+                    np.array([t + a + 1.0]),
+                    accepted=np.array([float(a)]),
+                    cost=np.array([0.5 + a]),
+                )
+                np.testing.assert_array_equal(what_if(env, K, U, accepted=a, cost=0.5 + a), theirs[0])
             checked += 1
     assert checked >= 5 * (KMAX + 1)
     # the environment is not changed by a what-if
     before = env.unwrapped.observation_statistics
     what_if(env, 2, 5.0)
     np.testing.assert_array_equal(env.unwrapped.observation_statistics, before)
+
+
+def test_the_outcome_row_with_the_rounds_own_U_and_cost_is_the_next_observation(greedy_set: Path) -> None:
+    """The controller's outcome row, its U_r and cost known, equals the environment's observation after the round.
+
+    ``draft_horizon="outcome"`` asks the policy on :meth:`ObsSlots.what_if` with the round's outcome, U_r
+    (from the tap) and cost; the replay asks on the environment's observation after the step. Both must be
+    the same row, round for round, or the replay predicts another policy.
+    """
+    env = _env(greedy_set)
+    spec = env.unwrapped.data.spec
+    slots = ObsSlots(spec, 4)
+    rng = np.random.default_rng(7)
+    checked = 0
+    for g in env.unwrapped.data.generation_ids[:3]:
+        slot = slots.alloc()
+        env.reset(seed=0, options={"generation_id": int(g)})
+        done = False
+        while not done:
+            k = int(rng.integers(0, KMAX + 1))
+            o, _, done, _, info = env.step(k)
+            t = env.unwrapped.episode.t
+            L = env.unwrapped.episode.L0 + t
+            cost = float(env.unwrapped.observation_statistics[3]) * (KMAX + 1)
+            row = slots.what_if(
+                [slot],
+                np.array([float(info["k"])]),
+                [info["U_r"]],
+                np.array([float(L)]),
+                np.array([float(t)]),
+                accepted=np.array([float(info["accepted"])]),
+                cost=np.array([cost]),
+            )
+            np.testing.assert_allclose(row[0], o, rtol=0, atol=1e-6)
+            slots.update([slot], [info["k"]], [info["accepted"]], [info["U_r"]], [cost])
+            checked += 1
+        slots.release(slot)
+    assert checked >= 20
 
 
 def test_an_optimistic_horizon_caps_the_budget_after_a_rejection(greedy_set: Path) -> None:
@@ -194,28 +256,25 @@ def test_a_lookahead_policy_verifies_at_most_its_block(greedy_set: Path) -> None
     )
 
 
-@pytest.mark.parametrize("full, short", [(1, 4), (4, 1)])
-def test_drafting_after_the_outcome_is_the_environments_drafting_for_a_policy_of_the_outcome(
-    greedy_set: Path, full: int, short: int
-) -> None:
-    """A policy that reads only the acceptances: asked once the outcome is known, it drafts exactly its k.
+@pytest.mark.parametrize("make", [lambda s: AfterFull(s, 1, 4), lambda s: AfterFull(s, 4, 1), HashOfTheRound])
+def test_drafting_after_the_outcome_is_the_environments_drafting(greedy_set: Path, make) -> None:
+    """Asked once the outcome is known, a request-wise policy drafts exactly the k it then verifies.
 
-    The drafts of ``draft_horizon="outcome"`` are its answer on the round's real outcome (the unknowns it
-    approximates, U_r and cost, are not read), so nothing is capped and nothing is drafted in vain: the
-    environment's own drafting, round for round -- where the ``"policy"`` horizon is capped (k = 1 after a
-    full acceptance) or pays drafts it throws away (k = 4 after one).
+    The drafts of ``draft_horizon="outcome"`` are its answer on the observation after the round (its
+    outcome, U_r and cost), so nothing is capped and nothing is drafted in vain: the environment's own
+    drafting, round for round -- where the ``"policy"`` horizon is capped (k = 1 after a full acceptance)
+    or pays drafts it throws away (k = 4 after one), and a policy of the round's U_r and cost is neither
+    served right by the horizon nor by the last U_r and cost.
     """
     spec = _env(greedy_set).unwrapped.data.spec
     gids = [int(g) for g in select_split(load_dataset(greedy_set).arrays(), "test").generation_ids]
-    pol = AfterFull(spec, full=full, short=short)
+    pol = make(spec)
     outcome = predicted_speedup(str(greedy_set), "fit-train", KMAX, gids, pol, 40, draft_horizon="outcome")
     env_drafting = predicted_speedup(str(greedy_set), "fit-train", KMAX, gids, pol, 40, draft_horizon=None)
     horizon = predicted_speedup(str(greedy_set), "fit-train", KMAX, gids, pol, 40)
     assert outcome == pytest.approx(env_drafting, rel=1e-12)
     assert horizon != pytest.approx(outcome, rel=1e-3)
-    group = ServedGroup(
-        [_env(greedy_set)], lambda: AfterFull(spec, full=full, short=short), top_k=2, draft_horizon="outcome"
-    )
+    group = ServedGroup([_env(greedy_set)], lambda: make(spec), top_k=2, draft_horizon="outcome")
     for g in gids:
         group.reset([g], 40)
         while group.running:

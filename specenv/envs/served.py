@@ -27,6 +27,9 @@ the controller. ``specenv abtest`` prices its steps (:func:`specenv.abtest.predi
 The what-if row's unknowns are filled as the controller fills them: U_r the request's last observed
 U_r at that K, else the prior ``u_prior(K, top_k, n_experts)``; the round's cost its last cost (1 before
 one). The first round's horizon is its own budget (the controller peeks on the first observation).
+With ``draft_horizon="outcome"`` the controller asks once the target has verified, on each request's
+observation after the round (its outcome, its U_r from the tap's routing, its cost): the replay asks on
+the environment's observation after the step.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def drafts_block(policy: Any, n: int) -> bool:
     return at is None or not getattr(policy, "observes", True) or bool(at(int(n)))
 
 
-def what_if(env: Any, K: int, U: float, accepted: int | None = None) -> np.ndarray:
+def what_if(env: Any, K: int, U: float, accepted: int | None = None, cost: float | None = None) -> np.ndarray:
     """The observation of ``env``'s request after a round of ``K`` drafts, all accepted, before it is played.
 
     The controller's what-if row (:meth:`specenv.engines.vllm.bookkeeping.ObsSlots.what_if`): the running
@@ -67,21 +70,20 @@ def what_if(env: Any, K: int, U: float, accepted: int | None = None) -> np.ndarr
         env: A ``specenv/MoESpec-v1`` environment mid-episode (or its wrapper).
         K: Budget of the round now verifying.
         U: Its unique experts (the controller: the last observed at K, else the prior).
-        accepted: Its accepted drafts instead of all K (``draft_horizon="outcome"``: the outcome is known).
+        accepted: Its accepted drafts instead of all K (the outcome known).
+        cost: Its cost in AR steps instead of the last one (known once the target verified).
     """
     e = env.unwrapped
-    return _what_if_row(e.data.spec, e.observation_statistics.tolist(), e.episode.L0, e.episode.t, K, U, accepted)
-
-
-def _what_if_row(spec: Any, stats: list[float], L0: int, t0: int, K: int, U: float, accepted: int | None) -> np.ndarray:
-    """:func:`what_if` from a copy of the statistics (``observation_statistics``) at ``t0`` tokens after ``L0``."""
+    spec = e.data.spec
     obs = ScalarObservation(spec)  # clips, as the controller's ObservationState does
-    obs.values = list(stats)
-    cost = obs.values[3] * (spec.kmax + 1)  # prev_cost in AR steps (stored / (kmax + 1))
+    obs.values = e.observation_statistics.tolist()
+    if cost is None:
+        cost = obs.values[3] * (spec.kmax + 1)  # prev_cost in AR steps (stored / (kmax + 1))
+        cost = cost if cost > 0 else 1.0
     a = int(K) if accepted is None else int(accepted)
-    obs.update(int(K), a, float(U), cost if cost > 0 else 1.0, a + 1)
-    t = int(t0) + a + 1
-    return obs.build(float(L0 + t), t, None)
+    obs.update(int(K), a, float(U), float(cost), a + 1)
+    t = int(e.episode.t) + a + 1
+    return obs.build(float(e.episode.L0 + t), t, None)
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,8 @@ class ServedGroup:
         draft_horizon: How the controller sets the step's drafts (its setting of the same name):
             ``"policy"``, the horizon asked before the previous round's outcome (a full acceptance);
             ``"outcome"``, the most any request's policy would ask for once the previous round's outcome is
-            known (its U_r and cost as the horizon takes them), each request's k capped at it; None: the
+            known (on the observation after it: its U_r and cost read, as the controller reads them from the
+            tap's routing), each request's k capped at it (a request-wise policy is never capped); None: the
             replay environment's drafting instead of the controller's (every request verifies the k it asked
             for, the step drafts its largest k or the policy's block), for comparison. A lookahead policy
             drafts its block under either setting.
@@ -216,16 +219,11 @@ class ServedGroup:
         else:  # the first step (the controller peeks on the first observations: their own budgets)
             k = wanted
             drafted = int(k.max())
-        # the U_r each request's next horizon takes for this round: its last observed at that K, else the prior
-        U_hz = [self._last_U[i].get(int(ki), self._prior[int(ki)]) for i, ki in zip(idx, k, strict=True)]
         if mode == "policy" and not h:  # the next step's horizon, asked before this round's outcome
+            # the U_r it takes for this round: the request's last observed at that K, else the prior
+            U_hz = [self._last_U[i].get(int(ki), self._prior[int(ki)]) for i, ki in zip(idx, k, strict=True)]
             rows = [what_if(self.envs[i], int(ki), u) for i, ki, u in zip(idx, k, U_hz, strict=True)]
             self._h = int(np.clip(self._ask(idx, rows, peek=True), 0, self.kmax).max())
-        before = (  # the statistics each outcome row is built from (only "outcome" reads them)
-            [(self.envs[i].unwrapped.observation_statistics.tolist(), self.envs[i].unwrapped.episode.t) for i in idx]
-            if mode == "outcome" and not h
-            else []
-        )
         infos = []
         for i, ki in zip(idx, k, strict=True):
             o, _, done, _, info = self.envs[i].step(int(ki))
@@ -234,11 +232,7 @@ class ServedGroup:
             infos.append(info)
             if done or info["t"] >= self.n_tok[i]:
                 self.live[i] = False
-        if mode == "outcome" and not h:  # the next step's drafts, asked once this round's outcome is known
-            spec = self.envs[0].unwrapped.data.spec
-            rows = [
-                _what_if_row(spec, stats, self.envs[i].unwrapped.episode.L0, t0, int(ki), u, int(info["accepted"]))
-                for i, ki, u, (stats, t0), info in zip(idx, k, U_hz, before, infos, strict=True)
-            ]
-            self._h = int(np.clip(self._ask(idx, rows, peek=True), 0, self.kmax).max())
+        if mode == "outcome" and not h:  # the next step's drafts, asked once this round's outcome is known:
+            # on the observations after it (its U_r and cost read, as the controller reads them from the tap)
+            self._h = int(np.clip(self._ask(idx, [self.obs[i] for i in idx], peek=True), 0, self.kmax).max())
         return ServedStep(idx, wanted, k, int(drafted), infos)

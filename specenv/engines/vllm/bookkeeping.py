@@ -108,6 +108,7 @@ class ObsSlots:
         t: np.ndarray,
         out: Any = None,
         accepted: np.ndarray | None = None,
+        cost: np.ndarray | None = None,
     ) -> np.ndarray:
         """Observations one round ahead, if every one of ``k`` drafts were accepted; the statistics unchanged.
 
@@ -126,9 +127,12 @@ class ObsSlots:
             out: An array of (rows, dim) float32 to build into (else a new one).
             accepted: (rows,) float64 accepted drafts of the round instead of all ``k`` (``accepted + 1``
                 committed): the round's known outcome (``draft_horizon="outcome"``).
+            cost: (rows,) float64 the round's cost (AR steps) instead of the slot's last one: known once the
+                target has verified (``draft_horizon="outcome"``).
         """
         hyp = self._gather(self._what_if_scratch, slots)
-        cost = np.where(hyp.prev_cost > 0, hyp.prev_cost, 1.0)
+        if cost is None:
+            cost = np.where(hyp.prev_cost > 0, hyp.prev_cost, 1.0)
         a = k if accepted is None else accepted
         hyp.update(k, a, np.asarray(U, dtype=np.float64), cost, a + 1)
         return hyp.build(L, t, out=out)

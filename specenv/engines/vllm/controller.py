@@ -579,12 +579,15 @@ class SpecControlScheduler(Recording, Scheduler):
         Called by the model runner (:class:`specenv.engines.vllm.lazydraft.PlainIdleSteps`) inside the engine
         step, after sampling and before the drafter runs, with the step's requests in the runner's order and
         each one's accepted drafts (the sampled tokens less the bonus one). The answer is the largest k the
-        policy would pick on each request's observation after this round -- its outcome known, its U_r the
-        last observed at that K (else the prior) and its cost the last one, as the horizon takes them
-        (:meth:`ObsSlots.what_if` with ``accepted``): a peek; the decisions are made on the real observations
-        in ``update_draft_token_ids``, capped at these drafts (``capped``: only where those unknowns changed
-        the answer). A request whose first round comes next is asked on its first observation. None: the
-        step keeps what was scheduled (not an outcome step, no request decides, or an error).
+        policy would pick on each request's observation after this round (:meth:`ObsSlots.what_if` with
+        ``accepted`` and ``cost``): its outcome, its U_r read from the tap's routing of the forward just run
+        (:meth:`_outcome_U`) and its cost priced from them and the target's clock as
+        :meth:`update_from_output` will price it -- the observation the decision in
+        ``update_draft_token_ids`` then reads, asked with a peek. Without the routing (no tap, a forward
+        larger than its buffer) U_r is the last observed at that K (else the prior) and the cost the last
+        one, as the horizon takes them, and a decision those unknowns changed is capped (``capped``). A
+        request whose first round comes next is asked on its first observation. None: the step keeps what
+        was scheduled (not an outcome step, no request decides, or an error).
         """
         out = self._outcome_out
         if out is None or self._served is None:
@@ -593,25 +596,45 @@ class SpecControlScheduler(Recording, Scheduler):
         try:
             reqs = self.requests
             spec_toks = out.scheduled_spec_decode_tokens
+            sched = out.num_scheduled_tokens
             first: list[tuple[int, int]] = []
             ids_f: list[str] = []
-            cont: list[tuple[int, int, int, float, int, int]] = []
+            rounds: list[tuple[Any, Req, int, int]] = []
             ids_c: list[str] = []
             for req_id, a in zip(req_ids, accepted, strict=True):
                 request = reqs.get(req_id)
-                if request is None or request.is_prefill_chunk or req_id not in out.num_scheduled_tokens:
+                if request is None or request.is_prefill_chunk or req_id not in sched:
                     continue
                 if request.num_output_tokens == 0:  # its prefill ran in this step: the first round comes next
                     first.append((request.num_tokens + 1, 1))
                     ids_f.append(req_id)
                     continue
-                st = self._state(req_id)
                 K = len(spec_toks.get(req_id, ()))
-                a = min(max(int(a), 0), K)
-                cont.append(
-                    (st.slot, K, self._last_U(st, K), request.num_tokens + a + 1, request.num_output_tokens + a + 1, a)
-                )
+                rounds.append((request, self._state(req_id), K, min(max(int(a), 0), K)))
                 ids_c.append(req_id)
+            cont: list[tuple] = []
+            Us = self._outcome_U(sched, req_ids, ids_c)
+            if Us is None:  # no routing: the round's U_r and cost as the horizon takes them
+                for request, st, K, a in rounds:
+                    L, t = request.num_tokens + a + 1, request.num_output_tokens + a + 1
+                    cont.append((st.slot, K, self._last_U(st, K), L, t, a))
+            else:  # the round's own U_r, and its cost as update_from_output will charge it
+                clock, Ul = self._step_clock(), Us.tolist()
+                # priced in update_from_output's order (a K = 0 round moves the measured AR reference), then
+                # the reference put back: _observe prices the rounds again
+                pos = {r: j for j, r in enumerate(sched)}
+                costs = [0.0] * len(rounds)
+                saved = self._ar_ema, self._min_tt
+                try:
+                    for j in sorted(range(len(rounds)), key=lambda j: pos[ids_c[j]]):
+                        request, st, K, _ = rounds[j]
+                        td = st.td_ms if clock.hooked else 0.0
+                        costs[j] = self._cost_units(K, Ul[j], request.num_tokens, clock.t_ms, td)
+                finally:
+                    self._ar_ema, self._min_tt = saved
+                for (request, st, K, a), U, cost in zip(rounds, Ul, costs, strict=True):
+                    L, t = request.num_tokens + a + 1, request.num_output_tokens + a + 1
+                    cont.append((st.slot, K, U, L, t, a, cost))
             ks = self._peek_after(first, cont, ids_f + ids_c, "outcome_calls")
             return None if ks is None else int(min(max(max(ks), 0), self.num_spec_tokens))
         except Exception as exc:  # never fail a step: the drafts as scheduled
@@ -619,6 +642,28 @@ class SpecControlScheduler(Recording, Scheduler):
             return None
         finally:
             self.stats["overhead_ms"] += self._steplog.add(t0, c0)
+
+    def _outcome_U(self, sched: dict[str, int], req_ids: list[str], ids: list[str]) -> np.ndarray | None:
+        """U_r of the rounds of ``ids`` in the forward just run, from the tap's routing (None: not captured).
+
+        ``req_ids``: the step's requests in the runner's order (where their tokens sit in the forward);
+        the same numbers as :meth:`_routing_stats` reads after the step.
+        """
+        tap = self.tap
+        if tap is None or not ids:
+            return None
+        offsets, batch_tokens = batch_offsets(sched, {r: i for i, r in enumerate(req_ids)})
+        if batch_tokens > tap.capacity:
+            return None
+        routing = tap.routing(batch_tokens, copy=False)
+        return self._step_experts(routing).step(routing, [offsets[r] for r in ids], [sched[r] for r in ids])[0]
+
+    def _step_experts(self, routing: np.ndarray) -> StepExperts:
+        """The per-step expert statistics' buffers for this routing's shape (made on first use)."""
+        experts = self._experts
+        if experts is None or experts.n_layers != routing.shape[0]:
+            experts = self._experts = StepExperts(routing.shape[0], self.n_experts, routing.shape[2], self.tap.capacity)
+        return experts
 
     def _horizon(self, out: Any) -> int:
         """Largest k the policy would pick next if every draft now in flight is accepted.
@@ -700,9 +745,10 @@ class SpecControlScheduler(Recording, Scheduler):
         """The policy's k (peeked) after the next round of some requests: the horizon's and the outcome's rows.
 
         ``first``: ``(L, t)`` of requests whose first round comes next (a fresh observation); ``cont``:
-        ``(slot, K, U, L, t)`` of the others, or ``(slot, K, U, L, t, accepted)`` when the round's outcome is
-        known (all K accepted otherwise; :meth:`ObsSlots.what_if`). ``ids``: the requests, first then the
-        others. Answers outside 0..kmax are the fallback k; ``stats[counter]`` counts the call. None: no rows.
+        ``(slot, K, U, L, t)`` of the others, ``(slot, K, U, L, t, accepted)`` when the round's outcome is
+        known (all K accepted otherwise), ``(slot, K, U, L, t, accepted, cost)`` when its cost is too (the
+        last cost otherwise; :meth:`ObsSlots.what_if`). ``ids``: the requests, first then the others.
+        Answers outside 0..kmax are the fallback k; ``stats[counter]`` counts the call. None: no rows.
         """
         rows = []
         if first:
@@ -711,7 +757,9 @@ class SpecControlScheduler(Recording, Scheduler):
         if cont:
             c = np.array([x[1:] for x in cont], dtype=np.float64)
             acc = c[:, 4] if c.shape[1] > 4 else None
-            rows.append(self._slots.what_if([x[0] for x in cont], c[:, 0], c[:, 1], c[:, 2], c[:, 3], accepted=acc))
+            cost = c[:, 5] if c.shape[1] > 5 else None
+            slots = [x[0] for x in cont]
+            rows.append(self._slots.what_if(slots, c[:, 0], c[:, 1], c[:, 2], c[:, 3], accepted=acc, cost=cost))
         if not rows:
             return None
         obs = np.concatenate(rows)
@@ -963,14 +1011,16 @@ class SpecControlScheduler(Recording, Scheduler):
         tap = self.tap
         if tap is not None and batch_tokens <= tap.capacity:
             routing = tap.routing(batch_tokens, copy=False)
-            experts = self._experts
-            if experts is None or experts.n_layers != routing.shape[0]:
-                experts = self._experts = StepExperts(routing.shape[0], self.n_experts, routing.shape[2], tap.capacity)
-            return experts.step(routing, [offsets[r.req_id] for r in rounds], [r.n for r in rounds])
+            return self._step_experts(routing).step(routing, [offsets[r.req_id] for r in rounds], [r.n for r in rounds])
         prior = [float(u_prior(r.K, self.top_k or 1, self.n_experts or 1)) for r in rounds]
         return np.array(prior), np.ones(len(rounds)), None
 
     def _cost_units(self, K: int, U: float, L: int, t_ms: float, d_ms: float) -> float:
+        """A round's cost in AR steps at its context: the cost model's charge, else the measured times.
+
+        Without a cost model the reference is the AR step measured so far (K = 0 rounds' target time,
+        averaged; before one, the fastest target pass), which this round updates.
+        """
         if K == 0:  # the measured AR step (also the reference of BatchStep.prev_step_cost)
             self._ar_ema = t_ms if self._ar_ema is None else 0.8 * self._ar_ema + 0.2 * t_ms
         self._min_tt = t_ms if self._min_tt is None else min(self._min_tt, t_ms)

@@ -89,9 +89,9 @@ class SpecenvSettings:
             the target has verified (inside the step, before the drafter runs: the round's accepted drafts
             known) the drafter proposes only the most any request's policy would ask for on that outcome
             (:meth:`SpecControlScheduler.outcome_drafts`, called by the CPU runner of
-            :mod:`specenv.engines.vllm.lazydraft`): no draft paid and thrown away, no cap but where the
-            unknowns of the unfinished round (its U_r and cost, taken as the horizon takes them) change the
-            answer. Lookahead policies and blind steps keep ``"policy"``'s horizon; without the lazy
+            :mod:`specenv.engines.vllm.lazydraft`) on the observation after the round (its U_r read from
+            the tap's routing, its cost priced as the bookkeeping will): no draft paid and thrown away, no
+            cap for a request-wise policy. Lookahead policies and blind steps keep ``"policy"``'s horizon; without the lazy
             drafter's runner (another platform) it is ``"max"``.
         horizon_one_call: With ``draft_horizon="policy"`` and a rowwise policy
             (:func:`specenv.engines.vllm.served.rowwise`: the exported MLPs, fixed k, ...), ask the policy for
