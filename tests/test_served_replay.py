@@ -90,26 +90,18 @@ def test_what_if_row_is_the_controllers(greedy_set: Path) -> None:
             L = env.unwrapped.episode.L0 + t
             theirs = slots.what_if([slot], np.array([float(K)]), [U], np.array([L + K + 1.0]), np.array([t + K + 1.0]))
             np.testing.assert_array_equal(what_if(env, K, U), theirs[0])
-            for a in range(K):  # the outcome known (draft_horizon="outcome"): a of K accepted
-                theirs = slots.what_if(
-                    [slot],
-                    np.array([float(K)]),
-                    [U],
-                    np.array([L + a + 1.0]),
-                    np.array([t + a + 1.0]),
-                    accepted=np.array([float(a)]),
-                )
-                np.testing.assert_array_equal(what_if(env, K, U, accepted=a), theirs[0])
-                theirs = slots.what_if(  # and its cost known too
-                    [slot],
-                    np.array([float(K)]),
-                    [U],
-                    np.array([L + a + 1.0]),
-                    np.array([t + a + 1.0]),
-                    accepted=np.array([float(a)]),
-                    cost=np.array([0.5 + a]),
-                )
-                np.testing.assert_array_equal(what_if(env, K, U, accepted=a, cost=0.5 + a), theirs[0])
+            for a in range(K):  # the outcome known (draft_horizon="outcome"): a of K accepted, and its cost
+                for cost in (None, 0.5 + a):
+                    theirs = slots.what_if(
+                        [slot],
+                        np.array([float(K)]),
+                        [U],
+                        np.array([L + a + 1.0]),
+                        np.array([t + a + 1.0]),
+                        accepted=np.array([float(a)]),
+                        cost=None if cost is None else np.array([cost]),
+                    )
+                    np.testing.assert_array_equal(what_if(env, K, U, accepted=a, cost=cost), theirs[0])
             checked += 1
     assert checked >= 5 * (KMAX + 1)
     # the environment is not changed by a what-if
