@@ -54,6 +54,7 @@ def bare_controller(policy: Any, num_spec: int, one_call: bool) -> Any:
     c._reqs, c.requests, c.waiting, c.running = {}, {}, [], []
     c._prev_batch, c.draft_tokens, c._next_gid, c._step = (0.0, 0.0), None, 0, 0
     c._blind_step = False  # the full path (schedule decides it per step; this controller has no schedule)
+    c._outcome_ks = c._outcome_stats = None  # (set by outcome_drafts, which runs inside an engine's step)
     c._horizon_tables()
     c.policy, c.spec, c._signal_cols = policy, policy.spec, None
     c._served = ServedPolicy(policy, policy.spec, 8)

@@ -1,8 +1,9 @@
 """Where a step's time goes: vLLM's and specenv's per-step functions timed on several engines in one process.
 
-Builds the engines named by ``--arms`` in this process (``plain``: no speculation, stock scheduler; ``lazy``:
-the controller engine at ``num_speculative_tokens = --k``, ``draft_horizon="policy"``, a policy that always
-answers k = 0, the lazy drafter; ``eager``: the same with vLLM's drafter run every step; ``nohook``: ``lazy``
+Builds the engines named by ``--arms`` in this process (``plain``: no speculation, stock scheduler; ``stock``:
+stock vLLM at ``num_speculative_tokens = --k``, no controller; ``lazy``: the controller engine at
+``num_speculative_tokens = --k``, ``draft_horizon="policy"``, a policy that always answers k = ``--policy-k``
+(default 0), the lazy drafter; ``eager``: the same with vLLM's drafter run every step; ``nohook``: ``lazy``
 with the routing tap's hooks removed; a ``2`` or any suffix after ``-`` makes another engine of the same kind,
 e.g. ``plain-2``: the engine-to-engine spread), wraps the engine core's, scheduler's, model runner's and
 drafter's per-step methods with wall-clock timers, then decodes the same prompts on every engine (greedy,
@@ -25,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-KINDS = ("plain", "lazy", "eager", "nohook")
+KINDS = ("plain", "stock", "lazy", "eager", "nohook")
 
 #: (object path from the engine core, method names) timed on every engine that has them
 TIMED = (
@@ -109,11 +110,14 @@ def main() -> None:
     ap.add_argument("--arms", type=_arms, default=_arms("plain,lazy"), help=f"comma-separated, of {KINDS}")
     ap.add_argument("--batch", type=_positive, default=1, help="concurrent requests per group")
     ap.add_argument("--k", type=_positive, default=1, help="num_speculative_tokens of the controller engines")
+    ap.add_argument("--policy-k", type=int, default=0, help="the k the controller engines' fixed policy answers")
     ap.add_argument("--max-num-seqs", type=_positive, default=None, help="every engine's (default: the batch)")
     ap.add_argument("--groups", type=_positive, default=2, help="request groups per pass")
     ap.add_argument("--tokens", type=_positive, default=48)
     ap.add_argument("--repeats", type=_positive, default=3)
     args = ap.parse_args()
+    if not 0 <= args.policy_k <= args.k:
+        ap.error(f"--policy-k {args.policy_k} is outside 0..--k ({args.k})")
     if args.max_num_seqs is not None and args.max_num_seqs < args.batch:
         ap.error(f"--max-num-seqs {args.max_num_seqs} is below --batch {args.batch}")
     from specenv.engines.vllm.models import vllm_model_dirs
@@ -142,11 +146,15 @@ def main() -> None:
         kind = _kind(arm)
         if kind == "plain":
             engines[arm] = build_llm({**base, "k": 0, "controller": False})
+        elif kind == "stock":
+            engines[arm] = build_llm({**base, "k": args.k, "controller": False})
         else:
             taps_before = len(TAPS)
             llm = engines[arm] = build_llm({**base, "k": args.k, "settings": {"draft_horizon": "policy"}})
             ctl = scheduler_of(llm)
-            ctl.set_policy(FixedK(ObservationSpec(kmax=args.k, max_new_tokens=args.tokens, n_experts=ctl.n_experts), 0))
+            ctl.set_policy(
+                FixedK(ObservationSpec(kmax=args.k, max_new_tokens=args.tokens, n_experts=ctl.n_experts), args.policy_k)
+            )
             drafter = _parts(llm)["drafter"]
             if kind == "eager" and hasattr(drafter, "lazy"):
                 drafter.lazy = False

@@ -166,9 +166,10 @@ def test_a_policy_that_is_not_rowwise_keeps_its_own_horizon_call():
 # ------------------------------------------------------------------------------------------ engines
 #: Recorded columns compared between the two paths (generation_id and step relative to the run's first).
 COLUMNS = ("generation_id", "round", "step", "K", "m", "accepted", "drafted", "policy_k", "fallback", "capped")
+COLUMNS += ("U_r", "E_max")  # (drafting after the outcome: read once inside the step on the one-call path)
 
 
-def served_run(llm, waves: list[list[str]], one_call: bool, rec):
+def served_run(llm, waves: list[list[str]], one_call: bool, rec, horizon: str = "policy"):
     """``waves`` (each one ``generate`` call) through RowHash on both paths' settings; what to compare."""
     from policies.bench.context import build_context
 
@@ -179,9 +180,10 @@ def served_run(llm, waves: list[list[str]], one_call: bool, rec):
     pol = RowHash(spec)
     pol.clock = lambda: ctl._step
     ctl.set_policy(pol)
-    ctl.settings.draft_horizon = "policy"
+    ctl.settings.draft_horizon = horizon
     ctl.settings.horizon_one_call = one_call
-    assert ctl.draft_tokens is None and ctl._one_call() == one_call
+    assert ctl.draft_tokens is None
+    assert (ctl._one_call() if horizon == "policy" else ctl._outcome_one_call()) == one_call
     horizons: list[tuple[int, int]] = []
     inner = ctl._horizon
 
@@ -213,7 +215,8 @@ def served_run(llm, waves: list[list[str]], one_call: bool, rec):
     rows = {c: df[c].tolist() for c in COLUMNS}
     rows["verified_tokens"] = [list(map(int, v)) for v in df["verified_tokens"]]
     per_step = np.bincount([c - step0 for c, _ in pol.calls])
-    delta = {k: ctl.stats[k] - before[k] for k in ("horizon_calls", "fallbacks", "capped", "decisions")}
+    keys = ("horizon_calls", "outcome_calls", "fallbacks", "capped", "decisions")
+    delta = {k: ctl.stats[k] - before[k] for k in keys}
     return {
         "tokens": tokens,
         "rows": rows,
@@ -278,3 +281,36 @@ def engine8(model_dirs):
 def test_batch_8_one_call_equals_two_calls_on_a_recorded_run(engine8, plain_reference, tmp_path):
     waves = [(PROMPTS + PROMPTS)[:8]]  # 8 requests in one batch, their prefills in one step
     compare_paths(engine8, waves, plain_reference, tmp_path, requests_first_steps=1)
+
+
+# ------------------------------------------------------------------ drafting after the outcome, one call
+def compare_outcome_paths(llm, waves, plain_reference, tmp_path):
+    """``draft_horizon="outcome"``: the peek inside the step is the step's decisions (one call) or not (two)."""
+    one = served_run(llm, waves, True, tmp_path / "one", horizon="outcome")
+    two = served_run(llm, waves, False, tmp_path / "two", horizon="outcome")
+    prompts = [p for w in waves for p in w]
+    for p, toks in zip(prompts, one["tokens"], strict=True):
+        assert toks == plain_reference[p]["token_ids"], p
+    assert one["tokens"] == two["tokens"]
+    # every round equal: the k taken from the peek is the k the policy answers on the row _decide builds
+    # (RowHash reads every bit of it: a row that differed in one bit would change the k)
+    assert one["rows"] == two["rows"]
+    assert one["stats"] == two["stats"]
+    assert one["stats"]["decisions"] > 0 and one["stats"]["outcome_calls"] > 0
+    assert one["stats"]["fallbacks"] == 0
+    assert len(set(one["rows"]["policy_k"])) >= 3  # the hash moved the budget
+    # one call per step against two (the peek inside the step, then the decisions), but in a step whose
+    # requests all finished (the peek asked, nothing left to decide): at most one such step per request
+    assert one["per_step"].max() == 1
+    extra = two["per_step"] - one["per_step"]
+    assert set(extra.tolist()) == {0, 1}
+    assert extra[one["per_step"] == 0].sum() == 0
+    assert (extra[one["per_step"] == 1] == 0).sum() <= len(prompts)
+
+
+def test_batch_1_outcome_one_call_equals_two_calls(engine, plain_reference, tmp_path):
+    compare_outcome_paths(engine, [[p] for p in PROMPTS[:3]], plain_reference, tmp_path)
+
+
+def test_batch_8_outcome_one_call_equals_two_calls(engine8, plain_reference, tmp_path):
+    compare_outcome_paths(engine8, [(PROMPTS + PROMPTS)[:8]], plain_reference, tmp_path)

@@ -67,6 +67,17 @@ price: (min(drafted, kmax) + 1) hypothetical rows per request in the one call in
 request in a second call. A policy that is not rowwise (stateful: peek copies it; a batch
 controller: its rows decide jointly and read the step) keeps the second call at ``schedule``.
 
+**Drafting after the outcome in one call** (``draft_horizon="outcome"``, a rowwise policy, ``horizon_one_call``
+on): :meth:`SpecControlScheduler.outcome_drafts` peeks, inside the step, on each request's row after the round
+just verified (its accepted drafts, its U_r from the tap's routing, its cost priced as ``update_from_output``
+will price it) -- the row ``_decide`` builds after ``update_from_output`` folded that round, by the same float
+operations (:meth:`ObsSlots.what_if` with ``accepted`` and ``cost``). So ``_decide`` takes the peeked k of a
+request whose context and token count are those the peek assumed (``_outcome_ks``) and calls the policy
+only otherwise, and ``_observe`` takes the U_r/E_max read inside the step when it folds the same rounds
+(``_outcome_stats``): one policy call and one routing read per step instead of two. Every round equal to
+the two-call path's (tests/vllm/test_one_call_horizon.py, batch 1 and 8, the row-hash policy; for an MLP
+up to the float32 rounding by row count noted above).
+
 **The blind path** (:meth:`SpecControlScheduler._blind`): a policy whose ``observes`` is False (the
 protocol, :mod:`specenv.policy.base`: a fixed k, vLLM's batch-size table) reads only how many requests
 it decides. With no recording and no callback nothing else reads the per-round bookkeeping, so a step
@@ -288,6 +299,11 @@ class SpecControlScheduler(Recording, Scheduler):
         self._step_horizon: int | None = None  # the drafts this step asked of the drafter (set in schedule)
         #: ``draft_horizon="outcome"``: the scheduled step whose drafts :meth:`outcome_drafts` sets (else None)
         self._outcome_out: Any = None
+        #: ``draft_horizon="outcome"``, one call (:meth:`_outcome_one_call`): the step's peeked k per request,
+        #: ``(step, {request: (k, L, t)})``, that :meth:`_decide` takes in place of a second policy call
+        self._outcome_ks: tuple[int, dict[str, tuple[int, int, int]]] | None = None
+        #: ``(step, requests, U, E, union)`` of :meth:`_outcome_U`'s read, that :meth:`_routing_stats` takes
+        self._outcome_stats: tuple[int, list[str], np.ndarray, np.ndarray, float] | None = None
         self._blank_rows = np.zeros((0, 0), dtype=np.float32)  # the blind path's rows (:meth:`_blank`)
         # per-step columns of the rounds (slot, K, accepted, cost), preallocated in the dtypes ObsSlots.update takes
         self._cols = _RoundCols(16)
@@ -542,7 +558,7 @@ class SpecControlScheduler(Recording, Scheduler):
         if tap is not None and tap.capturing == blind:  # the blind path reads no routing: no capture in the forward
             tap.capture_routing(not blind)
         self._step += 1
-        self._outcome_out = None
+        self._outcome_out = self._outcome_ks = self._outcome_stats = None
         if self.draft_tokens is not None:
             out.num_spec_tokens_to_schedule = int(min(max(self.draft_tokens, 0), self.num_spec_tokens))
         elif (
@@ -635,8 +651,23 @@ class SpecControlScheduler(Recording, Scheduler):
                 for (request, st, K, a), U, cost in zip(rounds, Ul, costs, strict=True):
                     L, t = request.num_tokens + a + 1, request.num_output_tokens + a + 1
                     cont.append((st.slot, K, U, L, t, a, cost))
-            ks = self._peek_after(first, cont, ids_f + ids_c, "outcome_calls")
-            return None if ks is None else int(min(max(max(ks), 0), self.num_spec_tokens))
+            raw: list[int] = []
+            ks = self._peek_after(first, cont, ids_f + ids_c, "outcome_calls", raw=raw)
+            if ks is None:
+                return None
+            if self._outcome_one_call():  # the decisions of update_draft_token_ids: these answers (one call)
+                kmax = self.spec.kmax
+                Ls = [L for L, _ in first] + [c[3] for c in cont]
+                ts = [t for _, t in first] + [c[4] for c in cont]
+                self._outcome_ks = (
+                    self._step,
+                    {
+                        r: (k, int(L), int(t))
+                        for r, k, L, t in zip(ids_f + ids_c, raw, Ls, ts, strict=True)
+                        if 0 <= k <= kmax
+                    },
+                )
+            return int(min(max(max(ks), 0), self.num_spec_tokens))
         except Exception as exc:  # never fail a step: the drafts as scheduled
             self._error(exc)
             return None
@@ -656,7 +687,10 @@ class SpecControlScheduler(Recording, Scheduler):
         if batch_tokens > tap.capacity:
             return None
         routing = tap.routing(batch_tokens, copy=False)
-        return self._step_experts(routing).step(routing, [offsets[r] for r in ids], [sched[r] for r in ids])[0]
+        U, E, union = self._step_experts(routing).step(routing, [offsets[r] for r in ids], [sched[r] for r in ids])
+        if self.settings.horizon_one_call:  # what _routing_stats then reads after the step (else it reads again)
+            self._outcome_stats = (self._step, list(ids), U, E, union)
+        return U
 
     def _step_experts(self, routing: np.ndarray) -> StepExperts:
         """The per-step expert statistics' buffers for this routing's shape (made on first use)."""
@@ -740,7 +774,12 @@ class SpecControlScheduler(Recording, Scheduler):
         return st.last_U.get(K, float(u_prior(K, self.top_k or 1, self.n_experts or 1)))
 
     def _peek_after(
-        self, first: list[tuple[int, int]], cont: list[tuple], ids: list[str], counter: str
+        self,
+        first: list[tuple[int, int]],
+        cont: list[tuple],
+        ids: list[str],
+        counter: str,
+        raw: list[int] | None = None,
     ) -> list[int] | None:
         """The policy's k (peeked) after the next round of some requests: the horizon's and the outcome's rows.
 
@@ -748,7 +787,8 @@ class SpecControlScheduler(Recording, Scheduler):
         ``(slot, K, U, L, t)`` of the others, ``(slot, K, U, L, t, accepted)`` when the round's outcome is
         known (all K accepted otherwise), ``(slot, K, U, L, t, accepted, cost)`` when its cost is too (the
         last cost otherwise; :meth:`ObsSlots.what_if`). ``ids``: the requests, first then the others.
-        Answers outside 0..kmax are the fallback k; ``stats[counter]`` counts the call. None: no rows.
+        Answers outside 0..kmax are the fallback k (``raw``, when given, receives the answers before that);
+        ``stats[counter]`` counts the call. None: no rows.
         """
         rows = []
         if first:
@@ -765,6 +805,8 @@ class SpecControlScheduler(Recording, Scheduler):
         obs = np.concatenate(rows)
         self.stats[counter] += 1
         ks = [int(k) for k in self._served.peek(obs, ids, self._batch_step(len(obs)))]
+        if raw is not None:
+            raw += ks
         return [self.fallback_k if not (0 <= k <= self.spec.kmax) else k for k in ks]
 
     def _blind(self, out: Any = None) -> bool:
@@ -1006,8 +1048,15 @@ class SpecControlScheduler(Recording, Scheduler):
     ) -> tuple[np.ndarray, np.ndarray, float | None]:
         """``(U_r, E_max)`` of every round and the step's expert union (mean over layers; None without routing).
 
-        From the tap's routing of the step, read in place; without it, the U prior and 1.
+        From the tap's routing of the step, read in place (or the numbers :meth:`_outcome_U` read from the same
+        routing inside the step, when it read the same rounds); without it, the U prior and 1.
         """
+        memo = self._outcome_stats
+        if memo is not None and memo[0] == self._step and len(memo[1]) == len(rounds):
+            pos = {r: i for i, r in enumerate(memo[1])}
+            idx = [pos.get(r.req_id, -1) for r in rounds]
+            if -1 not in idx:
+                return memo[2][idx], memo[3][idx], memo[4]
         tap = self.tap
         if tap is not None and batch_tokens <= tap.capacity:
             routing = tap.routing(batch_tokens, copy=False)
@@ -1130,6 +1179,11 @@ class SpecControlScheduler(Recording, Scheduler):
         ids = [req_ids[j] for j in live]
         served = self._served
         assert served is not None
+        memo = self._outcome_ks
+        if not h and memo is not None and memo[0] == self._step:  # drafting after the outcome, one call
+            got = [memo[1].get(r) for r in ids]
+            if all(x is not None and x[1] == L and x[2] == t for x, L, t in zip(got, Ls, ts, strict=True)):
+                return self._apply(live, req_ids, drafts, [x[0] for x in got], True)
         # the one-call path: the next step's horizon asked in this call (see _what_ifs)
         plan = self._what_ifs(live, req_ids, drafts) if self._one_call() else None
         if plan is None:
@@ -1158,6 +1212,10 @@ class SpecControlScheduler(Recording, Scheduler):
         except Exception as exc:
             self._error(exc)
         self.stats["policy_ms"] += (time.perf_counter() - t0) * 1e3
+        return self._apply(live, req_ids, drafts, ks, fast)
+
+    def _apply(self, live: list[int], req_ids: list[str], drafts: list[list[int]], ks: list[Any], fast: bool) -> Any:
+        """Trim the drafts of the decided requests (``live``) to the policy's answers ``ks`` (checked)."""
         for (k, ok), j in zip(self._checked(ks, fast), live, strict=True):
             st = self._reqs[req_ids[j]]
             st.fallback = not ok
@@ -1200,6 +1258,25 @@ class SpecControlScheduler(Recording, Scheduler):
             drafts[j] = drafts[j][:k]
         self.stats["decisions"] += n
         return DraftTokenIds(req_ids, drafts)
+
+    def _outcome_one_call(self) -> bool:
+        """Whether ``draft_horizon="outcome"``'s peek is also the step's decisions (one policy call per step).
+
+        With ``horizon_one_call`` on and a :func:`rowwise <specenv.engines.vllm.served.rowwise>` policy: its
+        answer on :meth:`outcome_drafts`'s row of a request is its answer on the row ``_decide`` builds after
+        ``update_from_output`` folded the same round (the same float operations: :meth:`ObsSlots.what_if`
+        with the round's accepted drafts, U_r and cost), so ``_decide`` takes it when the request's context
+        and token count are those the peek assumed; otherwise it asks the policy.
+        """
+        s = self.settings
+        return (
+            s.draft_horizon == "outcome"
+            and s.horizon_one_call
+            and self.draft_tokens is None
+            and not self.spec.lookahead
+            and self._served is not None
+            and self._served.rowwise
+        )
 
     def _one_call(self) -> bool:
         """Whether this step's policy call also answers the next step's horizon (the one-call path).

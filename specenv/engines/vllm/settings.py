@@ -91,13 +91,16 @@ class SpecenvSettings:
             (:meth:`SpecControlScheduler.outcome_drafts`, called by the CPU runner of
             :mod:`specenv.engines.vllm.lazydraft`) on the observation after the round (its U_r read from
             the tap's routing, its cost priced as the bookkeeping will): no draft paid and thrown away, no
-            cap for a request-wise policy. Lookahead policies and blind steps keep ``"policy"``'s horizon; without the lazy
-            drafter's runner (another platform) it is ``"max"``.
+            cap for a request-wise policy. Lookahead policies and blind steps keep ``"policy"``'s horizon;
+            without the lazy drafter's runner (another platform) it is ``"max"``.
         horizon_one_call: With ``draft_horizon="policy"`` and a rowwise policy
             (:func:`specenv.engines.vllm.served.rowwise`: the exported MLPs, fixed k, ...), ask the policy for
             the next step's horizon in the same call as the step's decisions (the controller's one-call
             path: one policy call per step); False: a second call at the next ``schedule`` (the path
-            before it, kept for comparison). The same horizons either way.
+            before it, kept for comparison). The same horizons either way. With ``draft_horizon="outcome"``:
+            the peek inside the step is also the step's decisions for a rowwise policy, and the round's
+            U_r/E_max read there is the one recorded (one policy call and one routing read per step);
+            False: both asked and read again after the step. The same rounds either way.
         record_tokens: Also record each round's verified token ids (for checks against another
             engine; makes the recording larger).
         lazy_draft: Skip the drafter's forward in a step that drafts nothing for any request (every
