@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -115,7 +116,9 @@ def _overhead_arms(args: argparse.Namespace, out: Path) -> dict[str, tuple[dict[
     * ``kmax-2call``: ``specenv-kmax`` with ``horizon_one_call=False`` (the horizon asked by a second policy
       call at ``schedule``, as before the one-call path);
     * ablations of ``specenv``: ``ctl`` (no recorder), ``ctl-notap`` (no recorder, no tap: prior U_r),
-      ``nolazy`` (vLLM's drafter instead of the lazy one), ``norec`` (= ``ctl``, kept for symmetry of names).
+      ``nolazy`` (vLLM's drafter instead of the lazy one), ``norec`` (= ``ctl``, kept for symmetry of names);
+    * any arm's name followed by a number (``stock3``, ``ctl2``): another engine of that arm (the spread between
+      identical engines beside the difference between paths).
     """
     k = args.k
     base = {"models": args.models, "max_num_seqs": max(args.batch), "max_model_len": 1024}
@@ -156,6 +159,13 @@ def _overhead_arms(args: argparse.Namespace, out: Path) -> dict[str, tuple[dict[
         "ctl-notap": ({**base, "k": k, "tap": False}, pol),
         "nolazy": ({**base, "k": k, "settings": {**rec, "record": str(out / "rec-nolazy"), "lazy_draft": False}}, pol),
     }
+    for a in args.arms:  # another engine of an arm: its name and a number (stock3, ctl2), its own recording
+        m = re.fullmatch(r"(\D.*?)(\d+)", a)
+        if a not in arms and m and m.group(1) in arms:
+            cfg, p = arms[m.group(1)]
+            if "record" in cfg.get("settings", {}):
+                cfg = {**cfg, "settings": {**cfg["settings"], "record": str(out / f"rec-{a}")}}
+            arms[a] = (cfg, p)
     unknown = [a for a in args.arms if a not in arms]
     if unknown:
         raise SystemExit(f"unknown arm(s) {unknown}; choose from {', '.join(OVERHEAD_ARMS)}")
@@ -460,7 +470,12 @@ def main() -> None:
     o.add_argument("--tokens", type=int, default=48)
     o.add_argument("--repeats", type=int, default=5)
     o.add_argument("--base-src", default=None, help="source tree of the base arm")
-    o.add_argument("--arms", type=lambda s: s.split(","), default=["stock", "specenv"], help=f"of {OVERHEAD_ARMS}")
+    o.add_argument(
+        "--arms",
+        type=lambda s: s.split(","),
+        default=["stock", "specenv"],
+        help=f"of {OVERHEAD_ARMS}; an arm and a number (stock3, ctl2): another engine of it",
+    )
     f = sub.add_parser("floor", help="the draft floor: a k = 0 step against a plain engine's step")
     f.add_argument("--out", required=True)
     f.add_argument("--models", default="small-moe-v1")
