@@ -41,6 +41,11 @@ Arms (``--arms``; one engine each unless said otherwise):
   step-time model where there is one), exported in its numpy form (:mod:`policies.batch.export`,
   ``<out>/survival``: no scikit-learn object at serving time) and served from that folder through the
   controller engine like ``batch``;
+* ``fixedctl`` (only when named; not in ``all``): every fixed k in 1..kmax served by specenv's controller
+  (:class:`policies.heuristics.FixedK`, ``draft_horizon="policy"``: the drafter asked for exactly k) on the
+  one controller engine the learned arms run on: the fixed-k ladder without the placement of eight engines
+  between its rungs (identical engines differ by up to ~4.5% a step on this CPU, a bias no repeat averages
+  out), for the sim-to-real ordering of fixed k against the learned arms;
 * ``overhead``: the specenv path (controller + routing tap + recorder, a numpy MLP policy that always
   answers the best fixed k) against stock vLLM with the same speculative config (the ``best`` k engine):
   throughput ratio per repeat, stock's own run-to-run spread, and the controller's CPU time per step as a
@@ -86,8 +91,12 @@ import numpy as np
 #: Arm groups of ``--arms`` (all by default).
 ARM_GROUPS = (
     "plain", "fixed", "best", "dynamic", "table", "adaptive", "heuristic", "delta", "learned", "gated", "outcome",
-    "overhead", "batch", "survival",
+    "overhead", "batch", "survival", "fixedctl",
 )  # fmt: skip
+#: Groups run only when named (``--arms all`` is every other group).
+OPT_IN_GROUPS = ("fixedctl",)
+#: What ``--arms all`` runs.
+ALL_GROUPS = tuple(g for g in ARM_GROUPS if g not in OPT_IN_GROUPS)
 FIT_MODES = ("measured", "replay")
 #: Why vLLM's adaptive verification does not run on a CPU build of vLLM 0.32.
 ADAPTIVE_WHY = (
@@ -112,7 +121,7 @@ class AbtestOptions:
     max_tokens: int = 64
     repeats: int = 3
     batches: list[int] = field(default_factory=lambda: [1, 8])
-    arms: list[str] = field(default_factory=lambda: list(ARM_GROUPS))
+    arms: list[str] = field(default_factory=lambda: list(ALL_GROUPS))
     kmax: int | None = None
     fit: str = "measured"
     cost_model: str = "fit-train"
@@ -1165,6 +1174,17 @@ def run_abtest(
                             draft_horizon="outcome",
                         )
                     )
+        if "fixedctl" in groups:
+            for k in range(1, kmax + 1):
+                arms.append(
+                    _Arm(
+                        f"fixed k={k} (specenv)",
+                        "ctl",
+                        "fixedctl",
+                        {"kind": "fixed", "k": k, **pdesc},
+                        predict={"kind": "fixed", "k": k},
+                    )
+                )
         if any(a.engine == "ctl" for a in arms):
             start("ctl", ctl_cfg)
         if "overhead" in groups:

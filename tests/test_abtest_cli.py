@@ -18,6 +18,7 @@ def _invoke(args: list[str]):  # noqa: ANN202
         (["--batch", "1,x"], "--batch"),
         (["--batch", "0"], "--batch"),
         (["--arms", "plain,nope"], "--arms: unknown arm group 'nope'"),
+        (["--arms", "fixedctl,nope"], "--arms: unknown arm group 'nope'"),  # (fixedctl: a group, opt-in)
         (["--fit", "guess"], "--fit: unknown mode 'guess'"),
         (["--prompts", "100000"], "--prompts"),
         (["--prompts", "11", "--traces", "live-vllm-wide", "--models", "wide-moe-v1"], "--cycle-prompts"),
@@ -43,6 +44,14 @@ def test_bad_arguments_exit_2_with_one_line(args: list[str], needle: str) -> Non
     assert res.exit_code == 2, res.output
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], res.stderr
+
+
+def test_all_runs_every_group_but_the_opt_in_ones() -> None:
+    from specenv.abtest import ALL_GROUPS, ARM_GROUPS, AbtestOptions
+
+    assert "fixedctl" in ARM_GROUPS and "fixedctl" not in ALL_GROUPS
+    assert set(ARM_GROUPS) - set(ALL_GROUPS) == {"fixedctl"}
+    assert AbtestOptions().arms == list(ALL_GROUPS)
 
 
 def test_markdown_table_rows_and_refusals() -> None:

@@ -288,8 +288,9 @@ def abtest(
             help="Comma-separated arm groups: plain, fixed, best, dynamic, table, adaptive, heuristic, delta, "
             "learned, gated (the learned policies switched off where the train-fitted table says k = 0 for the "
             "step's batch size), outcome (the learned policies without a lookahead block, their drafts set once "
-            "the target verified: draft_horizon=outcome), overhead, batch, survival, or all. Plain is always run "
-            "(the reference)."
+            "the target verified: draft_horizon=outcome), overhead, batch, survival, or all (every one of these); "
+            "fixedctl (every fixed k through specenv's controller, on the learned arms' engine) only when named. "
+            "Plain is always run (the reference)."
         ),
     ] = "all",
     kmax: Annotated[int | None, typer.Option(min=1, max=64, help="Largest k (default: the trace set's Kmax).")] = None,
@@ -342,7 +343,7 @@ def abtest(
     plain, the replay's predicted speedup, live/predicted, outputs identical to plain greedy, and the
     controller's CPU per step; plus the specenv path's overhead against stock vLLM. Needs the vllm extra.
     """
-    from specenv.abtest import ARM_GROUPS, FIT_MODES, INTERLEAVE, AbtestOptions
+    from specenv.abtest import ALL_GROUPS, ARM_GROUPS, FIT_MODES, INTERLEAVE, AbtestOptions
 
     try:
         parts = batch.split(",")
@@ -355,7 +356,7 @@ def abtest(
         fail(f"--batch: {batch!r}: give batch sizes in 1..256")
     groups = [a.strip() for a in arms.split(",") if a.strip()]
     if groups == ["all"]:
-        groups = list(ARM_GROUPS)
+        groups = list(ALL_GROUPS)
     bad = [g for g in groups if g not in ARM_GROUPS]
     if bad or not groups:
         fail(f"--arms: unknown arm group {bad[0] if bad else arms!r} (known: {', '.join(ARM_GROUPS)}, all)")
