@@ -3,7 +3,8 @@
 Builds the engines named by ``--arms`` in this process (``plain``: no speculation, stock scheduler; ``stock``:
 stock vLLM at ``num_speculative_tokens = --k``, no controller; ``lazy``: the controller engine at
 ``num_speculative_tokens = --k``, ``draft_horizon="policy"``, a policy that always answers k = ``--policy-k``
-(default 0), the lazy drafter; ``eager``: the same with vLLM's drafter run every step; ``nohook``: ``lazy``
+(default 0; ``--policy mlp``: a numpy MLP, the controller's full path, else ``FixedK``, its blind path), the lazy
+drafter; ``eager``: the same with vLLM's drafter run every step; ``nohook``: ``lazy``
 with the routing tap's hooks removed; a ``2`` or any suffix after ``-`` makes another engine of the same kind,
 e.g. ``plain-2``: the engine-to-engine spread), wraps the engine core's, scheduler's, model runner's and
 drafter's per-step methods with wall-clock timers, then decodes the same prompts on every engine (greedy,
@@ -111,6 +112,13 @@ def main() -> None:
     ap.add_argument("--batch", type=_positive, default=1, help="concurrent requests per group")
     ap.add_argument("--k", type=_positive, default=1, help="num_speculative_tokens of the controller engines")
     ap.add_argument("--policy-k", type=int, default=0, help="the k the controller engines' fixed policy answers")
+    ap.add_argument(
+        "--policy",
+        choices=("fixed", "mlp"),
+        default="fixed",
+        help="fixed: FixedK (reads no observation: the controller's blind path, no routing capture); mlp: a numpy "
+        "MLP that always answers --policy-k (the full path: routing capture, expert statistics, observations)",
+    )
     ap.add_argument("--max-num-seqs", type=_positive, default=None, help="every engine's (default: the batch)")
     ap.add_argument("--groups", type=_positive, default=2, help="request groups per pass")
     ap.add_argument("--tokens", type=_positive, default=48)
@@ -135,6 +143,7 @@ def main() -> None:
     from vllm import SamplingParams, TokensPrompt
 
     from policies.heuristics import FixedK
+    from specenv.abtest import make_policy
     from specenv.engines.vllm.bench import build_llm, encode_prompts, scheduler_of
     from specenv.engines.vllm.hugepages import advise_engine
     from specenv.engines.vllm.tap import TAPS
@@ -152,9 +161,12 @@ def main() -> None:
             taps_before = len(TAPS)
             llm = engines[arm] = build_llm({**base, "k": args.k, "settings": {"draft_horizon": "policy"}})
             ctl = scheduler_of(llm)
-            ctl.set_policy(
-                FixedK(ObservationSpec(kmax=args.k, max_new_tokens=args.tokens, n_experts=ctl.n_experts), args.policy_k)
-            )
+            if args.policy == "mlp":
+                desc = {"kind": "constant-mlp", "k": args.policy_k, "kmax": args.k, "max_new_tokens": args.tokens}
+                ctl.set_policy(make_policy(desc, ctl))
+            else:
+                spec = ObservationSpec(kmax=args.k, max_new_tokens=args.tokens, n_experts=ctl.n_experts)
+                ctl.set_policy(FixedK(spec, args.policy_k))
             drafter = _parts(llm)["drafter"]
             if kind == "eager" and hasattr(drafter, "lazy"):
                 drafter.lazy = False
