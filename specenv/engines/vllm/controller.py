@@ -1268,25 +1268,18 @@ class SpecControlScheduler(Recording, Scheduler):
         with the round's accepted drafts, U_r and cost), so ``_decide`` takes it when the request's context
         and token count are those the peek assumed; otherwise it asks the policy.
         """
-        s = self.settings
-        return (
-            s.draft_horizon == "outcome"
-            and s.horizon_one_call
-            and self.draft_tokens is None
-            and not self.spec.lookahead
-            and self._served is not None
-            and self._served.rowwise
-        )
+        return self._one_call("outcome")
 
-    def _one_call(self) -> bool:
+    def _one_call(self, horizon: str = "policy") -> bool:
         """Whether this step's policy call also answers the next step's horizon (the one-call path).
 
         With ``draft_horizon="policy"`` (no fixed :attr:`draft_tokens`, no lookahead block: its horizon is
         h), a :func:`rowwise <specenv.engines.vllm.served.rowwise>` policy and ``horizon_one_call`` on.
+        ``horizon="outcome"``: the same conditions for :meth:`_outcome_one_call`.
         """
         s = self.settings
         return (
-            s.draft_horizon == "policy"
+            s.draft_horizon == horizon
             and s.horizon_one_call
             and self.draft_tokens is None
             and not self.spec.lookahead
