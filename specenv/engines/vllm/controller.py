@@ -1180,7 +1180,7 @@ class SpecControlScheduler(Recording, Scheduler):
         served = self._served
         assert served is not None
         memo = self._outcome_ks
-        if not h and memo is not None and memo[0] == self._step:  # drafting after the outcome, one call
+        if memo is not None and memo[0] == self._step:  # drafting after the outcome, one call (never a lookahead)
             got = [memo[1].get(r) for r in ids]
             if all(x is not None and x[1] == L and x[2] == t for x, L, t in zip(got, Ls, ts, strict=True)):
                 return self._apply(live, req_ids, drafts, [x[0] for x in got], True)
