@@ -11,7 +11,7 @@ unions, contexts and batch union) and every plain step with the model's plain st
 prints the measured and predicted engine step, their ratio, the same for the plain engine, and the
 ratio that decides a speedup: the k step over the plain step, measured and predicted.
 
-    python scripts/check_step_model.py --model live-vllm-wide-batch-v5 --batches 1,4,8 --k 1,3
+    python scripts/check_step_model.py --model live-vllm-wide-batch-v6 --batches 1,4,8 --k 1,3
 
 Run in the vLLM environment (about 4 minutes for the default on wide-moe-v1). Exit 2 on bad input.
 """
@@ -48,7 +48,7 @@ def _ints(text: str, what: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="live-vllm-wide-batch-v5", help="a batch step-time model: shipped name or JSON")
+    ap.add_argument("--model", default="live-vllm-wide-batch-v6", help="a batch step-time model: shipped name or JSON")
     ap.add_argument("--models", default="wide-moe-v1", help="the model set the engines serve")
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--k", default="1,3", help="fixed budgets, comma-separated")

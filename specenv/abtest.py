@@ -118,6 +118,7 @@ class AbtestOptions:
     fit_repeats: int = 1  # interleaved passes of the train prompts per (k, batch size) in the measured fit
     fit_kmax: int | None = None  # the measured fit tries k = 1..fit_kmax (None: kmax)
     fit_from: str | None = None  # an earlier abtest.json whose train fit (best k per batch size) is reused
+    step_model: str | None = None  # the batch step-time model (name or path; None: the newest shipped for models)
     max_tokens: int = 64
     repeats: int = 3
     batches: list[int] = field(default_factory=lambda: [1, 8])
@@ -288,6 +289,52 @@ def best_static_from_ratios(ratios: dict[int, Any]) -> int:
         raise ValueError(f"best_static_k: every k >= 1 needs finite ratios > 0 to plain (got {bad})")
     wins = {k: float(np.median(v)) for k, v in r.items() if np.all(v > 1.0)}
     return min(wins, key=lambda k: (-wins[k], k)) if wins else 0
+
+
+def step_model_for(models: str, given: str | None, kmax: int, batches: list[int]) -> tuple[str | None, Any]:
+    """The batch step-time model the A/B predicts with: ``(name or path, model)``, or ``(None, None)``.
+
+    ``given`` (``--step-model``): a shipped recording's name, a recording folder (its ``batchcost.json``,
+    e.g. one just made on this machine by ``scripts/collect_vllm_batch.py --plain`` and ``specenv batch fit
+    --timing step``) or a batch-cost JSON; None: the newest shipped recording of ``models``
+    (:func:`specenv.replay.batch.step_time_recording`). A given model must be a step-time model (the plain
+    engine's step fitted), cover ``kmax`` and the largest batch size, and, where its folder's manifest names
+    the models it was recorded on, name ``models``.
+
+    Raises:
+        ValueError: One line naming ``given`` and what is wrong.
+    """
+    from specenv.cost.batch import load_batch_cost_model
+    from specenv.replay.batch import step_time_recording
+
+    if given is None:
+        name = step_time_recording(models)
+        return name, (None if name is None else load_batch_cost_model(name))
+    model = load_batch_cost_model(given)
+    if model.ar_step is None:
+        raise ValueError(
+            f"{given}: not a step-time model (no plain engine step; record with scripts/collect_vllm_batch.py "
+            "--plain and fit with `specenv batch fit --timing step`)"
+        )
+    if model.kmax < kmax:
+        raise ValueError(f"{given}: kmax {model.kmax} < the served kmax {kmax}")
+    if model.max_batch < max(batches):
+        raise ValueError(f"{given}: recorded up to batch {model.max_batch}, not {max(batches)}")
+    path = Path(given)
+    folder = path if path.is_dir() else path.parent
+    if not path.exists():  # a shipped name
+        from specenv.io import package_data
+
+        folder = package_data(str(given))
+    manifest = folder / "manifest.json"
+    if manifest.is_file():
+        try:
+            recorded = json.loads(manifest.read_text()).get("extra", {}).get("models")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{manifest}: not a readable recording manifest ({exc})") from None
+        if recorded is not None and recorded != models:
+            raise ValueError(f"{given}: recorded on {recorded!r}, not {models!r}")
+    return str(given), model
 
 
 def fit_from_file(
@@ -953,7 +1000,6 @@ def run_abtest(
     every batch size, ``--repeats`` times).
     """
     from policies.bench.context import build_context
-    from specenv.cost.batch import load_batch_cost_model
     from specenv.engines.vllm.bench import EngineProcess, join_passes
     from specenv.engines.vllm.settings import policy_refusal
     from specenv.policy.mlp import MLPPolicy
@@ -975,10 +1021,8 @@ def run_abtest(
         opts = dataclasses.replace(opts, cost_model=str(vllm_cm))
     ctx = build_context(opts.dataset, opts.kmax, opts.cost_model, None)
     kmax = ctx.kmax
-    from specenv.replay.batch import step_time_recording
-
-    batch_model_name = step_time_recording(opts.models)  # the prefill and batch steps of these models, if recorded
-    batch_model = None if batch_model_name is None else load_batch_cost_model(batch_model_name)
+    # the prefill and batch steps of these models (--step-model, else the newest shipped recording), if any
+    batch_model_name, batch_model = step_model_for(opts.models, opts.step_model, kmax, opts.batches)
     test_ids = held_out_prompts([int(g) for g in ctx.test.generation_ids], opts.prompts, opts.cycle_prompts)
     train_ids = [int(g) for g in ctx.train.generation_ids][: opts.train_prompts]
     cm_path = out / "cost-model.json"
@@ -1419,8 +1463,9 @@ def run_abtest(
         notes.append(
             f"clock: the live plain engine's step is {ratios} the "
             f"step model's ({batch_model_name}) at batch {', '.join(off)}: the recording is of another machine or "
-            "load, and its ratios (a verification against a plain step) may not hold on this one; re-record it here "
-            "(scripts/collect_vllm_batch.py --plain, then specenv batch fit --timing step)"
+            "load, and its ratios (a verification against a plain step) may not hold on this one; re-record it "
+            "here (scripts/collect_vllm_batch.py --plain, then specenv batch fit --timing step) and pass it with "
+            "--step-model"
         )
     doc = {
         "fidelity": fidelity,

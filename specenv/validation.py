@@ -697,6 +697,10 @@ def _models() -> dict[str, Any]:
         b_req_ms: Annotated[float, Field(ge=0, le=BATCH_TIME_MS_MAX, allow_inf_nan=False)]
         c_ms_per_token: Annotated[float, Field(ge=0, le=BATCH_TIME_MS_MAX, allow_inf_nan=False)]
         u_ms_per_expert: Annotated[float, Field(ge=0, le=BATCH_TIME_MS_MAX, allow_inf_nan=False)] = 0.0
+        #: measured minus the form per B = 1..max_batch (BatchCostModel.ar_by_batch); may be negative
+        by_batch_ms: (
+            list[Annotated[float, Field(ge=-BATCH_TIME_MS_MAX, le=BATCH_TIME_MS_MAX, allow_inf_nan=False)]] | None
+        ) = None
 
     class BatchPrefillJSON(Strict):
         """One engine's prefill phase of a group: ``a_ms + b_ms_per_token * prompt tokens``."""

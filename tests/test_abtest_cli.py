@@ -34,6 +34,25 @@ def _invoke(args: list[str]):  # noqa: ANN202
         (["--fit-kmax", "5", "--kmax", "4"], "--fit-kmax: 5 exceeds the run's kmax 4"),
         (["--policy-dir", "/no/such/dir"], "--policy-dir"),
         (["--fit-from", "/no/such/abtest.json"], "--fit-from"),
+        (["--step-model", "/no/such/dir"], "--step-model: /no/such/dir: cannot read batch cost model: no such file"),
+        (["--step-model", "no-such-recording"], "--step-model: no-such-recording: no such file or folder"),
+        # the small models' forward-time fit has no plain engine step: not a step-time model
+        (["--step-model", "live-vllm-batch-v1"], "--step-model: live-vllm-batch-v1: not a step-time model"),
+        # a wide recording for the small models (the same shape, another target)
+        (["--step-model", "live-vllm-wide-batch-v5"], "recorded on 'wide-moe-v1', not 'small-moe-v1'"),
+        (
+            [
+                "--step-model",
+                "live-vllm-wide-batch-v5",
+                "--models",
+                "wide-moe-v1",
+                "--traces",
+                "live-vllm-wide",
+                "--batch",
+                "1,32",
+            ],
+            "recorded up to batch 16, not 32",
+        ),
         (["--learned", "no-such-set/ppo"], "--learned: unknown policy 'no-such-set/ppo'"),
         (["--learned", "live-vllm-v1/ppo,,"], "--learned: unknown policy ''"),
         (["--interleave", "request"], "--interleave: unknown unit 'request'"),
@@ -134,3 +153,37 @@ def test_learned_names_are_the_shipped_folders_by_set() -> None:
     }
     assert set(names) == want and "live-vllm-wide-v1/ppo" in names
     assert all(Path(f, "policy.json").is_file() for f in names.values())
+
+
+def test_step_model_folder_made_here(tmp_path) -> None:
+    """A recording folder (``batchcost.json`` + manifest) is taken by path, checked against --models."""
+    import json
+    import shutil
+
+    from specenv.abtest import step_model_for
+    from specenv.cost.batch import load_batch_cost_model
+    from specenv.io import package_data
+
+    src = package_data("live-vllm-wide-batch-v5")
+    folder = tmp_path / "rec"
+    folder.mkdir()
+    shutil.copy(src / "batchcost.json", folder / "batchcost.json")
+    manifest = json.loads((src / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    name, model = step_model_for("wide-moe-v1", str(folder), 8, [1, 4, 8])
+    assert name == str(folder)
+    shipped = load_batch_cost_model("live-vllm-wide-batch-v5")
+    assert model.ar_step == shipped.ar_step and model.max_batch == 16
+    # the JSON file alone (no manifest beside it in another folder) is taken too
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    shutil.copy(src / "batchcost.json", lone / "model.json")
+    assert step_model_for("wide-moe-v1", str(lone / "model.json"), 8, [16])[1].ar_step == shipped.ar_step
+    # a manifest naming other models is refused, naming both
+    manifest["extra"]["models"] = "small-moe-v1"
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="recorded on 'small-moe-v1', not 'wide-moe-v1'"):
+        step_model_for("wide-moe-v1", str(folder), 8, [1])
+    # a kmax above the model's
+    with pytest.raises(ValueError, match="kmax 8 < the served kmax 12"):
+        step_model_for("small-moe-v1", str(folder), 12, [1])

@@ -442,6 +442,7 @@ def test_step_fit_carries_the_prefill_term_and_its_json_round_trips(tmp_path: Pa
         ("live-vllm-wide-batch-v3", 28),
         ("live-vllm-wide-batch-v4", 42),
         ("live-vllm-wide-batch-v5", 28),
+        ("live-vllm-wide-batch-v6", 28),
     ],
 )
 def test_shipped_wide_recording_is_a_step_time_fit_of_its_steps(name: str, groups: int) -> None:
@@ -467,6 +468,14 @@ def test_shipped_wide_recording_is_a_step_time_fit_of_its_steps(name: str, group
         got = (refit_ref["a_ms"], refit_ref["b_req_ms"], refit_ref["c_ms_per_token"], refit_ref["u_ms_per_expert"])
         assert got == pytest.approx(want, rel=1e-9) and refit_ref["steps"] == ref["steps"] == len(plain)
         assert want[3] > 0  # the union term is used
+        if name >= "live-vllm-wide-batch-v6":  # the plain step charged per B: the measured mean at a recorded B
+            assert ship.ar_by_batch is not None
+            np.testing.assert_allclose(ship.ar_by_batch, refit.ar_by_batch, rtol=1e-9)
+            for b, t in plain.groupby("B"):
+                ctx = np.full(int(b), t["context_sum"].mean() / int(b))
+                assert ship.ar_ms(ctx) == pytest.approx(t["engine_step_ms"].mean(), rel=1e-9)
+        else:  # shipped before the correction: the form alone, as then
+            assert ship.ar_by_batch is None
         # its fixed-k groups: every request of every step but a group's last two verifies the group's k
         fixed = {int(g): k for g, k in manifest["extra"]["fixed_groups"].items()}
         assert 0 < len(fixed) < groups
@@ -484,11 +493,11 @@ def test_shipped_wide_recording_is_a_step_time_fit_of_its_steps(name: str, group
         if a >= 0 and b >= 0:  # the unconstrained line is the fit when it needs no constraint
             assert ship.prefill[engine] == pytest.approx((a, b), rel=1e-6)
     # the newest recording of the wide models is the one the A/B and the batch env use
-    assert step_time_recording("wide-moe-v1") == "live-vllm-wide-batch-v5"
+    assert step_time_recording("wide-moe-v1") == "live-vllm-wide-batch-v6"
     assert step_time_recording("small-moe-v1") is None  # its recording has no engine steps: forwards only
     wide = load_dataset("live-vllm-wide")
     chosen = fitted_batch_cost(wide, 8)
-    newest = load_batch_cost_model("live-vllm-wide-batch-v5")
+    newest = load_batch_cost_model("live-vllm-wide-batch-v6")
     assert chosen is not None and chosen.ar_step == newest.ar_step  # the batch env prices live-vllm-wide with it
     small = fitted_batch_cost(load_dataset("live-vllm"), 8)
     assert small is not None and small.ar_step is None  # the small models keep their own recording

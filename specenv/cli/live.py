@@ -279,6 +279,14 @@ def abtest(
             "trace set and kmax instead of measuring it again."
         ),
     ] = None,
+    step_model: Annotated[
+        str | None,
+        typer.Option(
+            help="The batch step-time model that predicts every batch size: a shipped recording's name, a "
+            "recording folder (scripts/collect_vllm_batch.py --plain, then specenv batch fit --timing step: one "
+            "made on this machine) or its batchcost.json. Default: the newest shipped recording of --models."
+        ),
+    ] = None,
     max_tokens: Annotated[int, typer.Option(min=1, max=4096, help="Tokens generated per prompt.")] = 64,
     repeats: Annotated[int, typer.Option(min=1, max=100, help="Interleaved repeats (median); >= 3 for the A/B.")] = 3,
     batch: Annotated[str, typer.Option(help="Comma-separated batch sizes (concurrent requests), e.g. 1,8.")] = "1,8",
@@ -408,6 +416,13 @@ def abtest(
             CostModel.load(cost_model)
         except (OSError, ValueError) as exc:
             fail(f"--cost-model: {exc}")
+    if step_model is not None:
+        from specenv.abtest import step_model_for
+
+        try:
+            step_model_for(models, step_model, k, batches)
+        except ValueError as exc:
+            fail(f"--step-model: {exc}")
     if fit_from is not None:
         from specenv.abtest import fit_from_file
 
@@ -443,6 +458,7 @@ def abtest(
         fit_repeats=fit_repeats,
         fit_kmax=fit_kmax,
         fit_from=None if fit_from is None else str(fit_from),
+        step_model=step_model,
         max_tokens=max_tokens,
         repeats=repeats,
         batches=batches,

@@ -175,6 +175,12 @@ class BatchCostModel:
             the B = 1 step), the 1.0 of every batch speedup (:meth:`ar_ms`); ``u`` is 0 when not given
             (the line of every recording before ``live-vllm-wide-batch-v4``); None: the model's own
             k = 0 step.
+        ar_by_batch: (max_batch,) ms added to the plain step's form at B = 1..max_batch: the mean residual
+            of the recorded plain steps at each B (measured minus the form; linear between recorded B, the
+            nearest at the ends), so the AR reference at a recorded B is the plain engine's measured mean
+            step there, as :attr:`overhead` is the engine's measured per-step overhead by B (the form
+            alone misses the plain step by up to 19% at B = 1 and 7% at B = 4 on
+            ``live-vllm-wide-batch-v6``); None: the form alone (every recording before v6).
         prefill: ``{"spec": (a, b), "plain": (a, b)}``: the prefill phase of a group of requests submitted
             together, ``a + b * (prompt tokens of the group)`` ms until every request has its first token,
             on the engine with the drafter (``"spec"``: the target's and the draft's prefill) and on the
@@ -200,6 +206,7 @@ class BatchCostModel:
     overhead: np.ndarray | None = None
     ar_step: tuple[float, ...] | None = None
     prefill: dict[str, tuple[float, float]] | None = None
+    ar_by_batch: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name in ("kmax", "max_batch", "top_k", "n_experts", "n_layers"):
@@ -239,6 +246,19 @@ class BatchCostModel:
             if not (np.isfinite([a, b, c, u]).all() and a > 0 and b >= 0 and c >= 0 and u >= 0):
                 raise ValueError(f"ar_step={self.ar_step!r}: need a > 0 and b_req, c, u >= 0 (finite)")
             object.__setattr__(self, "ar_step", (a, b, c, u))
+        if self.ar_by_batch is not None:
+            if self.ar_step is None:
+                raise ValueError("ar_by_batch: a correction of the plain step's form needs ar_step")
+            by = np.array(self.ar_by_batch, dtype=np.float64)
+            if by.shape != (self.max_batch,) or not np.all(np.isfinite(by)):
+                raise ValueError(f"ar_by_batch: expected {self.max_batch} finite values (one per batch size)")
+            form = np.array([self._ar_form(b, 0.0) for b in range(1, self.max_batch + 1)])
+            if (form + by <= 0).any():
+                b = int(np.flatnonzero(form + by <= 0)[0]) + 1
+                step = form[b - 1] + by[b - 1]
+                raise ValueError(f"ar_by_batch: the plain step at B={b} would be {step:.3g} ms (<= 0)")
+            by.flags.writeable = False
+            object.__setattr__(self, "ar_by_batch", by)
         if self.prefill is not None:
             pre = {}
             for engine in PREFILL_ENGINES:
@@ -379,10 +399,16 @@ class BatchCostModel:
         context = _as_1d("context", context, np.float64)
         B = len(context)
         if self.ar_step is not None:  # the plain engine's measured step
-            a, b, c, u = self.ar_step
-            extra = u * (plain_union(B, self.n_experts, self.top_k) - self.top_k) if u else 0.0
-            return float(a + b * (B - 1) + c * float(context.sum()) + extra)
+            by = 0.0 if self.ar_by_batch is None or B > self.max_batch else float(self.ar_by_batch[B - 1])
+            return self._ar_form(B, float(context.sum())) + by
         return self.verify_ms(np.zeros(B, np.int64), np.full(B, float(self.top_k)), context)
+
+    def _ar_form(self, B: int, context_sum: float) -> float:
+        """The plain step's fitted form (:attr:`ar_step`) at B requests of ``context_sum`` tokens in all."""
+        assert self.ar_step is not None
+        a, b, c, u = self.ar_step
+        extra = u * (plain_union(B, self.n_experts, self.top_k) - self.top_k) if u else 0.0
+        return float(a + b * (B - 1) + c * context_sum + extra)
 
     def prefill_ms(self, prompt_tokens: float, engine: str) -> float:
         """The prefill phase of a group whose prompts hold ``prompt_tokens`` tokens in all, in ms.
@@ -546,6 +572,7 @@ class BatchCostModel:
                 {
                     "ar_step": dict(zip(("a_ms", "b_req_ms", "c_ms_per_token"), self.ar_step[:3], strict=True))
                     | ({"u_ms_per_expert": self.ar_step[3]} if self.ar_step[3] else {})
+                    | ({"by_batch_ms": [float(x) for x in self.ar_by_batch]} if self.ar_by_batch is not None else {})
                 }
                 if self.ar_step is not None
                 else {}
@@ -569,6 +596,13 @@ class BatchCostModel:
         from specenv.validation import check
 
         m = check("BatchCostModelJSON", obj, file, formats=(FORMAT,), what="specenv batch cost model")
+        try:
+            return cls._from_checked(m)
+        except ValueError as exc:  # a field-wise valid file whose parts disagree (shapes, a step <= 0)
+            raise ValueError(f"{file}: {exc}") from None
+
+    @classmethod
+    def _from_checked(cls, m: Any) -> BatchCostModel:
         return cls(
             beta0=np.array(m.verify.beta0, dtype=np.float64),
             alpha=np.array(m.verify.alpha, dtype=np.float64),
@@ -591,6 +625,9 @@ class BatchCostModel:
             if m.ar_step is None
             else (m.ar_step.a_ms, m.ar_step.b_req_ms, m.ar_step.c_ms_per_token, m.ar_step.u_ms_per_expert),
             prefill=None if m.prefill is None else {e: (p.a_ms, p.b_ms_per_token) for e, p in m.prefill.items()},
+            ar_by_batch=None
+            if m.ar_step is None or m.ar_step.by_batch_ms is None
+            else np.array(m.ar_step.by_batch_ms, dtype=np.float64),
         )
 
     def save(self, path: str | os.PathLike[str]) -> Path:

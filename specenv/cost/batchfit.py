@@ -442,6 +442,32 @@ def summarize_plain_batch(
     }
 
 
+def plain_residual_by_batch(ref: dict[str, Any], max_batch: int) -> np.ndarray | None:
+    """Per B = 1..max_batch the plain steps' mean residual from their fitted form (``BatchCostModel.ar_by_batch``).
+
+    From ``ref["per_batch"]`` (:func:`fit_ar_reference`: per recorded B the mean step and the form at
+    that B's mean context), ``mean_ms - model_ms``; batch sizes without plain steps take the linear
+    interpolation between the recorded ones (the nearest at the ends), as
+    :func:`step_overhead_by_batch` does for the overhead. None when ``ref`` has no per-batch rows with
+    the form at them (manifests before ``live-vllm-wide-batch-v4``).
+
+    Raises:
+        ValueError: A per-batch row without ``B`` or ``mean_ms``, or not finite.
+    """
+    rows = ref.get("per_batch")
+    if not rows or not all(isinstance(r, dict) and "model_ms" in r for r in rows):
+        return None  # no per-batch rows, or rows without the form at them (manifests before v4)
+    try:
+        seen = np.array([int(r["B"]) for r in rows])
+        resid = np.array([float(r["mean_ms"]) - float(r["model_ms"]) for r in rows])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"manifest.json, extra.ar_reference.per_batch: a row without B or mean_ms ({exc})") from None
+    if not np.all(np.isfinite(resid)) or (seen < 1).any():
+        raise ValueError("manifest.json, extra.ar_reference.per_batch: B >= 1 and finite mean_ms, model_ms needed")
+    order = np.argsort(seen)
+    return np.interp(np.arange(1, max_batch + 1), seen[order], resid[order])
+
+
 def fit_prefill(prefill: Any, file: str = "manifest.json") -> tuple[dict[str, tuple[float, float]], dict[str, Any]]:
     """The prefill phase of a group, per engine: ``prefill_ms = a + b * prompt_tokens``.
 
@@ -733,6 +759,7 @@ def fit_batch_cost(
             raise _err(STEPS_FILE, f"is constant ({y[0]:g} ms in every step): no timing variation to fit", col)
     y_s = y_t + y_d
     overhead, over_diag, ar_step, prefill, prefill_diag = None, None, None, None, None
+    ar_by_batch = None
     if timing == "step":
         ref = manifest.get("extra", {}).get("ar_reference")
         if not isinstance(ref, dict) or not {"a_ms", "b_req_ms", "c_ms_per_token"} <= set(ref):
@@ -747,6 +774,7 @@ def fit_batch_cost(
             float(ref["c_ms_per_token"]),
             float(ref.get("u_ms_per_expert", 0.0)),
         )
+        ar_by_batch = plain_residual_by_batch(ref, int(manifest["max_batch"]))
         if "prefill" in manifest.get("extra", {}):  # recorded since the step-time model's second recording
             prefill, prefill_diag = fit_prefill(manifest["extra"]["prefill"])
     u = _u_matrix(steps)
@@ -905,6 +933,7 @@ def fit_batch_cost(
         source=dict(source or {}) | {"kind": "fit", "method": "specenv.cost.batchfit.fit_batch_cost", "timing": timing},
         overhead=overhead,
         ar_step=ar_step,
+        ar_by_batch=ar_by_batch,
         prefill=prefill,
         diagnostics={
             "summary": summary,
@@ -967,6 +996,11 @@ def format_report(report: BatchFitReport) -> str:
         + ", ".join(
             f"B={p['B']}: {p['mean_ms']:.2f}" + (f" / {p['model_ms']:.2f}" if "model_ms" in p else "")
             for p in ref["per_batch"]
+        )
+        + (
+            "; charged: the form plus each B's mean residual (measured at a recorded B, linear between)"
+            if all("model_ms" in p for p in ref["per_batch"])
+            else ""
         ),
         f"  OOS MAPE of the engine step: {eng['oos_mape_pct']:.2f}% (without the overhead term: "
         f"{eng['oos_mape_pct_without_overhead']:.2f}%)",

@@ -176,12 +176,14 @@ def batch_cost_for(
 
 #: The shipped batch recordings (vLLM 0.32 on CPU): the small models' (forward CPU times) and
 #: ``wide-moe-v1``'s (the step-time model: forwards, per-step overhead by B, the plain engine's step),
-#: newest first: a model set's first recording here is the one :func:`step_time_recording` gives (v5: v4's
+#: newest first: a model set's first recording here is the one :func:`step_time_recording` gives (v6: v5's
+#: recipe on the VM of the session-26 A/B, its plain step charged per batch size (``ar_by_batch``); v5: v4's
 #: recipe on the VM of the session-22 A/B, whose prefill ran at about half v4's; v4: half its
 #: groups at a fixed k, the plain step's union form and its raw steps; v3, recorded on the machine of the
 #: session-21 A/B; v2's machine ran the same plain step 1.6-1.9x slower, see README).
 RECORDINGS = (
     SHIPPED,
+    "live-vllm-wide-batch-v6",
     "live-vllm-wide-batch-v5",
     "live-vllm-wide-batch-v4",
     "live-vllm-wide-batch-v3",
