@@ -63,6 +63,50 @@ def test_plain_line_is_recovered_and_a_negative_slope_is_zero() -> None:
         summarize_plain_batch(falling.head(2))
 
 
+def test_plain_step_by_batch_is_the_measured_mean_at_recorded_sizes(tmp_path: Path) -> None:
+    """A plain step the form cannot bend to: each recorded B is charged its measured mean, others in between."""
+    from specenv.cost.batchfit import plain_residual_by_batch
+
+    # per B a known bump on top of the line: +3 ms at B = 1, 0 at 2, -2 at 4, +1 at 8 (the line fits through them)
+    bump = {1: 3.0, 2: 0.0, 4: -2.0, 8: 1.0}
+    rows = _plain_rows()
+    rows["engine_step_ms"] = rows["engine_step_ms"] + rows["B"].map(bump)
+    ref = summarize_plain_batch(rows)
+    by = plain_residual_by_batch(ref, 10)
+    assert by is not None and by.shape == (10,)
+    kw = dict(b0=2.0, b_pos=0.1, alpha=0.3, c=0.001, b_req=0.2, d0=0.5, d_step=1.0, d_tok=0.1)
+    kw |= dict(kmax=4, max_batch=10, top_k=4, n_experts=64, n_layers=6, predictor="independent")
+    ar = (ref["a_ms"], ref["b_req_ms"], ref["c_ms_per_token"])
+    m = BatchCostModel.linear(**kw, ar_step=ar, ar_by_batch=by)
+    form = BatchCostModel.linear(**kw, ar_step=ar)
+    for b, t in rows.groupby("B"):  # at a recorded B: the measured mean, at that B's mean context
+        ctx = np.full(int(b), t["context_sum"].mean() / int(b))
+        assert m.ar_ms(ctx) == pytest.approx(t["engine_step_ms"].mean(), rel=1e-9)
+    # between recorded sizes the residual is linear in B (B = 3: halfway between B = 2 and 4), the nearest beyond
+    ctx3 = np.full(3, 150.0)
+    assert m.ar_ms(ctx3) - form.ar_ms(ctx3) == pytest.approx(0.5 * (by[1] + by[3]), rel=1e-9)
+    assert by[9] == pytest.approx(by[7], rel=1e-12) and by[8] == pytest.approx(by[7], rel=1e-12)
+    # the form alone misses the bumps: at B = 1 it is below the measured mean by more than 1 ms
+    t1 = rows[rows["B"] == 1]
+    assert form.ar_ms(np.full(1, t1["context_sum"].mean())) < t1["engine_step_ms"].mean() - 1.0
+    # JSON round trip keeps it; a file whose correction has the wrong length is refused naming the file
+    back = BatchCostModel.from_json(json.loads(json.dumps(m.to_json())))
+    np.testing.assert_array_equal(back.ar_by_batch, m.ar_by_batch)
+    bad = m.to_json()
+    bad["ar_step"]["by_batch_ms"] = bad["ar_step"]["by_batch_ms"][:3]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match=r"bad\.json: ar_by_batch: expected 10 finite values"):
+        BatchCostModel.load(path)
+    with pytest.raises(ValueError, match="plain step at B=1 would be"):
+        BatchCostModel.linear(**kw, ar_step=ar, ar_by_batch=np.full(10, -1e3))
+    with pytest.raises(ValueError, match="needs ar_step"):
+        BatchCostModel.linear(**kw, ar_by_batch=by)
+    # a manifest whose rows lack the form at each B (before v4) gives no correction
+    assert plain_residual_by_batch({"per_batch": [{"B": 1, "mean_ms": 9.0}]}, 4) is None
+    assert plain_residual_by_batch({}, 4) is None
+
+
 U_MS = 0.8  # ms per expert of the plain step's expected union (the union form)
 
 
