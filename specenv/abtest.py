@@ -4,6 +4,11 @@ A command module (the top layer, like :mod:`specenv.cli`: it may import the orac
 The engines are measured with :mod:`specenv.engines.vllm.bench`: every engine is started once in its
 own process (:class:`~specenv.engines.vllm.bench.EngineProcess`) and kept alive, so the arms can be
 run interleaved (every repeat runs every arm once, the order rotated per repeat) at every batch size.
+A timed run on an engine other than the last run's is preceded by an untimed request of
+``--warmup-tokens`` tokens on it (not on a recording engine): in a 16-arm run (session 26) the first
+groups after a switch of process prefilled 15-35% slower (plain and stock engines' TTFT 330-410 ms
+against 270-300 on the controller engine that ran most arms, for the same prompts), which a server
+that keeps serving never pays.
 
 Arms (``--arms``; one engine each unless said otherwise):
 
@@ -132,6 +137,7 @@ class AbtestOptions:
     ignore_eos: bool = False
     max_engines: int | None = None  # most engines alive at once (None: as many as memory allows)
     interleave: str = "group"  # the unit the arms alternate in: "group" (of batch requests) or "pass"
+    warmup_tokens: int = 16  # an untimed request of this many tokens on an engine another engine ran before (0: off)
 
 
 #: The units the A/B's arms alternate in when every engine stays up (:func:`interleave_cells`).
@@ -1051,7 +1057,17 @@ def run_abtest(
 
     loads: list[float] = []  # the machine's 1-minute load average after every pass
 
+    last: list[EngineProcess | None] = [None]  # the engine of the last timed run
+
     def run(eng: EngineProcess, ids: list[int], batch: int, max_tokens: int) -> dict[str, Any]:
+        if (
+            opts.warmup_tokens
+            and last[0] is not None
+            and eng is not last[0]
+            and not eng.cfg.get("settings", {}).get("record")
+        ):  # another process ran last: this one first decodes a few tokens untimed (see the module docstring)
+            eng.call(op="run", prompt_ids=ids[:1], max_tokens=opts.warmup_tokens, batch=1, ignore_eos=True)
+        last[0] = eng
         res = eng.call(op="run", prompt_ids=ids, max_tokens=max_tokens, batch=batch, ignore_eos=opts.ignore_eos)
         loads.append(os.getloadavg()[0])
         return res

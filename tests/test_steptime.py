@@ -148,3 +148,30 @@ def test_ablations_remove_one_term_each(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="without"):
         ablate(model, r, "draft")
+
+
+@pytest.mark.parametrize("variant", ["paper", "floor", "overhead", "plain step"])
+def test_round_units_is_the_array_charge_in_scalars(variant: str) -> None:
+    """``CostModel.round_units`` (the controller's per-round price) equals charged_ms / ar_ms bit for bit."""
+    m = CostModel.paper_profile(kmax=6)
+    if variant == "floor":
+        m.d_floor = 1.26
+    if variant == "overhead":
+        m.overhead = 3.0 + 0.25 * np.arange(m.kmax + 1, dtype=np.float64)
+    if variant == "plain step":
+        m.overhead = 3.0 + 0.25 * np.arange(m.kmax + 1, dtype=np.float64)
+        m.ar_step = (A_MS, C_MS)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        k = int(rng.integers(0, m.kmax + 1))
+        drafted = max(k, int(rng.integers(0, m.kmax + 1)) if rng.random() < 0.5 else 0)
+        U = float(rng.uniform(4, 64))
+        L = int(rng.integers(1, 4096))
+        want = float(m.charged_ms(k, U, L, drafted=drafted) / m.ar_ms(L))
+        assert m.round_units(k, U, L, drafted) == want
+    # each variant's term is priced: a k = 0 round differs from the paper profile's (1.0 there: the AR step)
+    u0 = float(m.top_k)
+    base = CostModel.paper_profile(kmax=6).round_units(0, u0, 100, 0)
+    assert base == pytest.approx(1.0)
+    if variant != "paper":
+        assert m.round_units(0, u0, 100, 0) != pytest.approx(base)

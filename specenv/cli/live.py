@@ -342,6 +342,15 @@ def abtest(
             "requests run by every arm in turn; a pass is joined from its groups) or 'pass' (whole passes).",
         ),
     ] = "group",
+    warmup_tokens: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            max=4096,
+            help="Before a timed run on an engine other than the last run's, decode this many tokens of the "
+            "run's first prompt on it, untimed (0: off): the engines are measured as a server that is serving.",
+        ),
+    ] = 16,
     as_json: JsonOpt = False,
 ) -> None:
     """Live A/B through vLLM: plain, every fixed k, best fixed k (train), vLLM's dynamic SD, heuristics, learned.
@@ -472,6 +481,7 @@ def abtest(
         ignore_eos=ignore_eos,
         max_engines=max_engines,
         interleave=interleave,
+        warmup_tokens=warmup_tokens,
     )
 
     def progress(phase: str, done: int, total: int) -> None:

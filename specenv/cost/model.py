@@ -369,6 +369,24 @@ class CostModel:
             return a + c * np.asarray(L, dtype=np.float64)
         return self.target_ms(0, U0, L)
 
+    def round_units(self, k: int, U: float, L: float, drafted: int) -> float:
+        """One round's charge in AR steps at its context: ``charged_ms(k, U, L, drafted) / ar_ms(L)``, scalars.
+
+        The same IEEE operations in the same order as the array methods (bit-identical), without their
+        per-call array conversions: the vLLM controller prices every round of every step with it.
+        ``k`` in 0..kmax and ``drafted >= 0`` are the caller's to check.
+        """
+        t = self.beta0[k] + self.alpha[k] * U + self.c[k] * L
+        cost = t + (self.d1 * drafted + self.d0 if drafted > 0 else self.d_floor)
+        if self.overhead.any():
+            cost = cost + self.overhead[k]
+        if self.ar_step is not None:
+            a, c = self.ar_step
+            ar = a + c * float(L)
+        else:
+            ar = self.beta0[0] + self.alpha[0] * float(self.top_k) + self.c[0] * L
+        return float(cost / ar)
+
     @property
     def plain_is_k0(self) -> bool:
         """Whether the model's k = 0 round costs exactly the AR reference (no floor, overhead or plain engine)."""

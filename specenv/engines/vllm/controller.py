@@ -136,7 +136,6 @@ from typing import Any
 
 import numpy as np
 
-from specenv.cost.model import drafted_tokens
 from specenv.engines.base import StepExperts, u_prior
 from specenv.engines.vllm.bookkeeping import (
     ObsSlots,
@@ -1077,8 +1076,8 @@ class SpecControlScheduler(Recording, Scheduler):
         if cm is not None:
             k = min(K, cm.kmax)
             # block drafting (a lookahead policy) drafts max(k, h): charged as the replay env charges it
-            drafted = drafted_tokens(k, min(self.spec.lookahead, cm.kmax))
-            return float(cm.charged_ms(k, U, L, drafted=drafted) / cm.ar_ms(L))
+            # (specenv.cost.model.drafted_tokens); in scalars, the same numbers as charged_ms / ar_ms
+            return cm.round_units(k, U, L, max(k, min(self.spec.lookahead, cm.kmax)))
         ref = self._ar_ema if self._ar_ema is not None else self._min_tt
         return float((t_ms + d_ms) / ref) if ref and ref > 0 else 1.0
 
