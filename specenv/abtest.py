@@ -215,6 +215,21 @@ def _groups_of(ids: list[int], b: int) -> list[list[int]]:
     return [ids[i : i + b] for i in range(0, len(ids), b)]
 
 
+def timed_run(
+    eng: Any, last: Any, ids: list[int], batch: int, max_tokens: int, ignore_eos: bool, warmup_tokens: int
+) -> dict[str, Any]:
+    """One timed pass of ``ids`` on the engine process ``eng`` (its ``run`` command's answer).
+
+    When ``last`` (the engine of the last timed pass) is another engine, ``eng`` first serves its first
+    prompt for ``warmup_tokens`` tokens, untimed (module docstring: a process that has just been switched
+    to prefills slower); not when ``warmup_tokens`` is 0, nor on an engine that records (its recording
+    keeps the timed requests only).
+    """
+    if warmup_tokens and last is not None and eng is not last and not eng.cfg.get("settings", {}).get("record"):
+        eng.call(op="run", prompt_ids=ids[:1], max_tokens=warmup_tokens, batch=1, ignore_eos=True)
+    return eng.call(op="run", prompt_ids=ids, max_tokens=max_tokens, batch=batch, ignore_eos=ignore_eos)
+
+
 def interleave_cells(arms: list[Any], n_groups: int, rep: int) -> list[tuple[int, Any]]:
     """One batch size's runs in one repeat when the arms alternate group by group: ``(group, arm)`` in order.
 
@@ -1060,15 +1075,8 @@ def run_abtest(
     last: list[EngineProcess | None] = [None]  # the engine of the last timed run
 
     def run(eng: EngineProcess, ids: list[int], batch: int, max_tokens: int) -> dict[str, Any]:
-        if (
-            opts.warmup_tokens
-            and last[0] is not None
-            and eng is not last[0]
-            and not eng.cfg.get("settings", {}).get("record")
-        ):  # another process ran last: this one first decodes a few tokens untimed (see the module docstring)
-            eng.call(op="run", prompt_ids=ids[:1], max_tokens=opts.warmup_tokens, batch=1, ignore_eos=True)
+        res = timed_run(eng, last[0], ids, batch, max_tokens, opts.ignore_eos, opts.warmup_tokens)
         last[0] = eng
-        res = eng.call(op="run", prompt_ids=ids, max_tokens=max_tokens, batch=batch, ignore_eos=opts.ignore_eos)
         loads.append(os.getloadavg()[0])
         return res
 

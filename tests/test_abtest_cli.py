@@ -187,3 +187,30 @@ def test_step_model_folder_made_here(tmp_path) -> None:
     # a kmax above the model's
     with pytest.raises(ValueError, match="kmax 8 < the served kmax 12"):
         step_model_for("small-moe-v1", str(folder), 12, [1])
+
+
+def test_a_timed_run_after_another_engine_is_warmed_up_first() -> None:
+    """An engine switched to decodes its first prompt untimed before the timed pass; not otherwise."""
+    from specenv.abtest import timed_run
+
+    class Stub:
+        def __init__(self, cfg: dict) -> None:
+            self.cfg, self.calls = cfg, []
+
+        def call(self, **cmd):  # noqa: ANN003, ANN202
+            self.calls.append(cmd)
+            return {"wall_s": 1.0}
+
+    a, b, rec = Stub({"k": 0}), Stub({"k": 4}), Stub({"k": 4, "settings": {"record": "/tmp/r"}})
+    timed = {"op": "run", "prompt_ids": [5, 8], "max_tokens": 128, "batch": 2, "ignore_eos": False}
+    warm = {"op": "run", "prompt_ids": [5], "max_tokens": 16, "batch": 1, "ignore_eos": True}
+    assert timed_run(a, None, [5, 8], 2, 128, False, 16) == {"wall_s": 1.0}  # the first run: nothing before it
+    assert a.calls == [timed]
+    timed_run(a, a, [5, 8], 2, 128, False, 16)  # the same engine again: no warm-up
+    assert a.calls == [timed, timed]
+    timed_run(b, a, [5, 8], 2, 128, False, 16)  # switched: the warm-up, then the timed pass
+    assert b.calls == [warm, timed]
+    timed_run(a, b, [5, 8], 2, 128, False, 0)  # --warmup-tokens 0: off
+    assert a.calls == [timed, timed, timed]
+    timed_run(rec, a, [5, 8], 2, 128, False, 16)  # a recording engine records the timed requests only
+    assert rec.calls == [timed]
