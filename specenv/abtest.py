@@ -5,7 +5,7 @@ The engines are measured with :mod:`specenv.engines.vllm.bench`: every engine is
 own process (:class:`~specenv.engines.vllm.bench.EngineProcess`) and kept alive, so the arms can be
 run interleaved (every repeat runs every arm once, the order rotated per repeat) at every batch size.
 A timed run on an engine other than the last run's is preceded by an untimed request of
-``--warmup-tokens`` tokens on it (not on a recording engine): in a 16-arm run (session 26) the first
+``--warmup-tokens`` tokens on it (not on a recording engine): in a 16-arm run (2026-12-07) the first
 groups after a switch of process prefilled 15-35% slower (plain and stock engines' TTFT 330-410 ms
 against 270-300 on the controller engine that ran most arms, for the same prompts), which a server
 that keeps serving never pays.
