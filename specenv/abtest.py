@@ -326,7 +326,7 @@ def step_model_for(models: str, given: str | None, kmax: int, batches: list[int]
         ValueError: One line naming ``given`` and what is wrong.
     """
     from specenv.cost.batch import load_batch_cost_model
-    from specenv.replay.batch import step_time_recording
+    from specenv.replay.batch import recording_manifest, step_time_recording
 
     if given is None:
         name = step_time_recording(models)
@@ -341,20 +341,10 @@ def step_model_for(models: str, given: str | None, kmax: int, batches: list[int]
         raise ValueError(f"{given}: kmax {model.kmax} < the served kmax {kmax}")
     if model.max_batch < max(batches):
         raise ValueError(f"{given}: recorded up to batch {model.max_batch}, not {max(batches)}")
-    path = Path(given)
-    folder = path if path.is_dir() else path.parent
-    if not path.exists():  # a shipped name
-        from specenv.io import package_data
-
-        folder = package_data(str(given))
-    manifest = folder / "manifest.json"
-    if manifest.is_file():
-        try:
-            recorded = json.loads(manifest.read_text()).get("extra", {}).get("models")
-        except (OSError, ValueError, AttributeError) as exc:
-            raise ValueError(f"{manifest}: not a readable recording manifest ({exc})") from None
-        if recorded is not None and recorded != models:
-            raise ValueError(f"{given}: recorded on {recorded!r}, not {models!r}")
+    info = recording_manifest(given)  # (one line naming it when unreadable)
+    recorded = None if info is None else (info.get("extra") or {}).get("models")
+    if recorded is not None and recorded != models:
+        raise ValueError(f"{given}: recorded on {recorded!r}, not {models!r}")
     return str(given), model
 
 

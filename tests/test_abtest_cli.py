@@ -184,6 +184,10 @@ def test_step_model_folder_made_here(tmp_path) -> None:
     (folder / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="recorded on 'small-moe-v1', not 'wide-moe-v1'"):
         step_model_for("wide-moe-v1", str(folder), 8, [1])
+    # an unreadable manifest beside the model: one line naming it
+    (folder / "manifest.json").write_text("not json")
+    with pytest.raises(ValueError, match="manifest.json"):
+        step_model_for("wide-moe-v1", str(folder), 8, [1])
     # a kmax above the model's
     with pytest.raises(ValueError, match="kmax 8 < the served kmax 12"):
         step_model_for("small-moe-v1", str(folder), 12, [1])

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import heapq
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -191,10 +192,32 @@ RECORDINGS = (
 )
 
 
+def recording_manifest(where: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The manifest of a batch recording: a shipped name, its folder, or a file in that folder (``batchcost.json``).
+
+    None when there is no ``manifest.json`` there (a lone batch-cost JSON).
+
+    Raises:
+        ValueError: One line naming the manifest, when it is there but not a readable JSON object.
+    """
+    path = Path(where)
+    if not path.exists() and os.sep not in str(where) and "/" not in str(where):
+        path = package_data(str(where))  # a shipped recording's name
+    manifest = (path if path.is_dir() else path.parent) / "manifest.json"
+    if not manifest.is_file():
+        return None
+    info = read_json(manifest, what="batch recording manifest")
+    if not isinstance(info, dict):
+        raise ValueError(f"{manifest}: not a batch recording manifest (a JSON object)")
+    return info
+
+
 def _recording_models(name: str) -> tuple[str, dict[str, Any]] | None:
     try:
-        info = read_json(package_data(name) / "manifest.json", what="batch recording manifest")
+        info = recording_manifest(name)
     except (OSError, ValueError):
+        return None
+    if info is None:
         return None
     return str(info.get("extra", {}).get("models", "")), info
 
