@@ -682,6 +682,8 @@ def _models() -> dict[str, Any]:
         alpha: Annotated[list[Finite], Field(min_length=1, max_length=BATCH_POSITIONS_MAX)]
         c: Annotated[list[Finite], Field(min_length=1, max_length=BATCH_POSITIONS_MAX)]
         b_req: Finite
+        #: ms per request verifying an even budget k >= 2 (BatchCostModel.b_odd_query); >= 0
+        b_odd_query: Annotated[float, Field(ge=0, le=BATCH_TIME_MS_MAX, allow_inf_nan=False)] = 0.0
 
     class BatchDraftJSON(Strict):
         d0: Finite
@@ -689,8 +691,10 @@ def _models() -> dict[str, Any]:
         d_tok: Finite
 
     class UBatchJSON(Strict):
-        predictor: Literal["independent", "shared"]
+        predictor: Literal["independent", "shared", "pooled"]
         u_theta: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
+        #: the "pooled" predictor's effective pool (BatchCostModel.u_pool; top_k..n_experts, checked there)
+        u_pool: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
 
     class BatchArStepJSON(Strict):
         a_ms: Annotated[float, Field(gt=0, le=BATCH_TIME_MS_MAX, allow_inf_nan=False)]

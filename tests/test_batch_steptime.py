@@ -498,9 +498,20 @@ def test_shipped_wide_recording_is_a_step_time_fit_of_its_steps(name: str, group
     assert manifest["extra"]["models"] == "wide-moe-v1" and "engine_step_ms" in steps.columns
     assert set(steps["B"]) >= {1, 2, 4, 8, 16}
     ship = load_batch_cost_model(name)
-    refit = fit_batch_cost(steps, manifest, timing="step").model
+    # the form and the predictors it was fitted with are in its provenance (the linear form and
+    # independent/shared when absent: every recording before v6's refit)
+    form = ship.source.get("verify_form", "linear")
+    asked = tuple(ship.source.get("predictors", ("independent", "shared")))
+    refit = fit_batch_cost(steps, manifest, timing="step", verify_form=form, predictors=asked).model
     for field in ("beta0", "alpha", "c", "overhead"):
         np.testing.assert_allclose(getattr(ship, field), getattr(refit, field), rtol=1e-9)
+    assert ship.predictor == refit.predictor and ship.u_pool == pytest.approx(refit.u_pool, rel=1e-6)
+    assert ship.u_theta == pytest.approx(refit.u_theta, rel=1e-6)
+    assert ship.b_odd_query == pytest.approx(refit.b_odd_query, rel=1e-9)
+    if name >= "live-vllm-wide-batch-v6":  # refitted with the odd-query term and the pooled union
+        assert (form, ship.predictor) == ("parity", "pooled")
+        assert ship.b_odd_query > 0 and ship.b_req == 0.0  # b_req estimated below 0 beside it: dropped
+        assert ship.top_k < ship.u_pool < ship.n_experts
     assert ship.ar_step == pytest.approx(refit.ar_step, rel=1e-9)
     # the plain engine's own batch steps: the reference's line is their least-squares fit, read back here
     ref = manifest["extra"]["ar_reference"]

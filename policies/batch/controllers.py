@@ -47,7 +47,7 @@ import numpy as np
 from policies.batch import tetris
 from policies.heuristics import AcceptanceEstimator
 from policies.peers import parse_schedule
-from specenv.cost.batch import BatchCostModel
+from specenv.cost.batch import BatchCostModel, odd_queries
 from specenv.observation.batch import BatchObservationSpec
 from specenv.observation.single import ObsView
 from specenv.policy.base import BatchStep, act_batch_obs, policy_drafting
@@ -205,7 +205,7 @@ class _CostBatch(BatchPolicy):
         k = np.asarray(k, dtype=np.int64)
         n = k.shape[1]
         ub = bc.predict_u_batch_many(self.u_prior[k])
-        verify = bc.verify_from_totals(k.sum(axis=1) + n, n, ub, float(np.sum(ctx)))
+        verify = bc.verify_from_totals(k.sum(axis=1) + n, n, ub, float(np.sum(ctx)), odd_queries(k))
         return verify + bc.draft_ms(np.asarray(drafted, dtype=np.int64))
 
 

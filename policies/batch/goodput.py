@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from specenv.cost.batch import BatchCostModel
+from specenv.cost.batch import BatchCostModel, odd_queries
 from specenv.observation.single import ObservationSpec, ObsView
 from specenv.policy.base import BatchStep
 
@@ -82,8 +82,12 @@ class BatchGoodput:
         if u_prior.shape != (spec.kmax + 1,) or not np.all(np.isfinite(u_prior)):
             raise ValueError(f"u_prior: expected {spec.kmax + 1} finite values (k = 0..kmax)")
         self.u_prior = np.maximum.accumulate(np.clip(u_prior, model.top_k, model.n_experts))
+        # the model's union over its pool (n_experts, or the "pooled" predictor's effective pool)
+        self._pooled = model.predictor == "pooled"
+        self._pool = float(model.u_pool) if self._pooled and model.u_pool is not None else float(model.n_experts)
+        self._u_in_pool = np.minimum(self.u_prior, self._pool)
         with np.errstate(divide="ignore"):
-            self._log_miss = np.log1p(-self.u_prior / model.n_experts)
+            self._log_miss = np.log1p(-self._u_in_pool / self._pool)
         self._log_miss = np.where(np.isfinite(self._log_miss), self._log_miss, -745.0)  # U = n: nothing missed
         self._theta = 1.0 if model.predictor == "independent" else model.u_theta
         self._one = self._single_request_table()
@@ -99,10 +103,14 @@ class BatchGoodput:
         m = self.model
         assert m.overhead is not None  # BatchCostModel.__post_init__ fills it
         ks = np.arange(self.spec.kmax + 1)
-        n = float(m.n_experts)
-        u_b = n * (1.0 - (1.0 - self.u_prior[ks] / n) * np.exp(self._theta * 0.0))  # one request: nothing else
+        n = self._pool
+        u_b = n * (1.0 - (1.0 - self._u_in_pool[ks] / n) * np.exp(self._theta * 0.0))  # one request: nothing else
+        if self._pooled:
+            u_b = np.maximum(u_b, self.u_prior[ks])
         a = m.beta0[ks] + m.alpha[ks] * u_b  # positions P = k + 1, index P - 1 = k
         tail = np.full(len(ks), m.b_req * 0.0 + m.overhead[0])
+        if m.b_odd_query:  # verify_from_totals adds it after the step's overhead
+            tail = tail + m.b_odd_query * odd_queries(ks[:, None]).astype(np.float64)
         top = np.maximum(ks, self.min_draft_steps)
         draft = np.where(top > 0, m.d0 + m.d_step * top + m.d_tok * top * 1, 0.0)
         return a, m.c[ks].copy(), (tail, draft, self.step_overhead_ms)
@@ -166,10 +174,12 @@ class BatchGoodput:
         # the model's U_batch predictor (union_shared) on U(k) = u_prior[k], non-decreasing in k: the
         # largest request is the one with the largest k; log(1 - U(k)/n) is tabulated once
         top = cand.max(axis=1)
-        n = float(m.n_experts)
+        n = self._pool
         rest = self._log_miss[cand].sum(axis=1) - self._log_miss[top]
-        u_b = n * (1.0 - (1.0 - self.u_prior[top] / n) * np.exp(self._theta * rest))
-        verify = m.verify_from_totals(cand.sum(axis=1) + B, B, u_b, context_sum)
+        u_b = n * (1.0 - (1.0 - self._u_in_pool[top] / n) * np.exp(self._theta * rest))
+        if self._pooled:  # never below the largest request's own experts
+            u_b = np.maximum(u_b, self.u_prior[top])
+        verify = m.verify_from_totals(cand.sum(axis=1) + B, B, u_b, context_sum, odd_queries(cand))
         top = np.maximum(top, self.min_draft_steps)
         draft = np.where(top > 0, m.d0 + m.d_step * top + m.d_tok * top * B, 0.0)
         return tokens / (verify + draft + self.step_overhead_ms)

@@ -68,6 +68,7 @@ from oracle.batch import FairShare, expected_costs
 from oracle.dp import action_values, evaluate_policy, solve
 from policies.batch.controllers import BatchPolicy, FixedBatch
 from policies.learn.dagger import DaggerResult, RegretMLP, Visits, dagger_meta, run_dagger
+from specenv.cost.batch import odd_queries
 from specenv.envs.batch import MoESpecBatchEnv
 from specenv.observation.batch import BatchObservationSpec
 from specenv.policy.base import BatchStep
@@ -402,7 +403,7 @@ class SurvivalGoodputBatch(BatchPolicy):
         bc = self.batch_cost
         n = cand.shape[1]
         ub = bc.predict_u_batch_many(self.u_prior[cand])
-        verify = bc.verify_from_totals(cand.sum(axis=1) + n, n, ub, context_sum)
+        verify = bc.verify_from_totals(cand.sum(axis=1) + n, n, ub, context_sum, odd_queries(cand))
         drafted = np.maximum(cand, self.h)
         top = drafted.max(axis=1)
         draft = np.where(top > 0, bc.d0 + bc.d_step * top + bc.d_tok * drafted.sum(axis=1), 0.0)

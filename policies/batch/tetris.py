@@ -102,6 +102,8 @@ def select(
         u_prior: The U(k) ``price`` uses, k = 0..h at least.
     """
     kernel = _kernel()
+    if model.predictor == "pooled" or model.b_odd_query:  # terms the compiled stepper does not price
+        kernel = None
     surv = np.ascontiguousarray(surv, dtype=np.float64)
     n = len(surv)
     if kernel is None or n == 0:

@@ -49,6 +49,20 @@ def fit(
             "needs engine_step_ms and the plain engine's reference)."
         ),
     ] = "cpu",
+    verify_form: Annotated[
+        str,
+        typer.Option(
+            help="linear (default) or parity: adds a term per request verifying an even budget k >= 2 "
+            "(an odd query of k+1 tokens; BatchCostModel.b_odd_query)."
+        ),
+    ] = "linear",
+    predictors: Annotated[
+        str,
+        typer.Option(
+            help="U_batch predictors the model may choose from, comma-separated (independent, shared, pooled; "
+            "default independent,shared)."
+        ),
+    ] = "independent,shared",
     folds: Annotated[int, typer.Option(min=2, max=1000, help="GroupKFold folds (by group of requests).")] = 5,
     as_json: JsonOpt = False,
     overwrite: OverwriteOpt = False,
@@ -58,13 +72,18 @@ def fit(
     Prints the coefficients with SEs clustered by group, the verification forms and the U_batch
     predictors with their GroupKFold out-of-sample errors (specenv.cost.batchfit).
     """
-    from specenv.cost.batch import FORMAT, BatchCostModel
-    from specenv.cost.batchfit import TIMINGS, fit_batch_cost, format_report, load_steps
+    from specenv.cost.batch import FORMAT, PREDICTORS, BatchCostModel
+    from specenv.cost.batchfit import MAIN_FORMS, TIMINGS, fit_batch_cost, format_report, load_steps
 
     if not recording.strip():
         fail("RECORDING: empty (a steps recording folder, or live-vllm-batch-v1)")
     if timing not in TIMINGS:
         fail(f"--timing: {timing!r} is not one of {', '.join(TIMINGS)}")
+    if verify_form not in MAIN_FORMS:
+        fail(f"--verify-form: {verify_form!r} is not one of {', '.join(MAIN_FORMS)}")
+    asked = tuple(p.strip() for p in predictors.split(",") if p.strip())
+    if not asked or set(asked) - set(PREDICTORS):
+        fail(f"--predictors: {predictors!r}: expected some of {', '.join(PREDICTORS)}, comma-separated")
     if save is not None:
         check_out_file("--out", save)
         check_not_foreign("--out", [save], overwrite, mine=lambda p: json_format_is(p, FORMAT))
@@ -76,7 +95,15 @@ def fit(
     if folds > n_groups:
         fail(f"--folds: {folds} folds need at least {folds} groups, {recording} has {n_groups}")
     try:
-        rep = fit_batch_cost(steps, manifest, folds, source={"recording": str(manifest["name"])}, timing=timing)
+        rep = fit_batch_cost(
+            steps,
+            manifest,
+            folds,
+            source={"recording": str(manifest["name"])},
+            timing=timing,
+            verify_form=verify_form,
+            predictors=asked,
+        )
     except ValueError as exc:
         fail(f"{recording}: {exc}")
     try:  # what loading the model would refuse is refused before anything is written

@@ -9,21 +9,32 @@ naming the file, the column and the row.
 
 :func:`fit_batch_cost` fits, as :mod:`specenv.cost.fit` fits B = 1:
 
-* **verification** ``T_T = b0 + b_pos * P + alpha * U_batch + c * sum L + b_req * (B - 1)`` by OLS with
+* **verification** ``T_T = b0 + b_pos * P + alpha * U_batch + c * sum L + b_req * (B - 1)`` (the ``"linear"``
+  form, the default; ``verify_form="parity"`` adds ``b_odd_query * odd``, ``odd`` the requests verifying an
+  even budget k >= 2, whose query of k + 1 tokens is odd: :func:`specenv.cost.batch.odd_queries`) by OLS with
   standard errors clustered by group (the requests served together: every step of a group shares
   them), with the recorded (exact) union; GroupKFold(5) by group gives the out-of-sample errors.
   Slopes are kept >= 0: a negative estimate is dropped (fixed at 0) and the rest refitted, in sample
   and in every fold alike (a time cannot fall with more work, and a negative slope would charge
   negative times at large inputs; the report flags dropped terms).
-  Two reduced forms (no expert term; no request term) are compared beside it (:data:`VERIFY_FORMS`);
+  The other main form and two reduced forms (no expert term; no request term) are compared beside it
+  (:data:`VERIFY_FORMS`, plain OLS in sample and GroupKFold out of sample). On ``live-vllm-wide-batch-v6``
+  (vLLM 0.32 on this CPU) a request with an odd query costs 1.2 ms more than the position term charges
+  (clustered p < 1e-4; its ``b_req`` then falls below 0 and is dropped), and the out-of-sample MAPE of the
+  forwards falls from 6.1% to 3.5% (batch 8: 6.7% -> 2.7%, 16: 9.3% -> 3.5%); the even/odd pattern is in
+  the A/B's fixed-k arms too (even k served slower than the linear form predicts at batch 4 and 8), and
+  the mechanism in vLLM's CPU kernels is not located;
 * **drafting** ``T_D = d0 + d_step * n + d_tok * n * B`` (every request of a vLLM step drafts the same
   n: ``max = n``, ``sum = n * B``), clustered the same way;
 * **the U_batch predictors** (:data:`specenv.cost.batch.PREDICTORS`, plus ``"exact"``, the recorded
   union, the reference): out-of-sample error of U_batch itself on steps with B >= 2, and of the step
   time when the verification model fitted on the training folds with the exact union is evaluated
-  on the held-out steps with the predicted union. The ``"shared"`` exponent theta is fitted on the
-  training folds only (bounded least squares on U_batch). The predictor with the smallest
-  out-of-sample MAPE of the step time is the model's predictor (ties: of U_batch).
+  on the held-out steps with the predicted union. The ``"shared"`` exponent theta (and the ``"pooled"``
+  pool with its own theta, :func:`fit_pool`) is fitted on the training folds only (bounded least
+  squares on U_batch). The predictor with the smallest out-of-sample MAPE of the step time among the
+  candidates (``predictors``: ``"independent"`` and ``"shared"`` unless ``"pooled"`` is asked for, so
+  the refits of the recordings shipped before it are unchanged) is the model's predictor (ties: of
+  U_batch).
 
 The step time the model prices is the target's forward time plus the draft's (the tap's forward
 hooks), as the B = 1 model prices ``T_T + T_D``; the scheduler's own time (the rest of the step's wall
@@ -43,7 +54,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from specenv.cost.batch import PREDICTORS, BatchCostModel, plain_union, union_shared
+from specenv.cost.batch import PREDICTORS, BatchCostModel, odd_queries, plain_union, union_pooled, union_shared
 
 __all__ = [
     "BATCHCOST_FILE",
@@ -53,9 +64,11 @@ __all__ = [
     "PLAIN_FILE",
     "PREFILL_COLUMNS",
     "STEP_COLUMNS",
+    "MAIN_FORMS",
     "VERIFY_FORMS",
     "BatchFitReport",
     "fit_batch_cost",
+    "fit_pool",
     "fit_theta",
     "format_report",
     "load_plain",
@@ -104,9 +117,15 @@ PREFILL_COLUMNS = ("engine", "run", "batch", "group", "B", "prompt_tokens", "pre
 #: Optional columns: ``engine_step_ms``, the wall time of the whole ``engine.step()`` that ran the step
 #: (recordings made since the step-time model; it feeds the per-step overhead of ``timing="step"``).
 OPTIONAL = {"engine_step_ms": "f"}
-#: The verification forms compared (name -> terms); the first is the model's.
+#: The verification forms a model can be fitted with (``fit_batch_cost(verify_form=...)``) -> their terms.
+MAIN_FORMS: dict[str, tuple[str, ...]] = {
+    "linear": ("P", "U_batch", "sumL", "B-1"),
+    "parity": ("P", "U_batch", "sumL", "B-1", "odd"),
+}
+#: The verification forms compared in every fit's report (name -> terms); the first two are :data:`MAIN_FORMS`.
 VERIFY_FORMS: dict[str, tuple[str, ...]] = {
-    "P + U_batch + sumL + (B-1)": ("P", "U_batch", "sumL", "B-1"),
+    "P + U_batch + sumL + (B-1)": MAIN_FORMS["linear"],
+    "P + U_batch + sumL + (B-1) + odd": MAIN_FORMS["parity"],
     "P + sumL + (B-1)": ("P", "sumL", "B-1"),
     "P + U_batch + sumL": ("P", "U_batch", "sumL"),
 }
@@ -543,6 +562,8 @@ def _design(steps: pd.DataFrame, terms: tuple[str, ...], u_batch: np.ndarray | N
         "sumL": steps["context_sum"].to_numpy(np.float64),
         "B-1": steps["B"].to_numpy(np.float64) - 1.0,
     }
+    if "odd" in terms:
+        cols["odd"] = np.fromiter((odd_queries(np.asarray(k)) for k in steps["k"]), np.float64, len(steps))
     return np.column_stack([np.ones(len(steps)), *(cols[t] for t in terms)])
 
 
@@ -633,7 +654,35 @@ def fit_theta(u: np.ndarray, u_batch: np.ndarray, n: float) -> float:
     return float(res.x)
 
 
-def _predict_u(name: str, u: np.ndarray, n: float, theta: float) -> np.ndarray:
+def fit_pool(u: np.ndarray, u_batch: np.ndarray, n: float, top_k: int) -> tuple[float, float]:
+    """The ``"pooled"`` predictor's ``(pool, theta)`` minimising the squared error of U_batch (bounded least squares).
+
+    The pool lies in ``[max(top_k, largest recorded count), n]``, theta in ``[1e-3, 1]``; the search
+    starts from the ``"shared"`` fit over all n experts.
+
+    Args:
+        u: (steps, B) per-request unions (0 for absent requests).
+        u_batch: (steps,) recorded unions.
+        n: Experts per layer.
+        top_k: Experts per token.
+    """
+    from scipy.optimize import least_squares
+
+    lo = min(max(float(top_k), float(np.max(u))), n)
+    if lo >= n:  # a request covered every expert: no smaller pool fits
+        return n, fit_theta(u, u_batch, n)
+    res = least_squares(
+        lambda p: union_pooled(u, p[0], p[1]) - u_batch,
+        x0=[n, fit_theta(u, u_batch, n)],
+        bounds=([lo, 1e-3], [n, 1.0]),
+    )
+    return float(res.x[0]), float(res.x[1])
+
+
+def _predict_u(name: str, u: np.ndarray, n: float, theta: float, pool: tuple[float, float] | None = None) -> np.ndarray:
+    if name == "pooled":
+        assert pool is not None
+        return union_pooled(u, pool[0], pool[1])
     return union_shared(u, n, 1.0 if name == "independent" else theta)
 
 
@@ -714,6 +763,8 @@ def fit_batch_cost(
     n_splits: int = 5,
     source: dict[str, Any] | None = None,
     timing: str = "cpu",
+    verify_form: str = "linear",
+    predictors: tuple[str, ...] = ("independent", "shared"),
 ) -> BatchFitReport:
     """Fit the batch cost model on a validated steps table (module docstring for the method).
 
@@ -728,6 +779,12 @@ def fit_batch_cost(
             engine's per-step overhead by batch size as a term of its own, :func:`step_overhead_by_batch`,
             and the plain engine's step ``manifest.extra.ar_reference`` as the AR reference; needs
             ``engine_step_ms`` and that reference, :func:`summarize_plain_batch`).
+        verify_form: The verification form of the model, a key of :data:`MAIN_FORMS`: ``"linear"`` (the
+            default, every shipped recording before ``live-vllm-wide-batch-v6``'s refit) or ``"parity"``
+            (its per-request term for odd queries, ``BatchCostModel.b_odd_query``).
+        predictors: The U_batch predictors the model may choose from (:data:`PREDICTORS`; every one is
+            reported): ``("independent", "shared")`` by default, the choice of every recording shipped
+            before the ``"pooled"`` predictor.
 
     Returns:
         The :class:`BatchFitReport`.
@@ -749,6 +806,11 @@ def fit_batch_cost(
         raise ValueError("the fit needs steps with B >= 2 (batched steps)")
     if timing not in TIMINGS:
         raise ValueError(f"timing={timing!r}: expected one of {tuple(TIMINGS)}")
+    if verify_form not in MAIN_FORMS:
+        raise ValueError(f"verify_form={verify_form!r}: expected one of {tuple(MAIN_FORMS)}")
+    if not predictors or set(predictors) - set(PREDICTORS):
+        raise ValueError(f"predictors={predictors!r}: expected some of {PREDICTORS}")
+    predictors_asked = tuple(predictors)
     col_t, col_d = TIMINGS[timing]
     y_t = steps[col_t].to_numpy(np.float64)
     y_d = steps[col_d].to_numpy(np.float64)
@@ -803,7 +865,8 @@ def fit_batch_cost(
             }
         )
     forms = pd.DataFrame(form_rows)
-    main_terms = next(iter(VERIFY_FORMS.values()))
+    main_terms = MAIN_FORMS[verify_form]
+    main_name = next(name for name, terms in VERIFY_FORMS.items() if terms == main_terms)
 
     # --- the model's verification form and the draft T_D = d0 + d_step * n + d_tok * n * B, slopes >= 0
     Xv = _design(steps, main_terms)
@@ -815,15 +878,18 @@ def fit_batch_cost(
     pred_u = {p: np.empty_like(ub) for p in (*PREDICTORS, "exact")}
     pred_v = {p: np.empty_like(ub) for p in pred_u}
     pred_d = np.empty_like(ub)
-    thetas = []
+    thetas, pools = [], []
+    top_k = int(model_facts["top_k"])
     for tr, te in folds:
         theta = fit_theta(u[tr][multi[tr]], ub[tr][multi[tr]], n)
         thetas.append(theta)
+        pool = fit_pool(u[tr][multi[tr]], ub[tr][multi[tr]], n, top_k)
+        pools.append(pool)
         beta = _lstsq_nonneg(Xv[tr], y_t[tr])
         bd = _lstsq_nonneg(Xd[tr], y_d[tr])
         pred_d[te] = Xd[te] @ bd
         for p in pred_u:
-            pu = ub[te] if p == "exact" else _predict_u(p, u[te], n, theta)
+            pu = ub[te] if p == "exact" else _predict_u(p, u[te], n, theta, pool)
             pred_u[p][te] = pu
             pred_v[p][te] = _design(steps.iloc[te], main_terms, pu) @ beta
     pred_o = np.zeros_like(ub)  # the per-step overhead by B, from the training folds (timing="step")
@@ -848,9 +914,10 @@ def fit_batch_cost(
             }
         )
     predictors = pd.DataFrame(pred_rows)
-    usable = predictors[predictors["predictor"].isin(PREDICTORS)]
+    usable = predictors[predictors["predictor"].isin(predictors_asked)]
     best = usable.sort_values(["step_mape_pct", "U_batch_mape_pct"]).iloc[0]["predictor"]
     theta_all = fit_theta(u[multi], ub[multi], n)
+    pool_all = fit_pool(u[multi], ub[multi], n, top_k)
 
     # --- coefficients table
     vpar, vse, vp = _full(vres, vkeep, Xv.shape[1])
@@ -858,25 +925,27 @@ def fit_batch_cost(
     coef = [
         {"term": nm, "part": part, "value": float(v), "se": float(se), "p": float(pv), "dropped": bool(np.isnan(se))}
         for part, names, params, ses, ps in (
-            ("verify", ["b0", "b_pos", "alpha", "c", "b_req"], vpar, vse, vp),
+            ("verify", ["b0", "b_pos", "alpha", "c", "b_req", "b_odd_query"][: Xv.shape[1]], vpar, vse, vp),
             ("draft", ["d0", "d_step", "d_tok"], dpar, dse, dp),
         )
         for nm, v, se, pv in zip(names, params, ses, ps, strict=True)
     ]
     # the unconstrained estimates beside them (the full form's plain clustered OLS)
-    full_v = fits[next(iter(VERIFY_FORMS))]
+    full_v = fits[main_name]
     full_d = sm.OLS(y_d, Xd).fit(cov_type="cluster", cov_kwds={"groups": groups})
     unc = [*zip(full_v.params, full_v.bse, strict=True), *zip(full_d.params, full_d.bse, strict=True)]
     for row, (v, se) in zip(coef, unc, strict=True):
         row["unconstrained"], row["unconstrained_se"] = float(v), float(se)
     coefficients = pd.DataFrame(coef)
-    b0, b_pos, alpha, c, b_req = (float(x) for x in vpar)
+    b0, b_pos, alpha, c, b_req = (float(x) for x in vpar[:5])
+    b_odd_query = float(vpar[5]) if len(vpar) > 5 else 0.0
     d0, d_step, d_tok = (float(x) for x in dpar)
     step_ms = steps["step_ms"].to_numpy(np.float64)
     exact_row = predictors.set_index("predictor").loc["exact"]
     chosen_row = predictors.set_index("predictor").loc[best]
     summary = {
         "timing": timing,
+        "verify_form": verify_form,
         "steps": len(steps),
         "groups": int(len(np.unique(groups))),
         "batched_steps": int(multi.sum()),
@@ -893,6 +962,10 @@ def fit_batch_cost(
         "predictor": str(best),
         "u_theta": theta_all,
         "u_theta_folds": thetas,
+        "u_pool": pool_all[0],
+        "u_pool_theta": pool_all[1],
+        "u_pool_folds": [list(p) for p in pools],
+        "predictors_asked": list(predictors_asked),
         "overhead_share": float(np.median(np.clip(step_ms - y_s, 0, None) / step_ms)),
         # wall ms of the step outside the timed forwards (scheduler, sampler, bookkeeping), median
         "overhead_ms": float(
@@ -920,6 +993,7 @@ def fit_batch_cost(
         alpha=alpha,
         c=c,
         b_req=b_req,
+        b_odd_query=b_odd_query,
         d0=d0,
         d_step=d_step,
         d_tok=d_tok,
@@ -929,8 +1003,12 @@ def fit_batch_cost(
         n_experts=int(model_facts["n_experts"]),
         n_layers=int(model_facts["n_layers"]),
         predictor=str(best),
-        u_theta=theta_all if best == "shared" else 1.0,
-        source=dict(source or {}) | {"kind": "fit", "method": "specenv.cost.batchfit.fit_batch_cost", "timing": timing},
+        u_theta={"shared": theta_all, "pooled": pool_all[1]}.get(str(best), 1.0),
+        u_pool=pool_all[0] if best == "pooled" else None,
+        source=dict(source or {})
+        | {"kind": "fit", "method": "specenv.cost.batchfit.fit_batch_cost", "timing": timing}
+        | ({"verify_form": verify_form} if verify_form != "linear" else {})
+        | ({"predictors": list(predictors_asked)} if "pooled" in predictors_asked else {}),
         overhead=overhead,
         ar_step=ar_step,
         ar_by_batch=ar_by_batch,
@@ -964,7 +1042,8 @@ def format_report(report: BatchFitReport) -> str:
         "U_batch predictors (out of sample; U_batch errors on steps with B >= 2):",
         report.predictors.to_string(**pd_opts),
         "",
-        f"chosen predictor: {s['predictor']} (theta = {s['u_theta']:.4g} on all steps)",
+        f"chosen predictor: {s['predictor']} of {', '.join(s['predictors_asked'])} (shared: theta = "
+        f"{s['u_theta']:.4g}; pooled: pool {s['u_pool']:.4g} experts, theta {s['u_pool_theta']:.4g}; on all steps)",
         f"OOS MAPE of the step time (T_T + T_D), chosen predictor: {s['step_oos_mape_pct']:.2f}% "
         f"(exact union: {s['step_oos_mape_pct_exact']:.2f}%); verification alone, exact union: "
         f"{s['verify_oos_mape_pct_exact']:.2f}%; draft: {s['draft_oos_mape_pct']:.2f}%",

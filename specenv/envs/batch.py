@@ -16,7 +16,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from specenv.cost.batch import BatchCostModel
+from specenv.cost.batch import BatchCostModel, odd_queries
 from specenv.cost.model import drafted_tokens
 from specenv.envs.common import DEFAULT_REWARD, check_reward
 from specenv.observation.batch import BatchObservationSpec
@@ -274,7 +274,9 @@ class MoESpecBatchEnv(gym.Env[np.ndarray, np.ndarray]):
         # BatchCostModel.step_ms / ar_ms through their vectorised parts (no per-call validation)
         u_batch = float(bc.predict_u_batch_many(u[None, :])[0])
         ctx_sum = float(ctx.sum())
-        step_ms = float(bc.verify_from_totals(int(ks.sum()) + n, n, u_batch, ctx_sum)) + bc.draft_ms(drafted)
+        step_ms = float(bc.verify_from_totals(int(ks.sum()) + n, n, u_batch, ctx_sum, odd_queries(ks))) + bc.draft_ms(
+            drafted
+        )
         batch_ar = float(bc.verify_from_totals(n, n, self._u_ar[n], ctx_sum))
         k_info = [-1] * self.B
         acc_info = [-1] * self.B

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from specenv.cost.batch import SHIPPED, BatchCostModel, load_batch_cost_model
+from specenv.cost.batch import SHIPPED, BatchCostModel, load_batch_cost_model, odd_queries
 from specenv.cost.model import CostModel, drafted_tokens
 from specenv.io import package_data
 from specenv.replay.episode import draw
@@ -430,7 +430,8 @@ class FixedBudgetEpisodes:
             sel = np.flatnonzero(m == n)
             u_rows = U[sel][active[sel]].reshape(len(sel), n)  # the active slots' U, in slot order
             u_batch = model.predict_u_batch_many(u_rows)
-            verify = model.verify_from_totals(np.full(len(sel), n * (k + 1)), n, u_batch, ctx_sum[sel])
+            odd = odd_queries(np.full(n, k))  # every request verifies k
+            verify = model.verify_from_totals(np.full(len(sel), n * (k + 1)), n, u_batch, ctx_sum[sel], odd)
             step_ms[sel] = verify + model.draft_ms(drafted_tokens(np.full(n, k), lookahead, drafting))
         cost = 0.0
         for x in step_ms.tolist():  # the environment's running sum, step by step
