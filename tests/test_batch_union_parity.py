@@ -174,3 +174,23 @@ def test_goodput_prices_candidates_as_the_model_does(pooled: bool) -> None:
     rho = np.clip(obs[:, pol.view.depth_slice].astype(np.float64), 0, 1)
     gain = np.concatenate([np.ones((1, 1)), 1.0 + np.cumsum(np.cumprod(rho, axis=1), axis=1)], axis=1)
     assert k1 == int(np.argmax(pol._goodput(cand, gain, 0.0)))
+
+
+def test_on_the_shipped_wide_recording_both_terms_fit_better_out_of_sample() -> None:
+    """live-vllm-wide-batch-v6 (shipped with the linear form): the odd-query term and the pooled union, GroupKFold."""
+    from specenv.cost.batchfit import load_steps
+
+    steps, manifest = load_steps("live-vllm-wide-batch-v6")
+    linear = fit_batch_cost(steps, manifest, timing="step")
+    both = fit_batch_cost(
+        steps, manifest, timing="step", verify_form="parity", predictors=("independent", "shared", "pooled")
+    )
+    coef = both.coefficients.set_index("term")
+    assert coef.loc["b_odd_query", "value"] > 0 and coef.loc["b_odd_query", "p"] < 1e-3
+    forms = both.forms.set_index("form")["oos_mape_pct"]
+    assert forms["P + U_batch + sumL + (B-1) + odd"] < 0.75 * forms["P + U_batch + sumL + (B-1)"]
+    pred = both.predictors.set_index("predictor")["U_batch_mape_pct"]
+    assert pred["pooled"] < pred["shared"] / 2
+    assert both.model.predictor == "pooled" and both.model.top_k < both.model.u_pool < both.model.n_experts
+    # what a user waits for, out of sample: the whole engine step
+    assert both.summary["engine_step"]["oos_mape_pct"] < linear.summary["engine_step"]["oos_mape_pct"] - 1.0

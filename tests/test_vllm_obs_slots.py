@@ -104,3 +104,42 @@ def test_mlp_policy_marks_rows_with_non_finite_scores_invalid():
     huge = [(np.full((SPEC.dim, 8), 1e30), np.zeros(8)), (np.full((8, n_out), 1e30), np.arange(n_out, dtype=float))]
     ks = MLPPolicy(SPEC, huge, activation="relu").act(np.ones((2, SPEC.dim), dtype=np.float32), [0, 1])
     assert (ks == -1).all()  # float32 overflow: inf scores are invalid too
+
+
+def test_update_after_a_what_if_of_the_same_rounds_equals_folding_again():
+    """draft_horizon="outcome": the what-if of a round's known outcome is folded; update of it scatters those rows."""
+    rng = np.random.default_rng(3)
+    plain, memo = ObsSlots(SPEC, n=4), ObsSlots(SPEC, n=4)
+    slots = [plain.alloc() for _ in range(5)]
+    assert [memo.alloc() for _ in range(5)] == slots
+    history = []
+    for step in range(30):
+        pick = np.asarray(rng.choice(slots, size=int(rng.integers(1, 5)), replace=False), dtype=np.intp)
+        k = rng.integers(0, SPEC.kmax + 1, size=len(pick))
+        acc = np.minimum(k, rng.integers(0, SPEC.kmax + 1, size=len(pick)))
+        U = rng.uniform(4, 40, size=len(pick))
+        cost = rng.uniform(0.5, 3.0, size=len(pick))
+        L, t = rng.uniform(10, 500, size=len(pick)), rng.uniform(0, 60, size=len(pick))
+        # the outcome step's what-if, then the real fold: of the same rounds, or (every 3rd step) another U
+        memo.what_if(pick, k.astype(np.float64), U, L, t, accepted=acc.astype(np.float64), cost=cost)
+        U_real = U if step % 3 else U + 1.0
+        for s in (plain, memo):
+            s.update(pick, k.astype(np.int64), acc.astype(np.int64), U_real, cost)
+        history += list(zip(pick.tolist(), k.tolist(), acc.tolist(), U_real.tolist(), cost.tolist(), strict=True))
+        np.testing.assert_array_equal(memo.state._P, plain.state._P)
+        np.testing.assert_array_equal(memo.state._E, plain.state._E)
+        # the subset update left is reusable (its rows are the state's) on both
+        np.testing.assert_array_equal(
+            memo.subset(pick.tolist(), reuse=True).build(L, t), plain.subset(pick.tolist()).build(L, t)
+        )
+    ref = _reference(history, plain.state.n)
+    np.testing.assert_array_equal(memo.state._E[slots], ref._E[slots])
+    # a slot released and allocated between the what-if and the update: folded again from its priors
+    a = slots[0]
+    memo.what_if(np.array([a]), np.array([2.0]), [9.0], np.array([50.0]), np.array([3.0]), accepted=np.array([1.0]))
+    memo.release(a)
+    assert memo.alloc() == a
+    memo.update(np.array([a], dtype=np.intp), np.array([2]), np.array([1]), np.array([9.0]), np.array([1.0]))
+    fresh = ObservationState(SPEC, 1)
+    fresh.update(np.array([2]), np.array([1]), np.array([9.0]), np.array([1.0]), np.array([2.0]))
+    np.testing.assert_array_equal(memo.state._E[a], fresh._E[0])

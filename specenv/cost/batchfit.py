@@ -23,7 +23,9 @@ naming the file, the column and the row.
   (clustered p < 1e-4; its ``b_req`` then falls below 0 and is dropped), and the out-of-sample MAPE of the
   forwards falls from 6.1% to 3.5% (batch 8: 6.7% -> 2.7%, 16: 9.3% -> 3.5%); the even/odd pattern is in
   the A/B's fixed-k arms too (even k served slower than the linear form predicts at batch 4 and 8), and
-  the mechanism in vLLM's CPU kernels is not located;
+  the mechanism in vLLM's CPU kernels is not located. Not the shipped model's form: with the pooled
+  union (the engine step 7.0% -> 5.2% out of sample) it predicted two live A/B runs' fixed-k arms no
+  better than the linear form (README, "v6 refitted"), and the goodput controller it fed served worse;
 * **drafting** ``T_D = d0 + d_step * n + d_tok * n * B`` (every request of a vLLM step drafts the same
   n: ``max = n``, ``sum = n * B``), clustered the same way;
 * **the U_batch predictors** (:data:`specenv.cost.batch.PREDICTORS`, plus ``"exact"``, the recorded
@@ -33,7 +35,7 @@ naming the file, the column and the row.
   pool with its own theta, :func:`fit_pool`) is fitted on the training folds only (bounded least
   squares on U_batch). The predictor with the smallest out-of-sample MAPE of the step time among the
   candidates (``predictors``: ``"independent"`` and ``"shared"`` unless ``"pooled"`` is asked for, so
-  the refits of the recordings shipped before it are unchanged) is the model's predictor (ties: of
+  the refits of the shipped recordings are unchanged) is the model's predictor (ties: of
   U_batch).
 
 The step time the model prices is the target's forward time plus the draft's (the tap's forward
@@ -780,7 +782,7 @@ def fit_batch_cost(
             and the plain engine's step ``manifest.extra.ar_reference`` as the AR reference; needs
             ``engine_step_ms`` and that reference, :func:`summarize_plain_batch`).
         verify_form: The verification form of the model, a key of :data:`MAIN_FORMS`: ``"linear"`` (the
-            default, every shipped recording before ``live-vllm-wide-batch-v6``'s refit) or ``"parity"``
+            default, and every shipped recording's) or ``"parity"``
             (its per-request term for odd queries, ``BatchCostModel.b_odd_query``).
         predictors: The U_batch predictors the model may choose from (:data:`PREDICTORS`; every one is
             reported): ``("independent", "shared")`` by default, the choice of every recording shipped

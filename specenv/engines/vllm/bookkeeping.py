@@ -42,10 +42,16 @@ class ObsSlots:
         #: ``(slots, sub)``: the subset the last :meth:`update` folded and scattered back (its rows equal the
         #: state's), reused by ``subset(slots, reuse=True)`` until any other subset, alloc or release.
         self._fresh: tuple[tuple[int, ...], ObservationState] | None = None
+        #: ``(slots, inputs, hyp)``: the last :meth:`what_if`'s fold (``inputs``: its k, accepted, U, cost as a
+        #: (4, rows) float64 array), which :meth:`update` of the same rounds scatters instead of folding
+        #: again (``draft_horizon="outcome"`` asks about a round's known outcome before it is folded); any
+        #: change of the state (update, alloc, release) drops it.
+        self._folded: tuple[tuple[int, ...], np.ndarray, ObservationState] | None = None
 
     def alloc(self) -> int:
         """A fresh slot (statistics at their priors)."""
         self._fresh = None
+        self._folded = None
         if not self.free:
             n = self.state.n
             self.state = self.state.resized(2 * n)
@@ -58,6 +64,7 @@ class ObsSlots:
     def release(self, i: int) -> None:
         """Give a slot back."""
         self._fresh = None
+        self._folded = None
         self.free.append(i)
 
     def subset(self, slots: Any, reuse: bool = False) -> ObservationState:
@@ -91,6 +98,22 @@ class ObsSlots:
 
         Arguments are sequences or arrays of one value per slot (``k`` and ``acc`` integers).
         """
+        folded, self._folded = self._folded, None
+        key = _key(slots)
+        if folded is not None and folded[0] == key:  # the same rounds a what_if just folded: its rows, not again
+            ins = np.array([k, acc, U, cost], dtype=np.float64)
+            if np.array_equal(ins, folded[1]):  # (NaN never equal: folded again)
+                self._fresh = None
+                sub = self._scratch.get(len(key))
+                if sub is None:
+                    sub = self._scratch[len(key)] = ObservationState(self.spec, len(key))
+                np.copyto(sub._P, folded[2]._P)
+                np.copyto(sub._E, folded[2]._E)
+                st = self.state
+                st._P[slots] = sub._P
+                st._E[slots] = sub._E
+                self._fresh = (key, sub)
+                return
         sub = self.subset(slots)
         acc_a = np.asarray(acc, dtype=np.float64)
         sub.update(np.asarray(k), np.asarray(acc), np.asarray(U, dtype=np.float64), np.asarray(cost), acc_a + 1)
@@ -134,7 +157,9 @@ class ObsSlots:
         if cost is None:
             cost = np.where(hyp.prev_cost > 0, hyp.prev_cost, 1.0)
         a = k if accepted is None else accepted
-        hyp.update(k, a, np.asarray(U, dtype=np.float64), cost, a + 1)
+        U = np.asarray(U, dtype=np.float64)
+        hyp.update(k, a, U, cost, a + 1)
+        self._folded = (_key(slots), np.array([k, a, U, cost], dtype=np.float64), hyp)
         return hyp.build(L, t, out=out)
 
     def stacked(
