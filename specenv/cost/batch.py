@@ -42,7 +42,7 @@ prices that step (DESIGN.md section 6, "batch cost model"):
     never below ``max_i U_i``: the requests of one workload route to a hot subset of the experts, so
     the union saturates near that subset's size, not n. On ``live-vllm-wide-batch-v6`` (64 experts)
     the fit gives a pool of 33 and theta 0.62: the out-of-sample error of U_batch falls from 14.6%
-    (``"shared"``, which underestimates small requests' unions by up to 30% and overestimates large
+    (``"shared"``, which underestimates small requests' unions by up to 45% and overestimates large
     ones' at B = 16 by up to 29%) to 5.7%, within about 5% at every batch size and budget.
 
   All keep ``max_i U_i <= U_batch <= min(n, sum_i U_i)``.

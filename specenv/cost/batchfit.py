@@ -24,8 +24,10 @@ naming the file, the column and the row.
   forwards falls from 6.1% to 3.5% (batch 8: 6.7% -> 2.7%, 16: 9.3% -> 3.5%); the even/odd pattern is in
   the A/B's fixed-k arms too (even k served slower than the linear form predicts at batch 4 and 8), and
   the mechanism in vLLM's CPU kernels is not located. Not the shipped model's form: with the pooled
-  union (the engine step 7.0% -> 5.2% out of sample) it predicted two live A/B runs' fixed-k arms no
-  better than the linear form (README, "v6 refitted"), and the goodput controller it fed served worse;
+  union (the engine step 7.0% -> 5.2% out of sample) it priced a live A/B's fixed-k arms better only on
+  a recording made minutes before it (1.0% / 2.6% against 3.8% / 3.0% at batch 4 / 8), not on v6 three
+  hours old, and the goodput controller it fed stopped speculating and served below plain (README,
+  "v6 refitted");
 * **drafting** ``T_D = d0 + d_step * n + d_tok * n * B`` (every request of a vLLM step drafts the same
   n: ``max = n``, ``sum = n * B``), clustered the same way;
 * **the U_batch predictors** (:data:`specenv.cost.batch.PREDICTORS`, plus ``"exact"``, the recorded
@@ -656,26 +658,31 @@ def fit_theta(u: np.ndarray, u_batch: np.ndarray, n: float) -> float:
     return float(res.x)
 
 
-def fit_pool(u: np.ndarray, u_batch: np.ndarray, n: float, top_k: int) -> tuple[float, float]:
+def fit_pool(
+    u: np.ndarray, u_batch: np.ndarray, n: float, top_k: int, theta: float | None = None
+) -> tuple[float, float]:
     """The ``"pooled"`` predictor's ``(pool, theta)`` minimising the squared error of U_batch (bounded least squares).
 
     The pool lies in ``[max(top_k, largest recorded count), n]``, theta in ``[1e-3, 1]``; the search
-    starts from the ``"shared"`` fit over all n experts.
+    starts from the ``"shared"`` fit over all n experts (``theta``: that fit's exponent when already
+    known, else :func:`fit_theta`).
 
     Args:
         u: (steps, B) per-request unions (0 for absent requests).
         u_batch: (steps,) recorded unions.
         n: Experts per layer.
         top_k: Experts per token.
+        theta: The ``"shared"`` exponent on the same steps, if known.
     """
     from scipy.optimize import least_squares
 
+    theta0 = fit_theta(u, u_batch, n) if theta is None else float(theta)
     lo = min(max(float(top_k), float(np.max(u))), n)
     if lo >= n:  # a request covered every expert: no smaller pool fits
-        return n, fit_theta(u, u_batch, n)
+        return n, theta0
     res = least_squares(
         lambda p: union_pooled(u, p[0], p[1]) - u_batch,
-        x0=[n, fit_theta(u, u_batch, n)],
+        x0=[n, theta0],
         bounds=([lo, 1e-3], [n, 1.0]),
     )
     return float(res.x[0]), float(res.x[1])
@@ -885,7 +892,7 @@ def fit_batch_cost(
     for tr, te in folds:
         theta = fit_theta(u[tr][multi[tr]], ub[tr][multi[tr]], n)
         thetas.append(theta)
-        pool = fit_pool(u[tr][multi[tr]], ub[tr][multi[tr]], n, top_k)
+        pool = fit_pool(u[tr][multi[tr]], ub[tr][multi[tr]], n, top_k, theta)
         pools.append(pool)
         beta = _lstsq_nonneg(Xv[tr], y_t[tr])
         bd = _lstsq_nonneg(Xd[tr], y_d[tr])
@@ -919,7 +926,7 @@ def fit_batch_cost(
     usable = predictors[predictors["predictor"].isin(predictors_asked)]
     best = usable.sort_values(["step_mape_pct", "U_batch_mape_pct"]).iloc[0]["predictor"]
     theta_all = fit_theta(u[multi], ub[multi], n)
-    pool_all = fit_pool(u[multi], ub[multi], n, top_k)
+    pool_all = fit_pool(u[multi], ub[multi], n, top_k, theta_all)
 
     # --- coefficients table
     vpar, vse, vp = _full(vres, vkeep, Xv.shape[1])
