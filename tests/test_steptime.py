@@ -161,6 +161,7 @@ def test_round_units_is_the_array_charge_in_scalars(variant: str) -> None:
     if variant == "plain step":
         m.overhead = 3.0 + 0.25 * np.arange(m.kmax + 1, dtype=np.float64)
         m.ar_step = (A_MS, C_MS)
+    pricer = m.pricer()
     rng = np.random.default_rng(0)
     for _ in range(200):
         k = int(rng.integers(0, m.kmax + 1))
@@ -169,6 +170,7 @@ def test_round_units_is_the_array_charge_in_scalars(variant: str) -> None:
         L = int(rng.integers(1, 4096))
         want = float(m.charged_ms(k, U, L, drafted=drafted) / m.ar_ms(L))
         assert m.round_units(k, U, L, drafted) == want
+        assert pricer(k, U, L, drafted) == want  # the controller's snapshot in Python floats
     # each variant's term is priced: a k = 0 round differs from the paper profile's (1.0 there: the AR step)
     u0 = float(m.top_k)
     base = CostModel.paper_profile(kmax=6).round_units(0, u0, 100, 0)

@@ -166,6 +166,34 @@ class Charge(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class RoundPricer:
+    """One round's charge in AR steps, :meth:`CostModel.round_units` in Python floats (:meth:`CostModel.pricer`)."""
+
+    beta0: tuple[float, ...]
+    alpha: tuple[float, ...]
+    c: tuple[float, ...]
+    d1: float
+    d0: float
+    d_floor: float
+    overhead: tuple[float, ...] | None
+    ar_step: tuple[float, float] | None
+    top_k: float
+
+    def __call__(self, k: int, U: float, L: float, drafted: int) -> float:
+        """``charged_ms(k, U, L, drafted) / ar_ms(L)`` for ``k`` in 0..kmax and ``drafted >= 0`` (not checked)."""
+        t = self.beta0[k] + self.alpha[k] * U + self.c[k] * L
+        cost = t + (self.d1 * drafted + self.d0 if drafted > 0 else self.d_floor)
+        if self.overhead is not None:
+            cost = cost + self.overhead[k]
+        if self.ar_step is not None:
+            a, c = self.ar_step
+            ar = a + c * float(L)
+        else:
+            ar = self.beta0[0] + self.alpha[0] * self.top_k + self.c[0] * L
+        return float(cost / ar)
+
+
 @dataclass
 class CostModel:
     """Per-K linear target-time model plus a linear draft-time model.
@@ -386,6 +414,25 @@ class CostModel:
         else:
             ar = self.beta0[0] + self.alpha[0] * float(self.top_k) + self.c[0] * L
         return float(cost / ar)
+
+    def pricer(self) -> RoundPricer:
+        """:meth:`round_units` as a snapshot of the coefficients in Python floats (the per-step hot path).
+
+        The same IEEE operations in the same order (bit-identical to :meth:`round_units` and so to the
+        array charge), without a numpy scalar or reduction per call: the vLLM controller prices every
+        round of every step with it. A snapshot: a later change of the model's arrays does not reach it.
+        """
+        return RoundPricer(
+            tuple(self.beta0.tolist()),
+            tuple(self.alpha.tolist()),
+            tuple(self.c.tolist()),
+            float(self.d1),
+            float(self.d0),
+            float(self.d_floor),
+            tuple(self.overhead.tolist()) if self.overhead.any() else None,
+            self.ar_step,
+            float(self.top_k),
+        )
 
     @property
     def plain_is_k0(self) -> bool:

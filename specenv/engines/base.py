@@ -26,6 +26,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from specenv.engines.kernels import kernels
+
 __all__ = [
     "BackendConfig",
     "BACKENDS",
@@ -195,21 +197,27 @@ def span_expert_stats(routing: np.ndarray, spans: list[tuple[int, int]], n_exper
 class StepExperts:
     """U_r and E_max of the passes of one forward, and the forward's expert union, from preallocated buffers.
 
-    The per-step form of :func:`span_expert_stats` for a server (the same numbers, bit for bit): the
-    routing is read in place, the bincount keys are written into a buffer kept across steps, and a
-    forward holding one pass only (batch 1, no prefill beside it) skips the token-owner map.
+    The per-step form of :func:`span_expert_stats` for a server (the same numbers, bit for bit): one
+    compiled call (:func:`specenv.engines.kernels.expert_counts`) when numba is there, else numpy: the
+    routing read in place, the bincount keys written into a buffer kept across steps, and a forward
+    holding one pass only (batch 1, no prefill beside it) without the token-owner map.
 
     Args:
         n_layers: MoE layers of the routing.
         n_experts: Experts per layer.
         top_k: Experts per token.
         capacity: Most tokens of one forward (the buffers' size; a larger forward grows them).
+        compiled: Use the compiled form where numba is importable (False: numpy only, the reference).
     """
 
-    def __init__(self, n_layers: int, n_experts: int, top_k: int, capacity: int):
+    def __init__(self, n_layers: int, n_experts: int, top_k: int, capacity: int, compiled: bool = True):
         self.n_layers, self.n_experts, self.top_k = int(n_layers), int(n_experts), int(top_k)
         self._layer_key = (np.arange(self.n_layers, dtype=np.int64) * self.n_experts)[:, None, None]
         self._alloc(int(capacity))
+        ks = kernels() if compiled else None
+        #: the compiled form (:func:`specenv.engines.kernels.expert_counts`), None: the numpy form
+        self._kernel = ks.expert_counts if ks is not None else None
+        self._counts = np.empty(0, dtype=np.int64)
 
     def _alloc(self, capacity: int) -> None:
         self.capacity = capacity
@@ -231,6 +239,15 @@ class StepExperts:
         L, T, k = routing.shape
         E = self.n_experts
         n = len(lens)
+        kernel = self._kernel
+        if kernel is not None and routing.dtype == np.int32:  # one compiled call (the same numbers)
+            if self._counts.size < (n + 1) * L * E:
+                self._counts = np.empty(2 * (n + 1) * L * E, dtype=np.int64)
+            out = np.empty((2, n))
+            spans = np.array((offsets, lens), dtype=np.int64)
+            union = kernel(routing, spans[0], spans[1], E, self._counts, out)
+            if union >= 0:
+                return out[0], out[1], union
         if T > self.capacity:
             self._alloc(T)
         key = self._key[: L * T * k].reshape(L, T, k)

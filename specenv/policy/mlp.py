@@ -19,6 +19,7 @@ in the round-level environments.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -87,11 +88,16 @@ class MLPPolicy(Policy):
 
     def scores(self, obs: np.ndarray) -> np.ndarray:
         """(n, kmax+1) scores of a batch of observations ((n, 2) for a per-token stop rule)."""
-        x = np.atleast_2d(np.asarray(obs, dtype=np.float32))
+        if type(obs) is np.ndarray and obs.dtype == np.float32 and obs.ndim == 2:
+            x = obs  # (the served rows: no conversion call)
+        else:
+            x = np.atleast_2d(np.asarray(obs, dtype=np.float32))
         act = ACTIVATIONS[self.activation]
+        last = len(self.weights) - 1
         for i, (W, b) in enumerate(self.weights):
-            x = x @ W + b
-            if i < len(self.weights) - 1:
+            x = np.matmul(x, W)
+            x += b  # (in place: the same sums as x @ W + b)
+            if i < last:
                 x = act(x)
         return x
 
@@ -103,10 +109,10 @@ class MLPPolicy(Policy):
         (the vLLM controller's fail-safe, the environments' action check) refuse it.
         """
         scores = self.scores(obs)
-        ks = np.argmax(scores, axis=1)
+        ks = scores.argmax(axis=1)
         if ks.dtype != np.int64:
             ks = ks.astype(np.int64)
-        if not np.isfinite(scores.sum()):  # (a finite sum: every score finite) the rows with a non-finite score
+        if not math.isfinite(scores.sum()):  # (a finite sum: every score finite) the rows with a non-finite score
             ks[~np.isfinite(scores).all(axis=1)] = -1
         return ks
 

@@ -32,7 +32,7 @@ class ObsSlots:
     array grows by doubling when needed).
     """
 
-    def __init__(self, spec: ObservationSpec, n: int = 64):
+    def __init__(self, spec: ObservationSpec, n: int = 64, compiled: bool = True):
         self.spec = spec
         self.state = ObservationState(spec, n)
         self.free = list(range(n - 1, -1, -1))
@@ -47,6 +47,15 @@ class ObsSlots:
         #: again (``draft_horizon="outcome"`` asks about a round's known outcome before it is folded); any
         #: change of the state (update, alloc, release) drops it.
         self._folded: tuple[tuple[int, ...], np.ndarray, ObservationState] | None = None
+        from specenv.engines.kernels import kernels
+
+        #: the compiled what-if and commit (:mod:`specenv.engines.kernels`; None: numpy only)
+        self._kernels = kernels() if compiled else None
+        # what the compiled what-if builds: the observation without lookahead or per-token columns
+        self._compiled_rows = not spec.lookahead and not spec.per_token and spec.dim == 6 + 4 + spec.kmax
+        st = self.state
+        self._cols = np.array([st._c_context, st._c_progress, st._c_prev.start, st._c_stats.start], dtype=np.int64)
+        self._hi = np.ascontiguousarray(st._hi_row[0], dtype=np.float32)
 
     def alloc(self) -> int:
         """A fresh slot (statistics at their priors)."""
@@ -100,7 +109,25 @@ class ObsSlots:
         """
         folded, self._folded = self._folded, None
         key = _key(slots)
-        if folded is not None and folded[0] == key:  # the same rounds a what_if just folded: its rows, not again
+        kern = self._kernels
+        if (
+            folded is not None
+            and folded[0] == key
+            and kern is not None
+            and _typed(np.int64, slots, k, acc)
+            and _typed(np.float64, U, cost)
+        ):
+            # the same rounds a what_if just folded: its rows scattered, not folded again (one compiled call)
+            sub = self._scratch.get(len(key))
+            if sub is None:
+                sub = self._scratch[len(key)] = ObservationState(self.spec, len(key))
+            self._fresh = None
+            st = self.state
+            hyp = folded[2]
+            if kern.commit(folded[1], k, acc, U, cost, hyp._P, hyp._E, slots, st._P, st._E, sub._P, sub._E):
+                self._fresh = (key, sub)
+                return
+        elif folded is not None and folded[0] == key:  # the same, in numpy
             ins = np.array([k, acc, U, cost], dtype=np.float64)
             if np.array_equal(ins, folded[1]):  # (NaN never equal: folded again)
                 self._fresh = None
@@ -153,11 +180,34 @@ class ObsSlots:
             cost: (rows,) float64 the round's cost (AR steps) instead of the slot's last one: known once the
                 target has verified (``draft_horizon="outcome"``).
         """
+        a = k if accepted is None else accepted
+        U = np.asarray(U, dtype=np.float64)
+        kern = self._kernels
+        if (
+            kern is not None
+            and self._compiled_rows
+            and _typed(np.float64, k, a, U, L, t, U if cost is None else cost)
+            and (out is None or (out.dtype == np.float32 and out.ndim == 2))
+        ):  # one compiled call: the same floats (specenv.engines.kernels)
+            n = len(slots)
+            hyp = self._what_if_scratch.get(n)
+            if hyp is None:
+                hyp = self._what_if_scratch[n] = ObservationState(self.spec, n)
+            st = self.state
+            obs = np.empty((n, self.spec.dim), dtype=np.float32) if out is None else out
+            if kern.what_if(
+                st._P, st._E, np.asarray(slots, dtype=np.int64), k, a, U,
+                cost if cost is not None else U, cost is not None, L, t,
+                st._M, st._A, st._K, st._w, st._scale, st._ctx_scale, st._mnt, self._cols, st.clip, self._hi,
+                hyp._P, hyp._E, obs,
+            ):  # fmt: skip
+                if cost is None:
+                    cost = hyp.prev_cost.copy()
+                self._folded = (_key(slots), np.array([k, a, U, cost], dtype=np.float64), hyp)
+                return obs
         hyp = self._gather(self._what_if_scratch, slots)
         if cost is None:
             cost = np.where(hyp.prev_cost > 0, hyp.prev_cost, 1.0)
-        a = k if accepted is None else accepted
-        U = np.asarray(U, dtype=np.float64)
         hyp.update(k, a, U, cost, a + 1)
         self._folded = (_key(slots), np.array([k, a, U, cost], dtype=np.float64), hyp)
         return hyp.build(L, t, out=out)
@@ -192,6 +242,14 @@ class ObsSlots:
             np.take(np.asarray(L, dtype=np.float64), src) + K1_all,
             np.take(np.asarray(t, dtype=np.float64), src) + K1_all,
         )
+
+
+def _typed(dtype: Any, *xs: Any) -> bool:
+    """Whether every one of ``xs`` is a 1-D numpy array of ``dtype`` (what the compiled kernels take)."""
+    for x in xs:
+        if not (isinstance(x, np.ndarray) and x.dtype == dtype and x.ndim == 1):
+            return False
+    return True
 
 
 def _key(slots: Any) -> tuple[int, ...]:

@@ -137,6 +137,7 @@ from typing import Any
 import numpy as np
 
 from specenv.engines.base import StepExperts, u_prior
+from specenv.engines.kernels import kernels
 from specenv.engines.vllm.bookkeeping import (
     ObsSlots,
     Req,
@@ -309,7 +310,10 @@ class SpecControlScheduler(Recording, Scheduler):
         self._horizon_tables()
         self._ar_ema: float | None = None
         self._min_tt: float | None = None
+        kernels()  # the compiled bookkeeping (specenv.engines.kernels): compiled or loaded now, not in a step
         self.cost_model = None
+        #: ``(cost_model, its RoundPricer, kmax)``: the model's scalars for :meth:`_cost_units`
+        self._pricer: tuple[Any, Any, int] | None = None
         if self.settings.cost_model:
             from specenv.cost.model import CostModel
 
@@ -801,7 +805,7 @@ class SpecControlScheduler(Recording, Scheduler):
             rows.append(self._slots.what_if(slots, c[:, 0], c[:, 1], c[:, 2], c[:, 3], accepted=acc, cost=cost))
         if not rows:
             return None
-        obs = np.concatenate(rows)
+        obs = rows[0] if len(rows) == 1 else np.concatenate(rows)
         self.stats[counter] += 1
         ks = [int(k) for k in self._served.peek(obs, ids, self._batch_step(len(obs)))]
         if raw is not None:
@@ -855,9 +859,14 @@ class SpecControlScheduler(Recording, Scheduler):
             rows = self._blank_rows = np.zeros((max(n, 2 * rows.shape[0], 16), self.spec.dim), dtype=np.float32)
         return rows[:n]
 
-    def _batch_step(self, n: int) -> BatchStep:
-        """The batch features the server knows for a step deciding ``n`` requests (:mod:`.served`)."""
+    def _batch_step(self, n: int) -> BatchStep | None:
+        """The batch features the server knows for a step deciding ``n`` requests (:mod:`.served`).
+
+        None for a policy that never reads them (:attr:`ServedPolicy.reads_step`).
+        """
         assert self._served is not None
+        if not self._served.reads_step:
+            return None
         waiting, running = len(getattr(self, "waiting", ()) or ()), len(getattr(self, "running", ()) or ())
         u_b, cost = self._prev_batch
         return BatchStep(
@@ -1074,10 +1083,13 @@ class SpecControlScheduler(Recording, Scheduler):
         self._min_tt = t_ms if self._min_tt is None else min(self._min_tt, t_ms)
         cm = self.cost_model
         if cm is not None:
-            k = min(K, cm.kmax)
+            pr = self._pricer
+            if pr is None or pr[0] is not cm:  # (the model's scalars, taken once per model object)
+                pr = self._pricer = (cm, cm.pricer(), cm.kmax)
+            k = min(K, pr[2])
             # block drafting (a lookahead policy) drafts max(k, h): charged as the replay env charges it
             # (specenv.cost.model.drafted_tokens); in scalars, the same numbers as charged_ms / ar_ms
-            return cm.round_units(k, U, L, max(k, min(self.spec.lookahead, cm.kmax)))
+            return pr[1](k, U, L, max(k, min(self.spec.lookahead, pr[2])))
         ref = self._ar_ema if self._ar_ema is not None else self._min_tt
         return float((t_ms + d_ms) / ref) if ref and ref > 0 else 1.0
 

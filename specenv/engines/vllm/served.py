@@ -93,6 +93,11 @@ class ServedPolicy:
         self.rowwise = rowwise(policy)
         #: :func:`per_stream`: a peek copies the asked requests' memories only (:func:`stream_copy`).
         self.per_stream = per_stream(policy)
+        #: False: the policy never reads the :class:`BatchStep` (a :class:`specenv.policy.base.Policy` with the
+        #: base class's ``act``, which hands rows to ``_act_rows``/``_step`` only): the controller passes None.
+        self.reads_step = not (
+            isinstance(policy, Policy) and type(policy).act is Policy.act and "act" not in vars(policy)
+        )
         self.name = str(getattr(policy, "name", type(policy).__name__))
 
     def act(self, obs: np.ndarray, ids: Sequence[Hashable], step: BatchStep | None) -> np.ndarray:
@@ -101,6 +106,8 @@ class ServedPolicy:
         Raises:
             ValueError: When the policy returns another shape than one budget per row.
         """
+        if self.rowwise:
+            return self._rows(obs)
         return _checked(self.policy.act(obs, list(ids), step), len(obs))
 
     def peek(self, obs: np.ndarray, ids: Sequence[Hashable], step: BatchStep | None) -> np.ndarray:
@@ -108,6 +115,8 @@ class ServedPolicy:
 
         The copy: of the asked requests' memories for a :func:`per_stream` policy, else of the whole policy.
         """
+        if self.rowwise:
+            return self._rows(obs)
         ids = list(ids)
         if self.stateless:
             pol = self.policy
@@ -128,7 +137,17 @@ class ServedPolicy:
         """
         if not self.rowwise:
             raise ValueError(f"policy {self.name!r} is not rowwise: act and peek need calls of their own")
-        return _checked(self.policy.act(obs, list(ids), step), len(obs))
+        return self._rows(obs)
+
+    def _rows(self, obs: np.ndarray) -> np.ndarray:
+        """A rowwise policy's answers: what its ``act`` (the base class's) returns, without its conversions.
+
+        The base ``act`` of a stateless policy is ``np.asarray(_act_rows(rows), dtype=np.int64)`` of the
+        rows as float32; the controller's rows are (n, dim) float32 already.
+        """
+        if type(obs) is not np.ndarray or obs.dtype != np.float32 or obs.ndim != 2:
+            return _checked(self.policy.act(obs, None, None), len(obs))
+        return _checked(np.asarray(self.policy._act_rows(obs), dtype=np.int64), len(obs))
 
     def release(self, ids: Sequence[Hashable]) -> None:
         """Forget finished requests (policies without ``release`` keep nothing per request)."""
@@ -138,8 +157,10 @@ class ServedPolicy:
 
 
 def _checked(out: Any, n: int) -> np.ndarray:
-    arr = np.asarray(out)
-    if arr.shape not in ((n,), (n, 1)):
+    arr = out if type(out) is np.ndarray else np.asarray(out)
+    if arr.shape == (n,):
+        return arr
+    if arr.shape != (n, 1):
         raise ValueError(f"act returned shape {arr.shape} for {n} observations")
     return arr.reshape(-1)
 
