@@ -139,4 +139,63 @@ def test_what_if_rows_and_their_commit_equal_the_numpy_form_bit_for_bit() -> Non
         np.testing.assert_array_equal(
             fast.subset(pick, reuse=True).build(Ls, ts), ref.subset(pick, reuse=True).build(Ls, ts)
         )
+        # the one-call horizon's rows: the step's rows, then per request K = 0..c-1 all accepted
+        counts = rng.integers(1, SPEC.kmax + 2, size=n)
+        K = np.concatenate([np.arange(c, dtype=np.float64) for c in counts])
+        src = np.concatenate([np.arange(n), np.repeat(np.arange(n), counts)])
+        K1 = K + 1.0
+        lay = (src, K, K1, np.concatenate([np.zeros(n), K1]), rng.uniform(4, 40, size=len(K)))
+        np.testing.assert_array_equal(
+            fast.stacked(pick, L.tolist(), t.tolist(), *lay), ref.stacked(pick, L.tolist(), t.tolist(), *lay)
+        )
+        np.testing.assert_array_equal(fast.state._E, ref.state._E)  # (and changes nothing)
     assert commits > 50
+
+
+@pytest.mark.parametrize("folder", ["live-vllm-wide-v1/ppo", "live-vllm-v1/dqn"])
+def test_compiled_mlp_budgets_equal_the_numpy_form_except_float32_ties(folder: str) -> None:
+    """The served three-layer MLP (one compiled call) answers as ``MLPPolicy._act_rows`` off near-ties.
+
+    Its scores are summed in float64 and rounded (numpy sums float32 in BLAS's order): a budget may
+    differ only where numpy's two best scores are within 1e-4 of each other. Rows: uniform over the
+    observation Box, the Box's corners, and rows with a NaN or an infinite feature (budget -1 where a
+    score is not finite).
+    """
+    from pathlib import Path
+
+    from specenv.engines.vllm.served import ServedPolicy
+    from specenv.policy.mlp import MLPPolicy
+
+    pol = MLPPolicy.load(Path(__file__).resolve().parents[1] / "policies" / "shipped" / folder)
+    served = ServedPolicy(pol, pol.spec, 8)
+    assert served._mlp is not None and served._mlp[-1] == (pol.activation == "relu")
+    rng = np.random.default_rng(3)
+    hi = pol.spec.high()
+    rows = (rng.random((20000, pol.spec.dim)) * hi).astype(np.float32)
+    rows[:2000] = np.where(rng.random((2000, pol.spec.dim)) < 0.5, 0.0, hi)  # corners of the Box
+    rows[-3, 4] = np.nan
+    rows[-2, 0] = np.inf
+    rows[-1] = -np.inf
+    want = pol._act_rows(rows)
+    got = served.act(rows, [None] * len(rows), None)
+    assert got.dtype == np.int64 and got.shape == want.shape
+    np.testing.assert_array_equal(got[-3:], want[-3:])  # (an infinite input may saturate to finite scores)
+    assert got[-3] == -1  # a NaN feature: no valid budget
+    top2 = np.sort(pol.scores(rows[:-3]), axis=1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 1e-4
+    assert clear.mean() > 0.99
+    np.testing.assert_array_equal(got[:-3][clear], want[:-3][clear])
+    assert (got[:-3] != want[:-3]).sum() <= (~clear).sum()
+    assert len(set(want[:-3].tolist())) > 1  # the rows reach several budgets
+
+
+def test_a_policy_not_of_that_shape_keeps_its_own_rows() -> None:
+    from specenv.engines.vllm.served import ServedPolicy, compiled_mlp
+    from specenv.policy.mlp import MLPPolicy
+
+    spec = ObservationSpec(kmax=3, lookahead=0, max_new_tokens=64, n_experts=64)
+    rng = np.random.default_rng(0)
+    two = MLPPolicy(spec, [(rng.normal(size=(spec.dim, 8)), np.zeros(8)), (rng.normal(size=(8, 4)), np.zeros(4))])
+    assert compiled_mlp(two) is None
+    obs = rng.random((5, spec.dim)).astype(np.float32)
+    np.testing.assert_array_equal(ServedPolicy(two, spec, 4).act(obs, list(range(5)), None), two._act_rows(obs))

@@ -1,4 +1,4 @@
-"""Compiled (numba) kernels of a live engine's per-step bookkeeping: the numpy forms' floats, one call each.
+"""Compiled (numba) kernels of a live engine's per-step bookkeeping: one call each instead of a dozen numpy calls.
 
 A serving engine's controller runs its bookkeeping between two forwards of the target, and a forward
 that reads hundreds of MB of expert weights leaves every cache cold: each numpy call then costs 5-10
@@ -10,18 +10,22 @@ each:
 * :func:`expert_counts`: the unique experts ``U_r`` and the per-layer busiest expert ``E_max`` of every
   verification pass of one forward, and the forward's expert union
   (:meth:`specenv.engines.base.StepExperts.step`'s bincount, its ``count_nonzero`` and ``max``);
-* :func:`what_if`: the observation rows of slots folded with one hypothetical round each
-  (:meth:`ObsSlots.what_if`: the gather, :meth:`specenv.observation.single.ObservationState.update`
-  and ``build``);
-* :func:`commit`: the scatter of those folded rows into the live statistics when the round that
-  really ran is the one folded (:meth:`ObsSlots.update`'s reuse of a what-if fold).
+* :func:`rows`: observation rows of slots, folded with one round each or not, built or written back
+  (:class:`ObsSlots`' ``what_if``, ``stacked`` and ``update``: the gather,
+  :meth:`specenv.observation.single.ObservationState.update` and ``build``, the scatter);
+* :func:`commit`: the scatter of a what-if fold into the live statistics when the round that really
+  ran is the one folded (:meth:`ObsSlots.update`'s reuse of a what-if fold);
+* :func:`mlp3`: the budgets of a three-layer MLP policy (the exported policies' shape), served by
+  :class:`specenv.engines.vllm.served.ServedPolicy`.
 
-Every value is computed with the same IEEE operations in the same order as the numpy forms (no
-fast-math, no fused multiply-add; integer counts divided by the number of layers as numpy's mean
-does), so the two give the same bits: ``tests/vllm/test_controller_kernels.py`` and
-``tests/test_engine_kernels.py`` run both on the same inputs and compare them. The numpy forms stay
-the reference and the fallback (numba missing, ``SPECENV_NUMBA=0``, or an input a kernel does not
-take: a budget above the statistics' table, a lookahead or per-token observation).
+The first three compute every value with the same IEEE operations in the same order as the numpy
+forms (no fast-math, no fused multiply-add; integer counts divided by the number of layers as numpy's
+mean does), so the two give the same bits; :func:`mlp3` sums its dot products in float64 where numpy's
+float32 matmul sums in BLAS's order, so its scores agree to float32 rounding and a budget may differ
+only on a near-tie of two scores. ``tests/test_engine_kernels.py`` runs each kernel and its numpy form on
+the same inputs and compares them. The numpy forms stay the reference and the fallback (numba missing,
+``SPECENV_NUMBA=0``, or an input a kernel does not take: a budget above the statistics' table, a
+lookahead or per-token observation, another MLP shape).
 
 Compilation: explicit signatures (arrays of any layout) and ``cache=True`` (numba's on-disk cache):
 :func:`kernels` compiles or loads them on first use, and the controller asks for them when it is
@@ -36,15 +40,16 @@ import numpy as np
 
 from specenv import numba_support
 
-__all__ = ["Kernels", "commit", "expert_counts", "kernels", "what_if"]
+__all__ = ["Kernels", "commit", "expert_counts", "kernels", "mlp3", "rows"]
 
 
 class Kernels(NamedTuple):
     """The compiled kernels (:func:`kernels`)."""
 
     expert_counts: Any
-    what_if: Any
+    rows: Any
     commit: Any
+    mlp3: Any
 
 
 _KERNELS: Any = None
@@ -68,14 +73,21 @@ def kernels() -> Kernels | None:
                 return t.Array(dtype, ndim, "A", readonly=readonly)
 
             f1, f2, i1, i3 = arr(t.float64, 1), arr(t.float64, 2), arr(t.int64, 1), arr(t.int32, 3)
-            ro2 = arr(t.float64, 2, readonly=True)  # the statistics' EMA tables (cached, read-only)
             b, i, f = t.boolean, t.int64, t.float64
-            sig_wi = b(f2, f2, i1, f1, f1, f1, f1, b, f1, f1, ro2, ro2, i, f, f1, f, f, i1, b,
-                       arr(t.float32, 1), f2, f2, arr(t.float32, 2))  # fmt: skip
+            ro2 = arr(t.float64, 2, readonly=True)  # the statistics' EMA tables (cached, read-only)
+            f32_1, f32_2 = arr(t.float32, 1), arr(t.float32, 2)
+
+            def sig_rows(ka: Any) -> Any:  # budgets and accepted drafts as float64 or int64
+                return b(f2, f2, i1, i, ka, ka, f1, f1, b, f1, f1, ro2, ro2, i, f, f1, f, f, i1, b, f32_1, f2, f2,
+                         f32_2, b)  # fmt: skip
+
             _KERNELS = Kernels(
                 numba.njit(f(i3, i1, i1, i, i1, f2), cache=True, nogil=True)(expert_counts),
-                numba.njit(sig_wi, cache=True, nogil=True)(what_if),
+                numba.njit([sig_rows(f1), sig_rows(i1)], cache=True, nogil=True)(rows),
                 numba.njit(b(f2, i1, i1, f1, f1, f2, f2, i1, f2, f2, f2, f2), cache=True, nogil=True)(commit),
+                numba.njit(t.none(*(f32_2, f32_2, f32_1, f32_2, f32_1, f32_2, f32_1), b, i1), cache=True, nogil=True)(
+                    mlp3
+                ),
             )
     return _KERNELS or None
 
@@ -141,10 +153,11 @@ def expert_counts(
     return union / L
 
 
-def what_if(
+def rows(
     stP: np.ndarray,
     stE: np.ndarray,
     slots: np.ndarray,
+    first: int,
     k: np.ndarray,
     a: np.ndarray,
     U: np.ndarray,
@@ -165,25 +178,32 @@ def what_if(
     hypP: np.ndarray,
     hypE: np.ndarray,
     obs: np.ndarray,
+    scatter: bool,
 ) -> bool:
-    """Rows of slots folded with one hypothetical round each, built (``ObsSlots.what_if``'s floats).
+    """Rows of slots, each folded with one round (rows from ``first`` on), built, or written back.
 
-    Nothing of the live statistics (``stP``, ``stE``) is written: the folded rows go to ``hypP`` / ``hypE``
-    and the observations to ``obs``. Returns False, with nothing meaningful written, when a round is
-    outside the statistics' table (``k * K + a`` beyond it, a negative budget): the numpy form extends
-    the table then.
+    Row r takes slot ``slots[r]``'s statistics; rows ``r >= first`` fold round ``r - first`` of ``k``, ``a``,
+    ``U``, ``cost`` into them (:meth:`ObservationState.update`'s floats) -- into ``hypP`` / ``hypE``, the live
+    blocks unchanged. With ``obs`` of one row per slot, every row is built at ``L[r]``, ``t[r]``
+    (``build``'s floats); with ``scatter`` the rows are then written back to their slots (the fold of
+    ``ObsSlots.update``: every row folded from the statistics as they were, a repeated slot keeping its
+    last row). One kernel for :meth:`ObsSlots.what_if` (``first`` 0, built), ``ObsSlots.stacked``
+    (``first`` = the step's rows, built) and ``ObsSlots.update`` (``first`` 0, not built, scattered).
+    Returns False, with nothing written to the live blocks, when a round is outside the statistics'
+    table (``k * K + a`` beyond it, a negative budget): the numpy form extends the table then.
 
     Args:
         stP: The live statistics' previous-round block (n_slots, 4).
         stE: Their statistics block (n_slots, 4 + kmax).
         slots: (rows,) int64 slot of each row (a slot may repeat).
-        k: (rows,) float64 budgets (integers).
-        a: (rows,) float64 accepted drafts (integers).
-        U: (rows,) float64 unique experts of the round.
-        cost: (rows,) float64 the round's cost (read when ``has_cost``).
-        has_cost: False: each row takes its slot's last cost (1 before one) instead of ``cost``.
-        L: (rows,) float64 context to build at.
-        t: (rows,) float64 generated tokens to build at.
+        first: Rows before it are not folded.
+        k: (rows - first,) budgets (integers; float64 or int64).
+        a: (rows - first,) accepted drafts, likewise.
+        U: (rows - first,) float64 unique experts of the round.
+        cost: (rows - first,) float64 the round's cost (read when ``has_cost``).
+        has_cost: False: each folded row takes its slot's last cost (1 before one) instead of ``cost``.
+        L: (rows,) float64 context to build at (read when building).
+        t: (rows,) float64 generated tokens to build at (likewise).
         M: The statistics' EMA multipliers per (k, a) row ``k * K + a``.
         A: The addends, likewise.
         K: Rows per budget in ``M`` and ``A``.
@@ -194,53 +214,66 @@ def what_if(
         cols: int64 [context, progress, first prev column, first statistics column].
         clip: Clip to [0, hi] (in float32, as ``build``).
         hi: (dim,) float32 upper bounds.
-        hypP: (rows, 4) float64 out: the folded previous-round block.
-        hypE: (rows, 4 + kmax) float64 out: the folded statistics.
-        obs: (rows, dim) float32 out.
+        hypP: (rows, 4) float64 out: the rows' previous-round block.
+        hypE: (rows, 4 + kmax) float64 out: their statistics.
+        obs: (rows, dim) float32 out, or (0, dim): not built.
+        scatter: Write the rows back to their slots of the live blocks.
     """
     n = slots.shape[0]
     nE = stE.shape[1]
-    for r in range(n):
-        kr = k[r]
-        ar = a[r]
-        if kr < 0 or ar < 0 or int(kr) * K + int(ar) >= M.shape[0]:
+    for r in range(n - first):
+        if k[r] < 0 or a[r] < 0 or int(k[r]) * K + int(a[r]) >= M.shape[0]:
             return False
-    c_ctx, c_prog, c_prev, c_stats = cols[0], cols[1], cols[2], cols[3]
     for r in range(n):
         s = slots[r]
-        idx = int(k[r]) * K + int(a[r])
-        c = cost[r]
-        if not has_cost:
-            c = stP[s, 3] if stP[s, 3] > 0 else 1.0
+        for j in range(4):
+            hypP[r, j] = stP[s, j]
+        if r < first:
+            for j in range(nE):
+                hypE[r, j] = stE[s, j]
+            continue
+        q = r - first
+        idx = int(k[q]) * K + int(a[q])
+        c = cost[q] if has_cost else (stP[s, 3] if stP[s, 3] > 0 else 1.0)
         # ObservationState.update: E = E * M[k, a] + A[k, a], then the cost-per-token term
         for j in range(nE):
             hypE[r, j] = stE[s, j] * M[idx, j]
         for j in range(nE):
             hypE[r, j] += A[idx, j]
-        committed = a[r] + 1.0
+        committed = a[q] + 1.0
         cpt = committed if committed > 1.0 else 1.0
         cpt = c / cpt
         cpt *= w
         hypE[r, 2] += cpt
-        hypP[r, 0] = k[r]
-        hypP[r, 1] = a[r]
-        hypP[r, 2] = U[r]
+        hypP[r, 0] = k[q]
+        hypP[r, 1] = a[q]
+        hypP[r, 2] = U[q]
         hypP[r, 3] = c
-        # ObservationState.build: each feature in float64, rounded once to float32
-        obs[r, c_ctx] = np.float32(L[r] / ctx_scale)
-        obs[r, c_prog] = np.float32(t[r] / mnt)
-        for j in range(4):
-            obs[r, c_prev + j] = np.float32(hypP[r, j] / scale[j])
-        for j in range(nE):
-            obs[r, c_stats + j] = np.float32(hypE[r, j])
-        if clip:
-            for j in range(obs.shape[1]):
-                x = obs[r, j]
-                if x > hi[j]:  # np.minimum(obs, hi) then np.maximum(obs, 0.0): NaN stays NaN
-                    x = hi[j]
-                if x < 0.0:
-                    x = np.float32(0.0)
-                obs[r, j] = x
+    if obs.shape[0]:
+        c_ctx, c_prog, c_prev, c_stats = cols[0], cols[1], cols[2], cols[3]
+        for r in range(n):
+            # ObservationState.build: each feature in float64, rounded once to float32
+            obs[r, c_ctx] = np.float32(L[r] / ctx_scale)
+            obs[r, c_prog] = np.float32(t[r] / mnt)
+            for j in range(4):
+                obs[r, c_prev + j] = np.float32(hypP[r, j] / scale[j])
+            for j in range(nE):
+                obs[r, c_stats + j] = np.float32(hypE[r, j])
+            if clip:
+                for j in range(obs.shape[1]):
+                    x = obs[r, j]
+                    if x > hi[j]:  # np.minimum(obs, hi) then np.maximum(obs, 0.0): NaN stays NaN
+                        x = hi[j]
+                    if x < 0.0:
+                        x = np.float32(0.0)
+                    obs[r, j] = x
+    if scatter:
+        for r in range(n):
+            s = slots[r]
+            for j in range(4):
+                stP[s, j] = hypP[r, j]
+            for j in range(nE):
+                stE[s, j] = hypE[r, j]
     return True
 
 
@@ -283,3 +316,72 @@ def commit(
             stE[s, j] = hypE[r, j]
             subE[r, j] = hypE[r, j]
     return True
+
+
+def mlp3(
+    x: np.ndarray,
+    W0: np.ndarray,
+    b0: np.ndarray,
+    W1: np.ndarray,
+    b1: np.ndarray,
+    W2: np.ndarray,
+    b2: np.ndarray,
+    relu: bool,
+    out: np.ndarray,
+) -> None:
+    """The budgets of a three-layer MLP policy for each row of ``x`` (``MLPPolicy._act_rows``, one call).
+
+    **Not bit for bit** with the numpy form: each dot product is summed in float64, in the order of the
+    inputs, and rounded once to float32 (numpy's float32 matmul sums in BLAS's order in float32), and
+    ``tanh`` is taken in float64 and rounded; the scores differ from numpy's by float32 rounding (about
+    1e-6 relative), so an argmax may differ only where two scores tie to that precision
+    (``tests/test_engine_kernels.py`` bounds both). A row with a non-finite score gets -1 (an invalid
+    budget), as in the numpy form; ties go to the first maximum, as ``argmax``.
+
+    Args:
+        x: (n, dim) float32 observations.
+        W0: First layer's float32 weights (in, out).
+        b0: Its bias.
+        W1: Second layer's weights.
+        b1: Its bias.
+        W2: Output layer's weights.
+        b2: Its bias.
+        relu: ReLU hidden activations (else tanh).
+        out: (n,) int64 out: the budgets.
+    """
+    n = x.shape[0]
+    h0 = np.empty(W0.shape[1], dtype=np.float32)
+    h1 = np.empty(W1.shape[1], dtype=np.float32)
+    sc = np.empty(W2.shape[1], dtype=np.float32)
+    for r in range(n):
+        for j in range(W0.shape[1]):
+            acc = 0.0
+            for i in range(W0.shape[0]):
+                acc += np.float64(x[r, i]) * np.float64(W0[i, j])
+            v = np.float32(np.float32(acc) + b0[j])
+            if relu:
+                h0[j] = v if (v > 0 or v != v) else np.float32(0.0)  # np.maximum(x, 0): NaN stays NaN
+            else:
+                h0[j] = np.float32(np.tanh(np.float64(v)))
+        for j in range(W1.shape[1]):
+            acc = 0.0
+            for i in range(W1.shape[0]):
+                acc += np.float64(h0[i]) * np.float64(W1[i, j])
+            v = np.float32(np.float32(acc) + b1[j])
+            if relu:
+                h1[j] = v if (v > 0 or v != v) else np.float32(0.0)  # np.maximum(x, 0): NaN stays NaN
+            else:
+                h1[j] = np.float32(np.tanh(np.float64(v)))
+        best = 0
+        finite = True
+        for j in range(W2.shape[1]):
+            acc = 0.0
+            for i in range(W2.shape[0]):
+                acc += np.float64(h1[i]) * np.float64(W2[i, j])
+            v = np.float32(np.float32(acc) + b2[j])
+            sc[j] = v
+            if not np.isfinite(v):
+                finite = False
+            elif v > sc[best]:
+                best = j
+        out[r] = best if finite else -1

@@ -56,6 +56,7 @@ class ObsSlots:
         st = self.state
         self._cols = np.array([st._c_context, st._c_progress, st._c_prev.start, st._c_stats.start], dtype=np.int64)
         self._hi = np.ascontiguousarray(st._hi_row[0], dtype=np.float32)
+        self._no_rows = np.empty((0, spec.dim), dtype=np.float32)  # the compiled fold builds nothing
 
     def alloc(self) -> int:
         """A fresh slot (statistics at their priors)."""
@@ -141,6 +142,13 @@ class ObsSlots:
                 st._E[slots] = sub._E
                 self._fresh = (key, sub)
                 return
+        sub = self._scratch.get(len(key))
+        if sub is None:
+            sub = self._scratch[len(key)] = ObservationState(self.spec, len(key))
+        self._fresh = None
+        if self._compiled(sub, slots, 0, k, acc, U, cost, None, None, None, scatter=True) is not None:
+            self._fresh = (key, sub)
+            return
         sub = self.subset(slots)
         acc_a = np.asarray(acc, dtype=np.float64)
         sub.update(np.asarray(k), np.asarray(acc), np.asarray(U, dtype=np.float64), np.asarray(cost), acc_a + 1)
@@ -182,25 +190,12 @@ class ObsSlots:
         """
         a = k if accepted is None else accepted
         U = np.asarray(U, dtype=np.float64)
-        kern = self._kernels
-        if (
-            kern is not None
-            and self._compiled_rows
-            and _typed(np.float64, k, a, U, L, t, U if cost is None else cost)
-            and (out is None or (out.dtype == np.float32 and out.ndim == 2))
-        ):  # one compiled call: the same floats (specenv.engines.kernels)
-            n = len(slots)
-            hyp = self._what_if_scratch.get(n)
+        if out is None or (out.dtype == np.float32 and out.ndim == 2):  # one compiled call, if it applies
+            hyp = self._what_if_scratch.get(len(slots))
             if hyp is None:
-                hyp = self._what_if_scratch[n] = ObservationState(self.spec, n)
-            st = self.state
-            obs = np.empty((n, self.spec.dim), dtype=np.float32) if out is None else out
-            if kern.what_if(
-                st._P, st._E, np.asarray(slots, dtype=np.int64), k, a, U,
-                cost if cost is not None else U, cost is not None, L, t,
-                st._M, st._A, st._K, st._w, st._scale, st._ctx_scale, st._mnt, self._cols, st.clip, self._hi,
-                hyp._P, hyp._E, obs,
-            ):  # fmt: skip
+                hyp = self._what_if_scratch[len(slots)] = ObservationState(self.spec, len(slots))
+            obs = self._compiled(hyp, slots, 0, k, a, U, cost, L, t, out, scatter=False)
+            if obs is not None:
                 if cost is None:
                     cost = hyp.prev_cost.copy()
                 self._folded = (_key(slots), np.array([k, a, U, cost], dtype=np.float64), hyp)
@@ -211,6 +206,48 @@ class ObsSlots:
         hyp.update(k, a, U, cost, a + 1)
         self._folded = (_key(slots), np.array([k, a, U, cost], dtype=np.float64), hyp)
         return hyp.build(L, t, out=out)
+
+    def _compiled(
+        self,
+        into: ObservationState,
+        slots: Any,
+        first: int,
+        k: Any,
+        a: Any,
+        U: Any,
+        cost: Any,
+        L: Any,
+        t: Any,
+        out: Any,
+        scatter: bool,
+    ) -> np.ndarray | None:
+        """:func:`specenv.engines.kernels.rows` into ``into``'s blocks (one compiled call), or None: numpy then.
+
+        Returns the built rows (an empty array when ``L`` is None: the fold alone), or None where the
+        kernel does not apply: no numba, an observation with lookahead or per-token columns, other dtypes
+        than it takes, a round outside the statistics' table.
+        """
+        kern = self._kernels
+        if kern is None or not self._compiled_rows:
+            return None
+        ints = _typed(np.int64, k, a)
+        if not (ints or _typed(np.float64, k, a)) or not _typed(np.float64, U, U if cost is None else cost):
+            return None
+        if L is not None and not _typed(np.float64, L, t):
+            return None
+        n = len(slots)
+        st = self.state
+        if L is None:
+            obs = self._no_rows
+        else:
+            obs = np.empty((n, self.spec.dim), dtype=np.float32) if out is None else out
+        ok = kern.rows(
+            st._P, st._E, slots if _typed(np.int64, slots) else np.asarray(slots, dtype=np.int64), first, k, a, U,
+            U if cost is None else cost, cost is not None, U if L is None else L, U if t is None else t,
+            st._M, st._A, st._K, st._w, st._scale, st._ctx_scale, st._mnt, self._cols, st.clip, self._hi,
+            into._P, into._E, obs, scatter,
+        )  # fmt: skip
+        return obs if ok else None
 
     def stacked(
         self, slots: Any, L: Any, t: Any, src: np.ndarray, K: np.ndarray, K1: np.ndarray, K1_all: np.ndarray, U: Any
@@ -232,6 +269,12 @@ class ObsSlots:
             pair = self._stacked_scratch[(n, m)] = (both, tail)
         both, tail = pair
         rows = np.take(np.asarray(slots, dtype=np.intp), src)
+        if self._kernels is not None:  # one compiled call, if it applies
+            L_all = np.take(np.asarray(L, dtype=np.float64), src) + K1_all
+            t_all = np.take(np.asarray(t, dtype=np.float64), src) + K1_all
+            obs = self._compiled(both, rows, n, K, K, np.asarray(U, dtype=np.float64), None, L_all, t_all, None, False)
+            if obs is not None:
+                return obs
         st = self.state
         np.take(st._P, rows, axis=0, out=both._P)
         np.take(st._E, rows, axis=0, out=both._E)

@@ -32,10 +32,12 @@ from typing import Any
 
 import numpy as np
 
+from specenv.engines.kernels import kernels
 from specenv.observation.single import ObservationSpec
 from specenv.policy.base import BatchStep, Policy
+from specenv.policy.mlp import MLPPolicy
 
-__all__ = ["ServedPolicy", "clone", "per_stream", "rowwise", "stream_copy"]
+__all__ = ["ServedPolicy", "clone", "compiled_mlp", "per_stream", "rowwise", "stream_copy"]
 
 
 def rowwise(policy: Any) -> bool:
@@ -52,6 +54,31 @@ def rowwise(policy: Any) -> bool:
         and type(policy).act is Policy.act
         and "act" not in vars(policy)  # nor an act set on the object itself
     )
+
+
+def compiled_mlp(policy: Any) -> tuple[Any, ...] | None:
+    """``(kernel, W0, b0, W1, b1, W2, b2, relu)`` to answer a three-layer MLP policy's rows in one compiled call.
+
+    For an :class:`specenv.policy.mlp.MLPPolicy` (its own ``scores`` and ``_act_rows``) of three layers with
+    tanh or ReLU hidden activations, when numba is there (:func:`specenv.engines.kernels.kernels`); None
+    otherwise, or with ``SPECENV_NUMBA=0``. The weights are taken as they are now (a later change of the
+    policy's weights does not reach the served path; the controller takes them when a policy is installed).
+    The budgets equal ``_act_rows``' except where two scores tie to float32 rounding (see
+    :func:`specenv.engines.kernels.mlp3`).
+    """
+    if not (
+        isinstance(policy, MLPPolicy)
+        and type(policy).scores is MLPPolicy.scores
+        and type(policy)._act_rows is MLPPolicy._act_rows
+        and len(policy.weights) == 3
+        and policy.activation in ("tanh", "relu")
+    ):
+        return None
+    ks = kernels()
+    if ks is None:
+        return None
+    flat = [np.ascontiguousarray(a, dtype=np.float32) for layer in policy.weights for a in layer]
+    return (ks.mlp3, *flat, policy.activation == "relu")
 
 
 def per_stream(policy: Any) -> bool:
@@ -99,6 +126,9 @@ class ServedPolicy:
             isinstance(policy, Policy) and type(policy).act is Policy.act and "act" not in vars(policy)
         )
         self.name = str(getattr(policy, "name", type(policy).__name__))
+        #: a three-layer MLP policy's compiled rows (:func:`specenv.engines.kernels.mlp3`): ``(kernel, W0, b0,
+        #: W1, b1, W2, b2, relu)`` of its weights when installed, else None (the policy's own ``_act_rows``)
+        self._mlp = compiled_mlp(policy) if self.rowwise else None
 
     def act(self, obs: np.ndarray, ids: Sequence[Hashable], step: BatchStep | None) -> np.ndarray:
         """The policy's budgets for the rows (n,), one per id (the one call path).
@@ -147,6 +177,11 @@ class ServedPolicy:
         """
         if type(obs) is not np.ndarray or obs.dtype != np.float32 or obs.ndim != 2:
             return _checked(self.policy.act(obs, None, None), len(obs))
+        mlp = self._mlp
+        if mlp is not None:  # one compiled call (the scores to float32 rounding: see kernels.mlp3)
+            out = np.empty(len(obs), dtype=np.int64)
+            mlp[0](obs, *mlp[1:], out)
+            return out
         return _checked(np.asarray(self.policy._act_rows(obs), dtype=np.int64), len(obs))
 
     def release(self, ids: Sequence[Hashable]) -> None:
