@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 ENV = "SPECENV_NUMBA"
@@ -39,6 +40,24 @@ def numba_module() -> Any:
         return None
     guard_llvmlite()
     return numba
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def compile_once(name: str, make: Callable[[Any], Any]) -> Any:
+    """``make(numba)``, built once per process and kept under ``name``; None without numba or with ``SPECENV_NUMBA=0``.
+
+    The one lazy entry of specenv's compiled kernels (:mod:`specenv.envs.vector_kernel`,
+    :mod:`specenv.engines.kernels`): numba is imported on the first call only, and ``SPECENV_NUMBA=0``
+    is read at every call (the numpy forms run then, whatever was built before).
+    """
+    if not enabled():
+        return None
+    if name not in _COMPILED:
+        numba = numba_module()
+        _COMPILED[name] = False if numba is None else make(numba)
+    return _COMPILED[name] or None
 
 
 def guard_llvmlite() -> bool:

@@ -52,44 +52,36 @@ class Kernels(NamedTuple):
     mlp3: Any
 
 
-_KERNELS: Any = None
-
-
 def kernels() -> Kernels | None:
     """The compiled kernels, or None without numba (or with ``SPECENV_NUMBA=0``): the numpy forms run then."""
-    global _KERNELS
-    if not numba_support.enabled():
-        return None
-    if _KERNELS is None:
-        numba = numba_support.numba_module()
-        if numba is None:
-            _KERNELS = False
-        else:
-            # explicit signatures (any memory layout): compiled (or loaded from the cache) here, once, and
-            # an argument of another type is refused by numba, never compiled mid-step; callers check types
-            t = numba.types
+    return numba_support.compile_once(__name__, _compile)
 
-            def arr(dtype: Any, ndim: int, readonly: bool = False) -> Any:
-                return t.Array(dtype, ndim, "A", readonly=readonly)
 
-            f1, f2, i1, i3 = arr(t.float64, 1), arr(t.float64, 2), arr(t.int64, 1), arr(t.int32, 3)
-            b, i, f = t.boolean, t.int64, t.float64
-            ro2 = arr(t.float64, 2, readonly=True)  # the statistics' EMA tables (cached, read-only)
-            f32_1, f32_2 = arr(t.float32, 1), arr(t.float32, 2)
+def _compile(numba: Any) -> Kernels:
+    # explicit signatures (any memory layout): compiled (or loaded from the cache) here, once, and an
+    # argument of another type is refused by numba, never compiled mid-step; callers check types
+    t = numba.types
 
-            def sig_rows(ka: Any) -> Any:  # budgets and accepted drafts as float64 or int64
-                return b(f2, f2, i1, i, ka, ka, f1, f1, b, f1, f1, ro2, ro2, i, f, f1, f, f, i1, b, f32_1, f2, f2,
-                         f32_2, b)  # fmt: skip
+    def arr(dtype: Any, ndim: int, readonly: bool = False) -> Any:
+        return t.Array(dtype, ndim, "A", readonly=readonly)
 
-            _KERNELS = Kernels(
-                numba.njit(f(i3, i1, i1, i, i1, f2), cache=True, nogil=True)(expert_counts),
-                numba.njit([sig_rows(f1), sig_rows(i1)], cache=True, nogil=True)(rows),
-                numba.njit(b(f2, i1, i1, f1, f1, f2, f2, i1, f2, f2, f2, f2), cache=True, nogil=True)(commit),
-                numba.njit(t.none(*(f32_2, f32_2, f32_1, f32_2, f32_1, f32_2, f32_1), b, i1), cache=True, nogil=True)(
-                    mlp3
-                ),
-            )
-    return _KERNELS or None
+    f1, f2, i1, i3 = arr(t.float64, 1), arr(t.float64, 2), arr(t.int64, 1), arr(t.int32, 3)
+    b, i, f = t.boolean, t.int64, t.float64
+    ro2 = arr(t.float64, 2, readonly=True)  # the statistics' EMA tables (cached, read-only)
+    f32_1, f32_2 = arr(t.float32, 1), arr(t.float32, 2)
+
+    def sig_rows(ka: Any) -> Any:  # budgets and accepted drafts as float64 or int64
+        return b(f2, f2, i1, i, ka, ka, f1, f1, b, f1, f1, ro2, ro2, i, f, f1, f, f, i1, b, f32_1, f2, f2, f32_2, b)
+
+    def jit(sig: Any, fn: Any) -> Any:
+        return numba.njit(sig, cache=True, nogil=True)(fn)
+
+    return Kernels(
+        jit(f(i3, i1, i1, i, i1, f2), expert_counts),
+        jit([sig_rows(f1), sig_rows(i1)], rows),
+        jit(b(f2, i1, i1, f1, f1, f2, f2, i1, f2, f2, f2, f2), commit),
+        jit(t.none(f32_2, f32_2, f32_1, f32_2, f32_1, f32_2, f32_1, b, i1), mlp3),
+    )
 
 
 def expert_counts(

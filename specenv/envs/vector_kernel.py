@@ -37,22 +37,15 @@ from specenv import numba_support
 
 __all__ = ["build", "charge_table", "kernels", "round_and_update"]
 
-_KERNELS: Any = None
-
 
 def kernels() -> tuple[Any, Any] | None:
     """The compiled ``(round_and_update, build)``, or None without numba (or with ``SPECENV_NUMBA=0``)."""
-    global _KERNELS
-    if not numba_support.enabled():
-        return None
-    if _KERNELS is None:
-        numba = numba_support.numba_module()
-        if numba is None:
-            _KERNELS = False
-        else:
-            jit = numba.njit(cache=True, nogil=True)
-            _KERNELS = (jit(round_and_update), jit(build))
-    return _KERNELS or None
+    return numba_support.compile_once(__name__, _compile)
+
+
+def _compile(numba: Any) -> tuple[Any, Any]:
+    jit = numba.njit(cache=True, nogil=True)
+    return jit(round_and_update), jit(build)
 
 
 @functools.lru_cache(maxsize=4)
