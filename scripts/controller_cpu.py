@@ -99,6 +99,17 @@ def main() -> None:
         ap.exit(2, f"--horizon/--batch: unknown or empty value (horizons: {', '.join(HORIZONS)})\n")
     if args.cost_model and not os.path.isfile(args.cost_model):
         ap.exit(2, f"--cost-model: no file {args.cost_model}\n")
+    from specenv.engines.vllm.models import vllm_model_dirs
+    from specenv.policy.mlp import MLPPolicy
+
+    try:  # one line and exit 2 before any engine starts
+        vllm_model_dirs(args.models)
+    except ValueError as exc:
+        ap.exit(2, f"--models: {exc}\n")
+    try:
+        MLPPolicy.load(args.policy)
+    except (OSError, ValueError) as exc:
+        ap.exit(2, f"--policy: {exc}\n")
     res: dict[tuple[str, int, str], list[dict]] = {}
     for rep in range(args.repeats):
         for h in horizons:
