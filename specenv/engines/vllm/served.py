@@ -37,7 +37,7 @@ from specenv.observation.single import ObservationSpec
 from specenv.policy.base import BatchStep, Policy
 from specenv.policy.mlp import MLPPolicy
 
-__all__ = ["ServedPolicy", "clone", "compiled_mlp", "per_stream", "rowwise", "stream_copy"]
+__all__ = ["ServedPolicy", "base_act", "clone", "compiled_mlp", "per_stream", "rowwise", "stream_copy"]
 
 
 def rowwise(policy: Any) -> bool:
@@ -48,12 +48,16 @@ def rowwise(policy: Any) -> bool:
     MLPs, fixed k, the stopping rules. Not for a batch controller (its rows decide jointly), a stateful
     policy (``act`` advances its memory), or any object with an ``act`` of its own (it may read the step).
     """
-    return (
-        isinstance(policy, Policy)
-        and bool(policy.stateless)
-        and type(policy).act is Policy.act
-        and "act" not in vars(policy)  # nor an act set on the object itself
-    )
+    return base_act(policy) and bool(policy.stateless)
+
+
+def base_act(policy: Any) -> bool:
+    """Whether a policy is a :class:`specenv.policy.base.Policy` answering through the base class's ``act``.
+
+    That ``act`` hands the rows to ``_act_rows`` (stateless) or to each stream's ``_step``: it never reads
+    the :class:`BatchStep`. Not for a class overriding ``act``, nor an ``act`` set on the object itself.
+    """
+    return isinstance(policy, Policy) and type(policy).act is Policy.act and "act" not in vars(policy)
 
 
 def compiled_mlp(policy: Any) -> tuple[Any, ...] | None:
@@ -88,13 +92,7 @@ def per_stream(policy: Any) -> bool:
     bookkeeping: each request id's memory is a shallow copy of the policy with fresh memory (what
     ``_reset_state`` binds), everything else shared with the policy object (:func:`stream_copy`).
     """
-    return (
-        isinstance(policy, Policy)
-        and not policy.stateless
-        and type(policy).act is Policy.act
-        and type(policy)._stream is Policy._stream
-        and "act" not in vars(policy)
-    )
+    return base_act(policy) and not policy.stateless and type(policy)._stream is Policy._stream
 
 
 class ServedPolicy:
@@ -122,9 +120,7 @@ class ServedPolicy:
         self.per_stream = per_stream(policy)
         #: False: the policy never reads the :class:`BatchStep` (a :class:`specenv.policy.base.Policy` with the
         #: base class's ``act``, which hands rows to ``_act_rows``/``_step`` only): the controller passes None.
-        self.reads_step = not (
-            isinstance(policy, Policy) and type(policy).act is Policy.act and "act" not in vars(policy)
-        )
+        self.reads_step = not base_act(policy)
         self.name = str(getattr(policy, "name", type(policy).__name__))
         #: a three-layer MLP policy's compiled rows (:func:`specenv.engines.kernels.mlp3`): ``(kernel, W0, b0,
         #: W1, b1, W2, b2, relu)`` of its weights when installed, else None (the policy's own ``_act_rows``)
